@@ -1,0 +1,62 @@
+# looprl: every command a newcomer needs. `make run` and `make test` set up first if needed.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+RECIPE ?= configs/digits_grpo.toml
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-fast lint fmt protos check breaking up down status bench clean
+
+setup: $(STAMP)
+
+# Re-run only when the dependency pins change; the project itself is installed editable.
+$(STAMP): pyproject.toml requirements.lock
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c requirements.lock -e '.[dev]'
+	@touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/looprl run $(RECIPE) --local
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	cd protos && ../$(VENV)/bin/buf lint
+
+fmt: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+protos: setup
+	$(PY) tools/gen_protos.py
+
+# Fails when generated code is stale or anything is not lint-clean.
+check: setup lint
+	$(PY) tools/gen_protos.py --check
+
+# Breaking-change check of the contracts against main.
+breaking: setup
+	cd protos && ../$(VENV)/bin/buf breaking --against '../.git#branch=main,subdir=protos'
+
+up: setup
+	$(VENV)/bin/looprl up
+
+down:
+	@test -x $(VENV)/bin/looprl && $(VENV)/bin/looprl down || true
+
+status: setup
+	$(VENV)/bin/looprl status
+
+bench: setup
+	$(PY) -m bench.all $(BENCH_ARGS)
+
+clean: down
+	rm -rf .looprl reports

@@ -1,0 +1,152 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN_STATE_UNSPECIFIED: _ClassVar[RunState]
+    RUN_STATE_PENDING: _ClassVar[RunState]
+    RUN_STATE_RUNNING: _ClassVar[RunState]
+    RUN_STATE_STOPPING: _ClassVar[RunState]
+    RUN_STATE_COMPLETED: _ClassVar[RunState]
+    RUN_STATE_FAILED: _ClassVar[RunState]
+    RUN_STATE_STOPPED: _ClassVar[RunState]
+RUN_STATE_UNSPECIFIED: RunState
+RUN_STATE_PENDING: RunState
+RUN_STATE_RUNNING: RunState
+RUN_STATE_STOPPING: RunState
+RUN_STATE_COMPLETED: RunState
+RUN_STATE_FAILED: RunState
+RUN_STATE_STOPPED: RunState
+
+class DeploymentVersion(_message.Message):
+    __slots__ = ("deployment", "version")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    version: int
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class StepSummary(_message.Message):
+    __slots__ = ("step", "reward_mean", "reward_std", "loss", "mean_staleness", "train_tokens_per_second", "generation_tokens_per_second", "num_rollouts", "seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    REWARD_STD_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    reward_mean: float
+    reward_std: float
+    loss: float
+    mean_staleness: float
+    train_tokens_per_second: float
+    generation_tokens_per_second: float
+    num_rollouts: int
+    seconds: float
+    def __init__(self, step: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., loss: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., train_tokens_per_second: _Optional[float] = ..., generation_tokens_per_second: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class Run(_message.Message):
+    __slots__ = ("run_id", "state", "recipe_toml", "step", "total_steps", "weight_version", "deployments", "history", "episodes_published", "rollouts_trained", "rollouts_dropped", "error", "queued_episodes")
+    class RolloutsDroppedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_TOML_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    state: RunState
+    recipe_toml: str
+    step: int
+    total_steps: int
+    weight_version: int
+    deployments: _containers.RepeatedCompositeFieldContainer[DeploymentVersion]
+    history: _containers.RepeatedCompositeFieldContainer[StepSummary]
+    episodes_published: int
+    rollouts_trained: int
+    rollouts_dropped: _containers.ScalarMap[str, int]
+    error: str
+    queued_episodes: int
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., recipe_toml: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., deployments: _Optional[_Iterable[_Union[DeploymentVersion, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., episodes_published: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., rollouts_dropped: _Optional[_Mapping[str, int]] = ..., error: _Optional[str] = ..., queued_episodes: _Optional[int] = ...) -> None: ...
+
+class CreateRunRequest(_message.Message):
+    __slots__ = ("recipe_toml", "run_id")
+    RECIPE_TOML_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    recipe_toml: str
+    run_id: str
+    def __init__(self, recipe_toml: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class CreateRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
+
+class GetRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class GetRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
+
+class ListRunsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRunsResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[Run]
+    def __init__(self, runs: _Optional[_Iterable[_Union[Run, _Mapping]]] = ...) -> None: ...
+
+class StopRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class StopRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
+
+class WatchRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class WatchRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,238 @@
+from looprl.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "sampling", "session_id", "deployment", "min_weight_version", "request_id", "expected_output_tokens")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    session_id: str
+    deployment: str
+    min_weight_version: int
+    request_id: str
+    expected_output_tokens: int
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., deployment: _Optional[str] = ..., min_weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
+
+class Completion(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "weight_version")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: str
+    weight_version: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("completions", "deployment", "replica", "prompt_tokens")
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    completions: _containers.RepeatedCompositeFieldContainer[Completion]
+    deployment: str
+    replica: str
+    prompt_tokens: int
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., deployment: _Optional[str] = ..., replica: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("index", "token_ids", "logprobs", "weight_version", "finish_reason", "deployment", "replica")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    weight_version: int
+    finish_reason: str
+    deployment: str
+    replica: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., deployment: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class LengthProfile(_message.Message):
+    __slots__ = ("min_prompt_tokens", "max_prompt_tokens", "min_output_tokens", "max_output_tokens")
+    MIN_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    min_prompt_tokens: int
+    max_prompt_tokens: int
+    min_output_tokens: int
+    max_output_tokens: int
+    def __init__(self, min_prompt_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., min_output_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("name", "healthy", "weight_version", "outstanding_tokens", "outstanding_requests", "address")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    healthy: bool
+    weight_version: int
+    outstanding_tokens: int
+    outstanding_requests: int
+    address: str
+    def __init__(self, name: _Optional[str] = ..., healthy: _Optional[bool] = ..., weight_version: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., outstanding_requests: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class DeploymentInfo(_message.Message):
+    __slots__ = ("name", "backend", "tensor_parallel", "profile", "replicas", "max_model_len", "layout", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    backend: str
+    tensor_parallel: int
+    profile: LengthProfile
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    max_model_len: int
+    layout: str
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., profile: _Optional[_Union[LengthProfile, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class ListDeploymentsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDeploymentsResponse(_message.Message):
+    __slots__ = ("deployments",)
+    DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    deployments: _containers.RepeatedCompositeFieldContainer[DeploymentInfo]
+    def __init__(self, deployments: _Optional[_Iterable[_Union[DeploymentInfo, _Mapping]]] = ...) -> None: ...
+
+class RegisterDeploymentRequest(_message.Message):
+    __slots__ = ("deployment",)
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    deployment: DeploymentInfo
+    def __init__(self, deployment: _Optional[_Union[DeploymentInfo, _Mapping]] = ...) -> None: ...
+
+class RegisterDeploymentResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("weight_version", "queued_requests", "tokens_in_flight", "cache_usage", "paused", "staged_version")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    queued_requests: int
+    tokens_in_flight: int
+    cache_usage: float
+    paused: bool
+    staged_version: int
+    def __init__(self, weight_version: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., staged_version: _Optional[int] = ...) -> None: ...
+
+class PauseRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PauseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageWeightsRequest(_message.Message):
+    __slots__ = ("version", "slices", "bucket_count", "bucket_index")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    slices: _containers.RepeatedCompositeFieldContainer[WeightSlice]
+    bucket_count: int
+    bucket_index: int
+    def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ...) -> None: ...
+
+class WeightSlice(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "data", "crc32")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: _common_pb2.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    data: bytes
+    crc32: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class StageWeightsResponse(_message.Message):
+    __slots__ = ("version", "bytes_received", "complete")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    bytes_received: int
+    complete: bool
+    def __init__(self, version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class CommitWeightsRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class CommitWeightsResponse(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    def __init__(self, weight_version: _Optional[int] = ...) -> None: ...
+
+class AbortWeightsRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class AbortWeightsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

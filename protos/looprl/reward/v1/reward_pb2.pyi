@@ -1,0 +1,65 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("reward", "task_json", "completion", "rollout_id", "transcript")
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    TASK_JSON_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    reward: str
+    task_json: str
+    completion: str
+    rollout_id: str
+    transcript: str
+    def __init__(self, reward: _Optional[str] = ..., task_json: _Optional[str] = ..., completion: _Optional[str] = ..., rollout_id: _Optional[str] = ..., transcript: _Optional[str] = ...) -> None: ...
+
+class ComponentScore(_message.Message):
+    __slots__ = ("name", "score", "weight", "ok", "reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    score: float
+    weight: float
+    ok: bool
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., score: _Optional[float] = ..., weight: _Optional[float] = ..., ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("score", "components", "ok")
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    score: float
+    components: _containers.RepeatedCompositeFieldContainer[ComponentScore]
+    ok: bool
+    def __init__(self, score: _Optional[float] = ..., components: _Optional[_Iterable[_Union[ComponentScore, _Mapping]]] = ..., ok: _Optional[bool] = ...) -> None: ...
+
+class RewardInfo(_message.Message):
+    __slots__ = ("name", "kind", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    description: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
+
+class ListRewardsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRewardsResponse(_message.Message):
+    __slots__ = ("rewards",)
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    rewards: _containers.RepeatedCompositeFieldContainer[RewardInfo]
+    def __init__(self, rewards: _Optional[_Iterable[_Union[RewardInfo, _Mapping]]] = ...) -> None: ...

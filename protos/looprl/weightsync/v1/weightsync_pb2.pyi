@@ -1,0 +1,128 @@
+from looprl.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ShardChunk(_message.Message):
+    __slots__ = ("name", "dtype", "global_shape", "row_offset", "rows", "data", "crc32")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: _common_pb2.DType
+    global_shape: _containers.RepeatedScalarFieldContainer[int]
+    row_offset: int
+    rows: int
+    data: bytes
+    crc32: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., global_shape: _Optional[_Iterable[int]] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class PushShardsRequest(_message.Message):
+    __slots__ = ("version", "trainer_rank", "trainer_world_size", "shards", "last", "run_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_RANK_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    trainer_rank: int
+    trainer_world_size: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardChunk]
+    last: bool
+    run_id: str
+    def __init__(self, version: _Optional[int] = ..., trainer_rank: _Optional[int] = ..., trainer_world_size: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardChunk, _Mapping]]] = ..., last: _Optional[bool] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class PushShardsResponse(_message.Message):
+    __slots__ = ("version", "bytes_received", "version_complete")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    bytes_received: int
+    version_complete: bool
+    def __init__(self, version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., version_complete: _Optional[bool] = ...) -> None: ...
+
+class TargetRank(_message.Message):
+    __slots__ = ("rank", "address", "same_host")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SAME_HOST_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    address: str
+    same_host: bool
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., same_host: _Optional[bool] = ...) -> None: ...
+
+class TargetLayout(_message.Message):
+    __slots__ = ("tensor_parallel", "naming", "dtype")
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    NAMING_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    tensor_parallel: int
+    naming: str
+    dtype: _common_pb2.DType
+    def __init__(self, tensor_parallel: _Optional[int] = ..., naming: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
+
+class RegisterTargetRequest(_message.Message):
+    __slots__ = ("deployment", "layout", "ranks", "every_k_versions", "canary")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    EVERY_K_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    layout: TargetLayout
+    ranks: _containers.RepeatedCompositeFieldContainer[TargetRank]
+    every_k_versions: int
+    canary: bool
+    def __init__(self, deployment: _Optional[str] = ..., layout: _Optional[_Union[TargetLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[TargetRank, _Mapping]]] = ..., every_k_versions: _Optional[int] = ..., canary: _Optional[bool] = ...) -> None: ...
+
+class RegisterTargetResponse(_message.Message):
+    __slots__ = ("current_version",)
+    CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    current_version: int
+    def __init__(self, current_version: _Optional[int] = ...) -> None: ...
+
+class GetVersionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TargetVersion(_message.Message):
+    __slots__ = ("deployment", "version", "state", "last_error")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    version: int
+    state: str
+    last_error: str
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
+
+class GetVersionResponse(_message.Message):
+    __slots__ = ("latest_version", "targets")
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    latest_version: int
+    targets: _containers.RepeatedCompositeFieldContainer[TargetVersion]
+    def __init__(self, latest_version: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetVersion, _Mapping]]] = ...) -> None: ...
+
+class RequestSyncRequest(_message.Message):
+    __slots__ = ("deployment",)
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    def __init__(self, deployment: _Optional[str] = ...) -> None: ...
+
+class RequestSyncResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...

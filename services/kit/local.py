@@ -1,0 +1,167 @@
+"""Local infrastructure processes: an embedded nats-server (JetStream) and a Ray head.
+
+Both are started as child processes in their own process group, so stopping them never
+touches another user's nats-server or Ray cluster on the same machine (no `ray stop`).
+Used by `looprl up`, by `make run` and by the test suite's session fixtures.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class PortInUseError(RuntimeError):
+    """A port we were asked to listen on is already taken."""
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """An ephemeral port that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def require_free(port: int, what: str) -> None:
+    if not port_is_free(port):
+        raise PortInUseError(f"{what}: port {port} is already in use; choose another with its port setting")
+
+
+def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before listening on {port}")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} did not listen on port {port} within {timeout:.0f}s")
+
+
+def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the child's process group, then SIGKILL after the grace period."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=5)
+
+
+def _bin(name: str) -> str:
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found beside {sys.executable} or on PATH (run `make setup`)")
+    return found
+
+
+@dataclass
+class NatsServer:
+    """A nats-server with JetStream, data under state_dir."""
+
+    state_dir: Path
+    port: int = 4222
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> NatsServer:
+        require_free(self.port, "nats-server")
+        store = self.state_dir / "jetstream"
+        store.mkdir(parents=True, exist_ok=True)
+        log = open(self.state_dir / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            [_bin("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(store)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_for_port(self.port, timeout, self.proc, "nats-server")
+        return self
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc, grace)
+
+
+@dataclass
+class RayHead:
+    """A Ray head started with `ray start --block` as our own child, token auth on."""
+
+    state_dir: Path
+    port: int = 26379
+    num_cpus: int = 8
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """Environment a client needs to connect to this head."""
+        return {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+
+    def start(self, timeout: float = 60.0) -> RayHead:
+        if self.port != 6379 and self.port <= 20000:
+            raise ValueError(f"Ray head port must be 6379 or above 20000, got {self.port}")
+        require_free(self.port, "ray head")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Ray's temp dir ends up inside socket paths, which must stay short (108 bytes).
+        temp_dir = Path("/tmp") / f"looprl-ray-{self.port}"
+        env = {**os.environ, **self.env(), "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("RAY_ADDRESS")
+        log = open(self.state_dir / "ray-head.log", "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            [
+                _bin("ray"), "start", "--head", "--block",
+                f"--port={self.port}",
+                "--include-dashboard=false",
+                f"--num-cpus={self.num_cpus}",
+                "--disable-usage-stats",
+                "--node-ip-address=127.0.0.1",
+                f"--temp-dir={temp_dir}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        wait_for_port(self.port, timeout, self.proc, "ray head")
+        return self
+
+    def stop(self, grace: float = 15.0) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc, grace)

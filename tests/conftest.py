@@ -1,0 +1,85 @@
+"""Session-wide infrastructure for the suite: one real nats-server and one real Ray head.
+
+Both start lazily, the first time a test asks for them, and stop at the end of the session.
+Tests that need neither never pay for them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.kit.local import NatsServer, RayHead, free_port
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if has_gpu:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """A real nats-server with JetStream on a free port."""
+    server = NatsServer(state_dir=tmp_path_factory.mktemp("nats"), port=free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: NatsServer) -> str:
+    return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
+    """A real Ray head (token auth on); its connection settings are exported to the environment
+    so that ray.init() in tests and in service subprocesses joins it."""
+    port = next(p for p in range(26400, 26500) if _free(p))
+    head = RayHead(state_dir=tmp_path_factory.mktemp("ray"), port=port, num_cpus=16).start()
+    saved = {k: os.environ.get(k) for k in head.env()}
+    os.environ.update(head.env())
+    yield head
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    finally:
+        head.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def ray_client(ray_head: RayHead) -> Iterator[None]:
+    """This test process connected to the session's Ray head."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=ray_head.address, namespace="looprl-tests", logging_level="ERROR")
+    yield
+
+
+def _free(port: int) -> bool:
+    from services.kit.local import port_is_free
+
+    return port_is_free(port)
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
