@@ -178,16 +178,18 @@ class ResumeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StageWeightsRequest(_message.Message):
-    __slots__ = ("version", "slices", "bucket_count", "bucket_index")
+    __slots__ = ("version", "slices", "bucket_count", "bucket_index", "model_config_json")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     version: int
     slices: _containers.RepeatedCompositeFieldContainer[WeightSlice]
     bucket_count: int
     bucket_index: int
-    def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ...) -> None: ...
+    model_config_json: str
+    def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ..., model_config_json: _Optional[str] = ...) -> None: ...
 
 class WeightSlice(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "data", "crc32")
