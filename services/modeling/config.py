@@ -1,0 +1,176 @@
+"""ModelConfig: the architecture hyper-parameters of a Qwen2-style decoder, and its HF config.json form.
+
+One dataclass that trainer, engines and weight-sync share. It round-trips through the Hugging Face
+`config.json` dictionary (`model_type: "qwen2"`), so a checkpoint written here loads in
+transformers/vLLM and a real Qwen2 checkpoint's config loads here. Llama-style configs (no q/k/v
+bias, `model_type: "llama"`) are accepted too, since the parameter names are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+# Keys of a HF config.json this code understands; everything else is ignored on load.
+_SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 101
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    # Qwen2 has biases on q/k/v; Llama does not.
+    attention_bias: bool = True
+    model_type: str = "qwen2"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name}: must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"ModelConfig.head_dim: rotary embeddings need an even head_dim, got {self.head_dim}"
+            )
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ValueError("ModelConfig.rope_theta and rms_norm_eps must be positive")
+        if self.model_type not in _SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"ModelConfig.model_type: {self.model_type!r} is not supported "
+                f"(supported: {sorted(_SUPPORTED_MODEL_TYPES)})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> ModelConfig:
+        """A tiny Qwen2 for CPU tests and the embedded default; vocab matches CharTokenizer."""
+        from services.modeling.tokenizer import CharTokenizer
+
+        base = dict(
+            vocab_size=CharTokenizer().vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=2048,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return ModelConfig(**{**asdict(self), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of this dataclass (for JSON in our own messages)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"ModelConfig: unknown fields {unknown}")
+        return cls(**d)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face config.json dictionary (transformers.Qwen2Config(**d) accepts it)."""
+        d: dict[str, Any] = {
+            "architectures": [_SUPPORTED_MODEL_TYPES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            # Both spellings: transformers >= 5 reads rope_parameters, older readers (and vLLM
+            # versions before the rename) read rope_theta.
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "use_sliding_window": False,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+        }
+        if self.model_type == "llama":
+            d["attention_bias"] = self.attention_bias
+            d["mlp_bias"] = False
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Read a HF config.json dictionary; rejects features this model code does not implement."""
+        model_type = d.get("model_type", "qwen2")
+        if model_type not in _SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"config.json model_type: {model_type!r} is not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json hidden_act: only 'silu' is supported, got {d['hidden_act']!r}")
+        if d.get("use_sliding_window", False):
+            raise ValueError("config.json use_sliding_window: sliding-window attention is not supported")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"config.json rope type: only 'default' RoPE is supported, got {rope_type!r}")
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        heads = d["num_attention_heads"]
+        hidden = d["hidden_size"]
+        if model_type == "qwen2":
+            attention_bias = True
+        else:
+            attention_bias = bool(d.get("attention_bias", False))
+            if d.get("mlp_bias", False):
+                raise ValueError("config.json mlp_bias: MLP biases are not supported")
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or hidden // heads,
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            model_type=model_type,
+        )

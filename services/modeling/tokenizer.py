@@ -1,0 +1,196 @@
+"""Tokenizers behind one small interface: a shipped character tokenizer and a wrapper over HF tokenizers.
+
+CharTokenizer needs no download: its vocabulary is fixed in this file (4 ChatML specials, newline,
+tab and printable ASCII), so the tiny embedded model, the environments and the engines always agree
+on token ids. Its chat template is ChatML kept deliberately short, because the tiny model has to
+learn the format quickly. `load_tokenizer("char")` gives it; `load_tokenizer(<directory>)` gives a
+CharTokenizer when the directory was written by `CharTokenizer.save_pretrained`, and otherwise a
+thin wrapper over `transformers.AutoTokenizer` (local files only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+PAD, EOT, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOT, IM_START, IM_END)
+# Order is part of the contract: ids are positions in this tuple. Never reorder, only append.
+_CHARS: tuple[str, ...] = ("\n", "\t", *(chr(c) for c in range(32, 127)))
+_MARKER_FILE = "looprl_tokenizer.json"
+# Characters outside the vocabulary are encoded as this one, so any user text can be encoded.
+_REPLACEMENT = "?"
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_id: int
+    pad_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+
+def render_chatml(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """ChatML text: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then the assistant header."""
+    parts = []
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise ValueError(f"messages[{i}]: needs string 'role' and 'content'")
+        parts.append(f"{IM_START}{role}\n{content}{IM_END}\n")
+    if add_generation_prompt:
+        parts.append(f"{IM_START}assistant\n")
+    return "".join(parts)
+
+
+class CharTokenizer:
+    """One token per character; ChatML specials are single tokens."""
+
+    name = "char"
+
+    def __init__(self) -> None:
+        self._id_to_token: tuple[str, ...] = (*SPECIAL_TOKENS, *_CHARS)
+        self._token_to_id = {tok: i for i, tok in enumerate(self._id_to_token)}
+        self._replacement_id = self._token_to_id[_REPLACEMENT]
+        self._special_re = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._id_to_token)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def pad_token_id(self) -> int:
+        return self._token_to_id[PAD]
+
+    @property
+    def eos_token_id(self) -> int:
+        # A chat model's turn ends with <|im_end|>; that is what generation stops on.
+        return self._token_to_id[IM_END]
+
+    @property
+    def endoftext_token_id(self) -> int:
+        return self._token_to_id[EOT]
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(range(len(SPECIAL_TOKENS)))
+
+    def token_to_id(self, token: str) -> int:
+        return self._token_to_id[token]
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        """Token ids of `text`; special-token strings become their single ids when allow_special."""
+        ids: list[int] = []
+        chunks = self._special_re.split(text) if allow_special else [text]
+        for chunk in chunks:
+            if not chunk:
+                continue
+            special = self._token_to_id.get(chunk) if allow_special and chunk in SPECIAL_TOKENS else None
+            if special is not None:
+                ids.append(special)
+                continue
+            get = self._token_to_id.get
+            ids.extend(get(ch, self._replacement_id) for ch in chunk)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        n_special = len(SPECIAL_TOKENS)
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
+            if skip_special_tokens and i < n_special:
+                continue
+            out.append(self._id_to_token[i])
+        return "".join(out)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.encode(render_chatml(messages, add_generation_prompt))
+
+    def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
+        """Mark a model directory as using this tokenizer, so load_tokenizer(directory) finds it."""
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, _MARKER_FILE), "w") as f:
+            json.dump({"type": "char", "vocab_size": self.vocab_size}, f)
+
+
+class HFTokenizer:
+    """Thin wrapper giving a transformers tokenizer the same interface as CharTokenizer."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+        self.name = getattr(hf_tokenizer, "name_or_path", "hf")
+        eos = hf_tokenizer.eos_token_id
+        if eos is None:
+            raise ValueError(f"tokenizer {self.name}: has no eos_token_id")
+        self._eos = int(eos)
+        pad = hf_tokenizer.pad_token_id
+        self._pad = int(pad) if pad is not None else self._eos
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos
+
+    @property
+    def pad_token_id(self) -> int:
+        return self._pad
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        if getattr(self.hf, "chat_template", None):
+            out = self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            if hasattr(out, "keys") and "input_ids" in out:
+                out = out["input_ids"]
+            return [int(i) for i in out]
+        # No template shipped with the tokenizer: fall back to plain ChatML text.
+        return self.encode(render_chatml(messages, add_generation_prompt))
+
+
+def load_tokenizer(path_or_name: str | os.PathLike[str]) -> CharTokenizer | HFTokenizer:
+    """ "char" -> CharTokenizer; a directory -> CharTokenizer if marked, else AutoTokenizer (local only)."""
+    path = os.fspath(path_or_name)
+    if path == "char":
+        return CharTokenizer()
+    marker = os.path.join(path, _MARKER_FILE)
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            kind = json.load(f).get("type")
+        if kind != "char":
+            raise ValueError(f"{marker}: unknown tokenizer type {kind!r}")
+        return CharTokenizer()
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tokenizer: {path!r} is neither 'char' nor a local directory")
+    from transformers import AutoTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
