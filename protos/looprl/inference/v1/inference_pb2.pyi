@@ -178,44 +178,58 @@ class ResumeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StageWeightsRequest(_message.Message):
-    __slots__ = ("version", "slices", "bucket_count", "bucket_index", "model_config_json")
+    __slots__ = ("version", "slices", "bucket_count", "bucket_index", "model_config_json", "deployment", "rank", "total_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     slices: _containers.RepeatedCompositeFieldContainer[WeightSlice]
     bucket_count: int
     bucket_index: int
     model_config_json: str
-    def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ..., model_config_json: _Optional[str] = ...) -> None: ...
+    deployment: str
+    rank: int
+    total_bytes: int
+    def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ..., model_config_json: _Optional[str] = ..., deployment: _Optional[str] = ..., rank: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class WeightSlice(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset", "data", "crc32")
+    __slots__ = ("name", "dtype", "shape", "offset", "data", "crc32", "shm_name", "shm_offset", "nbytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: _common_pb2.DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     data: bytes
     crc32: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    shm_name: str
+    shm_offset: int
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StageWeightsResponse(_message.Message):
-    __slots__ = ("version", "bytes_received", "complete")
+    __slots__ = ("version", "bytes_received", "complete", "serving_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    SERVING_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     bytes_received: int
     complete: bool
-    def __init__(self, version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+    serving_version: int
+    def __init__(self, version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., complete: _Optional[bool] = ..., serving_version: _Optional[int] = ...) -> None: ...
 
 class CommitWeightsRequest(_message.Message):
     __slots__ = ("version",)

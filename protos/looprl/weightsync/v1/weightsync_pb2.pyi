@@ -26,20 +26,22 @@ class ShardChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., global_shape: _Optional[_Iterable[int]] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PushShardsRequest(_message.Message):
-    __slots__ = ("version", "trainer_rank", "trainer_world_size", "shards", "last", "run_id")
+    __slots__ = ("version", "trainer_rank", "trainer_world_size", "shards", "last", "run_id", "model_config_json")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     version: int
     trainer_rank: int
     trainer_world_size: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardChunk]
     last: bool
     run_id: str
-    def __init__(self, version: _Optional[int] = ..., trainer_rank: _Optional[int] = ..., trainer_world_size: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardChunk, _Mapping]]] = ..., last: _Optional[bool] = ..., run_id: _Optional[str] = ...) -> None: ...
+    model_config_json: str
+    def __init__(self, version: _Optional[int] = ..., trainer_rank: _Optional[int] = ..., trainer_world_size: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardChunk, _Mapping]]] = ..., last: _Optional[bool] = ..., run_id: _Optional[str] = ..., model_config_json: _Optional[str] = ...) -> None: ...
 
 class PushShardsResponse(_message.Message):
     __slots__ = ("version", "bytes_received", "version_complete")
@@ -72,18 +74,22 @@ class TargetLayout(_message.Message):
     def __init__(self, tensor_parallel: _Optional[int] = ..., naming: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
 
 class RegisterTargetRequest(_message.Message):
-    __slots__ = ("deployment", "layout", "ranks", "every_k_versions", "canary")
+    __slots__ = ("deployment", "layout", "ranks", "every_k_versions", "canary", "run_id", "model_config_json")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     EVERY_K_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     CANARY_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     layout: TargetLayout
     ranks: _containers.RepeatedCompositeFieldContainer[TargetRank]
     every_k_versions: int
     canary: bool
-    def __init__(self, deployment: _Optional[str] = ..., layout: _Optional[_Union[TargetLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[TargetRank, _Mapping]]] = ..., every_k_versions: _Optional[int] = ..., canary: _Optional[bool] = ...) -> None: ...
+    run_id: str
+    model_config_json: str
+    def __init__(self, deployment: _Optional[str] = ..., layout: _Optional[_Union[TargetLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[TargetRank, _Mapping]]] = ..., every_k_versions: _Optional[int] = ..., canary: _Optional[bool] = ..., run_id: _Optional[str] = ..., model_config_json: _Optional[str] = ...) -> None: ...
 
 class RegisterTargetResponse(_message.Message):
     __slots__ = ("current_version",)
@@ -96,16 +102,20 @@ class GetVersionRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetVersion(_message.Message):
-    __slots__ = ("deployment", "version", "state", "last_error")
+    __slots__ = ("deployment", "version", "state", "last_error", "last_bytes", "last_sync_seconds")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     version: int
     state: str
     last_error: str
-    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
+    last_bytes: int
+    last_sync_seconds: float
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_bytes: _Optional[int] = ..., last_sync_seconds: _Optional[float] = ...) -> None: ...
 
 class GetVersionResponse(_message.Message):
     __slots__ = ("latest_version", "targets")
