@@ -146,7 +146,10 @@ class RayHead:
         log = open(self.state_dir / "ray-head.log", "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
             [
-                _bin("ray"), "start", "--head", "--block",
+                _bin("ray"),
+                "start",
+                "--head",
+                "--block",
                 f"--port={self.port}",
                 "--include-dashboard=false",
                 f"--num-cpus={self.num_cpus}",

@@ -1,0 +1,34 @@
+"""Ray helpers: join the configured Ray head (or start a private local one), one namespace per service."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("looprl.ray")
+
+
+def connect_ray(address: str, namespace: str, num_cpus: int | None = None) -> None:
+    """ray.init once per process. An empty address starts a private local Ray (tests, laptops).
+
+    Token auth (on by default in Ray 2.60) is taken from RAY_AUTH_MODE/RAY_AUTH_TOKEN in the
+    environment, which `looprl up` exports to every service it starts.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs: dict = {"namespace": namespace, "logging_level": "ERROR", "log_to_driver": False}
+    address = address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
+    log.info("connected to ray", extra={"fields": {"address": address or "local", "namespace": namespace}})
+
+
+def disconnect_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
