@@ -1,0 +1,66 @@
+"""Batched token sampling with per-sequence parameters and per-sequence random generators.
+
+Every running sequence carries its own temperature/top-k/top-p and its own torch.Generator, so a
+seeded request samples the same tokens whatever else shares its batch. The reported log-prob is
+the one documented in engine/base.py: log softmax(logits / T) over the full vocabulary, before any
+truncation; greedy (T = 0) reports it under T = 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplerRow:
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator | None
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    if seed is None:
+        g.seed()  # nondeterministic
+    else:
+        g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> tuple[list[int], list[float]]:
+    """Sample one token per row of logits [B, V]; return (token ids, their log-probs)."""
+    logits = logits.float()
+    temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], dtype=torch.float32)
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    tokens: list[int] = []
+    for i, row in enumerate(rows):
+        if row.temperature == 0.0:
+            tokens.append(int(torch.argmax(logits[i])))
+            continue
+        probs = logp[i].exp()
+        if row.top_k > 0 or row.top_p < 1.0:
+            probs = _truncate(probs, row.top_k, row.top_p)
+        tokens.append(int(torch.multinomial(probs, 1, generator=row.generator)))
+    index = torch.tensor(tokens, dtype=torch.long)
+    chosen = logp.gather(1, index[:, None]).squeeze(1)
+    return tokens, chosen.tolist()
+
+
+def _truncate(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Zero every token outside the top-k and outside the smallest top-p nucleus (unnormalized)."""
+    sorted_probs, order = probs.sort(descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    if top_p < 1.0:
+        # Keep a token while the mass strictly before it is below top_p (the first always stays).
+        mass_before = sorted_probs.cumsum(0) - sorted_probs
+        keep &= mass_before < top_p
+    kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    out = torch.zeros_like(probs)
+    out.scatter_(0, order, kept)
+    return out

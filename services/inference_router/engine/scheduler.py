@@ -1,0 +1,379 @@
+"""Continuous batching: the asyncio scheduler shared by the CPU engine and the TP group.
+
+One loop owns the running batch. Each iteration (a "step"):
+  1. applies a pending weight swap (so a swap never lands inside a forward pass),
+  2. admits waiting requests while KV-cache slots are free (FIFO; a request with n completions
+     needs n slots) and prefills them in one batched forward,
+  3. runs ONE batched decode forward for every running sequence,
+  4. samples, appends, and retires sequences that hit a stop token or their max_tokens.
+New requests therefore join the batch at the next step and finished ones leave at once.
+
+n > 1 is served by prefilling the prompt n times in the same batched prefill (one slot per
+completion); this costs n x prompt compute but keeps every slot independent and exact.
+
+Model compute runs on one dedicated worker thread (torch releases the GIL), so the event loop and
+any gRPC server sharing it stay responsive during a step. The executor (what actually runs the
+model: a local EngineModel, or rank 0 of a TP group) is behind the small `StepExecutor` protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from services.inference_router.engine.base import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Completion,
+    Engine,
+    EngineRequest,
+    EngineResult,
+    EngineStatus,
+    StreamChunk,
+    validate_request,
+)
+from services.inference_router.engine.sampling import SamplerRow, make_generator, sample
+from services.kit.errors import FailedPrecondition, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class StepExecutor(Protocol):
+    """Runs the model for the scheduler. Called from ONE worker thread, never concurrently."""
+
+    vocab_size: int
+    max_model_len: int
+    num_slots: int
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Fill the KV cache of `slots` with `prompts` (positions from 0); logits of each last token [S, V]."""
+        ...
+
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Append one token per slot at `positions`; next-token logits [S, V]."""
+        ...
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class SchedulerLimits:
+    max_waiting_requests: int = 1024
+    # Prompt tokens prefilled in one step (at least one request is always admitted).
+    max_prefill_tokens: int = 4096
+    # Tokens that stop every request on top of its own stop_token_ids (e.g. the tokenizer's EOS).
+    default_stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class _Request:
+    req: EngineRequest
+    done: asyncio.Future
+    stream: asyncio.Queue | None
+    completions: list[Completion | None]
+    remaining: int
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Seq:
+    owner: _Request
+    index: int
+    slot: int
+    prompt_len: int
+    row: SamplerRow
+    stop_ids: frozenset[int]
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str = ""
+
+
+class ContinuousBatchingEngine(Engine):
+    """Engine over any StepExecutor; start() launches the scheduler loop on the running event loop."""
+
+    def __init__(self, executor: StepExecutor, version: int, limits: SchedulerLimits | None = None):
+        self.executor = executor
+        self.version = version
+        self.limits = limits or SchedulerLimits()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Seq] = []
+        self._free_slots = list(range(executor.num_slots - 1, -1, -1))
+        self._swaps: list[tuple[int, Mapping[str, torch.Tensor], asyncio.Future]] = []
+        self._wake = asyncio.Event()
+        self._paused = False
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._task: asyncio.Task | None = None
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> ContinuousBatchingEngine:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-scheduler")
+        return self
+
+    async def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await self._task
+            except Exception:  # the loop already logged it
+                pass
+        self._abort_all("engine closed")
+        self._pool.shutdown(wait=True)
+        self.executor.close()
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    # ---------------------------------------------------------------- requests
+    def _enqueue(self, request: EngineRequest, stream: bool) -> _Request:
+        if self._closed:
+            raise Unavailable("engine is closed")
+        validate_request(
+            request, vocab_size=self.executor.vocab_size, max_model_len=self.executor.max_model_len
+        )
+        if request.sampling.n > self.executor.num_slots:
+            raise ResourceExhausted(
+                f"sampling.n: {request.sampling.n} completions exceed this engine's {self.executor.num_slots} slots"
+            )
+        if len(self._waiting) >= self.limits.max_waiting_requests:
+            raise ResourceExhausted(
+                f"engine queue full ({len(self._waiting)} waiting requests)", retry_after_s=0.5
+            )
+        self.start()
+        item = _Request(
+            req=request,
+            done=asyncio.get_running_loop().create_future(),
+            stream=asyncio.Queue() if stream else None,
+            completions=[None] * request.sampling.n,
+            remaining=request.sampling.n,
+        )
+        self._waiting.append(item)
+        self._wake.set()
+        return item
+
+    async def generate(self, requests: Sequence[EngineRequest]) -> list[EngineResult]:
+        items = [self._enqueue(r, stream=False) for r in requests]
+        return list(await asyncio.gather(*(it.done for it in items)))
+
+    async def generate_stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
+        item = self._enqueue(request, stream=True)
+        assert item.stream is not None
+        try:
+            while True:
+                chunk = await item.stream.get()
+                if chunk is None:
+                    break
+                yield chunk
+        finally:
+            if not item.done.done():  # the consumer went away: stop generating for it
+                self._abort_request(item)
+
+    async def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        if self._closed:
+            raise Unavailable("engine is closed")
+        if version < self.version:
+            raise FailedPrecondition(f"version: {version} is older than the serving version {self.version}")
+        self.start()
+        fut = asyncio.get_running_loop().create_future()
+        self._swaps.append((version, state_dict, fut))
+        self._wake.set()
+        await fut
+
+    def status(self) -> EngineStatus:
+        used = sum(s.prompt_len + len(s.tokens) for s in self._running)
+        capacity = self.executor.num_slots * self.executor.max_model_len
+        in_flight = sum(s.max_tokens - len(s.tokens) for s in self._running) + sum(
+            w.req.sampling.max_tokens * w.req.sampling.n for w in self._waiting
+        )
+        return EngineStatus(
+            weight_version=self.version,
+            ready=not self._closed,
+            paused=self._paused,
+            queued_requests=len(self._waiting),
+            running_sequences=len(self._running),
+            tokens_in_flight=in_flight,
+            cache_usage=used / capacity if capacity else 0.0,
+            max_model_len=self.executor.max_model_len,
+            extra={"steps": self.steps, "generated_tokens": self.generated_tokens},
+        )
+
+    # ---------------------------------------------------------------- scheduler
+    async def _loop(self) -> None:
+        try:
+            while not self._closed:
+                if self._swaps:
+                    await self._apply_swaps()
+                    continue
+                if self._paused or (not self._waiting and not self._running):
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                await self._step()
+                # Give queued callers (new requests, status, swaps) a turn between steps.
+                await asyncio.sleep(0)
+        except Exception as exc:
+            log.exception("engine scheduler crashed")
+            self._closed = True
+            self._abort_all(f"engine failed: {exc}")
+            for _, _, fut in self._swaps:
+                if not fut.done():
+                    fut.set_exception(Unavailable(f"engine failed: {exc}"))
+            raise
+
+    async def _apply_swaps(self) -> None:
+        swaps, self._swaps = self._swaps, []
+        loop = asyncio.get_running_loop()
+        for version, sd, fut in swaps:
+            try:
+                await loop.run_in_executor(self._pool, self.executor.load_weights, sd)
+                self.version = version
+                fut.set_result(None)
+            except Exception as exc:
+                if not fut.done():
+                    fut.set_exception(exc)
+
+    async def _step(self) -> None:
+        loop = asyncio.get_running_loop()
+        admitted = self._admit()
+        if admitted:
+            logits = await loop.run_in_executor(
+                self._pool,
+                self.executor.prefill,
+                [s.slot for s in admitted],
+                [s.owner.req.prompt_token_ids for s in admitted],
+            )
+            self._sample_and_append(admitted, logits)
+        # Decode every running sequence that already has a token to feed (newly admitted ones too).
+        batch = [s for s in self._running if not s.finish]
+        if batch:
+            logits = await loop.run_in_executor(
+                self._pool,
+                self.executor.decode,
+                [s.slot for s in batch],
+                [s.tokens[-1] for s in batch],
+                [s.prompt_len + len(s.tokens) - 1 for s in batch],
+            )
+            self._sample_and_append(batch, logits)
+        self.steps += 1
+
+    def _admit(self) -> list[_Seq]:
+        admitted: list[_Seq] = []
+        budget = self.limits.max_prefill_tokens
+        while self._waiting:
+            item = self._waiting[0]
+            sp = item.req.sampling
+            cost = len(item.req.prompt_token_ids) * sp.n
+            if sp.n > len(self._free_slots) or (admitted and cost > budget):
+                break
+            self._waiting.popleft()
+            budget -= cost
+            stop_ids = frozenset(sp.stop_token_ids) | frozenset(self.limits.default_stop_token_ids)
+            for i in range(sp.n):
+                seed = None if sp.seed is None else sp.seed + i
+                row = SamplerRow(
+                    sp.temperature, sp.top_k, sp.top_p, None if sp.greedy else make_generator(seed)
+                )
+                seq = _Seq(
+                    item,
+                    i,
+                    self._free_slots.pop(),
+                    len(item.req.prompt_token_ids),
+                    row,
+                    stop_ids,
+                    sp.max_tokens,
+                )
+                admitted.append(seq)
+                self._running.append(seq)
+        return admitted
+
+    def _sample_and_append(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        tokens, logprobs = sample(logits, [s.row for s in seqs])
+        for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True):
+            if seq.finish:  # aborted while the step ran
+                continue
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(self.version)
+            self.generated_tokens += 1
+            if tok in seq.stop_ids:
+                seq.finish = FINISH_STOP
+            elif len(seq.tokens) >= seq.max_tokens:
+                seq.finish = FINISH_LENGTH
+            if seq.owner.stream is not None:
+                seq.owner.stream.put_nowait(StreamChunk(seq.index, [tok], [lp], self.version, seq.finish))
+            if seq.finish:
+                self._retire(seq)
+        self._running = [s for s in self._running if not s.finish]
+
+    def _retire(self, seq: _Seq) -> None:
+        self._free_slots.append(seq.slot)
+        item = seq.owner
+        item.completions[seq.index] = Completion(
+            token_ids=seq.tokens,
+            logprobs=seq.logprobs,
+            finish_reason=seq.finish,
+            weight_version=min(seq.versions, default=self.version),
+            token_versions=seq.versions,
+        )
+        item.remaining -= 1
+        if item.remaining == 0 and not item.done.done():
+            item.done.set_result(
+                EngineResult(item.req.request_id, list(item.completions), len(item.req.prompt_token_ids))
+            )
+            if item.stream is not None:
+                item.stream.put_nowait(None)
+
+    def _abort_request(self, item: _Request, reason: str = "") -> None:
+        """Finish every completion of `item` still open with finish_reason "abort" (partial tokens kept)."""
+        if item in self._waiting:
+            self._waiting.remove(item)
+        if reason:
+            log.info("aborting request %s: %s", item.req.request_id, reason)
+        for seq in self._running:
+            if seq.owner is item and not seq.finish:
+                seq.finish = FINISH_ABORT
+                if item.stream is not None:
+                    item.stream.put_nowait(StreamChunk(seq.index, [], [], self.version, FINISH_ABORT))
+                self._retire(seq)
+        self._running = [s for s in self._running if not s.finish]
+        if item.done.done():
+            return
+        # Completions that never started (the request was still waiting) are reported empty.
+        for i, c in enumerate(item.completions):
+            if c is None:
+                item.completions[i] = Completion([], [], FINISH_ABORT, self.version, [])
+                if item.stream is not None:
+                    item.stream.put_nowait(StreamChunk(i, [], [], self.version, FINISH_ABORT))
+        item.done.set_result(
+            EngineResult(item.req.request_id, list(item.completions), len(item.req.prompt_token_ids))
+        )
+        if item.stream is not None:
+            item.stream.put_nowait(None)
+
+    def _abort_all(self, reason: str) -> None:
+        owners = {id(s.owner): s.owner for s in self._running}
+        owners.update({id(w): w for w in self._waiting})
+        for item in owners.values():
+            self._abort_request(item, reason)
+        self._waiting.clear()
