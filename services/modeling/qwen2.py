@@ -1,0 +1,273 @@
+"""Qwen2ForCausalLM in plain torch, with Hugging Face parameter names, on packed batches.
+
+The trainer's policy. A forward pass takes ONE packed batch: all sequences concatenated into
+`input_ids[T]`, positions restarting per sequence in `position_ids[T]`, and the boundaries in
+`cu_seqlens[S+1]`; attention is causal and block-diagonal, so no token sees another sequence.
+Parameter names equal transformers' Qwen2ForCausalLM, so `state_dict()` is what weight-sync and
+`save_pretrained` move around, and checkpoints load both ways. The math helpers (`rms_norm`,
+`rope_cos_sin`, `apply_rope`) are shared with the inference engine model so both compute alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from services.modeling.config import ModelConfig
+
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+LM_HEAD = "lm_head.weight"
+EMBED = "model.embed_tokens.weight"
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm as transformers computes it: statistics in float32, scale in the input dtype."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [len(positions), head_dim] for rotate-half RoPE (computed in float32)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [..., T, head_dim] rotated by per-token cos/sin [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def packed_causal_mask(cu_seqlens: Tensor, total: int) -> Tensor:
+    """Boolean [T, T] mask, True where query t may attend key s: same sequence and s <= t."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq_id = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
+    idx = torch.arange(total, device=cu_seqlens.device)
+    return (seq_id[:, None] == seq_id[None, :]) & (idx[:, None] >= idx[None, :])
+
+
+def check_packed_inputs(input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor) -> None:
+    total = input_ids.shape[0]
+    if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids and position_ids must both be 1-D of the same length, got "
+            f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got {tuple(cu_seqlens.shape)}")
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at len(input_ids)={total}, got {cu_seqlens.tolist()}"
+        )
+    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, config.q_size, bias=bias)
+        self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
+        self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
+        self.o_proj = nn.Linear(config.q_size, h, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        c = self.config
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, c.num_attention_heads, c.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim).transpose(0, 1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        group = c.num_attention_heads // c.num_key_value_heads
+        if group > 1:
+            # Query head j uses kv head j // group (transformers' repeat_kv).
+            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
+        return self.o_proj(out.transpose(0, 1).reshape(t, c.q_size))
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Qwen2Attention(config)
+        self.mlp = Qwen2MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
+        c = self.config
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, x.dtype)
+        mask = packed_causal_mask(cu_seqlens, input_ids.shape[0])
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """Qwen2 causal LM. `Qwen2ForCausalLM(config, seed=0)` builds it with deterministic weights;
+    `seed=None` leaves torch's default initialisation (use it before loading a state dict)."""
+
+    def __init__(self, config: ModelConfig, seed: int | None = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen2Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        if seed is not None:
+            self.init_weights(seed)
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32
+    ) -> Qwen2ForCausalLM:
+        return cls(config, seed=seed).to(dtype)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Deterministic init independent of the global RNG: N(0, std) matrices, zero biases, unit norms."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():  # a tied weight appears once
+            if p.is_meta:
+                continue
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                value = torch.ones(p.shape)
+            elif name.endswith(".bias"):
+                value = torch.zeros(p.shape)
+            else:
+                value = torch.randn(p.shape, generator=gen) * std
+            p.copy_(value.to(p.dtype))
+
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor | None = None, cu_seqlens: Tensor | None = None
+    ) -> Tensor:
+        """Logits [T, V] of a packed batch. Omitted position_ids/cu_seqlens mean one sequence."""
+        hidden = self.hidden_states(input_ids, position_ids, cu_seqlens)
+        return self.lm_head(hidden)
+
+    def hidden_states(
+        self, input_ids: Tensor, position_ids: Tensor | None = None, cu_seqlens: Tensor | None = None
+    ) -> Tensor:
+        """Final normed hidden states [T, H] (apply `lm_head` yourself to chunk the vocab projection)."""
+        total = input_ids.shape[0]
+        if position_ids is None:
+            position_ids = torch.arange(total, device=input_ids.device)
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, total], device=input_ids.device)
+        check_packed_inputs(input_ids, position_ids, cu_seqlens)
+        return self.model(input_ids, position_ids, cu_seqlens.to(input_ids.device))
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """State dict as stored on disk: a tied lm_head appears once (as embed_tokens), like HF."""
+        sd = self.state_dict()
+        if self.config.tie_word_embeddings:
+            sd.pop(LM_HEAD, None)
+        return sd
+
+    def save_pretrained(self, directory: str | os.PathLike[str], dtype: torch.dtype | None = None) -> None:
+        """Write config.json + model.safetensors, loadable by transformers and vLLM."""
+        from safetensors.torch import save_file
+
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.hf_state_dict().items()}
+        stored = next(iter(sd.values())).dtype
+        hf = self.config.to_hf_dict()
+        hf["torch_dtype"] = hf["dtype"] = str(stored).removeprefix("torch.")
+        (path / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+        save_file(sd, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str | None = None
+    ) -> Qwen2ForCausalLM:
+        """Load a HF-format directory (single or sharded safetensors); strict about parameter names."""
+        path = Path(directory)
+        config = ModelConfig.from_hf_dict(json.loads((path / CONFIG_FILE).read_text()))
+        sd = load_safetensors_dir(path)
+        with torch.device("meta"):
+            model = cls(config, seed=None)
+        model.load_hf_state_dict(sd, assign=True)
+        if dtype is not None or device is not None:
+            model = model.to(device=device, dtype=dtype)
+        return model
+
+    def load_hf_state_dict(self, sd: dict[str, Tensor], assign: bool = False) -> None:
+        """Load HF-named weights; a tied lm_head may be absent (or present and ignored)."""
+        sd = dict(sd)
+        if self.config.tie_word_embeddings:
+            sd.pop(LM_HEAD, None)
+        expected = set(self.hf_state_dict().keys())
+        missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+        if missing or unexpected:
+            raise ValueError(f"state dict mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
+        self.load_state_dict(sd, strict=False, assign=assign)
+        self.tie_weights()
+
+
+def load_safetensors_dir(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    if (path / WEIGHTS_FILE).is_file():
+        return load_file(str(path / WEIGHTS_FILE))
+    index_file = path / WEIGHTS_INDEX_FILE
+    if not index_file.is_file():
+        raise FileNotFoundError(f"{path}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}")
+    sd: dict[str, Tensor] = {}
+    for shard in sorted(set(json.loads(index_file.read_text())["weight_map"].values())):
+        sd.update(load_file(str(path / shard)))
+    return sd
