@@ -1,0 +1,37 @@
+"""A minimal service built on the kit, run as its own process by the kit's tests.
+
+It implements TrainerService with controllable behaviour: Status sleeps for the number of
+seconds in LOOPRL_PROBE_DELAY (to hold a call in flight across SIGTERM), Checkpoint raises an
+unexpected error (to see INTERNAL with a trace id), GetConfig echoes the trace id it saw.
+"""
+
+import asyncio
+import os
+
+from looprl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from services.kit import telemetry
+from services.kit.config import ServiceConfig, load_config
+from services.kit.server import Service
+
+
+class Probe(trainer_pb2_grpc.TrainerServiceServicer):
+    async def Status(self, request, context):
+        await asyncio.sleep(float(os.environ.get("LOOPRL_PROBE_DELAY", "0")))
+        return trainer_pb2.StatusResponse(state="done", step=7)
+
+    async def Checkpoint(self, request, context):
+        raise RuntimeError("disk on fire")
+
+    async def GetConfig(self, request, context):
+        trace_id, _ = telemetry.current_ids()
+        return trainer_pb2.GetConfigResponse(config_json=trace_id)
+
+
+async def main() -> None:
+    service = Service("probe", load_config(ServiceConfig, "PROBE"))
+    service.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, Probe())
+    await service.run()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

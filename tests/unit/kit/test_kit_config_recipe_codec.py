@@ -1,0 +1,73 @@
+"""Typed env config, recipe validation and the tensor codec."""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from services.kit.codec import CodecError, tensor_from_proto, tensor_to_proto
+from services.kit.config import ConfigError, ServiceConfig, load_config
+from services.kit.recipe import RecipeError, parse_recipe
+
+
+@dataclass
+class DemoConfig(ServiceConfig):
+    workers: int = field(default=4, metadata={"help": "number of workers"})
+    ratio: float = field(default=0.5, metadata={"help": "a ratio"})
+    enabled: bool = field(default=False, metadata={"help": "a switch"})
+
+
+def test_config_reads_service_then_global_variables() -> None:
+    env = {
+        "LOOPRL_DEMO_WORKERS": "9",
+        "LOOPRL_WORKERS": "1",
+        "LOOPRL_ENABLED": "yes",
+        "LOOPRL_GRPC_PORT": "5000",
+    }
+    cfg = load_config(DemoConfig, "demo", env)
+    assert (cfg.workers, cfg.enabled, cfg.grpc_port, cfg.ratio) == (9, True, 5000, 0.5)
+
+
+def test_config_error_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match="LOOPRL_DEMO_RATIO"):
+        load_config(DemoConfig, "demo", {"LOOPRL_DEMO_RATIO": "lots"})
+
+
+@pytest.mark.parametrize(
+    ("text", "field_path"),
+    [
+        ("[run]\nsteps = 0", "run.steps"),
+        ("[run]\nstepz = 3", "run.stepz"),
+        ("[batch]\nrollouts_per_step = 10\ngroup_size = 4", "batch.rollouts_per_step"),
+        ("[model]\npath = '/definitely/not/here'", "model.path"),
+        ("[[deployments]]\nname = 'a'\n[[deployments]]\nname = 'a'", "deployments[1].name"),
+        ("[sampling]\ntemperature = -1.0", "sampling.temperature"),
+        ("[optimizer]\nlr = 'fast'", "optimizer.lr"),
+    ],
+)
+def test_bad_recipes_name_the_field(text: str, field_path: str) -> None:
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(text)
+    assert str(err.value).startswith(field_path + ":")
+
+
+def test_recipe_defaults_and_overrides() -> None:
+    recipe = parse_recipe("[batch]\nrollouts_per_step = 32\ngroup_size = 8\n[optimizer]\nlr = 1\n")
+    assert recipe.groups_per_step == 4
+    assert recipe.optimizer.lr == 1.0 and isinstance(recipe.optimizer.lr, float)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.int64, torch.bool])
+def test_codec_roundtrip(dtype: torch.dtype) -> None:
+    source = (torch.arange(24) % 5).to(dtype).view(2, 3, 4)
+    assert torch.equal(tensor_from_proto(tensor_to_proto(source)), source)
+
+
+def test_codec_decodes_without_copy_and_checks_sizes() -> None:
+    msg = tensor_to_proto(np.arange(6, dtype=np.int32))
+    decoded = tensor_from_proto(msg)
+    assert decoded.tolist() == list(range(6))
+    msg.shape[:] = [7]
+    with pytest.raises(CodecError, match="needs 28 bytes, got 24"):
+        tensor_from_proto(msg)
