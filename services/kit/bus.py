@@ -1,0 +1,670 @@
+"""The event bus every service uses: a small, honest wrapper over nats-py JetStream.
+
+What it gives a service:
+
+- `Bus.connect(url, name=...)`: one NATS connection with sane reconnects; a clear BusUnavailable
+  when no server answers within the connect timeout.
+- `ensure_streams()`: idempotent provisioning (from code) of the streams and KV buckets named in
+  services.kit.subjects.
+- `publish(subject, payload, msg_id=...)`: JetStream publish that waits for the stream's ack,
+  sets Nats-Msg-Id for server-side dedup and carries the W3C trace context in the headers inside
+  a PRODUCER span "<subject> publish".
+- `pull_consumer(stream, durable, filter_subject, ...)`: durable pull consumers with explicit ack;
+  `fetch()` returns `Delivery` objects with ack / nak / term / in_progress and a CONSUMER span
+  "<subject> process" parented on the producer's span.
+- `kv(bucket)`: get / put / compare-and-set update / keys / watch on a JetStream KV bucket.
+
+JetStream semantics this wrapper does not hide:
+
+- Delivery is at-least-once. A message is redelivered when it is not acked within ack_wait (or
+  the backoff schedule), when it is nak'ed, or when its consumer dies holding it. Ack only after
+  the work is durably handed off; call `in_progress()` during work that may outlast ack_wait.
+- Nats-Msg-Id dedup only covers the stream's duplicate window (2 minutes by default). A publish
+  retried later, or a redelivery, reaches consumers twice, so consumers must also dedup by id
+  (rollout_id, episode id) wherever a duplicate would do harm.
+- After max_deliver attempts the server stops delivering a message; on a WorkQueue stream it then
+  stays in the stream unacked. Use `term(reason)` for messages that can never succeed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from google.protobuf.message import DecodeError, Message
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Span, SpanKind, TracerProvider
+
+from services.kit import subjects as names
+
+log = logging.getLogger(__name__)
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+DEFAULT_DUPLICATE_WINDOW_S = 120.0
+
+M = TypeVar("M", bound=Message)
+
+
+class BusError(RuntimeError):
+    """Something on the bus failed in a way the caller should hear about in plain words."""
+
+
+class BusUnavailable(BusError, ConnectionError):
+    """No NATS server answered."""
+
+
+class KVConflict(BusError):
+    """A compare-and-set write lost: the key is no longer at the revision the caller read."""
+
+    def __init__(self, bucket: str, key: str, expected: int, current: int | None) -> None:
+        self.bucket, self.key, self.expected, self.current = bucket, key, expected, current
+        now = "absent" if current is None else f"at revision {current}"
+        super().__init__(
+            f"KV {bucket}/{key}: expected revision {expected} but the key is {now} "
+            "(written concurrently); re-read it and retry"
+        )
+
+
+class PoisonMessage(BusError, ValueError):
+    """A delivered payload cannot be parsed; retrying will not help (term it)."""
+
+
+# --------------------------------------------------------------------------------------------
+# connection
+
+
+class Bus:
+    """One NATS connection with its JetStream context. Create with `await Bus.connect(...)`."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        name: str,
+        tracer_provider: TracerProvider | None = None,
+        request_timeout_s: float = 5.0,
+    ) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=request_timeout_s)
+        self.name = name
+        self._tracer = trace.get_tracer("looprl.bus", tracer_provider=tracer_provider)
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        name: str,
+        connect_timeout_s: float = 5.0,
+        reconnect_wait_s: float = 1.0,
+        max_reconnect_attempts: int = -1,
+        request_timeout_s: float = 5.0,
+        tracer_provider: TracerProvider | None = None,
+    ) -> Bus:
+        """Connect to NATS at url (comma-separated for several servers).
+
+        Tries for up to connect_timeout_s; then raises BusUnavailable. Once connected, a lost
+        connection is retried every reconnect_wait_s, forever by default (-1): a service rides
+        out a NATS restart rather than dying with it; publishes during the outage are buffered
+        or time out with an error.
+        """
+        servers = [u.strip() for u in url.split(",") if u.strip()]
+        if not servers:
+            raise ValueError("nats url is empty")
+        # nats-py uses one attempt budget for the first connect and for later reconnects; bound the
+        # first connect by the timeout and lift the bound once connected.
+        first_attempts = max(1, math.ceil(connect_timeout_s / max(reconnect_wait_s, 0.05)))
+
+        async def on_error(err: Exception) -> None:
+            log.warning("nats %s: %s", name, err or type(err).__name__)
+
+        async def on_disconnected() -> None:
+            if not nc.is_closed:  # a deliberate close() or drain() is not news
+                log.warning("nats %s: disconnected from %s; reconnecting", name, url)
+
+        async def on_reconnected() -> None:
+            log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+
+        nc = NatsClient()
+        try:
+            await nc.connect(
+                servers=servers,
+                name=name,
+                connect_timeout=max(1, math.ceil(min(connect_timeout_s, 5.0))),
+                reconnect_time_wait=reconnect_wait_s,
+                max_reconnect_attempts=first_attempts,
+                allow_reconnect=True,
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+            )
+        except (TimeoutError, nats.errors.NoServersError, OSError) as err:
+            raise BusUnavailable(
+                f"cannot reach NATS at {url} within {connect_timeout_s:g}s ({type(err).__name__}); "
+                "is nats-server running with JetStream (-js)?"
+            ) from err
+        nc.options["max_reconnect_attempts"] = max_reconnect_attempts
+        return cls(nc, name, tracer_provider, request_timeout_s)
+
+    @property
+    def is_connected(self) -> bool:
+        return self.nc.is_connected
+
+    async def drain(self) -> None:
+        """Finish in-flight subscriptions and publishes, then close. Safe to call twice."""
+        if self.nc.is_closed:
+            return
+        try:
+            await self.nc.drain()
+        except nats.errors.ConnectionClosedError:
+            pass
+
+    async def close(self) -> None:
+        """Close now, without draining. Unacked deliveries are redelivered after their ack_wait."""
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.drain()
+
+    # ----------------------------------------------------------------------------------------
+    # provisioning
+
+    async def ensure_streams(
+        self,
+        streams: Sequence[names.StreamSpec] = names.STREAMS,
+        buckets: Sequence[names.BucketSpec] = names.BUCKETS,
+        *,
+        duplicate_window_s: float = DEFAULT_DUPLICATE_WINDOW_S,
+        replicas: int = 1,
+    ) -> None:
+        """Create the streams and KV buckets, or bring existing ones to this configuration.
+
+        Idempotent: several services may call it concurrently at startup. A stream whose
+        retention differs cannot be changed in place and raises BusError saying so.
+        """
+        for spec in streams:
+            await self._ensure_stream(spec, duplicate_window_s, replicas)
+        for bucket in buckets:
+            await self._ensure_bucket(bucket, replicas)
+
+    async def _ensure_stream(self, spec: names.StreamSpec, duplicate_window_s: float, replicas: int) -> None:
+        want = api.StreamConfig(
+            name=spec.name,
+            description=spec.description or None,
+            subjects=list(spec.subjects),
+            retention=api.RetentionPolicy(spec.retention.value),
+            storage=api.StorageType.FILE,
+            max_age=spec.max_age_s or 0,
+            max_bytes=spec.max_bytes or -1,
+            duplicate_window=duplicate_window_s,
+            num_replicas=replicas,
+        )
+        try:
+            info = await self.js.stream_info(spec.name)
+        except nats.js.errors.NotFoundError:
+            try:
+                await self.js.add_stream(want)
+                log.info("created stream %s (%s)", spec.name, ", ".join(spec.subjects))
+                return
+            except nats.js.errors.BadRequestError:
+                # Lost a creation race with another service: fall through and compare.
+                info = await self.js.stream_info(spec.name)
+        have = info.config
+        # The server's answer carries plain strings where the request used enums.
+        have_retention = str(getattr(have.retention, "value", have.retention) or "limits")
+        if have_retention != spec.retention.value:
+            raise BusError(
+                f"stream {spec.name} exists with retention {have_retention} but {spec.retention.value} "
+                "is required; retention cannot change in place (delete the stream to recreate it)"
+            )
+        if _stream_differs(have, want):
+            merged = have.evolve(
+                description=want.description,
+                subjects=want.subjects,
+                max_age=want.max_age,
+                max_bytes=want.max_bytes,
+                duplicate_window=want.duplicate_window,
+            )
+            await self.js.update_stream(merged)
+            log.info("updated stream %s", spec.name)
+
+    async def _ensure_bucket(self, spec: names.BucketSpec, replicas: int) -> None:
+        try:
+            await self.js.key_value(spec.name)
+            return
+        except nats.js.errors.BucketNotFoundError:
+            pass
+        await self.js.create_key_value(
+            bucket=spec.name,
+            description=spec.description or None,
+            history=spec.history,
+            ttl=spec.ttl_s,
+            storage=api.StorageType.FILE,
+            replicas=replicas,
+        )
+        log.info("created KV bucket %s", spec.name)
+
+    # ----------------------------------------------------------------------------------------
+    # publish
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes | Message,
+        msg_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> api.PubAck:
+        """Publish to JetStream and wait for the stream to store it.
+
+        msg_id sets Nats-Msg-Id: a second publish with the same id inside the stream's duplicate
+        window is not stored again and its PubAck has duplicate=True. Raises BusError when no
+        stream stores the subject.
+        """
+        data = payload.SerializeToString() if isinstance(payload, Message) else bytes(payload)
+        hdrs: dict[str, str] = dict(headers or {})
+        if msg_id is not None:
+            if not msg_id:
+                raise ValueError("msg_id must be a non-empty string or None")
+            hdrs[MSG_ID_HEADER] = msg_id
+        attributes: dict[str, Any] = {
+            "messaging.system": "nats",
+            "messaging.operation.type": "publish",
+            "messaging.destination.name": subject,
+            "messaging.message.body.size": len(data),
+        }
+        if msg_id:
+            attributes["messaging.message.id"] = msg_id
+        with self._tracer.start_as_current_span(
+            f"{subject} publish", kind=SpanKind.PRODUCER, attributes=attributes
+        ) as span:
+            propagate.inject(hdrs)
+            try:
+                ack = await self.js.publish(subject, data, timeout=timeout_s, headers=hdrs or None)
+            except nats.js.errors.NoStreamResponseError as err:
+                raise BusError(
+                    f"no JetStream stream stores subject {subject!r}; call Bus.ensure_streams() first"
+                ) from err
+            except nats.errors.MaxPayloadError as err:
+                raise BusError(
+                    f"message for {subject!r} is {len(data)} bytes, over the server's max_payload "
+                    f"({self.nc.max_payload} bytes)"
+                ) from err
+            span.set_attribute("messaging.nats.stream", ack.stream)
+            span.set_attribute("messaging.nats.stream_sequence", ack.seq)
+            if ack.duplicate:
+                span.set_attribute("messaging.nats.duplicate", True)
+        return ack
+
+    # ----------------------------------------------------------------------------------------
+    # consume
+
+    async def pull_consumer(
+        self,
+        stream: str,
+        durable: str,
+        filter_subject: str,
+        *,
+        ack_wait: float = 30.0,
+        max_deliver: int = 5,
+        backoff: Sequence[float] | None = None,
+        max_ack_pending: int = 1000,
+        deliver_new_only: bool = False,
+    ) -> Consumer:
+        """A durable pull consumer (created, or updated to this configuration, on the server).
+
+        Several processes using the same durable share its messages (each delivered to one of
+        them). ack_wait: seconds a delivery may stay unacked before the server redelivers it; set
+        it above the longest processing time or call Delivery.in_progress(). max_deliver bounds
+        the attempts (-1: unbounded). backoff (seconds per redelivery attempt) replaces ack_wait
+        for redeliveries and needs max_deliver > len(backoff). max_ack_pending caps the deliveries
+        outstanding at once across all processes of this durable.
+        """
+        names.validate_durable(durable)
+        if ack_wait <= 0:
+            raise ValueError(f"ack_wait must be > 0 seconds, got {ack_wait}")
+        if max_deliver == 0 or max_deliver < -1:
+            raise ValueError(f"max_deliver must be >= 1 or -1 (unbounded), got {max_deliver}")
+        if backoff is not None:
+            backoff = [float(b) for b in backoff]
+            if not backoff or any(b <= 0 for b in backoff):
+                raise ValueError(f"backoff must be a non-empty list of positive seconds, got {backoff}")
+            if max_deliver != -1 and max_deliver <= len(backoff):
+                raise ValueError(
+                    f"max_deliver ({max_deliver}) must exceed the number of backoff steps ({len(backoff)})"
+                )
+        config = api.ConsumerConfig(
+            name=durable,
+            durable_name=durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=ack_wait,
+            max_deliver=max_deliver,
+            backoff=backoff,
+            filter_subject=filter_subject,
+            max_ack_pending=max_ack_pending,
+            deliver_policy=api.DeliverPolicy.NEW if deliver_new_only else api.DeliverPolicy.ALL,
+        )
+        try:
+            await self.js.add_consumer(stream, config)
+        except nats.js.errors.NotFoundError as err:
+            raise BusError(f"stream {stream} does not exist; call Bus.ensure_streams() first") from err
+        except nats.js.errors.APIError as err:
+            raise BusError(f"cannot create consumer {durable} on stream {stream}: {err.description}") from err
+        sub = await self.js.pull_subscribe_bind(durable=durable, stream=stream)
+        return Consumer(self, stream, durable, sub)
+
+    async def delete_consumer(self, stream: str, durable: str) -> bool:
+        """Remove a durable consumer; False when it did not exist."""
+        try:
+            return await self.js.delete_consumer(stream, durable)
+        except nats.js.errors.NotFoundError:
+            return False
+
+    async def count(self, stream: str, subject: str | None = None) -> int:
+        """Messages stored in a stream, or on one subject of it (e.g. a run's episode backlog)."""
+        info = await self.js.stream_info(stream, subjects_filter=subject)
+        if subject is None:
+            return info.state.messages
+        return (info.state.subjects or {}).get(subject, 0)
+
+    # ----------------------------------------------------------------------------------------
+    # key-value
+
+    async def kv(self, bucket: str) -> KV:
+        """A KV bucket created by ensure_streams (or by hand)."""
+        try:
+            store = await self.js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError as err:
+            raise BusError(f"KV bucket {bucket!r} does not exist; call Bus.ensure_streams() first") from err
+        return KV(bucket, store)
+
+
+def _stream_differs(have: api.StreamConfig, want: api.StreamConfig) -> bool:
+    def close(a: float | None, b: float | None) -> bool:
+        return abs((a or 0.0) - (b or 0.0)) < 1e-6
+
+    return (
+        sorted(have.subjects or []) != sorted(want.subjects or [])
+        or not close(have.max_age, want.max_age)
+        or not close(have.duplicate_window, want.duplicate_window)
+        or (have.max_bytes or -1) != (want.max_bytes or -1)
+        or (have.description or None) != (want.description or None)
+    )
+
+
+class Consumer:
+    """A bound pull subscription on one durable consumer."""
+
+    def __init__(self, bus: Bus, stream: str, durable: str, sub: JetStreamContext.PullSubscription) -> None:
+        self.bus = bus
+        self.stream = stream
+        self.durable = durable
+        self._sub = sub
+
+    async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Delivery]:
+        """Up to batch deliveries, waiting at most timeout seconds; [] when none came."""
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        try:
+            msgs = await self._sub.fetch(batch, timeout=timeout)
+        except (TimeoutError, nats.errors.TimeoutError):
+            return []
+        return [Delivery(m, self.bus) for m in msgs]
+
+    async def info(self) -> api.ConsumerInfo:
+        """Server-side state: num_pending (not yet delivered), num_ack_pending, num_redelivered."""
+        return await self._sub.consumer_info()
+
+    async def close(self) -> None:
+        """Stop pulling on this connection; the durable consumer stays on the server."""
+        try:
+            await self._sub.unsubscribe()
+        except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# deliveries
+
+
+class Delivery:
+    """One JetStream message handed to a consumer; settle it exactly once with ack, nak or term."""
+
+    def __init__(self, msg: Msg, bus: Bus) -> None:
+        self._msg = msg
+        self._bus = bus
+        meta = msg.metadata
+        self.subject: str = msg.subject
+        self.data: bytes = msg.data
+        self.headers: dict[str, str] = dict(msg.headers or {})
+        self.msg_id: str | None = self.headers.get(MSG_ID_HEADER)
+        self.num_delivered: int = meta.num_delivered
+        self.stream_seq: int = meta.sequence.stream
+        self.settled: str | None = None
+        """None until settled; then 'ack', 'nak' or 'term'."""
+
+    def __repr__(self) -> str:
+        return (
+            f"Delivery({self.subject} seq={self.stream_seq} id={self.msg_id} "
+            f"delivered={self.num_delivered} settled={self.settled})"
+        )
+
+    async def ack(self, *, confirm: bool = True, timeout: float = 5.0) -> None:
+        """Acknowledge: the server will not deliver this message again. A second call is a no-op.
+
+        With confirm (default) this waits for the server to record the ack, so a crash right
+        after cannot cause a redelivery of work that was already handed off.
+        """
+        if self.settled is not None:
+            return
+        try:
+            if confirm:
+                await self._msg.ack_sync(timeout=timeout)
+            else:
+                await self._msg.ack()
+        except nats.errors.MsgAlreadyAckdError:
+            pass
+        except (TimeoutError, nats.errors.TimeoutError) as err:
+            raise BusError(
+                f"ack of {self.subject} seq {self.stream_seq} not confirmed within {timeout:g}s; "
+                "it may be redelivered"
+            ) from err
+        self.settled = "ack"
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Hand the message back for redelivery, after delay seconds if given. No-op once settled."""
+        if self.settled is not None:
+            return
+        await self._msg.nak(delay=delay)
+        self.settled = "nak"
+
+    async def term(self, reason: str) -> None:
+        """Give up on this message for good (a poison message): never redelivered. No-op once settled.
+
+        The reason is logged here and sent to the server, which reports it in its
+        MSG_TERMINATED advisory.
+        """
+        if self.settled is not None:
+            return
+        one_line = " ".join(reason.split())[:256] or "terminated"
+        log.warning(
+            "terminating %s seq %s (id %s, delivery %d): %s",
+            self.subject,
+            self.stream_seq,
+            self.msg_id,
+            self.num_delivered,
+            one_line,
+        )
+        await self._bus.nc.publish(self._msg.reply, b"+TERM " + one_line.encode())
+        self.settled = "term"
+
+    async def in_progress(self) -> None:
+        """Reset the ack_wait timer for long work; may be called repeatedly until settled."""
+        if self.settled is not None:
+            return
+        await self._msg.in_progress()
+
+    def parse(self, message_type: type[M]) -> M:
+        """The payload as a protobuf message; PoisonMessage when it does not parse."""
+        try:
+            return message_type.FromString(self.data)
+        except DecodeError as err:
+            raise PoisonMessage(
+                f"{self.subject} seq {self.stream_seq}: payload of {len(self.data)} bytes is not a valid "
+                f"{message_type.DESCRIPTOR.full_name}: {err}"
+            ) from err
+
+    @contextmanager
+    def process_span(self) -> Iterator[Span]:
+        """A CONSUMER span "<subject> process" whose parent is the publisher's span."""
+        parent = propagate.extract(self.headers)
+        attributes: dict[str, Any] = {
+            "messaging.system": "nats",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": self.subject,
+            "messaging.nats.stream_sequence": self.stream_seq,
+            "messaging.nats.num_delivered": self.num_delivered,
+        }
+        if self.msg_id:
+            attributes["messaging.message.id"] = self.msg_id
+        with self._bus._tracer.start_as_current_span(
+            f"{self.subject} process", context=parent, kind=SpanKind.CONSUMER, attributes=attributes
+        ) as span:
+            yield span
+
+
+# --------------------------------------------------------------------------------------------
+# key-value
+
+
+@dataclass(frozen=True)
+class KVEntry:
+    key: str
+    value: bytes
+    revision: int
+    deleted: bool = False
+
+
+class KV:
+    """A JetStream KV bucket. Keys: letters, digits and -/_=. ('.' separates tokens for watch)."""
+
+    def __init__(self, bucket: str, store: KeyValue) -> None:
+        self.bucket = bucket
+        self._store = store
+
+    async def get(self, key: str) -> bytes | None:
+        """The current value, or None when the key is absent or deleted."""
+        entry = await self.entry(key)
+        return None if entry is None else entry.value
+
+    async def entry(self, key: str) -> KVEntry | None:
+        """The current value with its revision (for update), or None when absent or deleted."""
+        try:
+            e = await self._store.get(_check_key(key))
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return KVEntry(key, e.value or b"", e.revision or 0)
+
+    async def put(self, key: str, value: bytes) -> int:
+        """Write unconditionally; returns the new revision."""
+        return await self._store.put(_check_key(key), value)
+
+    async def create(self, key: str, value: bytes) -> int:
+        """Write only if the key does not exist; KVConflict otherwise."""
+        try:
+            return await self._store.create(_check_key(key), value)
+        except nats.js.errors.KeyWrongLastSequenceError as err:
+            current = await self.entry(key)
+            raise KVConflict(self.bucket, key, 0, current.revision if current else None) from err
+
+    async def update(self, key: str, value: bytes, last_revision: int) -> int:
+        """Compare-and-set: write only if the key is still at last_revision; KVConflict otherwise."""
+        try:
+            return await self._store.update(_check_key(key), value, last=last_revision)
+        except nats.js.errors.KeyWrongLastSequenceError as err:
+            current = await self.entry(key)
+            raise KVConflict(self.bucket, key, last_revision, current.revision if current else None) from err
+
+    async def delete(self, key: str) -> None:
+        await self._store.delete(_check_key(key))
+
+    async def keys(self) -> list[str]:
+        """Keys that currently hold a value."""
+        try:
+            return await self._store.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+
+    def watch(self, keys: str = ">", *, include_history: bool = False) -> KVWatch:
+        """Changes to keys matching a NATS pattern ('>' all, 'run1.>' all under run1., 'a.*').
+
+        Yields the current value of each matching key first, then every later change (deletes
+        as KVEntry(deleted=True)). Use as `async with kv.watch("x.>") as w: async for e in w:`.
+        """
+        return KVWatch(self._store, keys, include_history)
+
+
+class KVWatch:
+    """An async iterator of KVEntry; stop() or leave the `async with` block to end it."""
+
+    def __init__(self, store: KeyValue, keys: str, include_history: bool) -> None:
+        self._store = store
+        self._keys = keys
+        self._include_history = include_history
+        self._watcher: KeyValue.KeyWatcher | None = None
+
+    async def start(self) -> KVWatch:
+        if self._watcher is None:
+            self._watcher = await self._store.watch(self._keys, include_history=self._include_history)
+        return self
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            try:
+                await self._watcher.stop()
+            except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
+                pass
+
+    async def __aenter__(self) -> KVWatch:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def __aiter__(self) -> AsyncIterator[KVEntry]:
+        return self
+
+    async def __anext__(self) -> KVEntry:
+        await self.start()
+        assert self._watcher is not None
+        async for e in self._watcher:
+            if e is None:
+                # nats-py's "initial values delivered" marker; not a change.
+                continue
+            deleted = e.operation in ("DEL", "PURGE")
+            return KVEntry(e.key, b"" if deleted else (e.value or b""), e.revision or 0, deleted)
+        raise StopAsyncIteration
+
+
+def _check_key(key: str) -> str:
+    if not isinstance(key, str) or not key or key.startswith(".") or key.endswith("."):
+        raise ValueError(f"KV key {key!r} is not valid")
+    for ch in key:
+        if not (ch.isascii() and (ch.isalnum() or ch in "-/_=.")):
+            raise ValueError(f"KV key {key!r} is not valid: character {ch!r} (use letters, digits, -/_=.)")
+    return key

@@ -1,0 +1,266 @@
+"""The event bus against a real nats-server with JetStream (the session's `nats_url`).
+
+Each test uses its own run id (so its own subjects and durables) inside the shared streams,
+which ensure_streams provisions idempotently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from looprl.events.v1 import events_pb2
+from services.kit import subjects
+from services.kit.bus import Bus, BusError, BusUnavailable, KVConflict, PoisonMessage
+from services.kit.local import free_port
+
+
+def new_run() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    b = await Bus.connect(nats_url, name="test-bus")
+    await b.ensure_streams()
+    yield b
+    await b.close()
+
+
+async def test_acked_message_is_not_redelivered(bus: Bus) -> None:
+    run = new_run()
+    task = events_pb2.EpisodeTask(run_id=run, task_id="t-1", group_size=4)
+    ack = await bus.publish(subjects.rollouts(run), task, msg_id="t-1")
+    assert ack.stream == subjects.ROLLOUTS and not ack.duplicate
+
+    consumer = await bus.pull_consumer(subjects.ROLLOUTS, f"c-{run}", subjects.rollouts(run), ack_wait=1)
+    [delivery] = await consumer.fetch(1, timeout=2)
+    assert delivery.parse(events_pb2.EpisodeTask) == task
+    assert delivery.msg_id == "t-1" and delivery.num_delivered == 1 and delivery.stream_seq == ack.seq
+    await delivery.ack()
+    await delivery.ack()  # a second ack is harmless
+    assert delivery.settled == "ack"
+
+    # Wait past ack_wait: an acked message must not come back.
+    assert await consumer.fetch(1, timeout=1.3) == []
+    info = await consumer.info()
+    assert info.num_ack_pending == 0 and info.num_redelivered == 0
+
+
+async def test_consumer_that_dies_without_ack_gets_redelivered(nats_url: str) -> None:
+    run = new_run()
+    durable = f"dies-{run}"
+    first = await Bus.connect(nats_url, name="doomed")
+    await first.ensure_streams()
+    await first.publish(subjects.rollouts(run), b"work", msg_id="w-1")
+    consumer = await first.pull_consumer(subjects.ROLLOUTS, durable, subjects.rollouts(run), ack_wait=1)
+    [taken] = await consumer.fetch(1, timeout=2)
+    assert taken.num_delivered == 1
+    await first.close()  # the process "dies" holding the message
+
+    second = await Bus.connect(nats_url, name="survivor")
+    try:
+        consumer = await second.pull_consumer(subjects.ROLLOUTS, durable, subjects.rollouts(run), ack_wait=1)
+        [again] = await consumer.fetch(1, timeout=3)
+        assert (again.data, again.msg_id, again.stream_seq) == (b"work", "w-1", taken.stream_seq)
+        assert again.num_delivered == 2
+        await again.ack()
+    finally:
+        await second.close()
+
+
+async def test_republished_msg_id_is_deduplicated(bus: Bus) -> None:
+    run = new_run()
+    subject = subjects.rollouts(run)
+    first = await bus.publish(subject, b"rollout", msg_id=f"{run}-r1")
+    second = await bus.publish(subject, b"rollout", msg_id=f"{run}-r1")
+    assert not first.duplicate
+    assert second.duplicate and second.seq == first.seq
+    assert await bus.count(subjects.ROLLOUTS, subject) == 1
+    # A different id is a different message.
+    await bus.publish(subject, b"rollout", msg_id=f"{run}-r2")
+    assert await bus.count(subjects.ROLLOUTS, subject) == 2
+
+
+async def test_term_stops_redelivery_of_a_poison_message(bus: Bus) -> None:
+    run = new_run()
+    await bus.publish(subjects.rollouts(run), b"\xff\xff not a protobuf", msg_id="p-1")
+    consumer = await bus.pull_consumer(subjects.ROLLOUTS, f"poison-{run}", subjects.rollouts(run), ack_wait=1)
+    [delivery] = await consumer.fetch(1, timeout=2)
+    with pytest.raises(PoisonMessage, match=r"not a valid looprl\.events\.v1\.EpisodeTask"):
+        delivery.parse(events_pb2.EpisodeTask)
+    await delivery.term("payload does not parse as EpisodeTask")
+    assert delivery.settled == "term"
+    await delivery.ack()  # settled already: no-op
+    assert await consumer.fetch(1, timeout=1.5) == []
+    assert (await consumer.info()).num_ack_pending == 0
+
+
+async def test_nak_redelivers_and_in_progress_holds_the_message(bus: Bus) -> None:
+    run = new_run()
+    await bus.publish(subjects.rollouts(run), b"slow work")
+    consumer = await bus.pull_consumer(subjects.ROLLOUTS, f"slow-{run}", subjects.rollouts(run), ack_wait=1)
+
+    [delivery] = await consumer.fetch(1, timeout=2)
+    await delivery.nak()
+    [delivery] = await consumer.fetch(1, timeout=2)
+    assert delivery.num_delivered == 2
+
+    # Work that outlasts ack_wait keeps the message by reporting progress.
+    for _ in range(3):
+        await asyncio.sleep(0.5)
+        await delivery.in_progress()
+    assert await consumer.fetch(1, timeout=0.5) == []
+    await delivery.ack()
+
+
+async def test_trace_context_survives_one_nats_hop(nats_url: str) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    b = await Bus.connect(nats_url, name="traced", tracer_provider=provider)
+    try:
+        await b.ensure_streams()
+        run = new_run()
+        subject = subjects.train(run)
+        with tracer.start_as_current_span("caller"):
+            await b.publish(subject, b"step", msg_id="s-1")
+        consumer = await b.pull_consumer(subjects.TRAIN, f"tr-{run}", subject)
+        [delivery] = await consumer.fetch(1, timeout=2)
+        assert "traceparent" in delivery.headers
+        with delivery.process_span() as span:
+            assert span.is_recording()
+        await delivery.ack()
+    finally:
+        await b.close()
+
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    caller, producer, consumer_span = (
+        spans["caller"],
+        spans[f"{subject} publish"],
+        spans[f"{subject} process"],
+    )
+    assert producer.kind is SpanKind.PRODUCER and consumer_span.kind is SpanKind.CONSUMER
+    assert producer.parent.span_id == caller.context.span_id
+    assert consumer_span.context.trace_id == producer.context.trace_id == caller.context.trace_id
+    assert consumer_span.parent.span_id == producer.context.span_id
+    assert consumer_span.attributes["messaging.message.id"] == "s-1"
+
+
+async def test_work_queue_message_acked_by_one_worker_is_gone(nats_url: str) -> None:
+    run = new_run()
+    subject = subjects.episodes(run)
+    durable = f"workers-{run}"
+    a = await Bus.connect(nats_url, name="worker-a")
+    b = await Bus.connect(nats_url, name="worker-b")
+    try:
+        await a.ensure_streams()
+        for i in range(2):
+            await a.publish(
+                subject, events_pb2.EpisodeTask(run_id=run, task_id=f"e{i}"), msg_id=f"{run}-e{i}"
+            )
+        assert await a.count(subjects.EPISODES, subject) == 2
+        worker_a = await a.pull_consumer(subjects.EPISODES, durable, subject)
+        worker_b = await b.pull_consumer(subjects.EPISODES, durable, subject)
+
+        [da] = await worker_a.fetch(1, timeout=2)
+        await da.ack()
+        assert await a.count(subjects.EPISODES, subject) == 1  # acked work leaves the queue
+        [db] = await worker_b.fetch(5, timeout=1)
+        assert db.parse(events_pb2.EpisodeTask).task_id != da.parse(events_pb2.EpisodeTask).task_id
+        await db.ack()
+        assert await a.count(subjects.EPISODES, subject) == 0
+        assert await worker_a.fetch(1, timeout=0.3) == []
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_work_queue_refuses_a_second_overlapping_consumer(bus: Bus) -> None:
+    run = new_run()
+    await bus.pull_consumer(subjects.EPISODES, f"one-{run}", subjects.episodes(run))
+    with pytest.raises(BusError, match=f"cannot create consumer two-{run} on stream EPISODES"):
+        await bus.pull_consumer(subjects.EPISODES, f"two-{run}", subjects.episodes(run))
+    assert await bus.delete_consumer(subjects.EPISODES, f"one-{run}")
+
+
+async def test_kv_compare_and_set(bus: Bus) -> None:
+    kv = await bus.kv(subjects.RUNS)
+    key = new_run()
+    assert await kv.get(key) is None
+    rev1 = await kv.create(key, b"created")
+    with pytest.raises(KVConflict):
+        await kv.create(key, b"again")
+    rev2 = await kv.update(key, b"running", last_revision=rev1)
+    assert rev2 > rev1
+
+    with pytest.raises(KVConflict) as conflict:
+        await kv.update(key, b"stale writer", last_revision=rev1)
+    message = str(conflict.value)
+    assert key in message and f"expected revision {rev1}" in message and f"at revision {rev2}" in message
+    assert await kv.get(key) == b"running"
+    assert (await kv.entry(key)).revision == rev2
+    assert key in await kv.keys()
+
+    await kv.delete(key)
+    assert await kv.get(key) is None
+    with pytest.raises(ValueError, match="KV key"):
+        await kv.get("bad key")
+
+
+async def test_kv_watch_sees_current_values_then_changes(bus: Bus) -> None:
+    kv = await bus.kv(subjects.DEPLOYMENTS)
+    prefix = new_run()
+    await kv.put(f"{prefix}.a", b"1")
+    async with kv.watch(f"{prefix}.>") as watch:
+        first = await asyncio.wait_for(anext(watch), 2)
+        assert (first.key, first.value) == (f"{prefix}.a", b"1")
+        await kv.put(f"{prefix}.b", b"2")
+        await kv.delete(f"{prefix}.a")
+        second = await asyncio.wait_for(anext(watch), 2)
+        third = await asyncio.wait_for(anext(watch), 2)
+    assert (second.key, second.value, second.deleted) == (f"{prefix}.b", b"2", False)
+    assert (third.key, third.deleted) == (f"{prefix}.a", True)
+
+
+async def test_ensure_streams_is_idempotent(bus: Bus) -> None:
+    await bus.ensure_streams()
+    await bus.ensure_streams()
+    info = await bus.js.stream_info(subjects.EPISODES)
+    assert info.config.retention == "workqueue"
+    assert info.config.subjects == ["looprl.*.episodes"]
+    assert info.config.duplicate_window == pytest.approx(120)
+    assert info.config.storage == "file"
+    assert (await bus.js.stream_info(subjects.ROLLOUTS)).config.retention == "limits"
+
+
+async def test_publish_without_a_stream_is_a_clear_error(bus: Bus) -> None:
+    with pytest.raises(BusError, match=r"no JetStream stream stores subject 'nowhere\.at\.all'"):
+        await bus.publish("nowhere.at.all", b"x")
+
+
+async def test_missing_server_is_a_clear_error_not_a_hang() -> None:
+    start = time.monotonic()
+    with pytest.raises(BusUnavailable, match=r"cannot reach NATS at nats://127\.0\.0\.1:"):
+        await Bus.connect(f"nats://127.0.0.1:{free_port()}", name="nobody", connect_timeout_s=1)
+    assert time.monotonic() - start < 5
+
+
+async def test_bad_consumer_settings_are_rejected(bus: Bus) -> None:
+    with pytest.raises(ValueError, match="consumer name"):
+        await bus.pull_consumer(subjects.ROLLOUTS, "has.dot", subjects.rollouts("r"))
+    with pytest.raises(ValueError, match="max_deliver"):
+        await bus.pull_consumer(
+            subjects.ROLLOUTS, "ok", subjects.rollouts("r"), max_deliver=2, backoff=[1, 2]
+        )
+    with pytest.raises(BusError, match="stream NOPE does not exist"):
+        await bus.pull_consumer("NOPE", "ok", subjects.rollouts("r"))
