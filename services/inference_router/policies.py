@@ -86,6 +86,7 @@ class ReplicaState:
     outstanding_requests: int = 0
     # Set when the replica restarted: it stays out of routing until it serves at least this version.
     resync_to_version: int | None = None
+    sync_requested: bool = False
     address: str = ""
     last_error: str = ""
 

@@ -1,0 +1,409 @@
+"""The router core: holds deployment/replica state, asks the policy for a decision per attempt,
+dispatches to the replica, and handles what can go wrong.
+
+- minimum weight version: if no replica is new enough, wait (bounded) for a version change, then
+  fail with the configured status and a message naming min_weight_version;
+- failover: a ReplicaFailure marks the replica unhealthy, excludes it for this request and retries
+  elsewhere, at most `max_attempts` attempts; a request-level error (bad input) is never retried;
+- backpressure: no queue in the router at all; full replica/deployment bounds answer
+  RESOURCE_EXHAUSTED with a retry hint (the recent median latency) in trailing metadata;
+- health: a status poll per replica (and weights.published events) updates versions and health; a
+  replica that restarted is kept out of routing until it serves the newest version of its
+  deployment, and its sessions are forgotten (their cache is gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from looprl.inference.v1 import inference_pb2
+from services.inference_router import metrics
+from services.inference_router.handles import ReplicaFailure, ReplicaHandle
+from services.inference_router.policies import (
+    DeploymentState,
+    NoCapacity,
+    NoDeployment,
+    NoHealthyReplica,
+    ReplicaState,
+    RouteRequest,
+    RoutingPolicy,
+    VersionUnavailable,
+)
+from services.kit import errors
+
+log = logging.getLogger("looprl.inference_router")
+
+
+@dataclass
+class RouterSettings:
+    max_attempts: int = 3
+    # Per attempt; the caller's gRPC deadline, when shorter, wins.
+    request_timeout_s: float = 120.0
+    # How long a request demanding an unavailable weight version waits for one (0: fail at once).
+    version_wait_s: float = 0.0
+    # Status when the version never arrives: "FAILED_PRECONDITION" or "UNAVAILABLE".
+    version_unavailable_code: str = "FAILED_PRECONDITION"
+    # How long a request waits for any healthy replica to come back before UNAVAILABLE.
+    unavailable_wait_s: float = 5.0
+    status_interval_s: float = 0.5
+    status_timeout_s: float = 5.0
+    min_retry_after_s: float = 0.05
+
+
+class Router:
+    def __init__(
+        self,
+        policy: RoutingPolicy | None = None,
+        settings: RouterSettings | None = None,
+        on_replica_restarted: Callable[[str, str], Awaitable[None]] | None = None,
+    ) -> None:
+        self.policy = policy or RoutingPolicy()
+        self.settings = settings or RouterSettings()
+        self.deployments: dict[str, DeploymentState] = {}
+        self.handles: dict[str, ReplicaHandle] = {}
+        self.replicas: dict[str, ReplicaState] = {}
+        # Highest version announced per deployment (weights.published), beyond what polls saw.
+        self.announced: dict[str, int] = {}
+        self.decision_seconds: deque[float] = deque(maxlen=10_000)
+        self._latencies: deque[float] = deque(maxlen=256)
+        self._changed = asyncio.Event()
+        self._on_replica_restarted = on_replica_restarted
+        self._poller: asyncio.Task | None = None
+
+    # ---- membership -------------------------------------------------------------------------
+
+    def add_deployment(self, deployment: DeploymentState, handles: Sequence[ReplicaHandle]) -> None:
+        if deployment.name in self.deployments:
+            raise errors.AlreadyExists(f"deployment.name: deployment {deployment.name!r} already exists")
+        by_name = {h.name: h for h in handles}
+        for replica in deployment.replicas:
+            self.handles[replica.name] = by_name[replica.name]
+            self.replicas[replica.name] = replica
+        self.deployments[deployment.name] = deployment
+        self._notify()
+
+    def deployment_list(self) -> list[DeploymentState]:
+        return list(self.deployments.values())
+
+    # ---- generation -------------------------------------------------------------------------
+
+    def route_request(self, request: inference_pb2.GenerateRequest, exclude: frozenset[str]) -> RouteRequest:
+        s = request.sampling
+        prompt = len(request.prompt_token_ids)
+        return RouteRequest(
+            prompt_tokens=prompt,
+            output_tokens=request.expected_output_tokens or s.max_tokens,
+            total_tokens=prompt + s.max_tokens,
+            session_id=request.session_id,
+            deployment=request.deployment,
+            min_weight_version=request.min_weight_version,
+            exclude=exclude,
+        )
+
+    def decide(self, route: RouteRequest):
+        start = time.perf_counter()
+        try:
+            return self.policy.route(self.deployment_list(), route)
+        finally:
+            elapsed = time.perf_counter() - start
+            self.decision_seconds.append(elapsed)
+            metrics.DECISION_SECONDS.observe(elapsed)
+
+    async def _choose(self, request: inference_pb2.GenerateRequest, exclude: set[str], deadline: float):
+        """A decision, waiting (bounded) for versions or health to change when none is possible."""
+        loop = asyncio.get_running_loop()
+        version_deadline = loop.time() + self.settings.version_wait_s
+        health_deadline = loop.time() + self.settings.unavailable_wait_s
+        while True:
+            changed = self._changed
+            try:
+                return self.decide(self.route_request(request, frozenset(exclude)))
+            except NoDeployment as exc:
+                metrics.REJECTIONS.labels("invalid").inc()
+                raise errors.InvalidArgument(str(exc)) from None
+            except NoCapacity as exc:
+                metrics.REJECTIONS.labels("backpressure").inc()
+                raise errors.ResourceExhausted(str(exc), retry_after_s=self.retry_hint()) from None
+            except VersionUnavailable as exc:
+                until = min(version_deadline, deadline)
+                if not await _wait(changed, until - loop.time()):
+                    metrics.REJECTIONS.labels("version").inc()
+                    waited = (
+                        f" after waiting {self.settings.version_wait_s:.1f}s"
+                        if self.settings.version_wait_s
+                        else ""
+                    )
+                    kind = (
+                        errors.Unavailable
+                        if self.settings.version_unavailable_code.upper() == "UNAVAILABLE"
+                        else errors.FailedPrecondition
+                    )
+                    raise kind(f"{exc}{waited}") from None
+            except NoHealthyReplica as exc:
+                until = min(health_deadline, deadline)
+                if not await _wait(changed, until - loop.time()):
+                    metrics.REJECTIONS.labels("unavailable").inc()
+                    raise errors.Unavailable(str(exc), retry_after_s=self.retry_hint()) from None
+
+    async def generate(
+        self, request: inference_pb2.GenerateRequest, timeout_s: float | None = None
+    ) -> inference_pb2.GenerateResponse:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout_s or self.settings.request_timeout_s)
+        exclude: set[str] = set()
+        last_failure = ""
+        for attempt in range(1, self.settings.max_attempts + 1):
+            decision = await self._choose(request, exclude, deadline)
+            replica, dep = decision.replica, decision.deployment
+            self._count_decision(decision)
+            reserved = self._reserve(replica, request)
+            start = time.perf_counter()
+            try:
+                response = await self.handles[replica.name].generate(
+                    request, min(self.settings.request_timeout_s, max(0.01, deadline - loop.time()))
+                )
+            except ReplicaFailure as exc:
+                self._replica_failed(replica, exc)
+                exclude.add(replica.name)
+                last_failure = str(exc)
+                if attempt < self.settings.max_attempts:
+                    metrics.RETRIES.labels(dep.name, replica.name).inc()
+                continue
+            except errors.ServiceError:
+                metrics.REQUESTS.labels(dep.name, replica.name, "rejected").inc()
+                raise
+            finally:
+                self._release(replica, reserved)
+            self._finished(dep, replica, request, response, time.perf_counter() - start)
+            response.deployment = dep.name
+            response.replica = replica.name
+            return response
+        metrics.REJECTIONS.labels("attempts").inc()
+        raise errors.Unavailable(
+            f"request failed on {self.settings.max_attempts} replicas; last error: {last_failure}",
+            retry_after_s=self.retry_hint(),
+        )
+
+    async def generate_stream(
+        self, request: inference_pb2.GenerateRequest, timeout_s: float | None = None
+    ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
+        """Chunks as sampled. Failover is transparent only until the first chunk went out: after
+        that a retry would duplicate tokens, so a mid-stream failure ends the call with UNAVAILABLE."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout_s or self.settings.request_timeout_s)
+        exclude: set[str] = set()
+        last_failure = ""
+        for _attempt in range(self.settings.max_attempts):
+            decision = await self._choose(request, exclude, deadline)
+            replica, dep = decision.replica, decision.deployment
+            self._count_decision(decision)
+            reserved = self._reserve(replica, request)
+            start = time.perf_counter()
+            sent = 0
+            tokens = 0
+            try:
+                stream = self.handles[replica.name].generate_stream(
+                    request, min(self.settings.request_timeout_s, max(0.01, deadline - loop.time()))
+                )
+                async for chunk in stream:
+                    chunk.deployment = dep.name
+                    chunk.replica = replica.name
+                    tokens += len(chunk.token_ids)
+                    sent += 1
+                    yield chunk
+            except ReplicaFailure as exc:
+                self._replica_failed(replica, exc)
+                if sent:
+                    metrics.REQUESTS.labels(dep.name, replica.name, "failed").inc()
+                    raise errors.Unavailable(
+                        f"replica {replica.name} failed after {tokens} streamed tokens: {exc.why}"
+                    ) from None
+                exclude.add(replica.name)
+                last_failure = str(exc)
+                metrics.RETRIES.labels(dep.name, replica.name).inc()
+                continue
+            finally:
+                self._release(replica, reserved)
+            metrics.REQUESTS.labels(dep.name, replica.name, "ok").inc()
+            metrics.TOKENS.labels(dep.name, replica.name, "completion").inc(tokens)
+            metrics.TOKENS.labels(dep.name, replica.name, "prompt").inc(len(request.prompt_token_ids))
+            metrics.LATENCY.labels(dep.name).observe(time.perf_counter() - start)
+            return
+        raise errors.Unavailable(
+            f"request failed on {self.settings.max_attempts} replicas; last error: {last_failure}",
+            retry_after_s=self.retry_hint(),
+        )
+
+    def retry_hint(self) -> float:
+        if not self._latencies:
+            return max(self.settings.min_retry_after_s, 0.1)
+        ordered = sorted(self._latencies)
+        return max(self.settings.min_retry_after_s, ordered[len(ordered) // 2])
+
+    def _count_decision(self, decision: Any) -> None:
+        for reason in decision.reasons:
+            metrics.DECISIONS.labels(decision.deployment.name, reason).inc()
+
+    @staticmethod
+    def _tokens_of(request: inference_pb2.GenerateRequest) -> int:
+        return len(request.prompt_token_ids) + (request.sampling.n or 1) * request.sampling.max_tokens
+
+    def _reserve(self, replica: ReplicaState, request: inference_pb2.GenerateRequest) -> int:
+        tokens = self._tokens_of(request)
+        replica.outstanding_requests += 1
+        replica.outstanding_tokens += tokens
+        self._export_load(replica)
+        return tokens
+
+    def _release(self, replica: ReplicaState, tokens: int) -> None:
+        replica.outstanding_requests -= 1
+        replica.outstanding_tokens -= tokens
+        self._export_load(replica)
+        self._notify()  # room opened up
+
+    @staticmethod
+    def _export_load(replica: ReplicaState) -> None:
+        metrics.OUTSTANDING_REQUESTS.labels(replica.deployment, replica.name).set(
+            replica.outstanding_requests
+        )
+        metrics.OUTSTANDING_TOKENS.labels(replica.deployment, replica.name).set(replica.outstanding_tokens)
+
+    def _finished(self, dep, replica, request, response, seconds: float) -> None:
+        self._latencies.append(seconds)
+        metrics.REQUESTS.labels(dep.name, replica.name, "ok").inc()
+        metrics.TOKENS.labels(dep.name, replica.name, "prompt").inc(len(request.prompt_token_ids))
+        metrics.TOKENS.labels(dep.name, replica.name, "completion").inc(
+            sum(len(c.token_ids) for c in response.completions)
+        )
+        metrics.LATENCY.labels(dep.name).observe(seconds)
+
+    # ---- health and versions ------------------------------------------------------------------
+
+    def _replica_failed(self, replica: ReplicaState, exc: ReplicaFailure) -> None:
+        log.warning("replica failed, retrying elsewhere: %s", exc)
+        replica.healthy = False
+        replica.last_error = exc.why
+        if exc.crashed:
+            self._mark_restarting(replica)
+        self._export_health(replica)
+        self._notify()
+
+    def _mark_restarting(self, replica: ReplicaState) -> None:
+        newest = self.newest_version(replica.deployment)
+        replica.resync_to_version = newest if newest >= 0 else None
+        if self.policy.affinity is not None:
+            self.policy.affinity.forget_replica(replica.name)
+
+    def newest_version(self, deployment: str) -> int:
+        dep = self.deployments[deployment]
+        return max(dep.latest_version, self.announced.get(deployment, -1))
+
+    def observe_status(self, replica: ReplicaState, status: dict[str, Any] | None, error: str = "") -> None:
+        """Fold one status poll (or its failure) into the replica's state."""
+        was_routable = replica.routable
+        if status is None:
+            replica.healthy = False
+            replica.last_error = error
+        else:
+            version = int(status.get("weight_version", -1))
+            if version < replica.weight_version and replica.resync_to_version is None:
+                # Version went backwards: the process restarted and lost its weights.
+                log.warning(
+                    "replica %s restarted (version %d -> %d)", replica.name, replica.weight_version, version
+                )
+                self._mark_restarting(replica)
+            if (
+                replica.resync_to_version is not None
+                and version < replica.resync_to_version
+                and not replica.sync_requested
+            ):
+                # It answers again but lacks the newest weights: ask for them once.
+                replica.sync_requested = True
+                self._restarted(replica)
+            replica.weight_version = version
+            replica.healthy = bool(status.get("ready", True))
+            replica.address = str(status.get("address", replica.address))
+            if replica.resync_to_version is not None and version >= replica.resync_to_version:
+                log.info("replica %s is back at version %d", replica.name, version)
+                replica.resync_to_version = None
+                replica.sync_requested = False
+        metrics.REPLICA_VERSION.labels(replica.deployment, replica.name).set(replica.weight_version)
+        self._export_health(replica)
+        if replica.routable != was_routable or status is not None:
+            self._notify()
+
+    def _restarted(self, replica: ReplicaState) -> None:
+        if self._on_replica_restarted is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._on_replica_restarted(replica.deployment, replica.name)
+            )
+            task.add_done_callback(_log_failure)
+
+    @staticmethod
+    def _export_health(replica: ReplicaState) -> None:
+        metrics.REPLICA_ROUTABLE.labels(replica.deployment, replica.name).set(1 if replica.routable else 0)
+
+    def on_weights_published(self, deployment: str, version: int) -> None:
+        if deployment in self.deployments and version > self.announced.get(deployment, -1):
+            self.announced[deployment] = version
+            self._notify()
+
+    async def poll_once(self) -> None:
+        async def one(name: str) -> None:
+            replica = self.replicas[name]
+            try:
+                status = await self.handles[name].status(self.settings.status_timeout_s)
+            except (ReplicaFailure, errors.ServiceError) as exc:
+                crashed = getattr(exc, "crashed", False)
+                if crashed and replica.resync_to_version is None:
+                    self._mark_restarting(replica)
+                self.observe_status(replica, None, str(exc))
+                return
+            self.observe_status(replica, status)
+
+        await asyncio.gather(*(one(name) for name in list(self.replicas)))
+
+    def start_polling(self) -> None:
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:
+                log.exception("status poll failed")
+            await asyncio.sleep(self.settings.status_interval_s)
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
+        for handle in self.handles.values():
+            await handle.close()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> bool:
+    """True if the event fired within timeout (state changed: decide again)."""
+    if timeout <= 0:
+        return False
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+        return True
+    except TimeoutError:
+        return False
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("replica restart hook failed: %s", task.exception())

@@ -1,0 +1,195 @@
+"""Router core (failover, version waits, backpressure, restarts) against in-process fake replicas.
+
+Only the replica is faked here (a tiny async object answering like InferenceReplica); the router,
+its policies and the error mapping are the real code. Integration tests use real replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from looprl.common.v1 import common_pb2
+from looprl.inference.v1 import inference_pb2
+from services.inference_router.handles import ReplicaFailure
+from services.inference_router.policies import (
+    DeploymentState,
+    LengthProfile,
+    ReplicaState,
+    RoutingPolicy,
+    SessionAffinity,
+)
+from services.inference_router.router import Router, RouterSettings
+from services.kit import errors
+
+
+class FakeReplica:
+    def __init__(self, name: str, version: int = 1, delay: float = 0.0) -> None:
+        self.name = name
+        self.version = version
+        self.delay = delay
+        self.fail_next = 0
+        self.crash = False
+        self.calls = 0
+
+    async def generate(self, request, timeout_s):
+        self.calls += 1
+        await asyncio.sleep(self.delay)
+        if self.crash:
+            raise ReplicaFailure(self.name, "actor died", crashed=True)
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ReplicaFailure(self.name, "boom")
+        if request.prompt_token_ids[0] < 0:
+            raise errors.InvalidArgument("prompt_token_ids: negative")
+        comp = inference_pb2.Completion(
+            token_ids=[7] * request.sampling.max_tokens, finish_reason="length", weight_version=self.version
+        )
+        return inference_pb2.GenerateResponse(completions=[comp], prompt_tokens=len(request.prompt_token_ids))
+
+    async def generate_stream(self, request, timeout_s):
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ReplicaFailure(self.name, "boom")
+        for i in range(request.sampling.max_tokens):
+            yield inference_pb2.GenerateStreamResponse(index=0, token_ids=[i], weight_version=self.version)
+        yield inference_pb2.GenerateStreamResponse(index=0, finish_reason="length")
+
+    async def status(self, timeout_s):
+        if self.crash:
+            raise ReplicaFailure(self.name, "actor died", crashed=True)
+        return {"weight_version": self.version, "ready": True, "address": f"fake:{self.name}"}
+
+    async def close(self):
+        pass
+
+
+def _router(replicas=2, settings=None, per_replica=8, hook=None):
+    dep = DeploymentState(name="d", profile=LengthProfile(), max_model_len=512)
+    fakes = [FakeReplica(f"d-{i}") for i in range(replicas)]
+    dep.replicas = [
+        ReplicaState(name=f.name, deployment="d", max_outstanding_requests=per_replica) for f in fakes
+    ]
+    router = Router(RoutingPolicy(affinity=SessionAffinity()), settings or RouterSettings(), hook)
+    router.add_deployment(dep, fakes)
+    return router, fakes
+
+
+def _request(max_tokens=4, **kw):
+    return inference_pb2.GenerateRequest(
+        prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(max_tokens=max_tokens), **kw
+    )
+
+
+async def test_failed_replica_is_retried_elsewhere_and_marked_unhealthy():
+    router, fakes = _router()
+    await router.poll_once()
+    fakes[0].fail_next = fakes[1].fail_next = 0
+    fakes[0].crash = True
+    results = await asyncio.gather(*(router.generate(_request()) for _ in range(6)))
+    assert all(r.replica == "d-1" and len(r.completions[0].token_ids) == 4 for r in results)
+    assert not router.replicas["d-0"].routable
+
+
+async def test_attempts_are_bounded():
+    router, fakes = _router(settings=RouterSettings(max_attempts=2, unavailable_wait_s=0))
+    await router.poll_once()
+    for f in fakes:
+        f.fail_next = 5
+    with pytest.raises(errors.Unavailable, match="failed on 2 replicas"):
+        await router.generate(_request())
+    assert sum(f.calls for f in fakes) == 2
+
+
+async def test_bad_request_is_not_retried():
+    router, fakes = _router()
+    await router.poll_once()
+    bad = inference_pb2.GenerateRequest(
+        prompt_token_ids=[-1], sampling=common_pb2.SamplingParams(max_tokens=2)
+    )
+    with pytest.raises(errors.InvalidArgument):
+        await router.generate(bad)
+    assert sum(f.calls for f in fakes) == 1
+
+
+async def test_min_version_waits_for_an_update_then_serves():
+    router, fakes = _router(settings=RouterSettings(version_wait_s=5))
+    await router.poll_once()
+
+    async def publish_later():
+        await asyncio.sleep(0.2)
+        fakes[1].version = 4
+        await router.poll_once()
+
+    task = asyncio.create_task(publish_later())
+    response = await router.generate(_request(min_weight_version=4))
+    await task
+    assert response.replica == "d-1" and response.completions[0].weight_version == 4
+
+
+@pytest.mark.parametrize(
+    "code,kind", [("FAILED_PRECONDITION", errors.FailedPrecondition), ("UNAVAILABLE", errors.Unavailable)]
+)
+async def test_min_version_fails_with_the_configured_status(code, kind):
+    router, _ = _router(settings=RouterSettings(version_wait_s=0.1, version_unavailable_code=code))
+    await router.poll_once()
+    with pytest.raises(
+        kind, match=r"min_weight_version: no replica serves weight version >= 9 \(newest available: 1\)"
+    ):
+        await router.generate(_request(min_weight_version=9))
+
+
+async def test_backpressure_answers_resource_exhausted_with_a_retry_hint():
+    router, fakes = _router(replicas=1, per_replica=2)
+    fakes[0].delay = 0.3
+    await router.poll_once()
+    running = [asyncio.create_task(router.generate(_request())) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    with pytest.raises(errors.ResourceExhausted) as err:
+        await router.generate(_request())
+    assert err.value.retry_after_s and err.value.retry_after_s > 0
+    assert ("retry-after-ms", str(int(err.value.retry_after_s * 1000))) in err.value.trailing_metadata()
+    assert all(r.completions for r in await asyncio.gather(*running))
+    assert router.replicas["d-0"].outstanding_requests == 0
+
+
+async def test_restarted_replica_waits_for_the_newest_version_and_asks_for_it():
+    asked = []
+
+    async def hook(deployment, replica):
+        asked.append((deployment, replica))
+
+    router, fakes = _router(hook=hook)
+    for f in fakes:
+        f.version = 3
+    await router.poll_once()
+    fakes[0].version = -1  # restarted without weights
+    await router.poll_once()
+    await asyncio.sleep(0)
+    assert asked == [("d", "d-0")]
+    assert not router.replicas["d-0"].routable
+    assert {(await router.generate(_request())).replica for _ in range(4)} == {"d-1"}
+    fakes[0].version = 3
+    await router.poll_once()
+    assert router.replicas["d-0"].routable
+
+
+async def test_session_sticks_and_moves_when_its_replica_dies():
+    router, fakes = _router()
+    await router.poll_once()
+    first = await router.generate(_request(session_id="s"))
+    for _ in range(3):
+        assert (await router.generate(_request(session_id="s"))).replica == first.replica
+    fakes[int(first.replica[-1])].crash = True
+    moved = await router.generate(_request(session_id="s"))
+    assert moved.replica != first.replica
+
+
+async def test_stream_fails_over_before_the_first_chunk():
+    router, fakes = _router()
+    await router.poll_once()
+    fakes[0].fail_next = 100  # whichever replica is chosen first, d-1 ends up serving
+    chunks = [c async for c in router.generate_stream(_request(max_tokens=3))]
+    assert [t for c in chunks for t in c.token_ids] == [0, 1, 2]
+    assert chunks[-1].finish_reason == "length"
