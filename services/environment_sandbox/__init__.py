@@ -1,0 +1,1 @@
+"""environment-sandbox service: environments, the agent loop, sandboxed execution, rate limits."""

@@ -1,0 +1,406 @@
+"""A warm pool of sandbox worker processes and the one call that runs code in it.
+
+Each worker (see worker.py) is started ahead of time: interpreter loaded, namespaces entered,
+privileges dropped, limits set, waiting on a pipe. `execute` hands a job to a ready worker,
+reads its output under a byte cap and a wall-clock deadline, kills the worker's PID namespace
+when either runs out, deletes the workspace, and starts a replacement. A worker runs exactly one
+job: nothing one program leaves behind (files, processes, modules, globals) reaches the next.
+
+Each worker gets its own uid from a range, because RLIMIT_NPROC counts processes per uid: with
+one shared uid a fork bomb in one sandbox would starve every other sandbox of processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+WORKER_SCRIPT = str(Path(__file__).with_name("worker.py"))
+ALL_ISOLATION = ("netns", "pidns", "mountns", "ipcns", "utsns")
+
+
+@dataclass
+class SandboxConfig:
+    """Limits and pool sizes; per-request timeout and memory may only lower the ceilings here."""
+
+    warm_workers: int = 2
+    max_concurrency: int = 8
+    timeout_s: float = 5.0
+    max_timeout_s: float = 60.0
+    memory_bytes: int = 512 * 1024 * 1024
+    max_output_bytes: int = 1024 * 1024
+    nproc: int = 32
+    fsize_bytes: int = 16 * 1024 * 1024
+    nofile: int = 64
+    uid_base: int = 600000
+    uid_count: int = 1024
+    gid: int = 65534
+    python: str = sys.executable
+    root_dir: str = ""
+    isolation: tuple[str, ...] = ALL_ISOLATION
+    start_timeout_s: float = 15.0
+
+
+@dataclass
+class ExecJob:
+    code: str
+    stdin: str = ""
+    files: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 0.0
+    memory_bytes: int = 0
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    killed_reason: str = ""
+    wall_seconds: float = 0.0
+    output_truncated: bool = False
+    isolation: list[str] = field(default_factory=list)
+    missing_isolation: list[str] = field(default_factory=list)
+    warm: bool = True
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class SandboxError(RuntimeError):
+    """A worker could not be started (the sandbox itself is broken, not the user's code)."""
+
+
+class _Worker:
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        job_fd: int,
+        status: asyncio.StreamReader,
+        workspace: Path,
+        uid: int,
+        transport: asyncio.BaseTransport,
+    ) -> None:
+        self.proc = proc
+        self.job_fd = job_fd
+        self.status = status
+        self.workspace = workspace
+        self.uid = uid
+        self.transport = transport
+        self.init_pid = 0
+        self.isolation: list[str] = []
+        self.missing: list[str] = []
+
+    def kill(self) -> None:
+        # The init is pid 1 of the sandbox's PID namespace: killing it kills everything inside.
+        for pid in (self.init_pid, self.proc.pid):
+            if pid:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+class SandboxPool:
+    """Warm sandbox workers on this host. Use from one asyncio event loop."""
+
+    def __init__(self, config: SandboxConfig | None = None) -> None:
+        self.config = config or SandboxConfig()
+        root = Path(self.config.root_dir or tempfile.gettempdir()) / "looprl-sandbox"
+        root.mkdir(mode=0o711, exist_ok=True)
+        self._dir = Path(tempfile.mkdtemp(prefix="pool-", dir=root))
+        self._dir.chmod(0o711)  # the sandbox uid must traverse it to reach its own workspace
+        self._ready: asyncio.Queue[_Worker] = asyncio.Queue()
+        self._free_uids = list(range(self.config.uid_base, self.config.uid_base + self.config.uid_count))
+        self._seq = itertools.count()
+        self._slots = asyncio.Semaphore(self.config.max_concurrency)
+        self._spawning = 0
+        self._closed = False
+        self._tasks: set[asyncio.Task] = set()
+        self.waiting = 0
+        self.running = 0
+        self.completed = 0
+        self.cold_starts = 0
+
+    async def start(self) -> SandboxPool:
+        self._refill()
+        await self.wait_warm()
+        return self
+
+    async def wait_warm(self, timeout: float | None = None) -> None:
+        """Until `warm_workers` workers are ready (for benchmarks and tests)."""
+        deadline = time.monotonic() + (timeout or self.config.start_timeout_s * 2)
+        while self._ready.qsize() < self.config.warm_workers:
+            if time.monotonic() > deadline:
+                raise SandboxError(f"only {self._ready.qsize()} warm workers after waiting")
+            self._refill()
+            await asyncio.sleep(0.01)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "warm": self._ready.qsize(),
+            "spawning": self._spawning,
+            "waiting": self.waiting,
+            "running": self.running,
+            "completed": self.completed,
+            "cold_starts": self.cold_starts,
+        }
+
+    @property
+    def queue_depth(self) -> int:
+        return self.waiting + self.running
+
+    async def execute(self, job: ExecJob) -> ExecResult:
+        if self._closed:
+            raise SandboxError("sandbox pool is closed")
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            warm = not self._ready.empty()
+            if warm:
+                worker = self._ready.get_nowait()
+            else:
+                self.cold_starts += 1
+                worker = await self._spawn()
+            self._refill()
+            try:
+                return await self._run(worker, job, warm)
+            finally:
+                await self._dispose(worker)
+        finally:
+            self.running -= 1
+            self.completed += 1
+            self._slots.release()
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        while not self._ready.empty():
+            await self._dispose(self._ready.get_nowait())
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _refill(self) -> None:
+        missing = self.config.warm_workers - self._ready.qsize() - self._spawning
+        for _ in range(max(0, missing)):
+            if self._closed:
+                return
+            self._spawning += 1
+            task = asyncio.ensure_future(self._spawn_into_pool())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _spawn_into_pool(self) -> None:
+        try:
+            worker = await self._spawn()
+        except Exception:
+            log.exception("sandbox worker failed to start")
+            await asyncio.sleep(0.5)
+            return
+        finally:
+            self._spawning -= 1
+        if self._closed:
+            await self._dispose(worker)
+        else:
+            self._ready.put_nowait(worker)
+
+    async def _spawn(self) -> _Worker:
+        cfg = self.config
+        if not self._free_uids:
+            raise SandboxError("no free sandbox uid (uid_count too small for the pool)")
+        uid = self._free_uids.pop(0)
+        workspace = self._dir / f"w{next(self._seq)}-{uuid.uuid4().hex[:6]}"
+        workspace.mkdir(mode=0o700)
+        os.chown(workspace, uid, cfg.gid)
+        job_r, job_w = os.pipe()
+        status_r, status_w = os.pipe()
+        args = {
+            "job_fd": job_r,
+            "status_fd": status_w,
+            "workspace": str(workspace),
+            "uid": uid,
+            "gid": cfg.gid,
+            "want": list(cfg.isolation),
+            "limits": {
+                "cpu_seconds": int(cfg.max_timeout_s) + 1,
+                "memory_bytes": cfg.memory_bytes,
+                "nproc": cfg.nproc,
+                "fsize_bytes": cfg.fsize_bytes,
+                "nofile": cfg.nofile,
+            },
+        }
+        loop = asyncio.get_running_loop()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                cfg.python,
+                "-I",
+                "-S",
+                WORKER_SCRIPT,
+                json.dumps(args),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=(job_r, status_w),
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                start_new_session=True,
+            )
+        finally:
+            os.close(job_r)
+            os.close(status_w)
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(status_r, "rb", buffering=0)
+        )
+        worker = _Worker(proc, job_w, reader, workspace, uid, transport)
+        try:
+            async with asyncio.timeout(cfg.start_timeout_s):
+                while True:
+                    line = await reader.readline()
+                    if not line:
+                        err = (await proc.stderr.read())[-2000:].decode(errors="replace")
+                        raise SandboxError(f"sandbox worker exited during start-up: {err}")
+                    kind, _, payload = line.decode().partition(" ")
+                    data = json.loads(payload)
+                    if kind == "pid":
+                        worker.init_pid = data["pid"]
+                    elif kind == "error":
+                        raise SandboxError(f"sandbox worker set-up failed: {data['error']}")
+                    elif kind == "ready":
+                        worker.isolation = data["isolation"]
+                        worker.missing = data["missing"]
+                        if worker.missing:
+                            log.warning("sandbox isolation degraded: %s", worker.missing)
+                        return worker
+        except BaseException:
+            await self._dispose(worker)
+            raise
+
+    async def _run(self, worker: _Worker, job: ExecJob, warm: bool) -> ExecResult:
+        cfg = self.config
+        timeout = min(job.timeout_s or cfg.timeout_s, cfg.max_timeout_s)
+        memory = min(job.memory_bytes or cfg.memory_bytes, cfg.memory_bytes)
+        payload = json.dumps(
+            {
+                "code": job.code,
+                "stdin": job.stdin,
+                "files": job.files,
+                "limits": {"cpu_seconds": int(timeout) + 1, "memory_bytes": memory},
+            }
+        ).encode()
+        start = time.perf_counter()
+        await asyncio.to_thread(_write_and_close, worker.job_fd, payload)
+        worker.job_fd = -1
+        budget = [cfg.max_output_bytes]
+        truncated = asyncio.Event()
+        out = asyncio.ensure_future(_read_capped(worker.proc.stdout, budget, truncated))
+        err = asyncio.ensure_future(_read_capped(worker.proc.stderr, budget, truncated))
+        timed_out = False
+        done_task = asyncio.ensure_future(asyncio.gather(out, err, worker.proc.wait()))
+        trunc_task = asyncio.ensure_future(truncated.wait())
+        finished, _ = await asyncio.wait(
+            {done_task, trunc_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        killed_reason = ""
+        if done_task not in finished:
+            if trunc_task in finished:
+                killed_reason = "output"
+            else:
+                timed_out, killed_reason = True, "timeout"
+            worker.kill()
+        trunc_task.cancel()
+        stdout, stderr, _ = await done_task
+        wall = time.perf_counter() - start
+        exit_info: dict = {}
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                while line := await worker.status.readline():
+                    kind, _, body = line.decode().partition(" ")
+                    if kind == "exit":
+                        exit_info = json.loads(body)
+        if "code" in exit_info:
+            exit_code = exit_info["code"]
+        elif "signal" in exit_info:
+            exit_code = -exit_info["signal"]
+            if not killed_reason:
+                sig = exit_info["signal"]
+                killed_reason = "cpu" if sig in (signal.SIGXCPU, signal.SIGKILL) else f"signal {sig}"
+        else:
+            exit_code = -signal.SIGKILL
+        err_text = stderr.decode(errors="replace")
+        if not killed_reason and exit_code != 0 and "MemoryError" in err_text[-4000:]:
+            killed_reason = "memory"
+        return ExecResult(
+            exit_code=exit_code,
+            stdout=stdout.decode(errors="replace"),
+            stderr=err_text,
+            timed_out=timed_out,
+            killed_reason=killed_reason,
+            wall_seconds=wall,
+            output_truncated=truncated.is_set(),
+            isolation=list(worker.isolation),
+            missing_isolation=list(worker.missing),
+            warm=warm,
+        )
+
+    async def _dispose(self, worker: _Worker) -> None:
+        worker.kill()
+        if worker.job_fd >= 0:
+            os.close(worker.job_fd)
+            worker.job_fd = -1
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(worker.proc.wait(), 5.0)
+        worker.transport.close()
+        await asyncio.to_thread(shutil.rmtree, worker.workspace, True)
+        self._free_uids.append(worker.uid)
+
+
+def _write_and_close(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+    except BrokenPipeError:
+        pass
+    finally:
+        os.close(fd)
+
+
+async def _read_capped(stream: asyncio.StreamReader | None, budget: list[int], over: asyncio.Event) -> bytes:
+    """Read until EOF, keeping at most the shared budget; set `over` once it is exceeded."""
+    if stream is None:
+        return b""
+    kept = bytearray()
+    while True:
+        chunk = await stream.read(65536)
+        if not chunk:
+            return bytes(kept)
+        take = min(len(chunk), budget[0])
+        kept += chunk[:take]
+        budget[0] -= take
+        if take < len(chunk):
+            # Keep draining (and discarding) until the killed worker's pipe closes: a paused
+            # transport would never see EOF and the process would never be reaped.
+            over.set()
