@@ -7,6 +7,7 @@ which ensure_streams provisions idempotently.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,13 +39,14 @@ async def bus(nats_url: str) -> AsyncIterator[Bus]:
 async def test_acked_message_is_not_redelivered(bus: Bus) -> None:
     run = new_run()
     task = events_pb2.EpisodeTask(run_id=run, task_id="t-1", group_size=4)
-    ack = await bus.publish(subjects.rollouts(run), task, msg_id="t-1")
+    ack = await bus.publish(subjects.rollouts(run), task, msg_id="t-1", headers={"looprl-kind": "task"})
     assert ack.stream == subjects.ROLLOUTS and not ack.duplicate
 
     consumer = await bus.pull_consumer(subjects.ROLLOUTS, f"c-{run}", subjects.rollouts(run), ack_wait=1)
     [delivery] = await consumer.fetch(1, timeout=2)
     assert delivery.parse(events_pb2.EpisodeTask) == task
     assert delivery.msg_id == "t-1" and delivery.num_delivered == 1 and delivery.stream_seq == ack.seq
+    assert delivery.headers["looprl-kind"] == "task"
     await delivery.ack()
     await delivery.ack()  # a second ack is harmless
     assert delivery.settled == "ack"
@@ -93,11 +95,18 @@ async def test_republished_msg_id_is_deduplicated(bus: Bus) -> None:
 async def test_term_stops_redelivery_of_a_poison_message(bus: Bus) -> None:
     run = new_run()
     await bus.publish(subjects.rollouts(run), b"\xff\xff not a protobuf", msg_id="p-1")
-    consumer = await bus.pull_consumer(subjects.ROLLOUTS, f"poison-{run}", subjects.rollouts(run), ack_wait=1)
+    durable = f"poison-{run}"
+    consumer = await bus.pull_consumer(subjects.ROLLOUTS, durable, subjects.rollouts(run), ack_wait=1)
+    advisories = await bus.nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.ROLLOUTS.{durable}")
     [delivery] = await consumer.fetch(1, timeout=2)
     with pytest.raises(PoisonMessage, match=r"not a valid looprl\.events\.v1\.EpisodeTask"):
         delivery.parse(events_pb2.EpisodeTask)
-    await delivery.term("payload does not parse as EpisodeTask")
+    await delivery.term("payload does not parse\nas EpisodeTask")
+    # The server saw a TERM, with our reason on one line.
+    advisory = json.loads((await advisories.next_msg(timeout=2)).data)
+    assert advisory["stream_seq"] == delivery.stream_seq
+    assert advisory["reason"] == "payload does not parse as EpisodeTask"
+    await advisories.unsubscribe()
     assert delivery.settled == "term"
     await delivery.ack()  # settled already: no-op
     assert await consumer.fetch(1, timeout=1.5) == []
@@ -120,6 +129,19 @@ async def test_nak_redelivers_and_in_progress_holds_the_message(bus: Bus) -> Non
         await delivery.in_progress()
     assert await consumer.fetch(1, timeout=0.5) == []
     await delivery.ack()
+
+
+async def test_max_deliver_bounds_the_attempts(bus: Bus) -> None:
+    run = new_run()
+    await bus.publish(subjects.rollouts(run), b"flaky")
+    consumer = await bus.pull_consumer(
+        subjects.ROLLOUTS, f"flaky-{run}", subjects.rollouts(run), ack_wait=5, max_deliver=2
+    )
+    for attempt in (1, 2):
+        [delivery] = await consumer.fetch(1, timeout=2)
+        assert delivery.num_delivered == attempt
+        await delivery.nak()
+    assert await consumer.fetch(1, timeout=0.5) == []
 
 
 async def test_trace_context_survives_one_nats_hop(nats_url: str) -> None:
@@ -241,6 +263,38 @@ async def test_ensure_streams_is_idempotent(bus: Bus) -> None:
     assert info.config.duplicate_window == pytest.approx(120)
     assert info.config.storage == "file"
     assert (await bus.js.stream_info(subjects.ROLLOUTS)).config.retention == "limits"
+
+
+async def test_ensure_streams_updates_a_drifted_stream_and_refuses_a_retention_change(bus: Bus) -> None:
+    name = f"T{uuid.uuid4().hex[:10].upper()}"
+    spec = subjects.StreamSpec(name, (f"looprl-test.{name}.>",), subjects.Retention.LIMITS)
+    try:
+        await bus.ensure_streams([spec], [], duplicate_window_s=30)
+        assert (await bus.js.stream_info(name)).config.duplicate_window == pytest.approx(30)
+        await bus.ensure_streams([spec], [], duplicate_window_s=60)
+        assert (await bus.js.stream_info(name)).config.duplicate_window == pytest.approx(60)
+
+        as_queue = subjects.StreamSpec(name, spec.subjects, subjects.Retention.WORK_QUEUE)
+        with pytest.raises(BusError, match=f"stream {name} exists with retention limits but workqueue"):
+            await bus.ensure_streams([as_queue], [])
+    finally:
+        await bus.js.delete_stream(name)
+
+
+async def test_concurrent_provisioning_from_several_services(nats_url: str) -> None:
+    name = f"T{uuid.uuid4().hex[:10].upper()}"
+    spec = subjects.StreamSpec(name, (f"looprl-test.{name}.>",), subjects.Retention.WORK_QUEUE)
+    bucket = subjects.BucketSpec(f"b{uuid.uuid4().hex[:10]}", history=3)
+    buses = [await Bus.connect(nats_url, name=f"svc-{i}") for i in range(3)]
+    try:
+        await asyncio.gather(*(b.ensure_streams([spec], [bucket]) for b in buses))
+        assert (await buses[0].js.stream_info(name)).config.retention == "workqueue"
+        assert await (await buses[1].kv(bucket.name)).put("k", b"v") > 0
+    finally:
+        await buses[0].js.delete_stream(name)
+        await buses[0].js.delete_key_value(bucket.name)
+        for b in buses:
+            await b.close()
 
 
 async def test_publish_without_a_stream_is_a_clear_error(bus: Bus) -> None:
