@@ -196,10 +196,16 @@ class Bus:
         Idempotent: several services may call it concurrently at startup. A stream whose
         retention differs cannot be changed in place and raises BusError saying so.
         """
-        for spec in streams:
-            await self._ensure_stream(spec, duplicate_window_s, replicas)
-        for bucket in buckets:
-            await self._ensure_bucket(bucket, replicas)
+        try:
+            for spec in streams:
+                await self._ensure_stream(spec, duplicate_window_s, replicas)
+            for bucket in buckets:
+                await self._ensure_bucket(bucket, replicas)
+        except nats.js.errors.ServiceUnavailableError as err:
+            raise BusUnavailable(
+                f"NATS at {self.nc.connected_url.netloc if self.nc.connected_url else '?'} does not answer "
+                "JetStream requests; start nats-server with JetStream enabled (-js)"
+            ) from err
 
     async def _ensure_stream(self, spec: names.StreamSpec, duplicate_window_s: float, replicas: int) -> None:
         want = api.StreamConfig(
@@ -420,6 +426,8 @@ class Consumer:
         """Up to batch deliveries, waiting at most timeout seconds; [] when none came."""
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
+        if timeout <= 0:
+            raise ValueError(f"fetch timeout must be > 0 seconds, got {timeout}")
         try:
             msgs = await self._sub.fetch(batch, timeout=timeout)
         except (TimeoutError, nats.errors.TimeoutError):
