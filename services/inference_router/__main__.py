@@ -1,0 +1,82 @@
+"""`python -m services.inference_router`: the inference-router service process.
+
+Config is parsed before torch or Ray are imported, so a bad setting fails in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from services.inference_router.config import RouterConfig
+from services.kit.config import ConfigError, load_config
+
+log = logging.getLogger("looprl.inference_router")
+
+
+def build_router(cfg: RouterConfig):
+    from services.inference_router.policies import RoutingPolicy, SessionAffinity
+    from services.inference_router.router import Router, RouterSettings
+
+    settings = RouterSettings(
+        max_attempts=cfg.max_attempts,
+        request_timeout_s=cfg.request_timeout_s,
+        version_wait_s=cfg.version_wait_s,
+        version_unavailable_code=cfg.version_unavailable_code,
+        unavailable_wait_s=cfg.unavailable_wait_s,
+        status_interval_s=cfg.status_interval_s,
+    )
+    return Router(RoutingPolicy(affinity=SessionAffinity(cfg.max_sessions)), settings)
+
+
+async def serve(cfg: RouterConfig) -> None:
+    from looprl.inference.v1 import inference_pb2_grpc
+    from services.inference_router.deployments import DeploymentManager
+    from services.inference_router.service import InferenceRouterServicer
+    from services.kit.ray_utils import connect_ray
+    from services.kit.server import Service
+
+    router = build_router(cfg)
+    manager = DeploymentManager(router, cfg)
+    router._on_replica_restarted = manager.request_sync
+    service = Service("inference-router", cfg)
+    service.add(
+        inference_pb2_grpc.add_InferenceRouterServiceServicer_to_server,
+        InferenceRouterServicer(router, manager),
+    )
+
+    async def setup(_: Service) -> None:
+        specs = cfg.deployment_specs()
+        if specs:
+            connect_ray(cfg.ray_address, cfg.namespace)
+        for spec in specs:
+            await manager.start(spec)
+            log.info("deployment %s started with %d replica(s)", spec.name, spec.replicas)
+        try:
+            await manager.follow_weight_events(cfg.nats_url)
+        except Exception as exc:  # the bus is a hint; status polls still track versions
+            log.warning("not following weight events (%s); relying on status polls", exc)
+        router.start_polling()
+
+    async def shutdown() -> None:
+        await router.close()
+        await manager.stop()
+
+    service.on_shutdown(shutdown)
+    await service.run(setup)
+
+
+def main() -> int:
+    try:
+        cfg = load_config(RouterConfig, "INFERENCE_ROUTER")
+        cfg.deployment_specs()
+    except (ConfigError, ValueError) as exc:
+        print(f"inference-router: configuration error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Deployment management: turn [[deployments]] specs into replica actors, register external
+deployments, keep weight-sync informed of every layout, and follow weight events.
+
+- Each replica of an embedded deployment is one InferenceReplica Ray actor (it owns its TP group)
+  created with max_restarts=-1, so Ray restarts a crashed replica; the router keeps a restarted
+  replica out of routing until it serves the newest version (router.py) and this module asks
+  weight-sync to deliver it (RequestSync).
+- External deployments (RegisterDeployment) are servers implementing InferenceEngineService,
+  reached over gRPC.
+- Every deployment registers its layout and rank addresses with weight-sync (RegisterTarget) when
+  an address is configured; weights.published events on the bus wake the router to re-poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from looprl.events.v1 import events_pb2
+from looprl.inference.v1 import inference_pb2
+from services.inference_router.config import RouterConfig
+from services.inference_router.handles import GrpcReplicaHandle, RayReplicaHandle, ReplicaHandle
+from services.inference_router.policies import DeploymentState, LengthProfile, ReplicaState
+from services.inference_router.router import Router
+from services.kit import errors
+from services.kit.recipe import DeploymentSpec
+
+log = logging.getLogger("looprl.inference_router.deployments")
+
+# The recipe writes "unbounded" as a huge number; the proto uses 0.
+_UNBOUNDED = 1 << 30
+
+
+def profile_of(spec: DeploymentSpec) -> LengthProfile:
+    def bound(v: int) -> int:
+        return 0 if v >= _UNBOUNDED else v
+
+    return LengthProfile(
+        min_prompt_tokens=spec.min_prompt_tokens,
+        max_prompt_tokens=bound(spec.max_prompt_tokens),
+        min_output_tokens=spec.min_output_tokens,
+        max_output_tokens=bound(spec.max_output_tokens),
+    )
+
+
+def replica_name(deployment: str, index: int) -> str:
+    return f"{deployment}-r{index}"
+
+
+class DeploymentManager:
+    def __init__(self, router: Router, config: RouterConfig) -> None:
+        self.router = router
+        self.config = config
+        self.specs: dict[str, DeploymentSpec] = {}
+        self.actors: dict[str, Any] = {}
+        self._weight_sync: Any = None
+        self._bus: Any = None
+        self._subscription: Any = None
+
+    # ---- embedded deployments ----------------------------------------------------------------
+
+    async def start(self, spec: DeploymentSpec, ready_timeout_s: float = 120.0) -> DeploymentState:
+        """Create the replica actors of one deployment and add it to the router."""
+        from services.inference_router.replica import InferenceReplica
+
+        if spec.name in self.router.deployments:
+            raise errors.AlreadyExists(f"deployments.name: deployment {spec.name!r} already exists")
+        state = DeploymentState(
+            name=spec.name,
+            profile=profile_of(spec),
+            max_model_len=spec.max_model_len,
+            max_outstanding_requests=self.config.deployment_max_outstanding,
+            backend=spec.backend,
+            tensor_parallel=spec.tensor_parallel,
+        )
+        handles: list[ReplicaHandle] = []
+        for index in range(spec.replicas):
+            name = replica_name(spec.name, index)
+            actor = InferenceReplica.options(
+                name=f"{spec.name}/{index}",
+                namespace=self.config.namespace,
+                max_restarts=-1,
+                max_task_retries=0,
+                max_concurrency=1000,
+                num_cpus=self.config.replica_num_cpus,
+            ).remote(spec=_spec_dict(spec), replica=name)
+            self.actors[name] = actor
+            handles.append(RayReplicaHandle(name, actor))
+            state.replicas.append(
+                ReplicaState(
+                    name=name, deployment=spec.name, max_outstanding_requests=spec.max_queued_requests
+                )
+            )
+        await asyncio.gather(*(_await_alive(h, ready_timeout_s) for h in handles))
+        self.router.add_deployment(state, handles)
+        self.specs[spec.name] = spec
+        await self.router.poll_once()
+        await self._describe_from_status(state, handles)
+        await self.register_with_weight_sync(state, spec.sync_every)
+        return state
+
+    async def _describe_from_status(self, state: DeploymentState, handles: list[ReplicaHandle]) -> None:
+        """Fill the layout facts a replica knows about itself (vocab, layout, dtype)."""
+        try:
+            status = await handles[0].status(self.config.request_timeout_s)
+        except Exception:  # a replica that fails now is handled by the poller
+            return
+        state.vocab_size = int(status.get("vocab_size", 0) or 0)
+        state.layout = str(status.get("layout", state.layout))
+        state.dtype = str(status.get("dtype", state.dtype))
+
+    async def stop(self) -> None:
+        import ray
+
+        for actor in self.actors.values():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as exc:
+                log.warning("could not kill replica: %s", exc)
+        self.actors.clear()
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+        if self._bus is not None:
+            await self._bus.close()
+
+    # ---- external deployments ------------------------------------------------------------------
+
+    async def register_external(self, info: inference_pb2.DeploymentInfo) -> DeploymentState:
+        if not info.name:
+            raise errors.InvalidArgument("deployment.name: must not be empty")
+        if info.name in self.router.deployments:
+            raise errors.AlreadyExists(f"deployment.name: deployment {info.name!r} already exists")
+        if not info.replicas or any(not r.address for r in info.replicas):
+            raise errors.InvalidArgument("deployment.replicas: each replica needs an address")
+        if info.max_model_len <= 0:
+            raise errors.InvalidArgument(f"deployment.max_model_len: must be > 0, got {info.max_model_len}")
+        p = info.profile
+        profile = LengthProfile(
+            p.min_prompt_tokens, p.max_prompt_tokens, p.min_output_tokens, p.max_output_tokens
+        )
+        try:
+            profile.validate("deployment.profile")
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from None
+        state = DeploymentState(
+            name=info.name,
+            profile=profile,
+            max_model_len=info.max_model_len,
+            max_outstanding_requests=self.config.deployment_max_outstanding,
+            backend=info.backend or "external",
+            tensor_parallel=info.tensor_parallel or 1,
+            layout=info.layout or "hf",
+            dtype=info.dtype or "float32",
+            external=True,
+        )
+        handles: list[ReplicaHandle] = []
+        for i, r in enumerate(info.replicas):
+            name = r.name or replica_name(info.name, i)
+            handles.append(GrpcReplicaHandle(name, r.address, self.config.max_message_bytes))
+            state.replicas.append(
+                ReplicaState(
+                    name=name,
+                    deployment=info.name,
+                    address=r.address,
+                    max_outstanding_requests=int(r.outstanding_requests) or 256,
+                )
+            )
+        self.router.add_deployment(state, handles)
+        await self.router.poll_once()
+        await self.register_with_weight_sync(state, 1)
+        return state
+
+    # ---- weight-sync and events ----------------------------------------------------------------
+
+    async def register_with_weight_sync(self, state: DeploymentState, every_k: int) -> None:
+        if not self.config.weight_sync_address:
+            return
+        from looprl.common.v1 import common_pb2
+        from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
+        from services.kit.server import open_channel
+
+        ranks = []
+        for replica in state.replicas:
+            addresses = await self._rank_addresses(replica)
+            ranks.extend(
+                weightsync_pb2.TargetRank(rank=rank, address=address, same_host=not state.external)
+                for rank, address in enumerate(addresses)
+            )
+        dtype = {"bfloat16": common_pb2.D_TYPE_BFLOAT16, "float16": common_pb2.D_TYPE_FLOAT16}.get(
+            state.dtype, common_pb2.D_TYPE_FLOAT32
+        )
+        request = weightsync_pb2.RegisterTargetRequest(
+            deployment=state.name,
+            layout=weightsync_pb2.TargetLayout(
+                tensor_parallel=state.tensor_parallel, naming=state.layout, dtype=dtype
+            ),
+            ranks=ranks,
+            every_k_versions=max(1, every_k),
+            run_id=self.config.run_id,
+        )
+        if self._weight_sync is None:
+            self._weight_sync = weightsync_pb2_grpc.WeightSyncServiceStub(
+                open_channel(self.config.weight_sync_address, self.config.max_message_bytes)
+            )
+        try:
+            reply = await self._weight_sync.RegisterTarget(request, timeout=10)
+        except Exception as exc:
+            log.warning("weight-sync registration of %s failed: %s", state.name, exc)
+            return
+        if reply.current_version >= 0:
+            self.router.on_weights_published(state.name, reply.current_version)
+        log.info("registered %s with weight-sync (%d ranks)", state.name, len(ranks))
+
+    async def _rank_addresses(self, replica: ReplicaState) -> list[str]:
+        handle = self.router.handles[replica.name]
+        try:
+            status = await handle.status(self.config.request_timeout_s)
+        except Exception:
+            return [replica.address] if replica.address else []
+        ranks = status.get("rank_addresses")
+        if ranks:
+            return [str(a) for a in ranks]
+        address = str(status.get("address") or replica.address)
+        return [address] if address else []
+
+    async def request_sync(self, deployment: str, replica: str) -> None:
+        """A restarted replica lacks the newest weights: ask weight-sync to deliver them."""
+        if not self.config.weight_sync_address or self._weight_sync is None:
+            log.info("replica %s restarted; no weight-sync configured to resync it", replica)
+            return
+        from looprl.weightsync.v1 import weightsync_pb2
+
+        reply = await self._weight_sync.RequestSync(
+            weightsync_pb2.RequestSyncRequest(deployment=deployment), timeout=30
+        )
+        log.info("asked weight-sync to resync %s (version %d)", replica, reply.version)
+
+    async def follow_weight_events(self, nats_url: str) -> None:
+        """weights.published wakes the router (re-poll at once) and records the announced version."""
+        from services.kit import subjects
+        from services.kit.bus import Bus
+
+        self._bus = await Bus.connect(nats_url, name="inference-router")
+        subject = subjects.weights(self.config.run_id) if self.config.run_id else subjects.all_runs("weights")
+
+        async def on_message(msg: Any) -> None:
+            try:
+                event = events_pb2.WeightsPublished.FromString(msg.data)
+            except Exception:
+                log.warning("ignoring a malformed weights event on %s", msg.subject)
+                return
+            self.router.on_weights_published(event.deployment, event.version)
+            await self.router.poll_once()
+
+        self._subscription = await self._bus.nc.subscribe(subject, cb=on_message)
+
+    def describe(self) -> list[inference_pb2.DeploymentInfo]:
+        out = []
+        for dep in self.router.deployment_list():
+            p = dep.profile
+            out.append(
+                inference_pb2.DeploymentInfo(
+                    name=dep.name,
+                    backend=dep.backend,
+                    tensor_parallel=dep.tensor_parallel,
+                    profile=inference_pb2.LengthProfile(
+                        min_prompt_tokens=p.min_prompt_tokens,
+                        max_prompt_tokens=p.max_prompt_tokens,
+                        min_output_tokens=p.min_output_tokens,
+                        max_output_tokens=p.max_output_tokens,
+                    ),
+                    max_model_len=dep.max_model_len,
+                    layout=dep.layout,
+                    dtype=dep.dtype,
+                    replicas=[
+                        inference_pb2.ReplicaInfo(
+                            name=r.name,
+                            healthy=r.routable,
+                            weight_version=r.weight_version,
+                            outstanding_tokens=r.outstanding_tokens,
+                            outstanding_requests=r.outstanding_requests,
+                            address=r.address,
+                        )
+                        for r in dep.replicas
+                    ],
+                )
+            )
+        return out
+
+
+def _spec_dict(spec: DeploymentSpec) -> dict[str, Any]:
+    import dataclasses
+
+    return json.loads(json.dumps(dataclasses.asdict(spec)))
+
+
+async def _await_alive(handle: ReplicaHandle, timeout_s: float) -> None:
+    """The actor's constructor finished (it may still lack weights: status says ready=False)."""
+    await handle.status(timeout_s)
