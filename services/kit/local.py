@@ -168,3 +168,36 @@ class RayHead:
     def stop(self, grace: float = 15.0) -> None:
         if self.proc is not None:
             stop_process_group(self.proc, grace)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return True
+
+
+def stop_pid_group(pid: int, grace: float = 10.0) -> bool:
+    """SIGTERM the process group led by pid, SIGKILL it after grace; True if it had to be killed."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            break
+        time.sleep(0.1)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+        return pid_alive(pid)
+    except ProcessLookupError:
+        return False

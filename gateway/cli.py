@@ -1,0 +1,218 @@
+"""The `looprl` command line: local stack (up/down/status) and runs (run/runs/watch/stop).
+
+Argument parsing happens before any heavy import, so `looprl --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir or os.environ.get("LOOPRL_STATE_DIR", ".looprl"))
+
+
+def _gateway(args: argparse.Namespace):
+    """(stub, metadata) for the gateway of the local stack, or of --gateway/--token."""
+    import grpc
+
+    from gateway.stack import StackState
+    from looprl.gateway.v1 import gateway_pb2_grpc
+
+    address, token = args.gateway, args.token or os.environ.get("LOOPRL_TOKEN", "")
+    if not address:
+        state = StackState.load(_state_dir(args).resolve())
+        if state is None:
+            sys.exit("no local stack is up (run `looprl up`) and no --gateway given")
+        address, token = state.service("gateway").address, token or state.gateway_token
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+    return gateway_pb2_grpc.GatewayServiceStub(channel), (("authorization", f"Bearer {token}"),)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from gateway.stack import StackPorts, status_rows, up
+
+    state = up(
+        _state_dir(args),
+        StackPorts(nats=args.nats_port, ray=args.ray_port, base=args.base_port, http=args.http_port),
+        _recipe_env(args.recipe),
+    )
+    _print_rows(status_rows(state))
+    print(f"gateway token: {state.gateway_token}  (HTTP on 127.0.0.1:{state.http_port})")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from gateway.stack import down
+
+    down(_state_dir(args))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from gateway.stack import StackState, status_rows
+
+    state = StackState.load(_state_dir(args).resolve())
+    if state is None:
+        print("nothing is up")
+        return 1
+    rows = status_rows(state)
+    _print_rows(rows)
+    versions = _weight_versions(state)
+    if versions:
+        print("weight versions: " + ", ".join(f"{k}=v{v}" for k, v in versions.items()))
+    return 0 if all(r["health"] in ("SERVING", "UP") for r in rows) else 1
+
+
+def _weight_versions(state) -> dict[str, int]:
+    import grpc
+
+    from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(state.service("weight-sync").address) as channel:
+            reply = weightsync_pb2_grpc.WeightSyncServiceStub(channel).GetVersion(
+                weightsync_pb2.GetVersionRequest(), timeout=2
+            )
+    except (grpc.RpcError, StopIteration):
+        return {}
+    return {"latest": reply.latest_version, **{t.deployment: t.version for t in reply.targets}}
+
+
+def _print_rows(rows: list[dict[str, str]]) -> None:
+    print(f"{'SERVICE':<22}{'HEALTH':<24}{'ADDRESS':<24}PID")
+    for r in rows:
+        print(f"{r['name']:<22}{r['health']:<24}{r['address']:<24}{r['pid']}")
+
+
+def _recipe_env(recipe: str | None) -> dict[str, str]:
+    """Services configured from the recipe at start-up (the router's deployments)."""
+    if not recipe:
+        return {}
+    return {"LOOPRL_ROUTER_RECIPE": str(Path(recipe).resolve())}
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gateway.stack import StackPorts, StackState, down, up
+    from looprl.gateway.v1 import gateway_pb2
+    from services.kit.recipe import RecipeError, load_recipe
+
+    try:
+        load_recipe(args.recipe)
+    except RecipeError as exc:
+        print(f"invalid recipe {args.recipe}: {exc}", file=sys.stderr)
+        return 2
+    started_here = False
+    if args.local and StackState.load(_state_dir(args).resolve()) is None:
+        print("bringing the local stack up ...")
+        up(_state_dir(args), StackPorts(), _recipe_env(args.recipe))
+        started_here = True
+    try:
+        stub, metadata = _gateway(args)
+        reply = stub.CreateRun(
+            gateway_pb2.CreateRunRequest(recipe_toml=Path(args.recipe).read_text()), metadata=metadata
+        )
+        print(f"run {reply.run.run_id} created")
+        return _follow(stub, metadata, reply.run.run_id, Path(args.report_dir))
+    finally:
+        if started_here and not args.keep_up:
+            print("bringing the local stack down ...")
+            down(_state_dir(args))
+
+
+def _follow(stub, metadata, run_id: str, report_root: Path) -> int:
+    from gateway.progress import STATE_NAMES, progress_line, reward_gain, write_report
+
+    final = None
+    started = time.monotonic()
+    for update in stub.WatchRun(_watch_request(run_id), metadata=metadata):
+        final = update.run
+        print(f"{time.monotonic() - started:6.0f}s {progress_line(final)}", flush=True)
+    if final is None:
+        return 1
+    summary = write_report(final, report_root / run_id)
+    first, last = reward_gain(final)
+    print(f"reward: first steps {first:.3f} -> last steps {last:.3f} ({last - first:+.3f})")
+    print(f"report: {summary} and {summary.parent / 'reward.png'}")
+    return 0 if STATE_NAMES.get(final.state) == "completed" else 1
+
+
+def _watch_request(run_id: str):
+    from looprl.gateway.v1 import gateway_pb2
+
+    return gateway_pb2.WatchRunRequest(run_id=run_id)
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from gateway.progress import progress_line
+    from looprl.gateway.v1 import gateway_pb2
+
+    stub, metadata = _gateway(args)
+    for run in stub.ListRuns(gateway_pb2.ListRunsRequest(), metadata=metadata).runs:
+        print(f"{run.run_id:<32} {progress_line(run)}")
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    stub, metadata = _gateway(args)
+    return _follow(stub, metadata, args.run_id, Path(args.report_dir))
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from gateway.progress import progress_line
+    from looprl.gateway.v1 import gateway_pb2
+
+    stub, metadata = _gateway(args)
+    print(progress_line(stub.StopRun(gateway_pb2.StopRunRequest(run_id=args.run_id), metadata=metadata).run))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="looprl", description="RL post-training of language models as services."
+    )
+    parser.add_argument("--state-dir", help="local state directory (default .looprl or $LOOPRL_STATE_DIR)")
+    parser.add_argument("--gateway", default="", help="gateway gRPC address (default: the local stack's)")
+    parser.add_argument(
+        "--token", default="", help="gateway bearer token (default: the local stack's, or $LOOPRL_TOKEN)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("up", help="start nats-server, a Ray head and every service locally")
+    p.add_argument("--recipe", help="configure deployments from this recipe")
+    p.add_argument("--nats-port", type=int, default=4222)
+    p.add_argument("--ray-port", type=int, default=26379)
+    p.add_argument("--base-port", type=int, default=50050, help="first gRPC port; metrics at +100")
+    p.add_argument("--http-port", type=int, default=8080)
+    p.set_defaults(func=cmd_up)
+    sub.add_parser("down", help="stop everything `up` started").set_defaults(func=cmd_down)
+    sub.add_parser("status", help="health, address and pid of every service").set_defaults(func=cmd_status)
+    p = sub.add_parser("run", help="submit a recipe and follow the run")
+    p.add_argument("recipe")
+    p.add_argument("--local", action="store_true", help="bring the local stack up (and down after) if needed")
+    p.add_argument("--keep-up", action="store_true", help="with --local, leave the stack running")
+    p.add_argument("--report-dir", default="reports")
+    p.set_defaults(func=cmd_run)
+    sub.add_parser("runs", help="list runs").set_defaults(func=cmd_runs)
+    for name, func, text in (("watch", cmd_watch, "follow a run"), ("stop", cmd_stop, "stop a run")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("run_id")
+        if name == "watch":
+            p.add_argument("--report-dir", default="reports")
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Gateway configuration (environment variables LOOPRL_GATEWAY_<FIELD> or LOOPRL_<FIELD>)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.kit.config import ServiceConfig
+
+
+@dataclass
+class GatewayConfig(ServiceConfig):
+    http_port: int = field(
+        default=0, metadata={"help": "HTTP/JSON and OpenAI-compatible API port; 0 picks one."}
+    )
+    tokens: str = field(
+        default="",
+        metadata={"help": "Comma-separated bearer tokens accepted on every external call; none is built in."},
+    )
+    router_address: str = field(default="", metadata={"help": "inference-router gRPC address host:port."})
+    packer_address: str = field(
+        default="", metadata={"help": "rollout-packer gRPC address, for drop counts."}
+    )
+    tokenizer: str = field(default="char", metadata={"help": "Tokenizer for the OpenAI-compatible endpoint."})
+    recipe_base_dir: str = field(
+        default=".", metadata={"help": "Relative model paths in recipes resolve here."}
+    )

@@ -1,0 +1,238 @@
+"""Run control: run records in JetStream KV and the driver that feeds each run's episodes.
+
+A RunDriver releases the episodes of trainer step s only while the newest trained version is
+within the run's staleness bound (version >= s - max_staleness), so max_staleness = 0 is
+synchronous on-policy and k > 0 overlaps generation with training. It follows the run through
+the TRAIN and WEIGHTS streams and keeps the run record (KV bucket "runs") up to date; a
+restarted gateway re-creates the drivers of running runs and continues where the record says.
+Episode tasks carry deterministic message ids, so a feed repeated after a crash is deduped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+
+from looprl.common.v1 import common_pb2
+from looprl.events.v1 import events_pb2
+from services.kit import subjects
+from services.kit.bus import KV, Bus, KVConflict
+from services.kit.recipe import Recipe, RunRecord
+
+log = logging.getLogger("looprl.gateway.runs")
+
+ACTIVE = ("pending", "running")
+FINAL = ("completed", "failed", "stopped")
+
+
+def new_run_id(name: str) -> str:
+    slug = re.sub(r"[^a-zA-Z0-9_-]+", "-", name).strip("-")[:40] or "run"
+    return f"{slug}-{uuid.uuid4().hex[:6]}"
+
+
+class RunStore:
+    """Run records in the "runs" KV bucket, updated with compare-and-set."""
+
+    def __init__(self, kv: KV) -> None:
+        self.kv = kv
+
+    async def create(self, record: RunRecord) -> None:
+        await self.kv.create(record.run_id, record.to_json())
+
+    async def get(self, run_id: str) -> RunRecord | None:
+        raw = await self.kv.get(run_id)
+        return None if raw is None else RunRecord.from_json(raw)
+
+    async def list(self) -> list[RunRecord]:
+        records = [await self.get(key) for key in await self.kv.keys()]
+        return sorted((r for r in records if r is not None), key=lambda r: r.created_at)
+
+    async def update(self, run_id: str, change) -> RunRecord:
+        """Apply change(record) and write it back; retried on concurrent writes."""
+        for _ in range(20):
+            entry = await self.kv.entry(run_id)
+            if entry is None:
+                raise KeyError(run_id)
+            record = RunRecord.from_json(entry.value)
+            change(record)
+            try:
+                await self.kv.update(run_id, record.to_json(), entry.revision)
+                return record
+            except KVConflict:
+                await asyncio.sleep(0.01)
+        raise RuntimeError(f"run {run_id}: too many concurrent updates")
+
+
+def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[str, events_pb2.EpisodeTask]]:
+    """The (msg_id, task) pairs of one trainer step: groups_per_step prompts x group_size samples."""
+    tasks = []
+    env = recipe.environment
+    sampling = common_pb2.SamplingParams(
+        temperature=recipe.sampling.temperature,
+        top_p=recipe.sampling.top_p,
+        top_k=recipe.sampling.top_k,
+        max_tokens=recipe.sampling.max_tokens,
+        n=1,
+    )
+    for group in range(recipe.groups_per_step):
+        index = step * recipe.groups_per_step + group
+        group_id = f"{record.run_id}.s{step}.g{group}"
+        for sample in range(recipe.batch.group_size):
+            params = common_pb2.SamplingParams()
+            params.CopyFrom(sampling)
+            params.seed = (recipe.run.seed * 1_000_003 + index * 1009 + sample) % (2**62) + 1
+            task = events_pb2.EpisodeTask(
+                run_id=record.run_id,
+                task_id=f"{group_id}.i{sample}",
+                group_id=group_id,
+                environment=env.name,
+                # The environment resolves the prompt from its dataset by index and seed.
+                task_json=json.dumps({"index": index, "seed": recipe.run.seed}),
+                group_size=recipe.batch.group_size,
+                sample_index=sample,
+                sampling=params,
+                min_weight_version=max(0, step - recipe.run.max_staleness),
+                reward=env.reward,
+                step=step,
+                environment_config_json=json.dumps({**env.config, "max_turns": env.max_turns}),
+            )
+            tasks.append((task.task_id, task))
+    return tasks
+
+
+class RunDriver:
+    """Feeds one run and follows its progress until it ends."""
+
+    def __init__(self, bus: Bus, store: RunStore, run_id: str) -> None:
+        self.bus, self.store, self.run_id = bus, store, run_id
+        self.changed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._version_seen = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._main(), name=f"run-{self.run_id}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _main(self) -> None:
+        followers = [asyncio.create_task(self._follow_train()), asyncio.create_task(self._follow_weights())]
+        try:
+            await self._feed()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("run %s failed", self.run_id)
+            error = f"gateway: {exc!r}"
+            await self.store.update(self.run_id, lambda r: _fail(r, error))
+        finally:
+            for task in followers:
+                task.cancel()
+
+    async def _feed(self) -> None:
+        record = await self.store.get(self.run_id)
+        if record is None or record.state in FINAL:
+            return
+        recipe = record.recipe()
+        if record.state == "pending":
+            record = await self.store.update(self.run_id, lambda r: setattr(r, "state", "running"))
+        fed = int(record.extra.get("fed_steps", 0))
+        while True:
+            record = await self.store.get(self.run_id)
+            if record is None or record.state not in ACTIVE:
+                return
+            if record.weight_version >= recipe.run.steps:
+                await self.store.update(self.run_id, _complete)
+                self.changed.set()
+                return
+            if fed < recipe.run.steps and fed - recipe.run.max_staleness <= record.weight_version:
+                for msg_id, task in episode_tasks(record, recipe, fed):
+                    await self.bus.publish(subjects.episodes(self.run_id), task, msg_id=msg_id)
+                fed += 1
+                count = recipe.batch.rollouts_per_step
+                await self.store.update(self.run_id, lambda r, f=fed, c=count: _fed(r, f, c))
+                self.changed.set()
+                continue
+            self._version_seen.clear()
+            try:
+                await asyncio.wait_for(self._version_seen.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+
+    async def _follow_train(self) -> None:
+        consumer = await self.bus.pull_consumer(
+            subjects.TRAIN, f"gateway-train-{self.run_id}", subjects.train(self.run_id), ack_wait=30
+        )
+        while True:
+            for delivery in await consumer.fetch(batch=16, timeout=1.0):
+                with delivery.process_span():
+                    step = delivery.parse(events_pb2.TrainStepRecord)
+                    await self.store.update(self.run_id, lambda r, s=step: _apply_step(r, s))
+                    await delivery.ack()
+                    self._version_seen.set()
+                    self.changed.set()
+
+    async def _follow_weights(self) -> None:
+        consumer = await self.bus.pull_consumer(
+            subjects.WEIGHTS, f"gateway-weights-{self.run_id}", subjects.weights(self.run_id), ack_wait=30
+        )
+        while True:
+            for delivery in await consumer.fetch(batch=16, timeout=1.0):
+                event = delivery.parse(events_pb2.WeightsPublished)
+                await self.store.update(self.run_id, lambda r, e=event: _apply_weights(r, e))
+                await delivery.ack()
+                self.changed.set()
+
+
+def _fed(record: RunRecord, fed_steps: int, per_step: int) -> None:
+    record.extra["fed_steps"] = max(fed_steps, int(record.extra.get("fed_steps", 0)))
+    record.episodes_published = record.extra["fed_steps"] * per_step
+
+
+def _apply_step(record: RunRecord, step: events_pb2.TrainStepRecord) -> None:
+    history = record.extra.setdefault("history", [])
+    if any(h["step"] == step.step for h in history):
+        return  # a redelivered record: already counted
+    history.append(
+        {
+            "step": step.step,
+            "reward_mean": step.reward_mean,
+            "reward_std": step.reward_std,
+            "loss": step.loss,
+            "mean_staleness": step.mean_staleness,
+            "max_staleness": step.max_staleness,
+            "train_tokens_per_second": step.tokens_per_second,
+            "num_rollouts": step.num_rollouts,
+            "num_tokens": step.num_tokens,
+            "seconds": step.step_seconds,
+            "at": time.time(),
+        }
+    )
+    history.sort(key=lambda h: h["step"])
+    record.extra["rollouts_trained"] = int(record.extra.get("rollouts_trained", 0)) + step.num_rollouts
+    record.step = max(record.step, step.step + 1)
+    record.weight_version = max(record.weight_version, step.version)
+
+
+def _apply_weights(record: RunRecord, event: events_pb2.WeightsPublished) -> None:
+    versions = record.extra.setdefault("deployments", {})
+    versions[event.deployment] = max(int(versions.get(event.deployment, -1)), event.version)
+
+
+def _complete(record: RunRecord) -> None:
+    record.state = "completed"
+    record.extra["finished_at"] = time.time()
+
+
+def _fail(record: RunRecord, error: str) -> None:
+    record.state = "failed"
+    record.error = error

@@ -1,0 +1,164 @@
+"""GatewayService: create, inspect, watch and stop runs; the run manager behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from gateway.auth import TokenAuth
+from gateway.runs import ACTIVE, FINAL, RunDriver, RunStore, new_run_id
+from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.kit import subjects
+from services.kit.bus import Bus
+from services.kit.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.kit.recipe import RecipeError, RunRecord, parse_recipe
+
+log = logging.getLogger("looprl.gateway")
+
+STATES = {
+    "pending": gateway_pb2.RUN_STATE_PENDING,
+    "running": gateway_pb2.RUN_STATE_RUNNING,
+    "stopping": gateway_pb2.RUN_STATE_STOPPING,
+    "completed": gateway_pb2.RUN_STATE_COMPLETED,
+    "failed": gateway_pb2.RUN_STATE_FAILED,
+    "stopped": gateway_pb2.RUN_STATE_STOPPED,
+}
+
+
+def run_to_proto(record: RunRecord) -> gateway_pb2.Run:
+    extra = record.extra
+    run = gateway_pb2.Run(
+        run_id=record.run_id,
+        state=STATES.get(record.state, gateway_pb2.RUN_STATE_UNSPECIFIED),
+        recipe_toml=record.recipe_toml,
+        step=record.step,
+        weight_version=record.weight_version,
+        episodes_published=record.episodes_published,
+        rollouts_trained=int(extra.get("rollouts_trained", 0)),
+        error=record.error,
+    )
+    try:
+        run.total_steps = record.recipe().run.steps
+    except RecipeError:
+        pass
+    for name, version in sorted(extra.get("deployments", {}).items()):
+        run.deployments.add(deployment=name, version=int(version))
+    for h in extra.get("history", []):
+        run.history.add(
+            step=h["step"],
+            reward_mean=h["reward_mean"],
+            reward_std=h["reward_std"],
+            loss=h["loss"],
+            mean_staleness=h["mean_staleness"],
+            train_tokens_per_second=h["train_tokens_per_second"],
+            num_rollouts=h["num_rollouts"],
+            seconds=h["seconds"],
+        )
+    for reason, count in extra.get("dropped", {}).items():
+        run.rollouts_dropped[reason] = int(count)
+    return run
+
+
+class RunManager:
+    """Owns the RunDrivers of this gateway process; resumes active runs on start."""
+
+    def __init__(self, bus: Bus, store: RunStore, recipe_base_dir: Path) -> None:
+        self.bus, self.store, self.base_dir = bus, store, recipe_base_dir
+        self.drivers: dict[str, RunDriver] = {}
+
+    async def resume(self) -> None:
+        for record in await self.store.list():
+            if record.state in ACTIVE:
+                log.info("resuming run %s at step %d", record.run_id, record.step)
+                self._drive(record.run_id)
+
+    def _drive(self, run_id: str) -> None:
+        driver = RunDriver(self.bus, self.store, run_id)
+        self.drivers[run_id] = driver
+        driver.start()
+
+    async def create(self, recipe_toml: str, run_id: str = "") -> RunRecord:
+        try:
+            recipe = parse_recipe(recipe_toml, base_dir=self.base_dir)
+        except RecipeError as exc:
+            raise InvalidArgument(f"recipe_toml: {exc}") from exc
+        if run_id:
+            try:
+                subjects.validate_run_id(run_id)
+            except ValueError as exc:
+                raise InvalidArgument(f"run_id: {exc}") from exc
+        record = RunRecord(
+            run_id=run_id or new_run_id(recipe.run.name), recipe_toml=recipe_toml, created_at=time.time()
+        )
+        try:
+            await self.store.create(record)
+        except Exception as exc:
+            if await self.store.get(record.run_id) is not None:
+                raise AlreadyExists(f"run_id: run {record.run_id!r} already exists") from exc
+            raise
+        self._drive(record.run_id)
+        return record
+
+    async def get(self, run_id: str) -> RunRecord:
+        if not run_id:
+            raise InvalidArgument("run_id: must not be empty")
+        try:
+            subjects.validate_run_id(run_id)
+        except ValueError as exc:
+            raise InvalidArgument(f"run_id: {exc}") from exc
+        record = await self.store.get(run_id)
+        if record is None:
+            raise NotFound(f"run_id: no run {run_id!r}")
+        return record
+
+    async def stop(self, run_id: str) -> RunRecord:
+        record = await self.get(run_id)
+        if record.state in FINAL:
+            raise FailedPrecondition(f"run_id: run {run_id!r} already {record.state}")
+        driver = self.drivers.pop(run_id, None)
+        if driver is not None:
+            await driver.stop()
+        return await self.store.update(run_id, lambda r: setattr(r, "state", "stopped"))
+
+    async def close(self) -> None:
+        for driver in self.drivers.values():
+            await driver.stop()
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, runs: RunManager, auth: TokenAuth) -> None:
+        self.runs, self.auth = runs, auth
+
+    async def CreateRun(self, request, context):
+        self.auth.check_grpc(context)
+        record = await self.runs.create(request.recipe_toml, request.run_id)
+        return gateway_pb2.CreateRunResponse(run=run_to_proto(record))
+
+    async def GetRun(self, request, context):
+        self.auth.check_grpc(context)
+        return gateway_pb2.GetRunResponse(run=run_to_proto(await self.runs.get(request.run_id)))
+
+    async def ListRuns(self, request, context):
+        self.auth.check_grpc(context)
+        return gateway_pb2.ListRunsResponse(runs=[run_to_proto(r) for r in await self.runs.store.list()])
+
+    async def StopRun(self, request, context):
+        self.auth.check_grpc(context)
+        return gateway_pb2.StopRunResponse(run=run_to_proto(await self.runs.stop(request.run_id)))
+
+    async def WatchRun(self, request, context) -> AsyncIterator[gateway_pb2.WatchRunResponse]:
+        self.auth.check_grpc(context)
+        record = await self.runs.get(request.run_id)
+        last = None
+        while True:
+            snapshot = run_to_proto(record)
+            if snapshot != last:
+                yield gateway_pb2.WatchRunResponse(run=snapshot)
+                last = snapshot
+            if record.state in FINAL:
+                return
+            await asyncio.sleep(0.5)
+            record = await self.runs.get(request.run_id)

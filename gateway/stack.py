@@ -1,0 +1,246 @@
+"""The local stack behind `looprl up/down/status`: nats-server, a Ray head and every service as
+its own OS process (own log file, own process group), with their ports and pids recorded in
+<state_dir>/stack.json so a later `looprl down` stops exactly what `up` started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.kit.local import NatsServer, RayHead, pid_alive, require_free, stop_pid_group
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (name, module, env prefix) in start order; the gateway last, since it is the front door.
+SERVICES: tuple[tuple[str, str, str], ...] = (
+    ("weight-sync", "services.weight_sync", "WEIGHT_SYNC"),
+    ("inference-router", "services.inference_router", "ROUTER"),
+    ("reward", "services.reward", "REWARD"),
+    ("environment-sandbox", "services.environment_sandbox", "ENV"),
+    ("rollout-packer", "services.rollout_packer", "PACKER"),
+    ("trainer", "services.trainer", "TRAINER"),
+    ("gateway", "gateway", "GATEWAY"),
+)
+
+# Each service finds its peers through these variables.
+PEER_VARIABLES = {
+    "weight-sync": "LOOPRL_WEIGHT_SYNC_ADDRESS",
+    "inference-router": "LOOPRL_ROUTER_ADDRESS",
+    "reward": "LOOPRL_REWARD_ADDRESS",
+    "environment-sandbox": "LOOPRL_ENVIRONMENT_ADDRESS",
+    "rollout-packer": "LOOPRL_PACKER_ADDRESS",
+    "trainer": "LOOPRL_TRAINER_ADDRESS",
+}
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    pid: int
+    grpc_port: int
+    metrics_port: int
+    log: str
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+
+@dataclass
+class StackState:
+    state_dir: str
+    nats_port: int
+    nats_pid: int
+    ray_port: int
+    ray_pid: int
+    ray_token: str
+    gateway_token: str
+    http_port: int
+    services: list[ServiceProcess] = field(default_factory=list)
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    def service(self, name: str) -> ServiceProcess:
+        return next(s for s in self.services if s.name == name)
+
+    def save(self) -> None:
+        path = Path(self.state_dir) / "stack.json"
+        path.write_text(json.dumps(asdict(self), indent=2))
+        path.chmod(0o600)
+
+    @classmethod
+    def load(cls, state_dir: Path) -> StackState | None:
+        path = state_dir / "stack.json"
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        data["services"] = [ServiceProcess(**s) for s in data["services"]]
+        return cls(**data)
+
+
+@dataclass
+class StackPorts:
+    nats: int = 4222
+    ray: int = 26379
+    base: int = 50050
+    """gRPC ports are base, base+1, ...; metrics ports base+100, base+101, ..."""
+    http: int = 8080
+
+
+def health_status(address: str, timeout: float = 1.0) -> str:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError as exc:
+        return f"DOWN ({exc.code().name})"
+
+
+def up(
+    state_dir: Path,
+    ports: StackPorts,
+    extra_env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+    log=print,
+) -> StackState:
+    """Start everything and wait until every service reports SERVING."""
+    state_dir = state_dir.resolve()
+    existing = StackState.load(state_dir)
+    if existing is not None and pid_alive(existing.nats_pid):
+        raise RuntimeError(f"a stack is already up (state in {state_dir}); run `looprl down` first")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    logs = state_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    plan = [
+        (name, module, prefix, ports.base + i, ports.base + 100 + i)
+        for i, (name, module, prefix) in enumerate(SERVICES)
+    ]
+    for name, _, _, grpc_port, metrics_port in plan:
+        require_free(grpc_port, f"{name} gRPC")
+        require_free(metrics_port, f"{name} metrics")
+    require_free(ports.http, "gateway HTTP")
+    started = time.monotonic()
+    nats = NatsServer(state_dir=state_dir, port=ports.nats).start()
+    log(f"nats-server   {nats.url} (pid {nats.proc.pid})")
+    ray = RayHead(state_dir=state_dir, port=ports.ray, num_cpus=max(8, os.cpu_count() or 2)).start()
+    log(f"ray head      {ray.address} (pid {ray.proc.pid})")
+    state = StackState(
+        state_dir=str(state_dir),
+        nats_port=nats.port,
+        nats_pid=nats.proc.pid,
+        ray_port=ray.port,
+        ray_pid=ray.proc.pid,
+        ray_token=ray.token,
+        gateway_token=secrets.token_urlsafe(24),
+        http_port=ports.http,
+    )
+    state.save()
+    env = {
+        **os.environ,
+        **ray.env(),
+        "LOOPRL_NATS_URL": nats.url,
+        "LOOPRL_RAY_ADDRESS": ray.address,
+        "LOOPRL_STATE_DIR": str(state_dir),
+        "LOOPRL_GATEWAY_TOKENS": state.gateway_token,
+        "LOOPRL_GATEWAY_HTTP_PORT": str(ports.http),
+        "LOOPRL_GATEWAY_RECIPE_BASE_DIR": os.getcwd(),
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+        **(extra_env or {}),
+    }
+    for name, _, _, grpc_port, _ in plan:
+        if name in PEER_VARIABLES:
+            env[PEER_VARIABLES[name]] = f"127.0.0.1:{grpc_port}"
+    try:
+        for name, module, _, grpc_port, metrics_port in plan:
+            log_path = logs / f"{name}.log"
+            proc_env = {**env, "LOOPRL_GRPC_PORT": str(grpc_port), "LOOPRL_METRICS_PORT": str(metrics_port)}
+            with open(log_path, "ab") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", module],
+                    cwd=ROOT,
+                    env=proc_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            state.services.append(ServiceProcess(name, proc.pid, grpc_port, metrics_port, str(log_path)))
+            state.save()
+        wait_serving(state, timeout - (time.monotonic() - started))
+    except BaseException:
+        down(state_dir, log=lambda *_: None)
+        raise
+    log(f"all {len(state.services)} services SERVING in {time.monotonic() - started:.1f}s")
+    return state
+
+
+def wait_serving(state: StackState, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = {s.name: s for s in state.services}
+    while pending:
+        for name, svc in list(pending.items()):
+            if not pid_alive(svc.pid):
+                tail = Path(svc.log).read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name} exited during start-up; last log lines:\n{tail}")
+            if health_status(svc.address, timeout=0.5) == "SERVING":
+                del pending[name]
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(
+                f"not SERVING after {timeout:.0f}s: {', '.join(sorted(pending))} (see their logs)"
+            )
+        time.sleep(0.2)
+
+
+def down(state_dir: Path, grace: float = 15.0, log=print) -> bool:
+    """Stop services (reverse order), then the Ray head and nats-server. False if nothing was up."""
+    state = StackState.load(state_dir.resolve())
+    if state is None:
+        log("nothing is up")
+        return False
+    for svc in reversed(state.services):
+        if pid_alive(svc.pid):
+            os.killpg(svc.pid, 15)
+    for svc in reversed(state.services):
+        killed = stop_pid_group(svc.pid, grace)
+        log(f"stopped {svc.name}{' (killed after grace)' if killed else ''}")
+    stop_pid_group(state.ray_pid, grace)
+    log("stopped ray head")
+    stop_pid_group(state.nats_pid, grace)
+    log("stopped nats-server")
+    (Path(state.state_dir) / "stack.json").unlink(missing_ok=True)
+    return True
+
+
+def status_rows(state: StackState) -> list[dict[str, str]]:
+    rows = [
+        {
+            "name": "nats-server",
+            "health": "UP" if pid_alive(state.nats_pid) else "DOWN",
+            "address": state.nats_url,
+            "pid": str(state.nats_pid),
+        },
+        {
+            "name": "ray-head",
+            "health": "UP" if pid_alive(state.ray_pid) else "DOWN",
+            "address": f"127.0.0.1:{state.ray_port}",
+            "pid": str(state.ray_pid),
+        },
+    ]
+    for svc in state.services:
+        health = health_status(svc.address) if pid_alive(svc.pid) else "DOWN (no process)"
+        rows.append({"name": svc.name, "health": health, "address": svc.address, "pid": str(svc.pid)})
+    return rows
