@@ -1,0 +1,312 @@
+"""The inference-side Qwen2: one TP rank's shard of the weights, a slot KV cache, prefill and decode.
+
+An `EngineModel` holds ONLY the tensors `layouts.rank_params(config, layout, rank)` lists (fused or
+HF naming, in the layout's dtype), so a tp=2 deployment really holds its weights column/row-split
+as vLLM would. Column-parallel projections (qkv, gate_up) need no communication; the row-parallel
+outputs (o_proj, down_proj) are partial sums that the `all_reduce(tensor)` callback must sum in
+place across the TP group (gloo in a Ray actor group; `tp_local.LocalTPGroup` in one process).
+Every rank computes the full logits (embeddings and lm_head are replicated).
+
+The `KVCache` holds, per rank, keys/values of up to `max_slots` sequences of up to `max_len`
+tokens. `prefill` appends tokens to a slot (start_pos = tokens already cached, so multi-turn
+episodes reuse their prefix); `decode` advances many slots of different lengths by one token each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from services.modeling.config import ModelConfig
+from services.modeling.layouts import Layout, TargetParam, rank_params
+from services.modeling.qwen2 import apply_rope, rms_norm, rope_cos_sin
+
+AllReduce = Callable[[Tensor], None]
+
+
+class KVCache:
+    """Per-rank key/value storage for `max_slots` sequences; slot bookkeeping lives here too."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layout: Layout,
+        max_slots: int,
+        max_len: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        layout.check(config)
+        if max_slots < 1 or max_len < 1:
+            raise ValueError(f"KVCache: max_slots and max_len must be >= 1, got {max_slots}, {max_len}")
+        if max_len > config.max_position_embeddings:
+            raise ValueError(
+                f"KVCache.max_len={max_len} exceeds max_position_embeddings={config.max_position_embeddings}"
+            )
+        self.max_slots, self.max_len = max_slots, max_len
+        kv_heads = len(layout.kv_heads(config, 0))
+        shape = (config.num_hidden_layers, max_slots, kv_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
+        self.v = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
+        self.lengths = torch.zeros(max_slots, dtype=torch.long)
+        self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"KVCache: all {self.max_slots} slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._check_slot(slot)
+        if slot in self._free:
+            raise ValueError(f"KVCache.free: slot {slot} is not allocated")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def length(self, slot: int) -> int:
+        self._check_slot(slot)
+        return int(self.lengths[slot])
+
+    def tokens_in_use(self) -> int:
+        return int(self.lengths.sum())
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"KVCache: slot {slot} outside [0, {self.max_slots})")
+
+
+class EngineModel:
+    """One TP rank of a Qwen2 for generation. Load weights with `load_shard` before use."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layout: Layout,
+        rank: int = 0,
+        all_reduce: AllReduce | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        layout.check_rank(config, rank)
+        if layout.tp_size > 1 and all_reduce is None:
+            raise ValueError(f"EngineModel: tp_size={layout.tp_size} needs an all_reduce callback")
+        self.config, self.layout, self.rank, self.device = config, layout, rank, torch.device(device)
+        self.all_reduce = all_reduce
+        self.specs: dict[str, TargetParam] = {p.name: p for p in rank_params(config, layout, rank)}
+        self.q_local = len(layout.q_heads(config, rank))
+        self.kv_local = len(layout.kv_heads(config, rank))
+        self.i_local = config.intermediate_size // layout.tp_size
+        self.params: dict[str, Tensor] = {}
+
+    @property
+    def loaded(self) -> bool:
+        return bool(self.params)
+
+    def new_cache(self, max_slots: int, max_len: int) -> KVCache:
+        return KVCache(self.config, self.layout, max_slots, max_len, self.device)
+
+    def load_shard(self, state: Mapping[str, Tensor], copy: bool = False) -> None:
+        """Swap in a complete shard (names from rank_params). Everything is checked before anything changes,
+        so a bad shard leaves the previous weights serving. Tensors are used as given unless copy=True."""
+        expected = set(self.specs)
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"load_shard (rank {self.rank}, {self.layout.naming} tp={self.layout.tp_size}): "
+                f"missing {missing[:6]}{'...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
+            )
+        for name, spec in self.specs.items():
+            t = state[name]
+            if tuple(t.shape) != spec.shape:
+                raise ValueError(f"load_shard: {name} has shape {tuple(t.shape)}, expected {spec.shape}")
+            if t.dtype != self.layout.torch_dtype:
+                raise ValueError(
+                    f"load_shard: {name} has dtype {t.dtype}, expected {self.layout.torch_dtype}"
+                )
+        new = {}
+        for name in self.specs:
+            t = state[name].detach().to(self.device)
+            new[name] = t.clone() if copy else t
+        if self.config.tie_word_embeddings:
+            new["lm_head.weight"] = new["model.embed_tokens.weight"]
+        self.params = new
+
+    # --- forward pieces -------------------------------------------------------------------------
+
+    def _reduce(self, partial: Tensor) -> Tensor:
+        if self.layout.tp_size > 1:
+            assert self.all_reduce is not None
+            self.all_reduce(partial)
+        return partial
+
+    def _qkv(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        p, d = self.params, self.config.head_dim
+        pre = f"model.layers.{layer}.self_attn."
+        if self.layout.naming == "fused":
+            qkv = F.linear(x, p[pre + "qkv_proj.weight"], p.get(pre + "qkv_proj.bias"))
+            q, k, v = qkv.split([self.q_local * d, self.kv_local * d, self.kv_local * d], dim=-1)
+        else:
+            q, k, v = (F.linear(x, p[f"{pre}{n}_proj.weight"], p.get(f"{pre}{n}_proj.bias")) for n in "qkv")
+        n = x.shape[0]
+        return q.view(n, self.q_local, d), k.view(n, self.kv_local, d), v.view(n, self.kv_local, d)
+
+    def _mlp(self, layer: int, x: Tensor) -> Tensor:
+        p = self.params
+        pre = f"model.layers.{layer}.mlp."
+        if self.layout.naming == "fused":
+            gate, up = F.linear(x, p[pre + "gate_up_proj.weight"]).split(self.i_local, dim=-1)
+        else:
+            gate, up = F.linear(x, p[pre + "gate_proj.weight"]), F.linear(x, p[pre + "up_proj.weight"])
+        return self._reduce(F.linear(F.silu(gate) * up, p[pre + "down_proj.weight"]))
+
+    def _run_layers(self, token_ids: Tensor, positions: Tensor, attend: Callable[..., Tensor]) -> Tensor:
+        """Shared trunk: `attend(layer, q, k, v)` stores k/v and returns attention output [N, q_local, d]."""
+        if not self.params:
+            raise RuntimeError("EngineModel: no weights loaded (call load_shard first)")
+        c, p = self.config, self.params
+        x = F.embedding(token_ids.to(self.device), p["model.embed_tokens.weight"])
+        cos, sin = rope_cos_sin(positions.to(self.device), c.head_dim, c.rope_theta, x.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads of [N, heads, d]
+        for layer in range(c.num_hidden_layers):
+            pre = f"model.layers.{layer}."
+            h = rms_norm(x, p[pre + "input_layernorm.weight"], c.rms_norm_eps)
+            q, k, v = self._qkv(layer, h)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            attn = attend(layer, q, k, v).reshape(x.shape[0], self.q_local * c.head_dim)
+            x = x + self._reduce(F.linear(attn, p[pre + "self_attn.o_proj.weight"]))
+            x = x + self._mlp(layer, rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps))
+        return rms_norm(x, p["model.norm.weight"], c.rms_norm_eps)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self.params["lm_head.weight"]).float()
+
+    def _repeat_kv(self, t: Tensor, dim: int) -> Tensor:
+        group = self.q_local // self.kv_local
+        return t.repeat_interleave(group, dim=dim) if group > 1 else t
+
+    # --- public API -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(
+        self, cache: KVCache, slot: int, token_ids: Tensor, start_pos: int = 0, all_logits: bool = False
+    ) -> Tensor:
+        """Append `token_ids` [L] to `slot` at positions start_pos.. and return float32 logits of the last
+        position [V] (or of every new position [L, V] with all_logits). start_pos <= the slot's cached
+        length: equal appends (multi-turn), smaller rewinds (drops the cached tail)."""
+        return self.prefill_batch(cache, [slot], [token_ids], [start_pos], all_logits=all_logits)[0]
+
+    @torch.no_grad()
+    def prefill_batch(
+        self,
+        cache: KVCache,
+        slots: Sequence[int],
+        token_ids: Sequence[Tensor],
+        start_positions: Sequence[int],
+        all_logits: bool = False,
+    ) -> list[Tensor]:
+        """Prefill several slots in one pass (matmuls over all new tokens, attention per slot)."""
+        if not (len(slots) == len(token_ids) == len(start_positions)) or not slots:
+            raise ValueError(
+                "prefill: slots, token_ids and start_positions must be non-empty and equally long"
+            )
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"prefill: duplicate slots {list(slots)}")
+        segments = []
+        offset = 0
+        for slot, ids, start in zip(slots, token_ids, start_positions, strict=True):
+            cache._check_slot(slot)
+            if ids.dim() != 1 or ids.numel() == 0:
+                raise ValueError(f"prefill: token_ids for slot {slot} must be a non-empty 1-D tensor")
+            if not 0 <= start <= cache.length(slot):
+                raise ValueError(
+                    f"prefill: start_pos {start} for slot {slot} exceeds cached length {cache.length(slot)}"
+                )
+            if start + ids.numel() > cache.max_len:
+                raise ValueError(
+                    f"prefill: slot {slot} would hold {start + ids.numel()} > max_len={cache.max_len}"
+                )
+            self._check_ids(ids)
+            segments.append((slot, start, offset, ids.numel()))
+            offset += ids.numel()
+        flat = torch.cat([ids.long() for ids in token_ids])
+        positions = torch.cat([torch.arange(s, s + n) for _, s, _, n in segments])
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out = torch.empty_like(q)
+            for slot, start, off, n in segments:
+                ck, cv = cache.k[layer, slot], cache.v[layer, slot]  # [kv, max_len, d]
+                ck[:, start : start + n] = k[off : off + n].transpose(0, 1)
+                cv[:, start : start + n] = v[off : off + n].transpose(0, 1)
+                keys = self._repeat_kv(ck[:, : start + n], 0)
+                values = self._repeat_kv(cv[:, : start + n], 0)
+                qpos = torch.arange(start, start + n, device=q.device)
+                mask = torch.arange(start + n, device=q.device)[None, :] <= qpos[:, None]
+                o = F.scaled_dot_product_attention(
+                    q[off : off + n].transpose(0, 1), keys, values, attn_mask=mask
+                )
+                out[off : off + n] = o.transpose(0, 1)
+            return out
+
+        hidden = self._run_layers(flat, positions, attend)
+        for slot, start, _, n in segments:
+            cache.lengths[slot] = start + n
+        if all_logits:
+            return [self._logits(hidden[off : off + n]) for _, _, off, n in segments]
+        last = torch.tensor([off + n - 1 for _, _, off, n in segments], device=hidden.device)
+        return list(self._logits(hidden[last]))
+
+    @torch.no_grad()
+    def decode(self, cache: KVCache, slots: Tensor, token_ids: Tensor, positions: Tensor) -> Tensor:
+        """One token for each of B slots: token_ids[b] goes to positions[b] (normally the slot's cached
+        length). Returns float32 logits [B, V] for the next token of each slot."""
+        slots, token_ids, positions = slots.long().cpu(), token_ids.long(), positions.long().cpu()
+        if not (slots.dim() == token_ids.dim() == positions.dim() == 1) or not (
+            slots.numel() == token_ids.numel() == positions.numel() > 0
+        ):
+            raise ValueError(
+                "decode: slots, token_ids and positions must be non-empty 1-D tensors of equal size"
+            )
+        if slots.unique().numel() != slots.numel():
+            raise ValueError(f"decode: duplicate slots {slots.tolist()}")
+        if bool((slots < 0).any() | (slots >= cache.max_slots).any()):
+            raise ValueError(f"decode: slots {slots.tolist()} outside [0, {cache.max_slots})")
+        if bool((positions < 0).any() | (positions > cache.lengths[slots]).any()):
+            raise ValueError(
+                f"decode: positions {positions.tolist()} must be within the cached lengths "
+                f"{cache.lengths[slots].tolist()}"
+            )
+        if bool((positions >= cache.max_len).any()):
+            raise ValueError(f"decode: positions {positions.tolist()} reach max_len={cache.max_len}")
+        self._check_ids(token_ids)
+        dev_slots, dev_pos = slots.to(cache.k.device), positions.to(cache.k.device)
+        span = int(positions.max()) + 1
+        # key j of row b is visible iff j <= positions[b]; [B, 1, 1, span] broadcasts over heads and query
+        mask = (torch.arange(span, device=cache.k.device)[None, :] <= dev_pos[:, None])[:, None, None, :]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            ck, cv = cache.k[layer], cache.v[layer]
+            ck[dev_slots, :, dev_pos] = k
+            cv[dev_slots, :, dev_pos] = v
+            keys = self._repeat_kv(ck[dev_slots, :, :span], 1)  # [B, heads, span, d]
+            values = self._repeat_kv(cv[dev_slots, :, :span], 1)
+            out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask)
+            return out[:, :, 0, :]
+
+        hidden = self._run_layers(token_ids, positions, attend)
+        cache.lengths[slots] = positions + 1
+        return self._logits(hidden)
+
+    def _check_ids(self, ids: Tensor) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got {ids.tolist()[:16]}")

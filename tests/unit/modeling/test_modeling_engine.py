@@ -1,0 +1,208 @@
+"""The engine model (sharded, KV-cached) computes the same logits as the packed training model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.modeling.config import ModelConfig
+from services.modeling.engine_model import EngineModel, KVCache
+from services.modeling.layouts import Layout, shard_state_dict
+from services.modeling.logprobs import sampled_logprobs, token_logprobs
+from services.modeling.qwen2 import Qwen2ForCausalLM
+from services.modeling.tp_local import LocalTPGroup
+
+CFG = ModelConfig.tiny()
+LAYOUTS = [Layout(1, "fused"), Layout(2, "fused"), Layout(1, "hf"), Layout(2, "hf"), Layout(4, "fused")]
+
+
+@pytest.fixture(scope="module")
+def reference() -> Qwen2ForCausalLM:
+    m = Qwen2ForCausalLM(CFG, seed=21).eval()
+    m.init_weights(21, std=0.15)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    return m
+
+
+def group_for(reference, layout: Layout, max_slots: int = 4, max_len: int = 64) -> LocalTPGroup:
+    group = LocalTPGroup(CFG, layout, max_slots, max_len)
+    group.load_full_state_dict(reference.state_dict())
+    return group
+
+
+def ids_of(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{lay.naming}-tp{lay.tp_size}")
+def test_prefill_then_decode_equals_full_forward(reference, layout):
+    seq = ids_of(20, 1)
+    with torch.no_grad():
+        expected = reference(seq)
+    group = group_for(reference, layout)
+    try:
+        slot = group.allocate()
+        prompt = 8
+        all_prompt = group.prefill(slot, seq[:prompt], all_logits=True)
+        torch.testing.assert_close(all_prompt, expected[:prompt], atol=1e-4, rtol=1e-4)
+        for t in range(prompt, len(seq)):
+            logits = group.decode(torch.tensor([slot]), seq[t : t + 1], torch.tensor([t]))
+            torch.testing.assert_close(logits[0], expected[t], atol=1e-4, rtol=1e-4)
+        assert group.caches[0].length(slot) == len(seq)
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("layout", [Layout(1, "fused"), Layout(2, "fused")], ids=["tp1", "tp2"])
+def test_batched_decode_of_different_lengths_equals_each_alone(reference, layout):
+    seqs = [ids_of(n, 10 + n) for n in (3, 11, 6)]
+    group = group_for(reference, layout)
+    try:
+        slots = [group.allocate() for _ in seqs]
+        prompt_lens = [len(s) - 2 for s in seqs]
+        # batched prefill of all prompts (different lengths) in one pass
+        firsts = group.run(
+            lambda m, c: m.prefill_batch(
+                c, slots, [s[:p] for s, p in zip(seqs, prompt_lens, strict=True)], [0, 0, 0]
+            )
+        )[0]
+        batched = [torch.stack(firsts)]
+        for step in range(2):
+            pos = torch.tensor([p + step for p in prompt_lens])
+            toks = torch.stack([s[p] for s, p in zip(seqs, pos.tolist(), strict=True)])
+            batched.append(group.decode(torch.tensor(slots), toks, pos))
+        with torch.no_grad():
+            for b, s in enumerate(seqs):
+                alone = reference(s)
+                for step, logits in enumerate(batched):
+                    torch.testing.assert_close(
+                        logits[b], alone[prompt_lens[b] - 1 + step], atol=1e-4, rtol=1e-4
+                    )
+    finally:
+        group.close()
+
+
+def test_multi_turn_append_and_rewind_reuse_the_cache(reference):
+    seq = ids_of(24, 3)
+    with torch.no_grad():
+        expected = reference(seq)
+    group = group_for(reference, Layout(2, "fused"))
+    try:
+        slot = group.allocate()
+        group.prefill(slot, seq[:10])
+        # second turn appended at the cached length
+        torch.testing.assert_close(
+            group.prefill(slot, seq[10:18], start_pos=10), expected[17], atol=1e-4, rtol=1e-4
+        )
+        # rewind: replace the tail after position 14 with the true continuation again
+        torch.testing.assert_close(
+            group.prefill(slot, seq[14:24], start_pos=14), expected[23], atol=1e-4, rtol=1e-4
+        )
+        assert group.caches[1].length(slot) == 24
+        group.free(slot)
+        assert group.allocate() == slot
+        assert group.caches[0].length(slot) == 0
+    finally:
+        group.close()
+
+
+def test_engine_logprobs_match_trainer_logprobs(reference):
+    # What issue 3/7 need: sampler-side log-probs (engine logits) == trainer-side token_logprobs.
+    seq = ids_of(16, 5)
+    with torch.no_grad():
+        trainer = token_logprobs(reference(seq), seq, torch.tensor([0, 16]), temperature=0.8)
+    group = group_for(reference, Layout(2, "fused"))
+    try:
+        slot = group.allocate()
+        logits = [group.prefill(slot, seq[:6])]
+        for t in range(6, 15):
+            logits.append(group.decode(torch.tensor([slot]), seq[t : t + 1], torch.tensor([t]))[0])
+        engine = sampled_logprobs(torch.stack(logits), seq[6:], 0.8)
+        torch.testing.assert_close(engine, trainer[6:], atol=1e-4, rtol=1e-4)
+    finally:
+        group.close()
+
+
+def test_load_shard_is_strict_and_atomic(reference):
+    layout = Layout(2, "fused")
+    model = EngineModel(CFG, layout, rank=1, all_reduce=lambda t: None)
+    good = shard_state_dict(reference.state_dict(), CFG, layout, 1)
+    model.load_shard(good)
+    assert model.params["lm_head.weight"] is model.params["model.embed_tokens.weight"]
+    before = dict(model.params)
+
+    wrong_shape = dict(good)
+    wrong_shape["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(3, CFG.hidden_size)
+    with pytest.raises(ValueError, match=r"qkv_proj\.weight has shape"):
+        model.load_shard(wrong_shape)
+    wrong_dtype = dict(good)
+    wrong_dtype["model.norm.weight"] = good["model.norm.weight"].double()
+    with pytest.raises(ValueError, match="dtype"):
+        model.load_shard(wrong_dtype)
+    hf_names = shard_state_dict(reference.state_dict(), CFG, Layout(2, "hf"), 1)
+    with pytest.raises(ValueError, match="missing"):
+        model.load_shard(hf_names)
+    assert all(model.params[k] is v for k, v in before.items())  # old weights still serving
+
+    with pytest.raises(ValueError, match="all_reduce"):
+        EngineModel(CFG, layout, rank=0)
+
+
+def test_bad_requests_are_rejected_with_clear_errors(reference):
+    model = EngineModel(CFG, Layout())
+    cache = KVCache(CFG, Layout(), max_slots=2, max_len=8)
+    with pytest.raises(RuntimeError, match="no weights"):
+        model.prefill(cache, 0, ids_of(3, 0))
+    model.load_shard(shard_state_dict(reference.state_dict(), CFG, Layout(), 0))
+    with pytest.raises(ValueError, match="max_len"):
+        model.prefill(cache, 0, ids_of(9, 0))
+    with pytest.raises(ValueError, match="token ids"):
+        model.prefill(cache, 0, torch.tensor([CFG.vocab_size]))
+    with pytest.raises(ValueError, match="start_pos"):
+        model.prefill(cache, 0, ids_of(2, 0), start_pos=3)
+    model.prefill(cache, 0, ids_of(3, 0))
+    with pytest.raises(ValueError, match="positions"):
+        model.decode(cache, torch.tensor([0]), torch.tensor([1]), torch.tensor([5]))
+    with pytest.raises(ValueError, match="duplicate"):
+        model.decode(cache, torch.tensor([0, 0]), torch.tensor([1, 1]), torch.tensor([3, 3]))
+    a, b = cache.allocate(), cache.allocate()
+    assert (a, b) == (0, 1)
+    with pytest.raises(RuntimeError, match="slots"):
+        cache.allocate()
+    cache.free(b)
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.free(b)
+
+
+def test_bfloat16_layout_runs_close_to_fp32(reference):
+    group = group_for(reference, Layout(2, "fused", "bfloat16"))
+    try:
+        seq = ids_of(12, 8)
+        slot = group.allocate()
+        logits = group.prefill(slot, seq, all_logits=True)
+        assert logits.dtype == torch.float32
+        with torch.no_grad():
+            torch.testing.assert_close(logits, reference(seq), atol=0.1, rtol=0.05)
+    finally:
+        group.close()
+
+
+def test_a_failing_rank_does_not_hang_the_group(reference):
+    group = group_for(reference, Layout(2, "fused"))
+    try:
+        slot = group.allocate()
+
+        def fail_on_rank1(model, cache):
+            if model.rank == 1:
+                raise RuntimeError("rank 1 broke")
+            return model.prefill(cache, slot, ids_of(4, 0))
+
+        with pytest.raises(RuntimeError, match="rank 1 broke"):
+            group.run(fail_on_rank1)
+        # the group still works afterwards
+        assert group.prefill(slot, ids_of(4, 0)).shape == (CFG.vocab_size,)
+    finally:
+        group.close()
