@@ -1,0 +1,1 @@
+"""Rollout packer: groups, advantages, staleness filter and DP-balanced packed micro-batches."""
