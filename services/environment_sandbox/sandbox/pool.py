@@ -190,6 +190,12 @@ class SandboxPool:
             self.completed += 1
             self._slots.release()
 
+    async def run_code(
+        self, code: str, stdin: str = "", files: dict[str, str] | None = None, timeout_s: float = 0.0
+    ) -> ExecResult:
+        """The executor environments call (keyword arguments, no ExecJob import needed)."""
+        return await self.execute(ExecJob(code, stdin, dict(files or {}), timeout_s))
+
     async def close(self) -> None:
         self._closed = True
         for task in list(self._tasks):

@@ -1,0 +1,171 @@
+"""The environment interface, its typed per-environment config, and the registry by name.
+
+An environment is a text game: `reset(task)` gives the opening chat messages, `step(action)` takes
+the model's reply and answers with more messages, a reward contribution, and whether the episode
+is over. Environments are async because some (code) wait on the sandbox. One instance serves one
+episode; the registry builds instances from a name plus a JSON config, rejecting unknown keys by
+name so a typo in a recipe fails loudly instead of silently using a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+Message = dict[str, str]
+# Runs code in the sandbox: (code, stdin, files, timeout_s) -> result with .stdout/.exit_code/...
+Executor = Callable[..., Awaitable[Any]]
+
+
+class EnvironmentError_(ValueError):
+    """Bad input to an environment (unknown name, malformed task or config); names the field."""
+
+
+@dataclass
+class StepResult:
+    observation: list[Message]
+    reward: float
+    done: bool
+    info: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class EnvContext:
+    """What the host gives environments: the sandbox, when there is one."""
+
+    executor: Executor | None = None
+
+
+@dataclass
+class EnvConfig:
+    """Settings every environment has."""
+
+    max_turns: int = 1
+    max_action_chars: int = 4096
+
+
+class Environment(ABC):
+    name: ClassVar[str]
+    description: ClassVar[str]
+    multi_turn: ClassVar[bool] = False
+    default_reward: ClassVar[str] = ""
+    Config: ClassVar[type[EnvConfig]] = EnvConfig
+
+    def __init__(self, config: EnvConfig, context: EnvContext | None = None) -> None:
+        self.config = config
+        self.context = context or EnvContext()
+        self.turns = 0
+        self.done = False
+        self.task: dict[str, Any] = {}
+
+    @classmethod
+    @abstractmethod
+    def generate(cls, rng: random.Random, config: EnvConfig) -> dict[str, Any]:
+        """One task drawn from the environment's built-in generator."""
+
+    @abstractmethod
+    def validate_task(self, task: dict[str, Any]) -> None:
+        """Raise EnvironmentError_ naming the field when the task is malformed."""
+
+    @abstractmethod
+    async def _reset(self) -> list[Message]: ...
+
+    @abstractmethod
+    async def _step(self, action: str) -> StepResult: ...
+
+    async def reset(self, task: dict[str, Any]) -> list[Message]:
+        if not isinstance(task, dict):
+            raise EnvironmentError_("task_json: must be a JSON object")
+        self.validate_task(task)
+        self.task, self.turns, self.done = task, 0, False
+        return await self._reset()
+
+    async def step(self, action: str) -> StepResult:
+        if self.done:
+            raise EnvironmentError_("action: the episode is already over")
+        if len(action) > self.config.max_action_chars:
+            raise EnvironmentError_(
+                f"action: {len(action)} characters is longer than the limit {self.config.max_action_chars}"
+            )
+        self.turns += 1
+        result = await self._step(action)
+        if self.turns >= self.config.max_turns and not result.done:
+            result.done = True
+            result.info.setdefault("finish", "max_turns")
+        self.done = result.done
+        return result
+
+
+_REGISTRY: dict[str, type[Environment]] = {}
+
+
+def register(cls: type[Environment]) -> type[Environment]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def environment_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def environment_class(name: str) -> type[Environment]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise EnvironmentError_(
+            f"environment: unknown environment {name!r}; known: {', '.join(environment_names())}"
+        ) from None
+
+
+def parse_config(cls: type[Environment], config_json: str | dict | None) -> EnvConfig:
+    """The environment's typed config from JSON; unknown keys and wrong types name the field."""
+    if not config_json:
+        raw: dict[str, Any] = {}
+    elif isinstance(config_json, dict):
+        raw = config_json
+    else:
+        try:
+            raw = json.loads(config_json)
+        except json.JSONDecodeError as exc:
+            raise EnvironmentError_(f"environment_config_json: not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise EnvironmentError_("environment_config_json: must be a JSON object")
+    fields = {f.name: f for f in dataclasses.fields(cls.Config)}
+    values = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise EnvironmentError_(
+                f"environment_config.{key}: unknown setting for {cls.name!r}; known: {', '.join(sorted(fields))}"
+            )
+        default = fields[key].default
+        if default is not dataclasses.MISSING and default is not None:
+            expected = type(default)
+            ok = isinstance(value, expected) or (expected is float and isinstance(value, int))
+            if not ok or (expected is int and isinstance(value, bool)):
+                raise EnvironmentError_(
+                    f"environment_config.{key}: expected {expected.__name__}, got {type(value).__name__}"
+                )
+        values[key] = value
+    return cls.Config(**values)
+
+
+def make_environment(
+    name: str, config_json: str | dict | None = None, context: EnvContext | None = None
+) -> Environment:
+    cls = environment_class(name)
+    return cls(parse_config(cls, config_json), context)
+
+
+def parse_task(task_json: str) -> dict[str, Any]:
+    try:
+        task = json.loads(task_json)
+    except json.JSONDecodeError as exc:
+        raise EnvironmentError_(f"task_json: not valid JSON: {exc}") from None
+    if not isinstance(task, dict):
+        raise EnvironmentError_("task_json: must be a JSON object")
+    return task
