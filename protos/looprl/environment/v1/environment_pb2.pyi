@@ -97,7 +97,7 @@ class ExecRequest(_message.Message):
     def __init__(self, language: _Optional[str] = ..., code: _Optional[str] = ..., stdin: _Optional[str] = ..., files: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ExecResponse(_message.Message):
-    __slots__ = ("exit_code", "stdout", "stderr", "timed_out", "killed_reason", "wall_seconds", "output_truncated")
+    __slots__ = ("exit_code", "stdout", "stderr", "timed_out", "killed_reason", "wall_seconds", "output_truncated", "isolation", "missing_isolation", "warm")
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
     STDERR_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,9 @@ class ExecResponse(_message.Message):
     KILLED_REASON_FIELD_NUMBER: _ClassVar[int]
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    MISSING_ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
     exit_code: int
     stdout: str
     stderr: str
@@ -112,7 +115,10 @@ class ExecResponse(_message.Message):
     killed_reason: str
     wall_seconds: float
     output_truncated: bool
-    def __init__(self, exit_code: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., timed_out: _Optional[bool] = ..., killed_reason: _Optional[str] = ..., wall_seconds: _Optional[float] = ..., output_truncated: _Optional[bool] = ...) -> None: ...
+    isolation: _containers.RepeatedScalarFieldContainer[str]
+    missing_isolation: _containers.RepeatedScalarFieldContainer[str]
+    warm: bool
+    def __init__(self, exit_code: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., timed_out: _Optional[bool] = ..., killed_reason: _Optional[str] = ..., wall_seconds: _Optional[float] = ..., output_truncated: _Optional[bool] = ..., isolation: _Optional[_Iterable[str]] = ..., missing_isolation: _Optional[_Iterable[str]] = ..., warm: _Optional[bool] = ...) -> None: ...
 
 class EnvironmentInfo(_message.Message):
     __slots__ = ("name", "description", "multi_turn", "default_reward")

@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("reward", "task_json", "completion", "rollout_id", "transcript")
+    __slots__ = ("reward", "task_json", "completion", "rollout_id", "transcript", "environment_reward")
     REWARD_FIELD_NUMBER: _ClassVar[int]
     TASK_JSON_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_REWARD_FIELD_NUMBER: _ClassVar[int]
     reward: str
     task_json: str
     completion: str
     rollout_id: str
     transcript: str
-    def __init__(self, reward: _Optional[str] = ..., task_json: _Optional[str] = ..., completion: _Optional[str] = ..., rollout_id: _Optional[str] = ..., transcript: _Optional[str] = ...) -> None: ...
+    environment_reward: float
+    def __init__(self, reward: _Optional[str] = ..., task_json: _Optional[str] = ..., completion: _Optional[str] = ..., rollout_id: _Optional[str] = ..., transcript: _Optional[str] = ..., environment_reward: _Optional[float] = ...) -> None: ...
 
 class ComponentScore(_message.Message):
     __slots__ = ("name", "score", "weight", "ok", "reason")
