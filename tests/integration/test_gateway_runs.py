@@ -1,0 +1,212 @@
+"""The gateway as a real process against a real nats-server: auth, recipe validation, the
+staleness gate on episode feeding, and a restarted gateway continuing a run.
+
+The test plays the trainer's part on the bus (publishing TrainStepRecords) so that the gateway's
+run control is observable on its own; the end-to-end test runs the real trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from looprl.events.v1 import events_pb2
+from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.kit import subjects
+from services.kit.bus import Bus
+from services.kit.local import free_port, wait_for_port
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "s3cret-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+RECIPE = """
+[run]
+name = "gw"
+steps = 3
+max_staleness = {staleness}
+[batch]
+rollouts_per_step = 4
+group_size = 2
+"""
+
+
+class GatewayProcess:
+    def __init__(self, nats_url: str, tmp: Path) -> None:
+        self.grpc_port, self.http_port = free_port(), free_port()
+        self.env = {
+            **os.environ,
+            "LOOPRL_GATEWAY_GRPC_PORT": str(self.grpc_port),
+            "LOOPRL_GATEWAY_HTTP_PORT": str(self.http_port),
+            "LOOPRL_GATEWAY_TOKENS": f"other,{TOKEN}",
+            "LOOPRL_NATS_URL": nats_url,
+            "LOOPRL_STATE_DIR": str(tmp),
+            "PYTHONPATH": str(ROOT),
+        }
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> GatewayProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway"], cwd=ROOT, env=self.env, stderr=subprocess.DEVNULL
+        )
+        wait_for_port(self.grpc_port, 30, self.proc, "gateway")
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
+        self.stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.stub.ListRuns(gateway_pb2.ListRunsRequest(), metadata=AUTH, timeout=2)
+                return self
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def gateway(nats_url: str, tmp_path: Path):
+    gw = GatewayProcess(nats_url, tmp_path).start()
+    yield gw
+    gw.kill()
+
+
+def episodes_of(nats_url: str, run_id: str) -> list[events_pb2.EpisodeTask]:
+    async def read() -> list[events_pb2.EpisodeTask]:
+        bus = await Bus.connect(nats_url, name="test-reader")
+        consumer = await bus.pull_consumer(
+            subjects.EPISODES, f"peek-{run_id}-{time.monotonic_ns()}", subjects.episodes(run_id)
+        )
+        tasks: dict[str, events_pb2.EpisodeTask] = {}
+        # Peek without acking: deleting the consumer leaves every task in the work queue.
+        while batch := await consumer.fetch(batch=256, timeout=0.3):
+            for delivery in batch:
+                task = delivery.parse(events_pb2.EpisodeTask)
+                tasks[task.task_id] = task
+        await consumer.close()
+        await bus.delete_consumer(subjects.EPISODES, consumer.durable)
+        await bus.close()
+        return list(tasks.values())
+
+    return asyncio.run(read())
+
+
+def publish_train_step(nats_url: str, run_id: str, step: int) -> None:
+    async def publish() -> None:
+        bus = await Bus.connect(nats_url, name="test-trainer")
+        record = events_pb2.TrainStepRecord(
+            run_id=run_id, step=step, version=step + 1, reward_mean=0.1 * step, num_rollouts=4
+        )
+        await bus.publish(subjects.train(run_id), record, msg_id=f"{run_id}-train-{step}")
+        await bus.close()
+
+    asyncio.run(publish())
+
+
+def wait_until(predicate, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError("condition not met in time")
+
+
+def test_every_call_needs_a_valid_token(gateway: GatewayProcess) -> None:
+    for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)):
+        with pytest.raises(grpc.RpcError) as err:
+            gateway.stub.ListRuns(gateway_pb2.ListRunsRequest(), metadata=metadata)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    request = urllib.request.Request(f"http://127.0.0.1:{gateway.http_port}/v1/runs")
+    with pytest.raises(urllib.error.HTTPError) as http_err:
+        urllib.request.urlopen(request, timeout=5)
+    assert http_err.value.code == 401
+    request.add_header("Authorization", f"Bearer {TOKEN}")
+    assert "runs" in json.loads(urllib.request.urlopen(request, timeout=5).read())
+
+
+@pytest.mark.parametrize(
+    ("recipe", "field"),
+    [
+        ("[run]\nsteps = 2\nsurprise = 1\n", "run.surprise"),
+        ("[model]\npath = 'no/such/model'\n", "model.path"),
+        ("[batch]\nrollouts_per_step = 6\ngroup_size = 4\n", "batch.rollouts_per_step"),
+    ],
+)
+def test_bad_recipes_are_rejected_and_nothing_starts(
+    gateway: GatewayProcess, recipe: str, field: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        gateway.stub.CreateRun(
+            gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id="bad-run"), metadata=AUTH
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    with pytest.raises(grpc.RpcError) as missing:
+        gateway.stub.GetRun(gateway_pb2.GetRunRequest(run_id="bad-run"), metadata=AUTH)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_synchronous_run_feeds_one_step_per_trained_version(gateway: GatewayProcess, nats_url: str) -> None:
+    run = gateway.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="sync-run"), metadata=AUTH
+    ).run
+    tasks = wait_until(lambda: episodes_of(nats_url, run.run_id))
+    time.sleep(1.0)
+    tasks = episodes_of(nats_url, run.run_id)
+    assert sorted({t.step for t in tasks}) == [0] and len(tasks) == 4
+    assert {t.min_weight_version for t in tasks} == {0}
+    assert len({t.group_id for t in tasks}) == 2
+    publish_train_step(nats_url, run.run_id, 0)
+    tasks = wait_until(lambda: [t for t in episodes_of(nats_url, run.run_id) if t.step == 1])
+    assert {t.min_weight_version for t in tasks} == {1}
+    assert max(t.step for t in episodes_of(nats_url, run.run_id)) == 1
+
+
+def test_async_run_feeds_ahead_up_to_the_staleness_bound(gateway: GatewayProcess, nats_url: str) -> None:
+    run = gateway.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=2), run_id="async-run"),
+        metadata=AUTH,
+    ).run
+    wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 12)
+    steps = sorted({t.step for t in episodes_of(nats_url, run.run_id)})
+    assert steps == [0, 1, 2]
+
+
+def test_restarted_gateway_continues_the_run(gateway: GatewayProcess, nats_url: str) -> None:
+    run = gateway.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="restart-run"),
+        metadata=AUTH,
+    ).run
+    wait_until(lambda: episodes_of(nats_url, run.run_id))
+    gateway.kill()
+    publish_train_step(nats_url, run.run_id, 0)
+    gateway.start()
+    wait_until(lambda: any(t.step == 1 for t in episodes_of(nats_url, run.run_id)))
+    for step in (1, 2):
+        publish_train_step(nats_url, run.run_id, step)
+    final = wait_until(
+        lambda: (
+            (r := gateway.stub.GetRun(gateway_pb2.GetRunRequest(run_id=run.run_id), metadata=AUTH).run).state
+            == gateway_pb2.RUN_STATE_COMPLETED
+            and r
+        )
+    )
+    assert [h.step for h in final.history] == [0, 1, 2]
+    assert final.weight_version == 3
+    assert len(episodes_of(nats_url, run.run_id)) == 12  # each step's episodes published once
