@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.modeling.logprobs import sampled_logprobs
+
 
 @dataclass
 class SamplerRow:
@@ -45,8 +47,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> tuple[list[int],
         if row.top_k > 0 or row.top_p < 1.0:
             probs = _truncate(probs, row.top_k, row.top_p)
         tokens.append(int(torch.multinomial(probs, 1, generator=row.generator)))
-    index = torch.tensor(tokens, dtype=torch.long)
-    chosen = logp.gather(1, index[:, None]).squeeze(1)
+    # The shared definition the trainer uses too (services/modeling/logprobs.py).
+    chosen = sampled_logprobs(logits, torch.tensor(tokens, dtype=torch.long), temps)
     return tokens, chosen.tolist()
 
 

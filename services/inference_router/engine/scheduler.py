@@ -22,7 +22,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -64,6 +64,11 @@ class StepExecutor(Protocol):
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None: ...
 
+    @property
+    def loaded(self) -> bool:
+        """True once weights are installed (an engine without weights is not ready)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -104,14 +109,14 @@ class _Seq:
 class ContinuousBatchingEngine(Engine):
     """Engine over any StepExecutor; start() launches the scheduler loop on the running event loop."""
 
-    def __init__(self, executor: StepExecutor, version: int, limits: SchedulerLimits | None = None):
+    def __init__(self, executor: StepExecutor, version: int = -1, limits: SchedulerLimits | None = None):
         self.executor = executor
         self.version = version
         self.limits = limits or SchedulerLimits()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Seq] = []
         self._free_slots = list(range(executor.num_slots - 1, -1, -1))
-        self._swaps: list[tuple[int, Mapping[str, torch.Tensor], asyncio.Future]] = []
+        self._swaps: list[tuple[int, Callable[[], None], asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._paused = False
         self._closed = False
@@ -149,6 +154,8 @@ class ContinuousBatchingEngine(Engine):
     def _enqueue(self, request: EngineRequest, stream: bool) -> _Request:
         if self._closed:
             raise Unavailable("engine is closed")
+        if not self.executor.loaded:
+            raise Unavailable("engine has no weights yet (waiting for the first weight version)")
         validate_request(
             request, vocab_size=self.executor.vocab_size, max_model_len=self.executor.max_model_len
         )
@@ -190,13 +197,20 @@ class ContinuousBatchingEngine(Engine):
                 self._abort_request(item)
 
     async def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        await self.swap(version, lambda: self.executor.load_weights(state_dict))
+
+    async def swap(self, version: int, apply: Callable[[], None]) -> None:
+        """Run `apply` (which installs `version` in the executor) between two steps, then serve `version`.
+
+        Runs even while paused (pause stops generation, not weight updates). If `apply` raises,
+        the old weights keep serving (EngineModel.load_shard checks everything before changing anything)."""
         if self._closed:
             raise Unavailable("engine is closed")
         if version < self.version:
             raise FailedPrecondition(f"version: {version} is older than the serving version {self.version}")
         self.start()
         fut = asyncio.get_running_loop().create_future()
-        self._swaps.append((version, state_dict, fut))
+        self._swaps.append((version, apply, fut))
         self._wake.set()
         await fut
 
@@ -208,7 +222,7 @@ class ContinuousBatchingEngine(Engine):
         )
         return EngineStatus(
             weight_version=self.version,
-            ready=not self._closed,
+            ready=not self._closed and self.executor.loaded,
             paused=self._paused,
             queued_requests=len(self._waiting),
             running_sequences=len(self._running),
@@ -244,9 +258,9 @@ class ContinuousBatchingEngine(Engine):
     async def _apply_swaps(self) -> None:
         swaps, self._swaps = self._swaps, []
         loop = asyncio.get_running_loop()
-        for version, sd, fut in swaps:
+        for version, apply, fut in swaps:
             try:
-                await loop.run_in_executor(self._pool, self.executor.load_weights, sd)
+                await loop.run_in_executor(self._pool, apply)
                 self.version = version
                 fut.set_result(None)
             except Exception as exc:

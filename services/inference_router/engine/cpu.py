@@ -1,0 +1,106 @@
+"""The embedded CPU engine: services/modeling EngineModel + slot KV cache + continuous batching.
+
+`CPUEngine.create(config, weights, version, layout=...)` builds a tp=1 engine holding the weights in
+its layout (HF names or fused qkv_proj/gate_up_proj, in the layout's dtype). `weights` may be a
+full Hugging Face state dict (it is sharded into the layout) or the rank-0 shard already in the
+layout's names; without weights the engine exists but is not ready until the first
+`load_weights`. The scheduler (engine/scheduler.py) does the batching; this module only runs the
+model for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from services.inference_router.engine.scheduler import ContinuousBatchingEngine, SchedulerLimits
+from services.modeling.config import ModelConfig
+from services.modeling.engine_model import EngineModel
+from services.modeling.layouts import Layout, hf_params, rank_params, shard_state_dict
+
+
+def to_rank_shard(
+    weights: Mapping[str, torch.Tensor], config: ModelConfig, layout: Layout, rank: int
+) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s shard in the layout: `weights` is either that shard already or a full HF state dict."""
+    own = {p.name for p in rank_params(config, layout, rank)}
+    if set(weights) == own and all(
+        tuple(weights[p.name].shape) == p.shape for p in rank_params(config, layout, rank)
+    ):
+        return {k: v.to(layout.torch_dtype) for k, v in weights.items()}
+    hf = set(hf_params(config))
+    if hf <= set(weights):
+        return shard_state_dict(weights, config, layout, rank)
+    missing = sorted(hf - set(weights))[:4]
+    raise ValueError(
+        f"weights: neither rank {rank}'s shard in the {layout.naming} layout nor a full HF state dict "
+        f"(missing e.g. {missing})"
+    )
+
+
+class LocalExecutor:
+    """Runs one EngineModel (all of tp=1, or rank 0 of a group whose all_reduce is given)."""
+
+    def __init__(
+        self,
+        model: EngineModel,
+        num_slots: int,
+        max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = max_model_len
+        self.num_slots = num_slots
+        self.cache = model.new_cache(num_slots, max_model_len)
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        ids = [torch.tensor(p, dtype=torch.long) for p in prompts]
+        return torch.stack(self.model.prefill_batch(self.cache, slots, ids, [0] * len(slots)))
+
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        return self.model.decode(
+            self.cache,
+            torch.tensor(slots, dtype=torch.long),
+            torch.tensor(tokens, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+        )
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        m = self.model
+        m.load_shard(to_rank_shard(state_dict, m.config, m.layout, m.rank))
+
+    @property
+    def loaded(self) -> bool:
+        return self.model.loaded
+
+    def close(self) -> None:
+        pass
+
+
+class CPUEngine(ContinuousBatchingEngine):
+    """Continuous-batching engine over a local tp=1 EngineModel."""
+
+    @classmethod
+    def create(
+        cls,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor] | None = None,
+        version: int = 0,
+        *,
+        layout: Layout | None = None,
+        max_batch_size: int = 32,
+        max_model_len: int | None = None,
+        limits: SchedulerLimits | None = None,
+    ) -> CPUEngine:
+        layout = layout or Layout()
+        if layout.tp_size != 1:
+            raise ValueError("CPUEngine runs tp=1; use engine.tp.TPEngine for tensor parallelism")
+        model = EngineModel(config, layout, rank=0)
+        if weights is not None:
+            model.load_shard(to_rank_shard(weights, config, layout, 0))
+        max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        return cls(
+            LocalExecutor(model, max_batch_size, max_len), version if weights is not None else -1, limits
+        )
