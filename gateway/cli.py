@@ -93,7 +93,7 @@ def _recipe_env(recipe: str | None) -> dict[str, str]:
     """Services configured from the recipe at start-up (the router's deployments)."""
     if not recipe:
         return {}
-    return {"LOOPRL_ROUTER_RECIPE": str(Path(recipe).resolve())}
+    return {"LOOPRL_INFERENCE_ROUTER_RECIPE": str(Path(recipe).resolve())}
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -98,7 +98,7 @@ def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[st
                 min_weight_version=max(0, step - recipe.run.max_staleness),
                 reward=env.reward,
                 step=step,
-                environment_config_json=json.dumps({**env.config, "max_turns": env.max_turns}),
+                environment_config_json=json.dumps(env.config),
             )
             tasks.append((task.task_id, task))
     return tasks

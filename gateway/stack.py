@@ -21,15 +21,15 @@ from services.kit.local import NatsServer, RayHead, pid_alive, require_free, sto
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (name, module, env prefix) in start order; the gateway last, since it is the front door.
-SERVICES: tuple[tuple[str, str, str], ...] = (
-    ("weight-sync", "services.weight_sync", "WEIGHT_SYNC"),
-    ("inference-router", "services.inference_router", "ROUTER"),
-    ("reward", "services.reward", "REWARD"),
-    ("environment-sandbox", "services.environment_sandbox", "ENV"),
-    ("rollout-packer", "services.rollout_packer", "PACKER"),
-    ("trainer", "services.trainer", "TRAINER"),
-    ("gateway", "gateway", "GATEWAY"),
+# (name, module) in start order; the gateway last, since it is the front door.
+SERVICES: tuple[tuple[str, str], ...] = (
+    ("weight-sync", "services.weight_sync"),
+    ("inference-router", "services.inference_router"),
+    ("reward", "services.reward"),
+    ("environment-sandbox", "services.environment_sandbox"),
+    ("rollout-packer", "services.rollout_packer"),
+    ("trainer", "services.trainer"),
+    ("gateway", "gateway"),
 )
 
 # Each service finds its peers through these variables.
@@ -129,7 +129,7 @@ def up(
         (name, module, prefix, ports.base + i, ports.base + 100 + i)
         for i, (name, module, prefix) in enumerate(SERVICES)
     ]
-    for name, _, _, grpc_port, metrics_port in plan:
+    for name, _, grpc_port, metrics_port in plan:
         require_free(grpc_port, f"{name} gRPC")
         require_free(metrics_port, f"{name} metrics")
     require_free(ports.http, "gateway HTTP")
@@ -162,11 +162,11 @@ def up(
         "PYTHONUNBUFFERED": "1",
         **(extra_env or {}),
     }
-    for name, _, _, grpc_port, _ in plan:
+    for name, _, grpc_port, _ in plan:
         if name in PEER_VARIABLES:
             env[PEER_VARIABLES[name]] = f"127.0.0.1:{grpc_port}"
     try:
-        for name, module, _, grpc_port, metrics_port in plan:
+        for name, module, grpc_port, metrics_port in plan:
             log_path = logs / f"{name}.log"
             proc_env = {**env, "LOOPRL_GRPC_PORT": str(grpc_port), "LOOPRL_METRICS_PORT": str(metrics_port)}
             with open(log_path, "ab") as out:

@@ -50,7 +50,6 @@ class EnvironmentSection:
     name: str = _f("digits", "Registered environment name (digits, guess, code).")
     reward: str = _f("", "Registered reward name; empty uses the environment's default.")
     config: dict = _f({}, "Environment-specific settings (see the environment's config class).")
-    max_turns: int = _f(1, "Maximum model turns per episode.")
 
 
 @dataclass
