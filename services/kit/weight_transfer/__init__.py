@@ -1,0 +1,52 @@
+"""Weight transfer: what weight-sync and every inference replica must agree on.
+
+Receiver side (inside a replica): `WeightStager` (+ `WeightReceiver` for the gRPC methods).
+Sender side (weight-sync): `Bucket`/`SliceRef`, `Transport` with `GrpcTransport`,
+`ShmTransport`, and the device transports in `gpu`.
+"""
+
+from .bucket import Bucket, BytesBucket, SliceRef, set_checksums, tensors_bucket
+from .errors import (
+    ChecksumMismatch,
+    DeliveryError,
+    IncompleteVersion,
+    InvalidWeights,
+    StaleVersion,
+    WeightTransferError,
+)
+from .receiver import WeightOnlyEngine, WeightReceiver, serve_engine
+from .shm import ShmPool, ShmReader, sweep_stale_segments
+from .specs import ParamSpec, as_param_specs, itemsize, proto_dtype
+from .stager import StageProgress, WeightStager
+from .transport import Endpoint, GrpcTransport, ShmTransport, StageResult, Transport
+
+__all__ = [
+    "Bucket",
+    "BytesBucket",
+    "ChecksumMismatch",
+    "DeliveryError",
+    "Endpoint",
+    "GrpcTransport",
+    "IncompleteVersion",
+    "InvalidWeights",
+    "ParamSpec",
+    "ShmPool",
+    "ShmReader",
+    "ShmTransport",
+    "SliceRef",
+    "StageProgress",
+    "StageResult",
+    "StaleVersion",
+    "Transport",
+    "WeightOnlyEngine",
+    "WeightReceiver",
+    "WeightStager",
+    "WeightTransferError",
+    "as_param_specs",
+    "itemsize",
+    "proto_dtype",
+    "serve_engine",
+    "set_checksums",
+    "sweep_stale_segments",
+    "tensors_bucket",
+]

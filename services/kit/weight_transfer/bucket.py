@@ -1,0 +1,103 @@
+"""Sender-side buckets: a run of receiver slices whose bytes are assembled into one buffer.
+
+A Bucket knows its slices (receiver name, dtype, full shape, element offset, where its bytes
+sit in the bucket, checksum) and how to fill a destination buffer with its bytes. Transports
+decide where that buffer lives (a gRPC message, a shared-memory segment, a device buffer); the
+reshard plan decides what goes in it (services/weight_sync/plan.py assembles straight from the
+trainer's shard buffers, so no full copy of the model is ever made).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from looprl.inference.v1 import inference_pb2
+
+
+@dataclass
+class SliceRef:
+    """One WeightSlice of a bucket: a contiguous element range of a receiver parameter."""
+
+    name: str
+    dtype: int  # looprl.common.v1.DType
+    shape: tuple[int, ...]
+    offset: int  # element offset into the flattened receiver parameter
+    byte_start: int  # where its bytes start inside the bucket payload
+    nbytes: int
+    crc32: int = 0
+
+    def to_proto(
+        self, *, data: bytes | None = None, shm_name: str = "", shm_base: int = 0
+    ) -> inference_pb2.WeightSlice:
+        msg = inference_pb2.WeightSlice(
+            name=self.name,
+            dtype=self.dtype,
+            shape=self.shape,
+            offset=self.offset,
+            crc32=self.crc32,
+            nbytes=self.nbytes,
+        )
+        if data is not None:
+            msg.data = data
+        if shm_name:
+            msg.shm_name = shm_name
+            msg.shm_offset = shm_base + self.byte_start
+        return msg
+
+
+class Bucket(Protocol):
+    """What a transport needs from a bucket."""
+
+    index: int
+    count: int
+    nbytes: int
+    slices: list[SliceRef]
+
+    def fill(self, dest: memoryview) -> None:
+        """Write the payload into dest[0:nbytes] and set every slice's crc32."""
+
+
+@dataclass
+class BytesBucket:
+    """A bucket whose payload already exists (tests, naive baselines, re-sends)."""
+
+    index: int
+    count: int
+    slices: list[SliceRef]
+    payload: bytes | bytearray | memoryview
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = len(self.payload)
+
+    def fill(self, dest: memoryview) -> None:
+        np.copyto(np.frombuffer(dest, np.uint8, count=self.nbytes), np.frombuffer(self.payload, np.uint8))
+        set_checksums(self.slices, dest)
+
+
+def set_checksums(slices: Sequence[SliceRef], payload: memoryview) -> None:
+    for s in slices:
+        s.crc32 = zlib.crc32(payload[s.byte_start : s.byte_start + s.nbytes])
+
+
+def tensors_bucket(index: int, count: int, tensors: dict[str, object], dtype: int) -> BytesBucket:
+    """A bucket carrying whole tensors (name -> torch tensor), one slice each."""
+    import torch
+
+    parts = []
+    slices = []
+    pos = 0
+    for name, t in tensors.items():
+        assert isinstance(t, torch.Tensor)
+        raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        slices.append(SliceRef(name, dtype, tuple(t.shape), 0, pos, len(raw)))
+        parts.append(raw)
+        pos += len(raw)
+    payload = b"".join(parts)
+    set_checksums(slices, memoryview(payload))
+    return BytesBucket(index, count, slices, payload)

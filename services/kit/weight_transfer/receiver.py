@@ -1,0 +1,140 @@
+"""The weight RPCs of InferenceEngineService on top of a WeightStager.
+
+An inference replica delegates StageWeights / CommitWeights / AbortWeights here and gets
+verification, error statuses and abort-on-broken-stream for free; it only supplies what to do
+with a committed state dict (swap it in). `WeightOnlyEngine` is a complete InferenceEngineService
+that holds weights and serves nothing else: the receiver weight-sync tests and benchmarks talk
+to, and a reference for engine authors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+
+import grpc
+import torch
+
+from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.kit.errors import ServiceError
+
+from .errors import WeightTransferError
+from .shm import ShmReader
+from .stager import WeightStager
+
+CommitHook = Callable[[int, dict[str, torch.Tensor]], Awaitable[None] | None]
+
+
+class WeightReceiver:
+    """Weight RPC handlers for one replica rank."""
+
+    def __init__(self, stager: WeightStager, on_commit: CommitHook | None = None) -> None:
+        self.stager = stager
+        self.on_commit = on_commit
+        self.bytes_received = 0  # payload bytes accepted, all versions (for accounting)
+        self.buckets_received = 0
+        self._lock = threading.Lock()
+
+    async def StageWeights(self, request_iterator, context) -> inference_pb2.StageWeightsResponse:
+        version = None
+        finished = False
+        try:
+            with ShmReader() as reader:
+                async for request in request_iterator:
+                    version = request.version
+                    progress = await asyncio.to_thread(self._stage, request, reader)
+            finished = True
+        except (ServiceError, WeightTransferError) as exc:
+            await context.abort(getattr(exc, "code", grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+        finally:
+            if not finished and version is not None and version != self.stager.serving_version:
+                # The stream broke (sender died, cancelled): never keep half a version around.
+                self.stager.abort(version)
+        if version is None:
+            return inference_pb2.StageWeightsResponse(serving_version=self.stager.serving_version)
+        return inference_pb2.StageWeightsResponse(
+            version=version,
+            bytes_received=progress.bytes_received,
+            complete=progress.complete,
+            serving_version=self.stager.serving_version,
+        )
+
+    def _stage(self, request, reader):
+        progress = self.stager.stage(request, reader)
+        with self._lock:
+            self.bytes_received += sum(s.nbytes or len(s.data) for s in request.slices)
+            self.buckets_received += 1
+        return progress
+
+    async def CommitWeights(self, request, context) -> inference_pb2.CommitWeightsResponse:
+        try:
+            state = self.stager.commit(request.version)
+        except (ServiceError, WeightTransferError) as exc:
+            await context.abort(getattr(exc, "code", grpc.StatusCode.FAILED_PRECONDITION), str(exc))
+        if self.on_commit is not None:
+            result = self.on_commit(request.version, state)
+            if inspect.isawaitable(result):
+                await result
+        return inference_pb2.CommitWeightsResponse(weight_version=self.stager.serving_version)
+
+    async def AbortWeights(self, request, context) -> inference_pb2.AbortWeightsResponse:
+        self.stager.abort(request.version or None)
+        return inference_pb2.AbortWeightsResponse()
+
+
+class WeightOnlyEngine(inference_pb2_grpc.InferenceEngineServiceServicer):
+    """An InferenceEngineService that only holds weights (tests, benchmarks, reference)."""
+
+    def __init__(self, stager: WeightStager, *, keep: bool = True) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+        self.commits: list[int] = []
+        self._keep = keep
+        self.receiver = WeightReceiver(stager, self._swap)
+
+    @property
+    def stager(self) -> WeightStager:
+        return self.receiver.stager
+
+    @property
+    def version(self) -> int:
+        return self.stager.serving_version
+
+    def _swap(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        old, self.weights = self.weights, dict(state) if self._keep else {}
+        self.commits.append(version)
+        self.stager.give_back(old if self._keep else state)
+
+    async def StageWeights(self, request_iterator, context):
+        return await self.receiver.StageWeights(request_iterator, context)
+
+    async def CommitWeights(self, request, context):
+        return await self.receiver.CommitWeights(request, context)
+
+    async def AbortWeights(self, request, context):
+        return await self.receiver.AbortWeights(request, context)
+
+    async def Status(self, request, context):
+        staged = self.stager.staged_version
+        return inference_pb2.StatusResponse(
+            weight_version=self.version, staged_version=-1 if staged is None else staged
+        )
+
+
+async def serve_engine(
+    engine: inference_pb2_grpc.InferenceEngineServiceServicer,
+    port: int = 0,
+    max_message_bytes: int = 256 * 1024 * 1024,
+) -> tuple[grpc.aio.Server, str]:
+    """Start a gRPC server for an engine on 127.0.0.1; returns (server, address)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+    )
+    inference_pb2_grpc.add_InferenceEngineServiceServicer_to_server(engine, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, f"127.0.0.1:{bound}"

@@ -1,0 +1,205 @@
+"""Shared-memory buckets: written once by weight-sync, read by every co-located receiver.
+
+A segment is a plain file under /dev/shm (tmpfs), mapped with mmap. We do not use
+multiprocessing.shared_memory: on Python 3.11 every process that attaches registers the
+segment with its resource tracker, which unlinks it when that process exits (and warns), so
+a receiver could delete a bucket under the sender.
+
+Cleanup is guaranteed three ways: a ShmPool unlinks its segments on close() (and at exit);
+segment names carry the creating pid, so `sweep_stale_segments()` (run by weight-sync at
+start) removes what a killed predecessor left behind; and receivers only ever map segments
+read-only, never own them. Unlinking a segment a receiver still maps is safe on Linux: the
+mapping stays valid until it is closed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import re
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+from .errors import InvalidWeights
+
+PREFIX = "looprl-ws-"
+_NAME = re.compile(r"^looprl-ws-(\d+)-[A-Za-z0-9_.-]+$")
+
+
+def shm_dir() -> Path:
+    """/dev/shm where it exists (Linux); a temp dir otherwise (slower, still correct)."""
+    override = os.environ.get("LOOPRL_SHM_DIR")
+    if override:
+        return Path(override)
+    dev_shm = Path("/dev/shm")
+    if dev_shm.is_dir() and os.access(dev_shm, os.W_OK):
+        return dev_shm
+    return Path(tempfile.gettempdir())
+
+
+def validate_segment_name(name: str) -> str:
+    """Receivers only map names weight-sync could have made: no paths, no other files."""
+    if not _NAME.match(name):
+        raise InvalidWeights(f"slices.shm_name: {name!r} is not a weight-sync segment name")
+    return name
+
+
+class ShmSegment:
+    """One writable segment owned by the process that created it."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+        self.path = shm_dir() / name
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, max(size, 1))
+            self._map = mmap.mmap(fd, max(size, 1))
+        finally:
+            os.close(fd)
+        self.buffer = memoryview(self._map)
+
+    def close(self) -> None:
+        try:
+            self.buffer.release()
+            self._map.close()
+        except (BufferError, ValueError):
+            pass  # a view is still exported; the file is unlinked below anyway
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class ShmPool:
+    """A ring of reusable segments of one size: buckets are written into a free segment and the
+    segment returns to the pool once every receiver of that bucket has read it. Reuse keeps
+    pages mapped and warm, which is what makes the path run near memcpy speed."""
+
+    def __init__(self, segment_bytes: int, count: int = 4, tag: str = "") -> None:
+        self.segment_bytes = segment_bytes
+        self._prefix = f"{PREFIX}{os.getpid()}-{tag or uuid.uuid4().hex[:8]}"
+        self._segments: list[ShmSegment] = []
+        self._free: list[ShmSegment] = []
+        self._cond = threading.Condition()
+        self._count = count
+        self._closed = False
+        atexit.register(self.close)
+
+    def acquire(self, nbytes: int) -> ShmSegment:
+        """A free segment of at least nbytes (blocks while all are in use)."""
+        if nbytes > self.segment_bytes:
+            # An oversized bucket (one huge slice) gets its own segment, freed on release.
+            seg = ShmSegment(f"{self._prefix}-x{uuid.uuid4().hex[:8]}", nbytes)
+            with self._cond:
+                self._segments.append(seg)
+            return seg
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise RuntimeError("shared-memory pool is closed")
+                if self._free:
+                    return self._free.pop()
+                if len([s for s in self._segments if s.size == self.segment_bytes]) < self._count:
+                    seg = ShmSegment(f"{self._prefix}-{len(self._segments)}", self.segment_bytes)
+                    self._segments.append(seg)
+                    return seg
+                self._cond.wait()
+
+    def release(self, seg: ShmSegment) -> None:
+        with self._cond:
+            if seg.size != self.segment_bytes:
+                self._segments.remove(seg)
+                seg.close()
+            else:
+                self._free.append(seg)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for seg in self._segments:
+                seg.close()
+            self._segments.clear()
+            self._free.clear()
+            self._cond.notify_all()
+
+    def names(self) -> list[str]:
+        with self._cond:
+            return [s.name for s in self._segments]
+
+
+class ShmReader:
+    """Maps segments read-only by name for the duration of a staging call."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}
+
+    def view(self, name: str, offset: int, nbytes: int) -> memoryview:
+        validate_segment_name(name)
+        if name not in self._maps:
+            path = shm_dir() / name
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise InvalidWeights(f"slices.shm_name: segment {name!r} does not exist") from None
+            try:
+                size = os.fstat(fd).st_size
+                mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            self._maps[name] = (mapped, memoryview(mapped))
+        mapped, view = self._maps[name]
+        if offset < 0 or nbytes < 0 or offset + nbytes > len(mapped):
+            raise InvalidWeights(
+                f"slices.shm_offset: range [{offset}, {offset + nbytes}) is outside segment {name!r} "
+                f"of {len(mapped)} bytes"
+            )
+        return view[offset : offset + nbytes]
+
+    def close(self) -> None:
+        for mapped, view in self._maps.values():
+            try:
+                view.release()
+                mapped.close()
+            except (BufferError, ValueError):
+                pass
+        self._maps.clear()
+
+    def __enter__(self) -> ShmReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def sweep_stale_segments() -> list[str]:
+    """Remove segments whose creating process is gone (a weight-sync killed with -9)."""
+    removed = []
+    directory = shm_dir()
+    for path in directory.glob(f"{PREFIX}*"):
+        match = _NAME.match(path.name)
+        if not match:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or _alive(pid):
+            continue
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,61 @@
+"""What a receiver holds: parameter specs and dtype helpers shared by stager, plans and transports."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from services.kit.codec import PROTO_TO_TORCH, TORCH_TO_PROTO
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One tensor a receiver holds, in its own naming and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def proto_dtype(dtype: torch.dtype) -> int:
+    return TORCH_TO_PROTO[dtype]
+
+
+def torch_dtype_of(proto: int) -> torch.dtype | None:
+    return PROTO_TO_TORCH.get(proto)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def as_param_specs(params: Iterable[object] | Mapping[str, torch.Tensor]) -> list[ParamSpec]:
+    """ParamSpecs from a state dict, from ParamSpecs, or from any objects with name/shape/dtype
+    (such as services.modeling.layouts TargetParam)."""
+    if isinstance(params, Mapping):
+        return [ParamSpec(name, tuple(t.shape), t.dtype) for name, t in params.items()]
+    specs = []
+    for p in params:
+        if isinstance(p, ParamSpec):
+            specs.append(p)
+            continue
+        dtype = p.dtype
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        specs.append(ParamSpec(str(p.name), tuple(int(d) for d in p.shape), dtype))
+    return specs

@@ -1,0 +1,312 @@
+"""Receiver side of a weight sync: stage version v beside the serving one, verify, then commit.
+
+An inference replica owns one WeightStager built from its own parameter specs (names, shapes
+and dtype of its layout and TP rank, e.g. `services.modeling.layouts.rank_params`). Every
+StageWeights request is handed to `stage()`: each slice is checked against the specs (name,
+dtype, full shape, element range, no overlap with bytes already staged), its CRC32 is
+verified, and its bytes are copied into preallocated staging tensors. The serving weights are
+never touched. `commit(v)` returns the complete state dict for the replica to swap in
+atomically; `abort(v)` drops the staged bytes. Any rejected slice aborts the staged version,
+so a half-verified version can never be committed; the sender retries the whole version.
+
+Version rules: a version must be newer than the serving one; a newer version replaces an
+older, incomplete staged one; buckets of one version may arrive over several StageWeights
+calls and in any order.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from looprl.inference.v1 import inference_pb2
+
+from .errors import ChecksumMismatch, IncompleteVersion, InvalidWeights, StaleVersion
+from .shm import ShmReader
+from .specs import ParamSpec, as_param_specs, dtype_name, itemsize, torch_dtype_of
+
+
+@dataclass
+class StageProgress:
+    version: int
+    bytes_received: int
+    complete: bool
+
+
+class _Coverage:
+    """Element ranges of one parameter already staged (sorted, disjoint)."""
+
+    __slots__ = ("covered", "numel", "ranges")
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.ranges: list[tuple[int, int]] = []
+        self.covered = 0
+
+    def add(self, start: int, stop: int) -> bool:
+        """Record [start, stop); False if it overlaps what is already there."""
+        added = stop - start
+        ranges = self.ranges
+        lo, hi = 0, len(ranges)
+        while lo < hi:  # first range whose stop > start
+            mid = (lo + hi) // 2
+            if ranges[mid][1] <= start:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(ranges) and ranges[lo][0] < stop:
+            return False
+        # Merge with neighbours that touch, so a fully staged tensor is a single range.
+        if lo > 0 and ranges[lo - 1][1] == start:
+            start = ranges[lo - 1][0]
+            lo -= 1
+            del ranges[lo]
+        if lo < len(ranges) and ranges[lo][0] == stop:
+            stop = ranges[lo][1]
+            del ranges[lo]
+        ranges.insert(lo, (start, stop))
+        self.covered += added
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return self.covered == self.numel
+
+
+class WeightStager:
+    """Stages weight versions for one receiver (one TP rank of one replica)."""
+
+    def __init__(
+        self,
+        params: Iterable[object] | Mapping[str, torch.Tensor],
+        *,
+        serving_version: int = -1,
+        rank: int | None = None,
+        verify_checksums: bool = True,
+    ) -> None:
+        self.specs: dict[str, ParamSpec] = {p.name: p for p in as_param_specs(params)}
+        if not self.specs:
+            raise ValueError("a WeightStager needs at least one parameter")
+        self.serving_version = serving_version
+        self.rank = rank
+        self.verify_checksums = verify_checksums
+        self.total_bytes = sum(p.nbytes for p in self.specs.values())
+        self.model_config_json = ""
+        self._lock = threading.RLock()
+        self._version: int | None = None
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._flat: dict[str, torch.Tensor] = {}
+        self._coverage: dict[str, _Coverage] = {}
+        self._bytes = 0
+        self._staged_config = ""
+        self._spare: dict[str, torch.Tensor] = {}
+
+    # ----------------------------------------------------------------- state
+    @property
+    def staged_version(self) -> int | None:
+        return self._version
+
+    @property
+    def bytes_staged(self) -> int:
+        return self._bytes
+
+    def is_complete(self, version: int | None = None) -> bool:
+        with self._lock:
+            if self._version is None or (version is not None and version != self._version):
+                return False
+            return all(c.complete for c in self._coverage.values())
+
+    def missing(self) -> dict[str, int]:
+        """Elements not yet staged, per parameter (for error messages and status pages)."""
+        with self._lock:
+            return {n: c.numel - c.covered for n, c in self._coverage.items() if not c.complete}
+
+    # ------------------------------------------------------------- staging
+    def stage(
+        self, request: inference_pb2.StageWeightsRequest, shm: ShmReader | None = None
+    ) -> StageProgress:
+        """Verify and stage every slice of one bucket. On any error the staged version is
+        dropped (nothing is ever swapped from a version that failed verification)."""
+        with self._lock:
+            version = int(request.version)
+            self._begin(version)
+            if self.rank is not None and request.rank != self.rank:
+                self._drop()
+                raise InvalidWeights(f"rank: bucket for rank {request.rank} sent to rank {self.rank}")
+            if request.model_config_json:
+                self._staged_config = request.model_config_json
+            own_reader = shm is None
+            reader = shm if shm is not None else ShmReader()
+            try:
+                for i, sl in enumerate(request.slices):
+                    if sl.shm_name:
+                        data = reader.view(sl.shm_name, int(sl.shm_offset), int(sl.nbytes))
+                    else:
+                        if sl.nbytes and sl.nbytes != len(sl.data):
+                            raise InvalidWeights(
+                                f"slices[{i}].nbytes: {sl.nbytes} but data holds {len(sl.data)} bytes"
+                            )
+                        data = sl.data
+                    self._stage_slice(
+                        i, sl.name, int(sl.dtype), tuple(sl.shape), int(sl.offset), data, sl.crc32
+                    )
+            except Exception:
+                self._drop()
+                raise
+            finally:
+                if own_reader:
+                    reader.close()
+            return StageProgress(version, self._bytes, self.is_complete(version))
+
+    def stage_tensor(self, version: int, name: str, offset: int, data: torch.Tensor) -> StageProgress:
+        """Stage a flat range from a tensor already in this process (device transports, tests)."""
+        with self._lock:
+            self._begin(version)
+            spec = self._spec(0, name)
+            flat = data.reshape(-1)
+            self._check_range(0, spec, offset, flat.numel())
+            if data.dtype != spec.dtype:
+                raise InvalidWeights(
+                    f"slices[0].dtype: {name} is {dtype_name(spec.dtype)}, got {dtype_name(data.dtype)}"
+                )
+            if not self._coverage[name].add(offset, offset + flat.numel()):
+                self._drop()
+                raise InvalidWeights(f"slices[0].offset: {name} range overlaps bytes already staged")
+            self._flat[name][offset : offset + flat.numel()].copy_(flat)
+            self._bytes += flat.numel() * itemsize(spec.dtype)
+            return StageProgress(version, self._bytes, self.is_complete(version))
+
+    def commit(self, version: int) -> dict[str, torch.Tensor]:
+        """The complete staged state dict of `version`, to swap in atomically. The stager now
+        reports `version` as serving; the tensors belong to the caller."""
+        with self._lock:
+            if self._version != version:
+                staged = "nothing" if self._version is None else f"version {self._version}"
+                raise IncompleteVersion(f"version: cannot commit {version}, {staged} is staged")
+            if not self.is_complete(version):
+                missing = self.missing()
+                some = ", ".join(f"{n} ({k} elements)" for n, k in list(missing.items())[:3])
+                raise IncompleteVersion(
+                    f"version: {version} is incomplete: {len(missing)} parameters missing data, e.g. {some}"
+                )
+            state = self._tensors
+            self.serving_version = version
+            self.model_config_json = self._staged_config or self.model_config_json
+            self._reset()
+            return state
+
+    def abort(self, version: int | None = None) -> bool:
+        """Drop the staged version (if it is `version`, or whatever is staged when None)."""
+        with self._lock:
+            if self._version is None or (version is not None and version != self._version):
+                return False
+            self._drop()
+            return True
+
+    def give_back(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Hand retired serving tensors back to be reused as the next staging buffers, so a
+        replica holds two copies of its weights at most and pages stay warm."""
+        with self._lock:
+            for name, t in state.items():
+                spec = self.specs.get(name)
+                if (
+                    spec is not None
+                    and tuple(t.shape) == spec.shape
+                    and t.dtype == spec.dtype
+                    and t.is_contiguous()
+                ):
+                    self._spare[name] = t
+
+    # ------------------------------------------------------------ internals
+    def _begin(self, version: int) -> None:
+        if version <= self.serving_version:
+            raise StaleVersion(
+                f"version: {version} is not newer than the serving version {self.serving_version}"
+            )
+        if self._version is not None:
+            if version < self._version:
+                raise StaleVersion(f"version: {version} is older than the staged version {self._version}")
+            if version == self._version:
+                return
+            self._drop()  # a newer version supersedes an unfinished one
+        self._version = version
+        self._bytes = 0
+        for name, spec in self.specs.items():
+            tensor = self._spare.pop(name, None)
+            if tensor is None:
+                tensor = torch.empty(spec.shape, dtype=spec.dtype)
+            self._tensors[name] = tensor
+            self._flat[name] = tensor.view(-1)
+            self._coverage[name] = _Coverage(spec.numel)
+
+    def _spec(self, i: int, name: str) -> ParamSpec:
+        spec = self.specs.get(name)
+        if spec is None:
+            self._drop()
+            raise InvalidWeights(f"slices[{i}].name: unknown parameter {name!r} for this receiver")
+        return spec
+
+    def _check_range(self, i: int, spec: ParamSpec, offset: int, count: int) -> None:
+        if offset < 0 or offset + count > spec.numel:
+            self._drop()
+            raise InvalidWeights(
+                f"slices[{i}].offset: elements [{offset}, {offset + count}) are outside {spec.name} "
+                f"({spec.numel} elements)"
+            )
+
+    def _stage_slice(
+        self, i: int, name: str, dtype: int, shape: tuple[int, ...], offset: int, data, crc: int
+    ) -> None:
+        spec = self._spec(i, name)
+        got = torch_dtype_of(dtype)
+        if got != spec.dtype:
+            raise InvalidWeights(
+                f"slices[{i}].dtype: {name} is {dtype_name(spec.dtype)} here, got "
+                f"{dtype_name(got) if got is not None else f'enum {dtype}'}"
+            )
+        if shape != spec.shape:
+            raise InvalidWeights(
+                f"slices[{i}].shape: {name} has shape {list(spec.shape)} here, got {list(shape)}"
+            )
+        size = itemsize(spec.dtype)
+        nbytes = len(data)
+        if nbytes % size:
+            raise InvalidWeights(
+                f"slices[{i}].data: {nbytes} bytes is not a whole number of {dtype_name(spec.dtype)}"
+            )
+        count = nbytes // size
+        self._check_range(i, spec, offset, count)
+        if self.verify_checksums:
+            actual = zlib.crc32(data)
+            if actual != crc:
+                raise ChecksumMismatch(
+                    f"slices[{i}].crc32: {name} elements [{offset}, {offset + count}) have crc32 "
+                    f"{actual:#010x}, sender said {crc:#010x} (corrupted in transit)"
+                )
+        if not self._coverage[name].add(offset, offset + count):
+            raise InvalidWeights(
+                f"slices[{i}].offset: {name} elements [{offset}, {offset + count}) already staged"
+            )
+        if count:
+            dest = self._flat[name].view(torch.uint8)[offset * size : (offset + count) * size].numpy()
+            np.copyto(dest, np.frombuffer(data, dtype=np.uint8))
+        self._bytes += nbytes
+
+    def _drop(self) -> None:
+        # Keep the buffers for the next attempt: reallocating would fault every page again.
+        for name, t in self._tensors.items():
+            self._spare[name] = t
+        self._reset()
+
+    def _reset(self) -> None:
+        self._version = None
+        self._tensors = {}
+        self._flat = {}
+        self._coverage = {}
+        self._bytes = 0
+        self._staged_config = ""

@@ -1,0 +1,206 @@
+"""Incoming versions: trainer ranks push dim-0 chunks; we verify, keep and index them.
+
+A `VersionBuffer` collects the chunks of one version from every trainer rank (each chunk's
+bytes are verified against its CRC32 and kept as received, zero-copy views over them feed the
+bucket assembly). It knows which chunks have arrived, so a delivery planned from the previous
+version's layout can start sending a bucket as soon as its chunks are in (pipelining), and
+it is complete when every rank said `last`. Validation names the field that is wrong; any bad
+chunk drops the whole version (nothing of it is ever delivered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import warnings
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from looprl.weightsync.v1 import weightsync_pb2
+from services.kit.errors import FailedPrecondition, InvalidArgument
+from services.kit.weight_transfer import itemsize
+from services.kit.weight_transfer.specs import torch_dtype_of
+
+from .plan import ChunkKey, ChunkMeta, SourceParam, TrainerLayout
+
+
+class ChunkChecksumError(InvalidArgument):
+    """A pushed chunk's bytes do not match its crc32."""
+
+    import grpc as _grpc
+
+    code = _grpc.StatusCode.DATA_LOSS
+
+
+@dataclass
+class VersionBuffer:
+    version: int
+    world_size: int
+    run_id: str = ""
+    model_config_json: str = ""
+    chunks: dict[ChunkKey, torch.Tensor] = field(default_factory=dict)  # 2-D (rows, width) views
+    crcs: dict[ChunkKey, int] = field(default_factory=dict)
+    rows: dict[ChunkKey, int] = field(default_factory=dict)
+    params: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    ranks_done: set[int] = field(default_factory=set)
+    bytes_received: int = 0
+    started: float = field(default_factory=time.monotonic)
+    failed: str = ""
+    _arrived: asyncio.Condition | None = None
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed and len(self.ranks_done) == self.world_size
+
+    def add_chunk(self, rank: int, chunk: weightsync_pb2.ShardChunk, index: int) -> int:
+        where = f"shards[{index}]"
+        if not chunk.name:
+            raise InvalidArgument(f"{where}.name: must not be empty")
+        dtype = torch_dtype_of(chunk.dtype)
+        if dtype is None:
+            raise InvalidArgument(f"{where}.dtype: {chunk.name} has unsupported dtype enum {chunk.dtype}")
+        shape = tuple(int(d) for d in chunk.global_shape)
+        if not shape or any(d <= 0 for d in shape):
+            raise InvalidArgument(f"{where}.global_shape: {chunk.name} has invalid shape {list(shape)}")
+        known = self.params.get(chunk.name)
+        if known is not None and known != (shape, dtype):
+            raise InvalidArgument(
+                f"{where}.global_shape: {chunk.name} is {list(shape)} {dtype}, another chunk said "
+                f"{list(known[0])} {known[1]}"
+            )
+        if chunk.row_offset < 0 or chunk.rows < 0 or chunk.row_offset + chunk.rows > shape[0]:
+            raise InvalidArgument(
+                f"{where}.row_offset: rows [{chunk.row_offset}, {chunk.row_offset + chunk.rows}) of "
+                f"{chunk.name} are outside its {shape[0]} rows"
+            )
+        width = math.prod(shape[1:])
+        expected = chunk.rows * width * itemsize(dtype)
+        data = chunk.data
+        if len(data) != expected:
+            raise InvalidArgument(
+                f"{where}.data: {chunk.name} rows={chunk.rows} x {width} {dtype} needs {expected} bytes, "
+                f"got {len(data)}"
+            )
+        actual = zlib.crc32(data)
+        if actual != chunk.crc32:
+            raise ChunkChecksumError(
+                f"{where}.crc32: {chunk.name} rows from {chunk.row_offset} have crc32 {actual:#010x}, "
+                f"sender said {chunk.crc32:#010x}"
+            )
+        self.params[chunk.name] = (shape, dtype)
+        if chunk.rows == 0:
+            return 0
+        key = (chunk.name, rank, int(chunk.row_offset))
+        if key in self.chunks:
+            raise InvalidArgument(
+                f"{where}.row_offset: {chunk.name} rows from {chunk.row_offset} pushed twice"
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffer: we only ever read from it
+            flat = torch.frombuffer(data, dtype=dtype) if expected else torch.empty(0, dtype=dtype)
+        self.chunks[key] = flat.view(chunk.rows, width)
+        self.crcs[key] = actual
+        self.rows[key] = int(chunk.rows)
+        self.bytes_received += expected
+        return expected
+
+    def layout(self) -> TrainerLayout:
+        """The trainer layout this version arrived in; checks the chunks tile every parameter."""
+        by_name: dict[str, list[ChunkMeta]] = {n: [] for n in self.params}
+        for key, rows in self.rows.items():
+            by_name[key[0]].append(ChunkMeta(key, rows))
+        params = {}
+        for name, (shape, dtype) in self.params.items():
+            chunks = sorted(by_name[name], key=lambda c: c.key[2])
+            row = 0
+            for c in chunks:
+                if c.key[2] != row:
+                    gap = "overlap" if c.key[2] < row else "gap"
+                    raise InvalidArgument(
+                        f"shards.row_offset: {name} has a {gap} at row {min(row, c.key[2])} across trainer ranks"
+                    )
+                row += c.rows
+            if row != shape[0]:
+                raise InvalidArgument(f"shards.rows: {name} covers {row} of its {shape[0]} rows")
+            params[name] = SourceParam(name, shape, dtype, tuple(chunks))
+        return TrainerLayout(params)
+
+    # ------------------------------------------------------- pipelining
+    def _condition(self) -> asyncio.Condition:
+        if self._arrived is None:
+            self._arrived = asyncio.Condition()
+        return self._arrived
+
+    async def notify(self) -> None:
+        cond = self._condition()
+        async with cond:
+            cond.notify_all()
+
+    async def wait_for(self, keys: set[ChunkKey]) -> None:
+        """Until every key has arrived; raises if the version fails or completes without them."""
+        cond = self._condition()
+        async with cond:
+            while True:
+                if self.failed:
+                    raise RuntimeError(f"version {self.version} failed: {self.failed}")
+                if keys.issubset(self.chunks.keys()):
+                    return
+                if self.complete:
+                    raise RuntimeError(f"version {self.version} arrived in a different layout than planned")
+                await cond.wait()
+
+
+class VersionStore:
+    """The versions being pushed and the latest complete one (kept to serve RequestSync)."""
+
+    def __init__(self, latest_version: int = -1) -> None:
+        self.latest: VersionBuffer | None = None
+        self.latest_version = latest_version  # survives restarts via KV even when the bytes do not
+        self.pending: dict[int, VersionBuffer] = {}
+
+    def buffer_for(self, request: weightsync_pb2.PushShardsRequest) -> VersionBuffer:
+        v = request.version
+        if v < 0:
+            raise InvalidArgument(f"version: must be >= 0, got {v}")
+        if v <= self.latest_version:
+            raise FailedPrecondition(
+                f"version: {v} is not newer than the latest complete version {self.latest_version}"
+            )
+        if request.trainer_world_size < 1:
+            raise InvalidArgument(f"trainer_world_size: must be >= 1, got {request.trainer_world_size}")
+        if not 0 <= request.trainer_rank < request.trainer_world_size:
+            raise InvalidArgument(
+                f"trainer_rank: {request.trainer_rank} is outside [0, {request.trainer_world_size})"
+            )
+        buf = self.pending.get(v)
+        if buf is None:
+            buf = VersionBuffer(v, request.trainer_world_size, request.run_id)
+            self.pending[v] = buf
+        elif buf.world_size != request.trainer_world_size:
+            raise InvalidArgument(
+                f"trainer_world_size: version {v} is being pushed with world size {buf.world_size}, got "
+                f"{request.trainer_world_size}"
+            )
+        if request.trainer_rank in buf.ranks_done:
+            raise FailedPrecondition(
+                f"trainer_rank: rank {request.trainer_rank} already finished version {v}"
+            )
+        if request.model_config_json and not buf.model_config_json:
+            buf.model_config_json = request.model_config_json
+        return buf
+
+    def fail(self, version: int, reason: str) -> None:
+        buf = self.pending.pop(version, None)
+        if buf is not None:
+            buf.failed = reason
+
+    def completed(self, buf: VersionBuffer) -> None:
+        """buf is complete: it becomes the latest; older pending versions are dropped."""
+        self.pending.pop(buf.version, None)
+        for v in [v for v in self.pending if v < buf.version]:
+            self.fail(v, f"superseded by version {buf.version}")
+        self.latest = buf
+        self.latest_version = buf.version
