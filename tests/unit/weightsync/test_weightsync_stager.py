@@ -1,0 +1,167 @@
+"""WeightStager: the receiver's checks. Bad slices are rejected with a clear error and nothing is
+ever swapped; only a complete, verified version commits."""
+
+from __future__ import annotations
+
+import zlib
+
+import grpc
+import pytest
+import torch
+
+from looprl.common.v1 import common_pb2
+from looprl.inference.v1 import inference_pb2
+from services.kit.weight_transfer import (
+    ChecksumMismatch,
+    IncompleteVersion,
+    InvalidWeights,
+    StaleVersion,
+    WeightStager,
+    tensors_bucket,
+)
+from services.kit.weight_transfer.shm import ShmPool
+
+F32 = common_pb2.DType.D_TYPE_FLOAT32
+
+
+def weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(4, 3, generator=g), "b.bias": torch.randn(5, generator=g)}
+
+
+def request(version, tensors, rank=0):
+    bucket = tensors_bucket(0, 1, tensors, F32)
+    payload = bytes(bucket.payload)
+    return inference_pb2.StageWeightsRequest(
+        version=version,
+        rank=rank,
+        slices=[s.to_proto(data=payload[s.byte_start : s.byte_start + s.nbytes]) for s in bucket.slices],
+    )
+
+
+def one_slice(name="a.weight", shape=(4, 3), offset=0, data=None, dtype=F32, crc=None):
+    data = data if data is not None else torch.ones(3).numpy().tobytes()
+    return inference_pb2.StageWeightsRequest(
+        version=1,
+        slices=[
+            inference_pb2.WeightSlice(
+                name=name,
+                dtype=dtype,
+                shape=shape,
+                offset=offset,
+                data=data,
+                crc32=zlib.crc32(data) if crc is None else crc,
+            )
+        ],
+    )
+
+
+def test_complete_version_commits_and_becomes_serving():
+    stager = WeightStager(weights())
+    w = weights(1)
+    progress = stager.stage(request(1, w))
+    assert progress.complete and progress.bytes_received == stager.total_bytes
+    state = stager.commit(1)
+    assert all(torch.equal(state[n], w[n]) for n in w)
+    assert stager.serving_version == 1 and stager.staged_version is None
+
+
+def test_buckets_across_calls_and_in_any_order():
+    stager = WeightStager(weights())
+    w = weights(2)
+    assert not stager.stage(request(3, {"b.bias": w["b.bias"]})).complete
+    with pytest.raises(IncompleteVersion, match=r"a\.weight"):
+        stager.commit(3)
+    assert stager.stage(request(3, {"a.weight": w["a.weight"]})).complete
+    assert torch.equal(stager.commit(3)["a.weight"], w["a.weight"])
+
+
+@pytest.mark.parametrize(
+    "bad,error,field",
+    [
+        (one_slice(name="nope.weight"), InvalidWeights, "slices[0].name"),
+        (one_slice(shape=(3, 4)), InvalidWeights, "slices[0].shape"),
+        (one_slice(dtype=common_pb2.DType.D_TYPE_BFLOAT16), InvalidWeights, "slices[0].dtype"),
+        (one_slice(offset=11), InvalidWeights, "slices[0].offset"),
+        (one_slice(offset=-1), InvalidWeights, "slices[0].offset"),
+        (one_slice(data=b"\x00" * 7), InvalidWeights, "slices[0].data"),
+        (one_slice(crc=12345), ChecksumMismatch, "slices[0].crc32"),
+    ],
+)
+def test_bad_slices_are_rejected_and_drop_the_staged_version(bad, error, field):
+    stager = WeightStager(weights())
+    stager.stage(request(1, {"b.bias": weights()["b.bias"]}))
+    with pytest.raises(error) as info:
+        stager.stage(bad)
+    assert field in str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert stager.staged_version is None and stager.serving_version == -1
+    with pytest.raises(IncompleteVersion):
+        stager.commit(1)
+
+
+def test_error_classes_carry_grpc_status_codes():
+    assert InvalidWeights.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert StaleVersion.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert ChecksumMismatch.code == grpc.StatusCode.DATA_LOSS
+
+
+def test_versions_must_move_forward():
+    stager = WeightStager(weights())
+    stager.stage(request(2, weights()))
+    stager.commit(2)
+    with pytest.raises(StaleVersion, match="not newer than the serving version 2"):
+        stager.stage(request(2, weights()))
+    stager.stage(request(4, {"b.bias": weights()["b.bias"]}))
+    with pytest.raises(StaleVersion, match="older than the staged version 4"):
+        stager.stage(request(3, weights()))
+    assert stager.staged_version == 4  # a stale request does not disturb the staged version
+    stager.stage(request(5, weights()))  # newer supersedes the unfinished 4
+    assert stager.is_complete(5)
+
+
+def test_overlapping_ranges_are_rejected():
+    stager = WeightStager(weights())
+    stager.stage(one_slice(offset=0))
+    with pytest.raises(InvalidWeights, match="already staged"):
+        stager.stage(one_slice(offset=2))
+
+
+def test_wrong_rank_is_rejected():
+    stager = WeightStager(weights(), rank=1)
+    with pytest.raises(InvalidWeights, match="rank"):
+        stager.stage(request(1, weights(), rank=0))
+
+
+def test_abort_keeps_serving_weights_and_buffers_are_reused():
+    stager = WeightStager(weights())
+    stager.stage(request(1, weights(1)))
+    first = stager.commit(1)
+    stager.give_back(first)
+    stager.stage(request(2, {"b.bias": weights(2)["b.bias"]}))
+    assert stager.abort(2)
+    assert stager.serving_version == 1 and stager.staged_version is None
+    assert not stager.abort(2)
+
+
+def test_slices_from_shared_memory():
+    stager = WeightStager(weights())
+    w = weights(3)
+    bucket = tensors_bucket(0, 1, w, F32)
+    pool = ShmPool(1 << 16, count=1)
+    try:
+        seg = pool.acquire(bucket.nbytes)
+        bucket.fill(seg.buffer[: bucket.nbytes])
+        req = inference_pb2.StageWeightsRequest(
+            version=1, slices=[s.to_proto(shm_name=seg.name) for s in bucket.slices]
+        )
+        assert stager.stage(req).complete
+        assert torch.equal(stager.commit(1)["a.weight"], w["a.weight"])
+        bad = inference_pb2.StageWeightsRequest(
+            version=2,
+            slices=[inference_pb2.WeightSlice(name="a.weight", shm_name="../../etc/passwd", nbytes=4)],
+        )
+        with pytest.raises(InvalidWeights, match="shm_name"):
+            stager.stage(bad)
+    finally:
+        pool.close()
