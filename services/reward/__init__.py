@@ -1,0 +1,1 @@
+"""reward service: rule verifiers, reward models on Ray replicas, weighted composition."""
