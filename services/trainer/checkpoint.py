@@ -1,0 +1,168 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) that resume exactly, and Hugging Face export.
+
+Layout of ``<root>/step_00000012/``: DCP shards of the model, AdamW state, LR schedule and the step
+counters (every rank writes its own shards; no gather), ``rng_rank<r>.pt`` per rank, and
+``trainer_state.json`` written last by rank 0. A checkpoint is written into ``*.partial`` and renamed
+once every rank has finished, so a crash mid-save never leaves a directory that looks complete.
+DCP reshards on load, so a checkpoint also loads into a different world size (RNG state then
+restarts from the seed for the new ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from services.trainer.worker import TrainerWorker
+
+STATE_FILE = "trainer_state.json"
+PREFIX = "step_"
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"{PREFIX}{step:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and p.name.startswith(PREFIX)
+        and not p.name.endswith(".partial")
+        and (p / STATE_FILE).exists()
+    ]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_state(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+class _TrainState:
+    """DCP Stateful view of a worker: model + optimizer via the distributed state-dict API."""
+
+    def __init__(self, worker: TrainerWorker) -> None:
+        self.worker = worker
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        w = self.worker
+        model_sd, optim_sd = get_state_dict(w.model, w.optimizer)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "scheduler": w.scheduler.state_dict(),
+            "step": w.step,
+            "last_packer_step": w.last_packer_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        w = self.worker
+        set_state_dict(w.model, w.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        w.scheduler.load_state_dict(state["scheduler"])
+        w.step = int(state["step"])
+        w.last_packer_step = int(state["last_packer_step"])
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(worker: TrainerWorker, root: str, extra: dict[str, Any], keep: int = 3) -> str:
+    """Collective: write a checkpoint of the current step; returns its directory."""
+    import torch.distributed.checkpoint as dcp
+
+    final = checkpoint_dir(root, worker.step)
+    staging = final.with_name(final.name + ".partial")
+    if worker.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    dcp.save({"train": _TrainState(worker)}, checkpoint_id=str(staging))
+    torch.save(_rng_state(), staging / f"rng_rank{worker.rank}.pt")
+    dist.barrier()
+    if worker.rank == 0:
+        state = {
+            "step": worker.step,
+            "weight_version": worker.step,
+            "last_packer_step": worker.last_packer_step,
+            "world_size": worker.world_size,
+            "saved_at": time.time(),
+            "spec": worker.spec.to_dict() if worker.spec else {},
+            "extra": extra,
+        }
+        (staging / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return str(final)
+
+
+def load(worker: TrainerWorker, path: str) -> dict[str, Any]:
+    """Collective: restore model, optimizer, schedule, counters and this rank's RNG from `path`."""
+    import torch.distributed.checkpoint as dcp
+
+    path_obj = Path(path)
+    state = read_state(path_obj)
+    dcp.load({"train": _TrainState(worker)}, checkpoint_id=str(path_obj))
+    rng_file = path_obj / f"rng_rank{worker.rank}.pt"
+    if rng_file.exists():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return state
+
+
+def export_hf(worker: TrainerWorker, directory: str) -> str:
+    """Collective: gather the full state dict to rank 0 and write a HF safetensors directory there.
+
+    The one place the trainer gathers the whole model (export is rare and explicit).
+    """
+    from services.modeling.qwen2 import Qwen2ForCausalLM
+
+    full = worker.full_state_dict(rank0_only=True)
+    if worker.rank == 0:
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(worker.model.config, seed=None)
+        model.load_hf_state_dict(full, assign=True)
+        model.save_pretrained(directory)
+    dist.barrier()
+    return directory

@@ -1,0 +1,146 @@
+"""The data-parallel rank group: N TrainerWorker Ray actors in one placement group and one
+torch.distributed process group.
+
+The driver (the trainer service, or a test) never touches tensors of the model; it only fans calls
+out to every rank at once (collectives need all ranks) and gathers the answers. Rank 0 picks the
+rendezvous port, the driver passes it to all ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from services.trainer.spec import TrainerSpec
+from services.trainer.worker import TrainerWorker
+
+log = logging.getLogger("looprl.trainer.ranks")
+
+
+class RankGroup:
+    """Start with :meth:`start`; stop with :meth:`shutdown` (kills the actors, frees the bundles)."""
+
+    def __init__(
+        self,
+        world_size: int,
+        num_cpus_per_rank: float = 0.5,
+        num_gpus_per_rank: float = 0.0,
+        strategy: str = "PACK",
+        threads_per_rank: int = 1,
+        ready_timeout_s: float = 120.0,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"trainer.world_size: must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.num_cpus_per_rank = num_cpus_per_rank
+        self.num_gpus_per_rank = num_gpus_per_rank
+        self.strategy = strategy
+        self.threads_per_rank = threads_per_rank
+        self.ready_timeout_s = ready_timeout_s
+        self.actors: list[Any] = []
+        self.pg: Any = None
+
+    def start(self, spec: TrainerSpec) -> list[dict[str, Any]]:
+        # Ray is imported late: it reads its auth settings from the environment at import time.
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle: dict[str, float] = {"CPU": self.num_cpus_per_rank}
+        if self.num_gpus_per_rank:
+            bundle["GPU"] = self.num_gpus_per_rank
+        self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=self.strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=self.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise RuntimeError(
+                f"trainer placement group of {self.world_size} x {bundle} not placed within "
+                f"{self.ready_timeout_s:.0f}s; the Ray cluster lacks resources"
+            ) from None
+        remote_cls = ray.remote(TrainerWorker)
+        self.actors = [
+            remote_cls.options(
+                num_cpus=self.num_cpus_per_rank,
+                num_gpus=self.num_gpus_per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank
+                ),
+                max_concurrency=1,
+            ).remote(rank, self.world_size, self.threads_per_rank)
+            for rank in range(self.world_size)
+        ]
+        host, port = ray.get(self.actors[0].rendezvous_address.remote(), timeout=self.ready_timeout_s)
+        self.call("init_process_group", host, port)
+        return self.call("setup", spec)
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """The same call on every rank at once; results in rank order."""
+        refs = [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+        return self._get(refs, timeout)
+
+    def call_per_rank(
+        self, method: str, per_rank_args: Sequence[Sequence[Any]], timeout: float | None = None
+    ):
+        """Rank r gets per_rank_args[r]; results in rank order."""
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(f"expected arguments for {self.world_size} ranks, got {len(per_rank_args)}")
+        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args, strict=True)]
+        return self._get(refs, timeout)
+
+    @staticmethod
+    def _get(refs: list[Any], timeout: float | None) -> list[Any]:
+        import ray
+
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.RayTaskError as exc:
+            # Surface the rank's own exception (BatchRejected, StepAborted, ...) to the caller.
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            raise cause from None
+
+    # ---- conveniences over call() ----------------------------------------------------------------
+
+    def train_step(self, batches_per_rank: Sequence[Sequence[Any]]) -> dict[str, Any]:
+        results = self.call_per_rank("train_step", [(list(b),) for b in batches_per_rank])
+        return _merge(results)
+
+    def pull_and_train(self, packer_address: str, run_id: str, step: int, timeout_s: float = 0.0):
+        return _merge(self.call("pull_and_train", packer_address, run_id, step, timeout_s))
+
+    def push_weights(self, address: str, version: int) -> list[dict[str, Any]]:
+        return self.call("push_weights", address, version)
+
+    def save_checkpoint(self, root: str, extra: dict[str, Any] | None = None) -> str:
+        return self.call("save_checkpoint", root, extra or {})[0]
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        return self.call("load_checkpoint", path)[0]
+
+    def export_hf(self, directory: str) -> str:
+        return self.call("export_hf", directory)[0]
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        self.actors = []
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+
+
+def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's all-reduced metrics plus the rollout ids of every rank."""
+    merged = dict(results[0])
+    merged["rollout_ids"] = [rid for r in results for rid in r.get("rollout_ids", [])]
+    return merged

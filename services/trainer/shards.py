@@ -1,0 +1,134 @@
+"""Weights out: each rank turns its OWN FSDP shards into bounded PushShards messages for weight-sync.
+
+Offsets come from the DTensor's layout (``compute_local_shape_and_global_offset``), never from an
+even-split assumption: FSDP2's Shard(0) gives the last ranks fewer rows, sometimes none. No rank
+gathers the model for this. A tied ``lm_head`` is the same parameter as ``embed_tokens`` and is sent
+once, under the embedding's name (``named_parameters`` de-duplicates it).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from looprl.weightsync.v1 import weightsync_pb2
+from services.kit.codec import TORCH_TO_PROTO, tensor_from_bytes, tensor_to_bytes, torch_dtype
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+
+
+def local_shards(model: nn.Module) -> Iterator[tuple[str, torch.Size, int, torch.Tensor]]:
+    """(HF name, global shape, row offset, local rows) for every parameter this rank holds."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for name, param in model.named_parameters():
+        data = param.detach()
+        if isinstance(data, DTensor):
+            local = data.to_local()
+            local_shape, offset = compute_local_shape_and_global_offset(
+                data.shape, data.device_mesh, data.placements
+            )
+            if tuple(local.shape) != tuple(local_shape):
+                raise RuntimeError(
+                    f"{name}: local shard {tuple(local.shape)} disagrees with its layout {tuple(local_shape)}"
+                )
+            row_offset = int(offset[0]) if local.dim() > 0 else 0
+            yield name, data.shape, row_offset, local
+        else:  # an unsharded module (world size 1 without FSDP): the whole tensor is "rank 0's shard"
+            yield name, data.shape, 0, data
+
+
+def shard_chunks(
+    model: nn.Module, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, dtype: torch.dtype | None = None
+) -> Iterator[weightsync_pb2.ShardChunk]:
+    """ShardChunks of at most ``max_bytes`` of data each (a row is never split)."""
+    for name, global_shape, row_offset, local in local_shards(model):
+        local = local.to(dtype) if dtype is not None else local
+        rows = local.shape[0] if local.dim() > 0 else 1
+        row_bytes = max(local[0].numel() * local.element_size(), 1) if local.dim() > 0 and rows else 1
+        rows_per_chunk = max(1, max_bytes // row_bytes)
+        proto_dtype = TORCH_TO_PROTO[local.dtype]
+        if rows == 0:
+            yield weightsync_pb2.ShardChunk(
+                name=name, dtype=proto_dtype, global_shape=list(global_shape), row_offset=row_offset, rows=0
+            )
+            continue
+        for start in range(0, rows, rows_per_chunk):
+            piece = local[start : start + rows_per_chunk] if local.dim() > 0 else local
+            data = tensor_to_bytes(piece)
+            yield weightsync_pb2.ShardChunk(
+                name=name,
+                dtype=proto_dtype,
+                global_shape=list(global_shape),
+                row_offset=row_offset + start,
+                rows=piece.shape[0] if local.dim() > 0 else 1,
+                data=data,
+                crc32=zlib.crc32(data),
+            )
+
+
+def push_requests(
+    model: nn.Module,
+    version: int,
+    rank: int,
+    world_size: int,
+    run_id: str = "",
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    dtype: torch.dtype | None = None,
+) -> Iterator[weightsync_pb2.PushShardsRequest]:
+    """This rank's stream for one version: chunks batched into messages of <= max_bytes of data,
+    the last message flagged ``last=True`` (sent even when the rank holds nothing)."""
+
+    def message(chunks: list[weightsync_pb2.ShardChunk], last: bool) -> weightsync_pb2.PushShardsRequest:
+        return weightsync_pb2.PushShardsRequest(
+            version=version,
+            trainer_rank=rank,
+            trainer_world_size=world_size,
+            shards=chunks,
+            last=last,
+            run_id=run_id,
+        )
+
+    pending: list[weightsync_pb2.ShardChunk] = []
+    pending_bytes = 0
+    for chunk in shard_chunks(model, max_bytes, dtype):
+        if pending and pending_bytes + len(chunk.data) > max_bytes:
+            yield message(pending, last=False)
+            pending, pending_bytes = [], 0
+        pending.append(chunk)
+        pending_bytes += len(chunk.data)
+    yield message(pending, last=True)
+
+
+def reassemble(requests: Iterable[weightsync_pb2.PushShardsRequest]) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's chunks, checking crc32 and that the rows tile each tensor
+    exactly once (what weight-sync must do; used by tests to prove the shards are complete)."""
+    tensors: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for request in requests:
+        for chunk in request.shards:
+            shape = list(chunk.global_shape)
+            dtype = torch_dtype(chunk.dtype)
+            if chunk.name not in tensors:
+                tensors[chunk.name] = torch.empty(shape, dtype=dtype)
+                covered[chunk.name] = torch.zeros(shape[0] if shape else 1, dtype=torch.int32)
+            if chunk.rows == 0:
+                continue
+            if zlib.crc32(chunk.data) != chunk.crc32:
+                raise ValueError(f"{chunk.name}: crc32 mismatch at row {chunk.row_offset}")
+            piece_shape = [chunk.rows, *shape[1:]] if shape else []
+            piece = tensor_from_bytes(chunk.data, dtype, piece_shape)
+            if shape:
+                tensors[chunk.name][chunk.row_offset : chunk.row_offset + chunk.rows] = piece
+                covered[chunk.name][chunk.row_offset : chunk.row_offset + chunk.rows] += 1
+            else:
+                tensors[chunk.name].copy_(piece)
+                covered[chunk.name] += 1
+    for name, count in covered.items():
+        if not bool((count == 1).all()):
+            raise ValueError(f"{name}: rows not covered exactly once")
+    return tensors

@@ -1,0 +1,89 @@
+"""What every trainer rank needs to build the same policy: a picklable spec, and its derivation from a
+run recipe (services/kit/recipe.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.modeling.config import ModelConfig
+from services.trainer.loss import LossConfig
+from services.trainer.optim import OptimizerSpec
+
+# The recipe's name for Dr. GRPO's constant normaliser.
+_AGGREGATION_ALIASES = {"constant": "seq-mean-token-sum-norm"}
+
+
+@dataclass
+class TrainerSpec:
+    model: dict[str, Any] = field(default_factory=lambda: ModelConfig.tiny().to_dict())
+    # A local Hugging Face directory; when set it wins over `model` and `seed`.
+    model_path: str = ""
+    seed: int = 0
+    # "float32" or "bfloat16": compute dtype (mixed precision on GPU); master weights stay float32.
+    dtype: str = "float32"
+    temperature: float = 1.0
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    run_id: str = ""
+    # Dtype of the shards sent to weight-sync ("" = the parameters' own dtype).
+    push_dtype: str = ""
+    push_max_bytes: int = 16 << 20
+    # Wrap every decoder layer with fully_shard (and the root); False shards only the root.
+    shard_layers: bool = True
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**self.model)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def model_preset(name: str) -> ModelConfig:
+    if name == "tiny-qwen2":
+        return ModelConfig.tiny()
+    if name == "small-qwen2":
+        return ModelConfig.tiny(
+            hidden_size=256,
+            intermediate_size=704,
+            num_hidden_layers=4,
+            head_dim=32,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+        )
+    raise ValueError(f"model.preset: unknown preset {name!r}")
+
+
+def spec_from_recipe(recipe: Any, run_id: str) -> TrainerSpec:
+    """TrainerSpec from a parsed kit Recipe."""
+    model = None if recipe.model.path else model_preset(recipe.model.preset)
+    algo, opt = recipe.algorithm, recipe.optimizer
+    loss = LossConfig(
+        clip_low=algo.clip_low,
+        clip_high=algo.clip_high,
+        tis_cap=algo.tis_cap,
+        kl_coef=algo.kl_coef,
+        aggregation=_AGGREGATION_ALIASES.get(algo.loss_aggregation, algo.loss_aggregation),
+        max_tokens=recipe.sampling.max_tokens * max(recipe.environment.max_turns, 1),
+    )
+    loss.validate()
+    return TrainerSpec(
+        model=model.to_dict() if model is not None else ModelConfig.tiny().to_dict(),
+        model_path=recipe.model.path,
+        seed=recipe.run.seed,
+        dtype=recipe.model.dtype,
+        temperature=recipe.sampling.temperature,
+        loss=loss,
+        optimizer=OptimizerSpec(
+            lr=opt.lr,
+            betas=list(opt.betas),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            warmup_steps=opt.warmup_steps,
+            schedule=opt.schedule,
+            total_steps=recipe.run.steps,
+            grad_clip=opt.grad_clip,
+        ),
+        run_id=run_id,
+    )

@@ -1,0 +1,423 @@
+"""One data-parallel trainer rank: the FSDP2-sharded policy, its optimizer, and the step.
+
+Plain Python so it can be driven directly (a single process) or as a Ray actor (ranks.py wraps it).
+Every public method that touches the model is *collective*: all ranks must call it together, with
+the same number of micro-batches, or the FSDP all-gathers would hang. Bad input is therefore judged
+collectively too: each rank validates its own batches, the ranks all-reduce a verdict, and either all
+of them train or all of them raise, before any forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
+from looprl.weightsync.v1 import weightsync_pb2_grpc
+from services.modeling.logprobs import entropy as token_entropy
+from services.modeling.logprobs import token_logprobs
+from services.modeling.qwen2 import Qwen2ForCausalLM
+from services.trainer.batch import BatchRejected, PackedMicroBatch, from_proto, validate_rank_batches
+from services.trainer.loss import LossMetrics, StepNorm, policy_loss
+from services.trainer.optim import build_optimizer
+from services.trainer.shards import push_requests
+from services.trainer.spec import TrainerSpec
+
+log = logging.getLogger("looprl.trainer.worker")
+
+_OK, _BAD_BATCH, _PULL_FAILED = 0, 1, 2
+
+
+class StepAborted(RuntimeError):
+    """A rank could not take part in the step (e.g. the packer did not answer); nothing was applied."""
+
+
+class TrainerWorker:
+    def __init__(self, rank: int, world_size: int, threads: int | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        torch.set_num_threads(threads or int(os.environ.get("LOOPRL_TRAINER_THREADS", "1")))
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.spec: TrainerSpec | None = None
+        self.model: Any = None
+        self.ref_model: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.step = 0  # steps trained == current weight version
+        self.last_packer_step = -1
+        self.mesh: Any = None
+
+    # ---- process group ---------------------------------------------------------------------------
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Called on rank 0: an address the other ranks can reach and a port free right now."""
+        from services.kit.local import free_port
+
+        return "127.0.0.1", free_port()
+
+    def init_process_group(self, host: str, port: int, timeout_s: float = 600.0) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            backend = "nccl"
+        else:
+            backend = "gloo"
+            if host == "127.0.0.1":
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- model -----------------------------------------------------------------------------------
+
+    def setup(self, spec: TrainerSpec) -> dict[str, Any]:
+        """(Re)build the policy, the optimizer and the schedule from the spec; step back to 0."""
+        spec.loss.validate()
+        self.spec = spec
+        self.model = self._build_model(spec)
+        self.ref_model = None
+        if spec.loss.kl_coef > 0:
+            self.ref_model = self._build_model(spec)
+            self.ref_model.requires_grad_(False)
+            self.ref_model.eval()
+        self.optimizer, self.scheduler = build_optimizer(list(self.model.parameters()), spec.optimizer)
+        self.step = 0
+        self.last_packer_step = -1
+        params = sum(p.numel() for p in self.model.parameters())
+        return {"rank": self.rank, "parameters": params, "device": str(self.device)}
+
+    def _build_model(self, spec: TrainerSpec) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if spec.model_path:
+            model = Qwen2ForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
+        else:
+            # Identical on every rank: the init draws from its own seeded generator.
+            model = Qwen2ForCausalLM(spec.model_config(), seed=spec.seed)
+        model = model.to(self.device)
+        kwargs: dict[str, Any] = {"mesh": self.mesh}
+        if self.device.type == "cuda" and spec.dtype == "bfloat16":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if spec.shard_layers:
+            for layer in model.model.layers:
+                fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    # ---- batches ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _decode(batch: Any) -> PackedMicroBatch:
+        if isinstance(batch, PackedMicroBatch):
+            return batch
+        if isinstance(batch, bytes):
+            batch = packer_pb2.MicroBatch.FromString(batch)
+        return from_proto(batch)
+
+    def _agree(self, batches: list[Any], expected_step: int | None, failure: str | None = None):
+        """Decode + validate locally, then agree across ranks; returns the decoded batches or raises."""
+        status, error, decoded = _OK, failure, []
+        if failure is not None:
+            status = _PULL_FAILED
+        else:
+            try:
+                decoded = [self._decode(b) for b in batches]
+                step = expected_step if expected_step is not None else (decoded[0].step if decoded else 0)
+                validate_rank_batches(decoded, step, self.vocab_size)
+            except BatchRejected as exc:
+                status, error = _BAD_BATCH, str(exc)
+        norm = (decoded[0].global_loss_tokens, decoded[0].global_sequences) if decoded else (0, 0)
+        verdict = torch.tensor(
+            [status, len(batches), -len(batches), norm[0], -norm[0], norm[1], -norm[1]], dtype=torch.int64
+        )
+        verdict = self._all_reduce(verdict, dist.ReduceOp.MAX)
+        worst = int(verdict[0])
+        if worst != _OK:
+            errors: list[Any] = [None] * self.world_size
+            dist.all_gather_object(errors, error)
+            detail = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+            if worst == _PULL_FAILED:
+                raise StepAborted(f"step {expected_step} aborted, nothing applied: {detail}")
+            raise BatchRejected(f"step rejected, nothing applied: {detail}")
+        if int(verdict[1]) != -int(verdict[2]):
+            raise BatchRejected(
+                f"micro_batches: ranks received between {-int(verdict[2])} and {int(verdict[1])} micro-batches; "
+                "FSDP needs the same count on every rank (the packer must balance counts)"
+            )
+        if int(verdict[3]) != -int(verdict[4]) or int(verdict[5]) != -int(verdict[6]):
+            raise BatchRejected(
+                "micro_batches.global_loss_tokens: ranks disagree on the step's global token/sequence counts"
+            )
+        return decoded
+
+    def _all_reduce(self, value: torch.Tensor, op: Any) -> torch.Tensor:
+        moved = value.to(self.device)
+        dist.all_reduce(moved, op=op)
+        return moved.cpu()
+
+    # ---- the step --------------------------------------------------------------------------------
+
+    def train_step(self, batches: list[Any], pull_failure: str | None = None) -> dict[str, Any]:
+        """Train one step on this rank's micro-batches (gradient accumulation), clip, AdamW, schedule."""
+        assert self.spec is not None, "setup() first"
+        start = time.perf_counter()
+        expected = self.step
+        decoded = self._agree(batches, expected, pull_failure)
+        spec = self.spec
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = LossMetrics()
+        local_tokens = 0
+        max_staleness = 0
+        for mb in decoded:
+            mb = mb.to(self.device)
+            norm = StepNorm(mb.global_loss_tokens, mb.global_sequences)
+            logits = self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+            logp = token_logprobs(logits, mb.input_ids, mb.cu_seqlens, spec.temperature)
+            if spec.loss.entropy_coef > 0:
+                ent = token_entropy(logits, mb.cu_seqlens, spec.temperature)
+            else:
+                with torch.no_grad():
+                    ent = token_entropy(logits.detach(), mb.cu_seqlens, spec.temperature)
+            ref = self._ref_logprobs(mb) if self.ref_model is not None else None
+            share, metrics = policy_loss(
+                logp,
+                mb.behaviour_logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                mb.cu_seqlens,
+                spec.loss,
+                norm,
+                ref_logprobs=ref,
+                entropy=ent,
+                versions=mb.versions,
+                trainer_version=expected,
+            )
+            # FSDP averages gradients over ranks; the shares are fractions of the global sum.
+            (share * self.world_size).backward()
+            sums.add(metrics)
+            local_tokens += mb.num_tokens
+            trained = mb.loss_mask > 0
+            if bool(trained.any()):
+                max_staleness = max(max_staleness, int((expected - mb.versions[trained]).max()))
+            del logits, logp, ent
+        grad_norm = self._clip_gradients(spec.optimizer.grad_clip)
+        skipped = not torch.isfinite(torch.tensor(grad_norm)).item()
+        lr = self.scheduler.get_last_lr()[0]
+        if skipped:
+            log.warning("non-finite gradient norm; step %d skipped", expected)
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.step = expected + 1
+        self.last_packer_step = expected
+
+        totals = self._all_reduce(
+            torch.cat([sums.as_tensor(), torch.tensor([float(local_tokens)], dtype=torch.float64)]),
+            dist.ReduceOp.SUM,
+        )
+        max_staleness = int(self._all_reduce(torch.tensor([max_staleness]), dist.ReduceOp.MAX)[0])
+        result = LossMetrics.from_tensor(totals[:-1]).finalize()
+        seconds = time.perf_counter() - start
+        result.update(
+            step=expected,
+            version=self.step,
+            grad_norm=grad_norm,
+            lr=lr,
+            skipped=skipped,
+            num_tokens=float(totals[-1]),
+            tokens_per_second=float(totals[-1]) / max(seconds, 1e-9),
+            step_seconds=seconds,
+            max_staleness=max_staleness,
+            rollout_ids=[rid for mb in decoded for rid in mb.rollout_ids],
+        )
+        return result
+
+    def _clip_gradients(self, max_norm: float) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    @torch.no_grad()
+    def _ref_logprobs(self, mb: PackedMicroBatch) -> torch.Tensor:
+        logits = self.ref_model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+        return token_logprobs(logits, mb.input_ids, mb.cu_seqlens, self.spec.temperature)
+
+    def pull_and_train(
+        self,
+        packer_address: str,
+        run_id: str,
+        step: int,
+        timeout_s: float = 0.0,
+        max_message_bytes: int = 256 << 20,
+    ) -> dict[str, Any]:
+        """Pull this rank's micro-batches of `step` from the packer, then train on them."""
+        batches: list[Any] = []
+        failure = None
+        try:
+            options = [("grpc.max_receive_message_length", max_message_bytes)]
+            with grpc.insecure_channel(packer_address, options=options) as channel:
+                stub = packer_pb2_grpc.RolloutPackerServiceStub(channel)
+                request = packer_pb2.NextBatchRequest(
+                    run_id=run_id,
+                    step=step,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    trainer_version=self.step,
+                    timeout_seconds=timeout_s,
+                )
+                for response in stub.NextBatch(request):
+                    batches.append(response.micro_batch)
+        except grpc.RpcError as exc:
+            failure = f"NextBatch from {packer_address}: {exc.code().name} {exc.details()}"
+        return self.train_step(batches, pull_failure=failure)
+
+    # ---- inspection (no update) ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_logprobs(self, batches: list[Any]) -> list[torch.Tensor]:
+        """Log-probs of each micro-batch's tokens under the current policy (collective)."""
+        decoded = [self._decode(b) for b in batches]
+        self.model.eval()
+        out = []
+        for mb in decoded:
+            mb = mb.to(self.device)
+            logits = self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+            out.append(token_logprobs(logits, mb.input_ids, mb.cu_seqlens, self.spec.temperature).cpu())
+        return out
+
+    @torch.no_grad()
+    def evaluate_loss(self, batches: list[Any]) -> dict[str, float]:
+        """The step loss on these batches without updating anything (validated like a step)."""
+        decoded = self._agree(batches, None)
+        self.model.eval()
+        sums = LossMetrics()
+        for mb in decoded:
+            mb = mb.to(self.device)
+            logits = self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+            logp = token_logprobs(logits, mb.input_ids, mb.cu_seqlens, self.spec.temperature)
+            ref = self._ref_logprobs(mb) if self.ref_model is not None else None
+            _, metrics = policy_loss(
+                logp,
+                mb.behaviour_logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                mb.cu_seqlens,
+                self.spec.loss,
+                StepNorm(mb.global_loss_tokens, mb.global_sequences),
+                ref_logprobs=ref,
+            )
+            sums.add(metrics)
+        return LossMetrics.from_tensor(self._all_reduce(sums.as_tensor(), dist.ReduceOp.SUM)).finalize()
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
+        """The gathered model state dict (collective; for export and tests, never on the hot path)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+        sd = get_model_state_dict(self.model, options=options)
+        if rank0_only and self.rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in sd.items()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Gathered gradients of the last step (collective; tests compare them with a reference)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                out[name] = grad.detach().cpu()
+        return out
+
+    # ---- weights out -----------------------------------------------------------------------------
+
+    def _push_dtype(self) -> torch.dtype | None:
+        from services.kit.codec import torch_dtype
+
+        return torch_dtype(self.spec.push_dtype) if self.spec.push_dtype else None
+
+    def shard_requests(self, version: int, max_bytes: int | None = None) -> list[bytes]:
+        """This rank's PushShards stream for `version`, serialized (tests reassemble these)."""
+        return [
+            r.SerializeToString()
+            for r in push_requests(
+                self.model,
+                version,
+                self.rank,
+                self.world_size,
+                self.spec.run_id,
+                max_bytes or self.spec.push_max_bytes,
+                self._push_dtype(),
+            )
+        ]
+
+    def push_weights(self, address: str, version: int, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Stream this rank's own shards of `version` to weight-sync (client streaming)."""
+        max_bytes = self.spec.push_max_bytes
+        options = [("grpc.max_send_message_length", max_bytes + (4 << 20))]
+        start = time.perf_counter()
+        with grpc.insecure_channel(address, options=options) as channel:
+            stub = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
+            requests = push_requests(
+                self.model,
+                version,
+                self.rank,
+                self.world_size,
+                self.spec.run_id,
+                max_bytes,
+                self._push_dtype(),
+            )
+            response = stub.PushShards(requests, timeout=timeout_s)
+        return {
+            "rank": self.rank,
+            "version": response.version,
+            "bytes": response.bytes_received,
+            "complete": response.version_complete,
+            "seconds": time.perf_counter() - start,
+        }
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str, extra: dict[str, Any] | None = None) -> str:
+        from services.trainer.checkpoint import save
+
+        return save(self, directory, extra or {})
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        from services.trainer.checkpoint import load
+
+        return load(self, path)
+
+    def export_hf(self, directory: str) -> str:
+        from services.trainer.checkpoint import export_hf
+
+        return export_hf(self, directory)
+
+    def state(self) -> dict[str, Any]:
+        return {"rank": self.rank, "step": self.step, "last_packer_step": self.last_packer_step}
