@@ -53,6 +53,22 @@ class PackerSettings:
             raise ValueError(f"invalid packer settings: {', '.join(f'{b}={getattr(self, b)}' for b in bad)}")
 
 
+def settings_from_recipe(recipe, **overrides) -> PackerSettings:
+    """The packer's view of a run recipe (services.kit.recipe.Recipe)."""
+    values = {
+        "prompts_per_step": recipe.groups_per_step,
+        "group_size": recipe.batch.group_size,
+        "max_staleness": recipe.run.max_staleness,
+        "estimator": recipe.algorithm.advantage,
+        "filter_zero_variance": recipe.algorithm.filter_equal_rewards,
+        "straggler_timeout_s": recipe.algorithm.group_timeout_seconds,
+        "max_tokens_per_microbatch": recipe.batch.max_tokens_per_microbatch,
+        "world_size": recipe.trainer.world_size,
+    }
+    values.update(overrides)
+    return PackerSettings(**values)
+
+
 def screen_group(group: Group, settings: PackerSettings) -> tuple[Group | None, list[Rejected]]:
     """Drop a finished group that carries no learning signal (all rewards equal), when configured."""
     if settings.filter_zero_variance and not has_signal(np.array([m.reward for m in group.members])):

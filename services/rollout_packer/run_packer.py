@@ -1,0 +1,376 @@
+"""One run's packer: consumes its rollouts from the bus, plans steps, serves them, acks after training.
+
+Bus contract (ROLLOUTS stream, durable pull consumer `packer-<run>`, explicit ack):
+- an invalid rollout is termed with its reason (never redelivered); a rollout dropped by policy
+  (stale, zero-signal group, straggler, duplicate, already trained) is acked and counted;
+- every other rollout stays unacked (kept alive with in_progress) until the trainer acknowledged the
+  step that holds it (AckStep). A crash therefore loses nothing: unacked rollouts are redelivered and
+  the step records in KV (state.py) say which step each belongs to, or that it was already trained.
+
+Steps: the first NextBatch of a step plans it from the oldest complete groups (FIFO), after the
+staleness filter, once `prompts_per_step` groups are there; the plan is saved before it is served.
+Every rank of the step is served from the same deterministic StepBatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, deque
+
+from looprl.common.v1 import common_pb2
+from services.kit import subjects
+from services.kit.bus import Bus, Consumer, Delivery, PoisonMessage
+from services.kit.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from services.rollout_packer import metrics
+from services.rollout_packer.groups import Group, GroupCollector
+from services.rollout_packer.sequences import DropReason, Rejected, TokenSequence, sequence_from_rollout
+from services.rollout_packer.state import StepRecord, StepStore
+from services.rollout_packer.step import PackerSettings, StepBatch, build_step, filter_stale, screen_group
+
+log = logging.getLogger("looprl.rollout_packer")
+
+# Policy drops are acked (the message was fine, we chose not to train it); invalid rollouts are termed.
+_INVALID = {
+    DropReason.MALFORMED, DropReason.MISSING_ID, DropReason.RUN_MISMATCH, DropReason.INVALID_GROUP_SIZE,
+    DropReason.LOGPROB_LENGTH_MISMATCH, DropReason.INVALID_LOGPROB, DropReason.INVALID_TOKEN,
+    DropReason.NEGATIVE_VERSION, DropReason.EMPTY_COMPLETION, DropReason.TRAINABLE_FIRST_TOKEN,
+    DropReason.NON_FINITE_REWARD, DropReason.TOO_LONG,
+}  # fmt: skip
+
+
+class RunPacker:
+    def __init__(
+        self,
+        run_id: str,
+        settings: PackerSettings,
+        bus: Bus,
+        store: StepStore,
+        *,
+        ack_wait_s: float = 30.0,
+        max_ack_pending: int = 65536,
+        fetch_batch: int = 256,
+    ) -> None:
+        self.run_id = subjects.validate_run_id(run_id)
+        self.settings = settings
+        self.bus = bus
+        self.store = store
+        self.ack_wait_s = ack_wait_s
+        self.max_ack_pending = max_ack_pending
+        self.fetch_batch = fetch_batch
+        self.collector = GroupCollector(settings.straggler_timeout_s, settings.min_group_size)
+        self.ready: deque[Group] = deque()
+        self.held: dict[str, Delivery] = {}  # rollout id -> its unsettled delivery
+        self.records: dict[int, StepRecord] = {}  # planned (and recently acked) steps
+        self.plan_of: dict[str, int] = {}  # rollout id -> unacked planned step
+        self.plan_groups: set[str] = set()
+        self.plan_seqs: dict[str, TokenSequence] = {}
+        self.trained: dict[str, int] = {}  # rollout id -> acked step (recent steps only)
+        self.built: dict[int, StepBatch] = {}
+        self._building: dict[int, asyncio.Task] = {}
+        self.dropped: Counter[str] = Counter()
+        self.acked_total = 0
+        self.steps_planned = 0
+        self.last_batch: StepBatch | None = None
+        self._changed = asyncio.Condition()
+        self._plan_lock = asyncio.Lock()
+        self._consumer: Consumer | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.records = await self.store.load()
+        for record in self.records.values():
+            self._register(record)
+        self._consumer = await self.bus.pull_consumer(
+            subjects.ROLLOUTS,
+            f"packer-{self.run_id}",
+            subjects.rollouts(self.run_id),
+            ack_wait=self.ack_wait_s,
+            max_deliver=-1,
+            max_ack_pending=self.max_ack_pending,
+        )
+        self._tasks = [
+            asyncio.create_task(self._intake_loop(), name=f"packer-intake-{self.run_id}"),
+            asyncio.create_task(self._heartbeat_loop(), name=f"packer-heartbeat-{self.run_id}"),
+        ]
+        pending = [s for s, r in self.records.items() if not r.acked]
+        log.info("run %s: packing (unacked planned steps %s)", self.run_id, pending or "none")
+
+    async def stop(self, hand_back: bool = True) -> None:
+        """Stop consuming; hand held rollouts back for immediate redelivery (their plans are in KV)."""
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if hand_back:
+            for d in list(self.held.values()):
+                with contextlib.suppress(Exception):
+                    await d.nak()
+        self.held.clear()
+        if self._consumer is not None:
+            await self._consumer.close()
+
+    def _register(self, record: StepRecord) -> None:
+        if record.acked:
+            for rid in record.rollout_ids:
+                self.trained[rid] = record.step
+        else:
+            for rid in record.rollout_ids:
+                self.plan_of[rid] = record.step
+        for gid in record.groups:
+            self.plan_groups.add(gid)
+            self.collector.close_group(gid)
+
+    # ---- intake -----------------------------------------------------------------------------------
+
+    async def _intake_loop(self) -> None:
+        assert self._consumer is not None
+        next_expiry = time.monotonic()
+        while not self._closing:
+            try:
+                deliveries = await self._consumer.fetch(self.fetch_batch, timeout=0.5)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the bus reconnects by itself; keep trying
+                log.warning("run %s: fetch failed: %s", self.run_id, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for d in deliveries:
+                try:
+                    await self._take(d)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("run %s: handling %r failed; it will be redelivered", self.run_id, d)
+            if time.monotonic() >= next_expiry:
+                await self._expire_stragglers()
+                next_expiry = time.monotonic() + min(1.0, self.settings.straggler_timeout_s / 4)
+            self._update_gauges()
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def _take(self, d: Delivery) -> None:
+        try:
+            rollout = d.parse(common_pb2.Rollout)
+        except PoisonMessage as exc:
+            await self._drop(d, Rejected("", DropReason.MALFORMED, str(exc)))
+            return
+        seq = sequence_from_rollout(
+            rollout,
+            max_tokens=self.settings.max_tokens_per_microbatch,
+            default_group_size=self.settings.group_size,
+            run_id=self.run_id,
+        )
+        if isinstance(seq, Rejected):
+            await self._drop(d, seq)
+            return
+        rid = seq.rollout_id
+        if rid in self.trained:
+            await self._drop(
+                d, Rejected(rid, DropReason.ALREADY_TRAINED, f"trained in step {self.trained[rid]}")
+            )
+            return
+        held = self.held.get(rid)
+        if held is not None:
+            if held.stream_seq == d.stream_seq:  # a redelivery of the message we hold: keep the newest
+                self.held[rid] = d
+            else:
+                await self._drop(d, Rejected(rid, DropReason.DUPLICATE, "rollout_id: already held"))
+            return
+        if rid in self.plan_of:
+            self.held[rid] = d
+            self.plan_seqs[rid] = seq
+            return
+        if seq.group_id in self.plan_groups:
+            await self._drop(d, Rejected(rid, DropReason.LATE, f"group {seq.group_id} is in a planned step"))
+            return
+        rejected = self.collector.add(seq)
+        if rejected is not None:
+            await self._drop(d, rejected)
+            return
+        self.held[rid] = d
+        await self._screen(self.collector.take_ready())
+
+    async def _screen(self, groups: list[Group]) -> None:
+        for group in groups:
+            kept, drops = screen_group(group, self.settings)
+            await self._drop_many(drops)
+            if kept is not None:
+                self.ready.append(kept)
+
+    async def _expire_stragglers(self) -> None:
+        partial, drops = self.collector.expire()
+        await self._drop_many(drops)
+        await self._screen(self.collector.take_ready())
+        if partial:
+            log.info("run %s: %d straggling group(s) released partial", self.run_id, len(partial))
+
+    async def _drop(self, d: Delivery, rejected: Rejected) -> None:
+        self.dropped[rejected.reason.value] += 1
+        metrics.DROPPED.labels(self.run_id, rejected.reason.value).inc()
+        if rejected.reason in _INVALID:
+            await d.term(f"{rejected.reason.value}: {rejected.detail}")
+        else:
+            await d.ack()
+        if rejected.rollout_id and self.held.get(rejected.rollout_id) is d:
+            del self.held[rejected.rollout_id]
+
+    async def _drop_many(self, drops: list[Rejected]) -> None:
+        for rejected in drops:
+            d = self.held.get(rejected.rollout_id)
+            if d is not None:
+                await self._drop(d, rejected)
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(max(0.2, self.ack_wait_s / 3))
+            for d in list(self.held.values()):
+                with contextlib.suppress(Exception):
+                    await d.in_progress()
+
+    # ---- steps ------------------------------------------------------------------------------------
+
+    async def step_batch(
+        self, step: int, world_size: int, trainer_version: int, timeout_s: float | None
+    ) -> StepBatch:
+        """The step's batch, planning it first when it is the next one; waits for rollouts."""
+        deadline = None if not timeout_s else time.monotonic() + timeout_s
+        record = self.records.get(step)
+        if record is not None and record.acked:
+            raise FailedPrecondition(f"step: {step} was already acknowledged; its rollouts are trained")
+        if record is None:
+            record = await self._plan(step, world_size, trainer_version, deadline)
+        if record.world_size != world_size:
+            raise FailedPrecondition(
+                f"world_size: step {step} was planned for {record.world_size} ranks, not {world_size}"
+            )
+        batch = self.built.get(step)
+        if batch is None:
+            await self._wait_for(lambda: all(r in self.plan_seqs for r in record.rollout_ids), deadline, step)
+            task = self._building.get(step)
+            if task is None:  # ranks arriving together share one build
+                task = self._building[step] = asyncio.create_task(self._build(record))
+                task.add_done_callback(lambda _t, s=step: self._building.pop(s, None))
+            batch = await asyncio.shield(task)
+        return batch
+
+    async def _plan(
+        self, step: int, world_size: int, trainer_version: int, deadline: float | None
+    ) -> StepRecord:
+        async with self._plan_lock:
+            if step in self.records:
+                return self.records[step]
+            newest = max(self.records, default=None)
+            if newest is not None and step < newest:
+                raise FailedPrecondition(
+                    f"step: {step} was never planned and steps up to {newest} already are; ask for {newest + 1}"
+                )
+            selected: list[Group] = []
+            try:
+                while len(selected) < self.settings.prompts_per_step:
+                    await self._wait_for(lambda: bool(self.ready), deadline, step, selected)
+                    kept, drops = filter_stale(self.ready.popleft(), trainer_version, self.settings)
+                    await self._drop_many(drops)
+                    if kept is not None:
+                        selected.append(kept)
+            except BaseException:
+                self.ready.extendleft(reversed(selected))  # nothing is lost on a timeout
+                raise
+            record = StepRecord(
+                step, trainer_version, world_size, {g.group_id: g.rollout_ids for g in selected}
+            )
+            try:
+                await self.store.save(record)
+            except Exception as exc:
+                self.ready.extendleft(reversed(selected))
+                raise Unavailable(f"cannot record the plan of step {step} in KV: {exc}") from exc
+            for g in selected:
+                for m in g.members:
+                    self.plan_seqs[m.rollout_id] = m
+            self.records[step] = record
+            self._register(record)
+            self.steps_planned += 1
+            metrics.STEPS_PLANNED.labels(self.run_id).inc()
+            self._update_gauges()
+            return record
+
+    async def _build(self, record: StepRecord) -> StepBatch:
+        groups = [Group(gid, [self.plan_seqs[r] for r in rids]) for gid, rids in record.groups.items()]
+        started = time.perf_counter()
+        batch = await asyncio.to_thread(
+            build_step, record.step, groups, record.trainer_version, self.settings, record.world_size
+        )
+        metrics.PLAN_SECONDS.labels(self.run_id).observe(time.perf_counter() - started)
+        self.built[record.step] = batch
+        self.last_batch = batch
+        metrics.PADDING_FRACTION.labels(self.run_id).set(batch.plan.padding_fraction)
+        metrics.RANK_IMBALANCE.labels(self.run_id).set(batch.plan.rank_imbalance)
+        metrics.SYNC_IDLE.labels(self.run_id).set(batch.plan.sync_idle_fraction)
+        return batch
+
+    async def _wait_for(self, ready, deadline: float | None, step: int, selected: list | None = None) -> None:
+        async with self._changed:
+            while not ready():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    have = (
+                        f"; {len(selected)}/{self.settings.prompts_per_step} groups ready"
+                        if selected is not None
+                        else ""
+                    )
+                    raise DeadlineExceeded(f"timeout_seconds: step {step} not complete in time{have}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=min(remaining or 1.0, 1.0))
+
+    async def ack_step(self, step: int, trainer_version: int) -> int:
+        """The trainer finished `step`: record it, then ack its rollouts on the bus. Idempotent."""
+        record = self.records.get(step)
+        if record is None:
+            raise FailedPrecondition(f"step: {step} was never planned (planned: {sorted(self.records)})")
+        if record.acked:
+            return 0
+        record.acked = True
+        record.acked_version = trainer_version
+        await self.store.save(record)  # durable before any bus ack: a crash now cannot train it twice
+        self._register(record)
+        acked = 0
+        deliveries = []
+        for rid in record.rollout_ids:
+            self.plan_of.pop(rid, None)
+            self.plan_seqs.pop(rid, None)
+            d = self.held.pop(rid, None)
+            if d is not None:
+                deliveries.append(d)
+        for i in range(0, len(deliveries), 512):
+            chunk = deliveries[i : i + 512]
+            await asyncio.gather(*(d.ack() for d in chunk))
+            acked += len(chunk)
+        self.built.pop(step, None)
+        self.acked_total += acked
+        metrics.ACKED.labels(self.run_id).inc(acked)
+        for old in await self.store.prune(self.records):
+            for rid in self.records.pop(old).rollout_ids:
+                self.trained.pop(rid, None)
+        self._update_gauges()
+        return acked
+
+    # ---- stats ------------------------------------------------------------------------------------
+
+    @property
+    def queued_rollouts(self) -> int:
+        return sum(1 for rid in self.held if rid not in self.plan_of)
+
+    @property
+    def pending_groups(self) -> int:
+        return self.collector.open_groups + len(self.ready)
+
+    def _update_gauges(self) -> None:
+        metrics.QUEUE_DEPTH.labels(self.run_id).set(self.queued_rollouts)
+        metrics.PENDING_GROUPS.labels(self.run_id).set(self.pending_groups)

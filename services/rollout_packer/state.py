@@ -1,0 +1,76 @@
+"""The packer's durable memory: which rollouts make up which step, and which steps were trained.
+
+One KV entry per planned step (`<run>.step.<k>`, JSON). A plan is written BEFORE any of its
+micro-batches is served and marked acked BEFORE its rollouts are acked on the bus, so after a crash:
+
+- a planned, unacked step is rebuilt from exactly its recorded rollouts (redelivered, since unacked);
+  the rebuild is deterministic, so every rank sees the same batch as before the crash;
+- a redelivered rollout of an acked step is recognised, acked and dropped: never trained twice.
+
+Only the newest `keep_acked` acked records are kept: a rollout can only be redelivered if it was still
+unacked at the crash, i.e. belongs to one of the last steps.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from services.kit.bus import KV
+
+
+@dataclass
+class StepRecord:
+    step: int
+    trainer_version: int
+    world_size: int
+    groups: dict[str, list[str]]  # group id -> rollout ids
+    acked: bool = False
+    acked_version: int = -1
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def rollout_ids(self) -> list[str]:
+        return [rid for gid in sorted(self.groups) for rid in self.groups[gid]]
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> StepRecord:
+        return cls(**json.loads(raw))
+
+
+class StepStore:
+    """Step records of one run in a KV bucket."""
+
+    def __init__(self, kv: KV, run_id: str, keep_acked: int = 8) -> None:
+        self.kv = kv
+        self.run_id = run_id
+        self.keep_acked = keep_acked
+        self._prefix = f"{run_id}.step."
+
+    def _key(self, step: int) -> str:
+        return f"{self._prefix}{step}"
+
+    async def load(self) -> dict[int, StepRecord]:
+        records: dict[int, StepRecord] = {}
+        for key in await self.kv.keys():
+            if not key.startswith(self._prefix):
+                continue
+            raw = await self.kv.get(key)
+            if raw:
+                record = StepRecord.from_json(raw)
+                records[record.step] = record
+        return records
+
+    async def save(self, record: StepRecord) -> None:
+        await self.kv.put(self._key(record.step), record.to_json())
+
+    async def prune(self, records: dict[int, StepRecord]) -> list[int]:
+        """Forget acked records beyond the newest keep_acked; returns the steps forgotten."""
+        acked = sorted(s for s, r in records.items() if r.acked)
+        old = acked[: max(0, len(acked) - self.keep_acked)]
+        for step in old:
+            await self.kv.delete(self._key(step))
+        return old

@@ -1,0 +1,151 @@
+"""The packer service in-process against a real nats-server: flow, bad rollouts, bad gRPC requests."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import grpc
+import pytest
+
+from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
+from services.kit import subjects
+from services.kit.bus import Bus
+from services.kit.local import free_port
+from services.kit.server import Service
+from services.rollout_packer.config import PackerConfig
+from services.rollout_packer.service import PackerApp
+from services.rollout_packer.servicer import RolloutPackerServicer
+from services.rollout_packer.step import PackerSettings
+from services.rollout_packer.synthetic import make_rollout
+
+
+@pytest.fixture
+async def packer(nats_url):
+    cfg = PackerConfig(
+        nats_url=nats_url, grpc_port=free_port(), metrics_port=free_port(), ack_wait_s=2.0,
+        watch_runs=False, grace_seconds=2.0,
+    )  # fmt: skip
+    app = PackerApp(cfg)
+    service = Service("rollout-packer", cfg)
+    service.add(packer_pb2_grpc.add_RolloutPackerServiceServicer_to_server, RolloutPackerServicer(app.lookup))
+    service.on_shutdown(app.stop)
+    await service.start()
+    await app.start()
+    await service.mark_ready()
+    channel = grpc.aio.insecure_channel(service.address)
+    try:
+        yield app, packer_pb2_grpc.RolloutPackerServiceStub(channel)
+    finally:
+        await channel.close()
+        await service.drain()
+
+
+async def _publish(bus: Bus, run_id: str, rollouts) -> None:
+    for r in rollouts:
+        payload = r if isinstance(r, bytes) else r.SerializeToString()
+        await bus.publish(subjects.rollouts(run_id), payload)
+
+
+def _group(run_id: str, gid: str, size: int = 2, version: int = 0, **kw):
+    return [
+        make_rollout(f"{gid}-{i}", gid, run_id=run_id, group_size=size, sample_index=i, reward=float(i % 2),
+                     version=version, seed=i, completion_len=3 + i, **kw)
+        for i in range(size)
+    ]  # fmt: skip
+
+
+async def _fetch(stub, run_id, step, world=2, version=0, timeout=10.0):
+    out = []
+    for rank in range(world):
+        req = packer_pb2.NextBatchRequest(
+            run_id=run_id,
+            step=step,
+            rank=rank,
+            world_size=world,
+            trainer_version=version,
+            timeout_seconds=timeout,
+        )
+        out.append([resp.micro_batch async for resp in stub.NextBatch(req)])
+    return out
+
+
+async def test_bad_rollouts_are_termed_with_reasons_and_the_stream_keeps_flowing(packer, nats_url) -> None:
+    app, stub = packer
+    run_id = f"svc-{uuid.uuid4().hex[:8]}"
+    await app.add_run(run_id, PackerSettings(prompts_per_step=2, group_size=2, world_size=2,
+                                             max_tokens_per_microbatch=64, max_staleness=1))  # fmt: skip
+    bus = await Bus.connect(nats_url, name="test-publisher")
+    try:
+        nan = make_rollout("bad-nan", "gx", run_id=run_id, reward=math.nan)
+        mismatch = make_rollout("bad-lp", "gx", run_id=run_id)
+        del mismatch.turns[1].logprobs[0]
+        negative = make_rollout("bad-ver", "gx", run_id=run_id)
+        negative.turns[1].weight_version = -1
+        empty = make_rollout("bad-empty", "gx", run_id=run_id)
+        del empty.turns[1:]
+        too_long = make_rollout("bad-long", "gx", run_id=run_id, completion_len=100)
+        stale = _group(run_id, "g-stale", version=0)
+        await _publish(bus, run_id, [b"\xff\x00garbage", nan, mismatch, negative, empty, too_long, *stale])
+        await _publish(bus, run_id, _group(run_id, "g1", version=3) + _group(run_id, "g2", version=3))
+        await _publish(bus, run_id, _group(run_id, "g1", version=3)[:1])  # a duplicate
+
+        batches = await _fetch(stub, run_id, step=0, version=3)
+        ids = sorted(rid for rank in batches for mb in rank for rid in mb.rollout_ids)
+        assert ids == ["g1-0", "g1-1", "g2-0", "g2-1"]
+        assert len(batches[0]) == len(batches[1])  # equal micro-batch counts on every rank
+        # the same step asked again (a trainer retry) is served identically
+        again = await _fetch(stub, run_id, step=0, version=3)
+        assert [[list(mb.rollout_ids) for mb in r] for r in again] == [
+            [list(mb.rollout_ids) for mb in r] for r in batches
+        ]
+
+        ack = await stub.AckStep(packer_pb2.AckStepRequest(run_id=run_id, step=0, trainer_version=4))
+        assert ack.acked_rollouts == 4
+        assert (await stub.AckStep(packer_pb2.AckStepRequest(run_id=run_id, step=0))).acked_rollouts == 0
+
+        stats = await stub.Stats(packer_pb2.StatsRequest(run_id=run_id))
+        assert dict(stats.dropped) == {
+            "malformed": 1, "non_finite_reward": 1, "logprob_length_mismatch": 1, "negative_version": 1,
+            "empty_completion": 1, "too_long": 1, "stale": 2, "duplicate": 1,
+        }  # fmt: skip
+        assert stats.packed_steps == 1 and stats.acked_rollouts == 4 and stats.queued_rollouts == 0
+        # nothing is left for redelivery: terms and acks settled every message
+        consumer = await bus.js.consumer_info(subjects.ROLLOUTS, f"packer-{run_id}")
+        assert consumer.num_ack_pending == 0 and consumer.num_pending == 0
+    finally:
+        await bus.close()
+
+
+async def test_bad_requests_name_the_field(packer) -> None:
+    app, stub = packer
+    run_id = f"svc-{uuid.uuid4().hex[:8]}"
+    await app.add_run(run_id, PackerSettings(prompts_per_step=1, group_size=2))
+
+    async def code_of(req) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.NextBatch(req):
+                pass
+        return info.value.code(), info.value.details()
+
+    code, msg = await code_of(packer_pb2.NextBatchRequest(run_id=run_id, step=-1, world_size=1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("step")
+    code, msg = await code_of(packer_pb2.NextBatchRequest(run_id=run_id, step=0, rank=2, world_size=2))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("rank")
+    code, msg = await code_of(packer_pb2.NextBatchRequest(run_id=run_id, step=0, world_size=0))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("world_size")
+    code, msg = await code_of(packer_pb2.NextBatchRequest(run_id="nope", step=0, world_size=1))
+    assert code == grpc.StatusCode.NOT_FOUND and msg.startswith("run_id")
+    code, msg = await code_of(
+        packer_pb2.NextBatchRequest(run_id=run_id, step=0, world_size=1, timeout_seconds=0.3)
+    )
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "0/1 groups" in msg
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.AckStep(packer_pb2.AckStepRequest(run_id=run_id, step=5))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "step" in info.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Stats(packer_pb2.StatsRequest(run_id="nope"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    # still serving after all that
+    stats = await stub.Stats(packer_pb2.StatsRequest(run_id=run_id))
+    assert stats.packed_steps == 0
