@@ -139,6 +139,9 @@ class PlanError(ValueError):
 def check_trainer_layout(layout: TrainerLayout, config: ModelConfig) -> None:
     """Every HF parameter of the config is pushed with its shape, and chunks tile its rows."""
     expected = hf_params(config)
+    for name in layout.params:
+        if name not in expected and not (name == "lm_head.weight" and config.tie_word_embeddings):
+            raise PlanError(f"shards: unknown parameter name {name!r} for this model")
     for name, shape in expected.items():
         p = layout.params.get(name)
         if p is None:

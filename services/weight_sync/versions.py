@@ -49,6 +49,7 @@ class VersionBuffer:
     bytes_received: int = 0
     started: float = field(default_factory=time.monotonic)
     failed: str = ""
+    expected: dict[str, tuple[int, ...]] | None = None  # HF names and shapes, once the model config is known
     _arrived: asyncio.Condition | None = None
 
     @property
@@ -65,6 +66,14 @@ class VersionBuffer:
         shape = tuple(int(d) for d in chunk.global_shape)
         if not shape or any(d <= 0 for d in shape):
             raise InvalidArgument(f"{where}.global_shape: {chunk.name} has invalid shape {list(shape)}")
+        if self.expected is not None:
+            if chunk.name not in self.expected:
+                raise InvalidArgument(f"{where}.name: unknown parameter name {chunk.name!r} for this model")
+            if shape != self.expected[chunk.name]:
+                raise InvalidArgument(
+                    f"{where}.global_shape: {chunk.name} is {list(shape)}, the model config says "
+                    f"{list(self.expected[chunk.name])}"
+                )
         known = self.params.get(chunk.name)
         if known is not None and known != (shape, dtype):
             raise InvalidArgument(

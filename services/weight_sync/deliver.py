@@ -1,0 +1,268 @@
+"""Delivering versions to targets: plan, stage on every rank, commit on every rank, publish.
+
+For a version, the due targets are grouped by layout; every (layout, rank) group gets ONE bucket
+stream, fanned out to the group's receivers (shared memory for receivers on this host: the bucket
+is written once and read by all of them; gRPC otherwise, the same encoded bytes sent to each).
+All ranks of all groups stage concurrently. A deployment commits only when every one of its ranks
+staged the version completely and verified; otherwise all its ranks abort, it keeps serving v-1,
+and the delivery is retried (or superseded by a newer version). After the commit:
+WeightsPublished{version, deployment} on the bus and the target's state in KV.
+
+Pipelining: with `pipeline`, a version's delivery starts when its first chunk arrives, planned
+from the previous version's trainer layout; each bucket is sent as soon as its chunks are in.
+If the version completes in a different layout, the speculative delivery is cancelled (the
+receivers abort) and redone with the right plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from looprl.inference.v1 import inference_pb2
+from services.kit.weight_transfer import DeliveryError, Endpoint, GrpcTransport, ShmTransport, StageResult
+from services.modeling.config import ModelConfig
+
+from .plan import PlanCache, PlannedBucket, RankPlan, TrainerLayout
+from .targets import Target
+from .versions import VersionBuffer, VersionStore
+
+log = logging.getLogger("looprl.weight_sync")
+
+PublishHook = Callable[[Target, int, int, float], Awaitable[None]]
+
+
+class Deliverer:
+    def __init__(
+        self,
+        store: VersionStore,
+        *,
+        bucket_bytes: int = 32 << 20,
+        shm_segments: int = 3,
+        prefetch: int = 2,
+        retry_attempts: int = 3,
+        retry_backoff_s: float = 0.5,
+        stage_timeout_s: float = 600.0,
+        pipeline: bool = True,
+        on_published: PublishHook | None = None,
+        on_state: Callable[[Target], Awaitable[None]] | None = None,
+    ) -> None:
+        self.store = store
+        self.targets: dict[str, Target] = {}
+        self.plans = PlanCache()
+        self.bucket_bytes = bucket_bytes
+        self.grpc = GrpcTransport(prefetch=prefetch)
+        self.shm = ShmTransport(segment_bytes=bucket_bytes, segments=shm_segments)
+        self.retry_attempts = retry_attempts
+        self.retry_backoff_s = retry_backoff_s
+        self.stage_timeout_s = stage_timeout_s
+        self.pipeline = pipeline
+        self.on_published = on_published
+        self.on_state = on_state
+        self._tasks: set[asyncio.Task] = set()
+        self._busy: dict[str, int] = {}  # deployment -> version being delivered
+        self._speculative: dict[int, tuple[str, asyncio.Task]] = {}
+        self._last_layout: TrainerLayout | None = None
+        self._config: ModelConfig | None = None
+        self._config_json = ""
+
+    # ------------------------------------------------------------ events
+    def model_config(self, buf: VersionBuffer | None = None) -> ModelConfig | None:
+        if buf is not None and buf.model_config_json and buf.model_config_json != self._config_json:
+            self._config_json = buf.model_config_json
+            self._config = ModelConfig.from_hf_dict(json.loads(buf.model_config_json))
+        return self._config
+
+    def version_started(self, buf: VersionBuffer) -> None:
+        """First chunk of a version: deliver speculatively with the previous layout's plan."""
+        if not self.pipeline or self._last_layout is None or self.model_config(buf) is None:
+            return
+        due = [t for t in self.targets.values() if t.due(buf.version) and t.deployment not in self._busy]
+        if due:
+            layout = self._last_layout
+            task = self._spawn(self._deliver(buf, due, layout))
+            self._speculative[buf.version] = (layout.signature, task)
+
+    def version_completed(self, buf: VersionBuffer, layout: TrainerLayout) -> None:
+        self.model_config(buf)
+        self._last_layout = layout
+        spec = self._speculative.pop(buf.version, None)
+        if spec is not None and spec[0] != layout.signature:
+            spec[1].cancel()  # planned from a different layout: redo below
+        self.schedule(buf)
+
+    def schedule(self, buf: VersionBuffer, force: Target | None = None) -> None:
+        """Deliver buf to every due target that is not already receiving it."""
+        if force is not None:
+            targets = [force] if self._busy.get(force.deployment) != buf.version else []
+        else:
+            targets = [t for t in self.targets.values() if t.due(buf.version)
+                       and self._busy.get(t.deployment, -1) < buf.version]  # fmt: skip
+        targets = [t for t in targets if t.deployment not in self._busy]
+        if targets:
+            self._spawn(self._deliver(buf, targets, None, forced=force is not None))
+
+    # ---------------------------------------------------------- delivery
+    async def _deliver(self, buf: VersionBuffer, targets: list[Target], speculative: TrainerLayout | None,
+                       forced: bool = False) -> None:  # fmt: skip
+        version = buf.version
+        for t in targets:
+            self._busy[t.deployment] = version
+            t.state = "syncing"
+        try:
+            trainer_layout = speculative or buf.layout()
+            config = self.model_config(buf)
+            if config is None:
+                raise DeliveryError(
+                    f"version {version}: no model config pushed (model_config_json) and none known"
+                )
+            start = time.perf_counter()
+            skip = await self._ranks_already_at(version, targets) if forced else set()
+            jobs, job_keys = [], []
+            by_layout: dict[object, list[Target]] = {}
+            for t in targets:
+                by_layout.setdefault(t.layout, []).append(t)
+            for layout, group in by_layout.items():
+                plan = self.plans.get(trainer_layout, config, layout, self.bucket_bytes)
+                for rank_plan in plan.ranks:
+                    eps = [
+                        t.endpoints[rank_plan.rank] for t in group if t.endpoints[rank_plan.rank] not in skip
+                    ]
+                    for transport, subset in ((self.shm, [e for e in eps if e.same_host]),
+                                              (self.grpc, [e for e in eps if not e.same_host])):  # fmt: skip
+                        if subset:
+                            jobs.append(transport.stage(
+                                version, subset, self._buckets(rank_plan, buf),
+                                model_config_json=self._config_json, total_bytes=rank_plan.nbytes,
+                                timeout_s=self.stage_timeout_s,
+                            ))  # fmt: skip
+                            job_keys.append(subset)
+            results: dict[Endpoint, StageResult] = {}
+            for res in await asyncio.gather(*jobs):
+                results.update(res)
+            await asyncio.gather(*(self._finish(t, version, results, skip, start) for t in targets))
+        except asyncio.CancelledError:
+            await asyncio.gather(*(self.grpc.abort(e, version) for t in targets for e in t.endpoints))
+            for t in targets:
+                t.state = "ready" if t.version >= 0 else "registered"
+            raise
+        except Exception as exc:
+            log.warning("delivery of version %s failed: %s", version, exc)
+            for t in targets:
+                await self._failed(t, buf, str(exc))
+        finally:
+            for t in targets:
+                if self._busy.get(t.deployment) == version:
+                    del self._busy[t.deployment]
+            self._speculative.pop(version, None)
+            self._after(targets)
+
+    async def _buckets(self, rank_plan: RankPlan, buf: VersionBuffer):
+        for spec in rank_plan.buckets:
+            if not buf.complete:
+                keys = getattr(spec, "_keys", None)
+                if keys is None:
+                    keys = {op.chunk for op in spec.ops}
+                    spec._keys = keys  # type: ignore[attr-defined]
+                await buf.wait_for(keys)
+            yield PlannedBucket(spec, rank_plan.dtype, buf.chunks, buf.crcs)
+
+    async def _ranks_already_at(self, version: int, targets: list[Target]) -> set[Endpoint]:
+        """A restarted rank asks for the version its peers already serve: only it needs the bytes."""
+
+        async def at(ep: Endpoint) -> Endpoint | None:
+            try:
+                status = await self.grpc.stub(ep.address).Status(inference_pb2.StatusRequest(), timeout=10)
+            except grpc.aio.AioRpcError:
+                return None
+            return ep if status.weight_version >= version else None
+
+        found = await asyncio.gather(*(at(e) for t in targets for e in t.endpoints))
+        return {e for e in found if e is not None}
+
+    async def _finish(self, t: Target, version: int, results: dict[Endpoint, StageResult], skip: set[Endpoint],
+                      start: float) -> None:  # fmt: skip
+        errors = [str(results[e].error) for e in t.endpoints if e in results and results[e].error is not None]
+        buf = self.store.latest if self.store.latest and self.store.latest.version == version else None
+        if errors:
+            await asyncio.gather(*(self.grpc.abort(e, version) for e in t.endpoints if e not in skip))
+            await self._failed(t, buf, "; ".join(errors))
+            return
+        try:
+            await asyncio.gather(*(self.grpc.commit(e, version) for e in t.endpoints if e not in skip))
+        except DeliveryError as exc:
+            # Staged and verified everywhere, so a commit fails only if a replica died; its peers may
+            # have switched. The replica must RequestSync when it comes back (documented).
+            await self._failed(t, buf, str(exc))
+            return
+        t.version = version
+        t.state = "ready"
+        t.last_error = ""
+        t.last_bytes = sum(results[e].bytes_sent for e in t.endpoints if e in results)
+        t.last_sync_seconds = time.perf_counter() - start
+        t.attempts.pop(version, None)
+        log.info("deployment %s now serves version %s (%d bytes, %.3fs)", t.deployment, version, t.last_bytes,
+                 t.last_sync_seconds)  # fmt: skip
+        if self.on_published is not None:
+            try:
+                await self.on_published(t, version, t.last_bytes, t.last_sync_seconds)
+            except Exception as exc:
+                log.warning("publishing version %s for %s failed: %s", version, t.deployment, exc)
+
+    async def _failed(self, t: Target, buf: VersionBuffer | None, error: str) -> None:
+        t.state = "failed"
+        t.last_error = error
+        if self.on_state is not None:
+            try:
+                await self.on_state(t)
+            except Exception:
+                pass
+        if buf is None or not buf.complete:
+            return
+        attempt = t.attempts.get(buf.version, 0) + 1
+        t.attempts[buf.version] = attempt
+        if attempt >= self.retry_attempts:
+            log.warning("giving up on version %s for %s after %d attempts: %s", buf.version, t.deployment, attempt,
+                        error)  # fmt: skip
+            return
+
+        async def retry() -> None:
+            await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            latest = self.store.latest
+            if latest is not None and latest.version >= buf.version and t.version < latest.version:
+                self.schedule(latest, force=t)
+
+        self._spawn(retry())
+
+    def _after(self, targets: list[Target]) -> None:
+        """A target that missed versions while busy catches up with the latest one."""
+        latest = self.store.latest
+        if latest is None:
+            return
+        for t in targets:
+            if t.state != "failed" and t.due(latest.version) and t.deployment not in self._busy:
+                self.schedule(latest, force=t)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def idle(self, timeout_s: float = 60.0) -> None:
+        """Until no delivery is running (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._tasks and time.monotonic() < deadline:
+            await asyncio.wait(set(self._tasks), timeout=max(0.0, deadline - time.monotonic()))
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.grpc.close()
+        await self.shm.close()

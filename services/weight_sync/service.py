@@ -1,0 +1,127 @@
+"""The weight-sync process: gRPC WeightSyncService, the deliverer, events and KV state.
+
+State that survives a restart lives in the KV bucket "weights": each target's registration
+(`target.<deployment>`, re-registered at start), each deployment's synced version
+(`deployment.<deployment>`) and the latest version's manifest (`latest`, parameter names,
+shapes, dtypes, bytes, model config). The bytes of a version live only in memory: after a
+restart the next pushed version is delivered (RequestSync says so until then). Shared-memory
+segments a killed predecessor left behind are removed at start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from looprl.events.v1 import events_pb2
+from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
+from services.kit import subjects
+from services.kit.server import Service
+from services.kit.weight_transfer import sweep_stale_segments
+
+from .config import WeightSyncConfig
+from .deliver import Deliverer
+from .servicer import WeightSyncServicer
+from .targets import Target, kv_key, target_from_request
+from .versions import VersionBuffer, VersionStore
+
+log = logging.getLogger("looprl.weight_sync")
+
+
+class StateStore:
+    """Targets, versions and the latest manifest in the KV bucket "weights"; events on the bus."""
+
+    def __init__(self, bus, kv, default_run: str) -> None:
+        self.bus = bus
+        self.kv = kv
+        self.default_run = default_run
+
+    async def save_target(self, t: Target) -> None:
+        if t.registration is not None:
+            await self.kv.put(kv_key("target", t.deployment), t.registration.SerializeToString())
+        await self.save_state(t)
+
+    async def save_state(self, t: Target) -> None:
+        await self.kv.put(kv_key("deployment", t.deployment), t.to_proto().SerializeToString())
+
+    async def save_version(self, buf: VersionBuffer) -> None:
+        manifest = {
+            "version": buf.version, "run_id": buf.run_id, "bytes": buf.bytes_received,
+            "trainer_world_size": buf.world_size, "model_config_json": buf.model_config_json,
+            "params": {n: {"shape": list(s), "dtype": str(d).removeprefix("torch.")} for n, (s, d) in buf.params.items()},
+        }  # fmt: skip
+        await self.kv.put("latest", json.dumps(manifest).encode())
+
+    async def load(self, store: VersionStore, deliverer: Deliverer) -> None:
+        raw = await self.kv.get("latest")
+        if raw:
+            manifest = json.loads(raw)
+            store.latest_version = int(manifest["version"])
+            if manifest.get("model_config_json"):
+                deliverer.model_config(VersionBuffer(-1, 1, model_config_json=manifest["model_config_json"]))
+        for key in await self.kv.keys():
+            if not key.startswith("target."):
+                continue
+            reg = weightsync_pb2.RegisterTargetRequest.FromString(await self.kv.get(key))
+            target = target_from_request(reg)
+            state = await self.kv.get(kv_key("deployment", target.deployment))
+            if state:
+                tv = weightsync_pb2.TargetVersion.FromString(state)
+                target.version, target.state = tv.version, "ready" if tv.version >= 0 else "registered"
+            deliverer.targets[target.deployment] = target
+        log.info("restored %d targets, latest version %s", len(deliverer.targets), store.latest_version)
+
+    async def published(self, t: Target, version: int, nbytes: int, seconds: float) -> None:
+        run = t.run_id or self.default_run
+        event = events_pb2.WeightsPublished(
+            run_id=run, version=version, deployment=t.deployment, sync_seconds=seconds, bytes=nbytes
+        )
+        await self.bus.publish(subjects.weights(run), event, msg_id=f"weights-{run}-{t.deployment}-{version}")
+        await self.save_state(t)
+
+
+def make(cfg: WeightSyncConfig) -> WeightSyncServicer:
+    """Store, deliverer and servicer; events and KV are attached by `attach_state`."""
+    store = VersionStore()
+    deliverer = Deliverer(
+        store, bucket_bytes=cfg.bucket_bytes, shm_segments=cfg.shm_segments, prefetch=cfg.prefetch_buckets,
+        retry_attempts=cfg.retry_attempts, retry_backoff_s=cfg.retry_backoff_s,
+        stage_timeout_s=cfg.stage_timeout_s, pipeline=cfg.pipeline,
+    )  # fmt: skip
+    return WeightSyncServicer(store, deliverer)
+
+
+async def attach_state(
+    servicer: WeightSyncServicer, cfg: WeightSyncConfig, service: Service | None = None
+) -> None:
+    """Clean up after a dead predecessor, connect the bus, restore targets and the latest version."""
+    removed = sweep_stale_segments()
+    if removed:
+        log.info("removed %d shared-memory segments left by a dead weight-sync", len(removed))
+    if not cfg.use_bus:
+        return
+    from services.kit.bus import Bus
+
+    bus = await Bus.connect(cfg.nats_url, name="weight-sync")
+    await bus.ensure_streams()
+    state = StateStore(bus, await bus.kv(subjects.WEIGHTS_KV), cfg.run_id)
+    if service is not None:
+        service.on_shutdown(bus.drain)
+    servicer.state = state
+    servicer.deliverer.on_published = state.published
+    servicer.deliverer.on_state = state.save_state
+    await state.load(servicer.store, servicer.deliverer)
+
+
+async def serve(cfg: WeightSyncConfig) -> None:
+    service = Service("weight-sync", cfg)
+    servicer = make(cfg)
+    service.add(weightsync_pb2_grpc.add_WeightSyncServiceServicer_to_server, servicer)
+
+    async def setup(svc: Service) -> None:
+        svc.on_shutdown(servicer.deliverer.close)
+        await attach_state(servicer, cfg, svc)
+        latest = servicer.store.latest_version
+        log.info("weight-sync ready on port %s (latest version %s)", svc.grpc_port, latest)
+
+    await service.run(setup)

@@ -1,0 +1,133 @@
+"""WeightSyncService: trainer pushes in, target registrations, versions, sync requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
+from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.modeling.config import ModelConfig
+from services.modeling.layouts import hf_params
+
+from .deliver import Deliverer
+from .plan import PlanError, check_trainer_layout
+from .targets import target_from_request
+from .versions import VersionBuffer, VersionStore
+
+log = logging.getLogger("looprl.weight_sync")
+
+
+class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
+    def __init__(self, store: VersionStore, deliverer: Deliverer, state=None) -> None:
+        self.store = store
+        self.deliverer = deliverer
+        self.state = state  # optional KV persistence (service.StateStore)
+        self._completing = asyncio.Lock()
+
+    async def PushShards(self, request_iterator, context):
+        buf: VersionBuffer | None = None
+        received = 0
+        try:
+            async for req in request_iterator:
+                fresh = req.version not in self.store.pending
+                buf = self.store.buffer_for(req)
+                if fresh:
+                    config = self.deliverer.model_config(buf)
+                    if config is not None:
+                        expected = dict(hf_params(config))
+                        if config.tie_word_embeddings:
+                            expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+                        buf.expected = expected
+                    self.deliverer.version_started(buf)
+                rank = req.trainer_rank
+                received += await asyncio.to_thread(_add_all, buf, rank, req)
+                await buf.notify()
+                if req.last:
+                    buf.ranks_done.add(rank)
+                    if buf.complete:
+                        await self._complete(buf)
+        except Exception as exc:
+            if buf is not None and not buf.complete:
+                self.store.fail(buf.version, str(exc))
+                await buf.notify()
+            raise
+        if buf is None:
+            raise InvalidArgument("PushShards: the stream carried no message")
+        return weightsync_pb2.PushShardsResponse(
+            version=buf.version, bytes_received=received, version_complete=buf.complete
+        )
+
+    async def _complete(self, buf: VersionBuffer) -> None:
+        async with self._completing:
+            try:
+                layout = buf.layout()
+                config = self.deliverer.model_config(buf)
+                if config is not None:
+                    check_trainer_layout(layout, config)
+            except PlanError as exc:
+                buf.ranks_done.clear()
+                raise InvalidArgument(str(exc)) from None
+            except Exception:
+                buf.ranks_done.clear()
+                raise
+            self.store.completed(buf)
+            log.info(
+                "version %s complete: %d bytes from %d ranks", buf.version, buf.bytes_received, buf.world_size
+            )
+            if self.state is not None:
+                await self.state.save_version(buf)
+            self.deliverer.version_completed(buf, layout)
+
+    async def RegisterTarget(self, request, context):
+        target = target_from_request(request)
+        config = self.deliverer.model_config()
+        if request.model_config_json and config is None:
+            config = ModelConfig.from_hf_dict(json.loads(request.model_config_json))
+        if config is not None:
+            try:
+                target.layout.check(config)
+            except ValueError as exc:
+                raise InvalidArgument(f"layout: {exc}") from None
+        old = self.deliverer.targets.get(target.deployment)
+        if old is not None and old.layout == target.layout and old.endpoints == target.endpoints:
+            target.version = old.version  # re-registration of the same deployment keeps its state
+            target.state = old.state
+        self.deliverer.targets[target.deployment] = target
+        if self.state is not None:
+            await self.state.save_target(target)
+        latest = self.store.latest
+        if latest is not None and target.due(latest.version):
+            self.deliverer.schedule(latest, force=target)
+        return weightsync_pb2.RegisterTargetResponse(current_version=self.store.latest_version)
+
+    async def GetVersion(self, request, context):
+        return weightsync_pb2.GetVersionResponse(
+            latest_version=self.store.latest_version,
+            targets=[
+                t.to_proto() for t in sorted(self.deliverer.targets.values(), key=lambda t: t.deployment)
+            ],
+        )
+
+    async def RequestSync(self, request, context):
+        target = self.deliverer.targets.get(request.deployment)
+        if target is None:
+            raise NotFound(
+                f"deployment: {request.deployment!r} is not registered (call RegisterTarget first)"
+            )
+        latest = self.store.latest
+        if latest is None:
+            if self.store.latest_version >= 0:
+                raise FailedPrecondition(
+                    f"deployment: version {self.store.latest_version} was published before weight-sync restarted "
+                    "and its bytes are gone; the next trainer version will be delivered"
+                )
+            raise FailedPrecondition("deployment: no weight version has been pushed yet")
+        target.version = min(target.version, latest.version - 1)  # the replica lost it: send again
+        self.deliverer.schedule(latest, force=target)
+        return weightsync_pb2.RequestSyncResponse(version=latest.version)
+
+
+def _add_all(buf: VersionBuffer, rank: int, req) -> int:
+    return sum(buf.add_chunk(rank, chunk, i) for i, chunk in enumerate(req.shards))
