@@ -26,6 +26,10 @@ class EnvironmentError_(ValueError):
     """Bad input to an environment (unknown name, malformed task or config); names the field."""
 
 
+class UnknownEnvironment(EnvironmentError_):
+    """No environment of that name is registered."""
+
+
 @dataclass
 class StepResult:
     observation: list[Message]
@@ -117,7 +121,7 @@ def environment_class(name: str) -> type[Environment]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise EnvironmentError_(
+        raise UnknownEnvironment(
             f"environment: unknown environment {name!r}; known: {', '.join(environment_names())}"
         ) from None
 

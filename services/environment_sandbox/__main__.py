@@ -1,0 +1,92 @@
+"""`python -m services.environment_sandbox`: environments, sandbox, and the episode worker.
+
+Config is parsed before anything heavy is imported, so a bad setting fails in milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from services.environment_sandbox.config import EnvServiceConfig
+from services.kit.config import ConfigError, load_config
+
+log = logging.getLogger("looprl.environment_sandbox")
+
+
+async def serve(cfg: EnvServiceConfig) -> None:
+    from looprl.environment.v1 import environment_pb2_grpc
+    from services.environment_sandbox.agent_loop import (
+        EpisodeRunner,
+        EpisodeWorker,
+        LoopConfig,
+        RewardClient,
+        RouterGenerator,
+        WorkerConfig,
+    )
+    from services.environment_sandbox.environments import EnvContext
+    from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool
+    from services.environment_sandbox.service import EnvironmentSandboxServicer
+    from services.kit.server import Service, open_channel
+    from services.modeling.tokenizer import load_tokenizer
+
+    pool = SandboxPool(
+        SandboxConfig(
+            warm_workers=cfg.warm_workers,
+            max_concurrency=cfg.max_exec_concurrency,
+            timeout_s=cfg.exec_timeout_s,
+            max_timeout_s=cfg.exec_max_timeout_s,
+            memory_bytes=cfg.exec_memory_bytes,
+            max_output_bytes=cfg.exec_max_output_bytes,
+            uid_base=cfg.sandbox_uid_base,
+        )
+    )
+    runner = None
+    if cfg.router_address:
+        scorer = RewardClient(open_channel(cfg.reward_address)) if cfg.reward_address else None
+        runner = EpisodeRunner(
+            RouterGenerator(open_channel(cfg.router_address)),
+            scorer,
+            load_tokenizer(cfg.tokenizer),
+            EnvContext(executor=pool.run_code),
+            LoopConfig(default_max_tokens=cfg.max_tokens),
+        )
+    service = Service("environment-sandbox", cfg)
+    service.add(
+        environment_pb2_grpc.add_EnvironmentSandboxServiceServicer_to_server,
+        EnvironmentSandboxServicer(pool, runner, cfg.max_sessions, cfg.exec_max_code_bytes),
+    )
+    state: dict = {}
+
+    async def setup(_: Service) -> None:
+        await pool.start()
+        if runner is not None and cfg.consume_episodes:
+            from services.kit.bus import Bus
+
+            bus = await Bus.connect(cfg.nats_url, name="environment-sandbox")
+            await bus.ensure_streams()
+            worker = EpisodeWorker(bus, runner, WorkerConfig(cfg.concurrency, cfg.durable, cfg.ack_wait_s))
+            state.update(bus=bus, worker=worker, task=asyncio.ensure_future(worker.run()))
+
+    async def shutdown() -> None:
+        if "worker" in state:
+            await state["worker"].stop(cfg.grace_seconds)
+            state["task"].cancel()
+            await state["bus"].drain()
+        await pool.close()
+
+    service.on_shutdown(shutdown)
+    await service.run(setup)
+
+
+def main() -> None:
+    try:
+        cfg = load_config(EnvServiceConfig, "ENV")
+    except ConfigError as exc:
+        print(f"environment-sandbox: {exc}", file=sys.stderr)
+        sys.exit(2)
+    asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    main()

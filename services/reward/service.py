@@ -1,0 +1,79 @@
+"""RewardService over gRPC: Score (by reward name) and ListRewards."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from looprl.reward.v1 import reward_pb2, reward_pb2_grpc
+from services.kit.errors import InvalidArgument, NotFound
+from services.reward.registry import RewardRegistry, UnknownReward
+from services.reward.verifiers import ScoreInput
+
+MAX_COMPLETION_CHARS = 1 << 20
+
+
+class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
+    def __init__(self, registry: RewardRegistry) -> None:
+        self.registry = registry
+
+    async def Score(self, request: reward_pb2.ScoreRequest, context: Any) -> reward_pb2.ScoreResponse:
+        if not request.reward:
+            raise InvalidArgument("reward: required (name of a registered reward)")
+        try:
+            self.registry.get(request.reward)
+        except UnknownReward as exc:
+            raise NotFound(str(exc.args[0])) from None
+        try:
+            task = json.loads(request.task_json) if request.task_json else {}
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"task_json: not valid JSON: {exc}") from None
+        if not isinstance(task, dict):
+            raise InvalidArgument("task_json: must be a JSON object")
+        if len(request.completion) > MAX_COMPLETION_CHARS:
+            raise InvalidArgument(f"completion: longer than {MAX_COMPLETION_CHARS} characters")
+        env_reward = request.environment_reward if request.HasField("environment_reward") else None
+        if env_reward is not None and not math.isfinite(env_reward):
+            raise InvalidArgument("environment_reward: must be finite")
+        outcome = await self.registry.score(
+            request.reward,
+            ScoreInput(task, request.completion, request.transcript, env_reward, request.rollout_id),
+        )
+        return reward_pb2.ScoreResponse(
+            score=outcome.score,
+            ok=outcome.ok,
+            components=[
+                reward_pb2.ComponentScore(
+                    name=c.name, score=c.score, weight=c.weight, ok=c.ok, reason=c.reason
+                )
+                for c in outcome.components
+            ],
+        )
+
+    async def ListRewards(
+        self, request: reward_pb2.ListRewardsRequest, context: Any
+    ) -> reward_pb2.ListRewardsResponse:
+        return reward_pb2.ListRewardsResponse(
+            rewards=[
+                reward_pb2.RewardInfo(name=s.name, kind=s.kind, description=s.description)
+                for s in self.registry.specs()
+            ]
+        )
+
+
+class SandboxExecutor:
+    """Code-test executor over EnvironmentSandboxService.Exec."""
+
+    def __init__(self, channel: Any) -> None:
+        from looprl.environment.v1 import environment_pb2_grpc
+
+        self.stub = environment_pb2_grpc.EnvironmentSandboxServiceStub(channel)
+
+    async def __call__(self, code: str, timeout_s: float = 0.0, stdin: str = "") -> Any:
+        from looprl.environment.v1 import environment_pb2
+
+        request = environment_pb2.ExecRequest(
+            language="python", code=code, stdin=stdin, timeout_seconds=timeout_s
+        )
+        return await self.stub.Exec(request, timeout=timeout_s + 30)
