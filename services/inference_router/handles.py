@@ -29,11 +29,14 @@ _CALLER_FAULT = {
 class ReplicaFailure(Exception):
     """The replica could not serve (dead, restarting, timed out, overloaded): try another one."""
 
-    def __init__(self, replica: str, why: str, *, crashed: bool = False) -> None:
+    def __init__(self, replica: str, why: str, *, crashed: bool = False, overloaded: bool = False) -> None:
         super().__init__(f"replica {replica}: {why}")
         self.replica = replica
         self.why = why
+        # The actor process died (Ray restarts it; it must resync before serving again).
         self.crashed = crashed
+        # The replica is healthy but its own queue is full: try another, keep it in routing.
+        self.overloaded = overloaded
 
 
 class ReplicaHandle(Protocol):
@@ -108,6 +111,8 @@ class RayReplicaHandle:
             cause = exc.cause if hasattr(exc, "cause") else None
             if isinstance(cause, errors.ServiceError) and cause.code in _CALLER_FAULT:
                 return cause
+            if isinstance(cause, errors.ResourceExhausted):
+                return ReplicaFailure(self.name, f"queue full: {cause.message}", overloaded=True)
             if isinstance(cause, ValueError):
                 return errors.InvalidArgument(str(cause))
             return ReplicaFailure(self.name, f"task failed: {type(cause).__name__ if cause else exc}")
@@ -168,4 +173,6 @@ class GrpcReplicaHandle:
         kind = _CALLER_FAULT.get(exc.code())
         if kind is not None:
             return kind(exc.details() or exc.code().name)
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ReplicaFailure(self.name, f"queue full: {exc.details()}", overloaded=True)
         return ReplicaFailure(self.name, f"{exc.code().name}: {exc.details()}")

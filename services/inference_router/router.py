@@ -286,6 +286,8 @@ class Router:
     # ---- health and versions ------------------------------------------------------------------
 
     def _replica_failed(self, replica: ReplicaState, exc: ReplicaFailure) -> None:
+        if exc.overloaded:
+            return  # busy, not broken: only this request moves on
         log.warning("replica failed, retrying elsewhere: %s", exc)
         replica.healthy = False
         replica.last_error = exc.why
@@ -329,6 +331,10 @@ class Router:
             replica.weight_version = version
             replica.healthy = bool(status.get("ready", True))
             replica.address = str(status.get("address", replica.address))
+            vocab = int(status.get("vocab_size", 0) or 0)
+            if vocab > 0:
+                # Learned once weights (and so the model config) arrived; used by validation.
+                self.deployments[replica.deployment].vocab_size = vocab
             if replica.resync_to_version is not None and version >= replica.resync_to_version:
                 log.info("replica %s is back at version %d", replica.name, version)
                 replica.resync_to_version = None
