@@ -266,9 +266,8 @@ class GrpcTransport(Transport):
 
 
 async def _call_error(call: grpc.aio.StreamUnaryCall, exc: BaseException) -> BaseException:
-    """A write that fails because the receiver answered early carries no status; fetch it."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc
+    """A write that fails because the receiver answered early carries no useful status (or a
+    generic INTERNAL one); the call's own status says why the receiver stopped."""
     try:
         await asyncio.wait_for(call, timeout=5)
     except grpc.aio.AioRpcError as e:
