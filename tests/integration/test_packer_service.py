@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import urllib.request
 import uuid
 
 import grpc
@@ -33,6 +35,7 @@ async def packer(nats_url):
     await service.start()
     await app.start()
     await service.mark_ready()
+    app.metrics_port = service.metrics_port
     channel = grpc.aio.insecure_channel(service.address)
     try:
         yield app, packer_pb2_grpc.RolloutPackerServiceStub(channel)
@@ -113,6 +116,10 @@ async def test_bad_rollouts_are_termed_with_reasons_and_the_stream_keeps_flowing
         # nothing is left for redelivery: terms and acks settled every message
         consumer = await bus.js.consumer_info(subjects.ROLLOUTS, f"packer-{run_id}")
         assert consumer.num_ack_pending == 0 and consumer.num_pending == 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{app.metrics_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        assert f'looprl_packer_dropped_rollouts_total{{reason="stale",run="{run_id}"}} 2.0' in text
+        assert f'looprl_packer_padding_fraction{{run="{run_id}"}}' in text
     finally:
         await bus.close()
 
@@ -149,3 +156,37 @@ async def test_bad_requests_name_the_field(packer) -> None:
     # still serving after all that
     stats = await stub.Stats(packer_pb2.StatsRequest(run_id=run_id))
     assert stats.packed_steps == 0
+
+
+async def test_crash_after_recording_the_ack_but_before_bus_acks_never_trains_twice(packer, nats_url) -> None:
+    """The window between 'step acked' in KV and the bus acks: the redelivered rollouts are dropped."""
+    app, stub = packer
+    run_id = f"svc-{uuid.uuid4().hex[:8]}"
+    settings = PackerSettings(prompts_per_step=2, group_size=2, world_size=1, max_tokens_per_microbatch=64)
+    first = await app.add_run(run_id, settings)
+    bus = await Bus.connect(nats_url, name="test-publisher")
+    try:
+        await _publish(bus, run_id, _group(run_id, "a") + _group(run_id, "b") + _group(run_id, "c"))
+        batch = await _fetch(stub, run_id, step=0, world=1)
+        trained = sorted(rid for mb in batch[0] for rid in mb.rollout_ids)
+        # what AckStep does first (durable record), then the process dies before acking on the bus
+        record = first.records[0]
+        record.acked = True
+        await first.store.save(record)
+        await app.remove_run(run_id)  # hands every held rollout back: all of them are redelivered
+
+        second = await app.add_run(run_id, settings)
+        for _ in range(100):
+            if second.dropped.get("already_trained", 0) == len(trained):
+                break
+            await asyncio.sleep(0.1)
+        assert second.dropped["already_trained"] == len(trained)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _fetch(stub, run_id, step=0, world=1)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # the untrained group goes on to the next step
+        await _publish(bus, run_id, _group(run_id, "d"))
+        nxt = await _fetch(stub, run_id, step=1, world=1)
+        assert not set(trained) & {rid for mb in nxt[0] for rid in mb.rollout_ids}
+    finally:
+        await bus.close()
