@@ -191,10 +191,6 @@ class EngineModel:
     def _logits(self, hidden: Tensor) -> Tensor:
         return F.linear(hidden, self.params["lm_head.weight"]).float()
 
-    def _repeat_kv(self, t: Tensor, dim: int) -> Tensor:
-        group = self.q_local // self.kv_local
-        return t.repeat_interleave(group, dim=dim) if group > 1 else t
-
     # --- public API -------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -248,12 +244,11 @@ class EngineModel:
                 ck, cv = cache.k[layer, slot], cache.v[layer, slot]  # [kv, max_len, d]
                 ck[:, start : start + n] = k[off : off + n].transpose(0, 1)
                 cv[:, start : start + n] = v[off : off + n].transpose(0, 1)
-                keys = self._repeat_kv(ck[:, : start + n], 0)
-                values = self._repeat_kv(cv[:, : start + n], 0)
+                keys, values = ck[:, : start + n], cv[:, : start + n]
                 qpos = torch.arange(start, start + n, device=q.device)
                 mask = torch.arange(start + n, device=q.device)[None, :] <= qpos[:, None]
                 o = F.scaled_dot_product_attention(
-                    q[off : off + n].transpose(0, 1), keys, values, attn_mask=mask
+                    q[off : off + n].transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True
                 )
                 out[off : off + n] = o.transpose(0, 1)
             return out
@@ -298,9 +293,11 @@ class EngineModel:
             ck, cv = cache.k[layer], cache.v[layer]
             ck[dev_slots, :, dev_pos] = k
             cv[dev_slots, :, dev_pos] = v
-            keys = self._repeat_kv(ck[dev_slots, :, :span], 1)  # [B, heads, span, d]
-            values = self._repeat_kv(cv[dev_slots, :, :span], 1)
-            out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask)
+            keys, values = ck[dev_slots, :, :span], cv[dev_slots, :, :span]  # [B, kv_heads, span, d]
+            # enable_gqa: query head j reads kv head j // group without materialising repeated kv.
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True
+            )
             return out[:, :, 0, :]
 
         hidden = self._run_layers(token_ids, positions, attend)

@@ -206,3 +206,31 @@ def test_a_failing_rank_does_not_hang_the_group(reference):
         assert group.prefill(slot, ids_of(4, 0)).shape == (CFG.vocab_size,)
     finally:
         group.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_and_packed_model_agree_on_gpu(reference):
+    model = Qwen2ForCausalLM(CFG, seed=None).cuda().eval()
+    model.load_hf_state_dict({k: v.cuda() for k, v in reference.state_dict().items()})
+    seqs = [ids_of(n, n).cuda() for n in (7, 3, 12)]
+    ids = torch.cat(seqs)
+    pos = torch.cat([torch.arange(len(s), device="cuda") for s in seqs])
+    cu = torch.tensor([0, 7, 10, 22], device="cuda")
+    with torch.no_grad():
+        packed = model(ids, pos, cu)
+    lp = token_logprobs(packed, ids, cu)
+    assert lp.device.type == "cuda"
+    group = LocalTPGroup(CFG, Layout(2, "fused"), max_slots=4, max_len=32, device="cuda")
+    try:
+        group.load_full_state_dict(reference.state_dict())
+        slots = [group.allocate() for _ in seqs]
+        for slot, s, start in zip(slots, seqs, (0, 7, 10), strict=True):
+            logits = group.prefill(slot, s[:-1], all_logits=True)
+            torch.testing.assert_close(logits, packed[start : start + len(s) - 1], atol=1e-4, rtol=1e-4)
+        last = torch.stack([s[-1] for s in seqs])
+        positions = torch.tensor([len(s) - 1 for s in seqs])
+        out = group.decode(torch.tensor(slots), last, positions)
+        torch.testing.assert_close(out, packed[cu[1:] - 1], atol=1e-4, rtol=1e-4)
+    finally:
+        group.close()
