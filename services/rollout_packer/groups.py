@@ -80,9 +80,10 @@ class GroupCollector:
         """Mark a group as closed from outside (it belongs to a step already planned or trained)."""
         self._closed_groups.add(group_id)
 
-    def forget(self, rollout_ids: list[str]) -> None:
-        """Allow these ids again (their messages were handed back for redelivery)."""
+    def forget(self, rollout_ids: list[str], group_ids: list[str] = ()) -> None:
+        """Stop remembering these ids (bounded memory: the caller dedups older ones itself)."""
         self._seen_ids.difference_update(rollout_ids)
+        self._closed_groups.difference_update(group_ids)
 
     def expire(self) -> tuple[list[Group], list[Rejected]]:
         """Close groups past the straggler timeout: partial groups that are big enough become ready."""

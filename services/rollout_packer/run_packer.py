@@ -356,8 +356,12 @@ class RunPacker:
         self.acked_total += acked
         metrics.ACKED.labels(self.run_id).inc(acked)
         for old in await self.store.prune(self.records):
-            for rid in self.records.pop(old).rollout_ids:
+            # Beyond the kept window a rollout cannot be redelivered (it was acked), so its ids can go.
+            forgotten = self.records.pop(old)
+            for rid in forgotten.rollout_ids:
                 self.trained.pop(rid, None)
+            self.plan_groups.difference_update(forgotten.groups)
+            self.collector.forget(forgotten.rollout_ids, list(forgotten.groups))
         self._update_gauges()
         return acked
 

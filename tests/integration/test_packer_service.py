@@ -190,3 +190,24 @@ async def test_crash_after_recording_the_ack_but_before_bus_acks_never_trains_tw
         assert not set(trained) & {rid for mb in nxt[0] for rid in mb.rollout_ids}
     finally:
         await bus.close()
+
+
+async def test_step_records_survive_in_kv_and_old_acked_ones_are_pruned(nats_url) -> None:
+    from services.rollout_packer.state import StepRecord, StepStore
+
+    bus = await Bus.connect(nats_url, name="test-store")
+    try:
+        await bus.ensure_streams(buckets=(*subjects.BUCKETS, subjects.BucketSpec("packer")))
+        run_id = f"st-{uuid.uuid4().hex[:8]}"
+        store = StepStore(await bus.kv("packer"), run_id, keep_acked=1)
+        for step in range(3):
+            await store.save(StepRecord(step, step, 2, {"g": [f"r{step}a", f"r{step}b"]}, acked=step < 2))
+        other = StepStore(await bus.kv("packer"), f"{run_id}x", keep_acked=1)
+        await other.save(StepRecord(0, 0, 1, {"h": ["x"]}))
+        records = await store.load()
+        assert sorted(records) == [0, 1, 2] and records[2].rollout_ids == ["r2a", "r2b"]
+        assert await store.prune(records) == [0]
+        reloaded = await StepStore(await bus.kv("packer"), run_id).load()
+        assert sorted(reloaded) == [1, 2] and reloaded[1].acked and not reloaded[2].acked
+    finally:
+        await bus.close()
