@@ -1,0 +1,443 @@
+"""One inference replica: an engine (CPU, TP group, or vLLM) inside a Ray actor, plus its own gRPC server.
+
+`InferenceReplica` (a Ray async actor: `InferenceReplica.options(...).remote(spec=..., replica=...)`)
+wraps ONE engine for one replica of a deployment. The router calls it through Ray with serialized
+protos (`generate`, `generate_stream`, `status`, ...); the same replica ALSO serves
+InferenceEngineService on 127.0.0.1:<free port> (Generate, Status, Pause, Resume, StageWeights,
+CommitWeights, AbortWeights) so weight-sync can deliver weights to it and benchmarks can call it
+directly.
+
+Weights: a replica built without a model path has no model and is NOT ready. The first bucket of
+the first version carries the HF config.json (model_config_json); the replica builds its engine
+from it, stages every bucket (its own rank's slices locally, rank r's slices to TP worker r) in a
+`WeightStager` beside the serving version (checksums verified), and CommitWeights swaps the new
+version in atomically between two decode steps. A replica with a model path loads version 0
+from it at start.
+
+`ReplicaCore` is the plain class (usable in-process); ray is imported lazily (module __getattr__)
+so importing this module never initialises Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.inference_router.engine.base import Engine, EngineRequest, SamplingParams
+from services.inference_router.engine.scheduler import SchedulerLimits
+from services.kit import errors
+from services.kit.interceptors import ServerInterceptor
+from services.kit.weight_transfer.stager import WeightStager
+from services.modeling.config import ModelConfig
+from services.modeling.layouts import Layout, rank_params
+
+log = logging.getLogger("looprl.inference_router.replica")
+
+
+@dataclass
+class ReplicaSettings:
+    """What a replica needs from its deployment spec (services.kit.recipe.DeploymentSpec as a dict)."""
+
+    deployment: str = "default"
+    backend: str = "cpu"
+    model_path: str = ""
+    tensor_parallel: int = 1
+    naming: str = ""  # "" -> "hf" at tp=1, "fused" at tp>1 (vLLM's layout)
+    dtype: str = "float32"
+    max_model_len: int = 512
+    max_batch_size: int = 32
+    max_queued_requests: int = 256
+    host: str = "127.0.0.1"
+    num_threads: int = 0  # 0 leaves torch's default (Ray sets OMP_NUM_THREADS from num_cpus)
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> ReplicaSettings:
+        tp = int(spec.get("tensor_parallel", 1))
+        naming = str(spec.get("layout") or spec.get("naming") or ("fused" if tp > 1 else "hf"))
+        return cls(
+            deployment=str(spec.get("name", spec.get("deployment", "default"))),
+            backend=str(spec.get("backend", "cpu")),
+            model_path=str(spec.get("model_path", "")),
+            tensor_parallel=tp,
+            naming=naming,
+            dtype=str(spec.get("dtype", "float32")),
+            max_model_len=int(spec.get("max_model_len", 512)),
+            max_batch_size=int(spec.get("max_batch_size", 32)),
+            max_queued_requests=int(spec.get("max_queued_requests", 256)),
+            host=str(spec.get("host", "127.0.0.1")),
+            num_threads=int(spec.get("num_threads", 0)),
+            stop_token_ids=tuple(int(t) for t in spec.get("stop_token_ids", ())),
+        )
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(tp_size=self.tensor_parallel, naming=self.naming, dtype=self.dtype)
+
+
+def engine_request(req: inference_pb2.GenerateRequest) -> EngineRequest:
+    return EngineRequest(
+        prompt_token_ids=list(req.prompt_token_ids),
+        sampling=SamplingParams.from_proto(req.sampling),
+        session_id=req.session_id,
+        request_id=req.request_id,
+    )
+
+
+class ReplicaCore:
+    """The replica's logic; `InferenceReplica` is this class as a Ray actor."""
+
+    def __init__(self, spec: Mapping[str, Any] | None = None, replica: str = "") -> None:
+        self.settings = ReplicaSettings.from_spec(spec or {})
+        self.name = replica or f"{self.settings.deployment}-r0"
+        if self.settings.num_threads > 0:
+            torch.set_num_threads(self.settings.num_threads)
+        self.config: ModelConfig | None = None
+        self.engine: Engine | None = None
+        self._stager: WeightStager | None = None  # rank 0's (tp=1: the only one)
+        self._server: grpc.aio.Server | None = None
+        self._address = ""
+        self._start_lock: asyncio.Lock | None = None
+        self._build_lock: asyncio.Lock | None = None
+        self._paused = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> str:
+        """Start the gRPC server (and load the model path, if any); idempotent. Returns the address."""
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._server is None:
+                await self._serve()
+                if self.settings.model_path:
+                    await self._load_model_path(self.settings.model_path)
+        return self._address
+
+    async def _serve(self) -> None:
+        server = grpc.aio.server(
+            interceptors=[ServerInterceptor(f"replica/{self.name}", lambda: None)],
+            options=[
+                ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                ("grpc.max_send_message_length", 256 * 1024 * 1024),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        inference_pb2_grpc.add_InferenceEngineServiceServicer_to_server(_EngineServicer(self), server)
+        port = server.add_insecure_port(f"{self.settings.host}:0")
+        await server.start()
+        self._server = server
+        self._address = f"{self.settings.host}:{port}"
+        log.info("replica %s serving InferenceEngineService on %s", self.name, self._address)
+
+    async def _load_model_path(self, path: str) -> None:
+        from pathlib import Path
+
+        from services.modeling.qwen2 import CONFIG_FILE, load_safetensors_dir
+
+        config = ModelConfig.from_hf_dict(json.loads((Path(path) / CONFIG_FILE).read_text()))
+        state = await asyncio.to_thread(load_safetensors_dir, Path(path))
+        await self.load_state_dict(0, state, config=config)
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+            self._server = None
+
+    async def _ensure_engine(self, config: ModelConfig) -> Engine:
+        if self._build_lock is None:
+            self._build_lock = asyncio.Lock()
+        async with self._build_lock:
+            if self.engine is not None:
+                if config.to_dict() != self.config.to_dict():  # type: ignore[union-attr]
+                    raise errors.InvalidArgument(
+                        "model_config_json: differs from the model this replica serves"
+                    )
+                return self.engine
+            s = self.settings
+            layout = s.layout
+            try:
+                layout.check(config)
+            except ValueError as exc:
+                raise errors.InvalidArgument(f"model_config_json: {exc}") from None
+            limits = SchedulerLimits(
+                max_waiting_requests=s.max_queued_requests, default_stop_token_ids=s.stop_token_ids
+            )
+            if s.backend == "vllm":
+                from services.inference_router.engine.vllm_engine import VLLMEngine
+
+                engine = await VLLMEngine.create(config, s.model_path, s)
+            elif s.tensor_parallel > 1:
+                from services.inference_router.engine.tp import TPEngine
+
+                engine = await TPEngine.create(
+                    config,
+                    layout,
+                    max_batch_size=s.max_batch_size,
+                    max_model_len=s.max_model_len,
+                    limits=limits,
+                )
+                self._stager = engine.rank0.stager
+            else:
+                from services.inference_router.engine.cpu import CPUEngine
+
+                engine = CPUEngine.create(
+                    config,
+                    None,
+                    layout=layout,
+                    max_batch_size=s.max_batch_size,
+                    max_model_len=s.max_model_len,
+                    limits=limits,
+                )
+                self._stager = WeightStager(rank_params(config, layout, 0))
+            self.config, self.engine = config, engine
+            if self._paused:
+                engine.pause()
+            return engine
+
+    # ------------------------------------------------------------------ weights
+    async def load_state_dict(
+        self, version: int, state_dict: Mapping[str, torch.Tensor], config: ModelConfig | dict | None = None
+    ) -> int:
+        """Install a full HF state dict (or this tp=1 replica's shard) as `version` (tests, model paths)."""
+        if isinstance(config, dict):
+            config = ModelConfig.from_dict(config)
+        config = config or self.config
+        if config is None:
+            raise errors.FailedPrecondition("config: this replica has no model yet; pass its config")
+        engine = await self._ensure_engine(config)
+        try:
+            await engine.load_weights(version, state_dict)
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"weights: {exc}") from None
+        if self._stager is not None:
+            self._stager.serving_version = max(self._stager.serving_version, version)
+        return engine.status().weight_version
+
+    async def stage_weights(self, msg: inference_pb2.StageWeightsRequest | bytes) -> dict[str, Any]:
+        """Stage one bucket (rank 0's locally, rank r's on TP worker r)."""
+        if isinstance(msg, bytes):
+            msg = inference_pb2.StageWeightsRequest.FromString(msg)
+        if self.engine is None:
+            if not msg.model_config_json:
+                raise errors.FailedPrecondition(
+                    "model_config_json: this replica has no model yet; the first bucket must carry config.json"
+                )
+            try:
+                config = ModelConfig.from_hf_dict(json.loads(msg.model_config_json))
+            except ValueError as exc:
+                raise errors.InvalidArgument(f"model_config_json: {exc}") from None
+            await self._ensure_engine(config)
+        if not 0 <= msg.rank < self.settings.tensor_parallel:
+            raise errors.InvalidArgument(f"rank: {msg.rank} outside [0, {self.settings.tensor_parallel})")
+        engine = self.engine
+        if msg.rank == 0:
+            assert self._stager is not None
+            self._stager.serving_version = max(self._stager.serving_version, engine.status().weight_version)
+            p = await asyncio.to_thread(self._stager.stage, msg)
+            out = {"version": p.version, "bytes_received": p.bytes_received, "complete": p.complete}
+        else:
+            out = await engine.stage(msg.rank, msg.SerializeToString())  # type: ignore[attr-defined]
+        out["serving_version"] = engine.status().weight_version
+        return out
+
+    async def commit_weights(self, version: int) -> int:
+        engine = self.engine
+        if engine is None:
+            raise errors.FailedPrecondition(
+                f"version: nothing staged, this replica has no model (asked {version})"
+            )
+        if engine.status().weight_version == version:
+            return version  # a retried commit
+        if self.settings.tensor_parallel > 1:
+            await engine.commit(version)  # type: ignore[attr-defined]
+        else:
+            assert self._stager is not None
+            state = self._stager.commit(version)
+            await engine.load_weights(version, state)
+        log.info("replica %s now serves weight version %d", self.name, version)
+        return engine.status().weight_version
+
+    async def abort_weights(self, version: int) -> None:
+        if self._stager is not None:
+            self._stager.abort(version)
+        if self.engine is not None and self.settings.tensor_parallel > 1:
+            await self.engine.abort_staged(version)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ generation
+    def _serving_engine(self) -> Engine:
+        if self.engine is None or not self.engine.status().ready:
+            raise errors.Unavailable(f"replica {self.name} has no weights yet")
+        return self.engine
+
+    async def generate_proto(self, req: inference_pb2.GenerateRequest) -> inference_pb2.GenerateResponse:
+        engine = self._serving_engine()
+        [result] = await engine.generate([engine_request(req)])
+        return inference_pb2.GenerateResponse(
+            completions=[
+                inference_pb2.Completion(
+                    token_ids=c.token_ids,
+                    logprobs=c.logprobs,
+                    finish_reason=c.finish_reason,
+                    weight_version=c.weight_version,
+                )
+                for c in result.completions
+            ],
+            deployment=self.settings.deployment,
+            replica=self.name,
+            prompt_tokens=result.prompt_tokens,
+        )
+
+    async def stream_proto(
+        self, req: inference_pb2.GenerateRequest
+    ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
+        engine = self._serving_engine()
+        async for chunk in engine.generate_stream(engine_request(req)):
+            yield inference_pb2.GenerateStreamResponse(
+                index=chunk.index,
+                token_ids=chunk.token_ids,
+                logprobs=chunk.logprobs,
+                weight_version=chunk.weight_version,
+                finish_reason=chunk.finish_reason,
+                deployment=self.settings.deployment,
+                replica=self.name,
+            )
+
+    # ------------------------------------------------------------------ the router's Ray surface
+    async def generate(self, request_bytes: bytes) -> bytes:
+        await self.start()
+        req = inference_pb2.GenerateRequest.FromString(request_bytes)
+        return (await self.generate_proto(req)).SerializeToString()
+
+    async def generate_stream(self, request_bytes: bytes) -> AsyncIterator[bytes]:
+        """Async generator: call with `.options(num_returns="streaming")`; yields GenerateStreamResponse bytes."""
+        await self.start()
+        req = inference_pb2.GenerateRequest.FromString(request_bytes)
+        async for chunk in self.stream_proto(req):
+            yield chunk.SerializeToString()
+
+    async def address(self) -> str:
+        return await self.start()
+
+    async def ready(self) -> bool:
+        await self.start()
+        return self.engine is not None and self.engine.status().ready
+
+    async def status(self) -> dict[str, Any]:
+        await self.start()
+        s = self.settings
+        out: dict[str, Any] = {
+            "replica": self.name,
+            "deployment": s.deployment,
+            "address": self._address,
+            # Every TP rank receives through this one server; StageWeightsRequest.rank picks the rank.
+            "rank_addresses": [self._address] * s.tensor_parallel,
+            "backend": s.backend,
+            "tensor_parallel": s.tensor_parallel,
+            "layout": s.naming,
+            "dtype": s.dtype,
+            "max_model_len": s.max_model_len,
+            "vocab_size": self.config.vocab_size if self.config else 0,
+            "ready": False,
+            "paused": self._paused,
+            "weight_version": -1,
+            "staged_version": -1,
+            "outstanding_requests": 0,
+            "outstanding_tokens": 0,
+            "queued_requests": 0,
+            "cache_usage": 0.0,
+        }
+        if self.engine is not None:
+            st = self.engine.status()
+            out.update(
+                ready=st.ready,
+                weight_version=st.weight_version,
+                outstanding_requests=st.queued_requests + st.running_sequences,
+                outstanding_tokens=st.tokens_in_flight,
+                queued_requests=st.queued_requests,
+                cache_usage=st.cache_usage,
+                max_model_len=st.max_model_len,
+                **{k: v for k, v in st.extra.items() if isinstance(v, int | float | str)},
+            )
+        if self._stager is not None and self._stager.staged_version is not None:
+            out["staged_version"] = self._stager.staged_version
+        return out
+
+    async def pause(self) -> None:
+        self._paused = True
+        if self.engine is not None:
+            self.engine.pause()
+
+    async def resume(self) -> None:
+        self._paused = False
+        if self.engine is not None:
+            self.engine.resume()
+
+
+class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
+    """InferenceEngineService over a ReplicaCore (errors.ServiceError -> status via the kit interceptor)."""
+
+    def __init__(self, core: ReplicaCore) -> None:
+        self.core = core
+
+    async def Generate(self, request, context):
+        return await self.core.generate_proto(request)
+
+    async def Status(self, request, context):
+        st = await self.core.status()
+        return inference_pb2.StatusResponse(
+            weight_version=st["weight_version"],
+            queued_requests=st["queued_requests"],
+            tokens_in_flight=st["outstanding_tokens"],
+            cache_usage=st["cache_usage"],
+            paused=st["paused"],
+            staged_version=st["staged_version"],
+        )
+
+    async def Pause(self, request, context):
+        await self.core.pause()
+        return inference_pb2.PauseResponse()
+
+    async def Resume(self, request, context):
+        await self.core.resume()
+        return inference_pb2.ResumeResponse()
+
+    async def StageWeights(self, request_iterator, context):
+        last: dict[str, Any] | None = None
+        async for msg in request_iterator:
+            last = await self.core.stage_weights(msg)
+        if last is None:
+            raise errors.InvalidArgument("StageWeights: the stream carried no bucket")
+        return inference_pb2.StageWeightsResponse(**last)
+
+    async def CommitWeights(self, request, context):
+        version = await self.core.commit_weights(int(request.version))
+        return inference_pb2.CommitWeightsResponse(weight_version=version)
+
+    async def AbortWeights(self, request, context):
+        await self.core.abort_weights(int(request.version))
+        return inference_pb2.AbortWeightsResponse()
+
+
+_actor_class: Any = None
+
+
+def __getattr__(name: str) -> Any:
+    """`InferenceReplica`: ReplicaCore as a Ray actor class, created on first use (lazy ray import)."""
+    global _actor_class
+    if name == "InferenceReplica":
+        if _actor_class is None:
+            import ray
+
+            _actor_class = ray.remote(max_concurrency=1000)(ReplicaCore)
+        return _actor_class
+    raise AttributeError(name)
