@@ -112,8 +112,8 @@ class RankGroup:
     def push_weights(self, address: str, version: int) -> list[dict[str, Any]]:
         return self.call("push_weights", address, version)
 
-    def save_checkpoint(self, root: str, extra: dict[str, Any] | None = None) -> str:
-        return self.call("save_checkpoint", root, extra or {})[0]
+    def save_checkpoint(self, root: str, extra: dict[str, Any] | None = None, keep: int = 3) -> str:
+        return self.call("save_checkpoint", root, extra or {}, keep)[0]
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         return self.call("load_checkpoint", path)[0]

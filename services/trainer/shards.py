@@ -79,12 +79,15 @@ def push_requests(
     run_id: str = "",
     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     dtype: torch.dtype | None = None,
+    model_config_json: str = "",
 ) -> Iterator[weightsync_pb2.PushShardsRequest]:
     """This rank's stream for one version: chunks batched into messages of <= max_bytes of data,
-    the last message flagged ``last=True`` (sent even when the rank holds nothing)."""
+    the last message flagged ``last=True`` (sent even when the rank holds nothing). The first
+    message carries the HF config.json, which weight-sync needs to map names to target layouts."""
+    first = [True]
 
     def message(chunks: list[weightsync_pb2.ShardChunk], last: bool) -> weightsync_pb2.PushShardsRequest:
-        return weightsync_pb2.PushShardsRequest(
+        request = weightsync_pb2.PushShardsRequest(
             version=version,
             trainer_rank=rank,
             trainer_world_size=world_size,
@@ -92,6 +95,10 @@ def push_requests(
             last=last,
             run_id=run_id,
         )
+        if first[0]:
+            request.model_config_json = model_config_json
+            first[0] = False
+        return request
 
     pending: list[weightsync_pb2.ShardChunk] = []
     pending_bytes = 0

@@ -65,7 +65,7 @@ def spec_from_recipe(recipe: Any, run_id: str) -> TrainerSpec:
         tis_cap=algo.tis_cap,
         kl_coef=algo.kl_coef,
         aggregation=_AGGREGATION_ALIASES.get(algo.loss_aggregation, algo.loss_aggregation),
-        max_tokens=recipe.sampling.max_tokens * max(recipe.environment.max_turns, 1),
+        max_tokens=recipe.sampling.max_tokens * max(int(getattr(recipe.environment, "max_turns", 1)), 1),
     )
     loss.validate()
     return TrainerSpec(

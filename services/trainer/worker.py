@@ -357,6 +357,11 @@ class TrainerWorker:
 
     # ---- weights out -----------------------------------------------------------------------------
 
+    def _config_json(self) -> str:
+        import json
+
+        return json.dumps(self.model.config.to_hf_dict())
+
     def _push_dtype(self) -> torch.dtype | None:
         from services.kit.codec import torch_dtype
 
@@ -374,6 +379,7 @@ class TrainerWorker:
                 self.spec.run_id,
                 max_bytes or self.spec.push_max_bytes,
                 self._push_dtype(),
+                self._config_json(),
             )
         ]
 
@@ -392,8 +398,22 @@ class TrainerWorker:
                 self.spec.run_id,
                 max_bytes,
                 self._push_dtype(),
+                self._config_json(),
             )
-            response = stub.PushShards(requests, timeout=timeout_s)
+            try:
+                response = stub.PushShards(requests, timeout=timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # e.g. after a resume, weight-sync already holds this version from before the crash.
+                    return {
+                        "rank": self.rank,
+                        "version": version,
+                        "bytes": 0,
+                        "complete": False,
+                        "skipped": exc.details(),
+                        "seconds": time.perf_counter() - start,
+                    }
+                raise
         return {
             "rank": self.rank,
             "version": response.version,
@@ -404,10 +424,10 @@ class TrainerWorker:
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str, extra: dict[str, Any] | None = None) -> str:
+    def save_checkpoint(self, directory: str, extra: dict[str, Any] | None = None, keep: int = 3) -> str:
         from services.trainer.checkpoint import save
 
-        return save(self, directory, extra or {})
+        return save(self, directory, extra or {}, keep=keep)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         from services.trainer.checkpoint import load

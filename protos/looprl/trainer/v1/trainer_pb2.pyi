@@ -9,7 +9,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "step", "weight_version", "world_size", "last_loss", "last_checkpoint", "state")
+    __slots__ = ("run_id", "step", "weight_version", "world_size", "last_loss", "last_checkpoint", "state", "error")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class StatusResponse(_message.Message):
     LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     weight_version: int
@@ -24,7 +25,8 @@ class StatusResponse(_message.Message):
     last_loss: float
     last_checkpoint: str
     state: str
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., world_size: _Optional[int] = ..., last_loss: _Optional[float] = ..., last_checkpoint: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+    error: str
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., world_size: _Optional[int] = ..., last_loss: _Optional[float] = ..., last_checkpoint: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("export_hf",)

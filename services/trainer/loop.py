@@ -1,0 +1,210 @@
+"""The training loop of one run, driven from the trainer service's event loop.
+
+Per step s: every rank pulls its micro-batches of step s from the packer and trains; every rank
+pushes its shards of version s+1 to weight-sync; a TrainStepRecord goes on ``looprl.<run>.train``.
+Steps are acknowledged to the packer (AckStep) once a checkpoint covers them (ack_policy
+"checkpoint"), so after a crash the packer re-serves exactly the steps the restored checkpoint lacks;
+that is what makes resume exact. All rank-group calls are serialized by one lock: collectives need
+every rank to see the calls in the same order, and a Checkpoint RPC must fall between two steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from looprl.events.v1 import events_pb2
+from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
+from services.kit import subjects
+from services.trainer.batch import BatchRejected
+from services.trainer.checkpoint import latest_checkpoint
+from services.trainer.config import TrainerConfig
+from services.trainer.ranks import RankGroup
+from services.trainer.spec import TrainerSpec, spec_from_recipe
+from services.trainer.worker import StepAborted
+
+log = logging.getLogger("looprl.trainer.loop")
+
+
+class RunTrainer:
+    def __init__(self, run_id: str, recipe: Any, cfg: TrainerConfig, bus: Any = None) -> None:
+        self.run_id = subjects.validate_run_id(run_id)
+        self.recipe = recipe
+        self.cfg = cfg
+        self.bus = bus
+        self.spec: TrainerSpec = spec_from_recipe(recipe, run_id)
+        self.total_steps = recipe.run.steps
+        self.world_size = recipe.trainer.world_size
+        self.checkpoint_every = (
+            cfg.checkpoint_every if cfg.checkpoint_every >= 0 else recipe.trainer.checkpoint_every
+        )
+        root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else Path(cfg.state_dir) / "trainer"
+        self.checkpoint_root = root / run_id
+        self.group = RankGroup(
+            self.world_size,
+            num_cpus_per_rank=cfg.num_cpus_per_rank,
+            num_gpus_per_rank=cfg.num_gpus_per_rank,
+            strategy=cfg.placement_strategy,
+            threads_per_rank=cfg.threads_per_rank,
+        )
+        self.state = "idle"
+        self.step = 0
+        self.last_loss = 0.0
+        self.last_checkpoint = ""
+        self.error = ""
+        self.unacked: list[int] = []
+        self._lock = asyncio.Lock()
+        self._stop = asyncio.Event()
+        self._started = False
+
+    # ---- rank calls, serialized ------------------------------------------------------------------
+
+    async def _ranks(self, fn, *args: Any) -> Any:
+        async with self._lock:
+            return await asyncio.to_thread(fn, *args)
+
+    # ---- loop ------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            await self._prepare()
+            while self.step < self.total_steps and not self._stop.is_set():
+                if not await self._train_one():
+                    continue
+                if self.checkpoint_every > 0 and self.step % self.checkpoint_every == 0:
+                    await self.checkpoint()
+            finished = self.step >= self.total_steps
+            await self.checkpoint(export_hf=finished and self.cfg.export_hf_at_end)
+            self.state = "completed" if finished else "stopped"
+        except Exception as exc:
+            self.state, self.error = "failed", str(exc)
+            log.exception("run %s: training failed at step %d", self.run_id, self.step)
+        finally:
+            await self._ranks(self.group.shutdown)
+
+    async def _prepare(self) -> None:
+        self.state = "starting"
+        info = await self._ranks(self.group.start, self.spec)
+        self._started = True
+        log.info("run %s: %d ranks up, %d parameters", self.run_id, self.world_size, info[0]["parameters"])
+        latest = latest_checkpoint(self.checkpoint_root)
+        if latest is not None:
+            restored = await self._ranks(self.group.load_checkpoint, str(latest))
+            self.step = int(restored["step"])
+            self.last_checkpoint = str(latest)
+            log.info("run %s: resumed from %s at step %d", self.run_id, latest, self.step)
+        await self._push(self.step)
+        self.state = "training"
+
+    async def _train_one(self) -> bool:
+        step = self.step
+        try:
+            metrics = await self._ranks(
+                self.group.pull_and_train,
+                self.cfg.packer_address,
+                self.run_id,
+                step,
+                self.cfg.next_batch_timeout_s,
+            )
+        except StepAborted as exc:
+            log.info("run %s: step %d not ready (%s); retrying", self.run_id, step, exc)
+            await asyncio.sleep(0.2)
+            return False
+        except BatchRejected as exc:
+            raise RuntimeError(f"the packer served an invalid batch for step {step}: {exc}") from exc
+        self.step = step + 1
+        self.last_loss = metrics["loss"]
+        self.unacked.append(step)
+        await self._push(self.step)
+        if self.cfg.ack_policy == "step" or self.checkpoint_every <= 0:
+            await self._ack_pending()
+        await self._publish(metrics)
+        log.info(
+            "run %s: step %d loss %.4f grad_norm %.3f tokens/s %.0f",
+            self.run_id,
+            step,
+            metrics["loss"],
+            metrics["grad_norm"],
+            metrics["tokens_per_second"],
+        )
+        return True
+
+    async def _push(self, version: int) -> None:
+        if not self.cfg.weight_sync_address:
+            return
+        results = await self._ranks(self.group.push_weights, self.cfg.weight_sync_address, version)
+        skipped = [r["skipped"] for r in results if r.get("skipped")]
+        if skipped:
+            log.warning("run %s: weight-sync refused version %d: %s", self.run_id, version, skipped[0])
+
+    async def _ack_pending(self) -> None:
+        if not self.unacked:
+            return
+        async with grpc.aio.insecure_channel(self.cfg.packer_address) as channel:
+            stub = packer_pb2_grpc.RolloutPackerServiceStub(channel)
+            while self.unacked:
+                step = self.unacked[0]
+                try:
+                    await stub.AckStep(
+                        packer_pb2.AckStepRequest(run_id=self.run_id, step=step, trainer_version=step + 1),
+                        timeout=30,
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # already acked is fine
+                        log.warning("run %s: AckStep(%d) failed: %s", self.run_id, step, exc.details())
+                        return
+                self.unacked.pop(0)
+
+    async def _publish(self, m: dict[str, Any]) -> None:
+        if self.bus is None:
+            return
+        record = events_pb2.TrainStepRecord(
+            run_id=self.run_id,
+            step=m["step"],
+            version=m["version"],
+            loss=m["loss"],
+            clip_fraction=m["clip_fraction"],
+            kl=m["kl"],
+            entropy=m["entropy"],
+            grad_norm=m["grad_norm"],
+            tokens_per_second=m["tokens_per_second"],
+            mean_staleness=m["staleness"],
+            max_staleness=m["max_staleness"],
+            num_rollouts=int(m["sequences"]),
+            num_tokens=int(m["num_tokens"]),
+            step_seconds=m["step_seconds"],
+            rollout_ids=m["rollout_ids"],
+        )
+        try:
+            await self.bus.publish(
+                subjects.train(self.run_id), record, msg_id=f"{self.run_id}-train-{m['step']}"
+            )
+        except Exception as exc:  # progress events must not stop training
+            log.warning("run %s: could not publish step %d: %s", self.run_id, m["step"], exc)
+
+    # ---- control ---------------------------------------------------------------------------------
+
+    async def checkpoint(self, export_hf: bool = False) -> tuple[str, int, str]:
+        """Checkpoint now (between steps), then acknowledge the steps it covers."""
+        if not self._started:
+            raise RuntimeError("the rank group is not running")
+        start = time.perf_counter()
+        path = await self._ranks(
+            self.group.save_checkpoint, str(self.checkpoint_root), {"run_id": self.run_id}
+        )
+        self.last_checkpoint = path
+        await self._ack_pending()
+        hf_path = ""
+        if export_hf:
+            hf_path = str(self.checkpoint_root / "hf" / f"step_{self.step:08d}")
+            await self._ranks(self.group.export_hf, hf_path)
+        log.info("run %s: checkpoint %s in %.1fs", self.run_id, path, time.perf_counter() - start)
+        return path, self.step, hf_path
+
+    def request_stop(self) -> None:
+        self._stop.set()

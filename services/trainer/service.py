@@ -1,0 +1,150 @@
+"""The trainer process: TrainerService (Status, Checkpoint, GetConfig) and the run it trains.
+
+The trainer owns one policy, so it trains one run at a time: the run named by `run_ids` + `recipe`,
+or the first active run in the KV bucket "runs" (the gateway's records). SIGTERM stops the loop
+after the current step and writes a final checkpoint before the ranks go away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import grpc
+
+from looprl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from services.kit import subjects
+from services.kit.errors import FailedPrecondition
+from services.kit.recipe import RunRecord, load_recipe
+from services.trainer.config import TrainerConfig
+from services.trainer.loop import RunTrainer
+
+log = logging.getLogger("looprl.trainer")
+
+ACTIVE_STATES = {"pending", "running"}
+
+
+class TrainerApp:
+    def __init__(self, cfg: TrainerConfig) -> None:
+        self.cfg = cfg
+        self.bus = None
+        self.run: RunTrainer | None = None
+        self._run_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        from services.kit.ray_utils import connect_ray
+
+        await asyncio.to_thread(connect_ray, self.cfg.ray_address, "looprl-trainer")
+        if self.cfg.nats_url:
+            from services.kit.bus import Bus
+
+            self.bus = await Bus.connect(self.cfg.nats_url, name="trainer")
+            await self.bus.ensure_streams()
+        if self.cfg.run_ids:
+            if not self.cfg.recipe:
+                raise ValueError("run_ids is set but recipe is empty: the trainer needs the run's recipe")
+            run_id = self.cfg.run_ids.split(",")[0].strip()
+            self.begin(run_id, load_recipe(Path(self.cfg.recipe)))
+        elif self.cfg.watch_runs and self.bus is not None:
+            kv = await self.bus.kv(subjects.RUNS)
+            watch = kv.watch(">")
+            await watch.start()
+            self._watch_task = asyncio.create_task(self._follow_runs(watch), name="trainer-runs-watch")
+
+    def begin(self, run_id: str, recipe) -> RunTrainer:
+        if self.run is not None and self.run.state not in ("completed", "stopped", "failed"):
+            raise FailedPrecondition(f"run_id: already training run {self.run.run_id!r}")
+        self.run = RunTrainer(run_id, recipe, self.cfg, self.bus)
+        self._run_task = asyncio.create_task(self.run.run(), name=f"trainer-{run_id}")
+        return self.run
+
+    async def _follow_runs(self, watch) -> None:
+        async for entry in watch:
+            try:
+                if entry.deleted:
+                    if self.run is not None and self.run.run_id == entry.key:
+                        self.run.request_stop()
+                    continue
+                record = RunRecord.from_json(entry.value)
+                current = self.run
+                if current is not None and current.run_id == record.run_id:
+                    if record.state not in ACTIVE_STATES:
+                        current.request_stop()
+                elif record.state in ACTIVE_STATES and (
+                    current is None or current.state in ("completed", "stopped", "failed")
+                ):
+                    self.begin(record.run_id, record.recipe())
+            except Exception as exc:  # one bad record must not stop the watch
+                log.warning("runs/%s: cannot train this run: %s", entry.key, exc)
+
+    async def wait(self) -> None:
+        if self._run_task is not None:
+            await self._run_task
+
+    async def stop(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watch_task
+        if self.run is not None:
+            self.run.request_stop()
+        if self._run_task is not None:
+            with contextlib.suppress(Exception):
+                await self._run_task
+        if self.bus is not None:
+            await self.bus.drain()
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(self, app: TrainerApp) -> None:
+        self.app = app
+
+    async def Status(self, request, context: grpc.aio.ServicerContext) -> trainer_pb2.StatusResponse:
+        run = self.app.run
+        if run is None:
+            return trainer_pb2.StatusResponse(state="idle")
+        return trainer_pb2.StatusResponse(
+            run_id=run.run_id,
+            step=run.step,
+            weight_version=run.step,
+            world_size=run.world_size,
+            last_loss=run.last_loss,
+            last_checkpoint=run.last_checkpoint,
+            state=run.state,
+            error=run.error,
+        )
+
+    async def Checkpoint(self, request, context: grpc.aio.ServicerContext) -> trainer_pb2.CheckpointResponse:
+        run = self.app.run
+        if run is None or run.state not in ("training", "starting"):
+            raise FailedPrecondition(f"no run is training (state {run.state if run else 'idle'!r})")
+        try:
+            path, step, hf_path = await run.checkpoint(export_hf=request.export_hf)
+        except RuntimeError as exc:
+            raise FailedPrecondition(str(exc)) from exc
+        return trainer_pb2.CheckpointResponse(path=path, step=step, hf_path=hf_path)
+
+    async def GetConfig(self, request, context: grpc.aio.ServicerContext) -> trainer_pb2.GetConfigResponse:
+        data = {"service": dataclasses.asdict(self.app.cfg)}
+        if self.app.run is not None:
+            data["run"] = {"run_id": self.app.run.run_id, "spec": self.app.run.spec.to_dict()}
+        return trainer_pb2.GetConfigResponse(config_json=json.dumps(data, default=str))
+
+
+async def serve(cfg: TrainerConfig) -> None:
+    from services.kit.server import Service
+
+    app = TrainerApp(cfg)
+    service = Service("trainer", cfg)
+    service.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(app))
+
+    async def setup(_: Service) -> None:
+        await app.start()
+
+    service.on_shutdown(app.stop)
+    await service.run(setup)

@@ -1,0 +1,186 @@
+"""The trainer service end to end against the real rollout-packer, a real nats-server and the
+session's Ray head: pulls packed steps, trains 2 ranks, publishes step records, checkpoints, acks,
+and a restarted trainer resumes from its last checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import grpc
+import pytest
+
+from looprl.common.v1 import common_pb2
+from looprl.events.v1 import events_pb2
+from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
+from looprl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from services.kit import subjects
+from services.kit.bus import Bus
+from services.kit.local import free_port
+from services.kit.recipe import parse_recipe
+from services.kit.server import Service
+from services.rollout_packer.config import PackerConfig
+from services.rollout_packer.service import PackerApp
+from services.rollout_packer.servicer import RolloutPackerServicer
+from services.trainer.checkpoint import list_checkpoints
+from services.trainer.config import TrainerConfig
+from services.trainer.service import TrainerApp, TrainerServicer
+
+pytestmark = pytest.mark.slow
+
+RECIPE = """
+[run]
+name = "trainer-svc"
+steps = {steps}
+max_staleness = 8
+[model]
+preset = "tiny-qwen2"
+[batch]
+rollouts_per_step = 4
+group_size = 2
+max_tokens_per_microbatch = 48
+[optimizer]
+lr = 0.001
+[trainer]
+world_size = 2
+checkpoint_every = 2
+"""
+
+
+def _rollout(run_id: str, gid: str, i: int, seed: int) -> common_pb2.Rollout:
+    prompt = [1 + (seed * 7 + k) % 90 for k in range(3 + seed % 3)]
+    completion = [1 + (seed * 13 + k * 5) % 90 for k in range(2 + (seed + i) % 5)]
+    return common_pb2.Rollout(
+        rollout_id=f"{gid}-{i}",
+        run_id=run_id,
+        group_id=gid,
+        task_id=gid,
+        environment="digits",
+        group_size=2,
+        sample_index=i,
+        reward=float(i),
+        turns=[
+            common_pb2.Turn(role=common_pb2.ROLE_USER, token_ids=prompt),
+            common_pb2.Turn(
+                role=common_pb2.ROLE_ASSISTANT,
+                token_ids=completion,
+                logprobs=[-4.6] * len(completion),
+                trainable=True,
+                weight_version=0,
+            ),
+        ],
+    )
+
+
+async def _publish_steps(bus: Bus, run_id: str, first: int, count: int) -> None:
+    for step in range(first, first + count):
+        for g in range(2):
+            gid = f"s{step}g{g}"
+            for i in range(2):
+                await bus.publish(subjects.rollouts(run_id), _rollout(run_id, gid, i, step * 2 + g))
+
+
+@pytest.fixture
+async def packer(nats_url):
+    cfg = PackerConfig(nats_url=nats_url, grpc_port=free_port(), metrics_port=free_port(), watch_runs=False,
+                       grace_seconds=2.0)  # fmt: skip
+    app = PackerApp(cfg)
+    service = Service("rollout-packer", cfg)
+    service.add(packer_pb2_grpc.add_RolloutPackerServiceServicer_to_server, RolloutPackerServicer(app.lookup))
+    service.on_shutdown(app.stop)
+    await service.start()
+    await app.start()
+    await service.mark_ready()
+    try:
+        yield app, service.address
+    finally:
+        await service.drain()
+
+
+async def _trainer(nats_url: str, packer_address: str, checkpoint_dir: str):
+    cfg = TrainerConfig(
+        nats_url=nats_url, grpc_port=free_port(), metrics_port=free_port(), packer_address=packer_address,
+        watch_runs=False, checkpoint_dir=checkpoint_dir, next_batch_timeout_s=2.0, grace_seconds=60.0,
+    )  # fmt: skip
+    app = TrainerApp(cfg)
+    service = Service("trainer", cfg)
+    service.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(app))
+    service.on_shutdown(app.stop)
+    await service.start()
+    await app.start()
+    await service.mark_ready()
+    return app, service
+
+
+async def test_trainer_service_trains_checkpoints_acks_and_resumes(
+    packer, nats_url, ray_client, tmp_path
+) -> None:
+    packer_app, packer_address = packer
+    run_id = f"tr-{uuid.uuid4().hex[:8]}"
+    recipe = parse_recipe(RECIPE.format(steps=3))
+    await packer_app.add_run(run_id, packer_app.settings_for(recipe))
+    bus = await Bus.connect(nats_url, name="test")
+    app, service = await _trainer(nats_url, packer_address, str(tmp_path))
+    channel = grpc.aio.insecure_channel(service.address)
+    stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+    try:
+        status = await stub.Status(trainer_pb2.StatusRequest())
+        assert status.state == "idle"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Checkpoint(trainer_pb2.CheckpointRequest())
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+        await _publish_steps(bus, run_id, 0, 3)
+        app.begin(run_id, recipe)
+        await asyncio.wait_for(app.wait(), timeout=120)
+
+        status = await stub.Status(trainer_pb2.StatusRequest())
+        assert (status.state, status.step, status.weight_version, status.world_size) == (
+            "completed",
+            3,
+            3,
+            2,
+        ), status
+        assert status.last_checkpoint.endswith("step_00000003")
+        config = json.loads((await stub.GetConfig(trainer_pb2.GetConfigRequest())).config_json)
+        assert config["run"]["spec"]["optimizer"]["lr"] == 0.001
+
+        run_dir = tmp_path / run_id
+        assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000002", "step_00000003"]
+        assert (run_dir / "hf" / "step_00000003" / "model.safetensors").exists()
+
+        records = await _train_records(bus, run_id, 3)
+        assert [r.step for r in records] == [0, 1, 2] and [r.version for r in records] == [1, 2, 3]
+        assert all(r.num_rollouts == 4 and r.num_tokens > 0 and r.grad_norm > 0 for r in records)
+        assert sorted(rid for r in records for rid in r.rollout_ids) == sorted(
+            f"s{s}g{g}-{i}" for s in range(3) for g in range(2) for i in range(2)
+        )
+        packer_stub = packer_pb2_grpc.RolloutPackerServiceStub(grpc.aio.insecure_channel(packer_address))
+        stats = await packer_stub.Stats(packer_pb2.StatsRequest(run_id=run_id))
+        assert stats.acked_rollouts == 12  # every step acknowledged once its checkpoint existed
+
+        # A new trainer for the same run, with two more steps: resumes from step 3, not from scratch.
+        await _publish_steps(bus, run_id, 3, 2)
+        app.begin(run_id, parse_recipe(RECIPE.format(steps=5)))
+        await asyncio.wait_for(app.wait(), timeout=120)
+        status = await stub.Status(trainer_pb2.StatusRequest())
+        assert (status.state, status.step) == ("completed", 5), status
+        records = await _train_records(bus, run_id, 5)
+        assert [r.step for r in records] == [0, 1, 2, 3, 4]
+    finally:
+        await channel.close()
+        await service.drain()
+        await bus.close()
+
+
+async def _train_records(bus: Bus, run_id: str, expected: int) -> list[events_pb2.TrainStepRecord]:
+    sub = await bus.js.subscribe(subjects.train(run_id), ordered_consumer=True)
+    out = []
+    try:
+        while len(out) < expected:
+            msg = await sub.next_msg(timeout=5)
+            out.append(events_pb2.TrainStepRecord.FromString(msg.data))
+    finally:
+        await sub.unsubscribe()
+    return out
