@@ -184,7 +184,8 @@ class SandboxPool:
             try:
                 return await self._run(worker, job, warm)
             finally:
-                await self._dispose(worker)
+                # The program has exited by now; deleting its workspace need not delay the answer.
+                self._background(self._dispose(worker))
         finally:
             self.running -= 1
             self.completed += 1
@@ -198,8 +199,6 @@ class SandboxPool:
 
     async def close(self) -> None:
         self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*self._tasks, return_exceptions=True)
         while not self._ready.empty():
@@ -214,9 +213,12 @@ class SandboxPool:
             if self._closed:
                 return
             self._spawning += 1
-            task = asyncio.ensure_future(self._spawn_into_pool())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._background(self._spawn_into_pool())
+
+    def _background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _spawn_into_pool(self) -> None:
         try:
