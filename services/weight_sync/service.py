@@ -1,8 +1,8 @@
 """The weight-sync process: gRPC WeightSyncService, the deliverer, events and KV state.
 
 State that survives a restart lives in the KV bucket "weights": each target's registration
-(`target.<deployment>`, re-registered at start), each deployment's synced version
-(`deployment.<deployment>`) and the latest version's manifest (`latest`, parameter names,
+(`run.<run>.target.<deployment>`, re-registered at start), each deployment's synced version
+(`run.<run>.deployment.<deployment>`) and the latest version's manifest (`run.<run>.latest`, parameter names,
 shapes, dtypes, bytes, model config). The bytes of a version live only in memory: after a
 restart the next pushed version is delivered (RequestSync says so until then). Shared-memory
 segments a killed predecessor left behind are removed at start.
@@ -35,14 +35,19 @@ class StateStore:
         self.bus = bus
         self.kv = kv
         self.default_run = default_run
+        self.prefix = kv_key("run", default_run)  # one weight-sync per run: its keys live under it
 
     async def save_target(self, t: Target) -> None:
         if t.registration is not None:
-            await self.kv.put(kv_key("target", t.deployment), t.registration.SerializeToString())
+            await self.kv.put(
+                f"{self.prefix}.{kv_key('target', t.deployment)}", t.registration.SerializeToString()
+            )
         await self.save_state(t)
 
     async def save_state(self, t: Target) -> None:
-        await self.kv.put(kv_key("deployment", t.deployment), t.to_proto().SerializeToString())
+        await self.kv.put(
+            f"{self.prefix}.{kv_key('deployment', t.deployment)}", t.to_proto().SerializeToString()
+        )
 
     async def save_version(self, buf: VersionBuffer) -> None:
         manifest = {
@@ -50,21 +55,21 @@ class StateStore:
             "trainer_world_size": buf.world_size, "model_config_json": buf.model_config_json,
             "params": {n: {"shape": list(s), "dtype": str(d).removeprefix("torch.")} for n, (s, d) in buf.params.items()},
         }  # fmt: skip
-        await self.kv.put("latest", json.dumps(manifest).encode())
+        await self.kv.put(f"{self.prefix}.latest", json.dumps(manifest).encode())
 
     async def load(self, store: VersionStore, deliverer: Deliverer) -> None:
-        raw = await self.kv.get("latest")
+        raw = await self.kv.get(f"{self.prefix}.latest")
         if raw:
             manifest = json.loads(raw)
             store.latest_version = int(manifest["version"])
             if manifest.get("model_config_json"):
                 deliverer.model_config(VersionBuffer(-1, 1, model_config_json=manifest["model_config_json"]))
         for key in await self.kv.keys():
-            if not key.startswith("target."):
+            if not key.startswith(f"{self.prefix}.target."):
                 continue
             reg = weightsync_pb2.RegisterTargetRequest.FromString(await self.kv.get(key))
             target = target_from_request(reg)
-            state = await self.kv.get(kv_key("deployment", target.deployment))
+            state = await self.kv.get(f"{self.prefix}.{kv_key('deployment', target.deployment)}")
             if state:
                 tv = weightsync_pb2.TargetVersion.FromString(state)
                 target.version, target.state = tv.version, "ready" if tv.version >= 0 else "registered"

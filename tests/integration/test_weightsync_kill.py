@@ -1,0 +1,114 @@
+"""Killing weight-sync (SIGKILL) in the middle of a transfer: the deployment keeps serving the old
+version and drops the half-staged one; a restarted weight-sync restores its targets and latest
+version from NATS KV, and the next version is delivered completely."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import grpc
+import pytest
+import torch
+
+from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
+from services.kit.local import free_port
+from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, serve_engine
+from services.modeling.config import ModelConfig
+from services.modeling.layouts import Layout, rank_params
+from services.weight_sync.synthetic import random_state, rank_requests
+
+CONFIG = ModelConfig.tiny()
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def start_weight_sync(env):
+    return subprocess.Popen([sys.executable, "-m", "services.weight_sync"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+async def wait_ready(stub, proc, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "weight-sync exited"
+        try:
+            return await stub.GetVersion(weightsync_pb2.GetVersionRequest(), timeout=1)
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(0.2)
+    raise AssertionError("weight-sync did not become ready")
+
+
+async def wait_for(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def push(stub, state, version):
+    config_json = json.dumps(CONFIG.to_hf_dict())
+    reqs = list(rank_requests(state, version=version, rank=0, world=1, model_config_json=config_json))
+    return await stub.PushShards(iter(reqs))
+
+
+@pytest.mark.slow
+async def test_kill_mid_transfer_keeps_old_version_and_restart_syncs_next(nats_url):
+    port = free_port()
+    run = f"kill-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, LOOPRL_WEIGHTSYNC_GRPC_PORT=str(port), LOOPRL_WEIGHTSYNC_NATS_URL=nats_url,
+               LOOPRL_WEIGHTSYNC_RUN_ID=run, LOOPRL_WEIGHTSYNC_BUCKET_BYTES="4096",
+               LOOPRL_WEIGHTSYNC_LOG_LEVEL="WARNING")  # fmt: skip
+    layout = Layout(1, "hf")
+    engine = WeightOnlyEngine(WeightStager(rank_params(CONFIG, layout, 0), rank=0))
+    stage = engine.receiver._stage
+    slow = {"on": False}
+
+    def slow_stage(request, reader):  # a slow link: makes "mid-transfer" a wide window
+        if slow["on"]:
+            time.sleep(0.03)
+        return stage(request, reader)
+
+    engine.receiver._stage = slow_stage
+    server, address = await serve_engine(engine)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
+    proc = start_weight_sync(env)
+    try:
+        await wait_ready(stub, proc)
+        await stub.RegisterTarget(weightsync_pb2.RegisterTargetRequest(
+            deployment="kill-d", layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf"),
+            ranks=[weightsync_pb2.TargetRank(rank=0, address=address, same_host=False)],
+        ))  # fmt: skip
+        v0, v1, v2 = (random_state(CONFIG, seed=s) for s in (0, 1, 2))
+        await push(stub, v0, 0)
+        await wait_for(lambda: engine.version == 0)
+
+        slow["on"] = True
+        await push(stub, v1, 1)
+        await wait_for(lambda: engine.stager.staged_version == 1 and engine.stager.bytes_staged > 0)
+        proc.kill()
+        proc.wait(10)
+        await wait_for(lambda: engine.stager.staged_version is None, timeout=10)
+        assert engine.version == 0 and engine.commits == [0]
+        assert torch.equal(engine.weights["model.norm.weight"], v0["model.norm.weight"])
+
+        slow["on"] = False
+        proc = start_weight_sync(env)
+        status = await wait_ready(stub, proc)
+        assert status.latest_version == 1  # restored from KV
+        assert [(t.deployment, t.version) for t in status.targets] == [("kill-d", 0)]
+        await push(stub, v2, 2)
+        await wait_for(lambda: engine.version == 2)
+        assert torch.equal(engine.weights["model.norm.weight"], v2["model.norm.weight"])
+        assert engine.stager.staged_version is None
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(10)
+        await channel.close()
+        await server.stop(None)
