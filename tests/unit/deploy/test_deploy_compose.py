@@ -1,0 +1,244 @@
+"""docker-compose.yml and .env: every service is built from something that exists, starts a module
+that exists, is health-checked, starts only after what it needs is healthy, and is configured only
+with settings the code reads. No docker needed: the file is checked as data.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.stack import SERVICES
+from services.kit.config import ServiceConfig
+
+ROOT = Path(__file__).resolve().parents[3]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+COMPOSE_SERVICES: dict = COMPOSE["services"]
+STACK = {entry[0]: entry[1] for entry in SERVICES}
+INFRA = {"nats", "ray-head", "otel-collector", "tempo", "prometheus", "grafana"}
+CONDITIONS = {"service_healthy", "service_started", "service_completed_successfully"}
+SECRETS = {"RAY_AUTH_TOKEN", "LOOPRL_GATEWAY_TOKENS"}
+# Variables read by something other than a looprl config class (Ray reads these itself).
+NON_CONFIG_VARS = {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
+
+
+def dotenv() -> dict[str, str]:
+    values = {}
+    for line in (ROOT / ".env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def dockerfile_stages(path: Path) -> dict[str, list[str]]:
+    """Stage name -> its instruction lines (continuations joined)."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    stages: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"FROM\s+\S+\s+AS\s+(\S+)", line, re.IGNORECASE)
+        if match:
+            current = match.group(1)
+            stages[current] = []
+        elif current is not None:
+            stages[current].append(line)
+    return stages
+
+
+def entrypoint_module(lines: list[str]) -> str | None:
+    import json
+
+    for line in lines:
+        if line.upper().startswith("ENTRYPOINT"):
+            argv = json.loads(line[len("ENTRYPOINT") :].strip())
+            if "-m" in argv:
+                return argv[argv.index("-m") + 1]
+    return None
+
+
+def service_config(module: str) -> tuple[type, str]:
+    """(config class, env prefix) from the `load_config(Cls, "PREFIX")` call in module/__main__.py."""
+    main = importlib.util.find_spec(f"{module}.__main__")
+    assert main is not None and main.origin, f"{module}/__main__.py does not exist"
+    tree = ast.parse(Path(main.origin).read_text())
+    imports = {
+        alias.asname or alias.name: node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "load_config":
+            cls_name, prefix = node.args[0].id, node.args[1].value  # type: ignore[attr-defined]
+            home = imports.get(cls_name, f"{module}.__main__")
+            return getattr(importlib.import_module(home), cls_name), prefix
+    raise AssertionError(f"{module}/__main__.py never calls load_config(ConfigClass, PREFIX)")
+
+
+def config_fields(module: str) -> tuple[set[str], str]:
+    """(upper-case field names, env prefix) of the config the service loads."""
+    cls, prefix = service_config(module)
+    assert issubclass(cls, ServiceConfig), f"{cls.__name__} does not derive from ServiceConfig"
+    return {f.name.upper() for f in dataclasses.fields(cls)}, prefix
+
+
+def test_compose_covers_every_stack_service_and_the_infrastructure():
+    assert set(STACK) | INFRA == set(COMPOSE_SERVICES), (
+        "docker-compose.yml must run exactly the services of gateway/stack.py plus the infrastructure"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(STACK))
+def test_service_image_builds_from_an_existing_target_whose_entrypoint_module_exists(name):
+    build = COMPOSE_SERVICES[name]["build"]
+    context = ROOT / build["context"]
+    dockerfile = context / build["dockerfile"]
+    assert context.is_dir() and dockerfile.is_file(), f"{name}: build context or Dockerfile missing"
+    stages = dockerfile_stages(dockerfile)
+    assert build["target"] in stages, f"{name}: target {build['target']!r} is not a stage of {dockerfile}"
+    module = entrypoint_module(stages[build["target"]])
+    assert module == STACK[name], f"{name}: image runs {module!r}, the local stack runs {STACK[name]!r}"
+    assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{module}/__main__.py does not exist"
+
+
+def test_ray_head_runs_the_looprl_image_so_actors_find_looprl_code():
+    ray = COMPOSE_SERVICES["ray-head"]
+    assert ray["build"]["target"] == "ray"
+    assert ray["environment"]["RAY_AUTH_MODE"] == "token"
+    assert "--ray-client-server-port=10001" in ray["command"]
+    for name in STACK:
+        assert COMPOSE_SERVICES[name]["environment"]["LOOPRL_RAY_ADDRESS"] == "ray://ray-head:10001"
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSE_SERVICES))
+def test_every_service_is_health_checked_or_says_why_not(name):
+    svc = COMPOSE_SERVICES[name]
+    if "healthcheck" in svc:
+        test = svc["healthcheck"]["test"]
+        assert isinstance(test, list) and test[0] in ("CMD", "CMD-SHELL") and len(test) > 1
+        assert not svc["healthcheck"].get("disable", False)
+    else:
+        reason = svc.get("labels", {}).get("looprl.healthcheck", "")
+        assert reason.startswith("none: "), f"{name}: no healthcheck and no looprl.healthcheck label saying why"
+        assert name not in STACK, "every looprl service must be health-checked"
+
+
+def test_looprl_services_are_checked_through_grpc_health_on_their_grpc_port():
+    for name in STACK:
+        svc = COMPOSE_SERVICES[name]
+        assert svc["healthcheck"]["test"] == ["CMD", "python", "/usr/local/bin/looprl-healthcheck"]
+        port = svc["environment"]["LOOPRL_GRPC_PORT"]
+        published = [p.rsplit(":", 1)[-1] for p in svc.get("ports", [])]
+        assert port in published, f"{name}: gRPC port {port} is not the one published ({published})"
+
+
+def test_dependencies_exist_use_explicit_conditions_and_form_no_cycle():
+    graph: dict[str, set[str]] = {}
+    for name, svc in COMPOSE_SERVICES.items():
+        deps = svc.get("depends_on", {})
+        assert isinstance(deps, dict), f"{name}: depends_on must be a mapping with conditions"
+        for dep, spec in deps.items():
+            assert dep in COMPOSE_SERVICES, f"{name} depends on unknown service {dep}"
+            assert spec.get("condition") in CONDITIONS, f"{name} -> {dep}: condition missing"
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in COMPOSE_SERVICES[dep], f"{name} waits for {dep} healthy; it has no check"
+        graph[name] = set(deps)
+    visiting, done = set(), set()
+
+    def visit(node: str, path: list[str]) -> None:
+        assert node not in visiting, f"dependency cycle: {' -> '.join([*path, node])}"
+        if node in done:
+            return
+        visiting.add(node)
+        for dep in graph[node]:
+            visit(dep, [*path, node])
+        visiting.discard(node)
+        done.add(node)
+
+    for node in graph:
+        visit(node, [])
+
+
+def test_every_looprl_service_waits_for_a_healthy_bus_and_the_gateway_for_every_peer():
+    for name in STACK:
+        deps = COMPOSE_SERVICES[name]["depends_on"]
+        assert deps["nats"]["condition"] == "service_healthy", name
+    gateway_deps = COMPOSE_SERVICES["gateway"]["depends_on"]
+    for peer in set(STACK) - {"gateway"}:
+        assert gateway_deps.get(peer, {}).get("condition") == "service_healthy", f"gateway must wait for {peer}"
+
+
+@pytest.mark.parametrize("name", sorted(STACK))
+def test_environment_keys_are_settings_the_service_reads(name):
+    fields, prefix = config_fields(STACK[name])
+    env = COMPOSE_SERVICES[name]["environment"]
+    unknown = []
+    for key in env:
+        if key in NON_CONFIG_VARS:
+            continue
+        match = re.fullmatch(r"LOOPRL_(\w+)", key)
+        rest = match.group(1) if match else ""
+        ok = rest in fields or (rest.startswith(prefix + "_") and rest[len(prefix) + 1 :] in fields)
+        if not ok:
+            unknown.append(key)
+    assert not unknown, f"{name}: no config field reads {unknown}"
+
+
+def test_config_checker_rejects_a_misspelled_setting():
+    fields, prefix = config_fields("gateway")
+    assert "HTTP_PORT" in fields and prefix == "GATEWAY"
+    assert "HTTP_PROT" not in fields
+
+
+def test_every_interpolated_variable_is_defined_or_required_with_a_message():
+    text = (ROOT / "docker-compose.yml").read_text()
+    defined = dotenv()
+    for match in re.finditer(r"\$\{([A-Z0-9_]+)(:?[-?][^}]*)?\}", text):
+        var, modifier = match.group(1), match.group(2) or ""
+        if modifier.startswith((":?", "?")):
+            assert len(modifier) > 2, f"${{{var}}} is required but gives no message"
+            continue
+        assert var in defined or modifier.startswith((":-", "-")), f"${{{var}}} is not set in .env"
+
+
+def test_secrets_are_required_and_never_committed_in_dotenv():
+    values = dotenv()
+    text = (ROOT / "docker-compose.yml").read_text()
+    for secret in SECRETS:
+        assert values.get(secret, "") == "", f".env must not carry a value for {secret}"
+        assert re.search(rf"\$\{{{secret}:\?[^}}]+\}}", text), f"compose must refuse to start without {secret}"
+
+
+def test_published_ports_bind_loopback_only():
+    for name, svc in COMPOSE_SERVICES.items():
+        for port in svc.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+
+
+def test_bind_mounts_point_at_files_in_the_repository():
+    for name, svc in COMPOSE_SERVICES.items():
+        for volume in svc.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"{name} mounts {source}, which does not exist"
+            else:
+                assert source in (COMPOSE.get("volumes") or {}), f"{name}: named volume {source} not declared"
+
+
+def test_services_export_traces_to_the_collector():
+    collector = yaml.safe_load((ROOT / "observability/otel-collector/config.yaml").read_text())
+    grpc_port = collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rsplit(":", 1)[-1]
+    for name in STACK:
+        assert COMPOSE_SERVICES[name]["environment"]["LOOPRL_OTLP_ENDPOINT"] == f"otel-collector:{grpc_port}"
