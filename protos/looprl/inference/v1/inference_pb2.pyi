@@ -178,7 +178,7 @@ class ResumeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StageWeightsRequest(_message.Message):
-    __slots__ = ("version", "slices", "bucket_count", "bucket_index", "model_config_json", "deployment", "rank", "total_bytes")
+    __slots__ = ("version", "slices", "bucket_count", "bucket_index", "model_config_json", "deployment", "rank", "total_bytes", "device_handle", "nccl_broadcast")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,8 @@ class StageWeightsRequest(_message.Message):
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NCCL_BROADCAST_FIELD_NUMBER: _ClassVar[int]
     version: int
     slices: _containers.RepeatedCompositeFieldContainer[WeightSlice]
     bucket_count: int
@@ -195,7 +197,9 @@ class StageWeightsRequest(_message.Message):
     deployment: str
     rank: int
     total_bytes: int
-    def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ..., model_config_json: _Optional[str] = ..., deployment: _Optional[str] = ..., rank: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    device_handle: bytes
+    nccl_broadcast: bool
+    def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ..., model_config_json: _Optional[str] = ..., deployment: _Optional[str] = ..., rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., device_handle: _Optional[bytes] = ..., nccl_broadcast: _Optional[bool] = ...) -> None: ...
 
 class WeightSlice(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "data", "crc32", "shm_name", "shm_offset", "nbytes")
