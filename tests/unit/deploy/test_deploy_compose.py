@@ -131,7 +131,9 @@ def test_every_service_is_health_checked_or_says_why_not(name):
         assert not svc["healthcheck"].get("disable", False)
     else:
         reason = svc.get("labels", {}).get("looprl.healthcheck", "")
-        assert reason.startswith("none: "), f"{name}: no healthcheck and no looprl.healthcheck label saying why"
+        assert reason.startswith("none: "), (
+            f"{name}: no healthcheck and no looprl.healthcheck label saying why"
+        )
         assert name not in STACK, "every looprl service must be health-checked"
 
 
@@ -153,7 +155,9 @@ def test_dependencies_exist_use_explicit_conditions_and_form_no_cycle():
             assert dep in COMPOSE_SERVICES, f"{name} depends on unknown service {dep}"
             assert spec.get("condition") in CONDITIONS, f"{name} -> {dep}: condition missing"
             if spec["condition"] == "service_healthy":
-                assert "healthcheck" in COMPOSE_SERVICES[dep], f"{name} waits for {dep} healthy; it has no check"
+                assert "healthcheck" in COMPOSE_SERVICES[dep], (
+                    f"{name} waits for {dep} healthy; it has no check"
+                )
         graph[name] = set(deps)
     visiting, done = set(), set()
 
@@ -177,7 +181,9 @@ def test_every_looprl_service_waits_for_a_healthy_bus_and_the_gateway_for_every_
         assert deps["nats"]["condition"] == "service_healthy", name
     gateway_deps = COMPOSE_SERVICES["gateway"]["depends_on"]
     for peer in set(STACK) - {"gateway"}:
-        assert gateway_deps.get(peer, {}).get("condition") == "service_healthy", f"gateway must wait for {peer}"
+        assert gateway_deps.get(peer, {}).get("condition") == "service_healthy", (
+            f"gateway must wait for {peer}"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(STACK))
@@ -218,7 +224,9 @@ def test_secrets_are_required_and_never_committed_in_dotenv():
     text = (ROOT / "docker-compose.yml").read_text()
     for secret in SECRETS:
         assert values.get(secret, "") == "", f".env must not carry a value for {secret}"
-        assert re.search(rf"\$\{{{secret}:\?[^}}]+\}}", text), f"compose must refuse to start without {secret}"
+        assert re.search(rf"\$\{{{secret}:\?[^}}]+\}}", text), (
+            f"compose must refuse to start without {secret}"
+        )
 
 
 def test_published_ports_bind_loopback_only():
