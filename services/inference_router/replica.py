@@ -83,6 +83,14 @@ class ReplicaSettings:
         return Layout(tp_size=self.tensor_parallel, naming=self.naming, dtype=self.dtype)
 
 
+def _config_at(path: str) -> ModelConfig:
+    from pathlib import Path
+
+    from services.modeling.qwen2 import CONFIG_FILE
+
+    return ModelConfig.from_hf_dict(json.loads((Path(path) / CONFIG_FILE).read_text()))
+
+
 def engine_request(req: inference_pb2.GenerateRequest) -> EngineRequest:
     return EngineRequest(
         prompt_token_ids=list(req.prompt_token_ids),
@@ -117,7 +125,9 @@ class ReplicaCore:
         async with self._start_lock:
             if self._server is None:
                 await self._serve()
-                if self.settings.model_path:
+                if self.settings.model_path and self.settings.backend == "vllm":
+                    await self._ensure_engine(_config_at(self.settings.model_path))  # vLLM reads the path
+                elif self.settings.model_path:
                     await self._load_model_path(self.settings.model_path)
         return self._address
 
@@ -140,11 +150,10 @@ class ReplicaCore:
     async def _load_model_path(self, path: str) -> None:
         from pathlib import Path
 
-        from services.modeling.qwen2 import CONFIG_FILE, load_safetensors_dir
+        from services.modeling.qwen2 import load_safetensors_dir
 
-        config = ModelConfig.from_hf_dict(json.loads((Path(path) / CONFIG_FILE).read_text()))
         state = await asyncio.to_thread(load_safetensors_dir, Path(path))
-        await self.load_state_dict(0, state, config=config)
+        await self.load_state_dict(0, state, config=_config_at(path))
 
     async def shutdown(self) -> None:
         if self.engine is not None:
@@ -176,6 +185,8 @@ class ReplicaCore:
                 from services.inference_router.engine.vllm_engine import VLLMEngine
 
                 engine = await VLLMEngine.create(config, s.model_path, s)
+                # vLLM shards HF tensors itself: this replica receives the full model in HF names.
+                self._stager = WeightStager(rank_params(config, Layout(dtype=s.dtype), 0))
             elif s.tensor_parallel > 1:
                 from services.inference_router.engine.tp import TPEngine
 
@@ -203,6 +214,11 @@ class ReplicaCore:
             if self._paused:
                 engine.pause()
             return engine
+
+    @property
+    def _receiving_ranks(self) -> int:
+        """Ranks weight-sync delivers to: every TP rank of a CPU group; one for vLLM (it shards itself)."""
+        return 1 if self.settings.backend == "vllm" else self.settings.tensor_parallel
 
     # ------------------------------------------------------------------ weights
     async def load_state_dict(
@@ -237,8 +253,8 @@ class ReplicaCore:
             except ValueError as exc:
                 raise errors.InvalidArgument(f"model_config_json: {exc}") from None
             await self._ensure_engine(config)
-        if not 0 <= msg.rank < self.settings.tensor_parallel:
-            raise errors.InvalidArgument(f"rank: {msg.rank} outside [0, {self.settings.tensor_parallel})")
+        if not 0 <= msg.rank < self._receiving_ranks:
+            raise errors.InvalidArgument(f"rank: {msg.rank} outside [0, {self._receiving_ranks})")
         engine = self.engine
         if msg.rank == 0:
             assert self._stager is not None
@@ -258,8 +274,8 @@ class ReplicaCore:
             )
         if engine.status().weight_version == version:
             return version  # a retried commit
-        if self.settings.tensor_parallel > 1:
-            await engine.commit(version)  # type: ignore[attr-defined]
+        if hasattr(engine, "commit"):  # a TP group: every rank commits its own staged shard
+            await engine.commit(version)
         else:
             assert self._stager is not None
             state = self._stager.commit(version)
@@ -270,8 +286,8 @@ class ReplicaCore:
     async def abort_weights(self, version: int) -> None:
         if self._stager is not None:
             self._stager.abort(version)
-        if self.engine is not None and self.settings.tensor_parallel > 1:
-            await self.engine.abort_staged(version)  # type: ignore[attr-defined]
+        if self.engine is not None and hasattr(self.engine, "abort_staged"):
+            await self.engine.abort_staged(version)
 
     # ------------------------------------------------------------------ generation
     def _serving_engine(self) -> Engine:
@@ -340,10 +356,10 @@ class ReplicaCore:
             "deployment": s.deployment,
             "address": self._address,
             # Every TP rank receives through this one server; StageWeightsRequest.rank picks the rank.
-            "rank_addresses": [self._address] * s.tensor_parallel,
+            "rank_addresses": [self._address] * self._receiving_ranks,
             "backend": s.backend,
             "tensor_parallel": s.tensor_parallel,
-            "layout": s.naming,
+            "layout": "hf" if s.backend == "vllm" else s.naming,
             "dtype": s.dtype,
             "max_model_len": s.max_model_len,
             "vocab_size": self.config.vocab_size if self.config else 0,
