@@ -142,3 +142,40 @@ async def test_bad_requests_fail_and_engine_keeps_serving(reference: Qwen2ForCau
         assert len(ok.completions[0].token_ids) == 2
     finally:
         await engine.close()
+
+
+async def test_backpressure_abort_and_close(reference: Qwen2ForCausalLM) -> None:
+    from services.inference_router.engine.scheduler import SchedulerLimits
+    from services.kit.errors import ResourceExhausted
+
+    engine = _engine(reference, max_batch_size=1, limits=SchedulerLimits(max_waiting_requests=2))
+    try:
+        engine.pause()  # nothing is admitted: the queue fills
+        queued = [
+            asyncio.ensure_future(engine.generate([EngineRequest([1, 2], SamplingParams(max_tokens=3))]))
+            for _ in range(2)
+        ]
+        await asyncio.sleep(0)
+        with pytest.raises(ResourceExhausted, match="queue full"):
+            await engine.generate([EngineRequest([1, 2], SamplingParams(max_tokens=3))])
+        assert engine.status().queued_requests == 2 and engine.status().paused
+        engine.resume()
+        assert all(r.completions[0].finish_reason == "length" for [r] in await asyncio.gather(*queued))
+
+        # A stream whose consumer leaves stops generating and frees its slot.
+        stream = engine.generate_stream(EngineRequest([1, 2], SamplingParams(max_tokens=50)))
+        first = await stream.__anext__()
+        assert len(first.token_ids) == 1
+        await stream.aclose()
+        assert engine.status().running_sequences == 0
+        [ok] = await engine.generate([EngineRequest([3], SamplingParams(max_tokens=2))])
+        assert len(ok.completions[0].token_ids) == 2
+
+        # close() finishes in-flight requests with "abort", keeping the tokens sampled so far.
+        pending = asyncio.ensure_future(engine.generate([EngineRequest([1], SamplingParams(max_tokens=60))]))
+        while engine.status().extra["generated_tokens"] < 10:
+            await asyncio.sleep(0.001)
+    finally:
+        await engine.close()
+    [aborted] = await pending
+    assert aborted.completions[0].finish_reason == "abort" and aborted.completions[0].token_ids
