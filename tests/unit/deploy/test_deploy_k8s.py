@@ -1,0 +1,320 @@
+"""Kubernetes manifests (deploy/k8s): schema-valid offline, and shaped the way we operate services.
+
+Plain resources are validated with kubernetes-validate --strict (it ships the JSON schemas, no
+cluster or network needed). The RayCluster is a CRD with no bundled schema: it is checked
+structurally below instead. Overlays are rendered with `kubectl kustomize` when kubectl is
+installed (kustomize is built into it) and skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from gateway.stack import SERVICES
+
+ROOT = Path(__file__).resolve().parents[3]
+K8S = ROOT / "deploy/k8s"
+STACK = {entry[0]: entry[1] for entry in SERVICES}
+GRPC_PORT, METRICS_PORT = 50051, 9464
+SCHEMA_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())  # oldest we support, newest
+CRD_GROUPS = ("ray.io/",)
+KUBECTL = shutil.which("kubectl")
+
+
+def load_sibling(filename: str):
+    """A helper module next to this file (tests dirs are not packages)."""
+    spec = importlib.util.spec_from_file_location(
+        f"_deploy_{Path(filename).stem}", Path(__file__).with_name(filename)
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def documents(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and not is_patch(p))
+
+
+def is_patch(path: Path) -> bool:
+    return "overlays" in path.parts
+
+
+def base_resources() -> list[dict]:
+    return [
+        doc
+        for p in sorted((K8S / "base").glob("*.yaml"))
+        if p.name != "kustomization.yaml"
+        for doc in documents(p)
+    ]
+
+
+def of_kind(kind: str, resources: list[dict] | None = None) -> dict[str, dict]:
+    return {r["metadata"]["name"]: r for r in (resources or base_resources()) if r["kind"] == kind}
+
+
+def container(deployment: dict) -> dict:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: str(p.relative_to(K8S)))
+def test_manifest_is_schema_valid(path):
+    for resource in documents(path):
+        if resource["apiVersion"].startswith(CRD_GROUPS):
+            continue  # CRD: no schema shipped with kubernetes-validate; see the RayCluster tests
+        for version in SCHEMA_VERSIONS:
+            try:
+                kubernetes_validate.validate(resource, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                where = ".".join(str(p) for p in exc.caught.path)
+                pytest.fail(
+                    f"{path.name} {resource['kind']}/{resource['metadata']['name']} @ {version}: {where}: {exc.caught.message}"
+                )
+
+
+def test_validator_is_strict_about_unknown_fields():
+    deployment = of_kind("Deployment")["trainer"]
+    broken = yaml.safe_load(yaml.safe_dump(deployment))
+    container(broken)["livenessProbe"]["grpcc"] = {"port": 1}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, SCHEMA_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize(
+    "kustomization", sorted(K8S.rglob("kustomization.yaml")), ids=lambda p: str(p.parent.relative_to(K8S))
+)
+def test_kustomization_references_exist(kustomization):
+    spec = yaml.safe_load(kustomization.read_text())
+    for entry in spec.get("resources", []):
+        assert (kustomization.parent / entry).exists(), f"{kustomization}: missing resource {entry}"
+    for patch in spec.get("patches", []):
+        if "path" in patch:
+            assert (kustomization.parent / patch["path"]).is_file(), (
+                f"{kustomization}: missing patch {patch['path']}"
+            )
+
+
+def test_base_lists_every_manifest_file():
+    listed = set(yaml.safe_load((K8S / "base/kustomization.yaml").read_text())["resources"])
+    present = {p.name for p in (K8S / "base").glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == present
+
+
+def test_every_stack_service_has_a_deployment_and_a_service():
+    assert set(of_kind("Deployment")) == set(STACK)
+    assert set(STACK) <= set(of_kind("Service"))
+
+
+@pytest.mark.parametrize("name", sorted(STACK))
+def test_deployment_has_named_ports_and_native_grpc_probes(name):
+    deployment = of_kind("Deployment")[name]
+    c = container(deployment)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["grpc"] == GRPC_PORT and ports["metrics"] == METRICS_PORT
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == ports["grpc"], (
+            f"{name}: {probe} must be a gRPC health probe on grpc"
+        )
+    # Startup may take minutes (Ray, model load); liveness must not kill a pod still starting.
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
+    service = of_kind("Service")[name]
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert service_ports["grpc"]["targetPort"] == "grpc" and service_ports["grpc"]["appProtocol"] == "grpc"
+    assert service_ports["metrics"]["targetPort"] == "metrics"
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(ports["metrics"])
+
+
+@pytest.mark.parametrize("name", sorted(STACK))
+def test_deployment_is_locked_down_and_bounded(name):
+    deployment = of_kind("Deployment")[name]
+    pod = deployment["spec"]["template"]["spec"]
+    c = container(deployment)
+    csc = c["securityContext"]
+    assert csc["allowPrivilegeEscalation"] is False
+    assert csc["readOnlyRootFilesystem"] is True
+    assert csc["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert pod["automountServiceAccountToken"] is False
+    if pod["securityContext"].get("runAsNonRoot") is not True:
+        reason = deployment["spec"]["template"]["metadata"]["annotations"].get("looprl.dev/runs-as-root", "")
+        assert len(reason) > 20, f"{name} runs as root without a looprl.dev/runs-as-root reason"
+    else:
+        assert pod["securityContext"]["runAsUser"] >= 1000
+        assert not csc["capabilities"].get("add")
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(c["resources"][kind]), f"{name}: {kind} must set cpu and memory"
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert {"/tmp", "/var/lib/looprl"} <= mounts, "a read-only root needs writable /tmp and state dir"
+
+
+def test_only_the_sandbox_runs_as_root():
+    roots = {
+        name
+        for name, d in of_kind("Deployment").items()
+        if d["spec"]["template"]["spec"]["securityContext"].get("runAsNonRoot") is not True
+    }
+    assert roots == {"environment-sandbox"}
+
+
+@pytest.mark.parametrize("name", sorted(STACK))
+def test_configuration_comes_from_the_configmap_and_secrets_from_the_secret(name):
+    c = container(of_kind("Deployment")[name])
+    assert {"configMapRef": {"name": "looprl-env"}} in c["envFrom"]
+    env = {e["name"]: e for e in c.get("env", [])}
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "looprl-secrets"
+    for e in env.values():
+        if "TOKEN" in e["name"]:
+            assert "value" not in e, f"{name}: {e['name']} must come from a Secret"
+    if name == "gateway":
+        assert env["LOOPRL_GATEWAY_TOKENS"]["valueFrom"]["secretKeyRef"]["key"] == "gateway-tokens"
+
+
+def test_no_secret_is_committed():
+    for path in K8S.rglob("*.yaml"):
+        for doc in documents(path):
+            if isinstance(doc, dict):
+                assert doc.get("kind") != "Secret", f"{path} commits a Secret"
+
+
+def test_configmap_keys_are_settings_some_service_reads():
+    compose_checks = load_sibling("test_deploy_compose.py")
+    NON_CONFIG_VARS, config_fields = compose_checks.NON_CONFIG_VARS, compose_checks.config_fields
+    accepted = set(NON_CONFIG_VARS)
+    for module in STACK.values():
+        fields, prefix = config_fields(module)
+        accepted |= {f"LOOPRL_{f}" for f in fields} | {f"LOOPRL_{prefix}_{f}" for f in fields}
+    data = of_kind("ConfigMap")["looprl-env"]["data"]
+    assert not set(data) - accepted, f"nobody reads {sorted(set(data) - accepted)}"
+    assert data["LOOPRL_GRPC_PORT"] == str(GRPC_PORT) and data["LOOPRL_METRICS_PORT"] == str(METRICS_PORT)
+    assert data["LOOPRL_HOST"] == "0.0.0.0"
+
+
+def test_nats_is_a_jetstream_statefulset_with_its_own_volume():
+    nats = of_kind("StatefulSet")["nats"]
+    c = container(nats)
+    assert "-js" in c["args"]
+    store = c["args"][c["args"].index("-sd") + 1]
+    mount = next(m for m in c["volumeMounts"] if store.startswith(m["mountPath"]))
+    claims = {t["metadata"]["name"] for t in nats["spec"]["volumeClaimTemplates"]}
+    assert mount["name"] in claims
+    assert of_kind("ConfigMap")["looprl-env"]["data"]["LOOPRL_NATS_URL"] == "nats://nats:4222"
+
+
+# --- KubeRay (CRD: structural checks) -------------------------------------------------------------
+
+
+def raycluster() -> dict:
+    (cluster,) = documents(K8S / "kuberay/raycluster.yaml")
+    return cluster
+
+
+def ray_containers(cluster: dict) -> list[dict]:
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    return [c for g in groups for c in g["template"]["spec"]["containers"]]
+
+
+def test_raycluster_uses_token_auth_from_the_secret_on_every_node():
+    cluster = raycluster()
+    assert cluster["apiVersion"] == "ray.io/v1" and cluster["kind"] == "RayCluster"
+    for c in ray_containers(cluster):
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": "looprl-secrets",
+            "key": "ray-auth-token",
+        }
+        assert c["image"].startswith("looprl/"), "Ray nodes must carry the looprl code the actors run"
+        assert {"cpu", "memory"} <= set(c["resources"]["limits"])
+        assert c["readinessProbe"]["exec"]["command"][:2] == ["ray", "health-check"]
+
+
+def test_services_reach_the_ray_client_port_of_the_head_service():
+    cluster = raycluster()
+    head = cluster["spec"]["headGroupSpec"]
+    port = head["rayStartParams"]["ray-client-server-port"]
+    container_ports = {
+        p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]
+    }
+    assert container_ports["client"] == int(port)
+    address = of_kind("ConfigMap")["looprl-env"]["data"]["LOOPRL_RAY_ADDRESS"]
+    # KubeRay names the head Service <cluster>-head-svc.
+    assert address == f"ray://{cluster['metadata']['name']}-head-svc:{port}"
+
+
+# --- overlays, rendered --------------------------------------------------------------------------
+
+
+def render(overlay: str) -> list[dict]:
+    if KUBECTL is None:
+        pytest.skip("kubectl not installed: overlays are not rendered (base manifests are still validated)")
+    out = subprocess.run(
+        [KUBECTL, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+# ids avoid the bare word "gpu": tests/conftest.py skips items with that keyword on CPU machines.
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"], ids=["overlay-cpu", "overlay-nvidia"])
+def test_overlay_renders_into_valid_resources_in_one_namespace(overlay):
+    resources = render(overlay)
+    kinds = {r["kind"] for r in resources}
+    assert {"Deployment", "Service", "StatefulSet", "ConfigMap", "RayCluster", "Namespace"} <= kinds
+    for r in resources:
+        if r["kind"] != "Namespace":
+            assert r["metadata"].get("namespace") == "looprl", f"{r['kind']}/{r['metadata']['name']}"
+        if not r["apiVersion"].startswith(CRD_GROUPS):
+            kubernetes_validate.validate(r, SCHEMA_VERSIONS[-1], strict=True)
+
+
+def test_gpu_overlay_puts_the_router_on_a_gpu_node_with_the_vllm_image():
+    resources = render("gpu")
+    router = of_kind("Deployment", resources)["inference-router"]
+    pod = router["spec"]["template"]["spec"]
+    c = container(router)
+    assert c["image"].startswith("looprl/inference-router-gpu:")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    # The strategic merge kept the base's probes, security and mounts.
+    assert c["readinessProbe"]["grpc"]["port"] == GRPC_PORT
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"/tmp", "/dev/shm"} <= {m["mountPath"] for m in c["volumeMounts"]}
+    cluster = of_kind("RayCluster", resources)["looprl-ray"]
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    assert {"cpu", "gpu"} <= set(groups)
+    (gpu_worker,) = groups["gpu"]["template"]["spec"]["containers"]
+    assert gpu_worker["image"].startswith("looprl/inference-router-gpu:")
+    assert "nvidia.com/gpu" in gpu_worker["resources"]["limits"]
+    others = [d for n, d in of_kind("Deployment", resources).items() if n != "inference-router"]
+    assert all("nvidia.com/gpu" not in container(d)["resources"]["limits"] for d in others)
+
+
+def test_cpu_overlay_requests_no_gpu():
+    resources = render("cpu")
+    assert "nvidia.com/gpu" not in yaml.safe_dump(resources)
+
+
+def test_dataclass_fields_helper_is_real():
+    # guards config_fields against silently returning nothing
+    from services.kit.config import ServiceConfig
+
+    assert {f.name for f in dataclasses.fields(ServiceConfig)} >= {"grpc_port", "metrics_port", "host"}
