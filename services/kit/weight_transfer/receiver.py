@@ -33,6 +33,7 @@ class WeightReceiver:
     def __init__(self, stager: WeightStager, on_commit: CommitHook | None = None) -> None:
         self.stager = stager
         self.on_commit = on_commit
+        self.nccl_group = None  # set by a GPU engine that joined weight-sync's NCCL group
         self.bytes_received = 0  # payload bytes accepted, all versions (for accounting)
         self.buckets_received = 0
         self._lock = threading.Lock()
@@ -47,6 +48,10 @@ class WeightReceiver:
                     progress = await asyncio.to_thread(self._stage, request, reader)
             finished = True
         except (ServiceError, WeightTransferError) as exc:
+            # Read the rest of the stream before answering: a sender still writing into a call the
+            # server already closed gets a generic INTERNAL from gRPC instead of this status.
+            async for _ in request_iterator:
+                pass
             await context.abort(getattr(exc, "code", grpc.StatusCode.INVALID_ARGUMENT), str(exc))
         finally:
             if not finished and version is not None and version != self.stager.serving_version:
@@ -62,7 +67,12 @@ class WeightReceiver:
         )
 
     def _stage(self, request, reader):
-        progress = self.stager.stage(request, reader)
+        if request.device_handle or request.nccl_broadcast:
+            from .gpu import stage_device_request
+
+            progress = stage_device_request(self.stager, request, nccl_group=self.nccl_group)
+        else:
+            progress = self.stager.stage(request, reader)
         with self._lock:
             self.bytes_received += sum(s.nbytes or len(s.data) for s in request.slices)
             self.buckets_received += 1

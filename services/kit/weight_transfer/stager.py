@@ -88,6 +88,7 @@ class WeightStager:
         serving_version: int = -1,
         rank: int | None = None,
         verify_checksums: bool = True,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.specs: dict[str, ParamSpec] = {p.name: p for p in as_param_specs(params)}
         if not self.specs:
@@ -95,6 +96,7 @@ class WeightStager:
         self.serving_version = serving_version
         self.rank = rank
         self.verify_checksums = verify_checksums
+        self.device = torch.device(device)  # where staged tensors live (GPU engines: their device)
         self.total_bytes = sum(p.nbytes for p in self.specs.values())
         self.model_config_json = ""
         self._lock = threading.RLock()
@@ -177,7 +179,7 @@ class WeightStager:
             if not self._coverage[name].add(offset, offset + flat.numel()):
                 self._drop()
                 raise InvalidWeights(f"slices[0].offset: {name} range overlaps bytes already staged")
-            self._flat[name][offset : offset + flat.numel()].copy_(flat)
+            self._flat[name][offset : offset + flat.numel()].copy_(flat, non_blocking=True)
             self._bytes += flat.numel() * itemsize(spec.dtype)
             return StageProgress(version, self._bytes, self.is_complete(version))
 
@@ -239,7 +241,7 @@ class WeightStager:
         for name, spec in self.specs.items():
             tensor = self._spare.pop(name, None)
             if tensor is None:
-                tensor = torch.empty(spec.shape, dtype=spec.dtype)
+                tensor = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
             self._tensors[name] = tensor
             self._flat[name] = tensor.view(-1)
             self._coverage[name] = _Coverage(spec.numel)
@@ -293,8 +295,11 @@ class WeightStager:
                 f"slices[{i}].offset: {name} elements [{offset}, {offset + count}) already staged"
             )
         if count:
-            dest = self._flat[name].view(torch.uint8)[offset * size : (offset + count) * size].numpy()
-            np.copyto(dest, np.frombuffer(data, dtype=np.uint8))
+            target = self._flat[name].view(torch.uint8)[offset * size : (offset + count) * size]
+            if target.device.type == "cpu":
+                np.copyto(target.numpy(), np.frombuffer(data, dtype=np.uint8))
+            else:
+                target.copy_(torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()), non_blocking=False)
         self._bytes += nbytes
 
     def _drop(self) -> None:

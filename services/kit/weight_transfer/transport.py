@@ -259,7 +259,7 @@ class GrpcTransport(Transport):
                         endpoint=str(s.endpoint),
                     )
             except BaseException as exc:
-                s.result.error = self._error(s.endpoint, exc)
+                s.result.error = self._error(s.endpoint, await _call_error(s.call, exc))
             s.result.seconds = time.perf_counter() - s.start
         await _abort_failed(self, version, streams)
         return {s.endpoint: s.result for s in streams}
