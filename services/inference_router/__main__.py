@@ -46,6 +46,8 @@ async def serve(cfg: RouterConfig) -> None:
         InferenceRouterServicer(router, manager),
     )
 
+    background: list[asyncio.Task] = []
+
     async def setup(_: Service) -> None:
         specs = cfg.deployment_specs()
         if specs:
@@ -53,13 +55,20 @@ async def serve(cfg: RouterConfig) -> None:
         for spec in specs:
             await manager.start(spec)
             log.info("deployment %s started with %d replica(s)", spec.name, spec.replicas)
-        try:
-            await manager.follow_weight_events(cfg.nats_url)
-        except Exception as exc:  # the bus is a hint; status polls still track versions
-            log.warning("not following weight events (%s); relying on status polls", exc)
         router.start_polling()
 
+        async def follow() -> None:
+            try:
+                await manager.follow_weight_events(cfg.nats_url)
+            except Exception as exc:  # the bus is a hint; status polls still track versions
+                log.warning("not following weight events (%s); relying on status polls", exc)
+
+        # In the background: serving never waits on the bus.
+        background.append(asyncio.get_running_loop().create_task(follow()))
+
     async def shutdown() -> None:
+        for task in background:
+            task.cancel()
         await router.close()
         await manager.stop()
 

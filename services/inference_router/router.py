@@ -117,6 +117,9 @@ class Router:
 
     async def _choose(self, request: inference_pb2.GenerateRequest, exclude: set[str], deadline: float):
         """A decision, waiting (bounded) for versions or health to change when none is possible."""
+        if not self.deployments:
+            metrics.REJECTIONS.labels("unavailable").inc()
+            raise errors.Unavailable("no deployments are registered yet", retry_after_s=1.0)
         loop = asyncio.get_running_loop()
         version_deadline = loop.time() + self.settings.version_wait_s
         health_deadline = loop.time() + self.settings.unavailable_wait_s
