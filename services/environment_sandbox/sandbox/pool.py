@@ -199,8 +199,8 @@ class SandboxPool:
 
     async def close(self) -> None:
         self._closed = True
-        with contextlib.suppress(Exception):
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        while self._tasks:  # spawns finishing now dispose themselves; disposals finish
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
         while not self._ready.empty():
             await self._dispose(self._ready.get_nowait())
         shutil.rmtree(self._dir, ignore_errors=True)
