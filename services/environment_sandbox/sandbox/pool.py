@@ -122,7 +122,8 @@ class SandboxPool:
         self.config = config or SandboxConfig()
         root = Path(self.config.root_dir or tempfile.gettempdir()) / "looprl-sandbox"
         root.mkdir(mode=0o711, exist_ok=True)
-        self._dir = Path(tempfile.mkdtemp(prefix="pool-", dir=root))
+        _sweep_dead_pools(root)
+        self._dir = Path(tempfile.mkdtemp(prefix=f"pool-{os.getpid()}-", dir=root))
         self._dir.chmod(0o711)  # the sandbox uid must traverse it to reach its own workspace
         self._ready: asyncio.Queue[_Worker] = asyncio.Queue()
         self._free_uids = list(range(self.config.uid_base, self.config.uid_base + self.config.uid_count))
@@ -382,6 +383,21 @@ class SandboxPool:
         worker.transport.close()
         await asyncio.to_thread(shutil.rmtree, worker.workspace, True)
         self._free_uids.append(worker.uid)
+
+
+def _sweep_dead_pools(root: Path) -> None:
+    """Delete workspaces left by pools whose process died without closing (SIGKILL, OOM)."""
+    for entry in root.glob("pool-*-*"):
+        try:
+            pid = int(entry.name.split("-")[1])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except PermissionError:
+            pass
 
 
 def _write_and_close(fd: int, data: bytes) -> None:
