@@ -62,7 +62,7 @@ async def test_kill_mid_transfer_keeps_old_version_and_restart_syncs_next(nats_u
     run = f"kill-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, LOOPRL_WEIGHTSYNC_GRPC_PORT=str(port), LOOPRL_WEIGHTSYNC_NATS_URL=nats_url,
                LOOPRL_WEIGHTSYNC_RUN_ID=run, LOOPRL_WEIGHTSYNC_BUCKET_BYTES="4096",
-               LOOPRL_WEIGHTSYNC_LOG_LEVEL="WARNING")  # fmt: skip
+               LOOPRL_WEIGHTSYNC_LOG_LEVEL="WARNING", LOOPRL_WEIGHTSYNC_GRACE_SECONDS="2")  # fmt: skip
     layout = Layout(1, "hf")
     engine = WeightOnlyEngine(WeightStager(rank_params(CONFIG, layout, 0), rank=0))
     stage = engine.receiver._stage
@@ -107,8 +107,12 @@ async def test_kill_mid_transfer_keeps_old_version_and_restart_syncs_next(nats_u
         assert torch.equal(engine.weights["model.norm.weight"], v2["model.norm.weight"])
         assert engine.stager.staged_version is None
     finally:
+        await channel.close()
         if proc.poll() is None:
             proc.terminate()
-            proc.wait(10)
-        await channel.close()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
         await server.stop(None)
