@@ -40,6 +40,7 @@ RUN apt-get update \
  && install -d -o 10001 -g 10001 /var/lib/looprl
 COPY --from=build /opt/venv /opt/venv
 COPY deploy/healthcheck.py /usr/local/bin/looprl-healthcheck
+COPY --chmod=755 deploy/docker/entrypoint.sh /usr/local/bin/looprl-entrypoint
 COPY configs /app/configs
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
@@ -55,4 +56,4 @@ USER 10001:10001
 EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
   CMD ["python", "/usr/local/bin/looprl-healthcheck"]
-ENTRYPOINT ["tini", "--", "python", "-m", "services.inference_router"]
+ENTRYPOINT ["tini", "--", "looprl-entrypoint", "services.inference_router"]

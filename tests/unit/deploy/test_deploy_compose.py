@@ -58,13 +58,14 @@ def dockerfile_stages(path: Path) -> dict[str, list[str]]:
 
 
 def entrypoint_module(lines: list[str]) -> str | None:
+    """The module an image runs: `ENTRYPOINT ["tini", "--", "looprl-entrypoint", <module>]`."""
     import json
 
     for line in lines:
         if line.upper().startswith("ENTRYPOINT"):
             argv = json.loads(line[len("ENTRYPOINT") :].strip())
-            if "-m" in argv:
-                return argv[argv.index("-m") + 1]
+            if "looprl-entrypoint" in argv:
+                return argv[argv.index("looprl-entrypoint") + 1]
     return None
 
 
@@ -113,13 +114,18 @@ def test_service_image_builds_from_an_existing_target_whose_entrypoint_module_ex
     assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{module}/__main__.py does not exist"
 
 
-def test_ray_head_runs_the_looprl_image_so_actors_find_looprl_code():
+def test_ray_head_runs_the_looprl_image_and_services_join_its_gcs():
     ray = COMPOSE_SERVICES["ray-head"]
-    assert ray["build"]["target"] == "ray"
+    assert ray["build"]["target"] == "ray", "actors run on Ray nodes: they need the looprl code"
     assert ray["environment"]["RAY_AUTH_MODE"] == "token"
-    assert "--ray-client-server-port=10001" in ray["command"]
+    assert "--port=6379" in ray["command"]
     for name in STACK:
-        assert COMPOSE_SERVICES[name]["environment"]["LOOPRL_RAY_ADDRESS"] == "ray://ray-head:10001"
+        env = COMPOSE_SERVICES[name]["environment"]
+        # Not a ray:// client address: Ray client has no streaming generators (the router needs them).
+        expected = "" if name == "gateway" else "ray-head:6379"
+        assert env["LOOPRL_RAY_ADDRESS"] == expected, name
+        if expected:
+            assert env["RAY_AUTH_TOKEN"] == ray["environment"]["RAY_AUTH_TOKEN"]
 
 
 @pytest.mark.parametrize("name", sorted(COMPOSE_SERVICES))

@@ -86,11 +86,11 @@ def copied_sources(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("name", sorted(STACK))
-def test_each_service_has_a_target_running_its_module_under_tini(name):
+def test_each_service_has_a_target_running_its_module_through_the_entrypoint(name):
     all_stages = stages(DOCKERFILE)
     assert name in all_stages, f"no `FROM runtime AS {name}` stage in {DOCKERFILE}"
     entrypoint = json.loads(last(chain(all_stages, name), "ENTRYPOINT"))
-    assert entrypoint == ["tini", "--", "python", "-m", STACK[name]]
+    assert entrypoint == ["tini", "--", "looprl-entrypoint", STACK[name]]
     assert importlib.util.find_spec(f"{STACK[name]}.__main__") is not None
 
 
@@ -149,7 +149,10 @@ def test_gpu_image_installs_vllm_from_its_requirements_and_runs_the_router():
     assert "pip install --no-deps ." in text
     all_stages = stages(GPU_DOCKERFILE)
     final = list(all_stages)[-1]
-    assert json.loads(last(chain(all_stages, final), "ENTRYPOINT"))[-1] == "services.inference_router"
+    assert json.loads(last(chain(all_stages, final), "ENTRYPOINT"))[-2:] == [
+        "looprl-entrypoint",
+        "services.inference_router",
+    ]
     assert last(chain(all_stages, final), "USER").split(":")[0] == "10001"
     assert "deploy/docker/inference-router.gpu.Dockerfile" in (ROOT / "pyproject.toml").read_text()
 
@@ -213,3 +216,68 @@ def test_healthcheck_reads_the_port_the_service_reads(health_server):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().endswith("SERVING")
+
+
+# --- deploy/docker/entrypoint.sh: join the Ray cluster, run the module, forward SIGTERM, leave ----
+
+ENTRYPOINT = ROOT / "deploy/docker/entrypoint.sh"
+SERVICE_STUB = """
+import os, signal, sys, time
+print("started", sys.argv[1:], flush=True)
+def stop(*_):
+    print("drained", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+open(os.environ["READY_FILE"], "w").close()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def entrypoint_env(tmp_path: Path, ray_address: str) -> dict[str, str]:
+    (tmp_path / "fake_service.py").write_text(SERVICE_STUB)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # A stand-in for the `ray` CLI that only records how it was called (no cluster in unit tests).
+    (bin_dir / "ray").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/ray-calls\n')
+    (bin_dir / "ray").chmod(0o755)
+    (bin_dir / "python").symlink_to(sys.executable)
+    return {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "PYTHONPATH": str(tmp_path),
+        "READY_FILE": str(tmp_path / "ready"),
+        "LOOPRL_RAY_ADDRESS": ray_address,
+    }
+
+
+def run_until_ready_then_sigterm(tmp_path: Path, env: dict[str, str]) -> tuple[int, str]:
+    import time
+
+    proc = subprocess.Popen(
+        ["sh", str(ENTRYPOINT), "fake_service", "--flag"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "service never started"
+        time.sleep(0.05)
+    proc.terminate()
+    out, _ = proc.communicate(timeout=20)
+    return proc.returncode, out
+
+
+def test_entrypoint_joins_the_cluster_without_resources_forwards_sigterm_and_leaves(tmp_path):
+    env = entrypoint_env(tmp_path, "ray-head:6379")
+    code, out = run_until_ready_then_sigterm(tmp_path, env)
+    assert "started ['--flag']" in out and "drained" in out, out
+    assert code == 0
+    calls = (tmp_path / "ray-calls").read_text().splitlines()
+    assert calls[0].startswith("start --address=ray-head:6379 --num-cpus=0 --num-gpus=0")
+    assert calls[-1] == "stop"
+
+
+@pytest.mark.parametrize("address", ["", "ray://head:10001"])
+def test_entrypoint_without_a_cluster_address_just_runs_the_service(tmp_path, address):
+    env = entrypoint_env(tmp_path, address)
+    code, out = run_until_ready_then_sigterm(tmp_path, env)
+    assert "drained" in out and code == 0
+    assert not (tmp_path / "ray-calls").exists()

@@ -246,17 +246,19 @@ def test_raycluster_uses_token_auth_from_the_secret_on_every_node():
         assert c["readinessProbe"]["exec"]["command"][:2] == ["ray", "health-check"]
 
 
-def test_services_reach_the_ray_client_port_of_the_head_service():
+def test_services_join_the_gcs_of_the_head_service():
     cluster = raycluster()
     head = cluster["spec"]["headGroupSpec"]
-    port = head["rayStartParams"]["ray-client-server-port"]
+    port = head["rayStartParams"]["port"]
     container_ports = {
         p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]
     }
-    assert container_ports["client"] == int(port)
+    assert container_ports["gcs-server"] == int(port)
     address = of_kind("ConfigMap")["looprl-env"]["data"]["LOOPRL_RAY_ADDRESS"]
-    # KubeRay names the head Service <cluster>-head-svc.
-    assert address == f"ray://{cluster['metadata']['name']}-head-svc:{port}"
+    # KubeRay names the head Service <cluster>-head-svc. A GCS address, not ray://: see entrypoint.sh.
+    assert address == f"{cluster['metadata']['name']}-head-svc:{port}"
+    gateway_env = {e["name"]: e for e in container(of_kind("Deployment")["gateway"])["env"]}
+    assert gateway_env["LOOPRL_RAY_ADDRESS"]["value"] == "", "the gateway uses no Ray and must not join"
 
 
 # --- overlays, rendered --------------------------------------------------------------------------
@@ -273,6 +275,7 @@ def render(overlay: str) -> list[dict]:
 
 
 # ids avoid the bare word "gpu": tests/conftest.py skips items with that keyword on CPU machines.
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"], ids=["overlay-cpu", "overlay-nvidia"])
 def test_overlay_renders_into_valid_resources_in_one_namespace(overlay):
     resources = render(overlay)

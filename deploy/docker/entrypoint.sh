@@ -1,0 +1,36 @@
+#!/bin/sh
+# Container entrypoint of every looprl service image: `looprl-entrypoint <module> [args...]`.
+#
+# When LOOPRL_RAY_ADDRESS names a Ray cluster (host:port of the head's GCS), the container first
+# joins that cluster as a Ray node with no CPUs or GPUs of its own, so the service is an ordinary
+# Ray driver: it places its actors on the cluster's real nodes and keeps the full Ray API
+# (streaming generators, which the inference-router uses, are not available through Ray client).
+# Then it runs `python -m <module>`, forwards SIGTERM/SIGINT to it (the kit drains: NOT_SERVING,
+# in-flight work, NATS), waits for it, and leaves the cluster with `ray stop`.
+# Without a cluster address (empty, or a ray:// client address) it just execs the service.
+set -eu
+
+module="$1"
+shift
+
+case "${LOOPRL_RAY_ADDRESS:-}" in
+  "" | *://*)
+    exec python -m "$module" "$@"
+    ;;
+esac
+
+ray start --address="$LOOPRL_RAY_ADDRESS" --num-cpus=0 --num-gpus=0 \
+  --object-store-memory="${LOOPRL_RAY_OBJECT_STORE_BYTES:-268435456}" --disable-usage-stats >&2
+
+python -m "$module" "$@" &
+child=$!
+trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT
+status=0
+wait "$child" || status=$?
+# A trapped signal interrupts `wait` (status > 128) while the service is still draining.
+while kill -0 "$child" 2>/dev/null; do
+  status=0
+  wait "$child" || status=$?
+done
+ray stop >/dev/null 2>&1 || true
+exit "$status"
