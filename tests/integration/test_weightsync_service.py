@@ -111,7 +111,6 @@ def deployment_logprobs(engines, layout, prompt):
     return torch.log_softmax(logits.float(), -1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
 
 
-@pytest.mark.slow
 async def test_trainer_to_tp1_and_tp2_deployments_logprobs_match():
     h = await Harness().start()
     try:
