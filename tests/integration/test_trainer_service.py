@@ -179,8 +179,33 @@ async def _train_records(bus: Bus, run_id: str, expected: int) -> list[events_pb
     out = []
     try:
         while len(out) < expected:
-            msg = await sub.next_msg(timeout=5)
+            msg = await sub.next_msg(timeout=60)  # the first waits for the ranks to start
             out.append(events_pb2.TrainStepRecord.FromString(msg.data))
     finally:
         await sub.unsubscribe()
     return out
+
+
+async def test_sigterm_drain_finishes_the_step_and_writes_a_final_checkpoint(
+    packer, nats_url, ray_client, tmp_path
+) -> None:
+    packer_app, packer_address = packer
+    run_id = f"tr-{uuid.uuid4().hex[:8]}"
+    recipe = parse_recipe(RECIPE.format(steps=50))
+    await packer_app.add_run(run_id, packer_app.settings_for(recipe))
+    bus = await Bus.connect(nats_url, name="test")
+    app, service = await _trainer(nats_url, packer_address, str(tmp_path))
+    try:
+        await _publish_steps(bus, run_id, 0, 1)  # one step of data, then the trainer waits for more
+        run = app.begin(run_id, recipe)
+        await _train_records(bus, run_id, 1)
+        await service.drain()  # what SIGTERM triggers: stop after the step, checkpoint, release ranks
+        assert run.state == "stopped" and run.step == 1
+        assert [p.name for p in list_checkpoints(tmp_path / run_id)] == ["step_00000001"]
+        stats = await packer_pb2_grpc.RolloutPackerServiceStub(
+            grpc.aio.insecure_channel(packer_address)
+        ).Stats(packer_pb2.StatsRequest(run_id=run_id))
+        assert stats.acked_rollouts == 4  # acked once the final checkpoint covered it
+    finally:
+        await service.drain()
+        await bus.close()
