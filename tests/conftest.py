@@ -7,12 +7,19 @@ Tests that need neither never pay for them.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from services.kit.local import NatsServer, RayHead, free_port
+
+# Ray reads its auth settings when it is first imported, which may happen while test modules are
+# collected, before any fixture runs: fix the session's token now, for the head and every client.
+SESSION_RAY_TOKEN = secrets.token_hex(16)
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ["RAY_AUTH_TOKEN"] = SESSION_RAY_TOKEN
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -48,7 +55,9 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
     """A real Ray head (token auth on); its connection settings are exported to the environment
     so that ray.init() in tests and in service subprocesses joins it."""
     port = next(p for p in range(26400, 26500) if _free(p))
-    head = RayHead(state_dir=tmp_path_factory.mktemp("ray"), port=port, num_cpus=16).start()
+    head = RayHead(
+        state_dir=tmp_path_factory.mktemp("ray"), port=port, num_cpus=16, token=SESSION_RAY_TOKEN
+    ).start()
     saved = {k: os.environ.get(k) for k in head.env()}
     os.environ.update(head.env())
     yield head
