@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 RECIPE ?= configs/digits_grpo.toml
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast lint fmt protos check breaking up down status bench clean
+.PHONY: setup run test test-fast lint fmt protos check breaking up down status bench clean compose-up compose-down
 
 setup: $(STAMP)
 
@@ -57,6 +57,13 @@ status: setup
 
 bench: setup
 	$(PY) -m bench.all $(BENCH_ARGS)
+
+# The containerised stack (needs a Docker engine): see deploy/README.md.
+compose-up:
+	docker compose up --build -d
+
+compose-down:
+	docker compose down
 
 clean: down
 	rm -rf .looprl reports

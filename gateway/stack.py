@@ -37,9 +37,8 @@ PEER_VARIABLES = {
     "weight-sync": "LOOPRL_WEIGHT_SYNC_ADDRESS",
     "inference-router": "LOOPRL_ROUTER_ADDRESS",
     "reward": "LOOPRL_REWARD_ADDRESS",
-    "environment-sandbox": "LOOPRL_ENVIRONMENT_ADDRESS",
+    "environment-sandbox": "LOOPRL_SANDBOX_ADDRESS",
     "rollout-packer": "LOOPRL_PACKER_ADDRESS",
-    "trainer": "LOOPRL_TRAINER_ADDRESS",
 }
 
 
