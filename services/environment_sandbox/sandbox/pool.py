@@ -319,7 +319,10 @@ class SandboxPool:
             }
         ).encode()
         start = time.perf_counter()
-        await asyncio.to_thread(_write_and_close, worker.job_fd, payload)
+        if len(payload) < 32768:  # fits the empty pipe's buffer: the write cannot block
+            _write_and_close(worker.job_fd, payload)
+        else:
+            await asyncio.to_thread(_write_and_close, worker.job_fd, payload)
         worker.job_fd = -1
         budget = [cfg.max_output_bytes]
         truncated = asyncio.Event()
