@@ -14,11 +14,16 @@ import pytest
 from services.environment_sandbox.sandbox import ExecJob, SandboxConfig, SandboxPool
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops privileges: needs root")
+# A uid range of its own, so pools of other processes on this host (services under test) never
+# share uids with the pools checked here.
+UID_BASE = 700000
 
 
 @pytest.fixture
 async def pool():
-    p = await SandboxPool(SandboxConfig(warm_workers=2, timeout_s=2.0, max_output_bytes=256 * 1024)).start()
+    p = await SandboxPool(
+        SandboxConfig(warm_workers=2, timeout_s=2.0, max_output_bytes=256 * 1024, uid_base=UID_BASE)
+    ).start()
     yield p
     # The pool still works after whatever the test did.
     after = await p.execute(ExecJob("print(6 * 7)"))
@@ -30,7 +35,7 @@ async def test_isolation_is_fully_applied_as_root(pool):
     result = await pool.execute(ExecJob("import os; print(os.getuid(), os.getgid(), os.getgroups())"))
     assert result.exit_code == 0
     uid, gid, groups = result.stdout.split(" ", 2)
-    assert int(uid) >= 600000 and int(gid) == 65534 and groups.strip() == "[]"
+    assert UID_BASE <= int(uid) < UID_BASE + 64 * 256 and int(gid) == 65534 and groups.strip() == "[]"
     assert result.missing_isolation == []
     for mechanism in ("netns", "pidns", "mountns", "rlimits", "no_new_privs"):
         assert mechanism in result.isolation
@@ -107,7 +112,9 @@ async def test_fork_bomb_is_contained_and_killed(pool):
     # Nothing of the bomb survives on the host: no process is left under the bomb's uid.
     uid = int(next(m for m in result.isolation if m.startswith("uid:")).split(":")[1])
     for _ in range(40):
-        leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _uid_of(p) == uid]
+        leftovers = [
+            p for p in Path("/proc").iterdir() if p.name.isdigit() and _uid_of(p) == uid and _alive(p)
+        ]
         if not leftovers:
             break
         await asyncio.sleep(0.05)
@@ -181,6 +188,13 @@ async def test_files_stdin_and_exit_codes(pool):
     result = await pool.execute(job)
     assert result.stdout.strip() == "42"
     assert result.exit_code == 3
+
+
+def _alive(proc_dir: Path) -> bool:
+    try:
+        return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _uid_of(proc_dir: Path) -> int:

@@ -47,7 +47,7 @@ class SandboxConfig:
     fsize_bytes: int = 16 * 1024 * 1024
     nofile: int = 64
     uid_base: int = 600000
-    uid_count: int = 1024
+    uid_count: int = 256
     gid: int = 65534
     python: str = sys.executable
     root_dir: str = ""
@@ -106,13 +106,62 @@ class _Worker:
         self.missing: list[str] = []
 
     def kill(self) -> None:
-        # The init is pid 1 of the sandbox's PID namespace: killing it kills everything inside.
+        # The init is pid 1 of the sandbox's PID namespace: killing it kills everything inside,
+        # and the outer process then reaps it and exits. Killing the outer too would orphan the
+        # init to the host's pid 1; only without a PID namespace is the process group the handle.
+        if self.init_pid and "pidns" in self.isolation:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.init_pid, signal.SIGKILL)
+            return
         for pid in (self.init_pid, self.proc.pid):
             if pid:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+class _UidBlock:
+    """A block of uids this pool owns exclusively on the host.
+
+    RLIMIT_NPROC counts per uid across the whole host, so two pools (a service, a Ray actor, a
+    test) handing out the same uid would share one process budget. A pool claims block k by
+    creating `uid-block-k` exclusively (O_EXCL) with its pid inside; blocks of dead pids are
+    taken over."""
+
+    def __init__(self, root: Path, base: int, count: int, max_blocks: int = 64) -> None:
+        for k in range(max_blocks):
+            marker = root / f"uid-block-{k}"
+            if self._claim(marker):
+                self.marker = marker
+                self.uids = list(range(base + k * count, base + (k + 1) * count))
+                return
+        raise SandboxError(f"all {max_blocks} sandbox uid blocks are in use on this host")
+
+    @staticmethod
+    def _claim(marker: Path) -> bool:
+        for _ in range(2):
+            try:
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            except FileExistsError:
+                try:
+                    owner = int(marker.read_text() or "0")
+                    if owner == os.getpid():
+                        return False
+                    os.kill(owner, 0)
+                    return False
+                except ProcessLookupError:
+                    marker.unlink(missing_ok=True)  # the owner died: take the block over
+                    continue
+                except (ValueError, OSError):
+                    return False
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            return True
+        return False
+
+    def release(self) -> None:
+        self.marker.unlink(missing_ok=True)
 
 
 class SandboxPool:
@@ -126,7 +175,8 @@ class SandboxPool:
         self._dir = Path(tempfile.mkdtemp(prefix=f"pool-{os.getpid()}-", dir=root))
         self._dir.chmod(0o711)  # the sandbox uid must traverse it to reach its own workspace
         self._ready: asyncio.Queue[_Worker] = asyncio.Queue()
-        self._free_uids = list(range(self.config.uid_base, self.config.uid_base + self.config.uid_count))
+        self._uid_block = _UidBlock(root, self.config.uid_base, self.config.uid_count)
+        self._free_uids = list(self._uid_block.uids)
         self._seq = itertools.count()
         self._slots = asyncio.Semaphore(self.config.max_concurrency)
         self._spawning = 0
@@ -205,6 +255,7 @@ class SandboxPool:
         while not self._ready.empty():
             await self._dispose(self._ready.get_nowait())
         shutil.rmtree(self._dir, ignore_errors=True)
+        self._uid_block.release()
 
     # -- internals ---------------------------------------------------------------------------------
 
