@@ -56,6 +56,7 @@ class DeploymentManager:
         self.specs: dict[str, DeploymentSpec] = {}
         self.actors: dict[str, Any] = {}
         self._weight_sync: Any = None
+        self._every_k: dict[str, int] = {}
         self._bus: Any = None
         self._subscription: Any = None
 
@@ -175,43 +176,58 @@ class DeploymentManager:
     # ---- weight-sync and events ----------------------------------------------------------------
 
     async def register_with_weight_sync(self, state: DeploymentState, every_k: int) -> None:
+        """One weight-sync target per replica (a target is one TP group), named after the replica."""
         if not self.config.weight_sync_address:
             return
-        from looprl.common.v1 import common_pb2
-        from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
-        from services.kit.server import open_channel
+        self._every_k[state.name] = max(1, every_k)
+        await asyncio.gather(*(self.register_replica(state, r) for r in state.replicas))
 
-        ranks = []
-        for replica in state.replicas:
-            addresses = await self._rank_addresses(replica)
-            ranks.extend(
-                weightsync_pb2.TargetRank(rank=rank, address=address, same_host=not state.external)
-                for rank, address in enumerate(addresses)
+    async def register_replica(self, state: DeploymentState, replica: ReplicaState) -> None:
+        from looprl.common.v1 import common_pb2
+        from looprl.weightsync.v1 import weightsync_pb2
+
+        addresses = await self._rank_addresses(replica)
+        if len(addresses) != state.tensor_parallel:
+            log.warning(
+                "replica %s reported %d rank addresses for tp=%d; not registered",
+                replica.name,
+                len(addresses),
+                state.tensor_parallel,
             )
+            return
         dtype = {"bfloat16": common_pb2.D_TYPE_BFLOAT16, "float16": common_pb2.D_TYPE_FLOAT16}.get(
             state.dtype, common_pb2.D_TYPE_FLOAT32
         )
         request = weightsync_pb2.RegisterTargetRequest(
-            deployment=state.name,
+            deployment=replica.name,
             layout=weightsync_pb2.TargetLayout(
                 tensor_parallel=state.tensor_parallel, naming=state.layout, dtype=dtype
             ),
-            ranks=ranks,
-            every_k_versions=max(1, every_k),
+            ranks=[
+                weightsync_pb2.TargetRank(rank=rank, address=address, same_host=not state.external)
+                for rank, address in enumerate(addresses)
+            ],
+            every_k_versions=self._every_k.get(state.name, 1),
             run_id=self.config.run_id,
         )
-        if self._weight_sync is None:
-            self._weight_sync = weightsync_pb2_grpc.WeightSyncServiceStub(
-                open_channel(self.config.weight_sync_address, self.config.max_message_bytes)
-            )
         try:
-            reply = await self._weight_sync.RegisterTarget(request, timeout=10)
+            reply = await self._weight_sync_stub().RegisterTarget(request, timeout=10)
         except Exception as exc:
-            log.warning("weight-sync registration of %s failed: %s", state.name, exc)
+            log.warning("weight-sync registration of %s failed: %s", replica.name, exc)
             return
         if reply.current_version >= 0:
             self.router.on_weights_published(state.name, reply.current_version)
-        log.info("registered %s with weight-sync (%d ranks)", state.name, len(ranks))
+        log.info("registered %s with weight-sync at %s", replica.name, ", ".join(addresses))
+
+    def _weight_sync_stub(self) -> Any:
+        if self._weight_sync is None:
+            from looprl.weightsync.v1 import weightsync_pb2_grpc
+            from services.kit.server import open_channel
+
+            self._weight_sync = weightsync_pb2_grpc.WeightSyncServiceStub(
+                open_channel(self.config.weight_sync_address, self.config.max_message_bytes)
+            )
+        return self._weight_sync
 
     async def _rank_addresses(self, replica: ReplicaState) -> list[str]:
         handle = self.router.handles[replica.name]
@@ -226,15 +242,21 @@ class DeploymentManager:
         return [address] if address else []
 
     async def request_sync(self, deployment: str, replica: str) -> None:
-        """A restarted replica lacks the newest weights: ask weight-sync to deliver them."""
-        if not self.config.weight_sync_address or self._weight_sync is None:
+        """A restarted replica lacks the newest weights and listens on a new address: register it
+        again (weight-sync then delivers the latest version to it) and ask for the sync."""
+        if not self.config.weight_sync_address:
             log.info("replica %s restarted; no weight-sync configured to resync it", replica)
             return
         from looprl.weightsync.v1 import weightsync_pb2
 
-        reply = await self._weight_sync.RequestSync(
-            weightsync_pb2.RequestSyncRequest(deployment=deployment), timeout=30
-        )
+        await self.register_replica(self.router.deployments[deployment], self.router.replicas[replica])
+        try:
+            reply = await self._weight_sync_stub().RequestSync(
+                weightsync_pb2.RequestSyncRequest(deployment=replica), timeout=30
+            )
+        except Exception as exc:  # e.g. no version pushed yet: registration alone suffices then
+            log.info("RequestSync for %s: %s", replica, exc)
+            return
         log.info("asked weight-sync to resync %s (version %d)", replica, reply.version)
 
     async def follow_weight_events(self, nats_url: str) -> None:
@@ -251,7 +273,11 @@ class DeploymentManager:
             except Exception:
                 log.warning("ignoring a malformed weights event on %s", msg.subject)
                 return
-            self.router.on_weights_published(event.deployment, event.version)
+            # Targets are replicas; events name the replica (or a whole deployment).
+            replica = self.router.replicas.get(event.deployment)
+            self.router.on_weights_published(
+                replica.deployment if replica else event.deployment, event.version
+            )
             await self.router.poll_once()
 
         self._subscription = await self._bus.nc.subscribe(subject, cb=on_message)

@@ -323,13 +323,17 @@ class Router:
                     "replica %s restarted (version %d -> %d)", replica.name, replica.weight_version, version
                 )
                 self._mark_restarting(replica)
-            if (
+            address = str(status.get("address") or "")
+            moved = bool(replica.address and address and address != replica.address)
+            lacking = (
                 replica.resync_to_version is not None
                 and version < replica.resync_to_version
                 and not replica.sync_requested
-            ):
-                # It answers again but lacks the newest weights: ask for them once.
+            )
+            if lacking:
                 replica.sync_requested = True
+            if moved or lacking:
+                # It came back (on a new address, or without the newest weights): resync it once.
                 self._restarted(replica)
             replica.weight_version = version
             replica.healthy = bool(status.get("ready", True))

@@ -1,0 +1,120 @@
+"""The router with the real weight-sync service: replicas get their weights only through weight-sync
+(the router registers every replica as a target), a request demanding a version waits for it, and a
+killed replica comes back on a new address, is registered again, receives the latest version and
+only then serves again — nothing in the test loads weights by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from looprl.common.v1 import common_pb2
+from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
+from services.inference_router.local_fleet import REPO_ROOT, RouterProcess, replica_actor, tiny_checkpoint
+from services.kit.local import free_port, stop_process_group, wait_for_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def weight_sync(tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("ws") / "weight-sync.log", "wb")  # noqa: SIM115
+    env = {
+        **os.environ,
+        "LOOPRL_WEIGHTSYNC_GRPC_PORT": str(port),
+        "LOOPRL_WEIGHTSYNC_USE_BUS": "false",
+        "LOOPRL_WEIGHTSYNC_GRACE_SECONDS": "2",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.weight_sync"], cwd=REPO_ROOT, env=env, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for_port(port, 60, proc, "weight-sync")
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_process_group(proc, grace=10)
+        log.close()
+
+
+def _push(stub, state, config, version):
+    from services.weight_sync.synthetic import rank_requests
+
+    config_json = json.dumps(config.to_hf_dict())
+    for rank in range(2):
+        stub.PushShards(
+            iter(
+                list(rank_requests(state, version=version, rank=rank, world=2, model_config_json=config_json))
+            ),
+            timeout=60,
+        )
+
+
+def _listing(stub):
+    reply = stub.ListDeployments(inference_pb2.ListDeploymentsRequest(), timeout=5)
+    return {r.name: (r.healthy, r.weight_version) for d in reply.deployments for r in d.replicas}
+
+
+def _wait(cond, timeout, router, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{what} within {timeout}s; router log:\n{router.tail()}")
+
+
+def test_replicas_receive_weights_through_weight_sync_and_a_restarted_one_resyncs(
+    ray_client, weight_sync, tmp_path
+):
+    import ray
+
+    deployments = [{"name": "d", "replicas": 2, "max_model_len": 128, "max_batch_size": 8}]
+    router = RouterProcess(
+        deployments, tmp_path / "router.log", weight_sync_address=weight_sync, status_interval_s=0.2,
+        replica_num_cpus=0.5, version_wait_s=30,
+    )  # fmt: skip
+    ws_channel = grpc.insecure_channel(weight_sync)
+    ws = weightsync_pb2_grpc.WeightSyncServiceStub(ws_channel)
+    try:
+        router.wait_serving(150)
+        channel = grpc.insecure_channel(router.address)
+        stub = inference_pb2_grpc.InferenceRouterServiceStub(channel)
+        targets = {t.deployment for t in ws.GetVersion(weightsync_pb2.GetVersionRequest(), timeout=5).targets}
+        assert targets == {"d-r0", "d-r1"}
+
+        request = inference_pb2.GenerateRequest(
+            prompt_token_ids=[4, 5, 6], sampling=common_pb2.SamplingParams(max_tokens=4, temperature=1.0),
+            min_weight_version=1,
+        )  # fmt: skip
+        waiting = stub.Generate.future(request, timeout=60)  # no replica has weights yet: it waits
+        config, state = tiny_checkpoint(seed=1)
+        _push(ws, state, config, version=1)
+        response = waiting.result()
+        assert response.completions[0].weight_version == 1
+        _wait(
+            lambda: _listing(stub) == {"d-r0": (True, 1), "d-r1": (True, 1)},
+            30,
+            router,
+            "both replicas at v1",
+        )
+
+        ray.kill(replica_actor("d", 0, router.namespace), no_restart=False)
+        # While d-r0 is restarting and resyncing, requests are served by d-r1.
+        for _ in range(3):
+            assert stub.Generate(request, timeout=60).replica == "d-r1"
+        _wait(lambda: _listing(stub)["d-r0"] == (True, 1), 60, router, "restarted replica resynced to v1")
+        served = {stub.Generate(request, timeout=60).replica for _ in range(6)}
+        assert served == {"d-r0", "d-r1"}
+        channel.close()
+    finally:
+        router.stop()
+        ws_channel.close()
