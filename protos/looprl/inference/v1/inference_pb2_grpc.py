@@ -282,6 +282,11 @@ class InferenceEngineServiceStub:
                 request_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.AbortWeightsRequest.SerializeToString,
                 response_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.AbortWeightsResponse.FromString,
                 _registered_method=True)
+        self.RollbackWeights = channel.unary_unary(
+                '/looprl.inference.v1.InferenceEngineService/RollbackWeights',
+                request_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.RollbackWeightsRequest.SerializeToString,
+                response_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.RollbackWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceEngineServiceServicer:
@@ -334,6 +339,15 @@ class InferenceEngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RollbackWeights(self, request, context):
+        """Undo the commit of `version` (a canary whose golden-prompt check failed): serve the version
+        that served before it again. FAILED_PRECONDITION once the replica no longer holds that
+        version (staging of a newer version reuses its buffers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceEngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -371,6 +385,11 @@ def add_InferenceEngineServiceServicer_to_server(servicer, server):
                     servicer.AbortWeights,
                     request_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.AbortWeightsRequest.FromString,
                     response_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.AbortWeightsResponse.SerializeToString,
+            ),
+            'RollbackWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollbackWeights,
+                    request_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.RollbackWeightsRequest.FromString,
+                    response_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.RollbackWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -564,6 +583,33 @@ class InferenceEngineService:
             '/looprl.inference.v1.InferenceEngineService/AbortWeights',
             looprl_dot_inference_dot_v1_dot_inference__pb2.AbortWeightsRequest.SerializeToString,
             looprl_dot_inference_dot_v1_dot_inference__pb2.AbortWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollbackWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/looprl.inference.v1.InferenceEngineService/RollbackWeights',
+            looprl_dot_inference_dot_v1_dot_inference__pb2.RollbackWeightsRequest.SerializeToString,
+            looprl_dot_inference_dot_v1_dot_inference__pb2.RollbackWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -120,6 +120,11 @@ class InferenceEngineServiceStub:
     """Switch to a fully staged and verified version."""
     AbortWeights: _grpc.UnaryUnaryMultiCallable[_inference_pb2.AbortWeightsRequest, _inference_pb2.AbortWeightsResponse]
     """Drop a staged version."""
+    RollbackWeights: _grpc.UnaryUnaryMultiCallable[_inference_pb2.RollbackWeightsRequest, _inference_pb2.RollbackWeightsResponse]
+    """Undo the commit of `version` (a canary whose golden-prompt check failed): serve the version
+    that served before it again. FAILED_PRECONDITION once the replica no longer holds that
+    version (staging of a newer version reuses its buffers).
+    """
 
 @_typing.type_check_only
 class InferenceEngineServiceAsyncStub(InferenceEngineServiceStub):
@@ -138,6 +143,11 @@ class InferenceEngineServiceAsyncStub(InferenceEngineServiceStub):
     """Switch to a fully staged and verified version."""
     AbortWeights: _aio.UnaryUnaryMultiCallable[_inference_pb2.AbortWeightsRequest, _inference_pb2.AbortWeightsResponse]  # type: ignore[assignment]
     """Drop a staged version."""
+    RollbackWeights: _aio.UnaryUnaryMultiCallable[_inference_pb2.RollbackWeightsRequest, _inference_pb2.RollbackWeightsResponse]  # type: ignore[assignment]
+    """Undo the commit of `version` (a canary whose golden-prompt check failed): serve the version
+    that served before it again. FAILED_PRECONDITION once the replica no longer holds that
+    version (staging of a newer version reuses its buffers).
+    """
 
 class InferenceEngineServiceServicer(metaclass=_abc_1.ABCMeta):
     """The contract of one inference replica. Weights are staged beside the serving version
@@ -195,5 +205,16 @@ class InferenceEngineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.AbortWeightsResponse, _abc.Awaitable[_inference_pb2.AbortWeightsResponse]]:
         """Drop a staged version."""
+
+    @_abc_1.abstractmethod
+    def RollbackWeights(
+        self,
+        request: _inference_pb2.RollbackWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.RollbackWeightsResponse, _abc.Awaitable[_inference_pb2.RollbackWeightsResponse]]:
+        """Undo the commit of `version` (a canary whose golden-prompt check failed): serve the version
+        that served before it again. FAILED_PRECONDITION once the replica no longer holds that
+        version (staging of a newer version reuses its buffers).
+        """
 
 def add_InferenceEngineServiceServicer_to_server(servicer: InferenceEngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -54,14 +54,16 @@ class PushShardsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., version_complete: _Optional[bool] = ...) -> None: ...
 
 class TargetRank(_message.Message):
-    __slots__ = ("rank", "address", "same_host")
+    __slots__ = ("rank", "address", "same_host", "replica")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SAME_HOST_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     rank: int
     address: str
     same_host: bool
-    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., same_host: _Optional[bool] = ...) -> None: ...
+    replica: str
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., same_host: _Optional[bool] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class TargetLayout(_message.Message):
     __slots__ = ("tensor_parallel", "naming", "dtype")
@@ -74,7 +76,7 @@ class TargetLayout(_message.Message):
     def __init__(self, tensor_parallel: _Optional[int] = ..., naming: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
 
 class RegisterTargetRequest(_message.Message):
-    __slots__ = ("deployment", "layout", "ranks", "every_k_versions", "canary", "run_id", "model_config_json")
+    __slots__ = ("deployment", "layout", "ranks", "every_k_versions", "canary", "run_id", "model_config_json", "canary_policy")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +84,7 @@ class RegisterTargetRequest(_message.Message):
     CANARY_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CANARY_POLICY_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     layout: TargetLayout
     ranks: _containers.RepeatedCompositeFieldContainer[TargetRank]
@@ -89,7 +92,24 @@ class RegisterTargetRequest(_message.Message):
     canary: bool
     run_id: str
     model_config_json: str
-    def __init__(self, deployment: _Optional[str] = ..., layout: _Optional[_Union[TargetLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[TargetRank, _Mapping]]] = ..., every_k_versions: _Optional[int] = ..., canary: _Optional[bool] = ..., run_id: _Optional[str] = ..., model_config_json: _Optional[str] = ...) -> None: ...
+    canary_policy: CanaryPolicy
+    def __init__(self, deployment: _Optional[str] = ..., layout: _Optional[_Union[TargetLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[TargetRank, _Mapping]]] = ..., every_k_versions: _Optional[int] = ..., canary: _Optional[bool] = ..., run_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., canary_policy: _Optional[_Union[CanaryPolicy, _Mapping]] = ...) -> None: ...
+
+class GoldenPrompt(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CanaryPolicy(_message.Message):
+    __slots__ = ("prompts", "tokens_per_prompt", "max_logprob_drift")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROB_DRIFT_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[GoldenPrompt]
+    tokens_per_prompt: int
+    max_logprob_drift: float
+    def __init__(self, prompts: _Optional[_Iterable[_Union[GoldenPrompt, _Mapping]]] = ..., tokens_per_prompt: _Optional[int] = ..., max_logprob_drift: _Optional[float] = ...) -> None: ...
 
 class RegisterTargetResponse(_message.Message):
     __slots__ = ("current_version",)
@@ -102,20 +122,24 @@ class GetVersionRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetVersion(_message.Message):
-    __slots__ = ("deployment", "version", "state", "last_error", "last_bytes", "last_sync_seconds")
+    __slots__ = ("deployment", "version", "state", "last_error", "last_bytes", "last_sync_seconds", "canary_drift", "canary_rejected_version")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CANARY_DRIFT_FIELD_NUMBER: _ClassVar[int]
+    CANARY_REJECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     version: int
     state: str
     last_error: str
     last_bytes: int
     last_sync_seconds: float
-    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_bytes: _Optional[int] = ..., last_sync_seconds: _Optional[float] = ...) -> None: ...
+    canary_drift: float
+    canary_rejected_version: int
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_bytes: _Optional[int] = ..., last_sync_seconds: _Optional[float] = ..., canary_drift: _Optional[float] = ..., canary_rejected_version: _Optional[int] = ...) -> None: ...
 
 class GetVersionResponse(_message.Message):
     __slots__ = ("latest_version", "targets")
