@@ -48,6 +48,7 @@ from services.inference_router.engine.base import EngineRequest, SamplingParams
 from services.inference_router.engine.cpu import CPUEngine
 from services.inference_router.engine.scheduler import SchedulerLimits
 from services.modeling.config import ModelConfig
+from services.modeling.logprobs import entropy as token_entropy
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.tokenizer import CharTokenizer
@@ -84,6 +85,9 @@ class GRPOSettings:
     clip_low: float = 0.2
     clip_high: float = 0.28
     tis_cap: float = 2.0
+    kl_coef: float = 0.0
+    # Not a recipe field yet (LossConfig has it): a bonus that keeps sampling exploratory.
+    entropy_coef: float = 0.0
     lr: float = 3e-3
     warmup_steps: int = 2
     schedule: str = "constant"
@@ -132,6 +136,7 @@ class GRPOSettings:
             clip_low=r.algorithm.clip_low,
             clip_high=r.algorithm.clip_high,
             tis_cap=r.algorithm.tis_cap,
+            kl_coef=r.algorithm.kl_coef,
             lr=r.optimizer.lr,
             warmup_steps=r.optimizer.warmup_steps,
             schedule=r.optimizer.schedule,
@@ -158,6 +163,7 @@ class StepRecord:
     train_seconds: float
     sync_seconds: float
     clip_fraction: float
+    entropy: float
     grad_norm: float
     lr: float
     sample: str = ""
@@ -191,6 +197,11 @@ class SingleProcessGRPO:
         self.config = settings.model_config()
         self.policy = Qwen2ForCausalLM(self.config, seed=settings.seed)
         self.policy.init_weights(settings.seed, std=settings.init_std)
+        self.reference: Qwen2ForCausalLM | None = None
+        if settings.kl_coef > 0:  # the frozen initial policy, as the trainer keeps it
+            self.reference = Qwen2ForCausalLM(self.config, seed=None)
+            self.reference.load_state_dict(self.policy.state_dict())
+            self.reference.requires_grad_(False).eval()
         self.optimizer, self.scheduler = build_optimizer(
             list(self.policy.parameters()),
             OptimizerSpec(
@@ -207,6 +218,8 @@ class SingleProcessGRPO:
             clip_low=settings.clip_low,
             clip_high=settings.clip_high,
             tis_cap=settings.tis_cap,
+            kl_coef=settings.kl_coef,
+            entropy_coef=settings.entropy_coef,
             aggregation=settings.aggregation,
             max_tokens=settings.max_tokens,
         )
@@ -336,6 +349,22 @@ class SingleProcessGRPO:
 
     # ---- train -----------------------------------------------------------------------------------
 
+    def micro_batches(self, batch: StepBatch) -> list[PackedMicroBatch]:
+        """The step's micro-batches as the trainer receives them, checked like the trainer checks them."""
+        micro = [_to_trainer_batch(mb) for mb in batch.micro_batches(0)]
+        validate_rank_batches(micro, batch.step, self.config.vocab_size)
+        return micro
+
+    @torch.no_grad()
+    def policy_logprobs(self, micro: list[PackedMicroBatch]) -> list[torch.Tensor]:
+        """Per-token log-probs of the current policy (trainer side), one tensor per micro-batch."""
+        self.policy.eval()
+        out = []
+        for mb in micro:
+            logits = self.policy(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+            out.append(token_logprobs(logits, mb.input_ids, mb.cu_seqlens, self.s.temperature))
+        return out
+
     def train(self, batch: StepBatch | None) -> dict[str, float]:
         """One optimizer step on the packed micro-batches (what one trainer rank does, without FSDP)."""
         lr = self.scheduler.get_last_lr()[0]
@@ -343,15 +372,26 @@ class SingleProcessGRPO:
             self.scheduler.step()
             self.version += 1
             return {"loss": 0.0, "trained_tokens": 0, "loss_tokens": 0, "clip_fraction": 0.0,
-                    "grad_norm": 0.0, "lr": lr}  # fmt: skip
-        micro = [_to_trainer_batch(mb) for mb in batch.micro_batches(0)]
-        validate_rank_batches(micro, self.version, self.config.vocab_size)
+                    "entropy": 0.0, "grad_norm": 0.0, "lr": lr}  # fmt: skip
+        if batch.step != self.version:
+            raise ValueError(f"batch.step: {batch.step} is not the trainer's next step {self.version}")
+        micro = self.micro_batches(batch)
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = LossMetrics()
         for mb in micro:
             logits = self.policy(mb.input_ids, mb.position_ids, mb.cu_seqlens)
             logp = token_logprobs(logits, mb.input_ids, mb.cu_seqlens, self.s.temperature)
+            if self.s.entropy_coef > 0:
+                ent = token_entropy(logits, mb.cu_seqlens, self.s.temperature)
+            else:  # measured either way: a collapsing entropy is how a stuck run shows itself
+                with torch.no_grad():
+                    ent = token_entropy(logits.detach(), mb.cu_seqlens, self.s.temperature)
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logits = self.reference(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+                    ref = token_logprobs(ref_logits, mb.input_ids, mb.cu_seqlens, self.s.temperature)
             share, metrics = policy_loss(
                 logp,
                 mb.behaviour_logprobs,
@@ -360,6 +400,8 @@ class SingleProcessGRPO:
                 mb.cu_seqlens,
                 self.loss_cfg,
                 StepNorm(mb.global_loss_tokens, mb.global_sequences),
+                ref_logprobs=ref,
+                entropy=ent,
                 versions=mb.versions,
                 trainer_version=self.version,
             )
@@ -379,6 +421,7 @@ class SingleProcessGRPO:
             "trained_tokens": sum(mb.num_tokens for mb in micro),
             "loss_tokens": int(m["loss_tokens"]),
             "clip_fraction": m["clip_fraction"],
+            "entropy": m["entropy"],
             "grad_norm": grad_norm,
             "lr": lr,
         }
@@ -412,6 +455,7 @@ class SingleProcessGRPO:
             train_seconds=t2 - t1,
             sync_seconds=t3 - t2,
             clip_fraction=info["clip_fraction"],
+            entropy=info["entropy"],
             grad_norm=info["grad_norm"],
             lr=info["lr"],
             sample=f"{self.tokenizer.decode(rollouts[0].prompt_ids)!r} -> {rollouts[0].text!r}",
@@ -492,6 +536,8 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--estimator", choices=("grpo", "dr_grpo", "rloo"))
     p.add_argument("--aggregation", choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
     p.add_argument("--filter-equal", action="store_true", dest="filter_equal_rewards", default=None)
+    p.add_argument("--kl-coef", type=float)
+    p.add_argument("--entropy-coef", type=float)
     p.add_argument("--init-std", type=float)
     p.add_argument("--grad-clip", type=float)
     p.add_argument("--env", type=json.loads, dest="env_config", help='JSON, e.g. {"ops": ["copy"]}')
@@ -508,13 +554,13 @@ def main() -> None:
         overrides["steps"] = 8
     settings = GRPOSettings.from_recipe(args.recipe, **overrides)
     print(f"settings: {json.dumps(asdict(settings))}", flush=True)
-    print(f"{'step':>4} {'reward':>7} {'std':>6} {'loss':>8} {'clip':>5} {'gnorm':>6} {'tok/s':>8} "
+    print(f"{'step':>4} {'reward':>7} {'std':>6} {'loss':>8} {'clip':>5} {'ent':>5} {'gnorm':>6} {'tok/s':>8} "
           f"{'gen s':>6} {'train s':>7}  sample")  # fmt: skip
 
     def log(r: StepRecord) -> None:
         if not args.quiet:
             print(
-                f"{r.step:>4} {r.mean_reward:>7.3f} {r.reward_std:>6.3f} {r.loss:>8.4f} {r.clip_fraction:>5.2f} "
+                f"{r.step:>4} {r.mean_reward:>7.3f} {r.reward_std:>6.3f} {r.loss:>8.4f} {r.clip_fraction:>5.2f} {r.entropy:>5.2f} "
                 f"{r.grad_norm:>6.2f} {r.tokens_per_s:>8.0f} {r.generate_seconds:>6.2f} {r.train_seconds:>7.2f}"
                 f"  {r.sample}",
                 flush=True,
