@@ -36,6 +36,7 @@ from services.environment_sandbox.environments import (
     make_environment,
     parse_task,
 )
+from services.environment_sandbox.environments.datasets import is_index_task, task_by_index
 
 log = logging.getLogger(__name__)
 _ROLLOUT_NS = uuid.UUID("5b3f1c4e-0d5a-4d0b-9a57-3f1f6f0e2a11")
@@ -107,6 +108,14 @@ class EpisodeRunner:
     async def run(self, task: events_pb2.EpisodeTask) -> common_pb2.Rollout:
         env = make_environment(task.environment, task.environment_config_json or None, self.env_context)
         payload = parse_task(task.task_json)
+        if is_index_task(payload):
+            payload = task_by_index(
+                task.environment,
+                payload["index"],
+                payload.get("seed", 0),
+                task.environment_config_json or None,
+            )
+        task_json = json.dumps(payload)
         rollout_id = rollout_id_for(task.run_id, task.task_id, task.group_id, task.sample_index)
         session_id = f"{task.run_id}/{rollout_id}"
         sampling = common_pb2.SamplingParams()
@@ -202,9 +211,7 @@ class EpisodeRunner:
         reward_name = task.reward or env.default_reward
         if self.score is not None and reward_name:
             transcript = "".join(t.text for t in rollout.turns)
-            score = await self.score(
-                reward_name, task.task_json, last_action, rollout_id, transcript, env_reward
-            )
+            score = await self.score(reward_name, task_json, last_action, rollout_id, transcript, env_reward)
             rollout.reward = score.score
             rollout.reward_components.update(score.components)
             if not score.ok:

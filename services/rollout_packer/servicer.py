@@ -67,10 +67,11 @@ class RolloutPackerServicer(packer_pb2_grpc.RolloutPackerServiceServicer):
         if remaining is not None:
             timeout = min(timeout or math.inf, max(0.001, remaining - 0.05))
         batch = await packer.step_batch(request.step, request.world_size, request.trainer_version, timeout)
+        reward_mean, reward_std = batch.reward_stats
         for j in range(batch.plan.micro_batches_per_rank):
-            yield packer_pb2.NextBatchResponse(
-                micro_batch=micro_batch_to_proto(batch.micro_batch(request.rank, j))
-            )
+            message = micro_batch_to_proto(batch.micro_batch(request.rank, j))
+            message.step_reward_mean, message.step_reward_std = reward_mean, reward_std
+            yield packer_pb2.NextBatchResponse(micro_batch=message)
 
     async def AckStep(
         self, request: packer_pb2.AckStepRequest, context: grpc.aio.ServicerContext

@@ -128,6 +128,12 @@ class StepBatch:
         return sum(self.sequences[i].loss_tokens for r in self.plan.bins for b in r for i in b.tolist())
 
     @cached_property
+    def reward_stats(self) -> tuple[float, float]:
+        """(mean, std) of the rewards of the step's rollouts, reported with every micro-batch."""
+        rewards = np.fromiter((s.reward for s in self.sequences), dtype=np.float64, count=len(self.sequences))
+        return (float(rewards.mean()), float(rewards.std())) if rewards.size else (0.0, 0.0)
+
+    @cached_property
     def global_sequences(self) -> int:
         return sum(b.size for r in self.plan.bins for b in r)
 

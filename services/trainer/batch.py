@@ -42,6 +42,9 @@ class PackedMicroBatch:
     index: int = 0
     count: int = 1
     rollout_ids: list[str] = field(default_factory=list)
+    # Reward statistics of the whole step, carried for the step record (not used by the loss).
+    step_reward_mean: float = 0.0
+    step_reward_std: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +106,8 @@ def from_proto(msg: packer_pb2.MicroBatch) -> PackedMicroBatch:
         index=msg.index,
         count=msg.count,
         rollout_ids=list(msg.rollout_ids),
+        step_reward_mean=msg.step_reward_mean,
+        step_reward_std=msg.step_reward_std,
     )
     if msg.num_tokens and msg.num_tokens != batch.num_tokens:
         raise BatchRejected(f"{where}.num_tokens: says {msg.num_tokens} but input_ids has {batch.num_tokens}")

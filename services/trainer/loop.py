@@ -179,6 +179,8 @@ class RunTrainer:
             num_tokens=int(m["num_tokens"]),
             step_seconds=m["step_seconds"],
             rollout_ids=m["rollout_ids"],
+            reward_mean=m.get("reward_mean", 0.0),
+            reward_std=m.get("reward_std", 0.0),
         )
         try:
             await self.bus.publish(

@@ -252,6 +252,8 @@ class TrainerWorker:
             step_seconds=seconds,
             max_staleness=max_staleness,
             rollout_ids=[rid for mb in decoded for rid in mb.rollout_ids],
+            reward_mean=decoded[0].step_reward_mean if decoded else 0.0,
+            reward_std=decoded[0].step_reward_std if decoded else 0.0,
         )
         return result
 

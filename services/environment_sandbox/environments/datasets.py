@@ -24,6 +24,27 @@ def generate_tasks(
     return [cls.generate(rng, config) for _ in range(count)]
 
 
+INDEX_KEYS = frozenset({"index", "seed"})
+
+
+def is_index_task(task: dict[str, Any]) -> bool:
+    """True for a task that only names a dataset position, as the gateway publishes them."""
+    return "index" in task and set(task) <= INDEX_KEYS
+
+
+def task_by_index(environment: str, index: int, seed: int = 0, config_json: str | dict | None = None) -> dict:
+    """The index-th task of a run's generated dataset, the same in every process that asks.
+
+    The gateway publishes {"index", "seed"} so it never imports environment code; the episode
+    worker resolves the prompt (and its reference answer) here.
+    """
+    if not isinstance(index, int) or index < 0:
+        raise EnvironmentError_(f"task_json.index: must be a non-negative integer, got {index!r}")
+    cls = environment_class(environment)
+    config = parse_config(cls, config_json)
+    return cls.generate(random.Random(f"{environment}:{seed}:{index}"), config)
+
+
 def load_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
     """Tasks from a local JSONL file, one JSON object per line; errors name the line."""
     with open(path) as fh:
