@@ -1,0 +1,113 @@
+"""The whole service loop vs a single-process GRPO script doing the same work: what the boundaries cost.
+
+Both sides run the same recipe (configs/digits_grpo.toml by default: same model, environment,
+sampling, batch, loss and optimizer) for the same number of steps on the same machine, and are
+compared on trained tokens per second: all tokens of the packed micro-batches the optimizer stepped
+on (prompt + completion), divided by the wall time of whole steps (generate, score, pack, train,
+weight update), the first step (warm-up) excluded. Target: the loop reaches >= 0.7x of the single
+process on 2 cores.
+
+Baseline (this file): bench/single_process_grpo.py in this process, with torch using every core the
+loop may use (`--threads`, default 2), so the single process is not handicapped by a thread limit
+the services do not have.
+
+Measured path: the service loop (gateway + every service as its own process) is the loop helper's
+half: it plugs in as `measure_service_loop`, which must return a `Throughput` measured with the same
+definition. Until it exists this benchmark prints the baseline and says that the ratio is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.common import emit
+from bench.single_process_grpo import DEFAULT_RECIPE, GRPOSettings, run_sync, summarize
+
+BENCH = "loop_vs_single_process"
+
+
+@dataclass
+class Throughput:
+    """One side of the comparison, measured over `steps` steps (the warm-up step excluded from rates)."""
+
+    label: str
+    steps: int
+    wall_seconds: float
+    trained_tokens_per_s: float
+    steps_per_s: float
+    first_reward: float
+    last_reward: float
+
+
+def measure_single_process(
+    recipe: str | Path = DEFAULT_RECIPE, steps: int | None = None, threads: int = 2, seed: int | None = None
+) -> Throughput:
+    """The baseline: the recipe's loop in one Python process (no services, no Ray, no NATS)."""
+    overrides: dict = {"threads": threads}
+    if steps is not None:
+        overrides["steps"] = steps
+    if seed is not None:
+        overrides["seed"] = seed
+    settings = GRPOSettings.from_recipe(recipe, **overrides)
+    s = summarize(run_sync(settings))
+    return Throughput(
+        label="single process",
+        steps=int(s["steps"]),
+        wall_seconds=s["wall_seconds"],
+        trained_tokens_per_s=s["trained_tokens_per_s"],
+        steps_per_s=s["steps_per_s"],
+        first_reward=s["first_reward"],
+        last_reward=s["last_reward"],
+    )
+
+
+def measure_service_loop(recipe: str | Path, steps: int) -> Throughput | None:
+    """The measured path (loop helper's half): run the recipe through the services; None until wired."""
+    return None
+
+
+def _row(t: Throughput) -> str:
+    return (
+        f"{t.label:<16} {t.steps:>5} {t.wall_seconds:>8.1f} {t.trained_tokens_per_s:>10.0f} "
+        f"{t.steps_per_s:>8.2f} {t.first_reward:>8.3f} {t.last_reward:>8.3f}"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="8 steps instead of the recipe's")
+    p.add_argument("--recipe", default=str(DEFAULT_RECIPE))
+    p.add_argument("--steps", type=int)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    steps = args.steps or (8 if args.quick else None)
+
+    single = measure_single_process(args.recipe, steps, threads=args.threads)
+    loop = measure_service_loop(args.recipe, single.steps)
+
+    print(f"{'path':<16} {'steps':>5} {'wall s':>8} {'tok/s':>10} {'steps/s':>8} {'first3':>8} {'last3':>8}")
+    print(_row(single))
+    if loop is not None:
+        print(_row(loop))
+    emit(
+        BENCH, "single_process_tokens_per_s", single.trained_tokens_per_s, None, None, "tokens/s", "baseline"
+    )
+    if loop is None:
+        print("service loop: not measured (measure_service_loop is not wired yet); no ratio")
+        return
+    ratio = loop.trained_tokens_per_s / max(single.trained_tokens_per_s, 1e-9)
+    emit(
+        BENCH,
+        "tokens_per_s_ratio",
+        loop.trained_tokens_per_s,
+        single.trained_tokens_per_s,
+        ratio,
+        "tokens/s",
+        ">= 0.7x of the single process on 2 cores",
+    )
+
+
+if __name__ == "__main__":
+    main()
