@@ -13,6 +13,7 @@ from gateway.runs import RunStore
 from gateway.service import GatewayServicer, RunManager
 from looprl.gateway.v1 import gateway_pb2_grpc
 from looprl.inference.v1 import inference_pb2_grpc
+from looprl.packer.v1 import packer_pb2_grpc
 from services.kit import subjects
 from services.kit.bus import Bus
 from services.kit.local import free_port
@@ -31,7 +32,10 @@ async def serve(config: GatewayConfig) -> None:
     async def setup(svc: Service) -> None:
         bus = await Bus.connect(config.nats_url, name="gateway")
         await bus.ensure_streams()
-        runs = RunManager(bus, RunStore(await bus.kv(subjects.RUNS)), Path(config.recipe_base_dir))
+        packer = None
+        if config.packer_address:
+            packer = packer_pb2_grpc.RolloutPackerServiceStub(open_channel(config.packer_address))
+        runs = RunManager(bus, RunStore(await bus.kv(subjects.RUNS)), Path(config.recipe_base_dir), packer)
         servicer.runs = runs
         router = None
         if config.router_address:

@@ -19,6 +19,7 @@ import uuid
 
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
+from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import subjects
 from services.kit.bus import KV, Bus, KVConflict
 from services.kit.recipe import Recipe, RunRecord
@@ -107,8 +108,14 @@ def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[st
 class RunDriver:
     """Feeds one run and follows its progress until it ends."""
 
-    def __init__(self, bus: Bus, store: RunStore, run_id: str) -> None:
-        self.bus, self.store, self.run_id = bus, store, run_id
+    def __init__(
+        self,
+        bus: Bus,
+        store: RunStore,
+        run_id: str,
+        packer: packer_pb2_grpc.RolloutPackerServiceStub | None = None,
+    ) -> None:
+        self.bus, self.store, self.run_id, self.packer = bus, store, run_id, packer
         self.changed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._version_seen = asyncio.Event()
@@ -176,10 +183,22 @@ class RunDriver:
             for delivery in await consumer.fetch(batch=16, timeout=1.0):
                 with delivery.process_span():
                     step = delivery.parse(events_pb2.TrainStepRecord)
-                    await self.store.update(self.run_id, lambda r, s=step: _apply_step(r, s))
+                    dropped = await self._dropped()
+                    await self.store.update(self.run_id, lambda r, s=step, d=dropped: _apply_step(r, s, d))
                     await delivery.ack()
                     self._version_seen.set()
                     self.changed.set()
+
+    async def _dropped(self) -> dict[str, int] | None:
+        """Rollouts the packer dropped for this run, by reason (None when it cannot be asked)."""
+        if self.packer is None:
+            return None
+        try:
+            stats = await self.packer.Stats(packer_pb2.StatsRequest(run_id=self.run_id), timeout=5)
+        except Exception as exc:  # progress accounting must not stop the run
+            log.warning("run %s: packer stats unavailable: %s", self.run_id, exc)
+            return None
+        return dict(stats.dropped)
 
     async def _follow_weights(self) -> None:
         consumer = await self.bus.pull_consumer(
@@ -198,7 +217,9 @@ def _fed(record: RunRecord, fed_steps: int, per_step: int) -> None:
     record.episodes_published = record.extra["fed_steps"] * per_step
 
 
-def _apply_step(record: RunRecord, step: events_pb2.TrainStepRecord) -> None:
+def _apply_step(record: RunRecord, step: events_pb2.TrainStepRecord, dropped: dict[str, int] | None) -> None:
+    if dropped is not None:
+        record.extra["dropped"] = dropped
     history = record.extra.setdefault("history", [])
     if any(h["step"] == step.step for h in history):
         return  # a redelivered record: already counted

@@ -65,8 +65,8 @@ def run_to_proto(record: RunRecord) -> gateway_pb2.Run:
 class RunManager:
     """Owns the RunDrivers of this gateway process; resumes active runs on start."""
 
-    def __init__(self, bus: Bus, store: RunStore, recipe_base_dir: Path) -> None:
-        self.bus, self.store, self.base_dir = bus, store, recipe_base_dir
+    def __init__(self, bus: Bus, store: RunStore, recipe_base_dir: Path, packer=None) -> None:
+        self.bus, self.store, self.base_dir, self.packer = bus, store, recipe_base_dir, packer
         self.drivers: dict[str, RunDriver] = {}
 
     async def resume(self) -> None:
@@ -76,7 +76,7 @@ class RunManager:
                 self._drive(record.run_id)
 
     def _drive(self, run_id: str) -> None:
-        driver = RunDriver(self.bus, self.store, run_id)
+        driver = RunDriver(self.bus, self.store, run_id, self.packer)
         self.drivers[run_id] = driver
         driver.start()
 

@@ -124,10 +124,7 @@ def up(
     state_dir.mkdir(parents=True, exist_ok=True)
     logs = state_dir / "logs"
     logs.mkdir(exist_ok=True)
-    plan = [
-        (name, module, prefix, ports.base + i, ports.base + 100 + i)
-        for i, (name, module, prefix) in enumerate(SERVICES)
-    ]
+    plan = [(name, module, ports.base + i, ports.base + 100 + i) for i, (name, module) in enumerate(SERVICES)]
     for name, _, grpc_port, metrics_port in plan:
         require_free(grpc_port, f"{name} gRPC")
         require_free(metrics_port, f"{name} metrics")
