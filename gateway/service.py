@@ -56,6 +56,7 @@ def run_to_proto(record: RunRecord) -> gateway_pb2.Run:
             train_tokens_per_second=h["train_tokens_per_second"],
             num_rollouts=h["num_rollouts"],
             seconds=h["seconds"],
+            max_staleness=h.get("max_staleness", 0),
         )
     for reason, count in extra.get("dropped", {}).items():
         run.rollouts_dropped[reason] = int(count)

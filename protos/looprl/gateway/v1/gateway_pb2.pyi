@@ -33,7 +33,7 @@ class DeploymentVersion(_message.Message):
     def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class StepSummary(_message.Message):
-    __slots__ = ("step", "reward_mean", "reward_std", "loss", "mean_staleness", "train_tokens_per_second", "generation_tokens_per_second", "num_rollouts", "seconds")
+    __slots__ = ("step", "reward_mean", "reward_std", "loss", "mean_staleness", "train_tokens_per_second", "generation_tokens_per_second", "num_rollouts", "seconds", "max_staleness")
     STEP_FIELD_NUMBER: _ClassVar[int]
     REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
     REWARD_STD_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class StepSummary(_message.Message):
     GENERATION_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     NUM_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     step: int
     reward_mean: float
     reward_std: float
@@ -52,7 +53,8 @@ class StepSummary(_message.Message):
     generation_tokens_per_second: float
     num_rollouts: int
     seconds: float
-    def __init__(self, step: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., loss: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., train_tokens_per_second: _Optional[float] = ..., generation_tokens_per_second: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    max_staleness: int
+    def __init__(self, step: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., loss: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., train_tokens_per_second: _Optional[float] = ..., generation_tokens_per_second: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
     __slots__ = ("run_id", "state", "recipe_toml", "step", "total_steps", "weight_version", "deployments", "history", "episodes_published", "rollouts_trained", "rollouts_dropped", "error", "queued_episodes")
