@@ -52,8 +52,7 @@ def model_config(quick: bool) -> ModelConfig:
 
 # ----------------------------------------------------------------------------- receivers
 async def _serve_receivers(config_json: str, tp: int, naming: str) -> None:
-    from looprl.inference.v1 import inference_pb2_grpc
-    from services.kit.weight_transfer import WeightOnlyEngine, WeightStager
+    from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, add_engine_servicer
 
     config = ModelConfig.from_hf_dict(json.loads(config_json))
     layout = Layout(tp, naming)
@@ -72,7 +71,7 @@ async def _serve_receivers(config_json: str, tp: int, naming: str) -> None:
         engine = WeightOnlyEngine(WeightStager(rank_params(config, layout, r), rank=r), keep=False)
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MSG),
                                           ("grpc.max_send_message_length", MAX_MSG)])  # fmt: skip
-        inference_pb2_grpc.add_InferenceEngineServiceServicer_to_server(engine, server)
+        add_engine_servicer(server, engine)
         server.add_generic_rpc_handlers((sink_handler,))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -124,7 +123,7 @@ def pushed_version(config: ModelConfig, world: int = 2):
 async def planned(transport, plan, buf, endpoints_by_rank, version):
     jobs = []
     for rp in plan.ranks:
-        buckets = (PlannedBucket(s, rp.dtype, buf.chunks, buf.crcs) for s in rp.buckets)
+        buckets = (PlannedBucket(s, rp.dtype, buf.chunks) for s in rp.buckets)
         jobs.append(transport.stage(version, endpoints_by_rank[rp.rank], buckets, total_bytes=rp.nbytes))
     results = {}
     for r in await asyncio.gather(*jobs):

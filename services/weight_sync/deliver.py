@@ -170,7 +170,7 @@ class Deliverer:
                     keys = {op.chunk for op in spec.ops}
                     spec._keys = keys  # type: ignore[attr-defined]
                 await buf.wait_for(keys)
-            yield PlannedBucket(spec, rank_plan.dtype, buf.chunks, buf.crcs)
+            yield PlannedBucket(spec, rank_plan.dtype, buf.chunks)
 
     async def _ranks_already_at(self, version: int, targets: list[Target]) -> set[Endpoint]:
         """A restarted rank asks for the version its peers already serve: only it needs the bytes."""

@@ -15,7 +15,7 @@ embeddings, lm_head) appear in every rank's plan — that duplication is real tr
 
 Buckets are assembled straight from the received chunk buffers (`PlannedBucket.fill`): a view
 of the chunk, one copy into the bucket buffer (with the dtype cast when the target is bf16),
-one CRC32. Nothing ever holds a full copy of the model. Plans are cached by
+one hash64 computed as the bytes land. Nothing ever holds a full copy of the model. Plans are cached by
 (trainer layout signature, model config, layout, rank, bucket size).
 """
 
@@ -25,13 +25,13 @@ import hashlib
 import json
 import math
 import threading
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from services.kit.weight_transfer import SliceRef, itemsize, proto_dtype
+from services.kit.weight_transfer.checksum import BLOCK_BYTES, Hasher64, hash64
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, hf_params, rank_params
 
@@ -87,7 +87,7 @@ class CopyOp:
     target: str
     target_shape: tuple[int, ...]
     dst_offset: int
-    whole_chunk: bool  # the op is the entire chunk, so the trainer's checksum can be reused
+    whole_chunk: bool  # the op is the entire chunk (not split to fit a bucket)
 
     @property
     def numel(self) -> int:
@@ -99,7 +99,7 @@ class PlannedBucketSpec:
     index: int
     count: int
     ops: list[CopyOp]
-    slices: list[SliceRef]  # templates; crc filled per delivery
+    slices: list[SliceRef]  # templates; checksums filled per delivery
     nbytes: int
 
 
@@ -281,7 +281,6 @@ class PlannedBucket:
         spec: PlannedBucketSpec,
         dtype: torch.dtype,
         chunks: Mapping[ChunkKey, torch.Tensor],
-        chunk_crcs: Mapping[ChunkKey, int] | None = None,
     ) -> None:
         self.spec = spec
         self.index = spec.index
@@ -289,21 +288,27 @@ class PlannedBucket:
         self.nbytes = spec.nbytes
         self.dtype = dtype
         self._chunks = chunks  # 2-D views (rows, width) of each chunk's received bytes
-        self._crcs = chunk_crcs or {}
         self.slices = [
             SliceRef(s.name, s.dtype, s.shape, s.offset, s.byte_start, s.nbytes) for s in spec.slices
         ]
 
     def fill(self, dest: memoryview) -> None:
+        """Copy every slice into dest and hash64 it, a few rows at a time so each block is hashed
+        while it is still in cache (checksum.py); the hash covers the bytes actually sent."""
         out = torch.frombuffer(dest, dtype=torch.uint8, count=self.nbytes) if self.nbytes else None
+        size = itemsize(self.dtype)
         for op, ref in zip(self.spec.ops, self.slices, strict=True):
             if not ref.nbytes:
-                ref.crc32 = 0
+                ref.hash64 = hash64(b"")
                 continue
             src = self._chunks[op.chunk][op.row0 : op.row0 + op.rows, op.col0 : op.col0 + op.cols]
-            dst = out[ref.byte_start : ref.byte_start + ref.nbytes].view(self.dtype).view(op.rows, op.cols)
-            dst.copy_(src)
-            crc = self._crcs.get(op.chunk) if op.whole_chunk and src.dtype == self.dtype else None
-            ref.crc32 = (
-                crc if crc is not None else zlib.crc32(dest[ref.byte_start : ref.byte_start + ref.nbytes])
-            )
+            region = out[ref.byte_start : ref.byte_start + ref.nbytes]
+            dst = region.view(self.dtype).view(op.rows, op.cols)
+            hasher = Hasher64(region.numpy())
+            row_bytes = op.cols * size
+            step = max(1, BLOCK_BYTES // max(row_bytes, 1))
+            for r in range(0, op.rows, step):
+                stop = min(r + step, op.rows)
+                dst[r:stop].copy_(src[r:stop])
+                hasher.advance(stop * row_bytes)
+            ref.hash64 = hasher.digest()

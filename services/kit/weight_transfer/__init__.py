@@ -6,6 +6,7 @@ Sender side (weight-sync): `Bucket`/`SliceRef`, `Transport` with `GrpcTransport`
 """
 
 from .bucket import Bucket, BytesBucket, SliceRef, set_checksums, tensors_bucket
+from .checksum import copy_and_hash64, hash64
 from .errors import (
     ChecksumMismatch,
     DeliveryError,
@@ -14,7 +15,7 @@ from .errors import (
     StaleVersion,
     WeightTransferError,
 )
-from .receiver import WeightOnlyEngine, WeightReceiver, serve_engine
+from .receiver import WeightOnlyEngine, WeightReceiver, add_engine_servicer, serve_engine
 from .shm import ShmPool, ShmReader, sweep_stale_segments
 from .specs import ParamSpec, as_param_specs, itemsize, proto_dtype
 from .stager import StageProgress, WeightStager
@@ -42,7 +43,10 @@ __all__ = [
     "WeightReceiver",
     "WeightStager",
     "WeightTransferError",
+    "add_engine_servicer",
     "as_param_specs",
+    "copy_and_hash64",
+    "hash64",
     "itemsize",
     "proto_dtype",
     "serve_engine",

@@ -1,7 +1,8 @@
 """Sender-side buckets: a run of receiver slices whose bytes are assembled into one buffer.
 
 A Bucket knows its slices (receiver name, dtype, full shape, element offset, where its bytes
-sit in the bucket, checksum) and how to fill a destination buffer with its bytes. Transports
+sit in the bucket, checksum) and how to fill a destination buffer with its bytes. Checksums are
+hash64 (checksum.py), computed block by block as the bytes land in the bucket. Transports
 decide where that buffer lives (a gRPC message, a shared-memory segment, a device buffer); the
 reshard plan decides what goes in it (services/weight_sync/plan.py assembles straight from the
 trainer's shard buffers, so no full copy of the model is ever made).
@@ -9,7 +10,6 @@ trainer's shard buffers, so no full copy of the model is ever made).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -17,6 +17,8 @@ from typing import Protocol
 import numpy as np
 
 from looprl.inference.v1 import inference_pb2
+
+from .checksum import copy_and_hash64, hash64
 
 
 @dataclass
@@ -29,7 +31,8 @@ class SliceRef:
     offset: int  # element offset into the flattened receiver parameter
     byte_start: int  # where its bytes start inside the bucket payload
     nbytes: int
-    crc32: int = 0
+    crc32: int = 0  # legacy senders; receivers verify hash64 when it is set
+    hash64: int | None = None
 
     def to_proto(
         self, *, data: bytes | None = None, shm_name: str = "", shm_base: int = 0
@@ -42,6 +45,8 @@ class SliceRef:
             crc32=self.crc32,
             nbytes=self.nbytes,
         )
+        if self.hash64 is not None:
+            msg.hash64 = self.hash64
         if data is not None:
             msg.data = data
         if shm_name:
@@ -59,7 +64,7 @@ class Bucket(Protocol):
     slices: list[SliceRef]
 
     def fill(self, dest: memoryview) -> None:
-        """Write the payload into dest[0:nbytes] and set every slice's crc32."""
+        """Write the payload into dest[0:nbytes] and set every slice's hash64."""
 
 
 @dataclass
@@ -76,13 +81,16 @@ class BytesBucket:
         self.nbytes = len(self.payload)
 
     def fill(self, dest: memoryview) -> None:
-        np.copyto(np.frombuffer(dest, np.uint8, count=self.nbytes), np.frombuffer(self.payload, np.uint8))
-        set_checksums(self.slices, dest)
+        out = np.frombuffer(dest, np.uint8, count=self.nbytes)
+        src = np.frombuffer(self.payload, np.uint8)
+        for s in self.slices:
+            end = s.byte_start + s.nbytes
+            s.hash64 = copy_and_hash64(out[s.byte_start : end], src[s.byte_start : end])
 
 
 def set_checksums(slices: Sequence[SliceRef], payload: memoryview) -> None:
     for s in slices:
-        s.crc32 = zlib.crc32(payload[s.byte_start : s.byte_start + s.nbytes])
+        s.hash64 = hash64(payload[s.byte_start : s.byte_start + s.nbytes])
 
 
 def tensors_bucket(index: int, count: int, tensors: dict[str, object], dtype: int) -> BytesBucket:

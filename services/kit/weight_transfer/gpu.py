@@ -10,7 +10,7 @@
 Receivers call `stage_device_request(stager, request, nccl=None)` from their StageWeights
 handler (WeightReceiver does it automatically when the request carries a handle or announces a
 broadcast). Checksums are verified on the host copy of each slice when `verify=True` (a device
-CRC would avoid that copy; not implemented). Only exercised on CUDA machines (gpu-marked test).
+hash would avoid that copy; not implemented). Only exercised on CUDA machines (gpu-marked test).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from looprl.inference.v1 import inference_pb2
 
+from .checksum import hash64
 from .errors import ChecksumMismatch, InvalidWeights
 from .specs import torch_dtype_of
 from .stager import StageProgress, WeightStager
@@ -127,7 +128,14 @@ def stage_device_request(
         if dtype is None:
             raise InvalidWeights(f"slices[{i}].dtype: unsupported enum {sl.dtype}")
         raw = buf[sl.shm_offset : sl.shm_offset + sl.nbytes]
-        if verify:
+        if verify and sl.HasField("hash64"):
+            actual = hash64(raw.cpu().numpy())
+            if actual != sl.hash64:
+                stager.abort(request.version)
+                raise ChecksumMismatch(
+                    f"slices[{i}].hash64: {sl.name} has hash64 {actual:#018x}, sender said {sl.hash64:#018x}"
+                )
+        elif verify:
             actual = zlib.crc32(raw.cpu().numpy())
             if actual != sl.crc32:
                 stager.abort(request.version)

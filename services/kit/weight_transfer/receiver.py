@@ -23,6 +23,7 @@ from services.kit.errors import ServiceError
 from .errors import WeightTransferError
 from .shm import ShmReader
 from .stager import WeightStager
+from .wire import decode_stage_request
 
 CommitHook = Callable[[int, dict[str, torch.Tensor]], Awaitable[None] | None]
 
@@ -37,15 +38,20 @@ class WeightReceiver:
         self.bytes_received = 0  # payload bytes accepted, all versions (for accounting)
         self.buckets_received = 0
         self._lock = threading.Lock()
+        self._shm = ShmReader()  # kept open: weight-sync reuses its segments (see ShmReader)
 
     async def StageWeights(self, request_iterator, context) -> inference_pb2.StageWeightsResponse:
+        """Requests are parsed messages, or raw bytes when the method is registered by
+        `add_engine_servicer` (decoded here without copying their payload)."""
         version = None
         finished = False
         try:
-            with ShmReader() as reader:
-                async for request in request_iterator:
-                    version = request.version
-                    progress = await asyncio.to_thread(self._stage, request, reader)
+            self._shm.refresh()
+            async for request in request_iterator:
+                if isinstance(request, bytes):
+                    request = decode_stage_request(request)
+                version = request.version
+                progress = await asyncio.to_thread(self._stage, request, self._shm)
             finished = True
         except (ServiceError, WeightTransferError) as exc:
             # Read the rest of the stream before answering: a sender still writing into a call the
@@ -93,6 +99,19 @@ class WeightReceiver:
         self.stager.abort(request.version or None)
         return inference_pb2.AbortWeightsResponse()
 
+    async def RollbackWeights(self, request, context) -> inference_pb2.RollbackWeightsResponse:
+        """Serve the version before `request.version` again (a canary that failed its check);
+        the swap goes through the same hook as a commit."""
+        try:
+            previous, state = self.stager.rollback(request.version)
+        except (ServiceError, WeightTransferError) as exc:
+            await context.abort(getattr(exc, "code", grpc.StatusCode.FAILED_PRECONDITION), str(exc))
+        if self.on_commit is not None:
+            result = self.on_commit(previous, state)
+            if inspect.isawaitable(result):
+                await result
+        return inference_pb2.RollbackWeightsResponse(weight_version=self.stager.serving_version)
+
 
 class WeightOnlyEngine(inference_pb2_grpc.InferenceEngineServiceServicer):
     """An InferenceEngineService that only holds weights (tests, benchmarks, reference)."""
@@ -114,7 +133,10 @@ class WeightOnlyEngine(inference_pb2_grpc.InferenceEngineServiceServicer):
     def _swap(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
         old, self.weights = self.weights, dict(state) if self._keep else {}
         self.commits.append(version)
-        self.stager.give_back(old if self._keep else state)
+        if self._keep:
+            self.stager.give_back(old)  # the rollback point, then the next staging buffers
+        else:
+            self.stager.recycle(state)
 
     async def StageWeights(self, request_iterator, context):
         return await self.receiver.StageWeights(request_iterator, context)
@@ -124,6 +146,9 @@ class WeightOnlyEngine(inference_pb2_grpc.InferenceEngineServiceServicer):
 
     async def AbortWeights(self, request, context):
         return await self.receiver.AbortWeights(request, context)
+
+    async def RollbackWeights(self, request, context):
+        return await self.receiver.RollbackWeights(request, context)
 
     async def Status(self, request, context):
         staged = self.stager.staged_version
@@ -144,7 +169,38 @@ async def serve_engine(
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
     )
-    inference_pb2_grpc.add_InferenceEngineServiceServicer_to_server(engine, server)
+    add_engine_servicer(server, engine)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, f"127.0.0.1:{bound}"
+
+
+class _Captured:
+    """Stands in for a server to collect the handlers the generated code registers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers) -> None:
+        self.service = service
+        self.handlers = dict(handlers)
+
+
+def add_engine_servicer(server, servicer: inference_pb2_grpc.InferenceEngineServiceServicer) -> None:
+    """Like `add_InferenceEngineServiceServicer_to_server`, but StageWeights receives raw request
+    bytes (its handler must accept them, as WeightReceiver does) so a bucket's payload is never
+    copied by protobuf: the difference between ~3 copies of every byte and one. Interceptors that
+    parse requests themselves (services.kit.interceptors) pass raw bytes through unchanged."""
+    captured = _Captured()
+    inference_pb2_grpc.add_InferenceEngineServiceServicer_to_server(servicer, captured)
+    stage = captured.handlers["StageWeights"]
+    captured.handlers["StageWeights"] = grpc.stream_unary_rpc_method_handler(
+        servicer.StageWeights, request_deserializer=None, response_serializer=stage.response_serializer
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(captured.service, captured.handlers),)
+    )
+    server.add_registered_method_handlers(captured.service, captured.handlers)

@@ -86,6 +86,7 @@ class ShmPool:
         self._free: list[ShmSegment] = []
         self._cond = threading.Condition()
         self._count = count
+        self._made = 0
         self._closed = False
         atexit.register(self.close)
 
@@ -104,7 +105,8 @@ class ShmPool:
                 if self._free:
                     return self._free.pop()
                 if len([s for s in self._segments if s.size == self.segment_bytes]) < self._count:
-                    seg = ShmSegment(f"{self._prefix}-{len(self._segments)}", self.segment_bytes)
+                    seg = ShmSegment(f"{self._prefix}-{self._made}", self.segment_bytes)
+                    self._made += 1
                     self._segments.append(seg)
                     return seg
                 self._cond.wait()
@@ -133,26 +135,24 @@ class ShmPool:
 
 
 class ShmReader:
-    """Maps segments read-only by name for the duration of a staging call."""
+    """Maps segments read-only by name. A receiver keeps one for its lifetime: weight-sync reuses
+    its segments, and a mapping that stays open keeps its page tables, where a fresh mapping per
+    bucket page-faults on every 4 KiB of it (that alone cost more than the copy). `refresh()`
+    (at the start of each staging call) drops mappings whose file is gone or was replaced, so a
+    dead sender's segments are not kept alive by their mappings."""
 
     def __init__(self) -> None:
-        self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}
+        self._maps: dict[str, tuple[mmap.mmap, memoryview, tuple[int, int]]] = {}
+        self._lock = threading.Lock()
 
     def view(self, name: str, offset: int, nbytes: int) -> memoryview:
         validate_segment_name(name)
-        if name not in self._maps:
-            path = shm_dir() / name
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise InvalidWeights(f"slices.shm_name: segment {name!r} does not exist") from None
-            try:
-                size = os.fstat(fd).st_size
-                mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            self._maps[name] = (mapped, memoryview(mapped))
-        mapped, view = self._maps[name]
+        with self._lock:
+            entry = self._maps.get(name)
+            if entry is None:
+                entry = self._map(name)
+                self._maps[name] = entry
+        mapped, view, _ = entry
         if offset < 0 or nbytes < 0 or offset + nbytes > len(mapped):
             raise InvalidWeights(
                 f"slices.shm_offset: range [{offset}, {offset + nbytes}) is outside segment {name!r} "
@@ -160,14 +160,44 @@ class ShmReader:
             )
         return view[offset : offset + nbytes]
 
+    @staticmethod
+    def _map(name: str) -> tuple[mmap.mmap, memoryview, tuple[int, int]]:
+        path = shm_dir() / name
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise InvalidWeights(f"slices.shm_name: segment {name!r} does not exist") from None
+        try:
+            st = os.fstat(fd)
+            mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return mapped, memoryview(mapped), (st.st_ino, st.st_size)
+
+    def refresh(self) -> None:
+        """Forget mappings of segments that were removed or replaced since they were mapped."""
+        with self._lock:
+            for name, (_, _, ident) in list(self._maps.items()):
+                try:
+                    st = os.stat(shm_dir() / name)
+                    current = (st.st_ino, st.st_size)
+                except FileNotFoundError:
+                    current = None
+                if current != ident:
+                    self._unmap(name)
+
+    def _unmap(self, name: str) -> None:
+        mapped, view, _ = self._maps.pop(name)
+        try:
+            view.release()
+            mapped.close()
+        except (BufferError, ValueError):
+            pass  # a slice of it is still being read; the mapping goes when that view does
+
     def close(self) -> None:
-        for mapped, view in self._maps.values():
-            try:
-                view.release()
-                mapped.close()
-            except (BufferError, ValueError):
-                pass
-        self._maps.clear()
+        with self._lock:
+            for name in list(self._maps):
+                self._unmap(name)
 
     def __enter__(self) -> ShmReader:
         return self

@@ -3,11 +3,17 @@
 An inference replica owns one WeightStager built from its own parameter specs (names, shapes
 and dtype of its layout and TP rank, e.g. `services.modeling.layouts.rank_params`). Every
 StageWeights request is handed to `stage()`: each slice is checked against the specs (name,
-dtype, full shape, element range, no overlap with bytes already staged), its CRC32 is
-verified, and its bytes are copied into preallocated staging tensors. The serving weights are
+dtype, full shape, element range, no overlap with bytes already staged), its bytes are
+copied into preallocated staging tensors and their checksum is verified on what landed there
+(hash64, computed block by block during the copy, so verification costs little more than the
+copy; slices from older senders carry only a CRC32, checked on the source). The serving weights are
 never touched. `commit(v)` returns the complete state dict for the replica to swap in
 atomically; `abort(v)` drops the staged bytes. Any rejected slice aborts the staged version,
 so a half-verified version can never be committed; the sender retries the whole version.
+
+Rollback (canaries): the replica hands the tensors it retires on a commit back with
+`give_back`; they stay the rollback point (version v-1, complete) until the next version
+starts staging into them, so `rollback(v)` can return v-1 with no extra copy of the model.
 
 Version rules: a version must be newer than the serving one; a newer version replaces an
 older, incomplete staged one; buckets of one version may arrive over several StageWeights
@@ -26,9 +32,11 @@ import torch
 
 from looprl.inference.v1 import inference_pb2
 
+from .checksum import copy_and_hash64, hash64
 from .errors import ChecksumMismatch, IncompleteVersion, InvalidWeights, StaleVersion
 from .shm import ShmReader
 from .specs import ParamSpec, as_param_specs, dtype_name, itemsize, torch_dtype_of
+from .wire import DecodedStageRequest
 
 
 @dataclass
@@ -107,6 +115,8 @@ class WeightStager:
         self._bytes = 0
         self._staged_config = ""
         self._spare: dict[str, torch.Tensor] = {}
+        self._retiring: int | None = None  # version that stopped serving at the last commit
+        self._previous: tuple[int, dict[str, torch.Tensor]] | None = None  # the rollback point
 
     # ----------------------------------------------------------------- state
     @property
@@ -130,9 +140,10 @@ class WeightStager:
 
     # ------------------------------------------------------------- staging
     def stage(
-        self, request: inference_pb2.StageWeightsRequest, shm: ShmReader | None = None
+        self, request: inference_pb2.StageWeightsRequest | DecodedStageRequest, shm: ShmReader | None = None
     ) -> StageProgress:
-        """Verify and stage every slice of one bucket. On any error the staged version is
+        """Verify and stage every slice of one bucket (a parsed request, or one decoded without
+        copying its payload by `wire.decode_stage_request`). On any error the staged version is
         dropped (nothing is ever swapped from a version that failed verification)."""
         with self._lock:
             version = int(request.version)
@@ -149,13 +160,14 @@ class WeightStager:
                     if sl.shm_name:
                         data = reader.view(sl.shm_name, int(sl.shm_offset), int(sl.nbytes))
                     else:
-                        if sl.nbytes and sl.nbytes != len(sl.data):
+                        data = sl.data  # once: each access of a protobuf bytes field copies it
+                        if sl.nbytes and sl.nbytes != len(data):
                             raise InvalidWeights(
-                                f"slices[{i}].nbytes: {sl.nbytes} but data holds {len(sl.data)} bytes"
+                                f"slices[{i}].nbytes: {sl.nbytes} but data holds {len(data)} bytes"
                             )
-                        data = sl.data
+                    expected = int(sl.hash64) if sl.HasField("hash64") else None
                     self._stage_slice(
-                        i, sl.name, int(sl.dtype), tuple(sl.shape), int(sl.offset), data, sl.crc32
+                        i, sl.name, int(sl.dtype), tuple(sl.shape), int(sl.offset), data, sl.crc32, expected
                     )
             except Exception:
                 self._drop()
@@ -197,6 +209,7 @@ class WeightStager:
                     f"version: {version} is incomplete: {len(missing)} parameters missing data, e.g. {some}"
                 )
             state = self._tensors
+            self._retiring = self.serving_version
             self.serving_version = version
             self.model_config_json = self._staged_config or self.model_config_json
             self._reset()
@@ -211,18 +224,59 @@ class WeightStager:
             return True
 
     def give_back(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Hand retired serving tensors back to be reused as the next staging buffers, so a
-        replica holds two copies of its weights at most and pages stay warm."""
+        """Hand back the tensors retired by the last commit (the version served before it). They
+        are the rollback point until the next version starts staging, then its staging buffers, so
+        a replica holds two copies of its weights at most and pages stay warm."""
         with self._lock:
-            for name, t in state.items():
-                spec = self.specs.get(name)
-                if (
-                    spec is not None
-                    and tuple(t.shape) == spec.shape
-                    and t.dtype == spec.dtype
-                    and t.is_contiguous()
-                ):
-                    self._spare[name] = t
+            usable = self._usable(state)
+            retiring, self._retiring = self._retiring, None
+            if retiring is not None and retiring >= 0 and len(usable) == len(self.specs):
+                self._previous = (retiring, usable)
+            else:
+                self._spare.update(usable)
+
+    def recycle(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Tensors that hold no version worth keeping become staging buffers."""
+        with self._lock:
+            self._spare.update(self._usable(state))
+
+    @property
+    def rollback_version(self) -> int | None:
+        """The version `rollback` would return to, if the replica still holds it."""
+        return None if self._previous is None else self._previous[0]
+
+    def rollback(self, version: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """Undo the commit of `version` (which must be serving): returns (previous version, its
+        tensors) for the replica to swap back in. Hand the retired tensors of `version` to
+        `recycle`: a rolled-back version is never served again."""
+        with self._lock:
+            if version != self.serving_version:
+                raise IncompleteVersion(
+                    f"version: cannot roll back {version}, this replica serves {self.serving_version}"
+                )
+            if self._previous is None:
+                raise IncompleteVersion(
+                    f"version: cannot roll back {version}, the version before it is no longer held "
+                    "(staging a newer version reuses its buffers)"
+                )
+            previous, state = self._previous
+            self._previous = None
+            self._retiring = None
+            self.serving_version = previous
+            return previous, state
+
+    def _usable(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in state.items():
+            spec = self.specs.get(name)
+            if (
+                spec is not None
+                and tuple(t.shape) == spec.shape
+                and t.dtype == spec.dtype
+                and t.is_contiguous()
+            ):
+                out[name] = t
+        return out
 
     # ------------------------------------------------------------ internals
     def _begin(self, version: int) -> None:
@@ -238,6 +292,9 @@ class WeightStager:
             self._drop()  # a newer version supersedes an unfinished one
         self._version = version
         self._bytes = 0
+        if self._previous is not None:  # new bytes land in the rollback point's buffers: it is gone
+            self._spare.update(self._previous[1])
+            self._previous = None
         for name, spec in self.specs.items():
             tensor = self._spare.pop(name, None)
             if tensor is None:
@@ -262,7 +319,15 @@ class WeightStager:
             )
 
     def _stage_slice(
-        self, i: int, name: str, dtype: int, shape: tuple[int, ...], offset: int, data, crc: int
+        self,
+        i: int,
+        name: str,
+        dtype: int,
+        shape: tuple[int, ...],
+        offset: int,
+        data,
+        crc: int,
+        expected_hash: int | None,
     ) -> None:
         spec = self._spec(i, name)
         got = torch_dtype_of(dtype)
@@ -283,7 +348,8 @@ class WeightStager:
             )
         count = nbytes // size
         self._check_range(i, spec, offset, count)
-        if self.verify_checksums:
+        verify = self.verify_checksums
+        if verify and expected_hash is None:  # a legacy sender: CRC32 of the source bytes
             actual = zlib.crc32(data)
             if actual != crc:
                 raise ChecksumMismatch(
@@ -294,12 +360,24 @@ class WeightStager:
             raise InvalidWeights(
                 f"slices[{i}].offset: {name} elements [{offset}, {offset + count}) already staged"
             )
-        if count:
-            target = self._flat[name].view(torch.uint8)[offset * size : (offset + count) * size]
-            if target.device.type == "cpu":
-                np.copyto(target.numpy(), np.frombuffer(data, dtype=np.uint8))
+        target = self._flat[name].view(torch.uint8)[offset * size : (offset + count) * size]
+        src = np.frombuffer(data, dtype=np.uint8)
+        check = verify and expected_hash is not None
+        actual = expected_hash
+        if target.device.type == "cpu":
+            if check:  # hash what landed in the staging tensor, block by block while it is hot
+                actual = copy_and_hash64(target.numpy(), src)
             else:
-                target.copy_(torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()), non_blocking=False)
+                np.copyto(target.numpy(), src)
+        else:
+            if check:
+                actual = hash64(src)
+            target.copy_(torch.from_numpy(src.copy()), non_blocking=False)
+        if check and actual != expected_hash:
+            raise ChecksumMismatch(
+                f"slices[{i}].hash64: {name} elements [{offset}, {offset + count}) have hash64 "
+                f"{actual:#018x}, sender said {expected_hash:#018x} (corrupted in transit)"
+            )
         self._bytes += nbytes
 
     def _drop(self) -> None:

@@ -68,3 +68,109 @@ def encode_stage_request(
             payload[s.byte_start : s.byte_start + s.nbytes],
         ]
     return b"".join(parts)
+
+
+# ------------------------------------------------------------------------------ receiving side
+class DecodedSlice:
+    """A WeightSlice whose `data` is a memoryview into the received message (no copy); every other
+    field is read from `meta`, a WeightSlice parsed by protobuf without the payload."""
+
+    __slots__ = ("data", "meta")
+
+    def __init__(self, meta: inference_pb2.WeightSlice, data: memoryview | bytes) -> None:
+        self.meta = meta
+        self.data = data
+
+    def __getattr__(self, name: str):
+        return getattr(self.meta, name)
+
+
+class DecodedStageRequest:
+    """A StageWeightsRequest decoded by `decode_stage_request`: header fields from `head`."""
+
+    __slots__ = ("head", "raw", "slices")
+
+    def __init__(
+        self, head: inference_pb2.StageWeightsRequest, slices: list[DecodedSlice], raw: bytes
+    ) -> None:
+        self.head = head
+        self.slices = slices
+        self.raw = raw  # the message as received (forwarding it to another rank needs no re-encoding)
+
+    def __getattr__(self, name: str):
+        return getattr(self.head, name)
+
+    def SerializeToString(self) -> bytes:
+        return self.raw
+
+
+def _varint_at(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise _Malformed("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def _fields(buf: bytes, start: int, end: int):
+    """(field number, wire type, value start, value end) of each field in buf[start:end]."""
+    pos = start
+    while pos < end:
+        key_start = pos
+        key, pos = _varint_at(buf, pos, end)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, stop = _varint_at(buf, pos, end)
+        elif wire_type == 1:
+            stop = pos + 8
+        elif wire_type == _LEN:
+            length, pos = _varint_at(buf, pos, end)
+            stop = pos + length
+        elif wire_type == 5:
+            stop = pos + 4
+        else:
+            raise _Malformed(f"unsupported wire type {wire_type}")
+        if stop > end or field == 0:
+            raise _Malformed("field runs past the end of its message")
+        yield field, wire_type, key_start, pos, stop
+        pos = stop
+
+
+def decode_stage_request(raw: bytes) -> DecodedStageRequest:
+    """Decode StageWeightsRequest bytes with slice payloads left in place (memoryviews of raw).
+
+    Protobuf would copy every payload on parse and again on each access of `data`; here only
+    the small header and slice metadata go through protobuf (so every field, present or future,
+    is parsed by it), and the payload bytes are never copied until the stager copies them into
+    their staging tensors. Malformed bytes raise InvalidWeights (INVALID_ARGUMENT)."""
+    from .errors import InvalidWeights
+
+    view = memoryview(raw)
+    try:
+        head_parts: list[bytes] = []
+        slices: list[DecodedSlice] = []
+        for field, wire_type, key_start, start, stop in _fields(raw, 0, len(raw)):
+            if field != 2 or wire_type != _LEN:
+                head_parts.append(raw[key_start:stop])
+                continue
+            meta_parts: list[bytes] = []
+            data: memoryview | bytes = b""
+            for f, wt, k0, s0, s1 in _fields(raw, start, stop):
+                if f == 5 and wt == _LEN:
+                    data = view[s0:s1]
+                else:
+                    meta_parts.append(raw[k0:s1])
+            slices.append(DecodedSlice(inference_pb2.WeightSlice.FromString(b"".join(meta_parts)), data))
+        head = inference_pb2.StageWeightsRequest.FromString(b"".join(head_parts))
+    except Exception as exc:
+        raise InvalidWeights(f"StageWeightsRequest: malformed message ({exc})") from None
+    return DecodedStageRequest(head, slices, raw)

@@ -36,7 +36,7 @@ async def test_cuda_ipc_delivery_matches_reference():
             server, address = await serve_engine(engine)
             servers.append(server)
             ep = Endpoint(address, rp.rank, "gpu")
-            buckets = [PlannedBucket(s, rp.dtype, buf.chunks, buf.crcs) for s in rp.buckets]
+            buckets = [PlannedBucket(s, rp.dtype, buf.chunks) for s in rp.buckets]
             (res,) = (await transport.stage(0, [ep], buckets)).values()
             assert res.error is None and res.complete
             await transport.commit(ep, 0)

@@ -35,7 +35,7 @@ def push_all(state, world, version=0, max_message_bytes=4096):
 
 def deliver_in_process(plan_rank, buf, stager, version):
     for spec in plan_rank.buckets:
-        bucket = PlannedBucket(spec, plan_rank.dtype, buf.chunks, buf.crcs)
+        bucket = PlannedBucket(spec, plan_rank.dtype, buf.chunks)
         payload = memoryview(bytearray(bucket.nbytes))
         bucket.fill(payload)
         wire = encode_stage_request(bucket, payload, version=version, rank=plan_rank.rank)

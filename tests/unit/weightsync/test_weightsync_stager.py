@@ -165,3 +165,38 @@ def test_slices_from_shared_memory():
             stager.stage(bad)
     finally:
         pool.close()
+
+
+def test_rollback_returns_the_version_served_before():
+    stager = WeightStager(weights())
+    stager.stage(request(1, weights(1)))
+    v1 = stager.commit(1)
+    stager.give_back({})  # nothing served before version 1: no rollback point
+    assert stager.rollback_version is None
+    stager.stage(request(2, weights(2)))
+    v2 = stager.commit(2)
+    stager.give_back(v1)  # the replica retired version 1's tensors
+    assert stager.rollback_version == 1
+    previous, state = stager.rollback(2)
+    assert previous == 1 and stager.serving_version == 1
+    assert all(torch.equal(state[n], weights(1)[n]) for n in state)
+    stager.recycle(v2)
+    with pytest.raises(IncompleteVersion, match="cannot roll back"):
+        stager.rollback(1)  # nothing before 1 is held
+    # Version 2 was rejected; 3 stages and commits normally.
+    stager.stage(request(3, weights(3)))
+    assert torch.equal(stager.commit(3)["a.weight"], weights(3)["a.weight"])
+
+
+def test_staging_a_newer_version_consumes_the_rollback_point():
+    stager = WeightStager(weights())
+    stager.stage(request(1, weights(1)))
+    v1 = stager.commit(1)
+    stager.stage(request(2, weights(2)))
+    stager.commit(2)
+    stager.give_back(v1)
+    stager.stage(request(3, {"b.bias": weights(3)["b.bias"]}))  # reuses version 1's buffers
+    assert stager.rollback_version is None
+    with pytest.raises(IncompleteVersion, match="no longer held"):
+        stager.rollback(2)
+    assert stager.serving_version == 2
