@@ -20,15 +20,15 @@ PROTOS = ROOT / "protos"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 
-def generate(out_dir: Path) -> None:
-    """Run protoc over every .proto under protos/, writing into out_dir."""
+def generate(out_dir: Path, protos: Path = PROTOS) -> None:
+    """Run protoc over every .proto under `protos`, writing into out_dir."""
     include = Path(protoc.__file__).parent / "_proto"
     # protoc finds the mypy plugins on PATH; they are installed beside this interpreter.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    sources = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
+    sources = sorted(str(p.relative_to(protos)) for p in protos.rglob("*.proto"))
     args = [
         "protoc",
-        f"-I{PROTOS}",
+        f"-I{protos}",
         f"-I{include}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
@@ -53,21 +53,28 @@ def generated_files(tree: Path) -> set[Path]:
     }
 
 
+def stale_files(protos: Path = PROTOS) -> list[str]:
+    """Generated files that differ from what the .proto files generate now (or are missing/extra)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = Path(tmp)
+        generate(fresh, protos)
+        want, have = generated_files(fresh), generated_files(protos)
+        stale = sorted(str(p) for p in want ^ have)
+        stale += sorted(str(p) for p in want & have if not filecmp.cmp(fresh / p, protos / p, shallow=False))
+    return stale
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--check", action="store_true", help="fail if generated code is stale")
+    parser.add_argument("--root", type=Path, default=PROTOS, help="proto tree (default: protos/)")
     args = parser.parse_args()
     if not args.check:
-        generate(PROTOS)
+        generate(args.root, args.root)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        fresh = Path(tmp)
-        generate(fresh)
-        want, have = generated_files(fresh), generated_files(PROTOS)
-        stale = sorted(str(p) for p in want ^ have)
-        stale += sorted(str(p) for p in want & have if not filecmp.cmp(fresh / p, PROTOS / p, shallow=False))
-        if stale:
-            sys.exit("generated code is stale (run `make protos`):\n  " + "\n  ".join(stale))
+    stale = stale_files(args.root)
+    if stale:
+        sys.exit("generated code is stale (run `make protos`):\n  " + "\n  ".join(stale))
     print("generated code is fresh")
 
 
