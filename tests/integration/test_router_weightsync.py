@@ -115,6 +115,9 @@ def test_replicas_receive_weights_through_weight_sync_and_a_restarted_one_resync
         served = {stub.Generate(request, timeout=60).replica for _ in range(6)}
         assert served == {"d-r0", "d-r1"}
         channel.close()
+    except BaseException:
+        print("router log:\n" + router.tail(12000))  # shown by pytest on failure
+        raise
     finally:
         router.stop()
         ws_channel.close()
