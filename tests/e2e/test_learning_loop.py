@@ -4,54 +4,18 @@ the gateway exactly as `looprl run` does. One stack serves every run of this mod
 
 from __future__ import annotations
 
-import random
 import re
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
-from gateway.stack import StackPorts, down, up
-from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.kit.local import port_is_free
+from looprl.gateway.v1 import gateway_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RECIPE = (ROOT / "configs" / "digits_grpo.toml").read_text()
 
 pytestmark = pytest.mark.slow
-
-
-def _free_base() -> int:
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(40000, 45000)
-        if all(port_is_free(base + i) and port_is_free(base + 100 + i) for i in range(8)):
-            return base
-    raise RuntimeError("no free port range for the stack")
-
-
-def _free_port(lo: int, hi: int) -> int:
-    return next(p for p in random.sample(range(lo, hi), 200) if port_is_free(p))
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
-    state_dir = tmp_path_factory.mktemp("stack")
-    recipe_path = state_dir / "recipe.toml"
-    recipe_path.write_text(DEFAULT_RECIPE)
-    ports = StackPorts(
-        nats=_free_port(14000, 15000),
-        ray=_free_port(27000, 28000),
-        base=_free_base(),
-        http=_free_port(18000, 19000),
-    )
-    state = up(state_dir, ports, {"LOOPRL_INFERENCE_ROUTER_RECIPE": str(recipe_path)}, log=lambda *_: None)
-    channel = grpc.insecure_channel(state.service("gateway").address)
-    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-    yield stub, (("authorization", f"Bearer {state.gateway_token}"),), state
-    channel.close()
-    down(state_dir, log=lambda *_: None)
 
 
 def with_overrides(recipe: str, **sections: dict[str, object]) -> str:
@@ -90,8 +54,7 @@ def assert_accounting(run: gateway_pb2.Run) -> None:
 
 
 def test_default_recipe_learns_and_accounts_for_every_rollout(stack) -> None:
-    stub, metadata, _ = stack
-    run = run_to_end(stub, metadata, DEFAULT_RECIPE, "e2e-sync", timeout=600)
+    run = run_to_end(stack.stub, stack.metadata, DEFAULT_RECIPE, "e2e-sync", timeout=600)
     assert_accounting(run)
     rewards = [h.reward_mean for h in run.history]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
@@ -105,9 +68,8 @@ def test_default_recipe_learns_and_accounts_for_every_rollout(stack) -> None:
 
 
 def test_async_run_never_trains_staler_than_its_bound(stack) -> None:
-    stub, metadata, _ = stack
     recipe = with_overrides(DEFAULT_RECIPE, run={"steps": 8, "max_staleness": 2})
-    run = run_to_end(stub, metadata, recipe, "e2e-async", timeout=300)
+    run = run_to_end(stack.stub, stack.metadata, recipe, "e2e-async", timeout=300)
     assert_accounting(run)
     assert max(h.max_staleness for h in run.history) <= 2
     assert run.weight_version == 8
