@@ -29,6 +29,14 @@ class WeightSyncConfig(ServiceConfig):
         metadata={"help": "Start sending a version's buckets while the trainer is still pushing it, using the "
                           "plan of the previous version's layout."},
     )  # fmt: skip
+    canary_tokens: int = field(
+        default=8, metadata={"help": "Greedy tokens per golden prompt when a canary policy names none."}
+    )
+    canary_max_drift: float = field(
+        default=0.5,
+        metadata={"help": "Largest accepted mean |log-prob change| (nats) of a canary's greedy tokens when "
+                          "its policy names none."},
+    )  # fmt: skip
     run_id: str = field(default="default", metadata={"help": "Run id for events when a push names none."})
     use_bus: bool = field(
         default=True, metadata={"help": "Publish weights events and keep state in NATS KV."}

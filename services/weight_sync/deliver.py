@@ -8,6 +8,10 @@ staged the version completely and verified; otherwise all its ranks abort, it ke
 and the delivery is retried (or superseded by a newer version). After the commit:
 WeightsPublished{version, deployment} on the bus and the target's state in KV.
 
+Canary targets (canary.py): when everything is staged, the first replica commits alone, answers
+the golden prompts, and the rest commit only if its log-prob drift is within bound; otherwise it
+rolls back to the version it served before and the version is not retried for that target.
+
 Pipelining: with `pipeline`, a version's delivery starts when its first chunk arrives, planned
 from the previous version's trainer layout; each bucket is sent as soon as its chunks are in.
 If the version completes in a different layout, the speculative delivery is cancelled (the
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -28,6 +33,7 @@ from looprl.inference.v1 import inference_pb2
 from services.kit.weight_transfer import DeliveryError, Endpoint, GrpcTransport, ShmTransport, StageResult
 from services.modeling.config import ModelConfig
 
+from . import canary
 from .plan import PlanCache, PlannedBucket, RankPlan, TrainerLayout
 from .targets import Target
 from .versions import VersionBuffer, VersionStore
@@ -49,6 +55,8 @@ class Deliverer:
         retry_backoff_s: float = 0.5,
         stage_timeout_s: float = 600.0,
         pipeline: bool = True,
+        canary_tokens: int = 8,
+        canary_max_drift: float = 0.5,
         on_published: PublishHook | None = None,
         on_state: Callable[[Target], Awaitable[None]] | None = None,
     ) -> None:
@@ -62,6 +70,8 @@ class Deliverer:
         self.retry_backoff_s = retry_backoff_s
         self.stage_timeout_s = stage_timeout_s
         self.pipeline = pipeline
+        self.canary_tokens = canary_tokens
+        self.canary_max_drift = canary_max_drift
         self.on_published = on_published
         self.on_state = on_state
         self._tasks: set[asyncio.Task] = set()
@@ -131,7 +141,7 @@ class Deliverer:
                 plan = self.plans.get(trainer_layout, config, layout, self.bucket_bytes)
                 for rank_plan in plan.ranks:
                     eps = [
-                        t.endpoints[rank_plan.rank] for t in group if t.endpoints[rank_plan.rank] not in skip
+                        e for t in group for e in t.endpoints if e.rank == rank_plan.rank and e not in skip
                     ]
                     for transport, subset in ((self.shm, [e for e in eps if e.same_host]),
                                               (self.grpc, [e for e in eps if not e.same_host])):  # fmt: skip
@@ -193,8 +203,15 @@ class Deliverer:
             await asyncio.gather(*(self.grpc.abort(e, version) for e in t.endpoints if e not in skip))
             await self._failed(t, buf, "; ".join(errors))
             return
+        first = [e for e in t.replicas[0] if e not in skip] if t.canary and t.version >= 0 else []
+        if len(first) != len(t.replicas[0]):
+            first = []  # no previous version to compare with, or the first replica already has this one
+        if first and not await self._canary(t, version, first, skip):
+            return
         try:
-            await asyncio.gather(*(self.grpc.commit(e, version) for e in t.endpoints if e not in skip))
+            await asyncio.gather(
+                *(self.grpc.commit(e, version) for e in t.endpoints if e not in skip and e not in first)
+            )
         except DeliveryError as exc:
             # Staged and verified everywhere, so a commit fails only if a replica died; its peers may
             # have switched. The replica must RequestSync when it comes back (documented).
@@ -213,6 +230,62 @@ class Deliverer:
                 await self.on_published(t, version, t.last_bytes, t.last_sync_seconds)
             except Exception as exc:
                 log.warning("publishing version %s for %s failed: %s", version, t.deployment, exc)
+
+    async def _canary(self, t: Target, version: int, replica: list[Endpoint], skip: set[Endpoint]) -> bool:
+        """Commit `replica` alone and check it (canary.py); True when the rest may commit. On a
+        rejection the replica is rolled back, the others abort, and the target is marked failed."""
+        settings = t.canary_settings
+        config = self.model_config()
+        prompts = settings.prompts or canary.default_prompts(config.vocab_size if config else 2)
+        tokens = settings.tokens_per_prompt or self.canary_tokens
+        bound = settings.max_logprob_drift or self.canary_max_drift
+        stub = self.grpc.stub(replica[0].address)
+        tag = f"canary-{t.deployment}-{version}"
+        try:
+            before = await canary.golden_answers(stub, prompts, tokens, tag=f"{tag}-before")
+        except grpc.aio.AioRpcError as exc:
+            # No reference to compare with (the replica generates nothing, or is not ready): commit
+            # without a check rather than never updating; say so.
+            log.warning("canary of %s skipped for version %s: no reference answers (%s: %s)", t.deployment,
+                        version, exc.code().name, exc.details())  # fmt: skip
+            return True
+        try:
+            await asyncio.gather(*(self.grpc.commit(e, version) for e in replica))
+        except DeliveryError as exc:
+            await asyncio.gather(*(self.grpc.abort(e, version) for e in t.endpoints if e not in skip))
+            await self._failed(t, self._buffer(version), f"canary commit: {exc}")
+            return False
+        verdict = await canary.check(stub, before, prompts, tokens, bound, tag=f"{tag}-after")
+        t.canary_drift = verdict.drift if math.isfinite(verdict.drift) else -1.0
+        if verdict.passed:
+            log.info("canary of %s passed for version %s: %s", t.deployment, version, verdict.detail)
+            return True
+        log.warning("canary of %s REJECTED version %s: %s", t.deployment, version, verdict.detail)
+        errors = await asyncio.gather(*(self._rollback(e, version) for e in replica))
+        await asyncio.gather(
+            *(self.grpc.abort(e, version) for e in t.endpoints if e not in skip and e not in replica)
+        )
+        t.canary_rejected_version = version
+        t.attempts[version] = self.retry_attempts  # checksum-valid bytes: a retry would fail the same way
+        problems = "; ".join(e for e in errors if e)
+        await self._failed(t, None, f"canary rejected version {version}: {verdict.detail}"
+                           + (f"; rollback failed: {problems}" if problems else ""))  # fmt: skip
+        return False
+
+    async def _rollback(self, ep: Endpoint, version: int) -> str:
+        try:
+            await self.grpc.stub(ep.address).RollbackWeights(
+                inference_pb2.RollbackWeightsRequest(version=version), timeout=60
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.error("%s: rollback of rejected version %s failed (%s: %s); it still serves it", ep, version,
+                      exc.code().name, exc.details())  # fmt: skip
+            return f"{ep}: {exc.code().name}: {exc.details()}"
+        return ""
+
+    def _buffer(self, version: int) -> VersionBuffer | None:
+        latest = self.store.latest
+        return latest if latest is not None and latest.version == version else None
 
     async def _failed(self, t: Target, buf: VersionBuffer | None, error: str) -> None:
         t.state = "failed"

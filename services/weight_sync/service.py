@@ -91,7 +91,8 @@ def make(cfg: WeightSyncConfig) -> WeightSyncServicer:
     deliverer = Deliverer(
         store, bucket_bytes=cfg.bucket_bytes, shm_segments=cfg.shm_segments, prefetch=cfg.prefetch_buckets,
         retry_attempts=cfg.retry_attempts, retry_backoff_s=cfg.retry_backoff_s,
-        stage_timeout_s=cfg.stage_timeout_s, pipeline=cfg.pipeline,
+        stage_timeout_s=cfg.stage_timeout_s, pipeline=cfg.pipeline, canary_tokens=cfg.canary_tokens,
+        canary_max_drift=cfg.canary_max_drift,
     )  # fmt: skip
     return WeightSyncServicer(store, deliverer)
 

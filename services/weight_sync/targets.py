@@ -1,4 +1,5 @@
-"""Registered targets (inference deployments): layout, rank endpoints, policy and sync state."""
+"""Registered targets (inference deployments): layout, replicas and their rank endpoints, policy
+(every k versions, canary) and sync state."""
 
 from __future__ import annotations
 
@@ -20,12 +21,22 @@ _DTYPES = {
 
 
 @dataclass
+class CanarySettings:
+    """Golden prompts and the drift bound a canary is checked against (canary.py)."""
+
+    prompts: list[list[int]] = field(default_factory=list)  # empty: derived from the vocabulary
+    tokens_per_prompt: int = 0  # 0: the deliverer's default
+    max_logprob_drift: float = 0.0  # 0: the deliverer's default
+
+
+@dataclass
 class Target:
     deployment: str
     layout: Layout
-    endpoints: list[Endpoint]
+    endpoints: list[Endpoint]  # every rank of every replica, replica by replica
     every_k: int = 1
     canary: bool = False
+    canary_settings: CanarySettings = field(default_factory=CanarySettings)
     run_id: str = ""
     registration: weightsync_pb2.RegisterTargetRequest | None = None
     version: int = -1
@@ -34,6 +45,14 @@ class Target:
     last_bytes: int = 0
     last_sync_seconds: float = 0.0
     attempts: dict[int, int] = field(default_factory=dict)
+    canary_drift: float = 0.0
+    canary_rejected_version: int = -1
+
+    @property
+    def replicas(self) -> list[list[Endpoint]]:
+        """Endpoints grouped by replica (each the layout's tp ranks, rank order)."""
+        tp = self.layout.tp_size
+        return [self.endpoints[i : i + tp] for i in range(0, len(self.endpoints), tp)]
 
     def due(self, version: int) -> bool:
         """Policy: every k-th version (version 0, the initial weights, always; and never backwards)."""
@@ -45,6 +64,7 @@ class Target:
         return weightsync_pb2.TargetVersion(
             deployment=self.deployment, version=self.version, state=self.state, last_error=self.last_error,
             last_bytes=self.last_bytes, last_sync_seconds=self.last_sync_seconds,
+            canary_drift=self.canary_drift, canary_rejected_version=self.canary_rejected_version,
         )  # fmt: skip
 
 
@@ -64,21 +84,48 @@ def target_from_request(req: weightsync_pb2.RegisterTargetRequest) -> Target:
         raise InvalidArgument(
             f"layout.dtype: weights can be float32, bfloat16 or float16, got enum {lay.dtype}"
         )
-    if len(req.ranks) != tp:
-        raise InvalidArgument(f"ranks: tensor_parallel={tp} needs {tp} ranks, got {len(req.ranks)}")
-    if sorted(r.rank for r in req.ranks) != list(range(tp)):
-        raise InvalidArgument(f"ranks.rank: must be 0..{tp - 1} once each, got {[r.rank for r in req.ranks]}")
+    if not req.ranks or len(req.ranks) % tp:
+        raise InvalidArgument(
+            f"ranks: tensor_parallel={tp} needs {tp} ranks per replica, got {len(req.ranks)} ranks"
+        )
     for i, r in enumerate(req.ranks):
         if not r.address:
             raise InvalidArgument(f"ranks[{i}].address: must not be empty")
+    named = [bool(r.replica) for r in req.ranks]
+    if any(named) and not all(named):
+        raise InvalidArgument("ranks.replica: name the replica of every rank, or of none")
+    groups: dict[str, list] = {}
+    for i, r in enumerate(req.ranks):
+        groups.setdefault(r.replica or f"replica-{i // tp}", []).append(r)
+    endpoints = []
+    for name, ranks in groups.items():
+        if sorted(r.rank for r in ranks) != list(range(tp)):
+            raise InvalidArgument(
+                f"ranks.rank: replica {name} must list ranks 0..{tp - 1} once each, got {[r.rank for r in ranks]}"
+            )
+        endpoints += sorted(
+            (Endpoint(r.address, r.rank, req.deployment, r.same_host, name) for r in ranks),
+            key=lambda e: e.rank,
+        )
     if req.every_k_versions < 0:
         raise InvalidArgument(f"every_k_versions: must be >= 0, got {req.every_k_versions}")
-    endpoints = sorted(
-        (Endpoint(r.address, r.rank, req.deployment, r.same_host) for r in req.ranks), key=lambda e: e.rank
-    )
+    policy = req.canary_policy
+    prompts = [list(p.token_ids) for p in policy.prompts]
+    for i, prompt in enumerate(prompts):
+        if not prompt or min(prompt) < 0:
+            raise InvalidArgument(f"canary_policy.prompts[{i}].token_ids: must be non-empty token ids >= 0")
+    if policy.tokens_per_prompt < 0:
+        raise InvalidArgument(
+            f"canary_policy.tokens_per_prompt: must be >= 0, got {policy.tokens_per_prompt}"
+        )
+    if not policy.max_logprob_drift >= 0:  # also rejects NaN
+        raise InvalidArgument(
+            f"canary_policy.max_logprob_drift: must be >= 0, got {policy.max_logprob_drift}"
+        )
     return Target(
         deployment=req.deployment, layout=Layout(tp, naming, dtype), endpoints=endpoints,
         every_k=max(1, req.every_k_versions), canary=req.canary, run_id=req.run_id, registration=req,
+        canary_settings=CanarySettings(prompts, policy.tokens_per_prompt, float(policy.max_logprob_drift)),
     )  # fmt: skip
 
 

@@ -85,6 +85,8 @@ class WeightReceiver:
         return progress
 
     async def CommitWeights(self, request, context) -> inference_pb2.CommitWeightsResponse:
+        if request.version == self.stager.serving_version and self.stager.staged_version is None:
+            return inference_pb2.CommitWeightsResponse(weight_version=request.version)  # a retried commit
         try:
             state = self.stager.commit(request.version)
         except (ServiceError, WeightTransferError) as exc:

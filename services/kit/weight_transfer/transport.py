@@ -47,9 +47,11 @@ class Endpoint:
     rank: int = 0
     deployment: str = ""
     same_host: bool = False
+    replica: str = ""
 
     def __str__(self) -> str:
-        return f"{self.deployment or '?'}/rank{self.rank}@{self.address}"
+        replica = f"/{self.replica}" if self.replica else ""
+        return f"{self.deployment or '?'}{replica}/rank{self.rank}@{self.address}"
 
 
 @dataclass
