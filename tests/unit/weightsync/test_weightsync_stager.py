@@ -200,3 +200,25 @@ def test_staging_a_newer_version_consumes_the_rollback_point():
     with pytest.raises(IncompleteVersion, match="no longer held"):
         stager.rollback(2)
     assert stager.serving_version == 2
+
+
+def test_shm_reader_keeps_mappings_until_their_segment_is_gone():
+    from services.kit.weight_transfer.shm import ShmReader
+
+    pool = ShmPool(1 << 12, count=1, tag="refresh")
+    reader = ShmReader()
+    try:
+        seg = pool.acquire(16)
+        seg.buffer[:4] = b"abcd"
+        assert bytes(reader.view(seg.name, 0, 4)) == b"abcd"
+        reader.refresh()
+        seg.buffer[:4] = b"wxyz"  # the sender reuses the segment: the kept mapping sees the new bytes
+        assert bytes(reader.view(seg.name, 0, 4)) == b"wxyz"
+        pool.close()  # the segment is unlinked: its mapping must not keep the pages alive
+        reader.refresh()
+        assert not reader._maps
+        with pytest.raises(InvalidWeights, match="does not exist"):
+            reader.view(seg.name, 0, 4)
+    finally:
+        reader.close()
+        pool.close()
