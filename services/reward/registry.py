@@ -121,4 +121,5 @@ def default_registry(
     reg.add_composite("digits", [("digits_partial", 1.0)], "digits environment: partial credit per digit")
     reg.add_composite("guess", [("environment", 1.0)], "guess environment: found in few turns")
     reg.add_composite("code", [("code_tests", 1.0)], "code environment: tests pass rate in the sandbox")
+    reg.add_composite("math", [("numeric", 1.0)], "math environment: final answer equals the reference")
     return reg

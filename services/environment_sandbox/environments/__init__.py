@@ -1,6 +1,6 @@
 """Text environments: the interface, the registry, the built-ins (digits, guess, code), datasets."""
 
-from services.environment_sandbox.environments import code, digits, guess  # noqa: F401 - registers
+from services.environment_sandbox.environments import code, digits, guess, math_word  # noqa: F401 - registers
 from services.environment_sandbox.environments.base import (
     EnvConfig,
     EnvContext,
