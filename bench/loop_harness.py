@@ -1,0 +1,101 @@
+"""Runs recipes through a real local stack for the loop benchmarks (async_vs_sync, loop_vs_single_process)."""
+
+from __future__ import annotations
+
+import random
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from gateway.stack import StackPorts, down, up
+from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.kit.local import port_is_free
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def with_overrides(recipe: str, **sections: dict[str, object]) -> str:
+    """The recipe text with `key = value` lines replaced inside the named [sections]."""
+    for section, values in sections.items():
+        for key, value in values.items():
+            literal = str(value).lower() if isinstance(value, bool) else repr(value).replace("'", '"')
+            recipe, count = re.subn(
+                rf"(\[{section}\][^\[]*?^){key} = .*?$", rf"\g<1>{key} = {literal}", recipe, flags=re.M | re.S
+            )
+            if count != 1:
+                raise KeyError(f"{section}.{key} not found in the recipe")
+    return recipe
+
+
+@dataclass
+class RunResult:
+    run: gateway_pb2.Run
+    wall_seconds: float
+    """From CreateRun to the run's completion."""
+
+    @property
+    def steps_per_second(self) -> float:
+        return len(self.run.history) / self.wall_seconds
+
+
+def trained_tokens(run: gateway_pb2.Run) -> float:
+    """Tokens trained over the run: tokens/s times seconds, summed over steps."""
+    return sum(h.train_tokens_per_second * h.seconds for h in run.history)
+
+
+def _free_base() -> int:
+    for _ in range(500):
+        base = random.randrange(40000, 45000)
+        if all(port_is_free(base + i) and port_is_free(base + 100 + i) for i in range(8)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _free(lo: int, hi: int) -> int:
+    return next(p for p in random.sample(range(lo, hi), 500) if port_is_free(p))
+
+
+@contextmanager
+def local_stack(recipe_text: str) -> Iterator[tuple[gateway_pb2_grpc.GatewayServiceStub, tuple]]:
+    """A whole stack on free ports, with the router's deployments taken from recipe_text."""
+    with tempfile.TemporaryDirectory(prefix="looprl-bench-") as tmp:
+        state_dir = Path(tmp)
+        recipe_path = state_dir / "recipe.toml"
+        recipe_path.write_text(recipe_text)
+        ports = StackPorts(
+            nats=_free(14000, 15000), ray=_free(27000, 28000), base=_free_base(), http=_free(18000, 19000)
+        )
+        state = up(
+            state_dir, ports, {"LOOPRL_INFERENCE_ROUTER_RECIPE": str(recipe_path)}, log=lambda *_: None
+        )
+        channel = grpc.insecure_channel(state.service("gateway").address)
+        try:
+            yield (
+                gateway_pb2_grpc.GatewayServiceStub(channel),
+                (("authorization", f"Bearer {state.gateway_token}"),),
+            )
+        finally:
+            channel.close()
+            down(state_dir, log=lambda *_: None)
+
+
+def run_recipe(
+    stub: gateway_pb2_grpc.GatewayServiceStub, metadata: tuple, recipe_text: str, run_id: str
+) -> RunResult:
+    start = time.perf_counter()
+    stub.CreateRun(gateway_pb2.CreateRunRequest(recipe_toml=recipe_text, run_id=run_id), metadata=metadata)
+    final = None
+    for update in stub.WatchRun(gateway_pb2.WatchRunRequest(run_id=run_id), metadata=metadata):
+        final = update.run
+    elapsed = time.perf_counter() - start
+    if final is None or final.state != gateway_pb2.RUN_STATE_COMPLETED:
+        raise RuntimeError(
+            f"run {run_id} did not complete: {final.state if final else None} {final.error if final else ''}"
+        )
+    return RunResult(final, elapsed)
