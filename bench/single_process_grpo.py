@@ -71,6 +71,8 @@ class GRPOSettings:
     steps: int = 30
     seed: int = 1
     model: dict[str, Any] = field(default_factory=lambda: ModelConfig.tiny().to_dict())
+    # A local HF-format directory to start from (wins over `model`/`init_std`), e.g. an SFT warm start.
+    model_path: str = ""
     # Std of the N(0, std) init of weight matrices (Qwen2ForCausalLM.init_weights); 0.02 is HF's.
     init_std: float = 0.02
     env_config: dict[str, Any] = field(default_factory=lambda: {"min_len": 2, "max_len": 3, "ops": ["rev"]})
@@ -116,14 +118,13 @@ class GRPOSettings:
         from services.trainer.spec import model_preset
 
         r = load_recipe(path)
-        if r.model.path:
-            raise ValueError("model.path: the single-process baseline builds its model from a preset")
         if r.environment.name != "digits":
             raise ValueError(f"environment.name: only 'digits' is wired here, got {r.environment.name!r}")
         values: dict[str, Any] = dict(
             steps=r.run.steps,
             seed=r.run.seed,
             model=model_preset(r.model.preset).to_dict(),
+            model_path=r.model.path,
             env_config=dict(r.environment.config),
             temperature=r.sampling.temperature,
             max_tokens=r.sampling.max_tokens,
@@ -192,11 +193,16 @@ class SingleProcessGRPO:
 
     def __init__(self, settings: GRPOSettings) -> None:
         self.s = settings
-        torch.set_num_threads(settings.threads)
+        if settings.threads > 0:  # 0 leaves the process's torch thread count alone
+            torch.set_num_threads(settings.threads)
         self.tokenizer = CharTokenizer()
-        self.config = settings.model_config()
-        self.policy = Qwen2ForCausalLM(self.config, seed=settings.seed)
-        self.policy.init_weights(settings.seed, std=settings.init_std)
+        if settings.model_path:
+            self.policy = Qwen2ForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32)
+            self.config = self.policy.config
+        else:
+            self.config = settings.model_config()
+            self.policy = Qwen2ForCausalLM(self.config, seed=settings.seed)
+            self.policy.init_weights(settings.seed, std=settings.init_std)
         self.reference: Qwen2ForCausalLM | None = None
         if settings.kl_coef > 0:  # the frozen initial policy, as the trainer keeps it
             self.reference = Qwen2ForCausalLM(self.config, seed=None)
@@ -538,6 +544,7 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--filter-equal", action="store_true", dest="filter_equal_rewards", default=None)
     p.add_argument("--kl-coef", type=float)
     p.add_argument("--entropy-coef", type=float)
+    p.add_argument("--model-path", help="start from this local HF-format directory")
     p.add_argument("--init-std", type=float)
     p.add_argument("--grad-clip", type=float)
     p.add_argument("--env", type=json.loads, dest="env_config", help='JSON, e.g. {"ops": ["copy"]}')

@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from bench.single_process_grpo import GRPOSettings, SingleProcessGRPO, run_sync, summarize
+from bench.single_process_grpo import GRPOSettings, SingleProcessGRPO, run_sync
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    # The loop pins torch to one thread (deterministic sampling); other tests in this process must not inherit it.
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def _settings(**overrides) -> GRPOSettings:
@@ -92,8 +100,15 @@ async def test_one_grpo_step_raises_the_logprob_of_above_average_completions():
 
 @pytest.mark.slow
 def test_a_short_fixed_seed_run_raises_the_mean_reward():
-    records = run_sync(_settings(steps=16, rollouts_per_step=64, seed=1))
-    summary = summarize(records, k=3)
-    assert summary["steps"] == 16
-    assert all(r.trained_tokens > 0 for r in records)
-    assert summary["last_reward"] > summary["first_reward"] + 0.03, [r.mean_reward for r in records]
+    # The proposed default recipe (digits rev 2-3, 64 rollouts in groups of 8, lr 1e-2, max_tokens 4):
+    # a random policy scores ~0.02; within ~20 steps it learns to answer with digits of the right
+    # length (seeds 1-3 gain 0.035-0.07 by this measure; the assertion keeps a margin under that).
+    settings = _settings(
+        steps=24, seed=1, rollouts_per_step=64, warmup_steps=2, env_config={"min_len": 2, "max_len": 3}
+    )
+    records = run_sync(settings)
+    rewards = [r.mean_reward for r in records]
+    assert len(records) == 24 and all(r.trained_tokens > 0 for r in records)
+    first, last = float(np.mean(rewards[:3])), float(np.mean(rewards[-5:]))
+    assert first < 0.05, rewards
+    assert last > first + 0.03, rewards
