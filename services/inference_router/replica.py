@@ -4,15 +4,19 @@
 wraps ONE engine for one replica of a deployment. The router calls it through Ray with serialized
 protos (`generate`, `generate_stream`, `status`, ...); the same replica ALSO serves
 InferenceEngineService on 127.0.0.1:<free port> (Generate, Status, Pause, Resume, StageWeights,
-CommitWeights, AbortWeights) so weight-sync can deliver weights to it and benchmarks can call it
-directly.
+CommitWeights, AbortWeights, RollbackWeights) so weight-sync can deliver weights to it and
+benchmarks can call it directly. StageWeights is registered to receive raw bytes
+(`add_engine_servicer`) and decoded without protobuf copying the payload; a bucket for another TP
+rank is forwarded as received.
 
 Weights: a replica built without a model path has no model and is NOT ready. The first bucket of
 the first version carries the HF config.json (model_config_json); the replica builds its engine
 from it, stages every bucket (its own rank's slices locally, rank r's slices to TP worker r) in a
 `WeightStager` beside the serving version (checksums verified), and CommitWeights swaps the new
-version in atomically between two decode steps. A replica with a model path loads version 0
-from it at start.
+version in atomically between two decode steps. The weights a commit retires go back to the
+stager as the rollback point: RollbackWeights (a canary whose new version failed its check) swaps
+them back in, again between two steps, and the status says it was a rollback, not a restart
+(`rolled_back_version`). A replica with a model path loads version 0 from it at start.
 
 `ReplicaCore` is the plain class (usable in-process); ray is imported lazily (module __getattr__)
 so importing this module never initialises Ray.
@@ -35,7 +39,9 @@ from services.inference_router.engine.base import Engine, EngineRequest, Samplin
 from services.inference_router.engine.scheduler import SchedulerLimits
 from services.kit import errors
 from services.kit.interceptors import ServerInterceptor
+from services.kit.weight_transfer import add_engine_servicer
 from services.kit.weight_transfer.stager import WeightStager
+from services.kit.weight_transfer.wire import decode_stage_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 
@@ -116,6 +122,11 @@ class ReplicaCore:
         self._start_lock: asyncio.Lock | None = None
         self._build_lock: asyncio.Lock | None = None
         self._paused = False
+        # The state dict the engine serves, as the stager handed it over: returned to the stager
+        # when the next version retires it (the rollback point).
+        self._held: dict[str, torch.Tensor] = {}
+        self._weights_lock: asyncio.Lock | None = None  # commit and rollback never interleave
+        self.rolled_back_version = -1  # the newest version a rollback undid (-1: none)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -140,7 +151,7 @@ class ReplicaCore:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        inference_pb2_grpc.add_InferenceEngineServiceServicer_to_server(_EngineServicer(self), server)
+        add_engine_servicer(server, _EngineServicer(self))
         port = server.add_insecure_port(f"{self.settings.host}:0")
         await server.start()
         self._server = server
@@ -237,12 +248,20 @@ class ReplicaCore:
             raise errors.InvalidArgument(f"weights: {exc}") from None
         if self._stager is not None:
             self._stager.serving_version = max(self._stager.serving_version, version)
+        self._held = self._engine_params(engine)
         return engine.status().weight_version
+
+    @staticmethod
+    def _engine_params(engine: Engine) -> dict[str, torch.Tensor]:
+        """The tensors a tp=1 CPU engine serves (they become the rollback point at the next commit)."""
+        executor = getattr(engine, "executor", None)
+        model = getattr(executor, "model", None)
+        return dict(model.params) if model is not None and hasattr(executor, "cache") else {}
 
     async def stage_weights(self, msg: inference_pb2.StageWeightsRequest | bytes) -> dict[str, Any]:
         """Stage one bucket (rank 0's locally, rank r's on TP worker r)."""
-        if isinstance(msg, bytes):
-            msg = inference_pb2.StageWeightsRequest.FromString(msg)
+        if isinstance(msg, bytes | bytearray | memoryview):
+            msg = decode_stage_request(bytes(msg))
         if self.engine is None:
             if not msg.model_config_json:
                 raise errors.FailedPrecondition(
@@ -262,6 +281,7 @@ class ReplicaCore:
             p = await asyncio.to_thread(self._stager.stage, msg)
             out = {"version": p.version, "bytes_received": p.bytes_received, "complete": p.complete}
         else:
+            # The bytes as received (a decoded request keeps them): forwarding needs no re-encoding.
             out = await engine.stage(msg.rank, msg.SerializeToString())  # type: ignore[attr-defined]
         out["serving_version"] = engine.status().weight_version
         return out
@@ -272,16 +292,61 @@ class ReplicaCore:
             raise errors.FailedPrecondition(
                 f"version: nothing staged, this replica has no model (asked {version})"
             )
-        if engine.status().weight_version == version:
-            return version  # a retried commit
-        if hasattr(engine, "commit"):  # a TP group: every rank commits its own staged shard
-            await engine.commit(version)
-        else:
-            assert self._stager is not None
-            state = self._stager.commit(version)
-            await engine.load_weights(version, state)
+        async with self._lock():
+            if engine.status().weight_version == version:
+                return version  # a retried commit
+            if hasattr(engine, "commit"):  # a TP group: every rank commits (and keeps) its own shard
+                await engine.commit(version)
+            else:
+                assert self._stager is not None
+                state = self._stager.commit(version)
+                try:
+                    await engine.load_weights(version, state)
+                except Exception:
+                    self._stager.recycle(state)
+                    raise
+                retired, self._held = self._held, state
+                self._stager.give_back(retired)
         log.info("replica %s now serves weight version %d", self.name, version)
         return engine.status().weight_version
+
+    async def rollback_weights(self, version: int) -> int:
+        """Stop serving `version` (a canary weight-sync rejected): serve the version before it again,
+        swapped in between two decode steps. Returns the version now served; a retried rollback
+        (the replica no longer serves `version`) is answered with the current version."""
+        engine = self.engine
+        if engine is None:
+            raise errors.FailedPrecondition(
+                f"version: this replica has no model, nothing to roll back ({version})"
+            )
+        async with self._lock():
+            serving = engine.status().weight_version
+            if serving < version and (self._stager is None or self._stager.serving_version < version):
+                return serving
+            if hasattr(engine, "rollback_weights"):  # a TP group: every rank swaps its own shard back
+                previous = await engine.rollback_weights(version)
+            else:
+                assert self._stager is not None
+                try:
+                    previous, state = self._stager.rollback(version)
+                except Exception as exc:
+                    raise errors.FailedPrecondition(str(exc)) from None
+                try:
+                    await engine.rollback(previous, state)
+                except Exception:
+                    self._stager.serving_version = version  # it still serves the rejected version
+                    self._stager.recycle(state)
+                    raise
+                retired, self._held = self._held, state
+                self._stager.recycle(retired)  # a rejected version is never served again
+            self.rolled_back_version = max(self.rolled_back_version, version)
+        log.warning("replica %s rolled back weight version %d, serves %d again", self.name, version, previous)
+        return engine.status().weight_version
+
+    def _lock(self) -> asyncio.Lock:
+        if self._weights_lock is None:
+            self._weights_lock = asyncio.Lock()
+        return self._weights_lock
 
     async def abort_weights(self, version: int) -> None:
         if self._stager is not None:
@@ -367,6 +432,7 @@ class ReplicaCore:
             "paused": self._paused,
             "weight_version": -1,
             "staged_version": -1,
+            "rolled_back_version": self.rolled_back_version,
             "outstanding_requests": 0,
             "outstanding_tokens": 0,
             "queued_requests": 0,
@@ -442,6 +508,10 @@ class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
     async def AbortWeights(self, request, context):
         await self.core.abort_weights(int(request.version))
         return inference_pb2.AbortWeightsResponse()
+
+    async def RollbackWeights(self, request, context):
+        version = await self.core.rollback_weights(int(request.version))
+        return inference_pb2.RollbackWeightsResponse(weight_version=version)
 
 
 _actor_class: Any = None

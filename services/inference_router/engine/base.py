@@ -132,6 +132,11 @@ class Engine(abc.ABC):
     async def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Swap in a new weight version between two decode steps; in-flight requests continue."""
 
+    async def rollback(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Serve the older `version` again (a rejected canary): like load_weights, but going back is
+        allowed. Backends whose load_weights accepts any version need nothing more."""
+        await self.load_weights(version, state_dict)
+
     @abc.abstractmethod
     def pause(self) -> None:
         """Stop scheduling steps (requests keep queueing) until resume()."""

@@ -199,14 +199,21 @@ class ContinuousBatchingEngine(Engine):
     async def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
         await self.swap(version, lambda: self.executor.load_weights(state_dict))
 
-    async def swap(self, version: int, apply: Callable[[], None]) -> None:
+    async def rollback(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Serve the older `version` again (a canary that failed its check): like load_weights,
+        between two decode steps and atomically, but allowed to go back. Sequences in flight
+        continue on the restored weights; their tokens carry the version that sampled them."""
+        await self.swap(version, lambda: self.executor.load_weights(state_dict), backwards=True)
+
+    async def swap(self, version: int, apply: Callable[[], None], *, backwards: bool = False) -> None:
         """Run `apply` (which installs `version` in the executor) between two steps, then serve `version`.
 
         Runs even while paused (pause stops generation, not weight updates). If `apply` raises,
-        the old weights keep serving (EngineModel.load_shard checks everything before changing anything)."""
+        the old weights keep serving (EngineModel.load_shard checks everything before changing anything).
+        Only a rollback (`backwards`) may install a version older than the serving one."""
         if self._closed:
             raise Unavailable("engine is closed")
-        if version < self.version:
+        if version < self.version and not backwards:
             raise FailedPrecondition(f"version: {version} is older than the serving version {self.version}")
         self.start()
         fut = asyncio.get_running_loop().create_future()

@@ -11,9 +11,12 @@ Each step rank 0 broadcasts a fixed-size header [op, a, b] and then the step's i
 runs the same forward. Only rank 0's logits are used.
 
 Weights: every rank stages its own shard in its own `WeightStager` (buckets for rank r are
-forwarded to worker r). A commit first checks that every rank holds the version complete, then
-the swap runs between two steps: rank 0 broadcasts LOAD(version) and every rank commits its
-stager and loads its shard; an all-reduce of "loaded" flags confirms the group switched together.
+forwarded to worker r, as received: no re-encoding). A commit first checks that every rank holds
+the version complete, then the swap runs between two steps: rank 0 broadcasts LOAD(version) and
+every rank commits its stager and loads its shard; an all-reduce of "loaded" flags confirms the
+group switched together. Each rank hands its retired shard back to its stager as the rollback
+point, so a rejected canary version is undone the same way: after checking that every rank still
+holds the version before, rank 0 broadcasts ROLLBACK(version) and every rank swaps it back in.
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ import torch.distributed as dist
 from services.inference_router.engine.cpu import to_rank_shard
 from services.inference_router.engine.scheduler import ContinuousBatchingEngine, SchedulerLimits
 from services.kit.weight_transfer.stager import WeightStager
+from services.kit.weight_transfer.wire import decode_stage_request
 from services.modeling.config import ModelConfig
 from services.modeling.engine_model import EngineModel
 from services.modeling.layouts import Layout, rank_params
 
 log = logging.getLogger(__name__)
 
-OP_PREFILL, OP_DECODE, OP_LOAD, OP_STOP = 1, 2, 3, 4
+OP_PREFILL, OP_DECODE, OP_LOAD, OP_STOP, OP_ROLLBACK = 1, 2, 3, 4, 5
 # Workers block in a broadcast while the engine is idle; rank 0's death kills them (Ray fate
 # sharing), so a long timeout only bounds a genuinely stuck collective.
 _GROUP_TIMEOUT = datetime.timedelta(hours=12)
@@ -81,6 +85,28 @@ class _Rank:
         except Exception:
             log.exception("rank %d failed to load version %d", self.model.rank, version)
             ok = False
+        return self._agree(ok)
+
+    def rollback(self, version: int) -> bool:
+        """Undo the commit of `version`: serve the retired shard again (checked by `can_rollback`
+        on every rank first, so a rank fails here only on a broken process)."""
+        try:
+            _, state = self.stager.rollback(version)
+            old = self.model.params
+            self.model.load_shard(state)
+            self.stager.recycle({k: v for k, v in old.items() if k in self.stager.specs})
+            ok = True
+        except Exception:
+            log.exception("rank %d failed to roll back version %d", self.model.rank, version)
+            ok = False
+        return self._agree(ok)
+
+    def can_rollback(self, version: int) -> int | None:
+        """The version a rollback of `version` returns to, or None when this rank cannot."""
+        s = self.stager
+        return s.rollback_version if s.serving_version == version else None
+
+    def _agree(self, ok: bool) -> bool:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
         self.group.allreduce([flag]).wait()
         return int(flag) == self.group.size()
@@ -117,6 +143,11 @@ class TPExecutor:
         self._send(OP_LOAD, version)
         if not self.r.load(version):
             raise RuntimeError(f"version {version}: not every TP rank could load it")
+
+    def rollback_staged(self, version: int) -> None:
+        self._send(OP_ROLLBACK, version)
+        if not self.r.rollback(version):
+            raise RuntimeError(f"version {version}: not every TP rank could roll it back")
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         raise NotImplementedError("TP weights go through the stagers (TPEngine.load_weights)")
@@ -169,6 +200,9 @@ class TPWorker:
                 if op == OP_LOAD:
                     r.load(a)
                     continue
+                if op == OP_ROLLBACK:
+                    r.rollback(a)
+                    continue
                 size = 2 * a + b if op == OP_PREFILL else 3 * a
                 payload = torch.zeros(size, dtype=torch.int64)
                 r.group.broadcast(payload, 0).wait()
@@ -193,10 +227,7 @@ class TPWorker:
         return self.error
 
     def stage(self, request_bytes: bytes) -> dict[str, Any]:
-        from looprl.inference.v1 import inference_pb2
-
-        msg = inference_pb2.StageWeightsRequest.FromString(request_bytes)
-        p = self.rank.stager.stage(msg)
+        p = self.rank.stager.stage(decode_stage_request(request_bytes))
         return {"version": p.version, "bytes_received": p.bytes_received, "complete": p.complete}
 
     def stage_state(self, version: int, shard: dict[str, torch.Tensor]) -> bool:
@@ -209,6 +240,9 @@ class TPWorker:
 
     def abort(self, version: int) -> bool:
         return self.rank.stager.abort(version)
+
+    def can_rollback(self, version: int) -> int | None:
+        return self.rank.can_rollback(version)
 
 
 class TPEngine(ContinuousBatchingEngine):
@@ -268,9 +302,7 @@ class TPEngine(ContinuousBatchingEngine):
     # ---- weights: every rank stages its shard, then one LOAD switches the group between steps
     async def stage(self, rank: int, request_bytes: bytes) -> dict[str, Any]:
         if rank == 0:
-            from looprl.inference.v1 import inference_pb2
-
-            p = self.rank0.stager.stage(inference_pb2.StageWeightsRequest.FromString(request_bytes))
+            p = self.rank0.stager.stage(decode_stage_request(request_bytes))
             return {"version": p.version, "bytes_received": p.bytes_received, "complete": p.complete}
         return await self.workers[rank - 1].stage.remote(request_bytes)
 
@@ -287,6 +319,28 @@ class TPEngine(ContinuousBatchingEngine):
             raise FailedPrecondition(f"version: {version} is not staged completely on every TP rank")
         assert isinstance(self.executor, TPExecutor)
         await self.swap(version, lambda: self.executor.load_staged(version))
+
+    async def rollback_weights(self, version: int) -> int:
+        """Undo the commit of `version` on every rank (a rejected canary); returns the version served
+        again. Every rank must still hold the same version before it, or nothing changes."""
+        import asyncio
+
+        from services.kit.errors import FailedPrecondition
+
+        remote = await asyncio.gather(*(w.can_rollback.remote(version) for w in self.workers))
+        targets = {self.rank0.can_rollback(version), *remote}
+        if len(targets) != 1 or None in targets:
+            raise FailedPrecondition(
+                f"version: cannot roll back {version}: the TP ranks do not all serve it with the same version "
+                f"held before it (rank 0: {self.rank0.can_rollback(version)}, others: {remote})"
+            )
+        (previous,) = targets
+        assert isinstance(self.executor, TPExecutor)
+        await self.swap(previous, lambda: self.executor.rollback_staged(version), backwards=True)
+        return previous
+
+    async def rollback(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        raise NotImplementedError("a TP group rolls back from its stagers (TPEngine.rollback_weights)")
 
     async def abort_staged(self, version: int) -> None:
         import asyncio
