@@ -8,7 +8,14 @@ deployments, keep weight-sync informed of every layout, and follow weight events
 - External deployments (RegisterDeployment) are servers implementing InferenceEngineService,
   reached over gRPC.
 - Every deployment registers its layout and rank addresses with weight-sync (RegisterTarget) when
-  an address is configured; weights.published events on the bus wake the router to re-poll.
+  an address is configured: one target per replica (replicas sync independently), or, for a
+  deployment with `canary = true`, ONE target listing every replica's ranks (each named by its
+  replica) with the canary policy, so weight-sync commits a new version on the first replica,
+  checks its golden prompts and only then lets the others switch (or rolls it back).
+- weights.published events on the bus wake the router to re-poll; a weights-rejected event (same
+  subject, header `looprl-event: weights-rejected`) is logged and otherwise ignored.
+- A replica whose version went backwards is normally a restarted one; a canary replica that rolled
+  a rejected version back says so in its status (`rolled_back_version`) and is not resynced.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from services.kit import errors
 from services.kit.recipe import DeploymentSpec
 
 log = logging.getLogger("looprl.inference_router.deployments")
+
+# Events on looprl.<run>.weights other than WeightsPublished carry this header (events.proto).
+EVENT_HEADER, WEIGHTS_REJECTED = "looprl-event", "weights-rejected"
 
 # The recipe writes "unbounded" as a huge number; the proto uses 0.
 _UNBOUNDED = 1 << 30
@@ -175,49 +185,81 @@ class DeploymentManager:
 
     # ---- weight-sync and events ----------------------------------------------------------------
 
+    def _canary(self, deployment: str) -> bool:
+        spec = self.specs.get(deployment)
+        return bool(spec is not None and spec.canary)
+
+    def sync_target(self, deployment: str, replica: str) -> str:
+        """The weight-sync target a replica belongs to: its deployment when canaried, else itself."""
+        return deployment if self._canary(deployment) else replica
+
     async def register_with_weight_sync(self, state: DeploymentState, every_k: int) -> None:
-        """One weight-sync target per replica (a target is one TP group), named after the replica."""
+        """One weight-sync target per replica (a target is one TP group), named after the replica;
+        a canary deployment is one target of all its replicas, the first replica the canary."""
         if not self.config.weight_sync_address:
             return
         self._every_k[state.name] = max(1, every_k)
-        await asyncio.gather(*(self.register_replica(state, r) for r in state.replicas))
+        if self._canary(state.name):
+            await self._register(state, state.name, state.replicas)
+        else:
+            await asyncio.gather(*(self._register(state, r.name, [r]) for r in state.replicas))
 
     async def register_replica(self, state: DeploymentState, replica: ReplicaState) -> None:
+        """(Re-)register the target `replica` belongs to, at the replicas' current addresses."""
+        if self._canary(state.name):
+            await self._register(state, state.name, state.replicas)
+        else:
+            await self._register(state, replica.name, [replica])
+
+    async def _register(self, state: DeploymentState, target: str, replicas: list[ReplicaState]) -> None:
         from looprl.common.v1 import common_pb2
         from looprl.weightsync.v1 import weightsync_pb2
 
-        addresses = await self._rank_addresses(replica)
-        if len(addresses) != state.tensor_parallel:
-            log.warning(
-                "replica %s reported %d rank addresses for tp=%d; not registered",
-                replica.name,
-                len(addresses),
-                state.tensor_parallel,
-            )
-            return
+        ranks = []
+        for replica, addresses in zip(
+            replicas, await asyncio.gather(*(self._rank_addresses(r) for r in replicas)), strict=True
+        ):
+            if len(addresses) != state.tensor_parallel:
+                log.warning(
+                    "replica %s reported %d rank addresses for tp=%d; %s not registered",
+                    replica.name,
+                    len(addresses),
+                    state.tensor_parallel,
+                    target,
+                )
+                return
+            ranks += [
+                weightsync_pb2.TargetRank(
+                    rank=rank, address=address, same_host=not state.external, replica=replica.name
+                )
+                for rank, address in enumerate(addresses)
+            ]
         dtype = {"bfloat16": common_pb2.D_TYPE_BFLOAT16, "float16": common_pb2.D_TYPE_FLOAT16}.get(
             state.dtype, common_pb2.D_TYPE_FLOAT32
         )
         request = weightsync_pb2.RegisterTargetRequest(
-            deployment=replica.name,
+            deployment=target,
             layout=weightsync_pb2.TargetLayout(
                 tensor_parallel=state.tensor_parallel, naming=state.layout, dtype=dtype
             ),
-            ranks=[
-                weightsync_pb2.TargetRank(rank=rank, address=address, same_host=not state.external)
-                for rank, address in enumerate(addresses)
-            ],
+            ranks=ranks,
             every_k_versions=self._every_k.get(state.name, 1),
             run_id=self.config.run_id,
         )
+        spec = self.specs.get(state.name)
+        if spec is not None and spec.canary:
+            request.canary = True
+            request.canary_policy.max_logprob_drift = spec.canary_max_logprob_drift
+            request.canary_policy.tokens_per_prompt = spec.canary_tokens_per_prompt
         try:
             reply = await self._weight_sync_stub().RegisterTarget(request, timeout=10)
         except Exception as exc:
-            log.warning("weight-sync registration of %s failed: %s", replica.name, exc)
+            log.warning("weight-sync registration of %s failed: %s", target, exc)
             return
         if reply.current_version >= 0:
             self.router.on_weights_published(state.name, reply.current_version)
-        log.info("registered %s with weight-sync at %s", replica.name, ", ".join(addresses))
+        log.info("registered %s with weight-sync (%d ranks%s)", target, len(ranks),
+                 ", canary" if request.canary else "")  # fmt: skip
 
     def _weight_sync_stub(self) -> Any:
         if self._weight_sync is None:
@@ -244,6 +286,8 @@ class DeploymentManager:
     async def request_sync(self, deployment: str, replica: str) -> None:
         """A restarted replica lacks the newest weights and listens on a new address: register it
         again (weight-sync then delivers the latest version to it) and ask for the sync."""
+        if await self._rolled_back(replica):
+            return
         if not self.config.weight_sync_address:
             log.info("replica %s restarted; no weight-sync configured to resync it", replica)
             return
@@ -252,12 +296,33 @@ class DeploymentManager:
         await self.register_replica(self.router.deployments[deployment], self.router.replicas[replica])
         try:
             reply = await self._weight_sync_stub().RequestSync(
-                weightsync_pb2.RequestSyncRequest(deployment=replica), timeout=30
+                weightsync_pb2.RequestSyncRequest(deployment=self.sync_target(deployment, replica)),
+                timeout=30,
             )
         except Exception as exc:  # e.g. no version pushed yet: registration alone suffices then
             log.info("RequestSync for %s: %s", replica, exc)
             return
         log.info("asked weight-sync to resync %s (version %d)", replica, reply.version)
+
+    async def _rolled_back(self, name: str) -> bool:
+        """A canary replica that rolled back a rejected version looks to the router like a restart
+        (its version went backwards). It is not one: it kept its process, address and weights, so
+        it routes again at once and needs no resync."""
+        replica = self.router.replicas.get(name)
+        if replica is None or replica.resync_to_version is None:
+            return False
+        try:
+            status = await self.router.handles[name].status(self.config.request_timeout_s)
+        except Exception:
+            return False
+        rolled_back = int(status.get("rolled_back_version", -1))
+        if rolled_back < 0 or rolled_back < replica.resync_to_version:
+            return False
+        log.info("replica %s rolled back version %d (not a restart): routable again", name, rolled_back)
+        replica.resync_to_version = None
+        replica.sync_requested = False
+        self.router.observe_status(replica, status)
+        return True
 
     async def follow_weight_events(self, nats_url: str) -> None:
         """weights.published wakes the router (re-poll at once) and records the announced version."""
@@ -268,6 +333,14 @@ class DeploymentManager:
         subject = subjects.weights(self.config.run_id) if self.config.run_id else subjects.all_runs("weights")
 
         async def on_message(msg: Any) -> None:
+            if (msg.headers or {}).get(EVENT_HEADER) == WEIGHTS_REJECTED:
+                try:
+                    rejected = events_pb2.WeightsRejected.FromString(msg.data)
+                    log.warning("weight-sync rejected version %d for %s (log-prob drift %.4g)",
+                                rejected.version, rejected.deployment, rejected.drift)  # fmt: skip
+                except Exception:
+                    log.warning("ignoring a malformed weights-rejected event on %s", msg.subject)
+                return
             try:
                 event = events_pb2.WeightsPublished.FromString(msg.data)
             except Exception:

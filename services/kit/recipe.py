@@ -113,6 +113,16 @@ class DeploymentSpec:
     min_output_tokens: int = _f(0, "Length profile: shortest expected output.")
     max_output_tokens: int = _f(1 << 30, "Length profile: longest expected output.")
     sync_every: int = _f(1, "Receive every k-th weight version.")
+    canary: bool = _f(
+        False,
+        "Canary weight updates: a new version serves on the first replica only until its greedy "
+        "log-probs on golden prompts drift within canary_max_logprob_drift of the version before; "
+        "otherwise it is rolled back there and never reaches the other replicas.",
+    )
+    canary_max_logprob_drift: float = _f(
+        0.0, "Largest accepted mean |log-prob change| (nats) of the canary check; 0: weight-sync's default."
+    )
+    canary_tokens_per_prompt: int = _f(0, "Greedy tokens per golden prompt in the canary check; 0: default.")
 
 
 @dataclass
@@ -261,6 +271,12 @@ def validate(recipe: Recipe, base_dir: Path | None = None) -> Recipe:
         _check(d.tensor_parallel > 0, f"{where}.tensor_parallel", "must be > 0")
         _check(d.replicas > 0, f"{where}.replicas", "must be > 0")
         _check(d.sync_every > 0, f"{where}.sync_every", "must be > 0")
+        _check(
+            d.canary_max_logprob_drift >= 0,  # also rejects NaN
+            f"{where}.canary_max_logprob_drift",
+            "must be >= 0",
+        )
+        _check(d.canary_tokens_per_prompt >= 0, f"{where}.canary_tokens_per_prompt", "must be >= 0")
         _check(
             d.min_prompt_tokens <= d.max_prompt_tokens,
             f"{where}.max_prompt_tokens",

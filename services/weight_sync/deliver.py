@@ -41,6 +41,7 @@ from .versions import VersionBuffer, VersionStore
 log = logging.getLogger("looprl.weight_sync")
 
 PublishHook = Callable[[Target, int, int, float], Awaitable[None]]
+RejectHook = Callable[[Target, int, float, str], Awaitable[None]]  # target, version, drift, detail
 
 
 class Deliverer:
@@ -59,6 +60,7 @@ class Deliverer:
         canary_max_drift: float = 0.5,
         on_published: PublishHook | None = None,
         on_state: Callable[[Target], Awaitable[None]] | None = None,
+        on_rejected: RejectHook | None = None,
     ) -> None:
         self.store = store
         self.targets: dict[str, Target] = {}
@@ -74,6 +76,7 @@ class Deliverer:
         self.canary_max_drift = canary_max_drift
         self.on_published = on_published
         self.on_state = on_state
+        self.on_rejected = on_rejected
         self._tasks: set[asyncio.Task] = set()
         self._busy: dict[str, int] = {}  # deployment -> version being delivered
         self._speculative: dict[int, tuple[str, asyncio.Task]] = {}
@@ -248,6 +251,12 @@ class Deliverer:
             # without a check rather than never updating; say so.
             log.warning("canary of %s skipped for version %s: no reference answers (%s: %s)", t.deployment,
                         version, exc.code().name, exc.details())  # fmt: skip
+            try:  # the caller commits the other replicas only: this one switches here
+                await asyncio.gather(*(self.grpc.commit(e, version) for e in replica))
+            except DeliveryError as commit_exc:
+                await asyncio.gather(*(self.grpc.abort(e, version) for e in t.endpoints if e not in skip))
+                await self._failed(t, self._buffer(version), f"canary commit: {commit_exc}")
+                return False
             return True
         try:
             await asyncio.gather(*(self.grpc.commit(e, version) for e in replica))
@@ -270,6 +279,12 @@ class Deliverer:
         problems = "; ".join(e for e in errors if e)
         await self._failed(t, None, f"canary rejected version {version}: {verdict.detail}"
                            + (f"; rollback failed: {problems}" if problems else ""))  # fmt: skip
+        if self.on_rejected is not None:
+            try:
+                await self.on_rejected(t, version, t.canary_drift, verdict.detail)
+            except Exception as exc:
+                log.warning("announcing the rejection of version %s for %s failed: %s", version, t.deployment,
+                            exc)  # fmt: skip
         return False
 
     async def _rollback(self, ep: Endpoint, version: int) -> str:

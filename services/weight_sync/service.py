@@ -27,6 +27,10 @@ from .versions import VersionBuffer, VersionStore
 
 log = logging.getLogger("looprl.weight_sync")
 
+# WeightsRejected shares looprl.<run>.weights with WeightsPublished; this header tells them apart
+# (events.proto): consumers of WeightsPublished skip messages that carry it.
+EVENT_HEADER, WEIGHTS_REJECTED = "looprl-event", "weights-rejected"
+
 
 class StateStore:
     """Targets, versions and the latest manifest in the KV bucket "weights"; events on the bus."""
@@ -76,6 +80,15 @@ class StateStore:
             deliverer.targets[target.deployment] = target
         log.info("restored %d targets, latest version %s", len(deliverer.targets), store.latest_version)
 
+    async def rejected(self, t: Target, version: int, drift: float, detail: str) -> None:
+        run = t.run_id or self.default_run
+        event = events_pb2.WeightsRejected(
+            run_id=run, version=version, deployment=t.deployment, drift=drift, detail=detail
+        )
+        await self.bus.publish(subjects.weights(run), event, msg_id=f"weights-rejected-{run}-{t.deployment}-{version}",
+                               headers={EVENT_HEADER: WEIGHTS_REJECTED})  # fmt: skip
+        await self.save_state(t)
+
     async def published(self, t: Target, version: int, nbytes: int, seconds: float) -> None:
         run = t.run_id or self.default_run
         event = events_pb2.WeightsPublished(
@@ -116,6 +129,7 @@ async def attach_state(
     servicer.state = state
     servicer.deliverer.on_published = state.published
     servicer.deliverer.on_state = state.save_state
+    servicer.deliverer.on_rejected = state.rejected
     await state.load(servicer.store, servicer.deliverer)
 
 

@@ -49,6 +49,20 @@ class WeightsPublished(_message.Message):
     bytes: int
     def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., deployment: _Optional[str] = ..., sync_seconds: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
+class WeightsRejected(_message.Message):
+    __slots__ = ("run_id", "version", "deployment", "drift", "detail")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    deployment: str
+    drift: float
+    detail: str
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., deployment: _Optional[str] = ..., drift: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
 class TrainStepRecord(_message.Message):
     __slots__ = ("run_id", "step", "version", "loss", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_second", "mean_staleness", "reward_mean", "reward_std", "num_rollouts", "num_tokens", "step_seconds", "rollout_ids", "max_staleness")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
