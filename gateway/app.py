@@ -35,7 +35,13 @@ async def serve(config: GatewayConfig) -> None:
         packer = None
         if config.packer_address:
             packer = packer_pb2_grpc.RolloutPackerServiceStub(open_channel(config.packer_address))
-        runs = RunManager(bus, RunStore(await bus.kv(subjects.RUNS)), Path(config.recipe_base_dir), packer)
+        runs = RunManager(
+            bus,
+            RunStore(await bus.kv(subjects.RUNS)),
+            Path(config.recipe_base_dir),
+            packer,
+            config.exclusive_runs,
+        )
         servicer.runs = runs
         router = None
         if config.router_address:

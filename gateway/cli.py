@@ -40,6 +40,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         _state_dir(args),
         StackPorts(nats=args.nats_port, ray=args.ray_port, base=args.base_port, http=args.http_port),
         _recipe_env(args.recipe),
+        keep_state=args.keep_state,
     )
     _print_rows(status_rows(state))
     print(f"gateway token: {state.gateway_token}  (HTTP on 127.0.0.1:{state.http_port})")
@@ -187,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-port", type=int, default=26379)
     p.add_argument("--base-port", type=int, default=50050, help="first gRPC port; metrics at +100")
     p.add_argument("--http-port", type=int, default=8080)
+    p.add_argument("--keep-state", action="store_true", help="keep the JetStream state of the last stack")
     p.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop everything `up` started").set_defaults(func=cmd_down)
     sub.add_parser("status", help="health, address and pid of every service").set_defaults(func=cmd_status)

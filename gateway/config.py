@@ -21,6 +21,13 @@ class GatewayConfig(ServiceConfig):
         default="", metadata={"help": "rollout-packer gRPC address, for drop counts."}
     )
     tokenizer: str = field(default="char", metadata={"help": "Tokenizer for the OpenAI-compatible endpoint."})
+    exclusive_runs: bool = field(
+        default=True,
+        metadata={
+            "help": "Refuse a new run once the stack served another: deployments and weight-sync number "
+            "versions per stack, so a second run would sample from the first run's weights."
+        },
+    )
     recipe_base_dir: str = field(
         default=".", metadata={"help": "Relative model paths in recipes resolve here."}
     )

@@ -66,8 +66,11 @@ def run_to_proto(record: RunRecord) -> gateway_pb2.Run:
 class RunManager:
     """Owns the RunDrivers of this gateway process; resumes active runs on start."""
 
-    def __init__(self, bus: Bus, store: RunStore, recipe_base_dir: Path, packer=None) -> None:
+    def __init__(
+        self, bus: Bus, store: RunStore, recipe_base_dir: Path, packer=None, exclusive_runs: bool = True
+    ) -> None:
         self.bus, self.store, self.base_dir, self.packer = bus, store, recipe_base_dir, packer
+        self.exclusive_runs = exclusive_runs
         self.drivers: dict[str, RunDriver] = {}
 
     async def resume(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -115,13 +116,20 @@ def up(
     extra_env: dict[str, str] | None = None,
     timeout: float = 120.0,
     log=print,
+    keep_state: bool = False,
 ) -> StackState:
-    """Start everything and wait until every service reports SERVING."""
+    """Start everything and wait until every service reports SERVING.
+
+    Unless keep_state, the previous stack's JetStream state in state_dir is discarded first.
+    """
     state_dir = state_dir.resolve()
     existing = StackState.load(state_dir)
     if existing is not None and pid_alive(existing.nats_pid):
         raise RuntimeError(f"a stack is already up (state in {state_dir}); run `looprl down` first")
     state_dir.mkdir(parents=True, exist_ok=True)
+    if not keep_state:
+        # JetStream state (runs, weight manifests, packer plans) belongs to the stack that made it.
+        shutil.rmtree(state_dir / "jetstream", ignore_errors=True)
     logs = state_dir / "logs"
     logs.mkdir(exist_ok=True)
     plan = [(name, module, ports.base + i, ports.base + 100 + i) for i, (name, module) in enumerate(SERVICES)]

@@ -29,7 +29,11 @@ class RouterConfig(ServiceConfig):
     max_attempts: int = field(default=3, metadata={"help": "Replicas tried per request before UNAVAILABLE."})
     request_timeout_s: float = field(default=120.0, metadata={"help": "Per-attempt replica timeout."})
     version_wait_s: float = field(
-        default=0.0, metadata={"help": "How long a request may wait for its min_weight_version to appear."}
+        default=30.0,
+        metadata={
+            "help": "How long a request may wait for its min_weight_version to appear (the next version "
+            "is normally one sync away, so waiting beats a failed episode)."
+        },
     )
     version_unavailable_code: str = field(
         default="FAILED_PRECONDITION",

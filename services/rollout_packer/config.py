@@ -26,6 +26,12 @@ class PackerConfig(ServiceConfig):
         default=65536, metadata={"help": "Most rollouts held unacked at once (queued + planned steps)."}
     )
     fetch_batch: int = field(default=256, metadata={"help": "Rollouts pulled per fetch from the bus."})
+    retire_grace_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "After a run ends, how long to wait for the trainer's last AckSteps before dropping it."
+        },
+    )
     keep_acked_steps: int = field(
         default=8,
         metadata={"help": "Acked step records kept in KV to recognise redelivered trained rollouts."},

@@ -368,6 +368,11 @@ class RunPacker:
     # ---- stats ------------------------------------------------------------------------------------
 
     @property
+    def has_unacked_steps(self) -> bool:
+        """Steps served to the trainer that it has not acknowledged yet."""
+        return any(not record.acked for record in self.records.values())
+
+    @property
     def queued_rollouts(self) -> int:
         return sum(1 for rid in self.held if rid not in self.plan_of)
 

@@ -30,6 +30,8 @@ class PackerApp:
         self.bus: Bus | None = None
         self.runs: dict[str, RunPacker] = {}
         self._watch_task: asyncio.Task | None = None
+        self._retiring: set[str] = set()
+        self._retire_tasks: list[asyncio.Task] = []
         self._lock = asyncio.Lock()
 
     def lookup(self, run_id: str) -> RunPacker | None:
@@ -84,6 +86,28 @@ class PackerApp:
             await packer.stop()
             log.info("run %s: no longer packed", run_id)
 
+    def _retire(self, run_id: str) -> None:
+        """Stop packing an ended run once the trainer acknowledged every step it was served.
+
+        The trainer acks after its final checkpoint, which comes after the gateway already marked
+        the run completed; dropping the run at once would leave those rollouts un-acked.
+        """
+        if run_id in self._retiring:
+            return
+
+        async def retire() -> None:
+            deadline = asyncio.get_running_loop().time() + self.cfg.retire_grace_s
+            while (packer := self.runs.get(run_id)) is not None and packer.has_unacked_steps:
+                if asyncio.get_running_loop().time() > deadline:
+                    log.warning("run %s ended with unacknowledged steps; they stay on the bus", run_id)
+                    break
+                await asyncio.sleep(0.5)
+            await self.remove_run(run_id)
+            self._retiring.discard(run_id)
+
+        self._retiring.add(run_id)
+        self._retire_tasks.append(asyncio.create_task(retire(), name=f"retire-{run_id}"))
+
     async def _follow_runs(self, watch) -> None:
         async for entry in watch:
             try:
@@ -92,13 +116,15 @@ class PackerApp:
                     continue
                 record = RunRecord.from_json(entry.value)
                 if record.state in TERMINAL_STATES:
-                    await self.remove_run(record.run_id)
+                    self._retire(record.run_id)
                 elif record.run_id not in self.runs:
                     await self.add_run(record.run_id, self.settings_for(record.recipe()))
             except Exception as exc:  # one bad record must not stop the others
                 log.warning("runs/%s: cannot pack this run: %s", entry.key, exc)
 
     async def stop(self) -> None:
+        for task in self._retire_tasks:
+            task.cancel()
         if self._watch_task is not None:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

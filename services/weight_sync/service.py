@@ -39,6 +39,9 @@ class StateStore:
         self.bus = bus
         self.kv = kv
         self.default_run = default_run
+        # The run whose versions this weight-sync serves: learned from the trainer's pushes, since a
+        # stack serves one run (the gateway refuses a second). Events go to that run's subject.
+        self.current_run = default_run
         self.prefix = kv_key("run", default_run)  # one weight-sync per run: its keys live under it
 
     async def save_target(self, t: Target) -> None:
@@ -54,6 +57,8 @@ class StateStore:
         )
 
     async def save_version(self, buf: VersionBuffer) -> None:
+        if buf.run_id:
+            self.current_run = buf.run_id
         manifest = {
             "version": buf.version, "run_id": buf.run_id, "bytes": buf.bytes_received,
             "trainer_world_size": buf.world_size, "model_config_json": buf.model_config_json,
@@ -81,7 +86,7 @@ class StateStore:
         log.info("restored %d targets, latest version %s", len(deliverer.targets), store.latest_version)
 
     async def rejected(self, t: Target, version: int, drift: float, detail: str) -> None:
-        run = t.run_id or self.default_run
+        run = t.run_id or self.current_run
         event = events_pb2.WeightsRejected(
             run_id=run, version=version, deployment=t.deployment, drift=drift, detail=detail
         )
@@ -90,7 +95,7 @@ class StateStore:
         await self.save_state(t)
 
     async def published(self, t: Target, version: int, nbytes: int, seconds: float) -> None:
-        run = t.run_id or self.default_run
+        run = t.run_id or self.current_run
         event = events_pb2.WeightsPublished(
             run_id=run, version=version, deployment=t.deployment, sync_seconds=seconds, bytes=nbytes
         )

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,21 +61,17 @@ def _ray_processes(port: int) -> list[str]:
     return [line for line in out.splitlines() if f"looprl-ray-{port}" in line]
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory):
-    state_dir = tmp_path_factory.mktemp("stack")
+@contextmanager
+def local_stack(state_dir: Path, recipe_text: str = DEFAULT_RECIPE) -> Iterator[Stack]:
+    """`looprl up` on free ports, yielding the Stack; `looprl down` after, checking nothing is left."""
     recipe = state_dir / "recipe.toml"
-    recipe.write_text(DEFAULT_RECIPE)
+    recipe.write_text(recipe_text)
     ports = [
-        "--nats-port",
-        str(_free_port(14000, 15000)),
-        "--ray-port",
-        str(_free_port(27000, 28000)),
-        "--base-port",
-        str(_free_base()),
-        "--http-port",
-        str(_free_port(18000, 19000)),
-    ]
+        "--nats-port", str(_free_port(14000, 15000)),
+        "--ray-port", str(_free_port(27000, 28000)),
+        "--base-port", str(_free_base()),
+        "--http-port", str(_free_port(18000, 19000)),
+    ]  # fmt: skip
     started = looprl_cli(state_dir, "up", "--recipe", str(recipe), *ports)
     assert started.returncode == 0, started.stdout + started.stderr
     state = StackState.load(state_dir.resolve())
@@ -81,15 +79,31 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     channel = grpc.insecure_channel(
         state.service("gateway").address, options=[("grpc.max_receive_message_length", 64 << 20)]
     )
-    yield Stack(
-        state,
-        gateway_pb2_grpc.GatewayServiceStub(channel),
-        (("authorization", f"Bearer {state.gateway_token}"),),
-        state_dir,
-    )
-    channel.close()
-    stopped = looprl_cli(state_dir, "down")
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    pids = [state.nats_pid, state.ray_pid, *(s.pid for s in state.services)]
-    assert not [pid for pid in pids if pid_alive(pid)], "processes left after `looprl down`"
-    assert not _ray_processes(state.ray_port), "Ray processes left after `looprl down`"
+    try:
+        yield Stack(
+            state,
+            gateway_pb2_grpc.GatewayServiceStub(channel),
+            (("authorization", f"Bearer {state.gateway_token}"),),
+            state_dir,
+        )
+    finally:
+        channel.close()
+        stopped = looprl_cli(state_dir, "down")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        pids = [state.nats_pid, state.ray_pid, *(s.pid for s in state.services)]
+        assert not [pid for pid in pids if pid_alive(pid)], "processes left after `looprl down`"
+        assert not _ray_processes(state.ray_port), "Ray processes left after `looprl down`"
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack shared by the tests that start no run."""
+    with local_stack(tmp_path_factory.mktemp("stack")) as s:
+        yield s
+
+
+@pytest.fixture
+def fresh_stack(tmp_path: Path) -> Iterator[Stack]:
+    """A stack of its own: a stack serves one run (weight versions are numbered per stack)."""
+    with local_stack(tmp_path) as s:
+        yield s
