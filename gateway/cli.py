@@ -54,6 +54,14 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_restart(args: argparse.Namespace) -> int:
+    from gateway.stack import restart
+
+    svc = restart(_state_dir(args), args.service, kill=args.kill)
+    print(f"{svc.name} SERVING again at {svc.address} (pid {svc.pid})")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from gateway.stack import StackState, status_rows
 
@@ -192,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop everything `up` started").set_defaults(func=cmd_down)
     sub.add_parser("status", help="health, address and pid of every service").set_defaults(func=cmd_status)
+    p = sub.add_parser("restart", help="restart one service of the local stack on the same ports")
+    p.add_argument("service", help="service name as `looprl status` shows it")
+    p.add_argument("--kill", action="store_true", help="SIGKILL it first, as a crash would")
+    p.set_defaults(func=cmd_restart)
     p = sub.add_parser("run", help="submit a recipe and follow the run")
     p.add_argument("recipe")
     p.add_argument("--local", action="store_true", help="bring the local stack up (and down after) if needed")

@@ -50,6 +50,7 @@ class ServiceProcess:
     grpc_port: int
     metrics_port: int
     log: str
+    module: str = ""
 
     @property
     def address(self) -> str:
@@ -67,6 +68,8 @@ class StackState:
     gateway_token: str
     http_port: int
     services: list[ServiceProcess] = field(default_factory=list)
+    service_env: dict[str, str] = field(default_factory=dict)
+    """What `up` adds to the environment of every service (so a restart gets the same)."""
 
     @property
     def nats_url(self) -> str:
@@ -154,7 +157,6 @@ def up(
     )
     state.save()
     env = {
-        **os.environ,
         **ray.env(),
         "LOOPRL_NATS_URL": nats.url,
         "LOOPRL_RAY_ADDRESS": ray.address,
@@ -169,20 +171,14 @@ def up(
     for name, _, grpc_port, _ in plan:
         if name in PEER_VARIABLES:
             env[PEER_VARIABLES[name]] = f"127.0.0.1:{grpc_port}"
+    state.service_env = env
     try:
         for name, module, grpc_port, metrics_port in plan:
-            log_path = logs / f"{name}.log"
-            proc_env = {**env, "LOOPRL_GRPC_PORT": str(grpc_port), "LOOPRL_METRICS_PORT": str(metrics_port)}
-            with open(log_path, "ab") as out:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", module],
-                    cwd=ROOT,
-                    env=proc_env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
+            state.services.append(
+                _launch(
+                    state, ServiceProcess(name, 0, grpc_port, metrics_port, str(logs / f"{name}.log"), module)
                 )
-            state.services.append(ServiceProcess(name, proc.pid, grpc_port, metrics_port, str(log_path)))
+            )
             state.save()
         wait_serving(state, timeout - (time.monotonic() - started))
     except BaseException:
@@ -190,6 +186,45 @@ def up(
         raise
     log(f"all {len(state.services)} services SERVING in {time.monotonic() - started:.1f}s")
     return state
+
+
+def _launch(state: StackState, svc: ServiceProcess) -> ServiceProcess:
+    """Start one service process in its own process group; returns svc with its pid."""
+    env = {
+        **os.environ,
+        **state.service_env,
+        "LOOPRL_GRPC_PORT": str(svc.grpc_port),
+        "LOOPRL_METRICS_PORT": str(svc.metrics_port),
+    }
+    with open(svc.log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", svc.module], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    svc.pid = proc.pid
+    return svc
+
+
+def restart(state_dir: Path, name: str, kill: bool = False, timeout: float = 120.0) -> ServiceProcess:
+    """Stop one service (SIGKILL with kill=True, as a crash would; else SIGTERM and its grace period),
+    start it again on the same ports, and wait until it is SERVING."""
+    state = StackState.load(state_dir.resolve())
+    if state is None:
+        raise RuntimeError("no stack is up")
+    svc = state.service(name)
+    if kill:
+        try:
+            os.killpg(svc.pid, 9)
+        except ProcessLookupError:
+            pass
+        while pid_alive(svc.pid):
+            time.sleep(0.05)
+    else:
+        stop_pid_group(svc.pid)
+    _launch(state, svc)
+    state.save()
+    wait_serving(StackState(**{**asdict(state), "services": [svc]}), timeout)
+    return svc
 
 
 def wait_serving(state: StackState, timeout: float) -> None:

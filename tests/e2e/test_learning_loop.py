@@ -4,56 +4,17 @@ the gateway exactly as `looprl run` does. One stack serves every run of this mod
 
 from __future__ import annotations
 
-import re
-import time
-from pathlib import Path
-
+import grpc
 import pytest
 
 from looprl.gateway.v1 import gateway_pb2
-
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_RECIPE = (ROOT / "configs" / "digits_grpo.toml").read_text()
+from tests.support.runs import assert_accounting, run_to_end, with_overrides
+from tests.support.stack import DEFAULT_RECIPE
 
 pytestmark = pytest.mark.slow
 
 # Mean reward of the last 5 steps over the first 3, for the default recipe and seed.
 LEARNING_MARGIN = 0.04
-
-
-def with_overrides(recipe: str, **sections: dict[str, object]) -> str:
-    """The recipe with `key = value` lines replaced inside the named sections."""
-    for section, values in sections.items():
-        for key, value in values.items():
-            pattern = rf"(\[{section}\][^\[]*?^){key} = .*?$"
-            literal = repr(value).replace("'", '"') if not isinstance(value, bool) else str(value).lower()
-            recipe, count = re.subn(pattern, rf"\g<1>{key} = {literal}", recipe, flags=re.M | re.S)
-            assert count == 1, f"{section}.{key} not found in the recipe"
-    return recipe
-
-
-def run_to_end(stub, metadata, recipe: str, run_id: str, timeout: float) -> gateway_pb2.Run:
-    stub.CreateRun(gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id=run_id), metadata=metadata)
-    deadline = time.monotonic() + timeout
-    final = None
-    for update in stub.WatchRun(
-        gateway_pb2.WatchRunRequest(run_id=run_id), metadata=metadata, timeout=timeout
-    ):
-        final = update.run
-        if time.monotonic() > deadline:
-            break
-    assert final is not None
-    assert final.state == gateway_pb2.RUN_STATE_COMPLETED, f"run ended {final.state}: {final.error}"
-    return final
-
-
-def assert_accounting(run: gateway_pb2.Run) -> None:
-    """Every rollout published was trained exactly once or dropped for a recorded reason."""
-    dropped = sum(run.rollouts_dropped.values())
-    assert run.rollouts_trained + dropped == run.episodes_published, (
-        f"published {run.episodes_published}, trained {run.rollouts_trained}, dropped {dict(run.rollouts_dropped)}"
-    )
-    assert [h.step for h in run.history] == list(range(run.total_steps))
 
 
 def test_default_recipe_learns_and_accounts_for_every_rollout(fresh_stack) -> None:
@@ -71,6 +32,12 @@ def test_default_recipe_learns_and_accounts_for_every_rollout(fresh_stack) -> No
         assert deployment.version >= run.total_steps - 1, (
             f"{deployment.deployment} stuck at v{deployment.version}"
         )
+    # The stack's deployments now hold this run's weights: a second run is refused, not mis-served.
+    with pytest.raises(grpc.RpcError) as second:
+        stack.stub.CreateRun(
+            gateway_pb2.CreateRunRequest(recipe_toml=DEFAULT_RECIPE), metadata=stack.metadata
+        )
+    assert second.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_async_run_never_trains_staler_than_its_bound(fresh_stack) -> None:

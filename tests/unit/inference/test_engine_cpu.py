@@ -9,7 +9,7 @@ import torch
 
 from services.inference_router.engine.base import EngineRequest, SamplingParams
 from services.inference_router.engine.cpu import CPUEngine
-from services.kit.errors import InvalidArgument
+from services.kit.errors import FailedPrecondition, InvalidArgument
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout
 from services.modeling.logprobs import token_logprobs
@@ -123,6 +123,25 @@ async def test_weight_swap_between_steps(reference: Qwen2ForCausalLM) -> None:
         with pytest.raises(ValueError):
             await engine.load_weights(7, {"model.embed_tokens.weight": torch.zeros(3)})
         assert engine.version == 6
+    finally:
+        await engine.close()
+
+
+async def test_rollback_goes_back_only_when_asked(reference: Qwen2ForCausalLM) -> None:
+    engine = _engine(reference)  # serves version 5
+    bad = {k: v * 100 for k, v in reference.hf_state_dict().items()}
+    try:
+        prompt = _prompts(1)[0]
+        greedy = SamplingParams(temperature=0, max_tokens=6)
+        [before] = await engine.generate([EngineRequest(prompt, greedy)])
+        await engine.load_weights(6, bad)
+        with pytest.raises(FailedPrecondition):  # a plain load never goes backwards
+            await engine.load_weights(5, reference.hf_state_dict())
+        await engine.rollback(5, reference.hf_state_dict())
+        [after] = await engine.generate([EngineRequest(prompt, greedy)])
+        assert engine.version == 5 and after.completions[0].weight_version == 5
+        assert after.completions[0].token_ids == before.completions[0].token_ids
+        assert after.completions[0].logprobs == pytest.approx(before.completions[0].logprobs, abs=1e-5)
     finally:
         await engine.close()
 

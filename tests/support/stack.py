@@ -1,0 +1,109 @@
+"""Local stacks for e2e and chaos tests, brought up and down through the `looprl` CLI exactly as a
+user does (`looprl up`, `looprl down`); the fixtures are re-exported by their conftest files."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gateway.stack import StackState
+from looprl.gateway.v1 import gateway_pb2_grpc
+from services.kit.local import pid_alive, port_is_free
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_RECIPE = (ROOT / "configs" / "digits_grpo.toml").read_text()
+
+
+@dataclass
+class Stack:
+    state: StackState
+    stub: gateway_pb2_grpc.GatewayServiceStub
+    metadata: tuple[tuple[str, str], ...]
+    state_dir: Path
+
+    def looprl(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        return looprl_cli(self.state_dir, *args, timeout=timeout)
+
+
+def looprl_cli(state_dir: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "--state-dir", str(state_dir), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _free_base() -> int:
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(40000, 45000)
+        if all(port_is_free(base + i) and port_is_free(base + 100 + i) for i in range(8)):
+            return base
+    raise RuntimeError("no free port range for the stack")
+
+
+def _free_port(lo: int, hi: int) -> int:
+    return next(p for p in random.sample(range(lo, hi), 500) if port_is_free(p))
+
+
+def _ray_processes(port: int) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if f"looprl-ray-{port}" in line]
+
+
+@contextmanager
+def local_stack(state_dir: Path, recipe_text: str = DEFAULT_RECIPE) -> Iterator[Stack]:
+    """`looprl up` on free ports, yielding the Stack; `looprl down` after, checking nothing is left."""
+    recipe = state_dir / "recipe.toml"
+    recipe.write_text(recipe_text)
+    ports = [
+        "--nats-port", str(_free_port(14000, 15000)),
+        "--ray-port", str(_free_port(27000, 28000)),
+        "--base-port", str(_free_base()),
+        "--http-port", str(_free_port(18000, 19000)),
+    ]  # fmt: skip
+    started = looprl_cli(state_dir, "up", "--recipe", str(recipe), *ports)
+    assert started.returncode == 0, started.stdout + started.stderr
+    state = StackState.load(state_dir.resolve())
+    assert state is not None
+    channel = grpc.insecure_channel(
+        state.service("gateway").address, options=[("grpc.max_receive_message_length", 64 << 20)]
+    )
+    try:
+        yield Stack(
+            state,
+            gateway_pb2_grpc.GatewayServiceStub(channel),
+            (("authorization", f"Bearer {state.gateway_token}"),),
+            state_dir,
+        )
+    finally:
+        channel.close()
+        stopped = looprl_cli(state_dir, "down")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        pids = [state.nats_pid, state.ray_pid, *(s.pid for s in state.services)]
+        assert not [pid for pid in pids if pid_alive(pid)], "processes left after `looprl down`"
+        assert not _ray_processes(state.ray_port), "Ray processes left after `looprl down`"
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack shared by the tests that start no run."""
+    with local_stack(tmp_path_factory.mktemp("stack")) as s:
+        yield s
+
+
+@pytest.fixture
+def fresh_stack(tmp_path: Path) -> Iterator[Stack]:
+    """A stack of its own: a stack serves one run (weight versions are numbered per stack)."""
+    with local_stack(tmp_path) as s:
+        yield s
