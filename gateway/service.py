@@ -94,6 +94,14 @@ class RunManager:
                 subjects.validate_run_id(run_id)
             except ValueError as exc:
                 raise InvalidArgument(f"run_id: {exc}") from exc
+        existing = await self.store.list() if self.exclusive_runs else []
+        if existing:
+            # Deployments and weight-sync number weight versions per stack, not per run: a second
+            # run would be served the first run's weights. Refuse instead of training off-policy.
+            raise FailedPrecondition(
+                f"run_id: this stack already served run {existing[-1].run_id!r} ({existing[-1].state}); "
+                "one run per stack for now: `looprl down && looprl up` (or `looprl run --local`) for the next"
+            )
         record = RunRecord(
             run_id=run_id or new_run_id(recipe.run.name), recipe_toml=recipe_toml, created_at=time.time()
         )
