@@ -127,6 +127,7 @@ class ReplicaCore:
         self._held: dict[str, torch.Tensor] = {}
         self._weights_lock: asyncio.Lock | None = None  # commit and rollback never interleave
         self.rolled_back_version = -1  # the newest version a rollback undid (-1: none)
+        self._stage_locks: dict[int, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -275,14 +276,20 @@ class ReplicaCore:
         if not 0 <= msg.rank < self._receiving_ranks:
             raise errors.InvalidArgument(f"rank: {msg.rank} outside [0, {self._receiving_ranks})")
         engine = self.engine
-        if msg.rank == 0:
-            assert self._stager is not None
-            self._stager.serving_version = max(self._stager.serving_version, engine.status().weight_version)
-            p = await asyncio.to_thread(self._stager.stage, msg)
-            out = {"version": p.version, "bytes_received": p.bytes_received, "complete": p.complete}
-        else:
-            # The bytes as received (a decoded request keeps them): forwarding needs no re-encoding.
-            out = await engine.stage(msg.rank, msg.SerializeToString())  # type: ignore[attr-defined]
+        # One bucket per rank at a time, each answered before the next is staged: the sender keeps
+        # several buckets in flight and takes `complete` from the answer that reaches it last, so
+        # answers must leave in staging order (staging is serialized by the stager's lock anyway).
+        async with self._stage_locks.setdefault(msg.rank, asyncio.Lock()):
+            if msg.rank == 0:
+                assert self._stager is not None
+                self._stager.serving_version = max(
+                    self._stager.serving_version, engine.status().weight_version
+                )
+                p = await asyncio.to_thread(self._stager.stage, msg)
+                out = {"version": p.version, "bytes_received": p.bytes_received, "complete": p.complete}
+            else:
+                # The bytes as received (a decoded request keeps them): forwarding needs no re-encoding.
+                out = await engine.stage(msg.rank, msg.SerializeToString())  # type: ignore[attr-defined]
         out["serving_version"] = engine.status().weight_version
         return out
 
