@@ -26,6 +26,7 @@ from services.kit.recipe import Recipe, RunRecord
 
 log = logging.getLogger("looprl.gateway.runs")
 
+
 ACTIVE = ("pending", "running")
 FINAL = ("completed", "failed", "stopped")
 
@@ -206,8 +207,13 @@ class RunDriver:
         )
         while True:
             for delivery in await consumer.fetch(batch=16, timeout=1.0):
-                event = delivery.parse(events_pb2.WeightsPublished)
-                await self.store.update(self.run_id, lambda r, e=event: _apply_weights(r, e))
+                # WeightsRejected (a canary refused a version) shares the subject, told apart by header.
+                if (delivery.headers or {}).get(subjects.EVENT_HEADER) == subjects.WEIGHTS_REJECTED:
+                    rejected = delivery.parse(events_pb2.WeightsRejected)
+                    await self.store.update(self.run_id, lambda r, e=rejected: _apply_rejection(r, e))
+                else:
+                    event = delivery.parse(events_pb2.WeightsPublished)
+                    await self.store.update(self.run_id, lambda r, e=event: _apply_weights(r, e))
                 await delivery.ack()
                 self.changed.set()
 
@@ -247,6 +253,12 @@ def _apply_step(record: RunRecord, step: events_pb2.TrainStepRecord, dropped: di
 def _apply_weights(record: RunRecord, event: events_pb2.WeightsPublished) -> None:
     versions = record.extra.setdefault("deployments", {})
     versions[event.deployment] = max(int(versions.get(event.deployment, -1)), event.version)
+
+
+def _apply_rejection(record: RunRecord, event: events_pb2.WeightsRejected) -> None:
+    rejected = record.extra.setdefault("rejected_versions", {}).setdefault(event.deployment, [])
+    if not any(r["version"] == event.version for r in rejected):
+        rejected.append({"version": event.version, "drift": event.drift, "detail": event.detail})
 
 
 def _complete(record: RunRecord) -> None:

@@ -36,8 +36,6 @@ from services.kit.recipe import DeploymentSpec
 
 log = logging.getLogger("looprl.inference_router.deployments")
 
-# Events on looprl.<run>.weights other than WeightsPublished carry this header (events.proto).
-EVENT_HEADER, WEIGHTS_REJECTED = "looprl-event", "weights-rejected"
 
 # The recipe writes "unbounded" as a huge number; the proto uses 0.
 _UNBOUNDED = 1 << 30
@@ -333,7 +331,7 @@ class DeploymentManager:
         subject = subjects.weights(self.config.run_id) if self.config.run_id else subjects.all_runs("weights")
 
         async def on_message(msg: Any) -> None:
-            if (msg.headers or {}).get(EVENT_HEADER) == WEIGHTS_REJECTED:
+            if (msg.headers or {}).get(subjects.EVENT_HEADER) == subjects.WEIGHTS_REJECTED:
                 try:
                     rejected = events_pb2.WeightsRejected.FromString(msg.data)
                     log.warning("weight-sync rejected version %d for %s (log-prob drift %.4g)",

@@ -181,3 +181,9 @@ def stream_for(subject_name: str) -> str:
     """The stream that stores a `looprl.<run>.<kind>` subject."""
     run_of(subject_name)
     return STREAM_OF_KIND[Kind(subject_name.rsplit(".", 1)[1])]
+
+
+# WeightsRejected (a canary refused a version) shares looprl.<run>.weights with WeightsPublished;
+# this header tells them apart, so consumers of WeightsPublished skip the messages that carry it.
+EVENT_HEADER = "looprl-event"
+WEIGHTS_REJECTED = "weights-rejected"

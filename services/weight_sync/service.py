@@ -27,10 +27,6 @@ from .versions import VersionBuffer, VersionStore
 
 log = logging.getLogger("looprl.weight_sync")
 
-# WeightsRejected shares looprl.<run>.weights with WeightsPublished; this header tells them apart
-# (events.proto): consumers of WeightsPublished skip messages that carry it.
-EVENT_HEADER, WEIGHTS_REJECTED = "looprl-event", "weights-rejected"
-
 
 class StateStore:
     """Targets, versions and the latest manifest in the KV bucket "weights"; events on the bus."""
@@ -91,7 +87,7 @@ class StateStore:
             run_id=run, version=version, deployment=t.deployment, drift=drift, detail=detail
         )
         await self.bus.publish(subjects.weights(run), event, msg_id=f"weights-rejected-{run}-{t.deployment}-{version}",
-                               headers={EVENT_HEADER: WEIGHTS_REJECTED})  # fmt: skip
+                               headers={subjects.EVENT_HEADER: subjects.WEIGHTS_REJECTED})  # fmt: skip
         await self.save_state(t)
 
     async def published(self, t: Target, version: int, nbytes: int, seconds: float) -> None:

@@ -324,7 +324,7 @@ class ShmTransport(Transport):
                         resp = await self.stub(ep.address).StageWeights(iter([req]), timeout=timeout_s)
                         res.bytes_sent += bucket.nbytes
                         res.buckets += 1
-                        res.complete = resp.complete
+                        res.complete = res.complete or resp.complete
                     except BaseException as exc:
                         res.error = self._error(ep, exc)
 
