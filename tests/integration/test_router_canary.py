@@ -27,10 +27,11 @@ from services.kit import subjects
 from services.kit.bus import Bus
 from services.kit.interceptors import ServerInterceptor
 from services.kit.recipe import DeploymentSpec
+from services.kit.subjects import EVENT_HEADER, WEIGHTS_REJECTED
 from services.modeling.config import ModelConfig
 from services.weight_sync import canary
 from services.weight_sync.config import WeightSyncConfig
-from services.weight_sync.service import EVENT_HEADER, WEIGHTS_REJECTED, attach_state, make
+from services.weight_sync.service import attach_state, make
 from services.weight_sync.synthetic import random_state, rank_requests
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
