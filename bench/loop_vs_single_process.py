@@ -11,9 +11,8 @@ Baseline (this file): bench/single_process_grpo.py in this process, run with 1 a
 threads (every core the loop may use), the faster of the two counting: on the tiny model one thread
 is usually faster (the ops are too small to split), and the baseline should be the best single process.
 
-Measured path: the service loop (gateway + every service as its own process) is the loop helper's
-half: it plugs in as `measure_service_loop`, which must return a `Throughput` measured with the same
-definition. Until it exists this benchmark prints the baseline and says that the ratio is missing.
+Measured path: the service loop (gateway + every service as its own process on a local stack),
+`measure_service_loop`, measured with the same definition.
 """
 
 from __future__ import annotations
@@ -64,8 +63,43 @@ def measure_single_process(
 
 
 def measure_service_loop(recipe: str | Path, steps: int) -> Throughput | None:
-    """The measured path (loop helper's half): run the recipe through the services; None until wired."""
-    return None
+    """The measured path: the recipe through the real stack (every service its own process).
+
+    Step completion times are taken as the gateway reports each step (WatchRun); the tokens of a
+    step are the trainer's tokens/s times its step seconds, i.e. the packed micro-batch tokens.
+    """
+    import time
+
+    from bench.loop_harness import local_stack, with_overrides
+    from looprl.gateway.v1 import gateway_pb2
+
+    text = with_overrides(Path(recipe).read_text(), run={"steps": steps})
+    with local_stack(text) as (stub, metadata):
+        start = time.perf_counter()
+        stub.CreateRun(gateway_pb2.CreateRunRequest(recipe_toml=text, run_id="bench-loop"), metadata=metadata)
+        done_at: dict[int, float] = {}
+        final = None
+        for update in stub.WatchRun(gateway_pb2.WatchRunRequest(run_id="bench-loop"), metadata=metadata):
+            final = update.run
+            for h in final.history:
+                done_at.setdefault(h.step, time.perf_counter())
+        wall = time.perf_counter() - start
+    if final is None or final.state != gateway_pb2.RUN_STATE_COMPLETED:
+        raise RuntimeError(f"service loop run did not complete: {final}")
+    history = list(final.history)
+    timed = history[1:]  # the first step (warm-up) is excluded, as in the baseline
+    seconds = done_at[history[-1].step] - done_at[history[0].step]
+    tokens = sum(h.train_tokens_per_second * h.seconds for h in timed)
+    rewards = [h.reward_mean for h in history]
+    return Throughput(
+        label="service loop",
+        steps=len(history),
+        wall_seconds=wall,
+        trained_tokens_per_s=tokens / max(seconds, 1e-9),
+        steps_per_s=len(timed) / max(seconds, 1e-9),
+        first_reward=sum(rewards[:3]) / min(3, len(rewards)),
+        last_reward=sum(rewards[-3:]) / min(3, len(rewards)),
+    )
 
 
 def _row(t: Throughput) -> str:
