@@ -38,15 +38,24 @@ class RunResult:
     run: gateway_pb2.Run
     wall_seconds: float
     """From CreateRun to the run's completion."""
+    done_at: dict[int, float]
+    """perf_counter time at which the gateway first reported each step."""
+
+    @property
+    def steady_seconds(self) -> float:
+        """From the first step's completion to the last's: the warm-up step excluded."""
+        steps = [h.step for h in self.run.history]
+        return self.done_at[steps[-1]] - self.done_at[steps[0]]
 
     @property
     def steps_per_second(self) -> float:
-        return len(self.run.history) / self.wall_seconds
+        return (len(self.run.history) - 1) / max(self.steady_seconds, 1e-9)
 
-
-def trained_tokens(run: gateway_pb2.Run) -> float:
-    """Tokens trained over the run: tokens/s times seconds, summed over steps."""
-    return sum(h.train_tokens_per_second * h.seconds for h in run.history)
+    @property
+    def trained_tokens_per_second(self) -> float:
+        """Packed micro-batch tokens of the steps after the first, over steady_seconds."""
+        tokens = sum(h.train_tokens_per_second * h.seconds for h in self.run.history[1:])
+        return tokens / max(self.steady_seconds, 1e-9)
 
 
 def _free_base() -> int:
@@ -88,14 +97,23 @@ def local_stack(recipe_text: str) -> Iterator[tuple[gateway_pb2_grpc.GatewayServ
 def run_recipe(
     stub: gateway_pb2_grpc.GatewayServiceStub, metadata: tuple, recipe_text: str, run_id: str
 ) -> RunResult:
+    """Create the run and follow it to completion, noting when each step is reported."""
     start = time.perf_counter()
     stub.CreateRun(gateway_pb2.CreateRunRequest(recipe_toml=recipe_text, run_id=run_id), metadata=metadata)
-    final = None
+    final, done_at = None, {}
     for update in stub.WatchRun(gateway_pb2.WatchRunRequest(run_id=run_id), metadata=metadata):
         final = update.run
+        for h in final.history:
+            done_at.setdefault(h.step, time.perf_counter())
     elapsed = time.perf_counter() - start
     if final is None or final.state != gateway_pb2.RUN_STATE_COMPLETED:
         raise RuntimeError(
             f"run {run_id} did not complete: {final.state if final else None} {final.error if final else ''}"
         )
-    return RunResult(final, elapsed)
+    return RunResult(final, elapsed, done_at)
+
+
+def run_on_fresh_stack(recipe_text: str, run_id: str) -> RunResult:
+    """A stack serves one run: bring one up for this run and down after."""
+    with local_stack(recipe_text) as (stub, metadata):
+        return run_recipe(stub, metadata, recipe_text, run_id)

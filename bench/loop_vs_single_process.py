@@ -62,41 +62,18 @@ def measure_single_process(
     )
 
 
-def measure_service_loop(recipe: str | Path, steps: int) -> Throughput | None:
-    """The measured path: the recipe through the real stack (every service its own process).
+def measure_service_loop(recipe: str | Path, steps: int) -> Throughput:
+    """The measured path: the recipe through a real local stack (every service its own process)."""
+    from bench.loop_harness import run_on_fresh_stack, with_overrides
 
-    Step completion times are taken as the gateway reports each step (WatchRun); the tokens of a
-    step are the trainer's tokens/s times its step seconds, i.e. the packed micro-batch tokens.
-    """
-    import time
-
-    from bench.loop_harness import local_stack, with_overrides
-    from looprl.gateway.v1 import gateway_pb2
-
-    text = with_overrides(Path(recipe).read_text(), run={"steps": steps})
-    with local_stack(text) as (stub, metadata):
-        start = time.perf_counter()
-        stub.CreateRun(gateway_pb2.CreateRunRequest(recipe_toml=text, run_id="bench-loop"), metadata=metadata)
-        done_at: dict[int, float] = {}
-        final = None
-        for update in stub.WatchRun(gateway_pb2.WatchRunRequest(run_id="bench-loop"), metadata=metadata):
-            final = update.run
-            for h in final.history:
-                done_at.setdefault(h.step, time.perf_counter())
-        wall = time.perf_counter() - start
-    if final is None or final.state != gateway_pb2.RUN_STATE_COMPLETED:
-        raise RuntimeError(f"service loop run did not complete: {final}")
-    history = list(final.history)
-    timed = history[1:]  # the first step (warm-up) is excluded, as in the baseline
-    seconds = done_at[history[-1].step] - done_at[history[0].step]
-    tokens = sum(h.train_tokens_per_second * h.seconds for h in timed)
-    rewards = [h.reward_mean for h in history]
+    result = run_on_fresh_stack(with_overrides(Path(recipe).read_text(), run={"steps": steps}), "bench-loop")
+    rewards = [h.reward_mean for h in result.run.history]
     return Throughput(
         label="service loop",
-        steps=len(history),
-        wall_seconds=wall,
-        trained_tokens_per_s=tokens / max(seconds, 1e-9),
-        steps_per_s=len(timed) / max(seconds, 1e-9),
+        steps=len(rewards),
+        wall_seconds=result.wall_seconds,
+        trained_tokens_per_s=result.trained_tokens_per_second,
+        steps_per_s=result.steps_per_second,
         first_reward=sum(rewards[:3]) / min(3, len(rewards)),
         last_reward=sum(rewards[-3:]) / min(3, len(rewards)),
     )
@@ -127,14 +104,10 @@ def main() -> None:
     print(f"{'path':<16} {'steps':>5} {'wall s':>8} {'tok/s':>10} {'steps/s':>8} {'first3':>8} {'last3':>8}")
     for result in tries:
         print(_row(result))
-    if loop is not None:
-        print(_row(loop))
+    print(_row(loop))
     emit(
         BENCH, "single_process_tokens_per_s", single.trained_tokens_per_s, None, None, "tokens/s", "baseline"
     )
-    if loop is None:
-        print("service loop: not measured (measure_service_loop is not wired yet); no ratio")
-        return
     ratio = loop.trained_tokens_per_s / max(single.trained_tokens_per_s, 1e-9)
     emit(
         BENCH,
