@@ -37,8 +37,11 @@ from services.environment_sandbox.environments import (
     parse_task,
 )
 from services.environment_sandbox.environments.datasets import is_index_task, task_by_index
+from services.environment_sandbox.ratelimit import Limit, RateLimiter
 
 log = logging.getLogger(__name__)
+# The resource the agent loop reserves before every model turn when a limit names it.
+INFERENCE_RESOURCE = "inference"
 _ROLLOUT_NS = uuid.UUID("5b3f1c4e-0d5a-4d0b-9a57-3f1f6f0e2a11")
 
 
@@ -91,12 +94,31 @@ class EpisodeRunner:
         tokenizer: Any,
         env_context: EnvContext | None = None,
         config: LoopConfig | None = None,
+        limiter: RateLimiter | None = None,
+        rate_limits: dict[str, Limit] | None = None,
     ) -> None:
         self.generate = generate
         self.score = score
         self.tokenizer = tokenizer
         self.env_context = env_context or EnvContext()
         self.config = config or LoopConfig()
+        # Without a shared (Ray) limiter the limits still hold within this process.
+        self.limiter = limiter or RateLimiter.local()
+        self.rate_limits = dict(rate_limits or {})  # the service's: they win over an environment's
+
+    async def _limits_for(self, env: Any) -> dict[str, Limit]:
+        limits = {**getattr(env.config, "rate_limits", {}), **self.rate_limits}
+        if limits:
+            await self.limiter.ensure(limits)
+        env.context = self.env_context.with_limits(limits)
+        return limits
+
+    async def _reserve_inference(self, limits: dict[str, Limit], prompt_tokens: int, n: int, max_tokens: int):
+        """Count a Generate call as one request (per completion) and prompt + max_tokens tokens:
+        the most the call can use, as API quotas count it, so the limit holds before the
+        answer's real length is known."""
+        if INFERENCE_RESOURCE in limits:
+            await self.limiter.acquire(INFERENCE_RESOURCE, float(n), float(prompt_tokens + n * max_tokens))
 
     def _render(self, messages: list[dict[str, str]], after_model: bool) -> list[int]:
         from services.modeling.tokenizer import render_chatml
@@ -137,6 +159,7 @@ class EpisodeRunner:
             group_size=task.group_size,
             sample_index=task.sample_index,
         )
+        limits = await self._limits_for(env)
         env_started = time.perf_counter()
         observation = await env.reset(payload)
         env_seconds = time.perf_counter() - env_started
@@ -158,6 +181,7 @@ class EpisodeRunner:
         while True:
             if base_seed:
                 sampling.seed = base_seed + 7919 * task.sample_index + turn
+            await self._reserve_inference(limits, len(context), 1, sampling.max_tokens)
             started = time.perf_counter()
             model = await self.generate(context, sampling, session_id, task.min_weight_version)
             gen_seconds += time.perf_counter() - started

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.kit.config import ServiceConfig
+from services.kit.config import ConfigError, ServiceConfig
+
+SANDBOX_BACKENDS = ("local", "ray")
+RATE_LIMITERS = ("auto", "local", "ray")
 
 
 @dataclass
@@ -28,3 +31,64 @@ class EnvServiceConfig(ServiceConfig):
     exec_max_code_bytes: int = field(default=1 << 20, metadata={"help": "Largest code+files+stdin accepted."})
     sandbox_uid_base: int = field(default=600000, metadata={"help": "First uid of the per-worker uid range."})
     max_sessions: int = field(default=4096, metadata={"help": "Interactive Reset/Step sessions kept."})
+    sandbox_backend: str = field(
+        default="local",
+        metadata={
+            "help": "local: a warm sandbox pool in this process; ray: a fleet of sandbox actors on the "
+            "Ray cluster, scaled between sandbox_min_actors and sandbox_max_actors by queue depth."
+        },
+    )
+    sandbox_min_actors: int = field(default=1, metadata={"help": "ray backend: sandbox actors kept."})
+    sandbox_max_actors: int = field(default=4, metadata={"help": "ray backend: most sandbox actors."})
+    sandbox_queue_per_actor: float = field(
+        default=4.0, metadata={"help": "ray backend: executions waiting+running per actor before scaling up."}
+    )
+    sandbox_scale_down_after_s: float = field(
+        default=30.0, metadata={"help": "ray backend: idle time before an actor is retired."}
+    )
+    rate_limits: str = field(
+        default="",
+        metadata={
+            "help": 'JSON {"inference": {"requests_per_s": 50, "tokens_per_s": 5000}}: shared limits per '
+            "named resource (the agent loop reserves 'inference' before each model turn); they win over "
+            "an environment config's rate_limits for the same resource."
+        },
+    )
+    rate_limiter: str = field(
+        default="auto",
+        metadata={
+            "help": "Where bucket state lives: ray (one named actor every process shares), local (this "
+            "process only), auto (ray when a Ray address is configured, else local)."
+        },
+    )
+    rate_limit_actor: str = field(
+        default="looprl-rate-limits", metadata={"help": "Named Ray actor of the buckets."}
+    )
+    rate_limit_namespace: str = field(default="looprl", metadata={"help": "Ray namespace of that actor."})
+
+    def __post_init__(self) -> None:
+        if self.sandbox_backend not in SANDBOX_BACKENDS:
+            raise ConfigError(
+                f"LOOPRL_ENV_SANDBOX_BACKEND: must be one of {', '.join(SANDBOX_BACKENDS)}, got {self.sandbox_backend!r}"
+            )
+        if self.rate_limiter not in RATE_LIMITERS:
+            raise ConfigError(
+                f"LOOPRL_ENV_RATE_LIMITER: must be one of {', '.join(RATE_LIMITERS)}, got {self.rate_limiter!r}"
+            )
+        if not 0 <= self.sandbox_min_actors <= self.sandbox_max_actors or self.sandbox_max_actors < 1:
+            raise ConfigError(
+                "LOOPRL_ENV_SANDBOX_MIN_ACTORS/MAX_ACTORS: need 0 <= min <= max and max >= 1, got "
+                f"{self.sandbox_min_actors}/{self.sandbox_max_actors}"
+            )
+        from services.environment_sandbox.ratelimit import LimitError, parse_limits
+
+        try:
+            self.parsed_rate_limits = parse_limits(self.rate_limits, "LOOPRL_ENV_RATE_LIMITS")
+        except LimitError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def shared_limits(self, address_from_env: str = "") -> bool:
+        """Whether rate-limit state lives in the shared Ray actor (else in this process)."""
+        return self.rate_limiter == "ray" or (
+            self.rate_limiter == "auto" and bool(self.ray_address or address_from_env)
+        )

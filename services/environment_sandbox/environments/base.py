@@ -40,9 +40,23 @@ class StepResult:
 
 @dataclass
 class EnvContext:
-    """What the host gives environments: the sandbox, when there is one."""
+    """What the host gives environments: the sandbox, when there is one, and the shared rate
+    limiter with the limits in force for this episode."""
 
     executor: Executor | None = None
+    limiter: Any = None  # ratelimit.RateLimiter
+    limits: dict[str, Any] = field(default_factory=dict)  # resource -> ratelimit.Limit
+
+    async def acquire(self, resource: str, requests: float = 1.0, tokens: float = 0.0) -> float:
+        """Wait for the resource's rate limit before using it (an external API, the sandbox);
+        returns at once for resources no limit names. Environments call this around their
+        external calls so every worker of every process shares one budget."""
+        if self.limiter is None or resource not in self.limits:
+            return 0.0
+        return await self.limiter.acquire(resource, requests, tokens)
+
+    def with_limits(self, limits: dict[str, Any]) -> EnvContext:
+        return EnvContext(self.executor, self.limiter, {**self.limits, **limits})
 
 
 @dataclass
@@ -51,6 +65,10 @@ class EnvConfig:
 
     max_turns: int = 1
     max_action_chars: int = 4096
+    # Rate-limited resources this environment uses, {"inference": {"requests_per_s": 50}}:
+    # parsed into ratelimit.Limit values; the agent loop reserves "inference" before each model
+    # turn, environments reserve their own resources through EnvContext.acquire.
+    rate_limits: dict = field(default_factory=dict)
 
 
 class Environment(ABC):
@@ -141,6 +159,14 @@ def parse_config(cls: type[Environment], config_json: str | dict | None) -> EnvC
             raise EnvironmentError_("environment_config_json: must be a JSON object")
     fields = {f.name: f for f in dataclasses.fields(cls.Config)}
     values = {}
+    if "rate_limits" in raw:
+        from services.environment_sandbox.ratelimit import LimitError, parse_limits
+
+        raw = dict(raw)
+        try:
+            values["rate_limits"] = parse_limits(raw.pop("rate_limits"), "environment_config.rate_limits")
+        except LimitError as exc:
+            raise EnvironmentError_(str(exc)) from None
     for key, value in raw.items():
         if key not in fields:
             raise EnvironmentError_(

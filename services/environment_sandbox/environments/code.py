@@ -123,6 +123,7 @@ class CodeEnv(Environment):
         nonce = "@@" + secrets.token_hex(8)
         harness = build_harness(extract_code(action), self.task["tests"], nonce)
         timeout = float(getattr(self.config, "timeout_s", 2.0))
+        await self.context.acquire("sandbox")  # a no-op unless a limit names the sandbox
         result = await self.context.executor(code=harness, timeout_s=timeout)
         counts = parse_harness(result.stdout, nonce)
         if counts is None:
