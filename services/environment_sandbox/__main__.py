@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 from services.environment_sandbox.config import EnvServiceConfig
 from services.kit.config import ConfigError, load_config
 
 log = logging.getLogger("looprl.environment_sandbox")
+RAY_NAMESPACE = "environment-sandbox"
 
 
 async def serve(cfg: EnvServiceConfig) -> None:
@@ -25,21 +27,47 @@ async def serve(cfg: EnvServiceConfig) -> None:
         WorkerConfig,
     )
     from services.environment_sandbox.environments import EnvContext
+    from services.environment_sandbox.ratelimit import RateLimiter, rate_limiter_actor
     from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool
     from services.environment_sandbox.service import EnvironmentSandboxServicer
+    from services.kit.ray_utils import connect_ray
     from services.kit.server import Service, open_channel
     from services.modeling.tokenizer import load_tokenizer
 
-    pool = SandboxPool(
-        SandboxConfig(
-            warm_workers=cfg.warm_workers,
-            max_concurrency=cfg.max_exec_concurrency,
-            timeout_s=cfg.exec_timeout_s,
-            max_timeout_s=cfg.exec_max_timeout_s,
-            memory_bytes=cfg.exec_memory_bytes,
-            max_output_bytes=cfg.exec_max_output_bytes,
-            uid_base=cfg.sandbox_uid_base,
+    sandbox = SandboxConfig(
+        warm_workers=cfg.warm_workers,
+        max_concurrency=cfg.max_exec_concurrency,
+        timeout_s=cfg.exec_timeout_s,
+        max_timeout_s=cfg.exec_max_timeout_s,
+        memory_bytes=cfg.exec_memory_bytes,
+        max_output_bytes=cfg.exec_max_output_bytes,
+        uid_base=cfg.sandbox_uid_base,
+    )
+    if cfg.sandbox_backend == "ray" or cfg.rate_limiter == "ray":
+        connect_ray(cfg.ray_address, RAY_NAMESPACE)
+    if cfg.sandbox_backend == "ray":
+        from services.environment_sandbox.sandbox.fleet import FleetConfig, SandboxFleet
+
+        pool = SandboxFleet(
+            FleetConfig(
+                min_actors=cfg.sandbox_min_actors,
+                max_actors=cfg.sandbox_max_actors,
+                target_queue_per_actor=cfg.sandbox_queue_per_actor,
+                scale_down_after_s=cfg.sandbox_scale_down_after_s,
+            ),
+            sandbox,
         )
+    else:
+        pool = SandboxPool(sandbox)
+
+    def shared_limiter_actor():
+        connect_ray(cfg.ray_address, RAY_NAMESPACE)
+        return rate_limiter_actor(cfg.rate_limit_actor, cfg.rate_limit_namespace)
+
+    limiter = (
+        RateLimiter.lazy(shared_limiter_actor)
+        if cfg.shared_limits(os.environ.get("RAY_ADDRESS", ""))
+        else RateLimiter.local()
     )
     runner = None
     if cfg.router_address:
@@ -50,6 +78,8 @@ async def serve(cfg: EnvServiceConfig) -> None:
             load_tokenizer(cfg.tokenizer),
             EnvContext(executor=pool.run_code),
             LoopConfig(default_max_tokens=cfg.max_tokens),
+            limiter=limiter,
+            rate_limits=cfg.parsed_rate_limits,
         )
     service = Service("environment-sandbox", cfg)
     service.add(

@@ -20,6 +20,7 @@ from services.environment_sandbox.environments import (
     parse_task,
 )
 from services.environment_sandbox.sandbox import ExecJob, SandboxPool
+from services.environment_sandbox.sandbox.fleet import SandboxFleet
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
 
 
@@ -30,7 +31,7 @@ def _status(exc: EnvironmentError_) -> Exception:
 class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceServicer):
     def __init__(
         self,
-        pool: SandboxPool,
+        pool: SandboxPool | SandboxFleet,
         runner: EpisodeRunner | None,
         max_sessions: int = 4096,
         max_code_bytes: int = 1 << 20,
@@ -93,9 +94,10 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             raise InvalidArgument(f"language: only 'python' is supported, got {request.language!r}")
         if not math.isfinite(request.timeout_seconds) or request.timeout_seconds < 0:
             raise InvalidArgument(f"timeout_seconds: must be >= 0, got {request.timeout_seconds}")
-        if request.timeout_seconds > self.pool.config.max_timeout_s:
+        max_timeout_s = self.pool.sandbox_config.max_timeout_s
+        if request.timeout_seconds > max_timeout_s:
             raise InvalidArgument(
-                f"timeout_seconds: {request.timeout_seconds:g} is over the limit {self.pool.config.max_timeout_s:g}"
+                f"timeout_seconds: {request.timeout_seconds:g} is over the limit {max_timeout_s:g}"
             )
         if request.memory_bytes < 0:
             raise InvalidArgument(f"memory_bytes: must be >= 0, got {request.memory_bytes}")

@@ -15,8 +15,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from prometheus_client import Counter, Gauge
+
 from services.environment_sandbox.autoscale import Autoscaler
 from services.environment_sandbox.sandbox.pool import ExecJob, ExecResult, SandboxConfig
+
+ACTORS = Gauge("looprl_sandbox_fleet_actors", "Sandbox actors the fleet holds now")
+PEAK_ACTORS = Gauge("looprl_sandbox_fleet_peak_actors", "Most sandbox actors the fleet held at once")
+EXECUTIONS = Counter("looprl_sandbox_fleet_executions_total", "Executions that ran on a sandbox actor")
 
 
 def sandbox_actor_class():
@@ -79,6 +85,10 @@ class SandboxFleet:
         return self
 
     @property
+    def sandbox_config(self) -> SandboxConfig:
+        return self.sandbox
+
+    @property
     def actors(self) -> int:
         return len(self._actors)
 
@@ -96,7 +106,9 @@ class SandboxFleet:
         finally:
             self._waiting -= 1
         try:
-            return ExecResult(**await slot[0].execute.remote(asdict(job)))
+            result = ExecResult(**await slot[0].execute.remote(asdict(job)))
+            EXECUTIONS.inc()
+            return result
         finally:
             slot[1] -= 1
 
@@ -110,10 +122,13 @@ class SandboxFleet:
                 await self._task
         while self._actors:
             await self._retire(self._actors.pop()[0])
+        ACTORS.set(0)
 
     def _add(self) -> None:
         self._actors.append([self._make(), 0])
         self.peak_actors = max(self.peak_actors, len(self._actors))
+        ACTORS.set(len(self._actors))
+        PEAK_ACTORS.set(self.peak_actors)
 
     async def _retire(self, handle: Any) -> None:
         import ray
@@ -133,4 +148,5 @@ class SandboxFleet:
                 idle = [a for a in self._actors if a[1] == 0]
                 if idle:
                     self._actors.remove(idle[-1])
+                    ACTORS.set(len(self._actors))
                     await self._retire(idle[-1][0])

@@ -215,6 +215,11 @@ class SandboxPool:
     def queue_depth(self) -> int:
         return self.waiting + self.running
 
+    @property
+    def sandbox_config(self) -> SandboxConfig:
+        """The limits executions run under (the same name on SandboxFleet)."""
+        return self.config
+
     async def execute(self, job: ExecJob) -> ExecResult:
         if self._closed:
             raise SandboxError("sandbox pool is closed")
