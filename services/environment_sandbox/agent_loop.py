@@ -11,7 +11,13 @@ service then scores the episode.
 `EpisodeWorker` pulls EpisodeTasks from the JetStream work queue, runs up to `concurrency`
 episodes at once, publishes each rollout with msg_id = rollout_id (deterministic from run, task
 and sample index, so a redelivered task re-publishes the same id and the stream drops the
-duplicate) and only then acks the task. A crash between publish and ack therefore costs a
+duplicate) and only then acks the task.
+
+Episodes fork (EpisodeTask.branches / branch_at_turn): the episode is played once up to a model
+turn, then continued n times from that shared prefix (environment state copied with
+`Environment.fork`), sampled as one n-completion request on the episode's session so the shared
+tokens are prefilled once on one replica. Each branch is its own rollout; all are published
+before the task is acked. A crash between publish and ack therefore costs a
 duplicate publish that the stream deduplicates, never a lost or doubled rollout.
 """
 
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -30,8 +37,10 @@ from typing import Any, Protocol
 
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
+from services.environment_sandbox.clients import RewardClient, RouterGenerator  # noqa: F401 - re-exported
 from services.environment_sandbox.environments import (
     EnvContext,
+    Environment,
     EnvironmentError_,
     make_environment,
     parse_task,
@@ -45,9 +54,16 @@ INFERENCE_RESOURCE = "inference"
 _ROLLOUT_NS = uuid.UUID("5b3f1c4e-0d5a-4d0b-9a57-3f1f6f0e2a11")
 
 
-def rollout_id_for(run_id: str, task_id: str, group_id: str, sample_index: int) -> str:
-    """Same episode sample -> same id, on every worker and every redelivery."""
-    return uuid.uuid5(_ROLLOUT_NS, f"{run_id}/{group_id}/{task_id}/{sample_index}").hex
+MAX_BRANCHES = 256
+
+
+def rollout_id_for(
+    run_id: str, task_id: str, group_id: str, sample_index: int, branch: int | None = None
+) -> str:
+    """Same episode sample (and branch of a forked episode) -> same id, on every worker and
+    every redelivery."""
+    key = f"{run_id}/{group_id}/{task_id}/{sample_index}" + ("" if branch is None else f"/b{branch}")
+    return uuid.uuid5(_ROLLOUT_NS, key).hex
 
 
 @dataclass
@@ -86,6 +102,35 @@ class LoopConfig:
     max_episode_tokens: int = 2048
 
 
+@dataclass
+class _Episode:
+    """One episode in progress; `fork` gives an independent copy at the same point."""
+
+    env: Environment
+    rollout: common_pb2.Rollout
+    context: list[int]
+    limits: dict[str, Limit]
+    env_reward: float = 0.0
+    versions: list[int] = field(default_factory=list)
+    last_action: str = ""
+    finish: str = "stop"
+    turn: int = 0  # model turns played
+    done: bool = False
+    gen_seconds: float = 0.0
+    env_seconds: float = 0.0
+
+    def fork(self) -> _Episode:
+        rollout = common_pb2.Rollout()
+        rollout.CopyFrom(self.rollout)
+        return dataclasses.replace(
+            self,
+            env=self.env.fork(),
+            rollout=rollout,
+            context=list(self.context),
+            versions=list(self.versions),
+        )
+
+
 class EpisodeRunner:
     def __init__(
         self,
@@ -114,7 +159,7 @@ class EpisodeRunner:
         return limits
 
     async def _reserve_inference(self, limits: dict[str, Limit], prompt_tokens: int, n: int, max_tokens: int):
-        """Count a Generate call as one request (per completion) and prompt + max_tokens tokens:
+        """Count a Generate call as one request per completion and prompt + max_tokens tokens:
         the most the call can use, as API quotas count it, so the limit holds before the
         answer's real length is known."""
         if INFERENCE_RESOURCE in limits:
@@ -128,6 +173,62 @@ class EpisodeRunner:
         return self.tokenizer.encode(("\n" if after_model else "") + text)
 
     async def run(self, task: events_pb2.EpisodeTask) -> common_pb2.Rollout:
+        """One episode, one rollout (a forking task gives several: use `run_all`)."""
+        if task.branches > 1:
+            raise EnvironmentError_(
+                f"task.branches: {task.branches} continuations make {task.branches} rollouts; "
+                "submit forking tasks to the episode queue"
+            )
+        return (await self.run_all(task))[0]
+
+    async def run_all(self, task: events_pb2.EpisodeTask) -> list[common_pb2.Rollout]:
+        """The task's rollouts: one, or `task.branches` continuations of a shared prefix."""
+        if task.branches < 0 or task.branch_at_turn < 0:
+            raise EnvironmentError_("task.branches, task.branch_at_turn: must be >= 0")
+        branches = max(1, task.branches)
+        if branches > MAX_BRANCHES:
+            raise EnvironmentError_(f"task.branches: at most {MAX_BRANCHES}, got {branches}")
+        env, payload = self._environment(task)
+        task_json = json.dumps(payload)
+        # One session for the prefix and every branch: the router keeps them on the replica
+        # whose prefix cache holds the shared tokens.
+        session_id = (
+            f"{task.run_id}/{rollout_id_for(task.run_id, task.task_id, task.group_id, task.sample_index)}"
+        )
+        sampling = self._sampling(task)
+        episode = await self._start(task, env, payload)
+        if branches == 1:
+            await self._play(episode, task, sampling, session_id, 0)
+            return [await self._finish(episode, task, task_json, None, 1)]
+
+        snapshot: _Episode | None = None
+        while not episode.done and episode.turn < task.branch_at_turn:
+            snapshot = episode.fork()
+            await self._turn(episode, task, sampling, session_id, 0)
+        if not episode.done:
+            forks = [episode, *(episode.fork() for _ in range(branches - 1))]
+            first = forks
+        else:  # over before the fork point: fork before its last model turn, it is branch 0
+            assert snapshot is not None
+            forks = [episode, *(snapshot.fork() for _ in range(branches - 1))]
+            first = forks[1:]
+        seed = self._seed(sampling, task, first[0].turn, 0)
+        if seed and first[0] is not episode:
+            seed += 1  # branch 0 already used the base seed at this turn
+        turns = await self._sample(first[0], len(first), sampling, session_id, task, seed)
+        await asyncio.gather(*(self._apply(ep, t, sampling) for ep, t in zip(first, turns, strict=True)))
+        await asyncio.gather(
+            *(self._play(ep, task, sampling, session_id, b) for b, ep in enumerate(forks) if not ep.done)
+        )
+        return list(
+            await asyncio.gather(
+                *(self._finish(ep, task, task_json, b, branches) for b, ep in enumerate(forks))
+            )
+        )
+
+    # -- the pieces ------------------------------------------------------------------------------
+
+    def _environment(self, task: events_pb2.EpisodeTask) -> tuple[Environment, dict]:
         env = make_environment(task.environment, task.environment_config_json or None, self.env_context)
         payload = parse_task(task.task_json)
         if is_index_task(payload):
@@ -137,9 +238,9 @@ class EpisodeRunner:
                 payload.get("seed", 0),
                 task.environment_config_json or None,
             )
-        task_json = json.dumps(payload)
-        rollout_id = rollout_id_for(task.run_id, task.task_id, task.group_id, task.sample_index)
-        session_id = f"{task.run_id}/{rollout_id}"
+        return env, payload
+
+    def _sampling(self, task: events_pb2.EpisodeTask) -> common_pb2.SamplingParams:
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(task.sampling)
         if sampling.max_tokens <= 0:
@@ -148,22 +249,30 @@ class EpisodeRunner:
         if eos not in sampling.stop_token_ids:
             sampling.stop_token_ids.append(eos)
         sampling.n = 1
-        base_seed = sampling.seed
+        return sampling
 
+    @staticmethod
+    def _seed(
+        sampling: common_pb2.SamplingParams, task: events_pb2.EpisodeTask, turn: int, branch: int
+    ) -> int:
+        """Per (sample, turn, branch) seed; 0 (unseeded) stays 0. A fork turn sampled as one
+        n-completion request gets seed + b for completion b (the engines' convention); later
+        turns of branch b > 0 are offset by a large prime so branches never share a seed."""
+        if not task.sampling.seed:
+            return 0
+        return task.sampling.seed + 7919 * task.sample_index + turn + 104729 * branch
+
+    async def _start(self, task: events_pb2.EpisodeTask, env: Environment, payload: dict) -> _Episode:
+        limits = await self._limits_for(env)
         rollout = common_pb2.Rollout(
-            rollout_id=rollout_id,
             run_id=task.run_id,
             group_id=task.group_id,
             task_id=task.task_id,
             environment=task.environment,
-            group_size=task.group_size,
-            sample_index=task.sample_index,
         )
-        limits = await self._limits_for(env)
-        env_started = time.perf_counter()
+        started = time.perf_counter()
         observation = await env.reset(payload)
-        env_seconds = time.perf_counter() - env_started
-        gen_seconds = 0.0
+        env_seconds = time.perf_counter() - started
         prompt_ids = self._render(observation, after_model=False)
         rollout.turns.append(
             common_pb2.Turn(
@@ -173,134 +282,138 @@ class EpisodeRunner:
                 text=self.tokenizer.decode(prompt_ids),
             )
         )
-        context = list(prompt_ids)
-        env_reward = 0.0
-        versions: list[int] = []
-        last_action, finish = "", "stop"
-        turn = 0
-        while True:
-            if base_seed:
-                sampling.seed = base_seed + 7919 * task.sample_index + turn
-            await self._reserve_inference(limits, len(context), 1, sampling.max_tokens)
-            started = time.perf_counter()
-            model = await self.generate(context, sampling, session_id, task.min_weight_version)
-            gen_seconds += time.perf_counter() - started
-            versions.append(model.weight_version)
-            last_action = self.tokenizer.decode(model.token_ids, skip_special_tokens=True)
-            rollout.turns.append(
-                common_pb2.Turn(
-                    role=common_pb2.ROLE_ASSISTANT,
-                    token_ids=model.token_ids,
-                    logprobs=model.logprobs,
-                    trainable=True,
-                    weight_version=model.weight_version,
-                    text=self.tokenizer.decode(model.token_ids),
-                )
+        return _Episode(env, rollout, list(prompt_ids), limits, env_seconds=env_seconds)
+
+    async def _sample(
+        self,
+        episode: _Episode,
+        n: int,
+        sampling: common_pb2.SamplingParams,
+        session_id: str,
+        task: events_pb2.EpisodeTask,
+        seed: int,
+    ) -> list[ModelTurn]:
+        """n model turns from the episode's context: one n-completion request when the generator
+        supports it (the prefix is prefilled once), else n requests on the same session."""
+        await self._reserve_inference(episode.limits, len(episode.context), n, sampling.max_tokens)
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(sampling)
+        params.seed = seed
+        started = time.perf_counter()
+        many = getattr(self.generate, "generate_n", None)
+        if n == 1:
+            turns = [await self.generate(episode.context, params, session_id, task.min_weight_version)]
+        elif many is not None:
+            turns = await many(episode.context, params, session_id, task.min_weight_version, n)
+        else:
+
+            async def one(b: int) -> ModelTurn:
+                single = common_pb2.SamplingParams()
+                single.CopyFrom(params)
+                single.seed = seed + b if seed else 0
+                return await self.generate(episode.context, single, session_id, task.min_weight_version)
+
+            turns = list(await asyncio.gather(*(one(b) for b in range(n))))
+        episode.gen_seconds += time.perf_counter() - started
+        return turns
+
+    async def _apply(self, episode: _Episode, model: ModelTurn, sampling: common_pb2.SamplingParams) -> None:
+        """Record the model's turn, let the environment answer, record its answer (masked)."""
+        eos = self.tokenizer.eos_token_id
+        rollout = episode.rollout
+        episode.versions.append(model.weight_version)
+        episode.last_action = self.tokenizer.decode(model.token_ids, skip_special_tokens=True)
+        rollout.turns.append(
+            common_pb2.Turn(
+                role=common_pb2.ROLE_ASSISTANT,
+                token_ids=model.token_ids,
+                logprobs=model.logprobs,
+                trainable=True,
+                weight_version=model.weight_version,
+                text=self.tokenizer.decode(model.token_ids),
             )
-            context.extend(model.token_ids)
-            finish = model.finish_reason
-            started = time.perf_counter()
-            try:
-                step = await env.step(last_action)
-            except EnvironmentError_ as exc:  # e.g. action too long: the episode ends, unrewarded
-                finish = f"env_error: {exc}"
-                break
-            finally:
-                env_seconds += time.perf_counter() - started
-            env_reward += step.reward
-            turn += 1
-            if step.done:
-                finish = step.info.get("finish", finish)
-                break
-            env_ids = self._render(step.observation, after_model=True)
-            if model.token_ids and model.token_ids[-1] != eos:
-                env_ids = [eos, *env_ids]  # close the cut-off turn so the template stays well formed
-            rollout.turns.append(
-                common_pb2.Turn(
-                    role=common_pb2.ROLE_ENVIRONMENT,
-                    token_ids=env_ids,
-                    trainable=False,
-                    text=self.tokenizer.decode(env_ids),
-                )
+        )
+        episode.context.extend(model.token_ids)
+        episode.finish = model.finish_reason
+        started = time.perf_counter()
+        try:
+            step = await episode.env.step(episode.last_action)
+        except EnvironmentError_ as exc:  # e.g. action too long: the episode ends, unrewarded
+            episode.finish, episode.done = f"env_error: {exc}", True
+            return
+        finally:
+            episode.env_seconds += time.perf_counter() - started
+        episode.env_reward += step.reward
+        episode.turn += 1
+        if step.done:
+            episode.finish = step.info.get("finish", episode.finish)
+            episode.done = True
+            return
+        env_ids = self._render(step.observation, after_model=True)
+        if model.token_ids and model.token_ids[-1] != eos:
+            env_ids = [eos, *env_ids]  # close the cut-off turn so the template stays well formed
+        rollout.turns.append(
+            common_pb2.Turn(
+                role=common_pb2.ROLE_ENVIRONMENT,
+                token_ids=env_ids,
+                trainable=False,
+                text=self.tokenizer.decode(env_ids),
             )
-            context.extend(env_ids)
-            if len(context) + sampling.max_tokens > self.config.max_episode_tokens:
-                finish = "max_episode_tokens"
-                break
-        rollout.min_weight_version = min(versions)
-        rollout.max_weight_version = max(versions)
-        rollout.generation_seconds = gen_seconds
-        rollout.environment_seconds = env_seconds
-        rollout.finish_reason = finish
-        reward_name = task.reward or env.default_reward
+        )
+        episode.context.extend(env_ids)
+        if len(episode.context) + sampling.max_tokens > self.config.max_episode_tokens:
+            episode.finish, episode.done = "max_episode_tokens", True
+
+    async def _turn(self, episode, task, sampling, session_id: str, branch: int) -> None:
+        seed = self._seed(sampling, task, episode.turn, branch)
+        (model,) = await self._sample(episode, 1, sampling, session_id, task, seed)
+        await self._apply(episode, model, sampling)
+
+    async def _play(self, episode, task, sampling, session_id: str, branch: int) -> None:
+        while not episode.done:
+            await self._turn(episode, task, sampling, session_id, branch)
+
+    async def _finish(
+        self,
+        episode: _Episode,
+        task: events_pb2.EpisodeTask,
+        task_json: str,
+        branch: int | None,
+        branches: int,
+    ) -> common_pb2.Rollout:
+        rollout = episode.rollout
+        if branch is None:
+            rollout.sample_index, rollout.group_size = task.sample_index, task.group_size
+        else:
+            rollout.sample_index = task.sample_index * branches + branch
+            rollout.group_size = max(1, task.group_size) * branches
+        rollout.rollout_id = rollout_id_for(
+            task.run_id, task.task_id, task.group_id, task.sample_index, branch
+        )
+        rollout.min_weight_version = min(episode.versions)
+        rollout.max_weight_version = max(episode.versions)
+        rollout.generation_seconds = episode.gen_seconds
+        rollout.environment_seconds = episode.env_seconds
+        rollout.finish_reason = episode.finish
+        reward_name = task.reward or episode.env.default_reward
         if self.score is not None and reward_name:
             transcript = "".join(t.text for t in rollout.turns)
-            score = await self.score(reward_name, task_json, last_action, rollout_id, transcript, env_reward)
+            score = await self.score(
+                reward_name,
+                task_json,
+                episode.last_action,
+                rollout.rollout_id,
+                transcript,
+                episode.env_reward,
+            )
             rollout.reward = score.score
             rollout.reward_components.update(score.components)
             if not score.ok:
-                log.warning("rollout %s scored with failed components: %s", rollout_id, score.reasons)
+                log.warning("rollout %s scored with failed components: %s", rollout.rollout_id, score.reasons)
         else:
-            rollout.reward = env_reward
-            rollout.reward_components["environment"] = env_reward
+            rollout.reward = episode.env_reward
+            rollout.reward_components["environment"] = episode.env_reward
         return rollout
-
-
-# -- gRPC adapters (the service wires these; tests may pass their own callables) -------------------
-
-
-class RouterGenerator:
-    """Generator over InferenceRouterService.Generate."""
-
-    def __init__(self, channel: Any, timeout_s: float = 120.0) -> None:
-        from looprl.inference.v1 import inference_pb2_grpc
-
-        self.stub = inference_pb2_grpc.InferenceRouterServiceStub(channel)
-        self.timeout_s = timeout_s
-
-    async def __call__(self, prompt_ids, sampling, session_id, min_weight_version) -> ModelTurn:
-        from looprl.inference.v1 import inference_pb2
-
-        request = inference_pb2.GenerateRequest(
-            prompt_token_ids=prompt_ids,
-            sampling=sampling,
-            session_id=session_id,
-            min_weight_version=min_weight_version,
-            request_id=uuid.uuid4().hex,
-        )
-        response = await self.stub.Generate(request, timeout=self.timeout_s)
-        c = response.completions[0]
-        return ModelTurn(list(c.token_ids), list(c.logprobs), c.finish_reason, c.weight_version)
-
-
-class RewardClient:
-    """Scorer over RewardService.Score."""
-
-    def __init__(self, channel: Any, timeout_s: float = 60.0) -> None:
-        from looprl.reward.v1 import reward_pb2_grpc
-
-        self.stub = reward_pb2_grpc.RewardServiceStub(channel)
-        self.timeout_s = timeout_s
-
-    async def __call__(self, reward, task_json, completion, rollout_id, transcript, env_reward) -> Score:
-        from looprl.reward.v1 import reward_pb2
-
-        request = reward_pb2.ScoreRequest(
-            reward=reward,
-            task_json=task_json,
-            completion=completion,
-            rollout_id=rollout_id,
-            transcript=transcript,
-        )
-        if env_reward is not None:
-            request.environment_reward = env_reward
-        response = await self.stub.Score(request, timeout=self.timeout_s)
-        return Score(
-            response.score,
-            {c.name: c.score for c in response.components if c.ok},
-            response.ok,
-            {c.name: c.reason for c in response.components if not c.ok},
-        )
 
 
 # -- the work-queue consumer ---------------------------------------------------------------------
@@ -380,7 +493,7 @@ class EpisodeWorker:
             try:
                 task = delivery.parse(events_pb2.EpisodeTask)
                 with delivery.process_span():
-                    rollout = await self.runner.run(task)
+                    rollouts = await self.runner.run_all(task)
             except (PoisonMessage, EnvironmentError_, json.JSONDecodeError) as exc:
                 await delivery.term(f"bad episode task: {exc}")
                 self.failed += 1
@@ -390,8 +503,11 @@ class EpisodeWorker:
                 await delivery.nak(delay=self.config.retry_delay_s)
                 self.failed += 1
                 return
-            await self.bus.publish(subjects.rollouts(task.run_id), rollout, msg_id=rollout.rollout_id)
-            self.published += 1
+            # Every rollout of the task (all branches of a forked episode) before the ack: a crash
+            # in between re-runs the task, re-publishing the same ids, which the stream drops.
+            for rollout in rollouts:
+                await self.bus.publish(subjects.rollouts(task.run_id), rollout, msg_id=rollout.rollout_id)
+                self.published += 1
             if self._crash_after_publish:
                 os._exit(17)
             await delivery.ack()

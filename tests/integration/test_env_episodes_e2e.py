@@ -160,3 +160,70 @@ async def test_episodes_of_each_environment_land_on_the_stream(router, reward_se
         await bus.close()
         await pool.close()
         nats.stop()
+
+
+async def test_forked_episodes_through_the_real_router(router, tmp_path):
+    """One guess task forked after its first turn into 3 continuations, one digits task forked at
+    the prompt into 2 samples (group sampling in one task, one n=2 request): every branch lands on
+    the stream as its own rollout before the task is acked, sharing the prefix tokens."""
+    nats = NatsServer(state_dir=tmp_path / "nats", port=free_port()).start()
+    bus = await Bus.connect(nats.url, name="e2e-fork")
+    try:
+        await bus.ensure_streams()
+        run = "e2e-fork"
+        sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=4, seed=9)
+        forks = {"guess": (1, 3, '{"max_turns": 3}'), "digits": (0, 2, "")}
+        for env_name, (at, n, config) in forks.items():
+            task = events_pb2.EpisodeTask(
+                run_id=run,
+                task_id=f"{env_name}-0",
+                group_id=f"{env_name}-g",
+                environment=env_name,
+                task_json=json.dumps(generate_tasks(env_name, 1, seed=4)[0]),
+                group_size=1,
+                sampling=sampling,
+                min_weight_version=VERSION,
+                environment_config_json=config,
+                branch_at_turn=at,
+                branches=n,
+            )
+            await bus.publish(subjects.episodes(run), task, msg_id=task.task_id)
+        runner = EpisodeRunner(RouterGenerator(open_channel(router)), None, CharTokenizer())
+        worker = EpisodeWorker(
+            bus,
+            runner,
+            WorkerConfig(concurrency=4, durable="e2e-fork"),
+            filter_subject=subjects.episodes(run),
+        )
+        loop_task = asyncio.ensure_future(worker.run())
+        deadline = time.monotonic() + 60
+        while await bus.count(subjects.ROLLOUTS, subjects.rollouts(run)) < 5:
+            assert time.monotonic() < deadline and not loop_task.done(), "forked episodes did not finish"
+            await asyncio.sleep(0.2)
+        await worker.stop()
+        loop_task.cancel()
+        assert await bus.count(subjects.EPISODES, subjects.episodes(run)) == 0  # acked after publishing
+
+        consumer = await bus.pull_consumer(subjects.ROLLOUTS, "e2e-fork-check", subjects.rollouts(run))
+        rollouts = [d.parse(common_pb2.Rollout) for d in await consumer.fetch(batch=10, timeout=2.0)]
+        assert len(rollouts) == 5 and len({r.rollout_id for r in rollouts}) == 5
+        by_env: dict[str, list] = {}
+        for r in rollouts:
+            by_env.setdefault(r.environment, []).append(r)
+            assert r.min_weight_version == r.max_weight_version == VERSION
+            for turn in r.turns:
+                assert turn.trainable == (turn.role == common_pb2.ROLE_ASSISTANT)
+                assert len(turn.logprobs) == (len(turn.token_ids) if turn.trainable else 0)
+        for env_name, (_, n, _) in forks.items():
+            group = sorted(by_env[env_name], key=lambda r: r.sample_index)
+            assert [r.sample_index for r in group] == list(range(n))
+            assert {(r.group_id, r.group_size) for r in group} == {(f"{env_name}-g", n)}
+        guess = sorted(by_env["guess"], key=lambda r: r.sample_index)
+        if len(guess[0].turns) > 2:  # the first guess missed, so the fork happened after turn 1
+            shared = [list(t.token_ids) for t in guess[0].turns[:3]]
+            assert all([list(t.token_ids) for t in r.turns[:3]] == shared for r in guess)
+        digits = by_env["digits"]
+        assert digits[0].turns[0].token_ids == digits[1].turns[0].token_ids
+    finally:
+        await bus.close()
+        nats.stop()

@@ -9,6 +9,7 @@ name so a typo in a recipe fails loudly instead of silently using a default.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import random
@@ -121,6 +122,12 @@ class Environment(ABC):
             result.info.setdefault("finish", "max_turns")
         self.done = result.done
         return result
+
+    def fork(self) -> Environment:
+        """An independent copy at this point of the episode (for branching): its own state,
+        the same host context (sandbox, limiter). Environments holding resources that cannot
+        be deep-copied override this."""
+        return copy.deepcopy(self, {id(self.context): self.context})
 
 
 _REGISTRY: dict[str, type[Environment]] = {}
