@@ -124,7 +124,7 @@ def pushed_version(config: ModelConfig, world: int = 2):
 async def planned(transport, plan, buf, endpoints_by_rank, version):
     jobs = []
     for rp in plan.ranks:
-        buckets = (PlannedBucket(s, rp.dtype, buf.chunks) for s in rp.buckets)
+        buckets = (PlannedBucket(s, rp.dtype, buf.chunks, buf.locations, buf.sums) for s in rp.buckets)
         jobs.append(transport.stage(version, endpoints_by_rank[rp.rank], buckets, total_bytes=rp.nbytes))
     results = {}
     for r in await asyncio.gather(*jobs):

@@ -127,6 +127,7 @@ class Deliverer:
         for t in targets:
             self._busy[t.deployment] = version
             t.state = "syncing"
+        buf.hold()  # the arena's bytes stay put while receivers read them
         try:
             trainer_layout = speculative or buf.layout()
             config = self.model_config(buf)
@@ -169,6 +170,7 @@ class Deliverer:
             for t in targets:
                 await self._failed(t, buf, str(exc))
         finally:
+            buf.release()
             for t in targets:
                 if self._busy.get(t.deployment) == version:
                     del self._busy[t.deployment]
@@ -183,7 +185,7 @@ class Deliverer:
                     keys = {op.chunk for op in spec.ops}
                     spec._keys = keys  # type: ignore[attr-defined]
                 await buf.wait_for(keys)
-            yield PlannedBucket(spec, rank_plan.dtype, buf.chunks)
+            yield PlannedBucket(spec, rank_plan.dtype, buf.chunks, buf.locations, buf.sums)
 
     async def _ranks_already_at(self, version: int, targets: list[Target]) -> set[Endpoint]:
         """A restarted rank asks for the version its peers already serve: only it needs the bytes."""
@@ -354,3 +356,4 @@ class Deliverer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.grpc.close()
         await self.shm.close()
+        self.store.close()

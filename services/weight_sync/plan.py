@@ -28,10 +28,13 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from looprl.inference.v1 import inference_pb2
 from services.kit.weight_transfer import SliceRef, itemsize, proto_dtype
-from services.kit.weight_transfer.checksum import BLOCK_BYTES, Hasher64, hash64
+from services.kit.weight_transfer.checksum import BLOCK_BYTES, MASK, Hasher64, hash64, sum64, sum64_rows
+from services.kit.weight_transfer.errors import DeliveryError
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, hf_params, rank_params
 
@@ -273,6 +276,19 @@ def build_deployment_plan(
     return DeploymentPlan(layout, ranks, model_bytes, total - model_bytes)
 
 
+class ArenaChanged(DeliveryError):
+    """Bytes of a chunk in shared memory differ from what was verified when it landed."""
+
+    def __init__(self, key: ChunkKey) -> None:
+        import grpc
+
+        super().__init__(
+            f"{key[0]} rows from {key[2]} (trainer rank {key[1]}): bytes in shared memory changed after "
+            "they were verified (sum64 of their rows differs from when they landed)",
+            code=grpc.StatusCode.DATA_LOSS,
+        )
+
+
 class PlannedBucket:
     """A planned bucket bound to the chunk buffers of one version: fills itself from them."""
 
@@ -281,8 +297,12 @@ class PlannedBucket:
         spec: PlannedBucketSpec,
         dtype: torch.dtype,
         chunks: Mapping[ChunkKey, torch.Tensor],
+        locations: Mapping[ChunkKey, tuple[str, int]] | None = None,
+        sums: Mapping[ChunkKey, object] | None = None,
     ) -> None:
+        self._sums = sums  # checksum.landing_sums per chunk (recorded when it landed)
         self.spec = spec
+        self._locations = locations  # chunk -> (shm segment, byte offset) when chunks live in shared memory
         self.index = spec.index
         self.count = spec.count
         self.nbytes = spec.nbytes
@@ -291,6 +311,51 @@ class PlannedBucket:
         self.slices = [
             SliceRef(s.name, s.dtype, s.shape, s.offset, s.byte_start, s.nbytes) for s in spec.slices
         ]
+
+    def shm_slices(self) -> list[inference_pb2.WeightSlice] | None:
+        """Reshard-on-read: the bucket's slices as rectangles of the trainer chunks in shared
+        memory, each with the sum64 its receiver must find in what it copies. None when a slice
+        cannot be read in place (chunks not in shared memory, or a dtype cast on the way).
+
+        Expected sums come from what was recorded when the chunk landed (`landing_sums`, taken
+        from the bytes its trainer CRC32 was verified on): a run of whole rows needs no read at
+        all; a column block (row-parallel at tp > 1) reads its rows, re-checks their word sums
+        against the landing record (ArenaChanged if they moved) and sums the block."""
+        locations, sums = self._locations, self._sums
+        if not locations or sums is None:
+            return None
+        size = itemsize(self.dtype)
+        out = []
+        for op, ref in zip(self.spec.ops, self.slices, strict=True):
+            loc = locations.get(op.chunk)
+            chunk = self._chunks.get(op.chunk)
+            landed = sums.get(op.chunk)
+            if loc is None or chunk is None or landed is None or chunk.dtype != self.dtype:
+                return None
+            row_bytes = chunk.shape[1] * size
+            r0, r1 = op.row0, op.row0 + op.rows
+            c0, c1 = op.col0 * size, (op.col0 + op.cols) * size
+            whole_rows = c0 == 0 and c1 == row_bytes
+            msg = ref.to_proto(shm_name=loc[0])
+            msg.shm_offset = loc[1] + r0 * row_bytes + c0
+            if not whole_rows and op.rows > 1:
+                msg.shm_rows = op.rows
+                msg.shm_row_stride = row_bytes
+            u8 = chunk.view(torch.uint8).numpy()  # (rows, row_bytes) over the arena
+            if isinstance(landed, np.ndarray):
+                if whole_rows:
+                    msg.sum64 = (ref.nbytes + int(landed[r0:r1].sum(dtype=np.uint64))) & MASK
+                else:
+                    now = u8[r0:r1].view(np.uint64).sum(axis=1, dtype=np.uint64)
+                    if not np.array_equal(now, landed[r0:r1]):
+                        raise ArenaChanged(op.chunk)
+                    msg.sum64 = sum64_rows(u8[r0:r1, c0:c1])
+            else:
+                if sum64(u8.reshape(-1)) != landed:
+                    raise ArenaChanged(op.chunk)
+                msg.sum64 = sum64_rows(u8[r0:r1, c0:c1])
+            out.append(msg)
+        return out
 
     def fill(self, dest: memoryview) -> None:
         """Copy every slice into dest and hash64 it, a few rows at a time so each block is hashed

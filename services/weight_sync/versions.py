@@ -1,8 +1,11 @@
 """Incoming versions: trainer ranks push dim-0 chunks; we verify, keep and index them.
 
-A `VersionBuffer` collects the chunks of one version from every trainer rank (each chunk's
-bytes are verified against its CRC32 and kept as received, zero-copy views over them feed the
-bucket assembly). It knows which chunks have arrived, so a delivery planned from the previous
+A `VersionBuffer` collects the chunks of one version from every trainer rank. Each chunk is
+copied once into the version's shared-memory arena (shm.ChunkArena) and its trainer CRC32 is
+verified on the bytes as they sit there: from then on they are the single copy every delivery
+reads (gRPC buckets are assembled from them; co-located receivers read their slices straight
+out of the arena, reshard-on-read). Without an arena (no shared memory wanted) the chunk stays in
+the received message's bytes, as before. It knows which chunks have arrived, so a delivery planned from the previous
 version's layout can start sending a bucket as soon as its chunks are in (pipelining), and
 it is complete when every rank said `last`. Validation names the field that is wrong; any bad
 chunk drops the whole version (nothing of it is ever delivered).
@@ -17,11 +20,14 @@ import warnings
 import zlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from looprl.weightsync.v1 import weightsync_pb2
 from services.kit.errors import FailedPrecondition, InvalidArgument
 from services.kit.weight_transfer import itemsize
+from services.kit.weight_transfer.checksum import landing_sums
+from services.kit.weight_transfer.shm import ArenaPool, ChunkArena
 from services.kit.weight_transfer.specs import torch_dtype_of
 
 from .plan import ChunkKey, ChunkMeta, SourceParam, TrainerLayout
@@ -50,7 +56,34 @@ class VersionBuffer:
     started: float = field(default_factory=time.monotonic)
     failed: str = ""
     expected: dict[str, tuple[int, ...]] | None = None  # HF names and shapes, once the model config is known
+    arena: ChunkArena | None = None  # shared memory holding the chunks (None: they stay in the messages)
+    locations: dict[ChunkKey, tuple[str, int]] = field(default_factory=dict)  # chunk -> (segment, offset)
+    sums: dict[ChunkKey, object] = field(default_factory=dict)  # checksum.landing_sums of each arena chunk
     _arrived: asyncio.Condition | None = None
+    _holds: int = 0
+    _retired: bool = False
+
+    # -------------------------------------------------- arena lifetime
+    def hold(self) -> None:
+        """A delivery reads this version's chunks: keep the arena until `release`."""
+        self._holds += 1
+
+    def release(self) -> None:
+        self._holds -= 1
+        self._free_if_unused()
+
+    def retire(self) -> None:
+        """The store dropped this version; its arena goes back to the pool once no delivery reads it."""
+        self._retired = True
+        self._free_if_unused()
+
+    def _free_if_unused(self) -> None:
+        if self._retired and self._holds <= 0 and self.arena is not None:
+            arena, self.arena = self.arena, None
+            self.chunks.clear()  # the views would see the next version's bytes
+            self.locations.clear()
+            self.sums.clear()
+            arena.release()
 
     @property
     def complete(self) -> bool:
@@ -93,7 +126,12 @@ class VersionBuffer:
                 f"{where}.data: {chunk.name} rows={chunk.rows} x {width} {dtype} needs {expected} bytes, "
                 f"got {len(data)}"
             )
-        actual = zlib.crc32(data)
+        stored = data
+        if self.arena is not None and expected:
+            segment, offset, view = self.arena.alloc(expected)
+            np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(data, np.uint8))
+            stored = view  # the trainer's checksum is verified on the bytes every delivery will read
+        actual = zlib.crc32(stored)
         if actual != chunk.crc32:
             raise ChunkChecksumError(
                 f"{where}.crc32: {chunk.name} rows from {chunk.row_offset} have crc32 {actual:#010x}, "
@@ -109,8 +147,13 @@ class VersionBuffer:
             )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only buffer: we only ever read from it
-            flat = torch.frombuffer(data, dtype=dtype) if expected else torch.empty(0, dtype=dtype)
+            flat = torch.frombuffer(stored, dtype=dtype) if expected else torch.empty(0, dtype=dtype)
         self.chunks[key] = flat.view(chunk.rows, width)
+        if stored is not data:
+            self.locations[key] = (segment, offset)
+            # Recorded from the same arena bytes the CRC32 just verified: the expected sum64 of any
+            # receiver slice derives from these, so the chain from the trainer's checksum holds.
+            self.sums[key] = landing_sums(np.frombuffer(stored, np.uint8).reshape(chunk.rows, -1))
         self.crcs[key] = actual
         self.rows[key] = int(chunk.rows)
         self.bytes_received += expected
@@ -165,7 +208,10 @@ class VersionBuffer:
 class VersionStore:
     """The versions being pushed and the latest complete one (kept to serve RequestSync)."""
 
-    def __init__(self, latest_version: int = -1) -> None:
+    def __init__(
+        self, latest_version: int = -1, *, shm: bool = True, arena_segment_bytes: int = 256 << 20
+    ) -> None:
+        self.arenas = ArenaPool(arena_segment_bytes) if shm else None
         self.latest: VersionBuffer | None = None
         self.latest_version = latest_version  # survives restarts via KV even when the bytes do not
         self.pending: dict[int, VersionBuffer] = {}
@@ -186,7 +232,8 @@ class VersionStore:
             )
         buf = self.pending.get(v)
         if buf is None:
-            buf = VersionBuffer(v, request.trainer_world_size, request.run_id)
+            arena = self.arenas.arena() if self.arenas is not None else None
+            buf = VersionBuffer(v, request.trainer_world_size, request.run_id, arena=arena)
             self.pending[v] = buf
         elif buf.world_size != request.trainer_world_size:
             raise InvalidArgument(
@@ -205,11 +252,19 @@ class VersionStore:
         buf = self.pending.pop(version, None)
         if buf is not None:
             buf.failed = reason
+            buf.retire()
 
     def completed(self, buf: VersionBuffer) -> None:
         """buf is complete: it becomes the latest; older pending versions are dropped."""
         self.pending.pop(buf.version, None)
         for v in [v for v in self.pending if v < buf.version]:
             self.fail(v, f"superseded by version {buf.version}")
+        if self.latest is not None and self.latest is not buf:
+            self.latest.retire()
         self.latest = buf
         self.latest_version = buf.version
+
+    def close(self) -> None:
+        """Unlink every shared-memory segment (weight-sync shutting down)."""
+        if self.arenas is not None:
+            self.arenas.close()

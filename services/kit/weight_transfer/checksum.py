@@ -105,3 +105,83 @@ def copy_and_hash64(dest, src) -> int:
         np.copyto(d[start:stop], s[start:stop])
         hasher.advance(stop)
     return hasher.digest()
+
+
+# ------------------------------------------------------------------------------------- sum64
+# sum64 = (nbytes + sum of the bytes' little-endian uint64 words) mod 2**64, last word zero-padded.
+# A wrapping word sum runs at memory speed in numpy (hash64's keyed dot product does not), so a
+# receiver can check every byte it copies out of shared memory for little more than the copy.
+# Any change confined to one word (in particular any single corrupted byte) changes the sum;
+# unlike hash64 it does not see whole words swapped within a slice. Used where the bytes were
+# already verified against the trainer's checksum once (shared-memory reshard-on-read).
+SUM_BLOCK_BYTES = 512 << 10  # copy a block, sum it while it is still in L2
+
+
+def _word_sum(u8: np.ndarray) -> int:
+    """Sum of the words of a contiguous uint8 array whose length is a multiple of 8."""
+    if not u8.size:
+        return 0
+    return int(u8.view(np.uint64).sum(dtype=np.uint64))
+
+
+def _tail_sum(u8: np.ndarray) -> int:
+    whole = u8.size // 8 * 8
+    total = _word_sum(u8[:whole])
+    if u8.size > whole:
+        total += int.from_bytes(u8[whole:].tobytes(), "little")
+    return total
+
+
+def sum64(buf) -> int:
+    """sum64 of a bytes-like object or contiguous array."""
+    u8 = _as_u8(buf)
+    return (u8.size + _tail_sum(u8)) & MASK
+
+
+def sum64_rows(rows: np.ndarray) -> int:
+    """sum64 of a 2-D uint8 array's rows taken in order (a rectangle of a bigger buffer)."""
+    if rows.ndim != 2:
+        return sum64(np.ascontiguousarray(rows).reshape(-1))
+    n, width = rows.shape
+    if width % 8 == 0 and rows.strides[1] == 1 and n:
+        return (n * width + int(rows.view(np.uint64).sum(dtype=np.uint64))) & MASK
+    return sum64(np.ascontiguousarray(rows).reshape(-1))
+
+
+def copy_and_sum64(dest, src: np.ndarray) -> int:
+    """Copy src (1-D uint8, or 2-D rows of a rectangle) into contiguous dest block by block and
+    return sum64 of what landed in dest, summed while each block is still in cache."""
+    d = _as_u8(dest)
+    if src.ndim == 1:
+        src = src.reshape(1, -1)
+    n, width = src.shape
+    if d.size != n * width:
+        raise ValueError(f"copy of {n * width} bytes into {d.size}")
+    step = max(1, SUM_BLOCK_BYTES // max(width, 1))
+    if n == 1 and width > SUM_BLOCK_BYTES:  # one long row: cut it into word-aligned blocks
+        flat = src.reshape(-1)
+        total = 0
+        for start in range(0, width, SUM_BLOCK_BYTES):
+            stop = min(start + SUM_BLOCK_BYTES, width)
+            np.copyto(d[start:stop], flat[start:stop])
+            total += _tail_sum(d[start:stop]) if stop == width else _word_sum(d[start:stop])
+        return (d.size + total) & MASK
+    step = step // 8 * 8 or 8  # blocks of a multiple of 8 rows start on a word boundary
+    total = 0
+    for r in range(0, n, step):
+        stop = min(r + step, n)
+        block = d[r * width : stop * width]
+        np.copyto(block.reshape(stop - r, width), src[r:stop])
+        total += _tail_sum(block) if stop == n else _word_sum(block)
+    return (d.size + total) & MASK
+
+
+def landing_sums(rows: np.ndarray) -> np.ndarray | int:
+    """What weight-sync records of a chunk (a (rows, row_bytes) uint8 array) when it lands: the
+    word sum of every row when rows are whole words (so the sum64 of any run of whole rows follows
+    without reading the bytes again, and any rectangle's rows can be re-checked), else the sum64
+    of the whole chunk."""
+    n, width = rows.shape
+    if width % 8 == 0 and n and rows.flags.c_contiguous:
+        return rows.view(np.uint64).sum(axis=1, dtype=np.uint64)
+    return sum64(np.ascontiguousarray(rows).reshape(-1))

@@ -160,6 +160,19 @@ class ShmReader:
             )
         return view[offset : offset + nbytes]
 
+    def rows(self, name: str, offset: int, rows: int, row_bytes: int, stride: int):
+        """A read-only (rows, row_bytes) uint8 array over a rectangle of a segment: rows
+        `stride` bytes apart starting at `offset` (a column block of a trainer chunk)."""
+        import numpy as np
+
+        if rows <= 0 or row_bytes < 0 or stride < row_bytes:
+            raise InvalidWeights(
+                f"slices.shm_row_stride: {rows} rows of {row_bytes} bytes {stride} bytes apart is not a rectangle"
+            )
+        span = (rows - 1) * stride + row_bytes
+        flat = np.frombuffer(self.view(name, offset, span), dtype=np.uint8)
+        return np.lib.stride_tricks.as_strided(flat, (rows, row_bytes), (stride, 1), writeable=False)
+
     @staticmethod
     def _map(name: str) -> tuple[mmap.mmap, memoryview, tuple[int, int]]:
         path = shm_dir() / name
@@ -169,7 +182,10 @@ class ShmReader:
             raise InvalidWeights(f"slices.shm_name: segment {name!r} does not exist") from None
         try:
             st = os.fstat(fd)
-            mapped = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+            # Populate the page tables in one go: faulting 4 KiB pages one by one on first read
+            # costs more than the copy itself.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapped = mmap.mmap(fd, st.st_size, flags=flags, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         return mapped, memoryview(mapped), (st.st_ino, st.st_size)
@@ -233,3 +249,87 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class ChunkArena:
+    """Where weight-sync keeps one version's pushed trainer chunks: shared-memory segments filled
+    front to back as chunks arrive. Co-located receivers then read (reshard-on-read) the byte
+    ranges their plan names straight out of these segments, so weight-sync never copies a bucket
+    for them. Segments come from an ArenaPool and go back to it on `release()` (reused by a later
+    version: receivers keep their mappings and the pages stay warm)."""
+
+    ALIGN = 64
+
+    def __init__(self, pool: ArenaPool) -> None:
+        self.pool = pool
+        self.segments: list[ShmSegment] = []
+        self._used = 0  # bytes used in the last segment
+        self._lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> tuple[str, int, memoryview]:
+        """(segment name, byte offset, writable view) of nbytes fresh bytes."""
+        with self._lock:
+            seg = self.segments[-1] if self.segments else None
+            start = -(-self._used // self.ALIGN) * self.ALIGN
+            if seg is None or start + nbytes > seg.size:
+                seg = self.pool.take(nbytes)
+                self.segments.append(seg)
+                start = 0
+            self._used = start + nbytes
+            return seg.name, start, seg.buffer[start : start + nbytes]
+
+    def release(self) -> None:
+        with self._lock:
+            segments, self.segments = self.segments, []
+            self._used = 0
+        for seg in segments:
+            self.pool.give(seg)
+
+
+class ArenaPool:
+    """Segments of `segment_bytes` shared by the ChunkArenas of successive versions. At most
+    `keep` free segments are kept (enough for two versions of the model); the rest are unlinked."""
+
+    def __init__(self, segment_bytes: int = 256 << 20, keep: int = 16, tag: str = "") -> None:
+        self.segment_bytes = segment_bytes
+        self.keep = keep
+        self._prefix = f"{PREFIX}{os.getpid()}-{tag or 'arena-' + uuid.uuid4().hex[:8]}"
+        self._free: list[ShmSegment] = []
+        self._live: set[ShmSegment] = set()
+        self._made = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        atexit.register(self.close)
+
+    def arena(self) -> ChunkArena:
+        return ChunkArena(self)
+
+    def take(self, nbytes: int) -> ShmSegment:
+        size = max(nbytes, self.segment_bytes)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("shared-memory arena pool is closed")
+            for i, seg in enumerate(self._free):
+                if seg.size >= size and (seg.size == self.segment_bytes or seg.size == size):
+                    self._live.add(seg)
+                    return self._free.pop(i)
+            self._made += 1
+            seg = ShmSegment(f"{self._prefix}-{self._made}", size)
+            self._live.add(seg)
+            return seg
+
+    def give(self, seg: ShmSegment) -> None:
+        with self._lock:
+            self._live.discard(seg)
+            if self._closed or seg.size != self.segment_bytes or len(self._free) >= self.keep:
+                seg.close()
+            else:
+                self._free.append(seg)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for seg in [*self._free, *self._live]:
+                seg.close()
+            self._free.clear()
+            self._live.clear()

@@ -32,7 +32,7 @@ import torch
 
 from looprl.inference.v1 import inference_pb2
 
-from .checksum import copy_and_hash64, hash64
+from .checksum import copy_and_hash64, copy_and_sum64, hash64, sum64
 from .errors import ChecksumMismatch, IncompleteVersion, InvalidWeights, StaleVersion
 from .shm import ShmReader
 from .specs import ParamSpec, as_param_specs, dtype_name, itemsize, torch_dtype_of
@@ -157,7 +157,16 @@ class WeightStager:
             reader = shm if shm is not None else ShmReader()
             try:
                 for i, sl in enumerate(request.slices):
-                    if sl.shm_name:
+                    if sl.shm_name and sl.shm_rows:  # a rectangle of a trainer chunk (reshard-on-read)
+                        rows, nbytes = int(sl.shm_rows), int(sl.nbytes)
+                        if nbytes % rows:
+                            raise InvalidWeights(
+                                f"slices[{i}].shm_rows: {nbytes} bytes do not split into {rows} equal rows"
+                            )
+                        data = reader.rows(
+                            sl.shm_name, int(sl.shm_offset), rows, nbytes // rows, int(sl.shm_row_stride)
+                        )
+                    elif sl.shm_name:
                         data = reader.view(sl.shm_name, int(sl.shm_offset), int(sl.nbytes))
                     else:
                         data = sl.data  # once: each access of a protobuf bytes field copies it
@@ -166,9 +175,11 @@ class WeightStager:
                                 f"slices[{i}].nbytes: {sl.nbytes} but data holds {len(data)} bytes"
                             )
                     expected = int(sl.hash64) if sl.HasField("hash64") else None
+                    expected_sum = int(sl.sum64) if sl.HasField("sum64") else None
                     self._stage_slice(
-                        i, sl.name, int(sl.dtype), tuple(sl.shape), int(sl.offset), data, sl.crc32, expected
-                    )
+                        i, sl.name, int(sl.dtype), tuple(sl.shape), int(sl.offset), data, sl.crc32, expected,
+                        expected_sum,
+                    )  # fmt: skip
             except Exception:
                 self._drop()
                 raise
@@ -328,6 +339,7 @@ class WeightStager:
         data,
         crc: int,
         expected_hash: int | None,
+        expected_sum: int | None = None,
     ) -> None:
         spec = self._spec(i, name)
         got = torch_dtype_of(dtype)
@@ -341,7 +353,8 @@ class WeightStager:
                 f"slices[{i}].shape: {name} has shape {list(spec.shape)} here, got {list(shape)}"
             )
         size = itemsize(spec.dtype)
-        nbytes = len(data)
+        src = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+        nbytes = src.nbytes
         if nbytes % size:
             raise InvalidWeights(
                 f"slices[{i}].data: {nbytes} bytes is not a whole number of {dtype_name(spec.dtype)}"
@@ -349,8 +362,8 @@ class WeightStager:
         count = nbytes // size
         self._check_range(i, spec, offset, count)
         verify = self.verify_checksums
-        if verify and expected_hash is None:  # a legacy sender: CRC32 of the source bytes
-            actual = zlib.crc32(data)
+        if verify and expected_hash is None and expected_sum is None:  # legacy sender: CRC32 of the source
+            actual = zlib.crc32(np.ascontiguousarray(src))
             if actual != crc:
                 raise ChecksumMismatch(
                     f"slices[{i}].crc32: {name} elements [{offset}, {offset + count}) have crc32 "
@@ -361,7 +374,24 @@ class WeightStager:
                 f"slices[{i}].offset: {name} elements [{offset}, {offset + count}) already staged"
             )
         target = self._flat[name].view(torch.uint8)[offset * size : (offset + count) * size]
-        src = np.frombuffer(data, dtype=np.uint8)
+        if verify and expected_sum is not None:
+            # sum64 of what landed in the staging tensor (the bytes were verified against the
+            # trainer's checksum once, by weight-sync, when they arrived in shared memory).
+            if target.device.type == "cpu":
+                actual = copy_and_sum64(target.numpy(), src)
+            else:
+                flat = np.ascontiguousarray(src).reshape(-1)
+                actual = sum64(flat)
+                target.copy_(torch.from_numpy(flat.copy()), non_blocking=False)
+            if actual != expected_sum:
+                raise ChecksumMismatch(
+                    f"slices[{i}].sum64: {name} elements [{offset}, {offset + count}) have sum64 "
+                    f"{actual:#018x}, weight-sync said {expected_sum:#018x} (changed after it was verified)"
+                )
+            self._bytes += nbytes
+            return
+        if src.ndim != 1:
+            src = np.ascontiguousarray(src).reshape(-1)
         check = verify and expected_hash is not None
         actual = expected_hash
         if target.device.type == "cpu":

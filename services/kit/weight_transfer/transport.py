@@ -6,9 +6,12 @@ One small interface (`Transport.stage/commit/abort`) with two host implementatio
   Each bucket is assembled and encoded once (in a worker thread, `prefetch` buckets ahead of
   the network, so resharding and sending overlap) and the same wire bytes go to every
   receiver of the group.
-- ShmTransport: for receivers on this host. Each bucket is assembled ONCE straight into a
-  shared-memory segment; every receiver gets a small StageWeights call naming its slices in
-  that segment and copies them out itself. A segment is reused once all receivers answered.
+- ShmTransport: for receivers on this host. When the bucket's source bytes already live in
+  shared memory (weight-sync keeps pushed trainer chunks in a ChunkArena), nothing is copied on
+  the sending side: every receiver gets a small StageWeights call naming rectangles of those
+  chunks (reshard-on-read) with a sum64 each, and copies them into its staging tensors itself.
+  Otherwise (a dtype cast on the way, chunks not in shared memory) each bucket is assembled ONCE
+  into a pooled segment that all receivers read; a segment is reused once all answered.
 
 The control plane (commit, abort) is gRPC for every transport: a receiver is always an
 InferenceEngineService. Device transports (CUDA IPC, NCCL) live in gpu.py behind the same
@@ -290,9 +293,13 @@ class ShmTransport(Transport):
 
     name = "shm"
 
-    def __init__(self, *, segment_bytes: int = 64 * 1024 * 1024, segments: int = 3, **kw) -> None:
+    def __init__(
+        self, *, segment_bytes: int = 64 * 1024 * 1024, segments: int = 3, in_place: bool = True, **kw
+    ) -> None:
         super().__init__(**kw)
         self.pool = ShmPool(segment_bytes, segments)
+        self.in_place = in_place  # read buckets in place when they can (reshard-on-read)
+        self.inflight_buckets = segments
 
     async def stage(
         self, version, endpoints, buckets, *, model_config_json="", total_bytes=0, timeout_s=600.0
@@ -303,7 +310,7 @@ class ShmTransport(Transport):
         inflight: set[asyncio.Task] = set()
         first = True
 
-        async def deliver(bucket: Bucket, seg, config_json: str) -> None:
+        async def deliver(bucket: Bucket, seg, slices, config_json: str) -> None:
             try:
 
                 async def one(ep: Endpoint) -> None:
@@ -318,7 +325,7 @@ class ShmTransport(Transport):
                         deployment=ep.deployment,
                         total_bytes=total_bytes,
                         model_config_json=config_json,
-                        slices=[s.to_proto(shm_name=seg.name) for s in bucket.slices],
+                        slices=slices,
                     )
                     try:
                         resp = await self.stub(ep.address).StageWeights(iter([req]), timeout=timeout_s)
@@ -326,34 +333,44 @@ class ShmTransport(Transport):
                         res.buckets += 1
                         res.complete = res.complete or resp.complete
                     except BaseException as exc:
-                        res.error = self._error(ep, exc)
+                        if res.error is None:  # a cancelled call keeps the reason it was cancelled for
+                            res.error = self._error(ep, exc)
 
                 await asyncio.gather(*(one(ep) for ep in endpoints))
             finally:
-                self.pool.release(seg)
+                if seg is not None:
+                    self.pool.release(seg)
 
         try:
             async for bucket in _aiter(buckets):
                 if all(r.error is not None for r in results.values()):
                     break
-                seg = await loop.run_in_executor(self._executor, self.pool.acquire, bucket.nbytes)
-                try:
-                    await loop.run_in_executor(self._executor, bucket.fill, seg.buffer[: bucket.nbytes])
-                except BaseException:
-                    self.pool.release(seg)
-                    raise
-                task = asyncio.create_task(deliver(bucket, seg, model_config_json if first else ""))
+                seg = slices = None
+                in_place = getattr(bucket, "shm_slices", None) if self.in_place else None
+                if in_place is not None:
+                    while len(inflight) >= self.inflight_buckets:
+                        await asyncio.wait(set(inflight), return_when=asyncio.FIRST_COMPLETED)
+                    slices = await loop.run_in_executor(self._executor, in_place)
+                if slices is None:
+                    seg = await loop.run_in_executor(self._executor, self.pool.acquire, bucket.nbytes)
+                    try:
+                        await loop.run_in_executor(self._executor, bucket.fill, seg.buffer[: bucket.nbytes])
+                    except BaseException:
+                        self.pool.release(seg)
+                        raise
+                    slices = [s.to_proto(shm_name=seg.name) for s in bucket.slices]
+                task = asyncio.create_task(deliver(bucket, seg, slices, model_config_json if first else ""))
                 first = False
                 inflight.add(task)
                 task.add_done_callback(inflight.discard)
             if inflight:
                 await asyncio.gather(*inflight)
         except BaseException as exc:
-            for t in inflight:
-                t.cancel()
             for ep, res in results.items():
                 if res.error is None:
                     res.error = self._error(ep, exc)
+            for t in inflight:
+                t.cancel()
             await asyncio.gather(*(self.abort(ep, version) for ep in endpoints))
             if isinstance(exc, asyncio.CancelledError):
                 raise

@@ -18,7 +18,7 @@ from services.weight_sync.versions import VersionStore
 async def test_cuda_ipc_delivery_matches_reference():
     config, layout = ModelConfig.tiny(), Layout(2, "fused")
     state = random_state(config)
-    store = VersionStore()
+    store = VersionStore(shm=False)
     for rank in range(2):
         for req in rank_requests(state, version=0, rank=rank, world=2, max_message_bytes=4096):
             buf = store.buffer_for(req)

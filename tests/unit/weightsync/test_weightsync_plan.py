@@ -18,7 +18,7 @@ from services.weight_sync.versions import VersionStore
 
 
 def push_all(state, world, version=0, max_message_bytes=4096):
-    store = VersionStore()
+    store = VersionStore(shm=False)
     buf = None
     for rank in range(world):
         for req in rank_requests(
@@ -97,7 +97,7 @@ def test_buckets_respect_the_size_and_plans_are_cached():
 def test_trainer_layout_rejects_gaps_between_rank_shards():
     config = ModelConfig.tiny()
     state = random_state(config)
-    store = VersionStore()
+    store = VersionStore(shm=False)
     reqs = list(rank_requests(state, version=0, rank=0, world=2))
     buf = None
     for req in reqs:

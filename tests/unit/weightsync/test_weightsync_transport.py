@@ -27,8 +27,10 @@ from services.weight_sync.versions import VersionStore
 CONFIG = ModelConfig.tiny()
 
 
-def pushed(state, world=2, version=0):
-    store = VersionStore()
+def pushed(state, world=2, version=0, store=None):
+    """A version as weight-sync holds it; without a store its chunks stay in the pushed messages
+    (no arena), so buckets take the copy-into-a-segment shm path."""
+    store = store or VersionStore(shm=False)
     for rank in range(world):
         for req in rank_requests(state, version=version, rank=rank, world=world, max_message_bytes=4096):
             buf = store.buffer_for(req)
@@ -72,7 +74,9 @@ async def deliver(transport, plan, buf, endpoints, version, corrupt_rank=None):
     results = {}
     for rank_plan in plan.ranks:
         eps = [e for e in endpoints if e.rank == rank_plan.rank]
-        buckets = [PlannedBucket(s, rank_plan.dtype, buf.chunks) for s in rank_plan.buckets]
+        buckets = [
+            PlannedBucket(s, rank_plan.dtype, buf.chunks, buf.locations, buf.sums) for s in rank_plan.buckets
+        ]
         if corrupt_rank == rank_plan.rank:
             buckets[len(buckets) // 2] = Corrupting(buckets[len(buckets) // 2])
         results.update(await transport.stage(version, eps, buckets, total_bytes=rank_plan.nbytes))
@@ -153,3 +157,113 @@ async def test_one_failing_receiver_does_not_stop_the_others():
         await transport.close()
         for s in servers:
             await s.stop(None)
+
+
+# ------------------------------------------------------------ reshard-on-read (chunks in shm)
+def _segments() -> list:
+    return list(shm_dir().glob(f"{PREFIX}{os.getpid()}-*"))
+
+
+@pytest.mark.parametrize("tp,naming", [(1, "hf"), (2, "fused")])
+async def test_reshard_on_read_sends_no_bucket_bytes_and_delivers_exact_weights(tp, naming):
+    """Co-located receivers read their rectangles of the trainer chunks straight out of the
+    version's arena: the sender copies no bucket (its pool stays empty), row-parallel slices are
+    strided reads, and every rank holds exactly its shard."""
+    layout = Layout(tp, naming)
+    state = random_state(CONFIG)
+    store = VersionStore(arena_segment_bytes=1 << 16)
+    buf = pushed(state, store=store)
+    assert len(buf.locations) == len(buf.chunks)
+    plan = build_deployment_plan(buf.layout(), CONFIG, layout, 4096)
+    engines, servers, endpoints = await start_receivers(layout, 2)
+    transport = ShmTransport(segment_bytes=4096, segments=2)
+    try:
+        results = await deliver(transport, plan, buf, endpoints, 0)
+        assert all(r.error is None and r.complete for r in results.values()), results
+        assert transport.pool.names() == []  # not one bucket was assembled on the sending side
+        for ep in endpoints:
+            assert await transport.commit(ep, 0) == 0
+        for engine, ep in zip(engines, endpoints, strict=True):
+            want = shard_state_dict(state, CONFIG, layout, ep.rank)
+            assert all(torch.equal(engine.weights[n], want[n]) for n in want)
+            assert engine.receiver.bytes_received == plan.ranks[ep.rank].nbytes
+        if tp == 2:
+            strided = [
+                sl
+                for rp in plan.ranks
+                for spec in rp.buckets
+                for sl in PlannedBucket(spec, rp.dtype, buf.chunks, buf.locations, buf.sums).shm_slices()
+                if sl.shm_rows
+            ]
+            assert strided, "row-parallel slices should be read as rectangles"
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.stop(None)
+        store.close()
+    assert not _segments(), "segments left behind"
+
+
+@pytest.mark.parametrize(
+    "tp,naming,param,caught_by",
+    [
+        (1, "hf", "model.layers.0.mlp.gate_proj.weight", "receiver"),  # whole rows: only the receiver reads
+        (2, "fused", "model.layers.0.self_attn.o_proj.weight", "weight-sync"),  # column blocks
+    ],
+)
+async def test_byte_changed_in_shared_memory_after_verification_is_caught(tp, naming, param, caught_by):
+    """Integrity on the in-place path: weight-sync verified each chunk's trainer CRC32 on the bytes
+    in its arena and recorded their row sums. A byte changed there afterwards is caught by the
+    receiver's sum64 of what it copied (whole-row slices, expected sums derived from the landing
+    record) or by weight-sync re-checking the rows of a column block before naming it; either way
+    nothing is committed and the old version keeps serving."""
+    layout = Layout(tp, naming)
+    old, new = random_state(CONFIG, seed=1), random_state(CONFIG, seed=2)
+    store = VersionStore(arena_segment_bytes=1 << 16)
+    engines, servers, endpoints = await start_receivers(layout, 1)
+    transport = ShmTransport(segment_bytes=4096, segments=2)
+    try:
+        buf0 = pushed(old, version=0, store=store)
+        plan = build_deployment_plan(buf0.layout(), CONFIG, layout, 4096)
+        assert all(r.error is None for r in (await deliver(transport, plan, buf0, endpoints, 0)).values())
+        for ep in endpoints:
+            await transport.commit(ep, 0)
+        buf1 = pushed(new, version=1, store=store)
+        key = next(k for k in buf1.chunks if k[0] == param)
+        chunk = buf1.chunks[key]
+        chunk.view(torch.uint8)[1, chunk.shape[1] * 4 - 3] ^= 0x10  # in a column every rank reads
+        results = await deliver(transport, plan, buf1, endpoints, 1)
+        for ep, engine in zip(endpoints, engines, strict=True):
+            err = results[ep].error
+            assert err is not None and err.code.name == "DATA_LOSS", results
+            if caught_by == "receiver":
+                assert "sum64" in str(err) and "changed after it was verified" in str(err)
+            else:
+                assert "bytes in shared memory changed after they were verified" in str(err)
+            assert engine.version == 0 and engine.stager.staged_version is None
+            assert torch.equal(engine.weights["model.norm.weight"], old["model.norm.weight"])
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.stop(None)
+        store.close()
+
+
+def test_chunk_checksum_is_verified_on_the_arena_copy_and_arenas_are_recycled():
+    store = VersionStore(arena_segment_bytes=1 << 16)
+    try:
+        buf0 = pushed(random_state(CONFIG, seed=1), version=0, store=store)
+        store.completed(buf0)
+        names0 = {loc[0] for loc in buf0.locations.values()}
+        assert names0 and all((shm_dir() / n).exists() for n in names0)
+        buf0.hold()  # a delivery still reading version 0 keeps its arena
+        buf1 = pushed(random_state(CONFIG, seed=2), version=1, store=store)
+        store.completed(buf1)
+        assert buf0.chunks and buf0.arena is not None
+        buf0.release()
+        assert buf0.arena is None and not buf0.chunks  # back to the pool for version 2
+        buf2 = pushed(random_state(CONFIG, seed=3), version=2, store=store)
+        assert {loc[0] for loc in buf2.locations.values()} & names0, "segments are reused"
+    finally:
+        store.close()
+    assert not _segments()

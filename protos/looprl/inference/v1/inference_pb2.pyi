@@ -202,7 +202,7 @@ class StageWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ..., model_config_json: _Optional[str] = ..., deployment: _Optional[str] = ..., rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., device_handle: _Optional[bytes] = ..., nccl_broadcast: _Optional[bool] = ...) -> None: ...
 
 class WeightSlice(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset", "data", "crc32", "shm_name", "shm_offset", "nbytes", "hash64")
+    __slots__ = ("name", "dtype", "shape", "offset", "data", "crc32", "shm_name", "shm_offset", "nbytes", "hash64", "shm_rows", "shm_row_stride", "sum64")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,9 @@ class WeightSlice(_message.Message):
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     HASH64_FIELD_NUMBER: _ClassVar[int]
+    SHM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SHM_ROW_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    SUM64_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: _common_pb2.DType
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -223,7 +226,10 @@ class WeightSlice(_message.Message):
     shm_offset: int
     nbytes: int
     hash64: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., hash64: _Optional[int] = ...) -> None: ...
+    shm_rows: int
+    shm_row_stride: int
+    sum64: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., hash64: _Optional[int] = ..., shm_rows: _Optional[int] = ..., shm_row_stride: _Optional[int] = ..., sum64: _Optional[int] = ...) -> None: ...
 
 class StageWeightsResponse(_message.Message):
     __slots__ = ("version", "bytes_received", "complete", "serving_version")
