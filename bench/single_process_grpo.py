@@ -32,17 +32,17 @@ last-5 step mean; "format ceiling" = 0.1 length bonus + 0.9 * 1/10 chance per di
   to the prompt like the packed forward; every packed sequence's advantage equals (r - mean)/std of
   its own group recomputed from its decoded tokens; no advantage or log-prob on prompt tokens; one
   step raises the log-prob of above-average samples (test in tests/unit/loop/).
-* The collapse is std-normalised GRPO. Every group with any spread gets unit-scale advantages; once
-  one digit dominates, the groups whose target is that digit always carry signal towards it while
-  the others carry signal only on a rare hit, so the policy is driven onto one answer ("888"):
-  entropy 4.6 -> 0 in ~75-100 steps, groups all-equal, no signal left, reward stuck at ~0.19.
-  Seen with lr 1e-3/3e-3/1e-2, 256 rollouts in groups of 16, entropy bonus 0.02-0.05 and even the
-  1-digit task (ops rev, len 1: 0.12-0.21 after 300 steps). Dr. GRPO (advantage r - mean) with an
-  entropy bonus learns the 1-digit task to 0.81-0.90.
-* The entropy bonus has a narrow useful range on dr_grpo: 0 collapses (0.11), 0.05 keeps the policy
-  uniform (0.02), 0.01 learns on 2 of 3 seeds (0.51, 0.61, 0.12 - seed 3 stuck near-uniform), 0.005
-  learns on all 3 but slower (0.37, 0.36, 0.24), 0.0075 on all 3 (0.33, 0.37, 0.44). lr 1e-2
-  fails with any bonus; 3e-3 is the rate.
+* The collapse is an exploration failure: the policy settles on one fixed answer ("888") before
+  the prompt-conditioned answer forms: entropy 4.6 -> 0 in ~75-100 steps, every sample of a group
+  equal, advantages all 0, reward stuck at the ~0.19 ceiling. Seen with lr 1e-3/3e-3/1e-2, 256
+  rollouts in groups of 16, and even on the 1-digit task (0.12-0.21 after 300 steps). Std-normalised
+  GRPO makes it worse: once one digit dominates, groups whose target is that digit always carry
+  unit-scale signal towards it while the others carry signal only on a rare hit.
+* An entropy bonus sized to the advantage scale prevents it. With dr_grpo (advantage r - mean,
+  ~0.1-0.3 here): 0 collapses (0.11), 0.05 keeps the policy uniform (0.02), 0.01 learns on 2 of 3
+  seeds (0.51, 0.61, 0.12: seed 3 stays near-uniform), 0.005 on 3 (0.37, 0.36, 0.24), 0.0075 on 3
+  (0.33, 0.37, 0.44). GRPO's unit-scale advantages need a ~4x larger bonus: 0.01 and 0.0075 collapse
+  (0.20, 0.11), 0.03 learns (seeds 1-3: 0.35, 0.33, 0.35), 0.05 stays uniform. lr 1e-2 fails with any bonus tried.
 * Init: HF's std 0.02 is too small for hidden 64 (activations shrink ~6x per matrix, attention
   logits ~0). Teacher forcing to loss 0.3 takes 100-230+ steps at 0.02 and 47-80 at std 0.1; with
   std 0.02 the same recipe (dr_grpo, bonus 0.0075) ends at 0.09/0.08 after 400 steps (seeds 1/2):
