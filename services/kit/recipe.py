@@ -43,6 +43,9 @@ class ModelSection:
     preset: str = _f("tiny-qwen2", "Config preset used when path is empty.")
     tokenizer: str = _f("char", "'char' for the shipped character tokenizer, or a local tokenizer directory.")
     dtype: str = _f("float32", "Training and inference dtype (float32, bfloat16).")
+    init_std: float = _f(
+        0.02, "Std of the N(0, std) init of a preset model's weight matrices (0.1 suits tiny-qwen2)."
+    )
 
 
 @dataclass
@@ -76,6 +79,10 @@ class AlgorithmSection:
     clip_high: float = _f(0.28, "PPO clip range above 1 (clip-higher).")
     tis_cap: float = _f(2.0, "Cap of the truncated importance weight for stale rollouts.")
     kl_coef: float = _f(0.0, "Weight of the KL penalty to the reference policy; 0 disables it.")
+    entropy_coef: float = _f(
+        0.0,
+        "Entropy bonus weight, relative to the advantage scale (keeps small policies exploring); 0 disables.",
+    )
     group_timeout_seconds: float = _f(120.0, "A group still incomplete after this is released as is.")
 
 
@@ -254,6 +261,12 @@ def validate(recipe: Recipe, base_dir: Path | None = None) -> Recipe:
         "rloo needs group_size > 1",
     )
     _check(r.optimizer.lr > 0, "optimizer.lr", f"must be > 0, got {r.optimizer.lr}")
+    _check(r.model.init_std > 0, "model.init_std", f"must be > 0, got {r.model.init_std}")
+    _check(
+        r.algorithm.entropy_coef >= 0,
+        "algorithm.entropy_coef",
+        f"must be >= 0, got {r.algorithm.entropy_coef}",
+    )
     _check(len(r.optimizer.betas) == 2, "optimizer.betas", "must have two values")
     _check(
         r.optimizer.schedule in ("constant", "cosine"),

@@ -21,6 +21,8 @@ class TrainerSpec:
     # A local Hugging Face directory; when set it wins over `model` and `seed`.
     model_path: str = ""
     seed: int = 0
+    # Std of the weight-matrix init of a model built from `model` (ignored with model_path).
+    init_std: float = 0.02
     # "float32" or "bfloat16": compute dtype (mixed precision on GPU); master weights stay float32.
     dtype: str = "float32"
     temperature: float = 1.0
@@ -64,6 +66,7 @@ def spec_from_recipe(recipe: Any, run_id: str) -> TrainerSpec:
         clip_high=algo.clip_high,
         tis_cap=algo.tis_cap,
         kl_coef=algo.kl_coef,
+        entropy_coef=algo.entropy_coef,
         aggregation=_AGGREGATION_ALIASES.get(algo.loss_aggregation, algo.loss_aggregation),
         max_tokens=recipe.sampling.max_tokens * max(int(getattr(recipe.environment, "max_turns", 1)), 1),
     )
@@ -72,6 +75,7 @@ def spec_from_recipe(recipe: Any, run_id: str) -> TrainerSpec:
         model=model.to_dict() if model is not None else ModelConfig.tiny().to_dict(),
         model_path=recipe.model.path,
         seed=recipe.run.seed,
+        init_std=recipe.model.init_std,
         dtype=recipe.model.dtype,
         temperature=recipe.sampling.temperature,
         loss=loss,

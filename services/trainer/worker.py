@@ -110,7 +110,8 @@ class TrainerWorker:
             model = Qwen2ForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
         else:
             # Identical on every rank: the init draws from its own seeded generator.
-            model = Qwen2ForCausalLM(spec.model_config(), seed=spec.seed)
+            model = Qwen2ForCausalLM(spec.model_config(), seed=None)
+            model.init_weights(spec.seed, std=spec.init_std)
         model = model.to(self.device)
         kwargs: dict[str, Any] = {"mesh": self.mesh}
         if self.device.type == "cuda" and spec.dtype == "bfloat16":

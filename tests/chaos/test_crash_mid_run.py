@@ -1,12 +1,15 @@
 """Chaos: crash services in the middle of a run (SIGKILL, as an OOM kill or a node loss would) and
-restart them. The run must still complete with every rollout trained exactly once or dropped for a
-recorded reason, and the trainer must resume from its checkpoint.
+restart them: the packer (holding un-acked rollouts), the gateway (driving the run) and the trainer
+(between checkpoints). The run must still complete with every rollout trained exactly once or
+dropped for a recorded reason, the restarted gateway must continue the run, and the trainer must
+resume from its checkpoint.
 """
 
 from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 
 from looprl.gateway.v1 import gateway_pb2
@@ -19,14 +22,19 @@ pytestmark = pytest.mark.slow
 def wait_for_step(stack, run_id: str, step: int, timeout: float = 240) -> gateway_pb2.Run:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        run = stack.stub.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), metadata=stack.metadata).run
-        if run.step >= step:
-            return run
+        try:
+            run = stack.stub.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), metadata=stack.metadata).run
+        except grpc.RpcError as exc:  # the gateway itself may be restarting
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+        else:
+            if run.step >= step:
+                return run
         time.sleep(0.2)
     raise AssertionError(f"run {run_id} did not reach step {step}")
 
 
-def test_packer_and_trainer_crash_mid_run_loses_and_duplicates_nothing(fresh_stack) -> None:
+def test_packer_gateway_and_trainer_crashes_mid_run_lose_and_duplicate_nothing(fresh_stack) -> None:
     stack = fresh_stack
     recipe = with_overrides(DEFAULT_RECIPE, run={"steps": 12}, trainer={"checkpoint_every": 3})
     run_id = "chaos-run"
@@ -36,6 +44,10 @@ def test_packer_and_trainer_crash_mid_run_loses_and_duplicates_nothing(fresh_sta
 
     wait_for_step(stack, run_id, 4)
     restarted = stack.looprl("restart", "rollout-packer", "--kill")
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+
+    wait_for_step(stack, run_id, 6)
+    restarted = stack.looprl("restart", "gateway", "--kill")
     assert restarted.returncode == 0, restarted.stdout + restarted.stderr
 
     wait_for_step(stack, run_id, 8)

@@ -13,18 +13,21 @@ from tests.support.stack import DEFAULT_RECIPE
 
 pytestmark = pytest.mark.slow
 
-# Mean reward of the last 5 steps over the first 3, for the default recipe and seed.
-LEARNING_MARGIN = 0.04
+# The default recipe, shortened: by step ~150 the reward leaves the 0.19 format ceiling (the model
+# reads the prompt), by 200 it is ~0.3. Compared: mean reward of the last 10 steps vs the first 10.
+LEARNING_STEPS = 200
+LEARNING_MARGIN = 0.12
 
 
 def test_default_recipe_learns_and_accounts_for_every_rollout(fresh_stack) -> None:
     stack = fresh_stack
-    run = run_to_end(stack.stub, stack.metadata, DEFAULT_RECIPE, "e2e-sync", timeout=600)
+    recipe = with_overrides(DEFAULT_RECIPE, run={"steps": LEARNING_STEPS})
+    run = run_to_end(stack.stub, stack.metadata, recipe, "e2e-sync", timeout=600)
     assert_accounting(run)
     rewards = [h.reward_mean for h in run.history]
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + LEARNING_MARGIN, (
-        f"reward did not go up enough: first 3 steps {first:.3f}, last 5 {last:.3f}"
+        f"reward did not go up enough: first 10 steps {first:.3f}, last 10 {last:.3f}"
     )
     assert all(h.max_staleness == 0 for h in run.history)
     assert run.deployments, "no deployment reported a weight version"
