@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.reward.autoscale import Autoscaler
+from services.kit.autoscale import Autoscaler
 from services.reward.verifiers import ScoreInput, Verifier
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from services.environment_sandbox.autoscale import Autoscaler
 from services.environment_sandbox.sandbox.pool import ExecJob, ExecResult, SandboxConfig
+from services.kit.autoscale import Autoscaler
 
 ACTORS = Gauge("looprl_sandbox_fleet_actors", "Sandbox actors the fleet holds now")
 PEAK_ACTORS = Gauge("looprl_sandbox_fleet_peak_actors", "Most sandbox actors the fleet held at once")

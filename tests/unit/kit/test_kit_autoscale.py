@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.environment_sandbox.autoscale import Autoscaler
+from services.kit.autoscale import Autoscaler
 
 
 class Clock:
