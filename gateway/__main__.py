@@ -1,17 +1,14 @@
-"""Entry point: `python -m gateway` (config is parsed before anything heavy is imported)."""
+"""`python -m gateway`: the gateway service process (config parsed before anything heavy)."""
 
-import asyncio
+import sys
 
 from gateway.config import GatewayConfig
-from services.kit.config import load_config
+from services.kit.entrypoint import run_service
 
 
-def main() -> None:
-    config = load_config(GatewayConfig, "GATEWAY")
-    from gateway.app import serve
-
-    asyncio.run(serve(config))
+def main() -> int:
+    return run_service("gateway", GatewayConfig, "GATEWAY", "gateway.app:serve")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,27 +1,13 @@
-"""`python -m services.rollout_packer`: the rollout-packer service process.
+"""`python -m services.rollout_packer`: the rollout-packer service process (config parsed before anything heavy)."""
 
-Config is parsed before anything heavy is imported, so a bad setting fails in milliseconds.
-"""
-
-from __future__ import annotations
-
-import asyncio
 import sys
 
-from services.kit.config import ConfigError, load_config
+from services.kit.entrypoint import run_service
 from services.rollout_packer.config import PackerConfig
 
 
 def main() -> int:
-    try:
-        cfg = load_config(PackerConfig, "PACKER")
-    except ConfigError as exc:
-        print(f"rollout-packer: configuration error: {exc}", file=sys.stderr)
-        return 2
-    from services.rollout_packer.service import serve
-
-    asyncio.run(serve(cfg))
-    return 0
+    return run_service("rollout-packer", PackerConfig, "PACKER", "services.rollout_packer.service:serve")
 
 
 if __name__ == "__main__":

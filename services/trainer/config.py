@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.kit.config import ServiceConfig
+from services.kit.config import ConfigError, ServiceConfig
 
 
 @dataclass
@@ -52,3 +52,9 @@ class TrainerConfig(ServiceConfig):
     grace_seconds: float = field(
         default=120.0, metadata={"help": "On SIGTERM, time for the current step and a final checkpoint."}
     )
+
+    def __post_init__(self) -> None:
+        if self.ack_policy not in ("checkpoint", "step"):
+            raise ConfigError(
+                f"LOOPRL_TRAINER_ACK_POLICY: must be 'checkpoint' or 'step', got {self.ack_policy!r}"
+            )

@@ -70,7 +70,8 @@ def entrypoint_module(lines: list[str]) -> str | None:
 
 
 def service_config(module: str) -> tuple[type, str]:
-    """(config class, env prefix) from the `load_config(Cls, "PREFIX")` call in module/__main__.py."""
+    """(config class, env prefix) from the `load_config(Cls, "PREFIX")` or
+    `run_service(name, Cls, "PREFIX", serve)` call in module/__main__.py."""
     main = importlib.util.find_spec(f"{module}.__main__")
     assert main is not None and main.origin, f"{module}/__main__.py does not exist"
     tree = ast.parse(Path(main.origin).read_text())
@@ -81,11 +82,15 @@ def service_config(module: str) -> tuple[type, str]:
         for alias in node.names
     }
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "load_config":
-            cls_name, prefix = node.args[0].id, node.args[1].value  # type: ignore[attr-defined]
+        name = getattr(node.func, "id", "") if isinstance(node, ast.Call) else ""
+        if name in ("load_config", "run_service"):
+            args = node.args if name == "load_config" else node.args[1:]
+            cls_name, prefix = args[0].id, args[1].value  # type: ignore[attr-defined]
             home = imports.get(cls_name, f"{module}.__main__")
             return getattr(importlib.import_module(home), cls_name), prefix
-    raise AssertionError(f"{module}/__main__.py never calls load_config(ConfigClass, PREFIX)")
+    raise AssertionError(
+        f"{module}/__main__.py never calls load_config or run_service with (ConfigClass, PREFIX)"
+    )
 
 
 def config_fields(module: str) -> tuple[set[str], str]:

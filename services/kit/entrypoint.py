@@ -1,0 +1,23 @@
+"""The thin `python -m <service>` entry point: parse typed config first (a bad setting fails in
+milliseconds, before torch or Ray are imported), then import the service and serve."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import sys
+
+from services.kit.config import ConfigError, ServiceConfig, load_config
+
+
+def run_service(name: str, config_cls: type[ServiceConfig], env_prefix: str, serve: str) -> int:
+    """Load config_cls from LOOPRL_<env_prefix>_* variables, then run `serve` ("module:function",
+    an async function taking the config). Returns the process exit code (2 on a config error)."""
+    try:
+        config = load_config(config_cls, env_prefix)
+    except ConfigError as exc:
+        print(f"{name}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    module, _, function = serve.partition(":")
+    asyncio.run(getattr(importlib.import_module(module), function)(config))
+    return 0
