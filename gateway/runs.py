@@ -70,7 +70,8 @@ class RunStore:
 
 
 def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[str, events_pb2.EpisodeTask]]:
-    """The (msg_id, task) pairs of one trainer step: groups_per_step prompts x group_size samples."""
+    """The (msg_id, task) pairs of one trainer step: groups_per_step prompts x group_size samples
+    (one forking task per group, or one task per sample)."""
     tasks = []
     env = recipe.environment
     sampling = common_pb2.SamplingParams(
@@ -80,10 +81,14 @@ def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[st
         max_tokens=recipe.sampling.max_tokens,
         n=1,
     )
+    group_size = recipe.batch.group_size
+    # Forked groups: one task per group, played to the first model turn once, then `group_size`
+    # continuations share the prompt's prefill on one replica (EpisodeTask.branches).
+    per_task = group_size if recipe.batch.fork_groups else 1
     for group in range(recipe.groups_per_step):
         index = step * recipe.groups_per_step + group
         group_id = f"{record.run_id}.s{step}.g{group}"
-        for sample in range(recipe.batch.group_size):
+        for sample in range(group_size // per_task):
             params = common_pb2.SamplingParams()
             params.CopyFrom(sampling)
             params.seed = (recipe.run.seed * 1_000_003 + index * 1009 + sample) % (2**62) + 1
@@ -94,13 +99,15 @@ def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[st
                 environment=env.name,
                 # The environment resolves the prompt from its dataset by index and seed.
                 task_json=json.dumps({"index": index, "seed": recipe.run.seed}),
-                group_size=recipe.batch.group_size,
+                group_size=group_size // per_task,
                 sample_index=sample,
                 sampling=params,
                 min_weight_version=max(0, step - recipe.run.max_staleness),
                 reward=env.reward,
                 step=step,
                 environment_config_json=json.dumps(env.config),
+                branches=per_task if per_task > 1 else 0,
+                branch_at_turn=0,
             )
             tasks.append((task.task_id, task))
     return tasks

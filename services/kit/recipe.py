@@ -68,6 +68,11 @@ class BatchSection:
     rollouts_per_step: int = _f(64, "Rollouts per trainer step (the global batch); a multiple of group_size.")
     group_size: int = _f(8, "Samples per prompt (GRPO group).")
     max_tokens_per_microbatch: int = _f(4096, "Token budget of one packed micro-batch.")
+    fork_groups: bool = _f(
+        True,
+        "One episode task per group that forks into group_size samples of the same prompt (one prefill, "
+        "one request); false publishes one task per sample.",
+    )
 
 
 @dataclass

@@ -171,7 +171,9 @@ def test_synchronous_run_feeds_one_step_per_trained_version(gateway: GatewayProc
     tasks = wait_until(lambda: episodes_of(nats_url, run.run_id))
     time.sleep(1.0)
     tasks = episodes_of(nats_url, run.run_id)
-    assert sorted({t.step for t in tasks}) == [0] and len(tasks) == 4
+    # One task per group (2 groups of 2), each forking into its group's samples.
+    assert sorted({t.step for t in tasks}) == [0] and len(tasks) == 2
+    assert {(t.branches, t.branch_at_turn, t.group_size) for t in tasks} == {(2, 0, 1)}
     assert {t.min_weight_version for t in tasks} == {0}
     assert len({t.group_id for t in tasks}) == 2
     publish_train_step(nats_url, run.run_id, 0)
@@ -180,12 +182,22 @@ def test_synchronous_run_feeds_one_step_per_trained_version(gateway: GatewayProc
     assert max(t.step for t in episodes_of(nats_url, run.run_id)) == 1
 
 
+def test_unforked_groups_publish_one_task_per_sample(gateway: GatewayProcess, nats_url: str) -> None:
+    recipe = RECIPE.format(staleness=0) + "fork_groups = false\n"
+    run = gateway.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id="unforked-run"), metadata=AUTH
+    ).run
+    tasks = wait_until(lambda: episodes_of(nats_url, run.run_id))
+    assert len(tasks) == 4 and {(t.branches, t.group_size) for t in tasks} == {(0, 2)}
+    assert sorted(t.sample_index for t in tasks) == [0, 0, 1, 1]
+
+
 def test_async_run_feeds_ahead_up_to_the_staleness_bound(gateway: GatewayProcess, nats_url: str) -> None:
     run = gateway.stub.CreateRun(
         gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=2), run_id="async-run"),
         metadata=AUTH,
     ).run
-    wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 12)
+    wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 6)
     steps = sorted({t.step for t in episodes_of(nats_url, run.run_id)})
     assert steps == [0, 1, 2]
 
@@ -211,4 +223,4 @@ def test_restarted_gateway_continues_the_run(gateway: GatewayProcess, nats_url: 
     )
     assert [h.step for h in final.history] == [0, 1, 2]
     assert final.weight_version == 3
-    assert len(episodes_of(nats_url, run.run_id)) == 12  # each step's episodes published once
+    assert len(episodes_of(nats_url, run.run_id)) == 6  # each step's episodes published once
