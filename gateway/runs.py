@@ -21,7 +21,8 @@ from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import subjects
-from services.kit.bus import KV, Bus, KVConflict
+from services.kit.bus import Bus
+from services.kit.kv import KV, KVConflict
 from services.kit.recipe import Recipe, RunRecord
 
 log = logging.getLogger("looprl.gateway.runs")

@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import nats
@@ -42,46 +41,32 @@ from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
-from nats.js.kv import KeyValue
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, TracerProvider
 
 from services.kit import subjects as names
+from services.kit.bus_errors import BusError, BusUnavailable, KVConflict, PoisonMessage
+from services.kit.kv import KV, KVEntry, KVWatch
 
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "KV",
+    "Bus",
+    "BusError",
+    "BusUnavailable",
+    "Consumer",
+    "Delivery",
+    "KVConflict",
+    "KVEntry",
+    "KVWatch",
+    "PoisonMessage",
+]
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 DEFAULT_DUPLICATE_WINDOW_S = 120.0
 
 M = TypeVar("M", bound=Message)
-
-
-class BusError(RuntimeError):
-    """Something on the bus failed in a way the caller should hear about in plain words."""
-
-
-class BusUnavailable(BusError, ConnectionError):
-    """No NATS server answered."""
-
-
-class KVConflict(BusError):
-    """A compare-and-set write lost: the key is no longer at the revision the caller read."""
-
-    def __init__(self, bucket: str, key: str, expected: int, current: int | None) -> None:
-        self.bucket, self.key, self.expected, self.current = bucket, key, expected, current
-        now = "absent" if current is None else f"at revision {current}"
-        super().__init__(
-            f"KV {bucket}/{key}: expected revision {expected} but the key is {now} "
-            "(written concurrently); re-read it and retry"
-        )
-
-
-class PoisonMessage(BusError, ValueError):
-    """A delivered payload cannot be parsed; retrying will not help (term it)."""
-
-
-# --------------------------------------------------------------------------------------------
-# connection
 
 
 class Bus:
@@ -554,125 +539,3 @@ class Delivery:
             f"{self.subject} process", context=parent, kind=SpanKind.CONSUMER, attributes=attributes
         ) as span:
             yield span
-
-
-# --------------------------------------------------------------------------------------------
-# key-value
-
-
-@dataclass(frozen=True)
-class KVEntry:
-    key: str
-    value: bytes
-    revision: int
-    deleted: bool = False
-
-
-class KV:
-    """A JetStream KV bucket. Keys: letters, digits and -/_=. ('.' separates tokens for watch)."""
-
-    def __init__(self, bucket: str, store: KeyValue) -> None:
-        self.bucket = bucket
-        self._store = store
-
-    async def get(self, key: str) -> bytes | None:
-        """The current value, or None when the key is absent or deleted."""
-        entry = await self.entry(key)
-        return None if entry is None else entry.value
-
-    async def entry(self, key: str) -> KVEntry | None:
-        """The current value with its revision (for update), or None when absent or deleted."""
-        try:
-            e = await self._store.get(_check_key(key))
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        return KVEntry(key, e.value or b"", e.revision or 0)
-
-    async def put(self, key: str, value: bytes) -> int:
-        """Write unconditionally; returns the new revision."""
-        return await self._store.put(_check_key(key), value)
-
-    async def create(self, key: str, value: bytes) -> int:
-        """Write only if the key does not exist; KVConflict otherwise."""
-        try:
-            return await self._store.create(_check_key(key), value)
-        except nats.js.errors.KeyWrongLastSequenceError as err:
-            current = await self.entry(key)
-            raise KVConflict(self.bucket, key, 0, current.revision if current else None) from err
-
-    async def update(self, key: str, value: bytes, last_revision: int) -> int:
-        """Compare-and-set: write only if the key is still at last_revision; KVConflict otherwise."""
-        try:
-            return await self._store.update(_check_key(key), value, last=last_revision)
-        except nats.js.errors.KeyWrongLastSequenceError as err:
-            current = await self.entry(key)
-            raise KVConflict(self.bucket, key, last_revision, current.revision if current else None) from err
-
-    async def delete(self, key: str) -> None:
-        await self._store.delete(_check_key(key))
-
-    async def keys(self) -> list[str]:
-        """Keys that currently hold a value."""
-        try:
-            return await self._store.keys()
-        except nats.js.errors.NoKeysError:
-            return []
-
-    def watch(self, keys: str = ">", *, include_history: bool = False) -> KVWatch:
-        """Changes to keys matching a NATS pattern ('>' all, 'run1.>' all under run1., 'a.*').
-
-        Yields the current value of each matching key first, then every later change (deletes
-        as KVEntry(deleted=True)). Use as `async with kv.watch("x.>") as w: async for e in w:`.
-        """
-        return KVWatch(self._store, keys, include_history)
-
-
-class KVWatch:
-    """An async iterator of KVEntry; stop() or leave the `async with` block to end it."""
-
-    def __init__(self, store: KeyValue, keys: str, include_history: bool) -> None:
-        self._store = store
-        self._keys = keys
-        self._include_history = include_history
-        self._watcher: KeyValue.KeyWatcher | None = None
-
-    async def start(self) -> KVWatch:
-        if self._watcher is None:
-            self._watcher = await self._store.watch(self._keys, include_history=self._include_history)
-        return self
-
-    async def stop(self) -> None:
-        if self._watcher is not None:
-            try:
-                await self._watcher.stop()
-            except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
-                pass
-
-    async def __aenter__(self) -> KVWatch:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    def __aiter__(self) -> AsyncIterator[KVEntry]:
-        return self
-
-    async def __anext__(self) -> KVEntry:
-        await self.start()
-        assert self._watcher is not None
-        async for e in self._watcher:
-            if e is None:
-                # nats-py's "initial values delivered" marker; not a change.
-                continue
-            deleted = e.operation in ("DEL", "PURGE")
-            return KVEntry(e.key, b"" if deleted else (e.value or b""), e.revision or 0, deleted)
-        raise StopAsyncIteration
-
-
-def _check_key(key: str) -> str:
-    if not isinstance(key, str) or not key or key.startswith(".") or key.endswith("."):
-        raise ValueError(f"KV key {key!r} is not valid")
-    for ch in key:
-        if not (ch.isascii() and (ch.isalnum() or ch in "-/_=.")):
-            raise ValueError(f"KV key {key!r} is not valid: character {ch!r} (use letters, digits, -/_=.)")
-    return key

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from services.kit.bus import KV
+from services.kit.kv import KV
 
 
 @dataclass
