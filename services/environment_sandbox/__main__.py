@@ -20,13 +20,12 @@ async def serve(cfg: EnvServiceConfig) -> None:
     from looprl.environment.v1 import environment_pb2_grpc
     from services.environment_sandbox.agent_loop import (
         EpisodeRunner,
-        EpisodeWorker,
         LoopConfig,
         RewardClient,
         RouterGenerator,
-        WorkerConfig,
     )
     from services.environment_sandbox.environments import EnvContext
+    from services.environment_sandbox.episode_worker import EpisodeWorker, WorkerConfig
     from services.environment_sandbox.ratelimit import RateLimiter, rate_limiter_actor
     from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool
     from services.environment_sandbox.service import EnvironmentSandboxServicer

@@ -24,11 +24,9 @@ duplicate publish that the stream deduplicates, never a lost or doubled rollout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -414,108 +412,3 @@ class EpisodeRunner:
             rollout.reward = episode.env_reward
             rollout.reward_components["environment"] = episode.env_reward
         return rollout
-
-
-# -- the work-queue consumer ---------------------------------------------------------------------
-
-
-@dataclass
-class WorkerConfig:
-    concurrency: int = 16
-    durable: str = "environment-sandbox"
-    ack_wait_s: float = 30.0
-    max_deliver: int = 5
-    retry_delay_s: float = 1.0
-
-
-class EpisodeWorker:
-    def __init__(
-        self,
-        bus: Any,
-        runner: EpisodeRunner,
-        config: WorkerConfig | None = None,
-        filter_subject: str | None = None,
-    ) -> None:
-        from services.kit import subjects
-
-        self.bus = bus
-        self.runner = runner
-        self.config = config or WorkerConfig()
-        self.filter_subject = filter_subject or subjects.all_runs(subjects.Kind.EPISODES)
-        self._tasks: set[asyncio.Task] = set()
-        self._stop = asyncio.Event()
-        self.published = 0
-        self.failed = 0
-        # Test hook for the crash test: die right after publishing, before acking.
-        self._crash_after_publish = os.environ.get("LOOPRL_TEST_CRASH_AFTER_PUBLISH") == "1"
-
-    async def run(self) -> None:
-        from services.kit import subjects
-
-        consumer = await self.bus.pull_consumer(
-            subjects.EPISODES,
-            self.config.durable,
-            self.filter_subject,
-            ack_wait=self.config.ack_wait_s,
-            max_deliver=self.config.max_deliver,
-            max_ack_pending=max(1000, self.config.concurrency * 4),
-        )
-        try:
-            while not self._stop.is_set():
-                free = self.config.concurrency - len(self._tasks)
-                if free <= 0:
-                    await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
-                    continue
-                try:
-                    deliveries = await consumer.fetch(batch=free, timeout=0.5)
-                except Exception:  # nothing pending (timeout) or a bus hiccup: try again
-                    deliveries = []
-                for delivery in deliveries:
-                    task = asyncio.ensure_future(self._handle(delivery))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
-        finally:
-            with contextlib.suppress(Exception):
-                await consumer.close()
-
-    async def stop(self, grace_s: float = 10.0) -> None:
-        """Stop fetching; let running episodes finish (unfinished ones are redelivered)."""
-        self._stop.set()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=grace_s)
-
-    async def _handle(self, delivery: Any) -> None:
-        from services.kit import subjects
-        from services.kit.bus import PoisonMessage
-
-        heartbeat = asyncio.ensure_future(self._heartbeat(delivery))
-        try:
-            try:
-                task = delivery.parse(events_pb2.EpisodeTask)
-                with delivery.process_span():
-                    rollouts = await self.runner.run_all(task)
-            except (PoisonMessage, EnvironmentError_, json.JSONDecodeError) as exc:
-                await delivery.term(f"bad episode task: {exc}")
-                self.failed += 1
-                return
-            except Exception:
-                log.exception("episode failed; handing the task back")
-                await delivery.nak(delay=self.config.retry_delay_s)
-                self.failed += 1
-                return
-            # Every rollout of the task (all branches of a forked episode) before the ack: a crash
-            # in between re-runs the task, re-publishing the same ids, which the stream drops.
-            for rollout in rollouts:
-                await self.bus.publish(subjects.rollouts(task.run_id), rollout, msg_id=rollout.rollout_id)
-                self.published += 1
-            if self._crash_after_publish:
-                os._exit(17)
-            await delivery.ack()
-        finally:
-            heartbeat.cancel()
-
-    async def _heartbeat(self, delivery: Any) -> None:
-        while True:
-            await asyncio.sleep(max(0.2, self.config.ack_wait_s / 3))
-            with contextlib.suppress(Exception):
-                await delivery.in_progress()

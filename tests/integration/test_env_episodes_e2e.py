@@ -20,12 +20,11 @@ from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from services.environment_sandbox.agent_loop import (
     EpisodeRunner,
-    EpisodeWorker,
     RewardClient,
     RouterGenerator,
-    WorkerConfig,
 )
 from services.environment_sandbox.environments import EnvContext, generate_tasks
+from services.environment_sandbox.episode_worker import EpisodeWorker, WorkerConfig
 from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool
 from services.inference_router.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
 from services.kit import subjects

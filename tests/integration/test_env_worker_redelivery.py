@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 CHILD = r"""
 import asyncio, re, sys
-from services.environment_sandbox.agent_loop import EpisodeRunner, EpisodeWorker, ModelTurn, WorkerConfig
+from services.environment_sandbox.episode_worker import EpisodeWorker, WorkerConfig
+from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn
 from services.kit import subjects
 from services.kit.bus import Bus
 from services.modeling.tokenizer import CharTokenizer
