@@ -26,6 +26,8 @@ def progress_line(run: gateway_pb2.Run) -> str:
     parts.append(f"episodes {run.episodes_published} trained {run.rollouts_trained}")
     if run.rollouts_dropped:
         parts.append("dropped " + ",".join(f"{k}={v}" for k, v in run.rollouts_dropped.items()))
+    if run.duplicate_deliveries:
+        parts.append(f"duplicates {run.duplicate_deliveries}")
     return " | ".join(parts)
 
 
@@ -74,7 +76,7 @@ def write_report(run: gateway_pb2.Run, out_dir: Path) -> Path:
         f"- steps: {run.step}/{run.total_steps}, trainer weight version {run.weight_version}",
         f"- reward: first steps {first:.3f} -> last steps {last:.3f} ({last - first:+.3f})",
         f"- episodes published {run.episodes_published}, rollouts trained {run.rollouts_trained}",
-        f"- dropped: {dict(run.rollouts_dropped) or 'none'}",
+        f"- dropped: {dict(run.rollouts_dropped) or 'none'}; redelivered duplicates recognised: {run.duplicate_deliveries}",
         f"- deployments: {', '.join(f'{d.deployment}=v{d.version}' for d in run.deployments) or 'n/a'}",
         "",
         "| step | reward mean | reward std | loss | staleness | train tok/s | rollouts | seconds |",

@@ -28,6 +28,9 @@ from services.kit.recipe import Recipe, RunRecord
 log = logging.getLogger("looprl.gateway.runs")
 
 
+# Packer drop reasons that mark a redelivery of a rollout it already trained or holds, not a rollout.
+DUPLICATE_REASONS = frozenset({"duplicate", "already_trained"})
+
 ACTIVE = ("pending", "running")
 FINAL = ("completed", "failed", "stopped")
 
@@ -233,7 +236,8 @@ def _fed(record: RunRecord, fed_steps: int, per_step: int) -> None:
 
 def _apply_step(record: RunRecord, step: events_pb2.TrainStepRecord, dropped: dict[str, int] | None) -> None:
     if dropped is not None:
-        record.extra["dropped"] = dropped
+        record.extra["dropped"] = {k: v for k, v in dropped.items() if k not in DUPLICATE_REASONS}
+        record.extra["duplicate_deliveries"] = sum(v for k, v in dropped.items() if k in DUPLICATE_REASONS)
     history = record.extra.setdefault("history", [])
     if any(h["step"] == step.step for h in history):
         return  # a redelivered record: already counted

@@ -60,6 +60,7 @@ def run_to_proto(record: RunRecord) -> gateway_pb2.Run:
         )
     for reason, count in extra.get("dropped", {}).items():
         run.rollouts_dropped[reason] = int(count)
+    run.duplicate_deliveries = int(extra.get("duplicate_deliveries", 0))
     return run
 
 

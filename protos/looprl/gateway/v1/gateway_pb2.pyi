@@ -57,7 +57,7 @@ class StepSummary(_message.Message):
     def __init__(self, step: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., loss: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., train_tokens_per_second: _Optional[float] = ..., generation_tokens_per_second: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "state", "recipe_toml", "step", "total_steps", "weight_version", "deployments", "history", "episodes_published", "rollouts_trained", "rollouts_dropped", "error", "queued_episodes")
+    __slots__ = ("run_id", "state", "recipe_toml", "step", "total_steps", "weight_version", "deployments", "history", "episodes_published", "rollouts_trained", "rollouts_dropped", "error", "queued_episodes", "duplicate_deliveries")
     class RolloutsDroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class Run(_message.Message):
     ROLLOUTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     QUEUED_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     recipe_toml: str
@@ -91,7 +92,8 @@ class Run(_message.Message):
     rollouts_dropped: _containers.ScalarMap[str, int]
     error: str
     queued_episodes: int
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., recipe_toml: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., deployments: _Optional[_Iterable[_Union[DeploymentVersion, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., episodes_published: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., rollouts_dropped: _Optional[_Mapping[str, int]] = ..., error: _Optional[str] = ..., queued_episodes: _Optional[int] = ...) -> None: ...
+    duplicate_deliveries: int
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., recipe_toml: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., deployments: _Optional[_Iterable[_Union[DeploymentVersion, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., episodes_published: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., rollouts_dropped: _Optional[_Mapping[str, int]] = ..., error: _Optional[str] = ..., queued_episodes: _Optional[int] = ..., duplicate_deliveries: _Optional[int] = ...) -> None: ...
 
 class CreateRunRequest(_message.Message):
     __slots__ = ("recipe_toml", "run_id")
