@@ -10,7 +10,7 @@ import os
 import sys
 
 from services.environment_sandbox.config import EnvServiceConfig
-from services.kit.config import ConfigError, load_config
+from services.kit.entrypoint import run_service
 
 log = logging.getLogger("looprl.environment_sandbox")
 RAY_NAMESPACE = "environment-sandbox"
@@ -108,14 +108,9 @@ async def serve(cfg: EnvServiceConfig) -> None:
     await service.run(setup)
 
 
-def main() -> None:
-    try:
-        cfg = load_config(EnvServiceConfig, "ENV")
-    except ConfigError as exc:
-        print(f"environment-sandbox: {exc}", file=sys.stderr)
-        sys.exit(2)
-    asyncio.run(serve(cfg))
+def main() -> int:
+    return run_service("environment-sandbox", EnvServiceConfig, "ENV", serve)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

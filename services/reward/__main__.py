@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 
-from services.kit.config import ConfigError, load_config
+from services.kit.entrypoint import run_service
 from services.reward.config import RewardConfig
 
 log = logging.getLogger("looprl.reward")
@@ -47,14 +46,9 @@ async def serve(cfg: RewardConfig) -> None:
     await service.run(setup)
 
 
-def main() -> None:
-    try:
-        cfg = load_config(RewardConfig, "REWARD")
-    except ConfigError as exc:
-        print(f"reward: {exc}", file=sys.stderr)
-        sys.exit(2)
-    asyncio.run(serve(cfg))
+def main() -> int:
+    return run_service("reward", RewardConfig, "REWARD", serve)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
