@@ -93,13 +93,11 @@ async def test_kill_mid_transfer_keeps_old_version_and_restart_syncs_next(nats_u
         await wait_for(lambda: engine.stager.staged_version == 1 and engine.stager.bytes_staged > 0)
         proc.kill()
         proc.wait(10)
-        # The kill breaks the stream and the receiver drops the half-staged v1 -- unless the sender
-        # had already written every bucket before it died (HTTP/2 buffers them), in which case v1
-        # ends staged, complete and never committed. Either way v0 keeps serving.
-        await wait_for(
-            lambda: engine.stager.staged_version is None or engine.stager.is_complete(1), timeout=20
-        )
-        await asyncio.sleep(0.5)
+        # Whatever the kill interrupted -- an open stream (the receiver aborts v1), the gap between
+        # two StageWeights calls (v1 stays partly staged), or nothing (HTTP/2 had buffered every
+        # bucket: v1 staged complete) -- v1 is never committed and v0 keeps serving; v2 replaces
+        # any leftover staging below.
+        await asyncio.sleep(2.0)
         assert engine.version == 0 and engine.commits == [0]
         assert torch.equal(engine.weights["model.norm.weight"], v0["model.norm.weight"])
 
