@@ -87,3 +87,27 @@ def random_state(config, seed: int = 0, dtype: torch.dtype = torch.float32) -> d
         name: torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype) * 0.05
         for name, shape in hf_params(config).items()
     }
+
+
+async def push_version(
+    stub,
+    state: Mapping[str, torch.Tensor],
+    config,
+    version: int,
+    world: int = 2,
+    max_message_bytes: int = 1 << 16,
+) -> list[weightsync_pb2.PushShardsResponse]:
+    """Push `state` as version `version` from `world` FSDP-style ranks at once, as a trainer would."""
+    import asyncio
+    import json
+
+    config_json = json.dumps(config.to_hf_dict())
+
+    async def rank(r: int) -> weightsync_pb2.PushShardsResponse:
+        requests = rank_requests(
+            state, version=version, rank=r, world=world, max_message_bytes=max_message_bytes,
+            model_config_json=config_json,
+        )  # fmt: skip
+        return await stub.PushShards(iter(list(requests)))
+
+    return list(await asyncio.gather(*(rank(r) for r in range(world))))

@@ -9,7 +9,6 @@ A tp=2 replica rolls back across both of its ranks."""
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 
 import grpc
@@ -32,7 +31,7 @@ from services.modeling.config import ModelConfig
 from services.weight_sync import canary
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import attach_state, make
-from services.weight_sync.synthetic import random_state, rank_requests
+from services.weight_sync.synthetic import push_version, random_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -41,14 +40,7 @@ PROMPTS = [[5, 9, 14, 3, 22], [40, 2, 7], [11, 11, 30, 8, 1, 19]]
 
 
 async def push(stub, state, version):
-    config_json = json.dumps(CONFIG.to_hf_dict())
-
-    async def rank(r):
-        reqs = rank_requests(state, version=version, rank=r, world=2, max_message_bytes=1 << 16,
-                             model_config_json=config_json)  # fmt: skip
-        return await stub.PushShards(iter(list(reqs)))
-
-    await asyncio.gather(*(rank(r) for r in range(2)))
+    await push_version(stub, state, CONFIG, version)
 
 
 async def settle(stub, predicate, timeout=30.0):

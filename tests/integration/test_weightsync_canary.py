@@ -8,7 +8,6 @@ next good version goes through."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import grpc
 import torch
@@ -24,7 +23,7 @@ from services.modeling.layouts import Layout, rank_params
 from services.weight_sync import canary
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import make
-from services.weight_sync.synthetic import random_state, rank_requests
+from services.weight_sync.synthetic import push_version, random_state
 
 CONFIG = ModelConfig.tiny()
 LAYOUT = Layout(1, "hf")
@@ -86,14 +85,7 @@ async def serve(servicer):
 
 
 async def push(stub, state, version):
-    config_json = json.dumps(CONFIG.to_hf_dict())
-
-    async def rank(r):
-        reqs = rank_requests(state, version=version, rank=r, world=2, max_message_bytes=1 << 16,
-                             model_config_json=config_json)  # fmt: skip
-        return await stub.PushShards(iter(list(reqs)))
-
-    await asyncio.gather(*(rank(r) for r in range(2)))
+    await push_version(stub, state, CONFIG, version)
 
 
 async def settle(stub, predicate, timeout=20.0):
