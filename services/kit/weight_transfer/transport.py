@@ -8,8 +8,9 @@ One small interface (`Transport.stage/commit/abort`) with two host implementatio
   receiver of the group.
 - ShmTransport: for receivers on this host. When the bucket's source bytes already live in
   shared memory (weight-sync keeps pushed trainer chunks in a ChunkArena), nothing is copied on
-  the sending side: every receiver gets a small StageWeights call naming rectangles of those
-  chunks (reshard-on-read) with a sum64 each, and copies them into its staging tensors itself.
+  the sending side: every receiver gets one StageWeights stream whose messages name rectangles
+  of those chunks (reshard-on-read) with a sum64 each, and copies them into its staging tensors
+  itself.
   Otherwise (a dtype cast on the way, chunks not in shared memory) each bucket is assembled ONCE
   into a pooled segment that all receivers read; a segment is reused once all answered.
 
@@ -308,7 +309,49 @@ class ShmTransport(Transport):
         results = {ep: StageResult(ep) for ep in endpoints}
         starts = time.perf_counter()
         inflight: set[asyncio.Task] = set()
+        streams: dict[Endpoint, grpc.aio.StreamUnaryCall] = {}
         first = True
+
+        def request(
+            ep: Endpoint, bucket: Bucket, slices, config_json: str
+        ) -> inference_pb2.StageWeightsRequest:
+            return inference_pb2.StageWeightsRequest(
+                version=version,
+                bucket_count=bucket.count,
+                bucket_index=bucket.index,
+                rank=ep.rank,
+                deployment=ep.deployment,
+                total_bytes=total_bytes,
+                model_config_json=config_json,
+                slices=slices,
+            )
+
+        async def stream_in_place(bucket: Bucket, slices, config_json: str) -> None:
+            """In-place buckets hold no segment, so they need no per-bucket answer: they go down one
+            open stream per receiver (a call per bucket cost ~1 ms each on both sides, as much as
+            copying 10 MB), and the receiver copies bucket i while bucket i+1 is already queued."""
+
+            async def one(ep: Endpoint) -> None:
+                res = results[ep]
+                if res.error is not None:
+                    return
+                call = streams.get(ep)
+                if call is None:
+                    method = self.channel(ep.address).stream_unary(
+                        _STAGE,
+                        request_serializer=inference_pb2.StageWeightsRequest.SerializeToString,
+                        response_deserializer=inference_pb2.StageWeightsResponse.FromString,
+                    )
+                    call = streams[ep] = method(timeout=timeout_s)
+                try:
+                    await call.write(request(ep, bucket, slices, config_json))
+                    res.bytes_sent += bucket.nbytes
+                    res.buckets += 1
+                except BaseException as exc:
+                    if res.error is None:
+                        res.error = self._error(ep, await _call_error(call, exc))
+
+            await asyncio.gather(*(one(ep) for ep in endpoints))
 
         async def deliver(bucket: Bucket, seg, slices, config_json: str) -> None:
             try:
@@ -317,18 +360,10 @@ class ShmTransport(Transport):
                     res = results[ep]
                     if res.error is not None:
                         return
-                    req = inference_pb2.StageWeightsRequest(
-                        version=version,
-                        bucket_count=bucket.count,
-                        bucket_index=bucket.index,
-                        rank=ep.rank,
-                        deployment=ep.deployment,
-                        total_bytes=total_bytes,
-                        model_config_json=config_json,
-                        slices=slices,
-                    )
                     try:
-                        resp = await self.stub(ep.address).StageWeights(iter([req]), timeout=timeout_s)
+                        resp = await self.stub(ep.address).StageWeights(
+                            iter([request(ep, bucket, slices, config_json)]), timeout=timeout_s
+                        )
                         res.bytes_sent += bucket.nbytes
                         res.buckets += 1
                         res.complete = res.complete or resp.complete
@@ -341,6 +376,21 @@ class ShmTransport(Transport):
                 if seg is not None:
                     self.pool.release(seg)
 
+        async def finish_streams() -> None:
+            async def one(ep: Endpoint, call: grpc.aio.StreamUnaryCall) -> None:
+                res = results[ep]
+                if res.error is not None:
+                    call.cancel()
+                    return
+                try:
+                    await call.done_writing()
+                    resp = await call
+                    res.complete = res.complete or resp.complete
+                except BaseException as exc:
+                    res.error = self._error(ep, await _call_error(call, exc))
+
+            await asyncio.gather(*(one(ep, call) for ep, call in streams.items()))
+
         try:
             async for bucket in _aiter(buckets):
                 if all(r.error is not None for r in results.values()):
@@ -348,29 +398,35 @@ class ShmTransport(Transport):
                 seg = slices = None
                 in_place = getattr(bucket, "shm_slices", None) if self.in_place else None
                 if in_place is not None:
-                    while len(inflight) >= self.inflight_buckets:
-                        await asyncio.wait(set(inflight), return_when=asyncio.FIRST_COMPLETED)
                     slices = await loop.run_in_executor(self._executor, in_place)
-                if slices is None:
-                    seg = await loop.run_in_executor(self._executor, self.pool.acquire, bucket.nbytes)
-                    try:
-                        await loop.run_in_executor(self._executor, bucket.fill, seg.buffer[: bucket.nbytes])
-                    except BaseException:
-                        self.pool.release(seg)
-                        raise
-                    slices = [s.to_proto(shm_name=seg.name) for s in bucket.slices]
+                    if slices is not None:
+                        await stream_in_place(bucket, slices, model_config_json if first else "")
+                        first = False
+                        continue
+                while len(inflight) >= self.inflight_buckets:
+                    await asyncio.wait(set(inflight), return_when=asyncio.FIRST_COMPLETED)
+                seg = await loop.run_in_executor(self._executor, self.pool.acquire, bucket.nbytes)
+                try:
+                    await loop.run_in_executor(self._executor, bucket.fill, seg.buffer[: bucket.nbytes])
+                except BaseException:
+                    self.pool.release(seg)
+                    raise
+                slices = [s.to_proto(shm_name=seg.name) for s in bucket.slices]
                 task = asyncio.create_task(deliver(bucket, seg, slices, model_config_json if first else ""))
                 first = False
                 inflight.add(task)
                 task.add_done_callback(inflight.discard)
             if inflight:
                 await asyncio.gather(*inflight)
+            await finish_streams()
         except BaseException as exc:
             for ep, res in results.items():
                 if res.error is None:
                     res.error = self._error(ep, exc)
             for t in inflight:
                 t.cancel()
+            for call in streams.values():
+                call.cancel()
             await asyncio.gather(*(self.abort(ep, version) for ep in endpoints))
             if isinstance(exc, asyncio.CancelledError):
                 raise
