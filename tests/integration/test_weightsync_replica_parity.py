@@ -303,8 +303,11 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
             assert st["weight_version"] == 0 and st["ready"], st
             assert len(st["rank_addresses"]) == deployments[name]
         print(f"started in {time.monotonic() - started:.1f}s")
-        # Version 0 is far from the trainer's weights (scored by the full model here: an FSDP
-        # forward before the push would leave the trainer's root parameters unsharded, see report).
+        # Version 0 is far from the trainer's weights. Scored by the full model in this process, not
+        # the trainer's forward_logprobs: a forward without backward leaves the FSDP root's
+        # parameters (embed_tokens, norm) unsharded, and a push after it sends them whole from both
+        # ranks, which weight-sync rejects as overlapping rows (trainer issue, reported; the fix is
+        # model.reshard() before reading local shards).
         for name, actor in replicas.items():
             comps = _answers(actor, seed=100)
             seqs = _sequences(comps)
