@@ -361,19 +361,43 @@ class PlannedBucket:
         """Copy every slice into dest and hash64 it, a few rows at a time so each block is hashed
         while it is still in cache (checksum.py); the hash covers the bytes actually sent."""
         out = torch.frombuffer(dest, dtype=torch.uint8, count=self.nbytes) if self.nbytes else None
-        size = itemsize(self.dtype)
         for op, ref in zip(self.spec.ops, self.slices, strict=True):
-            if not ref.nbytes:
-                ref.hash64 = hash64(b"")
+            self._fill_slice(op, ref, out)
+
+    def payload_parts(self, scratch: memoryview) -> list:
+        """The payload of every slice as a contiguous buffer, hash64 set, for a transport that
+        copies the bytes anyway (gRPC joins them into the message): a slice that is a contiguous
+        range of its chunk in the target dtype is the chunk's own bytes (hashed where they are, not
+        copied a second time); any other slice is copied into scratch[byte_start:] as `fill` would."""
+        out = None
+        parts = []
+        for op, ref in zip(self.spec.ops, self.slices, strict=True):
+            chunk = self._chunks[op.chunk]
+            src = chunk[op.row0 : op.row0 + op.rows, op.col0 : op.col0 + op.cols]
+            if ref.nbytes and chunk.dtype == self.dtype and src.is_contiguous():
+                raw = src.reshape(-1).view(torch.uint8).numpy()
+                ref.hash64 = hash64(raw)
+                parts.append(raw)
                 continue
-            src = self._chunks[op.chunk][op.row0 : op.row0 + op.rows, op.col0 : op.col0 + op.cols]
-            region = out[ref.byte_start : ref.byte_start + ref.nbytes]
-            dst = region.view(self.dtype).view(op.rows, op.cols)
-            hasher = Hasher64(region.numpy())
-            row_bytes = op.cols * size
-            step = max(1, BLOCK_BYTES // max(row_bytes, 1))
-            for r in range(0, op.rows, step):
-                stop = min(r + step, op.rows)
-                dst[r:stop].copy_(src[r:stop])
-                hasher.advance(stop * row_bytes)
-            ref.hash64 = hasher.digest()
+            if out is None:
+                out = torch.frombuffer(scratch, dtype=torch.uint8, count=self.nbytes)
+            self._fill_slice(op, ref, out)
+            parts.append(out[ref.byte_start : ref.byte_start + ref.nbytes].numpy())
+        return parts
+
+    def _fill_slice(self, op: CopyOp, ref: SliceRef, out: torch.Tensor | None) -> None:
+        if not ref.nbytes:
+            ref.hash64 = hash64(b"")
+            return
+        size = itemsize(self.dtype)
+        src = self._chunks[op.chunk][op.row0 : op.row0 + op.rows, op.col0 : op.col0 + op.cols]
+        region = out[ref.byte_start : ref.byte_start + ref.nbytes]
+        dst = region.view(self.dtype).view(op.rows, op.cols)
+        hasher = Hasher64(region.numpy())
+        row_bytes = op.cols * size
+        step = max(1, BLOCK_BYTES // max(row_bytes, 1))
+        for r in range(0, op.rows, step):
+            stop = min(r + step, op.rows)
+            dst[r:stop].copy_(src[r:stop])
+            hasher.advance(stop * row_bytes)
+        ref.hash64 = hasher.digest()

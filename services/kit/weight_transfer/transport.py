@@ -200,7 +200,12 @@ class GrpcTransport(Transport):
             if buf is None:
                 buf = np.empty(bucket.nbytes, np.uint8)
             view = memoryview(buf)[: bucket.nbytes]
-            bucket.fill(view)
+            payload_parts = getattr(bucket, "payload_parts", None)
+            if payload_parts is not None:  # slices that already sit contiguous are not copied twice
+                parts = payload_parts(view)
+            else:
+                bucket.fill(view)
+                parts = None
             wire = {
                 r: encode_stage_request(
                     bucket,
@@ -209,6 +214,7 @@ class GrpcTransport(Transport):
                     rank=r,
                     model_config_json=config_json,
                     total_bytes=total_bytes,
+                    slice_data=parts,
                 )
                 for r in ranks
             }

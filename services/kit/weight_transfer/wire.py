@@ -8,6 +8,8 @@ result is a valid StageWeightsRequest for any receiver (tests check it round-tri
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from looprl.inference.v1 import inference_pb2
 
 from .bucket import Bucket
@@ -44,8 +46,12 @@ def encode_stage_request(
     deployment: str = "",
     model_config_json: str = "",
     total_bytes: int = 0,
+    slice_data: Sequence | None = None,
 ) -> bytes:
-    """Serialized StageWeightsRequest carrying the bucket inline (slice checksums must be set)."""
+    """Serialized StageWeightsRequest carrying the bucket inline (slice checksums must be set).
+    The bytes of slice i are `slice_data[i]` when given (contiguous buffers, e.g. the sender's own
+    chunk memory), else payload[byte_start : byte_start + nbytes]; either way they are copied
+    once, by the final join."""
     head = inference_pb2.StageWeightsRequest(
         version=version,
         bucket_count=bucket.count,
@@ -56,7 +62,7 @@ def encode_stage_request(
         total_bytes=total_bytes,
     ).SerializeToString()
     parts: list[bytes | memoryview] = [head]
-    for s in bucket.slices:
+    for i, s in enumerate(bucket.slices):
         meta = s.to_proto().SerializeToString()
         data_head = _DATA + _varint(s.nbytes)
         body_len = len(meta) + len(data_head) + s.nbytes
@@ -65,7 +71,7 @@ def encode_stage_request(
             _varint(body_len),
             meta,
             data_head,
-            payload[s.byte_start : s.byte_start + s.nbytes],
+            payload[s.byte_start : s.byte_start + s.nbytes] if slice_data is None else slice_data[i],
         ]
     return b"".join(parts)
 

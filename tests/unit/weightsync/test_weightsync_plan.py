@@ -33,12 +33,16 @@ def push_all(state, world, version=0, max_message_bytes=4096):
     return buf
 
 
-def deliver_in_process(plan_rank, buf, stager, version):
+def deliver_in_process(plan_rank, buf, stager, version, parts=False):
+    """`parts`: the gRPC sender's way (contiguous slices hashed and sent from the chunks themselves,
+    the rest copied into scratch); else every slice copied into the bucket buffer by `fill`."""
     for spec in plan_rank.buckets:
         bucket = PlannedBucket(spec, plan_rank.dtype, buf.chunks)
         payload = memoryview(bytearray(bucket.nbytes))
-        bucket.fill(payload)
-        wire = encode_stage_request(bucket, payload, version=version, rank=plan_rank.rank)
+        slice_data = bucket.payload_parts(payload) if parts else bucket.fill(payload)
+        wire = encode_stage_request(
+            bucket, payload, version=version, rank=plan_rank.rank, slice_data=slice_data
+        )
         stager.stage(inference_pb2.StageWeightsRequest.FromString(wire))
     return stager.commit(version)
 
@@ -52,14 +56,15 @@ def deliver_in_process(plan_rank, buf, stager, version):
         (Layout(4, "fused", "float32"), 3),  # tp > kv heads: kv heads replicated
     ],
 )
-def test_planned_buckets_rebuild_every_rank_exactly(layout, world):
+@pytest.mark.parametrize("parts", [False, True], ids=["fill", "parts"])
+def test_planned_buckets_rebuild_every_rank_exactly(layout, world, parts):
     config = ModelConfig.tiny(tie_word_embeddings=False, vocab_size=37)
     state = random_state(config)
     buf = push_all(state, world)
     plan = build_deployment_plan(buf.layout(), config, layout, bucket_bytes=3000)
     for rank_plan in plan.ranks:
         stager = WeightStager(rank_params(config, layout, rank_plan.rank), rank=rank_plan.rank)
-        got = deliver_in_process(rank_plan, buf, stager, version=0)
+        got = deliver_in_process(rank_plan, buf, stager, version=0, parts=parts)
         want = shard_state_dict(state, config, layout, rank_plan.rank)
         assert set(got) == set(want)
         for name in want:
@@ -106,3 +111,24 @@ def test_trainer_layout_rejects_gaps_between_rank_shards():
             buf.add_chunk(0, c, i)
     with pytest.raises(InvalidArgument, match="covers"):
         buf.layout()
+
+
+@pytest.mark.parametrize("layout", [Layout(1, "hf"), Layout(2, "fused")])
+def test_a_byte_flipped_after_hashing_slices_in_place_is_caught(layout):
+    """Slices sent straight from the chunks are hashed where they sit; one byte changed on the way
+    (here: in the encoded message) still fails verification and nothing is staged."""
+    from services.kit.weight_transfer.errors import ChecksumMismatch
+
+    config = ModelConfig.tiny(tie_word_embeddings=False, vocab_size=37)
+    buf = push_all(random_state(config), 2)
+    rank_plan = build_deployment_plan(buf.layout(), config, layout, bucket_bytes=1 << 20).ranks[0]
+    bucket = PlannedBucket(rank_plan.buckets[0], rank_plan.dtype, buf.chunks)
+    payload = memoryview(bytearray(bucket.nbytes))
+    wire = bytearray(
+        encode_stage_request(bucket, payload, version=0, slice_data=bucket.payload_parts(payload))
+    )
+    wire[len(wire) - 3] ^= 0x01  # inside the last slice's payload
+    stager = WeightStager(rank_params(config, layout, 0), rank=0)
+    with pytest.raises(ChecksumMismatch):
+        stager.stage(inference_pb2.StageWeightsRequest.FromString(bytes(wire)))
+    assert stager.staged_version is None and stager.bytes_staged == 0
