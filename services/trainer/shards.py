@@ -25,6 +25,8 @@ def local_shards(model: nn.Module) -> Iterator[tuple[str, torch.Size, int, torch
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    if hasattr(model, "reshard"):  # FSDP2 leaves the root unsharded after a forward without backward
+        model.reshard()
     for name, param in model.named_parameters():
         data = param.detach()
         if isinstance(data, DTensor):

@@ -112,6 +112,18 @@ def test_shards_reassemble_exactly_to_the_full_state_dict(group: RankGroup) -> N
         assert torch.equal(rebuilt[name], value), name
 
 
+def test_shards_after_a_forward_without_backward_still_split_across_ranks(group: RankGroup) -> None:
+    """FSDP2 keeps the root's params (embeddings, final norm) unsharded after a no-grad forward; a
+    push right after an evaluation must still send each row from exactly one rank."""
+    group.call("setup", make_spec())
+    _, seqs = make_step(step=0, world_size=1, micro_per_rank=1, seqs_per_micro=2, seed=5)
+    group.call("forward_logprobs", [to_proto(pack(seqs, 0, 1, 1)).SerializeToString()])
+    streams = group.call("shard_requests", 1, 4096)
+    requests = [weightsync_pb2.PushShardsRequest.FromString(raw) for stream in streams for raw in stream]
+    rebuilt = reassemble(requests)  # raises on rows sent by both ranks
+    assert rebuilt["model.embed_tokens.weight"].shape[0] == MODEL.vocab_size
+
+
 @pytest.mark.parametrize(
     "corrupt, message",
     [
