@@ -348,7 +348,9 @@ class RunRecord:
         return parse_recipe(self.recipe_toml)
 
     def to_json(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self)).encode()
+        # Not dataclasses.asdict: it deep-copies extra["history"] (one entry per step) first, and the
+        # gateway writes the record several times a step.
+        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> RunRecord:
