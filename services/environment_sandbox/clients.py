@@ -3,6 +3,7 @@ a Scorer (the service wires these; tests may pass their own callables)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -45,17 +46,24 @@ class RouterGenerator:
 
 
 class RewardClient:
-    """Scorer over RewardService.Score."""
+    """Scorer over RewardService. Scores asked for in the same event-loop turn (the samples of a
+    group finish together) go out as one ScoreBatch call: one round trip per group instead of one
+    per rollout. A reward service without ScoreBatch (UNIMPLEMENTED) is called with Score from then
+    on; a batch refused for one bad request is retried request by request, so each episode gets its
+    own answer or error."""
 
-    def __init__(self, channel: Any, timeout_s: float = 60.0) -> None:
+    def __init__(self, channel: Any, timeout_s: float = 60.0, max_batch: int = 64) -> None:
         from looprl.reward.v1 import reward_pb2_grpc
 
         self.stub = reward_pb2_grpc.RewardServiceStub(channel)
         self.timeout_s = timeout_s
+        self.max_batch = max_batch
+        self.batching = True
+        self._pending: list[tuple[Any, asyncio.Future]] = []
+        self._sending: set[asyncio.Task] = set()
 
     async def __call__(self, reward, task_json, completion, rollout_id, transcript, env_reward):
         from looprl.reward.v1 import reward_pb2
-        from services.environment_sandbox.agent_loop import Score
 
         request = reward_pb2.ScoreRequest(
             reward=reward,
@@ -66,10 +74,78 @@ class RewardClient:
         )
         if env_reward is not None:
             request.environment_reward = env_reward
-        response = await self.stub.Score(request, timeout=self.timeout_s)
-        return Score(
-            response.score,
-            {c.name: c.score for c in response.components if c.ok},
-            response.ok,
-            {c.name: c.reason for c in response.components if not c.ok},
-        )
+        if not self.batching:
+            return _score(await self.stub.Score(request, timeout=self.timeout_s))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._pending.append((request, future))
+        if len(self._pending) == 1:
+            loop.call_soon(self._flush)  # after every coroutine ready in this turn has queued its score
+        elif len(self._pending) >= self.max_batch:
+            self._flush()
+        return _score(await future)
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if batch:
+            task = asyncio.ensure_future(self._send(batch))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch: list[tuple[Any, asyncio.Future]]) -> None:
+        import grpc
+
+        from looprl.reward.v1 import reward_pb2
+
+        if len(batch) == 1:
+            await self._send_one(*batch[0])
+            return
+        try:
+            response = await self.stub.ScoreBatch(
+                reward_pb2.ScoreBatchRequest(requests=[r for r, _ in batch]), timeout=self.timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                self.batching = False
+            if code in (
+                grpc.StatusCode.UNIMPLEMENTED,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.NOT_FOUND,
+            ):
+                await asyncio.gather(*(self._send_one(r, f) for r, f in batch))
+                return
+            _fail(batch, exc)
+            return
+        except Exception as exc:
+            _fail(batch, exc)
+            return
+        for (_, future), result in zip(batch, response.responses, strict=True):
+            if not future.done():
+                future.set_result(result)
+
+    async def _send_one(self, request: Any, future: asyncio.Future) -> None:
+        try:
+            result = await self.stub.Score(request, timeout=self.timeout_s)
+        except Exception as exc:
+            _fail([(request, future)], exc)
+            return
+        if not future.done():
+            future.set_result(result)
+
+
+def _fail(batch: list[tuple[Any, asyncio.Future]], exc: BaseException) -> None:
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(exc)
+
+
+def _score(response: Any) -> Any:
+    from services.environment_sandbox.agent_loop import Score
+
+    return Score(
+        response.score,
+        {c.name: c.score for c in response.components if c.ok},
+        response.ok,
+        {c.name: c.reason for c in response.components if not c.ok},
+    )

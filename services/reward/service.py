@@ -1,7 +1,8 @@
-"""RewardService over gRPC: Score (by reward name) and ListRewards."""
+"""RewardService over gRPC: Score and ScoreBatch (by reward name) and ListRewards."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
@@ -12,6 +13,7 @@ from services.reward.registry import RewardRegistry, UnknownReward
 from services.reward.verifiers import ScoreInput
 
 MAX_COMPLETION_CHARS = 1 << 20
+MAX_BATCH = 1024
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
@@ -19,27 +21,42 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.registry = registry
 
     async def Score(self, request: reward_pb2.ScoreRequest, context: Any) -> reward_pb2.ScoreResponse:
+        return await self._score(*self._validated(request))
+
+    async def ScoreBatch(
+        self, request: reward_pb2.ScoreBatchRequest, context: Any
+    ) -> reward_pb2.ScoreBatchResponse:
+        if len(request.requests) > MAX_BATCH:
+            raise InvalidArgument(f"requests: {len(request.requests)} requests, at most {MAX_BATCH} per call")
+        # All validated before any is scored: a bad request fails the call without side effects.
+        inputs = [self._validated(r, f"requests[{i}].") for i, r in enumerate(request.requests)]
+        responses = await asyncio.gather(*(self._score(name, item) for name, item in inputs))
+        return reward_pb2.ScoreBatchResponse(responses=responses)
+
+    def _validated(self, request: reward_pb2.ScoreRequest, where: str = "") -> tuple[str, ScoreInput]:
         if not request.reward:
-            raise InvalidArgument("reward: required (name of a registered reward)")
+            raise InvalidArgument(f"{where}reward: required (name of a registered reward)")
         try:
             self.registry.get(request.reward)
         except UnknownReward as exc:
-            raise NotFound(str(exc.args[0])) from None
+            raise NotFound(f"{where}{exc.args[0]}") from None
         try:
             task = json.loads(request.task_json) if request.task_json else {}
         except json.JSONDecodeError as exc:
-            raise InvalidArgument(f"task_json: not valid JSON: {exc}") from None
+            raise InvalidArgument(f"{where}task_json: not valid JSON: {exc}") from None
         if not isinstance(task, dict):
-            raise InvalidArgument("task_json: must be a JSON object")
+            raise InvalidArgument(f"{where}task_json: must be a JSON object")
         if len(request.completion) > MAX_COMPLETION_CHARS:
-            raise InvalidArgument(f"completion: longer than {MAX_COMPLETION_CHARS} characters")
+            raise InvalidArgument(f"{where}completion: longer than {MAX_COMPLETION_CHARS} characters")
         env_reward = request.environment_reward if request.HasField("environment_reward") else None
         if env_reward is not None and not math.isfinite(env_reward):
-            raise InvalidArgument("environment_reward: must be finite")
-        outcome = await self.registry.score(
-            request.reward,
-            ScoreInput(task, request.completion, request.transcript, env_reward, request.rollout_id),
+            raise InvalidArgument(f"{where}environment_reward: must be finite")
+        return request.reward, ScoreInput(
+            task, request.completion, request.transcript, env_reward, request.rollout_id
         )
+
+    async def _score(self, reward: str, item: ScoreInput) -> reward_pb2.ScoreResponse:
+        outcome = await self.registry.score(reward, item)
         return reward_pb2.ScoreResponse(
             score=outcome.score,
             ok=outcome.ok,

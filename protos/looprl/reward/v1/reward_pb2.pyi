@@ -46,6 +46,18 @@ class ScoreResponse(_message.Message):
     ok: bool
     def __init__(self, score: _Optional[float] = ..., components: _Optional[_Iterable[_Union[ComponentScore, _Mapping]]] = ..., ok: _Optional[bool] = ...) -> None: ...
 
+class ScoreBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[ScoreRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ...) -> None: ...
+
+class ScoreBatchResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[ScoreResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[ScoreResponse, _Mapping]]] = ...) -> None: ...
+
 class RewardInfo(_message.Message):
     __slots__ = ("name", "kind", "description")
     NAME_FIELD_NUMBER: _ClassVar[int]

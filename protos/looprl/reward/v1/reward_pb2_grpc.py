@@ -39,6 +39,11 @@ class RewardServiceStub:
                 request_serializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.ScoreBatch = channel.unary_unary(
+                '/looprl.reward.v1.RewardService/ScoreBatch',
+                request_serializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ScoreBatchRequest.SerializeToString,
+                response_deserializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ScoreBatchResponse.FromString,
+                _registered_method=True)
         self.ListRewards = channel.unary_unary(
                 '/looprl.reward.v1.RewardService/ListRewards',
                 request_serializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ListRewardsRequest.SerializeToString,
@@ -51,6 +56,15 @@ class RewardServiceServicer:
 
     def Score(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScoreBatch(self, request, context):
+        """Several scores in one call (e.g. the samples of a GRPO group): one round trip instead of one per
+        rollout. Every request is validated first; a bad one fails the call with INVALID_ARGUMENT or
+        NOT_FOUND naming it as requests[i].
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -68,6 +82,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ScoreRequest.FromString,
                     response_serializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ScoreResponse.SerializeToString,
+            ),
+            'ScoreBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreBatch,
+                    request_deserializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ScoreBatchRequest.FromString,
+                    response_serializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ScoreBatchResponse.SerializeToString,
             ),
             'ListRewards': grpc.unary_unary_rpc_method_handler(
                     servicer.ListRewards,
@@ -102,6 +121,33 @@ class RewardService:
             '/looprl.reward.v1.RewardService/Score',
             looprl_dot_reward_dot_v1_dot_reward__pb2.ScoreRequest.SerializeToString,
             looprl_dot_reward_dot_v1_dot_reward__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/looprl.reward.v1.RewardService/ScoreBatch',
+            looprl_dot_reward_dot_v1_dot_reward__pb2.ScoreBatchRequest.SerializeToString,
+            looprl_dot_reward_dot_v1_dot_reward__pb2.ScoreBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,12 +32,22 @@ class RewardServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> RewardServiceAsyncStub: ...
     Score: _grpc.UnaryUnaryMultiCallable[_reward_pb2.ScoreRequest, _reward_pb2.ScoreResponse]
+    ScoreBatch: _grpc.UnaryUnaryMultiCallable[_reward_pb2.ScoreBatchRequest, _reward_pb2.ScoreBatchResponse]
+    """Several scores in one call (e.g. the samples of a GRPO group): one round trip instead of one per
+    rollout. Every request is validated first; a bad one fails the call with INVALID_ARGUMENT or
+    NOT_FOUND naming it as requests[i].
+    """
     ListRewards: _grpc.UnaryUnaryMultiCallable[_reward_pb2.ListRewardsRequest, _reward_pb2.ListRewardsResponse]
 
 @_typing.type_check_only
 class RewardServiceAsyncStub(RewardServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Score: _aio.UnaryUnaryMultiCallable[_reward_pb2.ScoreRequest, _reward_pb2.ScoreResponse]  # type: ignore[assignment]
+    ScoreBatch: _aio.UnaryUnaryMultiCallable[_reward_pb2.ScoreBatchRequest, _reward_pb2.ScoreBatchResponse]  # type: ignore[assignment]
+    """Several scores in one call (e.g. the samples of a GRPO group): one round trip instead of one per
+    rollout. Every request is validated first; a bad one fails the call with INVALID_ARGUMENT or
+    NOT_FOUND naming it as requests[i].
+    """
     ListRewards: _aio.UnaryUnaryMultiCallable[_reward_pb2.ListRewardsRequest, _reward_pb2.ListRewardsResponse]  # type: ignore[assignment]
 
 class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -47,6 +57,17 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _reward_pb2.ScoreRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_reward_pb2.ScoreResponse, _abc.Awaitable[_reward_pb2.ScoreResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ScoreBatch(
+        self,
+        request: _reward_pb2.ScoreBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_reward_pb2.ScoreBatchResponse, _abc.Awaitable[_reward_pb2.ScoreBatchResponse]]:
+        """Several scores in one call (e.g. the samples of a GRPO group): one round trip instead of one per
+        rollout. Every request is validated first; a bad one fails the call with INVALID_ARGUMENT or
+        NOT_FOUND naming it as requests[i].
+        """
 
     @_abc_1.abstractmethod
     def ListRewards(
