@@ -211,15 +211,15 @@ class EngineModel:
         start_positions: Sequence[int],
         all_logits: bool = False,
     ) -> list[Tensor]:
-        """Prefill several slots in one pass (matmuls over all new tokens, attention per slot)."""
+        """Prefill several slots in one pass: matmuls over all new tokens; attention as one packed call
+        when every prompt is fresh, else slot by slot; a fresh prompt given for several slots (the n
+        samples of a request) is computed once and its keys/values copied."""
         if not (len(slots) == len(token_ids) == len(start_positions)) or not slots:
             raise ValueError(
                 "prefill: slots, token_ids and start_positions must be non-empty and equally long"
             )
         if len(set(slots)) != len(slots):
             raise ValueError(f"prefill: duplicate slots {list(slots)}")
-        segments = []
-        offset = 0
         for slot, ids, start in zip(slots, token_ids, start_positions, strict=True):
             cache._check_slot(slot)
             if ids.dim() != 1 or ids.numel() == 0:
@@ -233,10 +233,72 @@ class EngineModel:
                     f"prefill: slot {slot} would hold {start + ids.numel()} > max_len={cache.max_len}"
                 )
             self._check_ids(ids)
-            segments.append((slot, start, offset, ids.numel()))
-            offset += ids.numel()
-        flat = torch.cat([ids.long() for ids in token_ids])
+        # Fresh prompts that repeat (the n samples of a GRPO group) are computed once; their other
+        # slots get a copy of its keys/values: exact, and n times less prefill.
+        first_of: dict[tuple[int, ...], int] = {}
+        source = []  # per input: index of the input whose computation it shares (itself if none)
+        for i, (ids, start) in enumerate(zip(token_ids, start_positions, strict=True)):
+            key = tuple(ids.tolist()) if start == 0 else None
+            source.append(first_of.setdefault(key, i) if key is not None else i)
+        computed = [i for i in range(len(slots)) if source[i] == i]
+        segments = []  # (slot, start, offset in the flat batch, length) of each computed input
+        offset = 0
+        for i in computed:
+            n = token_ids[i].numel()
+            segments.append((slots[i], start_positions[i], offset, n))
+            offset += n
+        flat = torch.cat([token_ids[i].long() for i in computed])
         positions = torch.cat([torch.arange(s, s + n) for _, s, _, n in segments])
+        fresh = all(start == 0 for _, start, _, _ in segments) and offset <= self.PACKED_PREFILL_MAX_TOKENS
+        attend = (
+            self._packed_attend(cache, segments, positions) if fresh else self._slot_attend(cache, segments)
+        )
+
+        hidden = self._run_layers(flat, positions, attend)
+        for slot, start, _, n in segments:
+            cache.lengths[slot] = start + n
+        for i, src in enumerate(source):
+            if src != i:
+                n = token_ids[i].numel()
+                cache.k[:, slots[i], :, :n] = cache.k[:, slots[src], :, :n]
+                cache.v[:, slots[i], :, :n] = cache.v[:, slots[src], :, :n]
+                cache.lengths[slots[i]] = n
+        if all_logits:
+            out = [self._logits(hidden[off : off + n]) for _, _, off, n in segments]
+        else:
+            last = torch.tensor([off + n - 1 for _, _, off, n in segments], device=hidden.device)
+            out = list(self._logits(hidden[last]))
+        by_input = dict(zip(computed, out, strict=True))
+        return [by_input[src] for src in source]
+
+    # Fresh prefills up to this many tokens run attention as one packed call with a block-diagonal
+    # causal mask (mask memory grows with its square); longer ones go slot by slot.
+    PACKED_PREFILL_MAX_TOKENS = 2048
+
+    @staticmethod
+    def _packed_attend(cache: KVCache, segments: list[tuple[int, int, int, int]], positions: Tensor):
+        """Attention of fresh prompts (nothing cached before them), all in one call."""
+        device = cache.k.device
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(len(segments)), torch.tensor([n for *_, n in segments])
+        ).to(device)
+        slot_of_token = torch.tensor([s for s, *_ in segments], device=device)[seq_of_token]
+        pos = positions.to(device)
+        mask = (seq_of_token[:, None] == seq_of_token[None, :]) & (pos[None, :] <= pos[:, None])
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            cache.k[layer][slot_of_token, :, pos] = k
+            cache.v[layer][slot_of_token, :, pos] = v
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+            )
+            return out.transpose(0, 1)
+
+        return attend
+
+    @staticmethod
+    def _slot_attend(cache: KVCache, segments: list[tuple[int, int, int, int]]):
+        """Attention slot by slot over each slot's cached prefix plus its new tokens."""
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             out = torch.empty_like(q)
@@ -253,13 +315,7 @@ class EngineModel:
                 out[off : off + n] = o.transpose(0, 1)
             return out
 
-        hidden = self._run_layers(flat, positions, attend)
-        for slot, start, _, n in segments:
-            cache.lengths[slot] = start + n
-        if all_logits:
-            return [self._logits(hidden[off : off + n]) for _, _, off, n in segments]
-        last = torch.tensor([off + n - 1 for _, _, off, n in segments], device=hidden.device)
-        return list(self._logits(hidden[last]))
+        return attend
 
     @torch.no_grad()
     def decode(self, cache: KVCache, slots: Tensor, token_ids: Tensor, positions: Tensor) -> Tensor:

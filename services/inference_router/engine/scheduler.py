@@ -8,8 +8,8 @@ One loop owns the running batch. Each iteration (a "step"):
   4. samples, appends, and retires sequences that hit a stop token or their max_tokens.
 New requests therefore join the batch at the next step and finished ones leave at once.
 
-n > 1 is served by prefilling the prompt n times in the same batched prefill (one slot per
-completion); this costs n x prompt compute but keeps every slot independent and exact.
+n > 1 is served with one slot per completion, every slot independent and exact; the model
+computes the shared prompt once and copies its keys/values into the other slots.
 
 Model compute runs on one dedicated worker thread (torch releases the GIL), so the event loop and
 any gRPC server sharing it stay responsive during a step. The executor (what actually runs the

@@ -85,6 +85,33 @@ def test_batched_decode_of_different_lengths_equals_each_alone(reference, layout
         group.close()
 
 
+@pytest.mark.parametrize("layout", [Layout(1, "fused"), Layout(2, "fused")], ids=["tp1", "tp2"])
+def test_a_prompt_given_for_several_slots_is_prefilled_once_and_each_slot_decodes_exactly(reference, layout):
+    """The n samples of a request share one prompt: its keys/values are computed once and copied,
+    and every slot then continues on its own (different next tokens) exactly like a lone sequence."""
+    a, b = ids_of(9, 31), ids_of(5, 32)
+    conts = [ids_of(3, 40 + i) for i in range(4)]
+    group = group_for(reference, layout, max_slots=6)
+    try:
+        slots = [group.allocate() for _ in range(4)]
+        prompts = [a, b, a, a]
+        firsts = group.run(lambda m, c: m.prefill_batch(c, slots, prompts, [0, 0, 0, 0]))[0]
+        assert [group.caches[0].length(s) for s in slots] == [9, 5, 9, 9]
+        steps = [torch.stack(firsts)]
+        for t in range(3):
+            pos = torch.tensor([len(p) + t for p in prompts])
+            steps.append(group.decode(torch.tensor(slots), torch.stack([c[t] for c in conts]), pos))
+        with torch.no_grad():
+            for i, (prompt, cont) in enumerate(zip(prompts, conts, strict=True)):
+                alone = reference(torch.cat([prompt, cont]))
+                for t, logits in enumerate(steps):
+                    torch.testing.assert_close(logits[i], alone[len(prompt) - 1 + t], atol=1e-4, rtol=1e-4)
+        # The copies are independent: slot 0's continuation did not leak into slot 2's cache.
+        assert not torch.equal(steps[-1][0], steps[-1][2])
+    finally:
+        group.close()
+
+
 def test_multi_turn_append_and_rewind_reuse_the_cache(reference):
     seq = ids_of(24, 3)
     with torch.no_grad():
