@@ -21,6 +21,7 @@ from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.kit.errors import ServiceError
 
 from .errors import WeightTransferError
+from .memory import retain_bucket_buffers
 from .shm import ShmReader
 from .stager import WeightStager
 from .wire import decode_stage_request
@@ -39,6 +40,7 @@ class WeightReceiver:
         self.buckets_received = 0
         self._lock = threading.Lock()
         self._shm = ShmReader()  # kept open: weight-sync reuses its segments (see ShmReader)
+        retain_bucket_buffers()  # received buckets reuse heap pages instead of faulting (memory.py)
 
     async def StageWeights(self, request_iterator, context) -> inference_pb2.StageWeightsResponse:
         """Requests are parsed messages, or raw bytes when the method is registered by

@@ -37,6 +37,7 @@ from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 
 from .bucket import Bucket
 from .errors import DeliveryError
+from .memory import retain_bucket_buffers
 from .shm import ShmPool
 from .wire import encode_stage_request
 
@@ -177,6 +178,7 @@ class GrpcTransport(Transport):
     def __init__(self, *, prefetch: int = 2, **kw) -> None:
         super().__init__(**kw)
         self.prefetch = max(1, prefetch)
+        retain_bucket_buffers()  # encoded buckets reuse heap pages instead of faulting (memory.py)
 
     async def stage(
         self, version, endpoints, buckets, *, model_config_json="", total_bytes=0, timeout_s=600.0
