@@ -12,7 +12,9 @@ threads (every core the loop may use), the faster of the two counting: on the ti
 is usually faster (the ops are too small to split), and the baseline should be the best single process.
 
 Measured path: the service loop (gateway + every service as its own process on a local stack),
-`measure_service_loop`, measured with the same definition.
+`measure_service_loop`, measured with the same definition, with 1 and with 2 trainer ranks (how many
+ranks train is a deployment choice, like the baseline's threads; the algorithm is the same), the
+faster counting.
 """
 
 from __future__ import annotations
@@ -62,14 +64,18 @@ def measure_single_process(
     )
 
 
-def measure_service_loop(recipe: str | Path, steps: int) -> Throughput:
-    """The measured path: the recipe through a real local stack (every service its own process)."""
+def measure_service_loop(recipe: str | Path, steps: int, world_size: int | None = None) -> Throughput:
+    """The measured path: the recipe through a real local stack (every service its own process),
+    with the trainer's ranks overridden to `world_size` when given."""
     from bench.loop_harness import run_on_fresh_stack, with_overrides
 
-    result = run_on_fresh_stack(with_overrides(Path(recipe).read_text(), run={"steps": steps}), "bench-loop")
+    overrides: dict = {"run": {"steps": steps}}
+    if world_size is not None:
+        overrides["trainer"] = {"world_size": world_size}
+    result = run_on_fresh_stack(with_overrides(Path(recipe).read_text(), **overrides), "bench-loop")
     rewards = [h.reward_mean for h in result.run.history]
     return Throughput(
-        label="service loop",
+        label=f"loop ranks={world_size}" if world_size else "service loop",
         steps=len(rewards),
         wall_seconds=result.wall_seconds,
         trained_tokens_per_s=result.trained_tokens_per_second,
@@ -92,6 +98,9 @@ def main() -> None:
     p.add_argument("--recipe", default=str(DEFAULT_RECIPE))
     p.add_argument("--steps", type=int)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads to try")
+    p.add_argument(
+        "--world-sizes", type=int, nargs="+", default=[1, 2], help="trainer ranks to try in the loop"
+    )
     args = p.parse_args()
     steps = args.steps or (8 if args.quick else None)
 
@@ -99,12 +108,12 @@ def main() -> None:
     for t, result in zip(args.threads, tries, strict=True):
         result.label = f"single proc t={t}"
     single = max(tries, key=lambda r: r.trained_tokens_per_s)
-    loop = measure_service_loop(args.recipe, single.steps)
+    loops = [measure_service_loop(args.recipe, single.steps, world_size=w) for w in args.world_sizes]
+    loop = max(loops, key=lambda r: r.trained_tokens_per_s)
 
     print(f"{'path':<16} {'steps':>5} {'wall s':>8} {'tok/s':>10} {'steps/s':>8} {'first3':>8} {'last3':>8}")
-    for result in tries:
+    for result in [*tries, *loops]:
         print(_row(result))
-    print(_row(loop))
     emit(
         BENCH, "single_process_tokens_per_s", single.trained_tokens_per_s, None, None, "tokens/s", "baseline"
     )

@@ -131,6 +131,9 @@ class RunDriver:
         self.changed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._version_seen = asyncio.Event()
+        # Newest trained version seen on the bus, ahead of the KV record that follows it: feeding
+        # waits on it, and the next step's tasks go out before the accounting is written.
+        self._trained_version = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._main(), name=f"run-{self.run_id}")
@@ -173,9 +176,15 @@ class RunDriver:
                 await self.store.update(self.run_id, _complete)
                 self.changed.set()
                 return
-            if fed < recipe.run.steps and fed - recipe.run.max_staleness <= record.weight_version:
-                for msg_id, task in episode_tasks(record, recipe, fed):
-                    await self.bus.publish(subjects.episodes(self.run_id), task, msg_id=msg_id)
+            trained = max(record.weight_version, self._trained_version)
+            if fed < recipe.run.steps and fed - recipe.run.max_staleness <= trained:
+                subject = subjects.episodes(self.run_id)
+                await asyncio.gather(
+                    *(
+                        self.bus.publish(subject, task, msg_id=mid)
+                        for mid, task in episode_tasks(record, recipe, fed)
+                    )
+                )
                 fed += 1
                 count = recipe.batch.rollouts_per_step
                 await self.store.update(self.run_id, lambda r, f=fed, c=count: _fed(r, f, c))
@@ -195,6 +204,8 @@ class RunDriver:
             for delivery in await consumer.fetch(batch=16, timeout=1.0):
                 with delivery.process_span():
                     step = delivery.parse(events_pb2.TrainStepRecord)
+                    self._trained_version = max(self._trained_version, step.version)
+                    self._version_seen.set()
                     dropped = await self._dropped()
                     await self.store.update(self.run_id, lambda r, s=step, d=dropped: _apply_step(r, s, d))
                     await delivery.ack()

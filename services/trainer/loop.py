@@ -110,6 +110,7 @@ class RunTrainer:
                 self.run_id,
                 step,
                 self.cfg.next_batch_timeout_s,
+                self.cfg.weight_sync_address,  # the ranks push the new version right after the step
             )
         except StepAborted as exc:
             log.info("run %s: step %d not ready (%s); retrying", self.run_id, step, exc)
@@ -120,7 +121,7 @@ class RunTrainer:
         self.step = step + 1
         self.last_loss = metrics["loss"]
         self.unacked.append(step)
-        await self._push(self.step)
+        self._check_pushes(self.step, metrics.get("pushes", []))
         if self.cfg.ack_policy == "step" or self.checkpoint_every <= 0:
             await self._ack_pending()
         await self._publish(metrics)
@@ -137,7 +138,14 @@ class RunTrainer:
     async def _push(self, version: int) -> None:
         if not self.cfg.weight_sync_address:
             return
-        results = await self._ranks(self.group.push_weights, self.cfg.weight_sync_address, version)
+        self._check_pushes(
+            version, await self._ranks(self.group.push_weights, self.cfg.weight_sync_address, version)
+        )
+
+    def _check_pushes(self, version: int, results: list[dict[str, Any]]) -> None:
+        errors = [r["error"] for r in results if r.get("error")]
+        if errors:
+            raise RuntimeError(f"pushing version {version} to weight-sync failed: {errors[0]}")
         skipped = [r["skipped"] for r in results if r.get("skipped")]
         if skipped:
             log.warning("run %s: weight-sync refused version %d: %s", self.run_id, version, skipped[0])

@@ -106,8 +106,14 @@ class RankGroup:
         results = self.call_per_rank("train_step", [(list(b),) for b in batches_per_rank])
         return _merge(results)
 
-    def pull_and_train(self, packer_address: str, run_id: str, step: int, timeout_s: float = 0.0):
-        return _merge(self.call("pull_and_train", packer_address, run_id, step, timeout_s))
+    def pull_and_train(
+        self, packer_address: str, run_id: str, step: int, timeout_s: float = 0.0, push_address: str = ""
+    ) -> dict[str, Any]:
+        """One step on every rank; with push_address each rank then pushes its shards of the new
+        version ("pushes": one result per rank)."""
+        return _merge(
+            self.call("pull_and_train", packer_address, run_id, step, timeout_s, push_address=push_address)
+        )
 
     def push_weights(self, address: str, version: int) -> list[dict[str, Any]]:
         return self.call("push_weights", address, version)
@@ -143,4 +149,7 @@ def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0's all-reduced metrics plus the rollout ids of every rank."""
     merged = dict(results[0])
     merged["rollout_ids"] = [rid for r in results for rid in r.get("rollout_ids", [])]
+    merged.pop("push", None)
+    if any("push" in r for r in results):
+        merged["pushes"] = [r["push"] for r in results if "push" in r]
     return merged

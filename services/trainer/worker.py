@@ -309,8 +309,12 @@ class TrainerWorker:
         step: int,
         timeout_s: float = 0.0,
         max_message_bytes: int = 256 << 20,
+        push_address: str = "",
     ) -> dict[str, Any]:
-        """Pull this rank's micro-batches of `step` from the packer, then train on them."""
+        """Pull this rank's micro-batches of `step` from the packer, train on them, and (with
+        push_address) push the new version's shards to weight-sync in the same call: one actor
+        round trip less on every step's critical path. A failed push does not undo the step; it
+        comes back as "push" = {"error": ...}."""
         batches: list[Any] = []
         failure = None
         try:
@@ -328,7 +332,13 @@ class TrainerWorker:
         except grpc.RpcError as exc:
             self._forget_channel(packer_address, max_message_bytes)
             failure = f"NextBatch from {packer_address}: {exc.code().name} {exc.details()}"
-        return self.train_step(batches, pull_failure=failure)
+        metrics = self.train_step(batches, pull_failure=failure)
+        if push_address:
+            try:
+                metrics["push"] = self.push_weights(push_address, self.step)
+            except Exception as exc:  # the step is applied either way; the caller decides
+                metrics["push"] = {"rank": self.rank, "version": self.step, "error": repr(exc)}
+        return metrics
 
     # ---- inspection (no update) ------------------------------------------------------------------
 
