@@ -15,7 +15,9 @@ embeddings, lm_head) appear in every rank's plan — that duplication is real tr
 
 Buckets are assembled straight from the received chunk buffers (`PlannedBucket.fill`): a view
 of the chunk, one copy into the bucket buffer (with the dtype cast when the target is bf16),
-one hash64 computed as the bytes land. Nothing ever holds a full copy of the model. Plans are cached by
+one hash64 computed as the bytes land. For gRPC, whose message join copies every byte anyway,
+`payload_parts` hands over slices that are contiguous in their chunk as the chunk's own bytes
+(hashed in place), so they are copied once, not twice. Nothing ever holds a full copy of the model. Plans are cached by
 (trainer layout signature, model config, layout, rank, bucket size).
 """
 
