@@ -17,8 +17,8 @@ Buckets are assembled straight from the received chunk buffers (`PlannedBucket.f
 of the chunk, one copy into the bucket buffer (with the dtype cast when the target is bf16),
 one hash64 computed as the bytes land. For gRPC, whose message join copies every byte anyway,
 `payload_parts` hands over slices that are contiguous in their chunk as the chunk's own bytes
-(hashed in place), so they are copied once, not twice. Nothing ever holds a full copy of the model. Plans are cached by
-(trainer layout signature, model config, layout, rank, bucket size).
+(hashed in place), so they are copied once, not twice. Nothing ever holds a full copy of the
+model. Plans are cached by (trainer layout signature, model config, layout, rank, bucket size).
 """
 
 from __future__ import annotations
