@@ -141,22 +141,35 @@ async def test_corrupted_byte_is_caught_and_old_version_keeps_serving(kind):
             await s.stop(None)
 
 
-async def test_one_failing_receiver_does_not_stop_the_others():
+@pytest.mark.parametrize("kind", ["grpc", "shm-in-place"])
+async def test_one_failing_receiver_does_not_stop_the_others(kind):
+    """The shm case reads the chunks in place, every bucket down one stream per receiver: the
+    stream of the receiver that refuses breaks, the other's completes."""
     layout = Layout(1, "hf")
-    buf = pushed(random_state(CONFIG))
+    store = VersionStore() if kind == "shm-in-place" else None  # with an arena: reshard-on-read
+    state = random_state(CONFIG)
+    buf = pushed(state, store=store)
     plan = build_deployment_plan(buf.layout(), CONFIG, layout, 4096)
+    assert len(plan.ranks[0].buckets) > 1
     engines, servers, endpoints = await start_receivers(layout, 2)
     engines[1].stager.serving_version = 5  # already newer: version 0 is stale there
-    transport = GrpcTransport()
+    transport = GrpcTransport() if kind == "grpc" else ShmTransport(segment_bytes=4096, segments=2)
     try:
         results = await deliver(transport, plan, buf, endpoints, 0)
         assert results[endpoints[0]].error is None and results[endpoints[0]].complete
         err = results[endpoints[1]].error
         assert err is not None and err.code.name == "FAILED_PRECONDITION" and "not newer" in str(err)
+        assert await transport.commit(endpoints[0], 0) == 0
+        assert all(torch.equal(engines[0].weights[n], t) for n, t in state.items() if n in engines[0].weights)
+        assert engines[1].stager.staged_version is None and engines[1].version == 5
+        if kind == "shm-in-place":
+            assert transport.pool.names() == []  # read in place: no bucket was copied into a segment
     finally:
         await transport.close()
         for s in servers:
             await s.stop(None)
+        if store is not None:
+            store.close()
 
 
 # ------------------------------------------------------------ reshard-on-read (chunks in shm)
