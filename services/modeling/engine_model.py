@@ -5,7 +5,10 @@ HF naming, in the layout's dtype), so a tp=2 deployment really holds its weights
 as vLLM would. Column-parallel projections (qkv, gate_up) need no communication; the row-parallel
 outputs (o_proj, down_proj) are partial sums that the `all_reduce(tensor)` callback must sum in
 place across the TP group (gloo in a Ray actor group; `tp_local.LocalTPGroup` in one process).
-Every rank computes the full logits (embeddings and lm_head are replicated).
+embed_tokens and lm_head are vocab-parallel (each rank holds `layout.vocab_rows`): a token's
+embedding is looked up on the one rank holding its row (zeros elsewhere) and all-reduced; each
+rank's logits over its rows are joined by the `all_gather` callback (or, without one, by an
+all-reduce of a zero-padded [N, V] tensor), so every rank ends with the full logits.
 
 The `KVCache` holds, per rank, keys/values of up to `max_slots` sequences of up to `max_len`
 tokens. `prefill` appends tokens to a slot (start_pos = tokens already cached, so multi-turn
@@ -25,6 +28,8 @@ from services.modeling.layouts import Layout, TargetParam, rank_params
 from services.modeling.qwen2 import apply_rope, rms_norm, rope_cos_sin
 
 AllReduce = Callable[[Tensor], None]
+# all_gather(t) -> [tp, *t.shape]: every rank's t (all the same shape) stacked in rank order.
+AllGather = Callable[[Tensor], Tensor]
 
 
 class KVCache:
@@ -97,12 +102,15 @@ class EngineModel:
         rank: int = 0,
         all_reduce: AllReduce | None = None,
         device: str | torch.device = "cpu",
+        all_gather: AllGather | None = None,
     ) -> None:
         layout.check_rank(config, rank)
         if layout.tp_size > 1 and all_reduce is None:
             raise ValueError(f"EngineModel: tp_size={layout.tp_size} needs an all_reduce callback")
         self.config, self.layout, self.rank, self.device = config, layout, rank, torch.device(device)
-        self.all_reduce = all_reduce
+        self.all_reduce, self.all_gather = all_reduce, all_gather
+        self.vocab = layout.vocab_rows(config, rank)
+        self.vocab_per_rank = -(-config.vocab_size // layout.tp_size)
         self.specs: dict[str, TargetParam] = {p.name: p for p in rank_params(config, layout, rank)}
         self.q_local = len(layout.q_heads(config, rank))
         self.kv_local = len(layout.kv_heads(config, rank))
@@ -175,7 +183,7 @@ class EngineModel:
         if not self.params:
             raise RuntimeError("EngineModel: no weights loaded (call load_shard first)")
         c, p = self.config, self.params
-        x = F.embedding(token_ids.to(self.device), p["model.embed_tokens.weight"])
+        x = self._embed(token_ids.to(self.device))
         cos, sin = rope_cos_sin(positions.to(self.device), c.head_dim, c.rope_theta, x.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads of [N, heads, d]
         for layer in range(c.num_hidden_layers):
@@ -188,8 +196,28 @@ class EngineModel:
             x = x + self._mlp(layer, rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps))
         return rms_norm(x, p["model.norm.weight"], c.rms_norm_eps)
 
+    def _embed(self, ids: Tensor) -> Tensor:
+        table = self.params["model.embed_tokens.weight"]
+        if self.layout.tp_size == 1:
+            return F.embedding(ids, table)
+        # Each id is in exactly one rank's rows; the others contribute zeros, so the sum is exact.
+        outside = (ids < self.vocab.start) | (ids >= self.vocab.stop)
+        x = F.embedding((ids - self.vocab.start).masked_fill(outside, 0), table)
+        return self._reduce(x.masked_fill(outside[:, None], 0))
+
     def _logits(self, hidden: Tensor) -> Tensor:
-        return F.linear(hidden, self.params["lm_head.weight"]).float()
+        local = F.linear(hidden, self.params["lm_head.weight"]).float()
+        if self.layout.tp_size == 1:
+            return local
+        n, vocab = hidden.shape[0], self.config.vocab_size
+        if self.all_gather is None:
+            full = torch.zeros(n, vocab, device=local.device)
+            full[:, self.vocab.start : self.vocab.stop] = local
+            return self._reduce(full)
+        # Ranks hold ceil(V/tp) rows except maybe the last: pad so every rank sends the same shape.
+        padded = F.pad(local, (0, self.vocab_per_rank - local.shape[1]))
+        gathered = self.all_gather(padded)  # [tp, n, per]
+        return gathered.permute(1, 0, 2).reshape(n, -1)[:, :vocab].contiguous()
 
     # --- public API -------------------------------------------------------------------------------
 

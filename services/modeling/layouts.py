@@ -12,9 +12,17 @@ shard holds (`Piece.clip_source_rows`), so plan and reference agree by construct
 Fused semantics (as vLLM lays weights out): rank r's qkv_proj is [q heads of r; kv heads of r;
 v heads of r] (not an even split of the fused tensor); when tp > num_key_value_heads each kv head
 is replicated and rank r holds kv head r * num_kv_heads // tp; gate_up_proj is [gate_r; up_r];
-o_proj and down_proj are row-parallel (split along their input dimension, dim 1); norms,
-embed_tokens and lm_head are replicated; a tied lm_head is not a target parameter at all (the
-receiver ties it to embed_tokens), so it is never sent twice.
+o_proj and down_proj are row-parallel (split along their input dimension, dim 1).
+
+In both namings embed_tokens and lm_head are vocab-parallel (vLLM's VocabParallelEmbedding /
+ParallelLMHead): rank r holds vocabulary rows `Layout.vocab_rows` = [r * ceil(V/tp),
+min(V, (r+1) * ceil(V/tp))), so the last rank may hold fewer. The engine looks tokens up in its
+rows and all-reduces (every token is found on exactly one rank) and gathers each rank's logits
+along the vocabulary. (vLLM first pads V to a multiple of 64, so its row boundaries can differ;
+nothing hands these shards to vLLM, which receives full HF tensors and shards them itself.)
+A tied lm_head is not a target parameter at all (the receiver ties it to its own embed_tokens
+rows), so it is never sent twice. Only the RMSNorm weights are replicated on every rank (and the
+kv heads when tp > num_key_value_heads): a tp>1 deployment receives the model once plus those.
 """
 
 from __future__ import annotations
@@ -69,6 +77,12 @@ class Layout:
                 f"Layout.tp_size={tp} and num_key_value_heads={kv}: one must divide the other "
                 "(kv heads are split when tp <= kv heads, replicated when tp > kv heads)"
             )
+        vocab = config.vocab_size
+        if len(self.vocab_rows(config, tp - 1)) < 1:
+            raise ValueError(
+                f"Layout.tp_size={tp} leaves some rank no vocabulary rows of vocab_size={vocab} "
+                f"(embed_tokens/lm_head are split in blocks of ceil({vocab}/{tp}) rows)"
+            )
 
     def check_rank(self, config: ModelConfig, rank: int) -> None:
         self.check(config)
@@ -86,6 +100,12 @@ class Layout:
             return range(rank * per, (rank + 1) * per)
         head = rank * kv // tp
         return range(head, head + 1)
+
+    def vocab_rows(self, config: ModelConfig, rank: int) -> range:
+        """Rows of embed_tokens / lm_head (token ids) rank `rank` holds; the last rank may hold fewer."""
+        vocab, tp = config.vocab_size, self.tp_size
+        per = -(-vocab // tp)
+        return range(min(vocab, rank * per), min(vocab, (rank + 1) * per))
 
     def to_dict(self) -> dict[str, Any]:
         return {"tp_size": self.tp_size, "naming": self.naming, "dtype": self.dtype}
@@ -239,7 +259,9 @@ def rank_params(config: ModelConfig, layout: Layout, rank: int) -> list[TargetPa
     fused = layout.naming == "fused"
     kinds = ("weight", "bias") if c.attention_bias else ("weight",)
 
-    out = [b.replicated("model.embed_tokens.weight")]
+    vocab = layout.vocab_rows(c, rank)
+    vocab_rows = (vocab.start, vocab.stop)
+    out = [b.stacked_rows("model.embed_tokens.weight", [("model.embed_tokens.weight", *vocab_rows)])]
     for layer in range(c.num_hidden_layers):
         attn, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
         if fused:
@@ -265,7 +287,7 @@ def rank_params(config: ModelConfig, layout: Layout, rank: int) -> list[TargetPa
         out.append(b.replicated(f"model.layers.{layer}.post_attention_layernorm.weight"))
     out.append(b.replicated("model.norm.weight"))
     if not c.tie_word_embeddings:
-        out.append(b.replicated("lm_head.weight"))
+        out.append(b.stacked_rows("lm_head.weight", [("lm_head.weight", *vocab_rows)]))
     return out
 
 
@@ -299,7 +321,8 @@ def shard_state_dict(
 def unshard_state_dict(
     shards: Sequence[Mapping[str, Tensor]], config: ModelConfig, layout: Layout
 ) -> dict[str, Tensor]:
-    """Inverse of shard_state_dict over all ranks (replicated blocks are taken from the last rank)."""
+    """Inverse of shard_state_dict over all ranks (replicated blocks, the norms and kv heads when
+    tp > num_key_value_heads, are taken from the last rank)."""
     if len(shards) != layout.tp_size:
         raise ValueError(f"unshard_state_dict: need {layout.tp_size} rank shards, got {len(shards)}")
     full = {name: torch.empty(shape, dtype=layout.torch_dtype) for name, shape in hf_params(config).items()}

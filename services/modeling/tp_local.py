@@ -1,7 +1,8 @@
 """Tensor parallelism inside one process: every TP rank in its own thread, all-reduce by summation.
 
 `LocalTPGroup` drives the ranks of a layout in lockstep, each an `EngineModel` holding only its
-own shard, with `ThreadAllReduce` summing the row-parallel partials. Tests use it to check TP
+own shard, with `ThreadAllReduce` summing the row-parallel partials and the vocab-parallel
+embeddings, and gathering the vocab-parallel logits. Tests use it to check TP
 numerics without Ray or torch.distributed; an engine may use it to serve a tp>1 layout in one
 process. Every rank gets the same inputs and computes the same logits; rank 0's are returned.
 """
@@ -44,6 +45,18 @@ class ThreadAllReduce:
 
         return all_reduce
 
+    def gather_callback(self, rank: int) -> Callable[[Tensor], Tensor]:
+        """All-gather: every rank's tensor (same shapes) stacked in rank order, on every rank."""
+
+        def all_gather(tensor: Tensor) -> Tensor:
+            self._slots[rank] = tensor.clone()
+            self._barrier.wait()
+            out = torch.stack(self._slots)  # type: ignore[arg-type]
+            self._barrier.wait()
+            return out
+
+        return all_gather
+
     def abort(self) -> None:
         """Release ranks waiting in an all-reduce (after another rank failed)."""
         self._barrier.abort()
@@ -64,12 +77,21 @@ class LocalTPGroup:
         self.config, self.layout = config, layout
         self.reducer = ThreadAllReduce(layout.tp_size)
         tp = layout.tp_size
+        r = self.reducer
         self.models = [
-            EngineModel(config, layout, r, self.reducer.callback(r) if tp > 1 else None, device)
-            for r in range(tp)
+            EngineModel(config, layout, i, r.callback(i), device, r.gather_callback(i))
+            if tp > 1
+            else EngineModel(config, layout, i, device=device)
+            for i in range(tp)
         ]
         self.caches = [m.new_cache(max_slots, max_len) for m in self.models]
         self._pool = ThreadPoolExecutor(max_workers=tp, thread_name_prefix="tp-rank") if tp > 1 else None
+
+    def _connect(self) -> None:
+        """Point every rank's collectives at the current reducer."""
+        if self.layout.tp_size > 1:
+            for r, m in enumerate(self.models):
+                m.all_reduce, m.all_gather = self.reducer.callback(r), self.reducer.gather_callback(r)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -109,8 +131,7 @@ class LocalTPGroup:
             # A broken barrier is only the echo of another rank's failure; raise the cause.
             causes = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
             self.reducer = ThreadAllReduce(self.layout.tp_size)
-            for r, m in enumerate(self.models):
-                m.all_reduce = self.reducer.callback(r)
+            self._connect()
             raise (causes or errors)[0]
         return results
 

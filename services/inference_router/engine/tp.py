@@ -4,7 +4,8 @@ Rank 0 lives in the replica process and runs the scheduler (engine/scheduler.py)
 Ranks 1..tp-1 are `TPWorker` Ray actors. Every rank holds ONLY its own shard of the weights
 (`services.modeling.layouts.rank_params`: fused qkv/gate_up column-parallel, o/down row-parallel)
 in an `EngineModel` whose all_reduce is a gloo all-reduce over the group, so the row-parallel
-partial sums are added across processes exactly as vLLM does across GPUs.
+partial sums (and the vocab-parallel embedding lookups) are added across processes exactly as vLLM
+does across GPUs; the vocab-parallel logits are joined by a gloo all-gather.
 
 Each step rank 0 broadcasts a fixed-size header [op, a, b] and then the step's int64 payload
 (slots, lengths/positions, token ids); every worker thread sits in a loop receiving these and
@@ -59,12 +60,25 @@ def gloo_all_reduce(group: dist.ProcessGroup):
     return all_reduce
 
 
+def gloo_all_gather(group: dist.ProcessGroup):
+    """The vocab-parallel logits of every rank, stacked in rank order (equal shapes on every rank)."""
+
+    def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+        out = [torch.empty_like(tensor) for _ in range(group.size())]
+        group.allgather([out], [tensor.contiguous()]).wait()
+        return torch.stack(out)
+
+    return all_gather
+
+
 class _Rank:
     """What every rank does with one step message (shared by rank 0 and the workers)."""
 
     def __init__(self, config: ModelConfig, layout: Layout, rank: int, group, num_slots: int, max_len: int):
         self.group = group
-        self.model = EngineModel(config, layout, rank, all_reduce=gloo_all_reduce(group))
+        self.model = EngineModel(
+            config, layout, rank, all_reduce=gloo_all_reduce(group), all_gather=gloo_all_gather(group)
+        )
         self.cache = self.model.new_cache(num_slots, max_len)
         self.stager = WeightStager(rank_params(config, layout, rank))
 

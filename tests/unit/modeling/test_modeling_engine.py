@@ -261,3 +261,39 @@ def test_engine_and_packed_model_agree_on_gpu(reference):
         torch.testing.assert_close(out, packed[cu[1:] - 1], atol=1e-4, rtol=1e-4)
     finally:
         group.close()
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["all_gather", "all_reduce_fallback"])
+@pytest.mark.parametrize(
+    "layout", [Layout(2, "hf"), Layout(4, "fused")], ids=lambda lay: f"{lay.naming}-tp{lay.tp_size}"
+)
+def test_vocab_parallel_embeddings_and_untied_lm_head_give_every_rank_the_full_logits(layout, gather):
+    # Each rank holds only its vocabulary rows (101 over 2 or 4 ranks: uneven) of embed_tokens and of
+    # an untied lm_head; every rank must still see the reference's full logits for any token.
+    cfg = ModelConfig.tiny(tie_word_embeddings=False)
+    ref = Qwen2ForCausalLM(cfg, seed=5).eval()
+    ref.init_weights(5, std=0.15)
+    group = LocalTPGroup(cfg, layout, max_slots=2, max_len=32)
+    try:
+        group.load_full_state_dict(ref.state_dict())
+        rows = [m.params["lm_head.weight"].shape[0] for m in group.models]
+        assert rows == {2: [51, 50], 4: [26, 26, 26, 23]}[layout.tp_size]
+        assert [m.params["model.embed_tokens.weight"].shape[0] for m in group.models] == rows
+        if not gather:
+            for m in group.models:
+                m.all_gather = None
+        # the first and last token ids sit on the first and last rank
+        seq = torch.cat([torch.tensor([0, cfg.vocab_size - 1]), ids_of(10, 9)])
+        with torch.no_grad():
+            expected = ref(seq)
+        slot = group.allocate()
+        per_rank = group.run(lambda m, c: m.prefill(c, slot, seq[:-1], all_logits=True))
+        per_rank_step = group.run(
+            lambda m, c: m.decode(c, torch.tensor([slot]), seq[-1:], torch.tensor([len(seq) - 1]))
+        )
+        for logits, step in zip(per_rank, per_rank_step, strict=True):
+            assert logits.shape == (len(seq) - 1, cfg.vocab_size) and logits.is_contiguous()
+            torch.testing.assert_close(logits, expected[:-1], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(step[0], expected[-1], atol=1e-4, rtol=1e-4)
+    finally:
+        group.close()

@@ -70,7 +70,7 @@ def test_pieces_tile_each_target_exactly_once_and_cover_every_source_element(cfg
             assert bool((target_hits == 1).all()), f"{param.name}: a target element is written 0 or 2+ times"
     for name, hits in source_hits.items():
         assert bool((hits >= 1).all()), f"{name}: some source element is sent to no rank"
-    # total bytes across ranks: model once, plus replication (norms, embeddings, kv heads when tp > kv)
+    # total bytes across ranks: model once, plus replication (norms, kv heads when tp > kv); see below
     if tp == 1:
         assert all(bool((h == 1).all()) for h in source_hits.values())
 
@@ -111,8 +111,59 @@ def test_fused_layout_matches_vllm_semantics_with_kv_replication():
     assert torch.equal(tp2[1][f"{p}mlp.down_proj.weight"], down[:, half:])
     o = full[f"{p}self_attn.o_proj.weight"]
     assert torch.equal(tp2[0][f"{p}self_attn.o_proj.weight"], o[:, : 2 * d])
-    assert torch.equal(tp2[1]["model.embed_tokens.weight"], full["model.embed_tokens.weight"])
+    # Vocab-parallel embeddings: 101 rows split 51 + 50 (ceil-div, the last rank holds fewer).
+    embed = full["model.embed_tokens.weight"]
+    assert torch.equal(tp2[0]["model.embed_tokens.weight"], embed[:51])
+    assert torch.equal(tp2[1]["model.embed_tokens.weight"], embed[51:])
+    assert torch.equal(tp4[3]["model.embed_tokens.weight"], embed[78:])  # 26 + 26 + 26 + 23
+    assert torch.equal(tp2[1]["model.norm.weight"], full["model.norm.weight"])
     assert "lm_head.weight" not in tp2[0]
+
+
+@pytest.mark.parametrize("naming", ["hf", "fused"])
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_ranks_together_hold_every_source_element_once_except_norms_and_replicated_kv_heads(naming, tp, tied):
+    # A tp deployment receives the model once: only the RMSNorm weights (and kv heads when
+    # tp > num_key_value_heads) go to every rank. Vocab 101 does not divide by 2 or 4.
+    cfg = ModelConfig.tiny(vocab_size=101, tie_word_embeddings=tied)
+    assert cfg.vocab_size % tp and cfg.num_key_value_heads == 2
+    layout = Layout(tp, naming)
+    shapes = hf_params(cfg)
+    hits = {name: torch.zeros(shape, dtype=torch.int32) for name, shape in shapes.items()}
+    rows_per_rank = []
+    for rank in range(tp):
+        for param in rank_params(cfg, layout, rank):
+            for piece in param.pieces:
+                hits[piece.source][piece.source_index()] += 1
+            if param.name == "model.embed_tokens.weight":
+                rows_per_rank.append(param.shape[0])
+    assert rows_per_rank == {2: [51, 50], 4: [26, 26, 26, 23]}[tp]
+    kv_copies = max(1, tp // cfg.num_key_value_heads)
+    for name, h in hits.items():
+        if "norm" in name:
+            expected = tp
+        elif ".k_proj." in name or ".v_proj." in name:
+            expected = kv_copies
+        else:
+            expected = 1
+        assert bool((h == expected).all()), f"{name}: held {h.unique().tolist()} times, expected {expected}"
+    assert ("lm_head.weight" in hits) == (not tied)
+
+    # Bytes across ranks, by formula and by hand (fp32): the model once + (tp - 1) extra norm copies
+    # + (kv_copies - 1) extra k/v copies.
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    model = sum(int(torch.tensor(s).prod()) for s in shapes.values())
+    norms = (2 * layers + 1) * h
+    kv = layers * 2 * (cfg.kv_size * h + cfg.kv_size)  # k and v weights + biases
+    total = sum(p.numel for r in range(tp) for p in rank_params(cfg, layout, r))
+    assert total == model + (tp - 1) * norms + (kv_copies - 1) * kv
+    by_hand = {  # tiny: h=64=q_size (q, o), kv_size=32, i=128, V=101, 2 layers, q/k/v biases
+        True: 101 * 64 + 2 * (2 * 64 * 64 + 2 * 32 * 64 + 64 + 2 * 32 + 3 * 64 * 128 + 2 * 64) + 64,
+        False: 2 * 101 * 64 + 2 * (2 * 64 * 64 + 2 * 32 * 64 + 64 + 2 * 32 + 3 * 64 * 128 + 2 * 64) + 64,
+    }[tied]
+    assert model == by_hand
+    assert total - model == {2: 5 * 64, 4: 3 * 5 * 64 + 2 * 2 * (32 * 64 + 32)}[tp]
 
 
 def test_clipping_pieces_to_uneven_row_shards_reconstructs_each_target():
@@ -142,6 +193,11 @@ def test_layout_validation_names_the_problem():
         Layout(tp_size=4).check(ModelConfig.tiny(intermediate_size=130))
     with pytest.raises(ValueError, match="num_key_value_heads"):
         Layout(tp_size=2).check(ModelConfig.tiny(num_attention_heads=6, num_key_value_heads=3))
+    with pytest.raises(ValueError, match="vocabulary rows"):
+        Layout(tp_size=4).check(ModelConfig.tiny(vocab_size=3))  # tp > vocab
+    with pytest.raises(ValueError, match="vocabulary rows"):
+        Layout(tp_size=4).check(ModelConfig.tiny(vocab_size=5))  # blocks of 2: rank 3 gets none
+    Layout(tp_size=4).check(ModelConfig.tiny(vocab_size=7))  # 2 + 2 + 2 + 1
     with pytest.raises(ValueError, match="naming"):
         Layout(naming="megatron")
     with pytest.raises(ValueError, match="dtype"):
