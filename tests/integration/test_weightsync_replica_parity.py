@@ -12,9 +12,10 @@ memory, as weight-sync delivers to replicas on its host. After each sync:
   (checked, > 100x the tolerance), so the check fails if the sync did not happen or resharded
   anything wrongly (norms and biases are random too, not ones and zeros);
 - byte accounting: each deployment is sent the model once. tp=1 gets exactly the model (tied
-  lm_head once); tp=2 gets it once across its two ranks plus the tensors this layout replicates on
-  every rank (embed_tokens and the RMSNorm weights, see services/modeling/layouts.py; kv heads are
-  split, not replicated: tp=2 == num_key_value_heads). The payload is asserted exactly (weight-sync's
+  lm_head once); tp=2 gets it once across its two ranks plus the only tensors this layout replicates
+  on every rank, the RMSNorm weights (embed_tokens is vocab-parallel, split by rows as vLLM does, see
+  services/modeling/layouts.py; kv heads are split, not replicated: tp=2 == num_key_value_heads).
+  The payload is asserted exactly (weight-sync's
   per-deployment count); the bytes that reached each deployment's socket (gRPC, through the proxy)
   are that payload plus metadata of bounded size.
 """
@@ -54,10 +55,11 @@ F32 = 4
 #   gate/up/down 3 * 128*64, two norms 2*64 = 37120; final norm 64; lm_head tied (not counted).
 MODEL_PARAMS = 6144 + 2 * 37120 + 64  # 80_448
 MODEL_BYTES = MODEL_PARAMS * F32  # 321_792
-# Replicated on each tp rank of the fused layout: embed_tokens 6144 + 2*2 layer norms + final norm.
-REPLICATED_BYTES = (6144 + 5 * 64) * F32  # 25_856
+# Replicated on each tp rank: the 2*2 layer norms + the final norm. embed_tokens is split by
+# vocabulary rows (48 + 48 of V=96), so it travels once like the other split tensors.
+REPLICATED_BYTES = (5 * 64) * F32  # 1_280
 TP1_BYTES = MODEL_BYTES  # 321_792
-TP2_BYTES = MODEL_BYTES + (2 - 1) * REPLICATED_BYTES  # 347_648
+TP2_BYTES = MODEL_BYTES + (2 - 1) * REPLICATED_BYTES  # 323_072
 # Metadata on the wire per deployment: slice descriptors (name, shape, offset, checksum) per
 # tensor and bucket, the config.json once per rank stream, gRPC/HTTP2 framing (9 + 5 bytes per
 # frame/message), and the commit call. Measured ~5-8 KiB here; the bound leaves room, and is far
@@ -75,10 +77,10 @@ def _expected_from_config(config: ModelConfig, tp: int) -> int:
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     layer_sharded = (q * h + q) + 2 * (kv * h + kv) + h * q + 3 * i * h  # split across the tp ranks
-    norms = 2 * config.num_hidden_layers * h + h
-    replicated = v * h + norms + (0 if config.tie_word_embeddings else v * h)
+    vocab_sharded = v * h * (1 if config.tie_word_embeddings else 2)  # embed_tokens (+ untied lm_head)
+    norms = 2 * config.num_hidden_layers * h + h  # the only tensors every rank holds
     assert tp <= config.num_key_value_heads, "kv heads would be replicated: account for them"
-    return (config.num_hidden_layers * layer_sharded + tp * replicated) * F32
+    return (config.num_hidden_layers * layer_sharded + vocab_sharded + tp * norms) * F32
 
 
 def _random_model(seed: int) -> Qwen2ForCausalLM:
@@ -264,7 +266,7 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
     from services.inference_router.replica import InferenceReplica
 
     assert _expected_from_config(CONFIG, 1) == TP1_BYTES == 321_792
-    assert _expected_from_config(CONFIG, 2) == TP2_BYTES == 347_648
+    assert _expected_from_config(CONFIG, 2) == TP2_BYTES == 323_072
 
     trainer_dir, initial_dir = tmp_path / "trainer-init", tmp_path / "replica-init"
     trainer_model = _random_model(seed=11)
