@@ -9,8 +9,8 @@ A `RankPlan` is the ordered list of copy operations (a rectangle of one trainer 
 contiguous element range of one target parameter), split into slices of at most `bucket_bytes`
 and packed into buckets of about `bucket_bytes`. Only the bytes a rank needs are in its plan:
 column-parallel tensors contribute their rank's rows, row-parallel tensors their rank's
-columns (a strided view of the chunk, copied once into the bucket), replicated tensors (norms,
-embeddings, lm_head) appear in every rank's plan — that duplication is real traffic and
+columns (a strided view of the chunk, copied once into the bucket), replicated tensors (the RMSNorm
+weights; kv heads when tp > kv heads) appear in every rank's plan — that duplication is real traffic and
 `DeploymentPlan.replicated_bytes` reports it.
 
 Buckets are assembled straight from the received chunk buffers (`PlannedBucket.fill`): a view

@@ -79,8 +79,8 @@ def test_tp2_moves_the_model_once_plus_only_replicated_params():
     tp1 = build_deployment_plan(buf.layout(), config, Layout(1, "hf"), 1 << 16)
     tp2 = build_deployment_plan(buf.layout(), config, Layout(2, "fused"), 1 << 16)
     assert tp1.nbytes == model_bytes
-    replicated = sum(state[n].numel() * 4 for n in hf_params(config) if "norm" in n or "embed_tokens" in n)
-    assert tp2.nbytes == model_bytes + replicated  # each rank its slice; replicated params twice
+    replicated = sum(state[n].numel() * 4 for n in hf_params(config) if "norm" in n)
+    assert tp2.nbytes == model_bytes + replicated  # each rank its slice; only the norms go to both ranks
     assert tp2.replicated_bytes == replicated
     per_rank = [sum(p.nbytes for p in rank_params(config, Layout(2, "fused"), r)) for r in range(2)]
     assert [r.nbytes for r in tp2.ranks] == per_rank
