@@ -3,7 +3,7 @@
 `naive_full` is the path the issue names and other frameworks run: rank 0 gathers the full state
 dict from the trainer's FSDP chunks, then sends every full Hugging Face tensor, one per unary gRPC
 call, to every rank of the deployment (one call per tensor and rank; the calls of one tensor go to
-the ranks concurrently, each message serialized once). Each receiver rank keeps only its part of
+the ranks concurrently, each message serialized once, by protobuf). Each receiver rank keeps only its part of
 every tensor on arrival, as vLLM's `load_weights` does (every TP rank is handed the full HF tensor
 and narrows it to its shard): the pieces come from `services.modeling.layouts.rank_params` at
 runtime, so the slicing follows whatever the layouts say, and land in the engine's own
@@ -11,12 +11,15 @@ WeightStager (`stage_tensor`) before the ordinary CommitWeights. A tp=2 deployme
 full model once per rank. No checksums on this path (the frameworks it stands for have none), so
 the baseline does not pay for verification the planned path does.
 
+With `lean=True` (a printed reference) the same calls use the kit's zero-copy wire codec
+(services/kit/weight_transfer/wire.py) the planned path uses, instead of plain protobuf.
+
 `naive_resharded` (a printed reference, not a figure): rank 0 gathers the full state dict, then
 builds each target rank's tensors itself and sends each rank only its own slices, one tensor per
 call: half of the planning done by hand.
 
 `add_bench_handlers` registers the receiver side in the bench's receiver process (method
-"/bench.Naive/Load") and "/bench.Naive/Digest", which hashes the tensors of the last committed
+"/bench.Naive/Load", "/bench.Naive/LoadLean") and "/bench.Naive/Digest", which hashes the tensors of the last committed
 version of a rank, so the bench can check that every path ends with byte-identical weights.
 """
 
@@ -32,11 +35,20 @@ import torch
 
 from looprl.inference.v1 import inference_pb2
 from services.kit.codec import PROTO_TO_TORCH, TORCH_TO_PROTO, tensor_from_bytes, tensor_to_bytes
-from services.kit.weight_transfer import Endpoint, GrpcTransport, WeightOnlyEngine, hash64
+from services.kit.weight_transfer import (
+    BytesBucket,
+    Endpoint,
+    GrpcTransport,
+    SliceRef,
+    WeightOnlyEngine,
+    hash64,
+)
+from services.kit.weight_transfer.wire import DecodedStageRequest, decode_stage_request, encode_stage_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, Piece, rank_params
 
 LOAD = "/bench.Naive/Load"
+LOAD_LEAN = "/bench.Naive/LoadLean"
 DIGEST = "/bench.Naive/Digest"
 
 
@@ -79,13 +91,17 @@ class NaiveLoader:
 
         engine.receiver.on_commit = on_commit
 
-    async def load(self, request: inference_pb2.StageWeightsRequest, context) -> bytes:
+    async def load(self, request: inference_pb2.StageWeightsRequest | DecodedStageRequest, context) -> bytes:
+        # Off the event loop, as WeightReceiver stages: the ranks of this process copy in parallel.
+        await asyncio.to_thread(self._stage, request)
+        return b""
+
+    def _stage(self, request: inference_pb2.StageWeightsRequest | DecodedStageRequest) -> None:
         (sl,) = request.slices
         full = tensor_from_bytes(sl.data, PROTO_TO_TORCH[sl.dtype], tuple(sl.shape))
         stager = self.engine.stager
         for name, offset, index in self.by_source.get(sl.name, ()):
             stager.stage_tensor(int(request.version), name, offset, full[index])
-        return b""
 
     async def digest(self, request: bytes, context) -> bytes:
         sums = {
@@ -106,6 +122,9 @@ def add_bench_handlers(server: grpc.aio.Server, loader: NaiveLoader) -> None:
                         request_deserializer=inference_pb2.StageWeightsRequest.FromString,
                         response_serializer=_identity,
                     ),
+                    "LoadLean": grpc.unary_unary_rpc_method_handler(
+                        loader.load, request_deserializer=decode_stage_request, response_serializer=_identity
+                    ),
                     "Digest": grpc.unary_unary_rpc_method_handler(
                         loader.digest, request_deserializer=_identity, response_serializer=_identity
                     ),
@@ -124,28 +143,37 @@ def gather(buf) -> dict[str, torch.Tensor]:
     return full
 
 
-async def naive_full(transport: GrpcTransport, buf, endpoints: Sequence[Endpoint], version: int) -> int:
-    """Gather on rank 0, then every full HF tensor in its own call to every rank; bytes sent."""
+async def naive_full(
+    transport: GrpcTransport, buf, endpoints: Sequence[Endpoint], version: int, *, lean: bool = False
+) -> int:
+    """Gather on rank 0, then every full HF tensor in its own call to every rank; bytes sent.
+
+    Messages are built and parsed by protobuf (the figure's baseline: what a naive implementation
+    writes), or with `lean`, with the kit's zero-copy wire codec the planned path uses (a printed
+    reference: how much of the gap is the codec rather than the plan)."""
     full = gather(buf)
     calls = [
         transport.channel(ep.address).unary_unary(
-            LOAD, request_serializer=_identity, response_deserializer=_identity
+            LOAD_LEAN if lean else LOAD, request_serializer=_identity, response_deserializer=_identity
         )
         for ep in endpoints
     ]
     sent = 0
     for name, tensor in full.items():
-        message = inference_pb2.StageWeightsRequest(
-            version=version,
-            slices=[
-                inference_pb2.WeightSlice(
-                    name=name,
-                    dtype=TORCH_TO_PROTO[tensor.dtype],
-                    shape=tensor.shape,
-                    data=tensor_to_bytes(tensor),
-                )
-            ],
-        ).SerializeToString()
+        if lean:
+            raw = tensor.view(-1).view(torch.uint8).numpy()
+            meta = SliceRef(name, TORCH_TO_PROTO[tensor.dtype], tuple(tensor.shape), 0, 0, raw.nbytes)
+            message = encode_stage_request(BytesBucket(0, 1, [meta], raw), memoryview(raw), version=version)
+        else:
+            tensor_slice = inference_pb2.WeightSlice(
+                name=name,
+                dtype=TORCH_TO_PROTO[tensor.dtype],
+                shape=tensor.shape,
+                data=tensor_to_bytes(tensor),
+            )
+            message = inference_pb2.StageWeightsRequest(
+                version=version, slices=[tensor_slice]
+            ).SerializeToString()
         await asyncio.gather(*(call(message) for call in calls))
         sent += tensor.numel() * tensor.element_size() * len(calls)
     del full
