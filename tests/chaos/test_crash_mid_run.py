@@ -36,7 +36,9 @@ def wait_for_step(stack, run_id: str, step: int, timeout: float = 240) -> gatewa
 
 def test_packer_gateway_and_trainer_crashes_mid_run_lose_and_duplicate_nothing(fresh_stack) -> None:
     stack = fresh_stack
-    recipe = with_overrides(DEFAULT_RECIPE, run={"steps": 12}, trainer={"checkpoint_every": 3})
+    # Long enough that each kill lands mid-run: a step takes ~0.15 s here, and `looprl restart` needs a
+    # second or two of interpreter start before it kills.
+    recipe = with_overrides(DEFAULT_RECIPE, run={"steps": 60}, trainer={"checkpoint_every": 3})
     run_id = "chaos-run"
     stack.stub.CreateRun(
         gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id=run_id), metadata=stack.metadata
@@ -61,6 +63,6 @@ def test_packer_gateway_and_trainer_crashes_mid_run_lose_and_duplicate_nothing(f
         final = update.run
     assert final is not None and final.state == gateway_pb2.RUN_STATE_COMPLETED, final
     assert_accounting(final)
-    assert final.weight_version == 12
+    assert final.weight_version == 60
     trainer_log = (stack.state_dir / "logs" / "trainer.log").read_text()
     assert "resumed from" in trainer_log, "the restarted trainer did not resume from its checkpoint"
