@@ -349,7 +349,11 @@ class DeploymentManager:
             self.router.on_weights_published(
                 replica.deployment if replica else event.deployment, event.version
             )
-            await self.router.poll_once()
+            if replica is not None:
+                # The event is the commit itself: no status round trip on every step's critical path.
+                self.router.on_replica_committed(replica, event.version)
+            else:
+                await self.router.poll_once()
 
         self._subscription = await self._bus.nc.subscribe(subject, cb=on_message)
 

@@ -367,6 +367,16 @@ class Router:
             self.announced[deployment] = version
             self._notify()
 
+    def on_replica_committed(self, replica: ReplicaState, version: int) -> None:
+        """Weight-sync committed `version` on this replica (it publishes only after the commit):
+        requests waiting for it can go there now, without waiting for a status poll. A replica that
+        is being resynced after a restart keeps waiting for its poll (which checks the address)."""
+        if replica.resync_to_version is not None or version <= replica.weight_version:
+            return
+        replica.weight_version = version
+        metrics.REPLICA_VERSION.labels(replica.deployment, replica.name).set(version)
+        self._notify()
+
     async def poll_once(self) -> None:
         async def one(name: str) -> None:
             replica = self.replicas[name]

@@ -128,6 +128,24 @@ async def test_min_version_waits_for_an_update_then_serves():
     assert response.replica == "d-1" and response.completions[0].weight_version == 4
 
 
+async def test_a_committed_version_event_releases_waiting_requests_without_a_poll():
+    router, fakes = _router(settings=RouterSettings(version_wait_s=5))
+    await router.poll_once()
+
+    async def commit_later():
+        await asyncio.sleep(0.2)
+        fakes[1].version = 4  # the replica swapped; weight-sync announces it, nobody polls
+        router.on_replica_committed(router.replicas["d-1"], 4)
+
+    task = asyncio.create_task(commit_later())
+    response = await router.generate(_request(min_weight_version=4))
+    await task
+    assert response.replica == "d-1" and response.completions[0].weight_version == 4
+    # An older or repeated announcement never moves a replica's version back.
+    router.on_replica_committed(router.replicas["d-1"], 2)
+    assert router.replicas["d-1"].weight_version == 4
+
+
 @pytest.mark.parametrize(
     "code,kind", [("FAILED_PRECONDITION", errors.FailedPrecondition), ("UNAVAILABLE", errors.Unavailable)]
 )
