@@ -50,8 +50,8 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return _error(HTTP_STATUS.get(exc.code(), 502), exc.details() or "", exc.code().name)
 
 
-def _run_json(record) -> dict:
-    return MessageToDict(run_to_proto(record), preserving_proto_field_name=True)
+def _run_json(run) -> dict:
+    return MessageToDict(run, preserving_proto_field_name=True)
 
 
 class HttpApi:
@@ -102,16 +102,21 @@ class HttpApi:
         if not isinstance(body.get("recipe_toml"), str):
             raise InvalidArgument("recipe_toml: required string")
         record = await self.runs.create(body["recipe_toml"], str(body.get("run_id", "")))
-        return web.json_response(_run_json(record), status=201)
+        return web.json_response(_run_json(run_to_proto(record)), status=201)
 
     async def list_runs(self, request: web.Request) -> web.Response:
-        return web.json_response({"runs": [_run_json(r) for r in await self.runs.store.list()]})
+        runs = [_run_json(await self.runs.proto(r)) for r in await self.runs.store.list()]
+        return web.json_response({"runs": runs})
 
     async def get_run(self, request: web.Request) -> web.Response:
-        return web.json_response(_run_json(await self.runs.get(request.match_info["run_id"])))
+        return web.json_response(
+            _run_json(await self.runs.proto(await self.runs.get(request.match_info["run_id"])))
+        )
 
     async def stop_run(self, request: web.Request) -> web.Response:
-        return web.json_response(_run_json(await self.runs.stop(request.match_info["run_id"])))
+        return web.json_response(
+            _run_json(await self.runs.proto(await self.runs.stop(request.match_info["run_id"])))
+        )
 
     def _sampling(self, body: dict) -> common_pb2.SamplingParams:
         def number(name: str, default: float, kind: type = float) -> Any:

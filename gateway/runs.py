@@ -40,8 +40,15 @@ def new_run_id(name: str) -> str:
     return f"{slug}-{uuid.uuid4().hex[:6]}"
 
 
+# Steps per history chunk: a step rewrites one chunk, never the whole history.
+HISTORY_CHUNK = 100
+
+
 class RunStore:
-    """Run records in the "runs" KV bucket, updated with compare-and-set."""
+    """Run records in the "runs" KV bucket (key: run id), updated with compare-and-set. The per-step
+    history lives beside them in chunks (keys `<run id>.history.<n>`), so the record every service
+    watches stays small: with the history inside it, each step rewrote (and every watcher re-parsed)
+    a record growing by a line per step."""
 
     def __init__(self, kv: KV) -> None:
         self.kv = kv
@@ -54,8 +61,27 @@ class RunStore:
         return None if raw is None else RunRecord.from_json(raw)
 
     async def list(self) -> list[RunRecord]:
-        records = [await self.get(key) for key in await self.kv.keys()]
+        records = [await self.get(key) for key in await self.kv.keys() if "." not in key]
         return sorted((r for r in records if r is not None), key=lambda r: r.created_at)
+
+    async def history(self, record: RunRecord) -> list[dict]:
+        """The run's per-step entries, in step order."""
+        out: list[dict] = []
+        for chunk in range(-(-max(record.step, 0) // HISTORY_CHUNK)):
+            raw = await self.kv.get(f"{record.run_id}.history.{chunk}")
+            out.extend(json.loads(raw) if raw else [])
+        return sorted(out, key=lambda h: h["step"])
+
+    async def add_history(self, run_id: str, entry: dict) -> None:
+        """Add one step's entry (idempotent: a redelivered step is not added twice). Only the run's
+        driver writes a run's history."""
+        key = f"{run_id}.history.{entry['step'] // HISTORY_CHUNK}"
+        raw = await self.kv.get(key)
+        entries = json.loads(raw) if raw else []
+        if any(h["step"] == entry["step"] for h in entries):
+            return
+        entries.append(entry)
+        await self.kv.put(key, json.dumps(entries).encode())
 
     async def update(self, run_id: str, change) -> RunRecord:
         """Apply change(record) and write it back; retried on concurrent writes."""
@@ -207,6 +233,9 @@ class RunDriver:
                     self._trained_version = max(self._trained_version, step.version)
                     self._version_seen.set()
                     dropped = await self._dropped()
+                    # History and counters are each idempotent, so a crash between the two writes
+                    # and the redelivery that follows leaves both right.
+                    await self.store.add_history(self.run_id, history_entry(step))
                     await self.store.update(self.run_id, lambda r, s=step, d=dropped: _apply_step(r, s, d))
                     await delivery.ack()
                     self._version_seen.set()
@@ -245,29 +274,39 @@ def _fed(record: RunRecord, fed_steps: int, per_step: int) -> None:
     record.episodes_published = record.extra["fed_steps"] * per_step
 
 
+def history_entry(step: events_pb2.TrainStepRecord) -> dict:
+    return {
+        "step": step.step,
+        "reward_mean": step.reward_mean,
+        "reward_std": step.reward_std,
+        "loss": step.loss,
+        "mean_staleness": step.mean_staleness,
+        "max_staleness": step.max_staleness,
+        "train_tokens_per_second": step.tokens_per_second,
+        "num_rollouts": step.num_rollouts,
+        "num_tokens": step.num_tokens,
+        "seconds": step.step_seconds,
+        "at": time.time(),
+    }
+
+
 def _apply_step(record: RunRecord, step: events_pb2.TrainStepRecord, dropped: dict[str, int] | None) -> None:
     if dropped is not None:
         record.extra["dropped"] = {k: v for k, v in dropped.items() if k not in DUPLICATE_REASONS}
         record.extra["duplicate_deliveries"] = sum(v for k, v in dropped.items() if k in DUPLICATE_REASONS)
-    history = record.extra.setdefault("history", [])
-    if any(h["step"] == step.step for h in history):
+    # Steps already counted, as merged [first, last] ranges (one range when steps arrive in order).
+    counted: list[list[int]] = record.extra.setdefault("counted_steps", [])
+    if any(lo <= step.step <= hi for lo, hi in counted):
         return  # a redelivered record: already counted
-    history.append(
-        {
-            "step": step.step,
-            "reward_mean": step.reward_mean,
-            "reward_std": step.reward_std,
-            "loss": step.loss,
-            "mean_staleness": step.mean_staleness,
-            "max_staleness": step.max_staleness,
-            "train_tokens_per_second": step.tokens_per_second,
-            "num_rollouts": step.num_rollouts,
-            "num_tokens": step.num_tokens,
-            "seconds": step.step_seconds,
-            "at": time.time(),
-        }
-    )
-    history.sort(key=lambda h: h["step"])
+    counted.append([step.step, step.step])
+    counted.sort()
+    merged = [counted[0]]
+    for lo, hi in counted[1:]:
+        if lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    record.extra["counted_steps"] = merged
     record.extra["rollouts_trained"] = int(record.extra.get("rollouts_trained", 0)) + step.num_rollouts
     record.step = max(record.step, step.step + 1)
     record.weight_version = max(record.weight_version, step.version)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from gateway.auth import TokenAuth
@@ -28,7 +28,8 @@ STATES = {
 }
 
 
-def run_to_proto(record: RunRecord) -> gateway_pb2.Run:
+def run_to_proto(record: RunRecord, history: Sequence[dict] = ()) -> gateway_pb2.Run:
+    """The public Run: the record, plus its per-step history when given (RunManager.proto loads it)."""
     extra = record.extra
     run = gateway_pb2.Run(
         run_id=record.run_id,
@@ -46,7 +47,7 @@ def run_to_proto(record: RunRecord) -> gateway_pb2.Run:
         pass
     for name, version in sorted(extra.get("deployments", {}).items()):
         run.deployments.add(deployment=name, version=int(version))
-    for h in extra.get("history", []):
+    for h in history:
         run.history.add(
             step=h["step"],
             reward_mean=h["reward_mean"],
@@ -73,6 +74,9 @@ class RunManager:
         self.bus, self.store, self.base_dir, self.packer = bus, store, recipe_base_dir, packer
         self.exclusive_runs = exclusive_runs
         self.drivers: dict[str, RunDriver] = {}
+
+    async def proto(self, record: RunRecord) -> gateway_pb2.Run:
+        return run_to_proto(record, await self.store.history(record))
 
     async def resume(self) -> None:
         for record in await self.store.list():
@@ -152,22 +156,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def GetRun(self, request, context):
         self.auth.check_grpc(context)
-        return gateway_pb2.GetRunResponse(run=run_to_proto(await self.runs.get(request.run_id)))
+        return gateway_pb2.GetRunResponse(run=await self.runs.proto(await self.runs.get(request.run_id)))
 
     async def ListRuns(self, request, context):
         self.auth.check_grpc(context)
-        return gateway_pb2.ListRunsResponse(runs=[run_to_proto(r) for r in await self.runs.store.list()])
+        return gateway_pb2.ListRunsResponse(
+            runs=[await self.runs.proto(r) for r in await self.runs.store.list()]
+        )
 
     async def StopRun(self, request, context):
         self.auth.check_grpc(context)
-        return gateway_pb2.StopRunResponse(run=run_to_proto(await self.runs.stop(request.run_id)))
+        return gateway_pb2.StopRunResponse(run=await self.runs.proto(await self.runs.stop(request.run_id)))
 
     async def WatchRun(self, request, context) -> AsyncIterator[gateway_pb2.WatchRunResponse]:
         self.auth.check_grpc(context)
         record = await self.runs.get(request.run_id)
         last = None
         while True:
-            snapshot = run_to_proto(record)
+            snapshot = await self.runs.proto(record)
             if snapshot != last:
                 yield gateway_pb2.WatchRunResponse(run=snapshot)
                 last = snapshot

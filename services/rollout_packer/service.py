@@ -60,7 +60,7 @@ class PackerApp:
                     await self.add_run(run_id, settings)
         if self.cfg.watch_runs:
             kv = await self.bus.kv(subjects.RUNS)
-            watch = kv.watch(">")
+            watch = kv.watch("*")  # run records only: history chunks are `<run>.history.<n>`
             await watch.start()
             self._watch_task = asyncio.create_task(self._follow_runs(watch), name="packer-runs-watch")
 

@@ -52,7 +52,7 @@ class TrainerApp:
             self.begin(run_id, load_recipe(Path(self.cfg.recipe)))
         elif self.cfg.watch_runs and self.bus is not None:
             kv = await self.bus.kv(subjects.RUNS)
-            watch = kv.watch(">")
+            watch = kv.watch("*")  # run records only: history chunks are `<run>.history.<n>`
             await watch.start()
             self._watch_task = asyncio.create_task(self._follow_runs(watch), name="trainer-runs-watch")
 
