@@ -6,9 +6,6 @@ only then serves again — nothing in the test loads weights by hand."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import grpc
@@ -17,32 +14,16 @@ import pytest
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
-from services.inference_router.local_fleet import REPO_ROOT, RouterProcess, replica_actor, tiny_checkpoint
-from services.kit.local import free_port, stop_process_group, wait_for_port
+from services.inference_router.local_fleet import RouterProcess, replica_actor, tiny_checkpoint
+from tests.support.weight_sync_process import weight_sync_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")
 def weight_sync(tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("ws") / "weight-sync.log", "wb")  # noqa: SIM115
-    env = {
-        **os.environ,
-        "LOOPRL_WEIGHTSYNC_GRPC_PORT": str(port),
-        "LOOPRL_WEIGHTSYNC_USE_BUS": "false",
-        "LOOPRL_WEIGHTSYNC_GRACE_SECONDS": "2",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.weight_sync"], cwd=REPO_ROOT, env=env, stdout=log,
-        stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        wait_for_port(port, 60, proc, "weight-sync")
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop_process_group(proc, grace=10)
-        log.close()
+    with weight_sync_process(tmp_path_factory.mktemp("ws")) as (address, _):
+        yield address
 
 
 def _push(stub, state, config, version):

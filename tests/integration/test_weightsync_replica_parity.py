@@ -22,9 +22,6 @@ memory, as weight-sync delivers to replicas on its host. After each sync:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import grpc
@@ -34,8 +31,6 @@ import torch
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
-from services.inference_router.local_fleet import REPO_ROOT
-from services.kit.local import free_port, stop_process_group, wait_for_port
 from services.modeling.config import ModelConfig
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
@@ -44,6 +39,7 @@ from services.trainer.optim import OptimizerSpec
 from services.trainer.ranks import RankGroup
 from services.trainer.spec import TrainerSpec
 from tests.support.byte_counting_proxy import ByteCountingProxy
+from tests.support.weight_sync_process import weight_sync_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -102,25 +98,8 @@ def _random_model(seed: int) -> Qwen2ForCausalLM:
 
 @pytest.fixture(scope="module")
 def weight_sync(tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("ws") / "weight-sync.log", "wb")  # noqa: SIM115
-    env = {
-        **os.environ,
-        "LOOPRL_WEIGHTSYNC_GRPC_PORT": str(port),
-        "LOOPRL_WEIGHTSYNC_USE_BUS": "false",
-        "LOOPRL_WEIGHTSYNC_GRACE_SECONDS": "2",
-        "LOOPRL_WEIGHTSYNC_BUCKET_BYTES": str(BUCKET_BYTES),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.weight_sync"], cwd=REPO_ROOT, env=env, stdout=log,
-        stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        wait_for_port(port, 90, proc, "weight-sync")
-        yield f"127.0.0.1:{port}", log.name
-    finally:
-        stop_process_group(proc, grace=10)
-        log.close()
+    with weight_sync_process(tmp_path_factory.mktemp("ws"), bucket_bytes=str(BUCKET_BYTES)) as running:
+        yield running
 
 
 def _generate(actor, prompt: list[int], temperature: float, seed: int) -> inference_pb2.Completion:
