@@ -6,57 +6,25 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from looprl.environment.v1 import environment_pb2 as env_pb
 from looprl.environment.v1 import environment_pb2_grpc as env_grpc
 from looprl.reward.v1 import reward_pb2, reward_pb2_grpc
-from services.kit.local import free_port
+from tests.support.service_process import service_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="sandbox needs root")]
 
 
-def _start(module: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    full = {**os.environ, **env, "LOOPRL_GRPC_PORT": str(port), "LOOPRL_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen([sys.executable, "-m", module], env=full)
-    address = f"127.0.0.1:{port}"
-    channel = grpc.insecure_channel(address)
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"{module} exited with {proc.returncode}"
-        try:
-            if (
-                stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                == health_pb2.HealthCheckResponse.SERVING
-            ):
-                return proc, address
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"{module} did not become SERVING")
-
-
 @pytest.fixture(scope="module")
 def services():
-    env_proc, env_addr = _start("services.environment_sandbox", {"LOOPRL_ENV_CONSUME_EPISODES": "false"})
-    rew_proc, rew_addr = _start("services.reward", {"LOOPRL_REWARD_SANDBOX_ADDRESS": env_addr})
-    yield env_addr, rew_addr
-    for proc in (env_proc, rew_proc):
-        proc.terminate()
-    for proc in (env_proc, rew_proc):
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with (
+        service_process("services.environment_sandbox", {"LOOPRL_ENV_CONSUME_EPISODES": "false"}, 30) as env,
+        service_process("services.reward", {"LOOPRL_REWARD_SANDBOX_ADDRESS": env.address}, 30) as rew,
+    ):
+        yield env.address, rew.address
 
 
 def _code(call) -> grpc.StatusCode:

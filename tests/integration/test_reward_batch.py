@@ -6,55 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from looprl.reward.v1 import reward_pb2, reward_pb2_grpc
 from services.environment_sandbox.clients import RewardClient
-from services.kit.local import free_port
+from tests.support.service_process import service_process
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def reward_service():
-    port, metrics_port = free_port(), free_port()
-    env = {
-        **os.environ,
-        "LOOPRL_GRPC_PORT": str(port),
-        "LOOPRL_METRICS_PORT": str(metrics_port),
-        "LOOPRL_LOG_LEVEL": "WARNING",
-    }
-    proc = subprocess.Popen([sys.executable, "-m", "services.reward"], env=env, start_new_session=True)
-    address = f"127.0.0.1:{port}"
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            assert proc.poll() is None, f"reward service exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "reward service did not become SERVING"
-            try:
-                status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        yield address, f"http://127.0.0.1:{metrics_port}/metrics"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with service_process("services.reward", {}) as svc:
+        yield svc.address, svc.metrics_url
 
 
 def _calls(metrics_url: str, method: str) -> int:

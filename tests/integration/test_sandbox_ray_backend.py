@@ -7,18 +7,14 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import subprocess
-import sys
-import time
 import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from looprl.environment.v1 import environment_pb2 as env_pb
 from looprl.environment.v1 import environment_pb2_grpc as env_grpc
-from services.kit.local import free_port
+from tests.support.service_process import service_process
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,12 +31,8 @@ def metric(url: str, name: str) -> float:
 
 @pytest.fixture
 def ray_backend_service(ray_head):
-    port, metrics_port = free_port(), free_port()
+    # RAY_ADDRESS and the token come from the environment the ray_head fixture exported.
     env = {
-        **os.environ,  # RAY_ADDRESS and the token exported by the ray_head fixture
-        "LOOPRL_GRPC_PORT": str(port),
-        "LOOPRL_METRICS_PORT": str(metrics_port),
-        "LOOPRL_LOG_LEVEL": "WARNING",
         "LOOPRL_ENV_CONSUME_EPISODES": "false",
         "LOOPRL_ENV_SANDBOX_BACKEND": "ray",
         "LOOPRL_ENV_SANDBOX_MIN_ACTORS": "1",
@@ -48,27 +40,8 @@ def ray_backend_service(ray_head):
         "LOOPRL_ENV_SANDBOX_QUEUE_PER_ACTOR": "2",
         "LOOPRL_ENV_WARM_WORKERS": "1",
     }
-    proc = subprocess.Popen([sys.executable, "-m", "services.environment_sandbox"], env=env)
-    address = f"127.0.0.1:{port}"
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            assert proc.poll() is None, f"service exited with {proc.returncode}"
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    break
-            except grpc.RpcError:
-                assert time.monotonic() < deadline, "service did not become SERVING"
-                time.sleep(0.2)
-        yield proc, address, f"http://127.0.0.1:{metrics_port}/metrics"
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with service_process("services.environment_sandbox", env) as svc:
+        yield svc.proc, svc.address, svc.metrics_url
 
 
 async def test_exec_runs_on_ray_sandbox_actors(ray_backend_service):
