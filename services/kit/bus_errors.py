@@ -25,7 +25,3 @@ class KVConflict(BusError):
 
 class PoisonMessage(BusError, ValueError):
     """A delivered payload cannot be parsed; retrying will not help (term it)."""
-
-
-# --------------------------------------------------------------------------------------------
-# connection

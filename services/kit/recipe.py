@@ -348,8 +348,8 @@ class RunRecord:
         return parse_recipe(self.recipe_toml)
 
     def to_json(self) -> bytes:
-        # Not dataclasses.asdict: it deep-copies extra["history"] (one entry per step) first, and the
-        # gateway writes the record several times a step.
+        # Not dataclasses.asdict, which deep-copies `extra` first: the gateway writes the record
+        # several times a step.
         return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}).encode()
 
     @classmethod

@@ -428,8 +428,9 @@ class TrainerWorker:
     def push_weights(self, address: str, version: int, timeout_s: float = 300.0) -> dict[str, Any]:
         """Stream this rank's own shards of `version` to weight-sync (client streaming)."""
         max_bytes = self.spec.push_max_bytes
+        limit = max_bytes + (4 << 20)
         start = time.perf_counter()
-        stub = weightsync_pb2_grpc.WeightSyncServiceStub(self._channel(address, max_bytes + (4 << 20)))
+        stub = weightsync_pb2_grpc.WeightSyncServiceStub(self._channel(address, limit))
         requests = push_requests(
             self.model,
             version,
@@ -444,18 +445,17 @@ class TrainerWorker:
             response = stub.PushShards(requests, timeout=timeout_s)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                self._forget_channel(address, max_bytes + (4 << 20))
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                # e.g. after a resume, weight-sync already holds this version from before the crash.
-                return {
-                    "rank": self.rank,
-                    "version": version,
-                    "bytes": 0,
-                    "complete": False,
-                    "skipped": exc.details(),
-                    "seconds": time.perf_counter() - start,
-                }
-            raise
+                self._forget_channel(address, limit)
+                raise
+            # e.g. after a resume, weight-sync already holds this version from before the crash.
+            return {
+                "rank": self.rank,
+                "version": version,
+                "bytes": 0,
+                "complete": False,
+                "skipped": exc.details(),
+                "seconds": time.perf_counter() - start,
+            }
         return {
             "rank": self.rank,
             "version": response.version,

@@ -9,9 +9,9 @@ Raising the mmap threshold above the largest bucket (and the trim threshold with
 buckets be reused from the heap: faults drop to a few thousand and the sync runs ~1.3x faster.
 
 The cost is memory kept: up to `trim_bytes` of freed heap at the top (and `top_pad_bytes` more per
-heap growth) may stay resident instead of going back to the OS (a weight receiver holds two copies of its weights anyway). It is a
-process-wide setting, so it is applied once, only with glibc, and not at all when
-LOOPRL_WEIGHT_MALLOC_TUNING=0.
+heap growth) may stay resident instead of going back to the OS (a weight receiver holds two copies
+of its weights anyway). It is a process-wide setting, so it is applied once, only with glibc, and
+not at all when LOOPRL_WEIGHT_MALLOC_TUNING=0.
 """
 
 from __future__ import annotations
