@@ -104,18 +104,25 @@ class RunPacker:
     async def stop(self, hand_back: bool = True) -> None:
         """Stop consuming; hand held rollouts back for immediate redelivery (their plans are in KV)."""
         self._closing = True
-        for task in self._tasks:
+        intake, *others = self._tasks or [None]
+        for task in others:
             task.cancel()
-        for task in self._tasks:
+        if intake is not None:
+            # let the intake finish the fetch it is in, so what that fetch brought ends up held
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(intake, timeout=5.0)
+        for task in others:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._consumer is not None:
+            # unsubscribe before the naks: a fetch cut short leaves its pull request on the server,
+            # and while it has a subscriber the server hands the redeliveries straight back to it
+            await self._consumer.close()
         if hand_back:
             for d in list(self.held.values()):
                 with contextlib.suppress(Exception):
                     await d.nak()
         self.held.clear()
-        if self._consumer is not None:
-            await self._consumer.close()
 
     def _register(self, record: StepRecord) -> None:
         if record.acked:

@@ -131,6 +131,37 @@ async def test_nak_redelivers_and_in_progress_holds_the_message(bus: Bus) -> Non
     await delivery.ack()
 
 
+async def test_close_before_nak_or_a_lingering_pull_swallows_the_redelivery(bus: Bus) -> None:
+    """A fetch cut short leaves its pull request on the server until it expires. A nak sent while
+    that request still has a subscriber is redelivered straight into it, and the message then sits
+    out ack_wait; closing the consumer first removes the interest and the nak redelivers at once."""
+
+    async def hand_back_after_a_cancelled_fetch(close_first: bool) -> float:
+        run = new_run()
+        await bus.publish(subjects.rollouts(run), b"held work")
+        durable = f"handback-{run}"
+        consumer = await bus.pull_consumer(subjects.ROLLOUTS, durable, subjects.rollouts(run), ack_wait=2)
+        [held] = await consumer.fetch(1, timeout=2)
+        cut_short = asyncio.ensure_future(consumer.fetch(8, timeout=3))  # what a stopping intake does
+        await asyncio.sleep(0.2)
+        cut_short.cancel()
+        if close_first:
+            await consumer.close()
+        await held.nak()
+        await asyncio.sleep(0.2)  # the server acts on the nak before it hears of the close
+        await consumer.close()
+        successor = await bus.pull_consumer(subjects.ROLLOUTS, durable, subjects.rollouts(run), ack_wait=2)
+        started = time.monotonic()
+        [again] = await successor.fetch(1, timeout=8)
+        assert again.stream_seq == held.stream_seq
+        await again.ack()
+        await successor.close()
+        return time.monotonic() - started
+
+    assert await hand_back_after_a_cancelled_fetch(close_first=False) > 1.2
+    assert await hand_back_after_a_cancelled_fetch(close_first=True) < 1.0
+
+
 async def test_max_deliver_bounds_the_attempts(bus: Bus) -> None:
     run = new_run()
     await bus.publish(subjects.rollouts(run), b"flaky")
