@@ -439,6 +439,7 @@ class ReplicaCore:
             "paused": self._paused,
             "weight_version": -1,
             "staged_version": -1,
+            "rollback_version": -1,
             "rolled_back_version": self.rolled_back_version,
             "outstanding_requests": 0,
             "outstanding_tokens": 0,
@@ -459,6 +460,10 @@ class ReplicaCore:
             )
         if self._stager is not None and self._stager.staged_version is not None:
             out["staged_version"] = self._stager.staged_version
+        # a TP group's ranks commit and roll back together: rank 0's stager speaks for them all
+        stager = self._stager or getattr(getattr(self.engine, "rank0", None), "stager", None)
+        if stager is not None and stager.rollback_version is not None:
+            out["rollback_version"] = stager.rollback_version
         return out
 
     async def pause(self) -> None:
@@ -490,6 +495,7 @@ class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
             cache_usage=st["cache_usage"],
             paused=st["paused"],
             staged_version=st["staged_version"],
+            rollback_version=st["rollback_version"],
         )
 
     async def Pause(self, request, context):

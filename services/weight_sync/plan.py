@@ -27,7 +27,7 @@ import hashlib
 import json
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -365,6 +365,14 @@ class PlannedBucket:
         out = torch.frombuffer(dest, dtype=torch.uint8, count=self.nbytes) if self.nbytes else None
         for op, ref in zip(self.spec.ops, self.slices, strict=True):
             self._fill_slice(op, ref, out)
+
+    def copy_to(self, dests: Sequence[torch.Tensor]) -> None:
+        """Copy slice i into dests[i] (uint8, its nbytes), cast to the target dtype: how a shared
+        copy is written (shared_copy.py). No hash: receivers check sums from the landing record."""
+        for op, ref, dest in zip(self.spec.ops, self.slices, dests, strict=True):
+            if ref.nbytes:
+                src = self._chunks[op.chunk][op.row0 : op.row0 + op.rows, op.col0 : op.col0 + op.cols]
+                dest.view(self.dtype).view(op.rows, op.cols).copy_(src)
 
     def payload_parts(self, scratch: memoryview) -> list:
         """The payload of every slice as a contiguous buffer, hash64 set, for a transport that

@@ -28,7 +28,7 @@ from .checksum import hash64
 from .errors import ChecksumMismatch, InvalidWeights
 from .specs import torch_dtype_of
 from .stager import StageProgress, WeightStager
-from .transport import Endpoint, StageResult, Transport
+from .transport_base import Endpoint, StageResult, Transport, aiter_buckets
 
 
 def _device_bucket(bucket, device: torch.device) -> torch.Tensor:
@@ -52,7 +52,7 @@ class CudaIpcTransport(Transport):
         results = {ep: StageResult(ep) for ep in endpoints}
         start = time.perf_counter()
         first = True
-        async for bucket in _aiter(buckets):
+        async for bucket in aiter_buckets(buckets):
             dev = await asyncio.to_thread(_device_bucket, bucket, self.device)
             torch.cuda.current_stream(self.device).synchronize()
             handle = pickle.dumps(reduce_tensor(dev))
@@ -88,7 +88,7 @@ class NcclBroadcastTransport(Transport):
 
         results = {ep: StageResult(ep) for ep in endpoints}
         start = time.perf_counter()
-        async for bucket in _aiter(buckets):
+        async for bucket in aiter_buckets(buckets):
             dev = await asyncio.to_thread(_device_bucket, bucket, self.device)
             req = inference_pb2.StageWeightsRequest(
                 version=version, bucket_count=bucket.count, bucket_index=bucket.index, total_bytes=total_bytes,
@@ -177,10 +177,3 @@ def _finish(results, start, version) -> None:
             res.error = DeliveryError(
                 f"{ep}: version {version} incomplete after last bucket", endpoint=str(ep)
             )
-
-
-async def _aiter(buckets):
-    from .transport import _aiter as host_aiter
-
-    async for b in host_aiter(buckets):
-        yield b

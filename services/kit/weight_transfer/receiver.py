@@ -155,9 +155,11 @@ class WeightOnlyEngine(inference_pb2_grpc.InferenceEngineServiceServicer):
         return await self.receiver.RollbackWeights(request, context)
 
     async def Status(self, request, context):
-        staged = self.stager.staged_version
+        staged, previous = self.stager.staged_version, self.stager.rollback_version
         return inference_pb2.StatusResponse(
-            weight_version=self.version, staged_version=-1 if staged is None else staged
+            weight_version=self.version,
+            staged_version=-1 if staged is None else staged,
+            rollback_version=-1 if previous is None else previous,
         )
 
 

@@ -6,8 +6,11 @@ StageWeights request is handed to `stage()`: each slice is checked against the s
 dtype, full shape, element range, no overlap with bytes already staged), its bytes are
 copied into preallocated staging tensors and their checksum is verified on what landed there
 (hash64, computed block by block during the copy, so verification costs little more than the
-copy; slices from older senders carry only a CRC32, checked on the source). The serving weights are
-never touched. `commit(v)` returns the complete state dict for the replica to swap in
+copy; slices from older senders carry only a CRC32, checked on the source). Slices marked shm_adopt
+are not copied at all: the staged tensor becomes a read-only view of weight-sync's shared copy of
+the layout (several co-located deployments then serve from one copy of the weights), and only the
+slices that carry a sum64 are verified here, the others by the peers that share the copy. The
+serving weights are never touched. `commit(v)` returns the complete state dict for the replica to swap in
 atomically; `abort(v)` drops the staged bytes. Any rejected slice aborts the staged version,
 so a half-verified version can never be committed; the sender retries the whole version.
 
@@ -23,6 +26,7 @@ calls and in any order.
 from __future__ import annotations
 
 import threading
+import warnings
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -122,6 +126,8 @@ class WeightStager:
         # default 256 MB arena, on every version of even a tiny model).
         self._shm = ShmReader()
         self._last_refreshed: int | None = None
+        self._adopted: dict[str, tuple[str, int]] = {}  # name -> (segment, byte offset) this version
+        self._shared_ptrs: set[int] = set()  # data pointers of read-only adopted tensors
 
     # ----------------------------------------------------------------- state
     @property
@@ -164,6 +170,9 @@ class WeightStager:
                 self._last_refreshed = version
             try:
                 for i, sl in enumerate(request.slices):
+                    if sl.shm_adopt:
+                        self._adopt_slice(i, sl, reader)
+                        continue
                     if sl.shm_name and sl.shm_rows:  # a rectangle of a trainer chunk (reshard-on-read)
                         rows, nbytes = int(sl.shm_rows), int(sl.nbytes)
                         if nbytes % rows:
@@ -248,12 +257,12 @@ class WeightStager:
             if retiring is not None and retiring >= 0 and len(usable) == len(self.specs):
                 self._previous = (retiring, usable)
             else:
-                self._spare.update(usable)
+                self._spare.update(self._writable(usable))
 
     def recycle(self, state: Mapping[str, torch.Tensor]) -> None:
         """Tensors that hold no version worth keeping become staging buffers."""
         with self._lock:
-            self._spare.update(self._usable(state))
+            self._spare.update(self._writable(self._usable(state)))
 
     @property
     def rollback_version(self) -> int | None:
@@ -293,6 +302,10 @@ class WeightStager:
                 out[name] = t
         return out
 
+    def _writable(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors that may become staging buffers: not views of a read-only shared copy."""
+        return {n: t for n, t in state.items() if t.data_ptr() not in self._shared_ptrs}
+
     # ------------------------------------------------------------ internals
     def _begin(self, version: int) -> None:
         if version <= self.serving_version:
@@ -308,7 +321,7 @@ class WeightStager:
         self._version = version
         self._bytes = 0
         if self._previous is not None:  # new bytes land in the rollback point's buffers: it is gone
-            self._spare.update(self._previous[1])
+            self._spare.update(self._writable(self._previous[1]))
             self._previous = None
         for name, spec in self.specs.items():
             tensor = self._spare.pop(name, None)
@@ -333,6 +346,76 @@ class WeightStager:
                 f"({spec.numel} elements)"
             )
 
+    def _check_meta(self, i: int, name: str, dtype: int, shape: tuple[int, ...]) -> ParamSpec:
+        spec = self._spec(i, name)
+        got = torch_dtype_of(dtype)
+        if got != spec.dtype:
+            raise InvalidWeights(
+                f"slices[{i}].dtype: {name} is {dtype_name(spec.dtype)} here, got "
+                f"{dtype_name(got) if got is not None else f'enum {dtype}'}"
+            )
+        if shape != spec.shape:
+            raise InvalidWeights(
+                f"slices[{i}].shape: {name} has shape {list(spec.shape)} here, got {list(shape)}"
+            )
+        return spec
+
+    def _adopt_slice(self, i: int, sl: inference_pb2.WeightSlice, reader: ShmReader) -> None:
+        """Stage a slice of a shared copy by reference: the parameter's staged tensor becomes a
+        read-only view of the copy (one per parameter, all its slices must agree on where)."""
+        name = sl.name
+        spec = self._check_meta(i, name, int(sl.dtype), tuple(sl.shape))
+        size = itemsize(spec.dtype)
+        offset, nbytes = int(sl.offset), int(sl.nbytes)
+        if not sl.shm_name or nbytes % size:
+            raise InvalidWeights(
+                f"slices[{i}].shm_adopt: {name} needs a segment and a whole number of "
+                f"{dtype_name(spec.dtype)} ({nbytes} bytes)"
+            )
+        count = nbytes // size
+        self._check_range(i, spec, offset, count)
+        base = int(sl.shm_offset) - offset * size
+        if base < 0 or base % size:
+            raise InvalidWeights(
+                f"slices[{i}].shm_offset: {name} would start at byte {base} of {sl.shm_name!r}, "
+                f"not a {dtype_name(spec.dtype)} boundary"
+            )
+        where = (sl.shm_name, base)
+        if self.device.type != "cpu":  # a device engine copies the shared bytes to its device
+            data = reader.view(sl.shm_name, int(sl.shm_offset), nbytes)
+            expected = int(sl.sum64) if sl.HasField("sum64") else None
+            self._stage_slice(i, name, int(sl.dtype), spec.shape, offset, data, 0, None, expected)
+            return
+        held = self._adopted.get(name)
+        if held is None:
+            if self._coverage[name].covered:
+                raise InvalidWeights(f"slices[{i}].shm_adopt: {name} mixes copied and adopted slices")
+            with warnings.catch_warnings():  # read-only by design: inference never writes weights
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.frombuffer(reader.view(sl.shm_name, base, spec.nbytes), dtype=spec.dtype)
+            tensor = tensor.view(spec.shape)
+            self._spare.update(self._writable({name: self._tensors[name]}))
+            self._tensors[name], self._flat[name] = tensor, tensor.view(-1)
+            self._shared_ptrs.add(tensor.data_ptr())
+            self._adopted[name] = where
+        elif held != where:
+            raise InvalidWeights(
+                f"slices[{i}].shm_offset: {name} lies at {held} per its other slices, this one says {where}"
+            )
+        if not self._coverage[name].add(offset, offset + count):
+            raise InvalidWeights(
+                f"slices[{i}].offset: {name} elements [{offset}, {offset + count}) already staged"
+            )
+        if self.verify_checksums and sl.HasField("sum64"):
+            region = self._flat[name].view(torch.uint8)[offset * size : (offset + count) * size]
+            actual = sum64(region.numpy())
+            if actual != int(sl.sum64):
+                raise ChecksumMismatch(
+                    f"slices[{i}].sum64: {name} elements [{offset}, {offset + count}) have sum64 "
+                    f"{actual:#018x} in shared copy {sl.shm_name!r}, weight-sync said {int(sl.sum64):#018x}"
+                )
+        self._bytes += nbytes
+
     def _stage_slice(
         self,
         i: int,
@@ -345,17 +428,9 @@ class WeightStager:
         expected_hash: int | None,
         expected_sum: int | None = None,
     ) -> None:
-        spec = self._spec(i, name)
-        got = torch_dtype_of(dtype)
-        if got != spec.dtype:
-            raise InvalidWeights(
-                f"slices[{i}].dtype: {name} is {dtype_name(spec.dtype)} here, got "
-                f"{dtype_name(got) if got is not None else f'enum {dtype}'}"
-            )
-        if shape != spec.shape:
-            raise InvalidWeights(
-                f"slices[{i}].shape: {name} has shape {list(spec.shape)} here, got {list(shape)}"
-            )
+        spec = self._check_meta(i, name, dtype, shape)
+        if name in self._adopted:
+            raise InvalidWeights(f"slices[{i}].shm_adopt: {name} mixes copied and adopted slices")
         size = itemsize(spec.dtype)
         src = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
         nbytes = src.nbytes
@@ -416,12 +491,12 @@ class WeightStager:
 
     def _drop(self) -> None:
         # Keep the buffers for the next attempt: reallocating would fault every page again.
-        for name, t in self._tensors.items():
-            self._spare[name] = t
+        self._spare.update(self._writable(self._tensors))
         self._reset()
 
     def _reset(self) -> None:
         self._version = None
+        self._adopted = {}
         self._tensors = {}
         self._flat = {}
         self._coverage = {}

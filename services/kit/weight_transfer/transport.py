@@ -6,7 +6,10 @@ One small interface (`Transport.stage/commit/abort`) with two host implementatio
   Each bucket is assembled and encoded once (in a worker thread, `prefetch` buckets ahead of
   the network, so resharding and sending overlap) and the same wire bytes go to every
   receiver of the group.
-- ShmTransport: for receivers on this host. When the bucket's source bytes already live in
+- ShmTransport: for receivers on this host. Several receivers of one layout share one copy
+  (shared_copy.py): weight-sync writes the version once, laid out as their tensors, and each
+  adopts it read-only and verifies a share of it. A single receiver: when the bucket's source
+  bytes already live in
   shared memory (weight-sync keeps pushed trainer chunks in a ChunkArena), nothing is copied on
   the sending side: every receiver gets one StageWeights stream whose messages name rectangles
   of those chunks (reshard-on-read) with a sum64 each, and copies them into its staging tensors
@@ -14,10 +17,9 @@ One small interface (`Transport.stage/commit/abort`) with two host implementatio
   Otherwise (a dtype cast on the way, chunks not in shared memory) each bucket is assembled ONCE
   into a pooled segment that all receivers read; a segment is reused once all answered.
 
-The control plane (commit, abort) is gRPC for every transport: a receiver is always an
-InferenceEngineService. Device transports (CUDA IPC, NCCL) live in gpu.py behind the same
-interface. A failing receiver never stops the others of its group: it is dropped, aborted
-and reported in the per-endpoint results.
+The interface and the gRPC control plane are in transport_base.py; device transports (CUDA IPC,
+NCCL) live in gpu.py behind the same interface. A failing receiver never stops the others of its
+group: it is dropped, aborted and reported in the per-endpoint results.
 """
 
 from __future__ import annotations
@@ -25,140 +27,31 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 
-from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+from looprl.inference.v1 import inference_pb2
 
 from .bucket import Bucket
 from .errors import DeliveryError
 from .memory import retain_bucket_buffers
+from .shared_copy import SharedCopies, stage_shared, versions_in_use
 from .shm import ShmPool
+from .transport_base import (
+    STAGE_METHOD,
+    Endpoint,
+    StageResult,
+    Transport,
+    aiter_buckets,
+    call_error,
+    identity,
+)
 from .wire import encode_stage_request
 
-_STAGE = "/looprl.inference.v1.InferenceEngineService/StageWeights"
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One receiver: a TP rank of an inference replica."""
-
-    address: str
-    rank: int = 0
-    deployment: str = ""
-    same_host: bool = False
-    replica: str = ""
-
-    def __str__(self) -> str:
-        replica = f"/{self.replica}" if self.replica else ""
-        return f"{self.deployment or '?'}{replica}/rank{self.rank}@{self.address}"
-
-
-@dataclass
-class StageResult:
-    endpoint: Endpoint
-    bytes_sent: int = 0
-    buckets: int = 0
-    complete: bool = False
-    seconds: float = 0.0
-    error: DeliveryError | None = None
-
-
-def _identity(x: bytes) -> bytes:
-    return x
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
-
-
-async def _aiter(buckets: Iterable[Bucket] | AsyncIterable[Bucket]):
-    if isinstance(buckets, AsyncIterable):
-        async for b in buckets:
-            yield b
-    else:
-        for b in buckets:
-            yield b
-
-
-class Transport(ABC):
-    """Delivers buckets of one version to a group of receivers that need the same buckets."""
-
-    name = "abstract"
-
-    def __init__(self, *, max_message_bytes: int = 256 * 1024 * 1024, workers: int = 2) -> None:
-        self.max_message_bytes = max_message_bytes
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"wt-{self.name}")
-
-    def channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=channel_options(self.max_message_bytes))
-            self._channels[address] = ch
-        return ch
-
-    def stub(self, address: str) -> inference_pb2_grpc.InferenceEngineServiceStub:
-        return inference_pb2_grpc.InferenceEngineServiceStub(self.channel(address))
-
-    @abstractmethod
-    async def stage(
-        self,
-        version: int,
-        endpoints: Sequence[Endpoint],
-        buckets: Iterable[Bucket] | AsyncIterable[Bucket],
-        *,
-        model_config_json: str = "",
-        total_bytes: int = 0,
-        timeout_s: float = 600.0,
-    ) -> dict[Endpoint, StageResult]:
-        """Stage every bucket on every endpoint; never raises for one receiver's failure."""
-
-    async def commit(self, endpoint: Endpoint, version: int, timeout_s: float = 60.0) -> int:
-        try:
-            resp = await self.stub(endpoint.address).CommitWeights(
-                inference_pb2.CommitWeightsRequest(version=version), timeout=timeout_s
-            )
-        except grpc.aio.AioRpcError as e:
-            raise DeliveryError(
-                f"{endpoint}: commit of {version} failed: {e.details()}",
-                endpoint=str(endpoint),
-                code=e.code(),
-            ) from None
-        return resp.weight_version
-
-    async def abort(self, endpoint: Endpoint, version: int, timeout_s: float = 10.0) -> bool:
-        """Best effort: the receiver also aborts by itself when a stream breaks."""
-        try:
-            await self.stub(endpoint.address).AbortWeights(
-                inference_pb2.AbortWeightsRequest(version=version), timeout=timeout_s
-            )
-            return True
-        except grpc.aio.AioRpcError:
-            return False
-
-    async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-    def _error(self, endpoint: Endpoint, exc: BaseException) -> DeliveryError:
-        if isinstance(exc, grpc.aio.AioRpcError):
-            return DeliveryError(
-                f"{endpoint}: {exc.code().name}: {exc.details()}", endpoint=str(endpoint), code=exc.code()
-            )
-        if isinstance(exc, DeliveryError):
-            return exc
-        return DeliveryError(f"{endpoint}: {type(exc).__name__}: {exc}", endpoint=str(endpoint))
+__all__ = ["Endpoint", "GrpcTransport", "ShmTransport", "StageResult", "Transport"]
 
 
 @dataclass
@@ -187,8 +80,8 @@ class GrpcTransport(Transport):
         streams: list[_Stream] = []
         for ep in endpoints:
             method = self.channel(ep.address).stream_unary(
-                _STAGE,
-                request_serializer=_identity,
+                STAGE_METHOD,
+                request_serializer=identity,
                 response_deserializer=inference_pb2.StageWeightsResponse.FromString,
             )
             streams.append(_Stream(ep, method(timeout=timeout_s), StageResult(ep)))
@@ -233,12 +126,12 @@ class GrpcTransport(Transport):
                     s.result.buckets += 1
                 except BaseException as exc:
                     s.alive = False
-                    s.result.error = self._error(s.endpoint, await _call_error(s.call, exc))
+                    s.result.error = self._error(s.endpoint, await call_error(s.call, exc))
 
             await asyncio.gather(*(one(s) for s in streams if s.alive))
 
         try:
-            async for bucket in _aiter(buckets):
+            async for bucket in aiter_buckets(buckets):
                 if not any(s.alive for s in streams):
                     break
                 pending.append(
@@ -273,22 +166,10 @@ class GrpcTransport(Transport):
                         endpoint=str(s.endpoint),
                     )
             except BaseException as exc:
-                s.result.error = self._error(s.endpoint, await _call_error(s.call, exc))
+                s.result.error = self._error(s.endpoint, await call_error(s.call, exc))
             s.result.seconds = time.perf_counter() - s.start
         await _abort_failed(self, version, streams)
         return {s.endpoint: s.result for s in streams}
-
-
-async def _call_error(call: grpc.aio.StreamUnaryCall, exc: BaseException) -> BaseException:
-    """A write that fails because the receiver answered early carries no useful status (or a
-    generic INTERNAL one); the call's own status says why the receiver stopped."""
-    try:
-        await asyncio.wait_for(call, timeout=5)
-    except grpc.aio.AioRpcError as e:
-        return e
-    except BaseException:
-        pass
-    return exc
 
 
 async def _abort_failed(transport: Transport, version: int, streams: Sequence[_Stream]) -> None:
@@ -303,16 +184,45 @@ class ShmTransport(Transport):
     name = "shm"
 
     def __init__(
-        self, *, segment_bytes: int = 64 * 1024 * 1024, segments: int = 3, in_place: bool = True, **kw
+        self,
+        *,
+        segment_bytes: int = 64 * 1024 * 1024,
+        segments: int = 3,
+        in_place: bool = True,
+        share_min_receivers: int = 2,
+        shared_copies: int = 3,
+        **kw,
     ) -> None:
         super().__init__(**kw)
         self.pool = ShmPool(segment_bytes, segments)
         self.in_place = in_place  # read buckets in place when they can (reshard-on-read)
         self.inflight_buckets = segments
+        self.share_min_receivers = share_min_receivers  # 0 turns shared copies off
+        self.shared = SharedCopies(copies_per_group=shared_copies)
 
     async def stage(
         self, version, endpoints, buckets, *, model_config_json="", total_bytes=0, timeout_s=600.0
     ):
+        buckets = aiter_buckets(buckets)
+        if self.share_min_receivers and len(endpoints) >= self.share_min_receivers:
+            first = await anext(buckets, None)
+            buckets = _prepend(first, buckets)
+            if first is not None and hasattr(first, "copy_to"):
+                in_use = await versions_in_use(self, endpoints)
+                copy = (
+                    None
+                    if in_use is None
+                    else self.shared.acquire((frozenset(endpoints), total_bytes), in_use)
+                )
+                if copy is not None:
+                    return await stage_shared(
+                        self, copy, version, endpoints, buckets,
+                        model_config_json=model_config_json, total_bytes=total_bytes, timeout_s=timeout_s,
+                    )  # fmt: skip
+        return await self._stage_each(version, endpoints, buckets, model_config_json, total_bytes, timeout_s)
+
+    async def _stage_each(self, version, endpoints, buckets, model_config_json, total_bytes, timeout_s):
+        """Every receiver copies its slices itself (from the chunks in place, or a pooled bucket)."""
         loop = asyncio.get_running_loop()
         results = {ep: StageResult(ep) for ep in endpoints}
         starts = time.perf_counter()
@@ -346,7 +256,7 @@ class ShmTransport(Transport):
                 call = streams.get(ep)
                 if call is None:
                     method = self.channel(ep.address).stream_unary(
-                        _STAGE,
+                        STAGE_METHOD,
                         request_serializer=inference_pb2.StageWeightsRequest.SerializeToString,
                         response_deserializer=inference_pb2.StageWeightsResponse.FromString,
                     )
@@ -357,7 +267,7 @@ class ShmTransport(Transport):
                     res.buckets += 1
                 except BaseException as exc:
                     if res.error is None:
-                        res.error = self._error(ep, await _call_error(call, exc))
+                        res.error = self._error(ep, await call_error(call, exc))
 
             await asyncio.gather(*(one(ep) for ep in endpoints))
 
@@ -395,12 +305,12 @@ class ShmTransport(Transport):
                     resp = await call
                     res.complete = res.complete or resp.complete
                 except BaseException as exc:
-                    res.error = self._error(ep, await _call_error(call, exc))
+                    res.error = self._error(ep, await call_error(call, exc))
 
             await asyncio.gather(*(one(ep, call) for ep, call in streams.items()))
 
         try:
-            async for bucket in _aiter(buckets):
+            async for bucket in aiter_buckets(buckets):
                 if all(r.error is not None for r in results.values()):
                     break
                 seg = slices = None
@@ -451,3 +361,11 @@ class ShmTransport(Transport):
     async def close(self) -> None:
         await super().close()
         self.pool.close()
+        self.shared.close()
+
+
+async def _prepend(first, rest):
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item

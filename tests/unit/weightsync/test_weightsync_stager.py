@@ -3,6 +3,7 @@ ever swapped; only a complete, verified version commits."""
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import grpc
@@ -163,6 +164,94 @@ def test_slices_from_shared_memory():
         )
         with pytest.raises(InvalidWeights, match="shm_name"):
             stager.stage(bad)
+    finally:
+        pool.close()
+
+
+def _adopt_request(version, seg_name, placed, split_at=None, sums=True):
+    """Slices naming whole parameters already laid out in a segment (a shared copy)."""
+    from services.kit.weight_transfer.checksum import sum64
+
+    slices = []
+    for name, (offset, t) in placed.items():
+        raw = t.reshape(-1).numpy().view("uint8")
+        cuts = [0, t.numel()] if split_at is None else [0, split_at, t.numel()]
+        for lo, hi in itertools.pairwise(cuts):
+            sl = inference_pb2.WeightSlice(
+                name=name, dtype=F32, shape=t.shape, offset=lo, nbytes=(hi - lo) * 4,
+                shm_name=seg_name, shm_offset=offset + lo * 4, shm_adopt=True,
+            )  # fmt: skip
+            if sums:
+                sl.sum64 = sum64(raw[lo * 4 : hi * 4])
+            slices.append(sl)
+    return inference_pb2.StageWeightsRequest(version=version, slices=slices)
+
+
+def _shared_copy(pool, w):
+    seg = pool.acquire(1 << 12)
+    placed, at = {}, 0
+    for name, t in w.items():
+        raw = t.reshape(-1).numpy().view("uint8")
+        seg.buffer[at : at + raw.nbytes] = raw.tobytes()
+        placed[name] = (at, t)
+        at += -(-raw.nbytes // 64) * 64
+    return seg, placed
+
+
+def test_adopted_slices_serve_from_the_shared_copy_read_only_and_never_become_staging_buffers():
+    """A shared copy is adopted, not copied: the committed tensors are views of the segment (a
+    later write to it shows through), they stay the rollback point, and a version that arrives by
+    copy afterwards gets fresh buffers instead of writing into the read-only mapping."""
+    stager = WeightStager(weights())
+    w = weights(4)
+    pool = ShmPool(1 << 12, count=1)
+    try:
+        seg, placed = _shared_copy(pool, w)
+        assert stager.stage(_adopt_request(1, seg.name, placed, split_at=2)).complete
+        state = stager.commit(1)
+        assert torch.equal(state["a.weight"], w["a.weight"]) and torch.equal(state["b.bias"], w["b.bias"])
+        seg.buffer[0:4] = torch.tensor([42.0]).numpy().tobytes()  # the segment's owner rewrites it
+        assert state["a.weight"][0, 0].item() == 42.0  # ... and the receiver sees it: no private copy
+        stager.give_back({})
+        stager.stage(request(2, weights(5)))  # by copy: must not land in the read-only views
+        assert torch.equal(stager.commit(2)["b.bias"], weights(5)["b.bias"])
+        stager.give_back(state)  # adopted tensors handed back: the rollback point, not buffers
+        assert stager.rollback_version == 1
+        stager.stage(request(3, weights(6)))
+        assert torch.equal(stager.commit(3)["a.weight"], weights(6)["a.weight"])
+    finally:
+        pool.close()
+
+
+def test_adopted_slices_are_checked_and_a_wrong_share_is_caught():
+    stager = WeightStager(weights())
+    w = weights(7)
+    pool = ShmPool(1 << 12, count=1)
+    try:
+        seg, placed = _shared_copy(pool, w)
+        bad_sum = _adopt_request(1, seg.name, placed)
+        bad_sum.slices[1].sum64 ^= 1
+        with pytest.raises(ChecksumMismatch, match=r"slices\[1\]\.sum64: b\.bias .* in shared copy"):
+            stager.stage(bad_sum)
+        assert stager.staged_version is None
+        misaligned = _adopt_request(1, seg.name, placed)
+        misaligned.slices[0].shm_offset += 2
+        with pytest.raises(
+            InvalidWeights, match=r"slices\[0\]\.shm_offset: a\.weight .* not a float32 boundary"
+        ):
+            stager.stage(misaligned)
+        split = _adopt_request(1, seg.name, placed, split_at=2)
+        split.slices[1].shm_offset += 64  # the second half claims the parameter lies elsewhere
+        with pytest.raises(InvalidWeights, match=r"slices\[1\]\.shm_offset: a\.weight lies at"):
+            stager.stage(split)
+        mixed = _adopt_request(1, seg.name, {"a.weight": placed["a.weight"]}, split_at=2)
+        del mixed.slices[1]
+        stager.stage(mixed)  # the first half adopted...
+        with pytest.raises(InvalidWeights, match="mixes copied and adopted"):
+            stager.stage(one_slice(offset=6))  # ... the rest by copy would write into shared memory
+        assert stager.staged_version is None
+        # Unverified shares (no sum64) are accepted: a peer sharing the copy verifies them.
+        assert stager.stage(_adopt_request(1, seg.name, placed, sums=False)).complete
     finally:
         pool.close()
 

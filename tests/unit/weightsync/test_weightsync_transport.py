@@ -280,3 +280,151 @@ def test_chunk_checksum_is_verified_on_the_arena_copy_and_arenas_are_recycled():
     finally:
         store.close()
     assert not _segments()
+
+
+# ------------------------------------------------------------ shared copies (several co-located deployments)
+def _mapped_file(tensor: torch.Tensor) -> str:
+    """The file whose mapping holds the tensor's memory ('' for anonymous memory)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5] if len(fields) > 5 else ""
+    return ""
+
+
+class CorruptedCopy:
+    """Writes the shared copy correctly, then one byte of it flips before receivers verify it."""
+
+    def __init__(self, bucket):
+        self._b = bucket
+        self.index, self.count, self.nbytes, self.slices = (
+            bucket.index,
+            bucket.count,
+            bucket.nbytes,
+            bucket.slices,
+        )
+
+    def shm_slices(self):
+        return self._b.shm_slices()
+
+    def copy_to(self, dests):
+        self._b.copy_to(dests)
+        largest = max(dests, key=lambda d: d.numel())
+        largest[largest.numel() // 2] ^= 0x01
+
+
+@pytest.mark.parametrize("tp,naming", [(1, "hf"), (2, "fused")])
+async def test_co_located_deployments_share_one_copy_and_serve_from_it(tp, naming):
+    """Three deployments of one layout on weight-sync's host: the version is written once per rank,
+    each deployment's weights are read-only views of that shared copy (no private copy), and each
+    still holds exactly its shard and is credited exactly its bytes."""
+    layout = Layout(tp, naming)
+    state = random_state(CONFIG)
+    store = VersionStore(arena_segment_bytes=1 << 16)
+    buf = pushed(state, store=store)
+    plan = build_deployment_plan(buf.layout(), CONFIG, layout, 4096)
+    engines, servers, endpoints = await start_receivers(layout, 3)
+    transport = ShmTransport(segment_bytes=4096, segments=2)
+    try:
+        results = await deliver(transport, plan, buf, endpoints, 0)
+        assert all(r.error is None and r.complete for r in results.values()), results
+        for ep in endpoints:
+            assert await transport.commit(ep, 0) == 0
+        for engine, ep in zip(engines, endpoints, strict=True):
+            want = shard_state_dict(state, CONFIG, layout, ep.rank)
+            assert all(torch.equal(engine.weights[n], want[n]) for n in want)
+            assert engine.receiver.bytes_received == plan.ranks[ep.rank].nbytes
+            for name in want:
+                assert f"{PREFIX}{os.getpid()}-copy" in _mapped_file(engine.weights[name]), name
+        rings = list(transport.shared._rings.values())
+        assert len(rings) == tp and all([c.version for c in ring] == [0] for ring in rings)
+        assert transport.pool.names() == []  # no per-bucket segment either
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.stop(None)
+        store.close()
+    assert not _segments(), "segments left behind"
+
+
+async def test_a_corrupted_shared_copy_fails_every_deployment_and_the_old_version_keeps_serving():
+    """One flipped byte in the shared copy is caught by the one receiver that verifies that slice;
+    since all of them would serve those bytes, all of them fail and keep serving version 0 (whose
+    copy nothing overwrote), and the retry goes through."""
+    layout = Layout(1, "hf")
+    old, new = random_state(CONFIG, seed=1), random_state(CONFIG, seed=2)
+    store = VersionStore(arena_segment_bytes=1 << 16)
+    engines, servers, endpoints = await start_receivers(layout, 3)
+    transport = ShmTransport(segment_bytes=4096, segments=2)
+    try:
+        buf0 = pushed(old, version=0, store=store)
+        plan = build_deployment_plan(buf0.layout(), CONFIG, layout, 4096)
+        assert all(r.error is None for r in (await deliver(transport, plan, buf0, endpoints, 0)).values())
+        for ep in endpoints:
+            await transport.commit(ep, 0)
+        buf1 = pushed(new, version=1, store=store)
+        rank_plan = plan.ranks[0]
+        buckets = [
+            PlannedBucket(s, rank_plan.dtype, buf1.chunks, buf1.locations, buf1.sums)
+            for s in rank_plan.buckets
+        ]
+        buckets[1] = CorruptedCopy(buckets[1])
+        results = await transport.stage(1, endpoints, buckets, total_bytes=rank_plan.nbytes)
+        errors = [str(r.error) for r in results.values()]
+        assert all(r.error is not None and r.error.code.name == "DATA_LOSS" for r in results.values()), errors
+        (caught,) = [e for e in errors if "failed verification" not in e]  # verified once, by one receiver
+        assert "sum64" in caught and "in shared copy" in caught, errors
+        for engine in engines:
+            assert engine.version == 0 and engine.stager.staged_version is None
+            assert all(torch.equal(engine.weights[n], t) for n, t in old.items() if n in engine.weights)
+        assert all(r.error is None for r in (await deliver(transport, plan, buf1, endpoints, 1)).values())
+        for ep in endpoints:
+            await transport.commit(ep, 1)
+        assert all(torch.equal(engines[2].weights[n], t) for n, t in new.items() if n in engines[2].weights)
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.stop(None)
+        store.close()
+
+
+async def test_a_copy_any_deployment_still_depends_on_is_never_overwritten():
+    """Deployments fall behind at different paces: A commits every version, B skips one, C never
+    commits. The ring gives each new version a copy none of them serves, holds as rollback point or
+    has staged; once all three copies are in use the version goes by per-receiver copy instead,
+    and what A and B serve never changes under them."""
+    layout = Layout(1, "hf")
+    states = [random_state(CONFIG, seed=10 + v) for v in range(4)]
+    store = VersionStore(arena_segment_bytes=1 << 16)
+    engines, servers, (a, b, c) = await start_receivers(layout, 3)
+    transport = ShmTransport(segment_bytes=4096, segments=2)
+
+    def serves(engine, state) -> bool:
+        return all(torch.equal(engine.weights[n], t) for n, t in state.items() if n in engine.weights)
+
+    try:
+        plan = None
+        for v, commit_to in enumerate([(a, b), (a,), (a, b), (a, b, c)]):
+            buf = pushed(states[v], version=v, store=store)
+            plan = plan or build_deployment_plan(buf.layout(), CONFIG, layout, 4096)
+            results = await deliver(transport, plan, buf, [a, b, c], v)
+            assert all(r.error is None and r.complete for r in results.values()), results
+            for ep in commit_to:
+                await transport.commit(ep, v)
+            store.completed(buf)
+            # A serves v, B the last version it committed: both intact after every later staging
+            assert serves(engines[0], states[v])
+            assert serves(engines[1], states[v if b in commit_to else v - 1])
+        (ring,) = transport.shared._rings.values()
+        # versions 0, 1, 2 each had a free copy; for 3 all were in use (A: 2 + rollback 1, B: 2 +
+        # rollback 0, C: 2 staged), so version 3 went by per-receiver copies and the ring kept them
+        assert sorted(c.version for c in ring) == [0, 1, 2]
+        assert serves(engines[2], states[3])
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.stop(None)
+        store.close()

@@ -146,20 +146,22 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("weight_version", "queued_requests", "tokens_in_flight", "cache_usage", "paused", "staged_version")
+    __slots__ = ("weight_version", "queued_requests", "tokens_in_flight", "cache_usage", "paused", "staged_version", "rollback_version")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_VERSION_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     queued_requests: int
     tokens_in_flight: int
     cache_usage: float
     paused: bool
     staged_version: int
-    def __init__(self, weight_version: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., staged_version: _Optional[int] = ...) -> None: ...
+    rollback_version: int
+    def __init__(self, weight_version: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., staged_version: _Optional[int] = ..., rollback_version: _Optional[int] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()
@@ -202,7 +204,7 @@ class StageWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ..., model_config_json: _Optional[str] = ..., deployment: _Optional[str] = ..., rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., device_handle: _Optional[bytes] = ..., nccl_broadcast: _Optional[bool] = ...) -> None: ...
 
 class WeightSlice(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset", "data", "crc32", "shm_name", "shm_offset", "nbytes", "hash64", "shm_rows", "shm_row_stride", "sum64")
+    __slots__ = ("name", "dtype", "shape", "offset", "data", "crc32", "shm_name", "shm_offset", "nbytes", "hash64", "shm_rows", "shm_row_stride", "sum64", "shm_adopt")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +218,7 @@ class WeightSlice(_message.Message):
     SHM_ROWS_FIELD_NUMBER: _ClassVar[int]
     SHM_ROW_STRIDE_FIELD_NUMBER: _ClassVar[int]
     SUM64_FIELD_NUMBER: _ClassVar[int]
+    SHM_ADOPT_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: _common_pb2.DType
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -229,7 +232,8 @@ class WeightSlice(_message.Message):
     shm_rows: int
     shm_row_stride: int
     sum64: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., hash64: _Optional[int] = ..., shm_rows: _Optional[int] = ..., shm_row_stride: _Optional[int] = ..., sum64: _Optional[int] = ...) -> None: ...
+    shm_adopt: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., hash64: _Optional[int] = ..., shm_rows: _Optional[int] = ..., shm_row_stride: _Optional[int] = ..., sum64: _Optional[int] = ..., shm_adopt: _Optional[bool] = ...) -> None: ...
 
 class StageWeightsResponse(_message.Message):
     __slots__ = ("version", "bytes_received", "complete", "serving_version")

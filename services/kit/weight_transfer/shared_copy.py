@@ -1,0 +1,254 @@
+"""Shared staging: one copy of a receiver layout per host, served by every co-located deployment.
+
+When several deployments on weight-sync's host need the same TP-rank parameters, copying a version
+into each of them costs one memcpy of the model per deployment, and on a small host those copies
+queue on the same cores and memory bus. Instead weight-sync writes the rank's parameters once into
+a shared-memory copy laid out as the receiver's tensors, and every receiver adopts it (WeightSlice
+shm_adopt): its staged tensors become read-only views of the copy, and it serves from them.
+
+Verification is split, not repeated: each slice's sum64 (from the record taken when the trainer's
+bytes landed and were verified, see PlannedBucket.shm_slices) is sent to one receiver, balanced by
+bytes, and every receiver reads the same pages, so the copy is verified once per host. A receiver
+that fails before verifying its share has it verified by weight-sync instead; a copy that fails
+verification anywhere fails every receiver that adopted it, so none of them serves it.
+
+Copies form a small ring per receiver group, reused across versions so their pages stay mapped
+and warm on both sides. A copy is overwritten only when no receiver of the group serves it, holds
+it as its rollback point or has it staged (asked with Status just before); when every copy is in
+use and the ring is full, the caller falls back to per-receiver copies for that version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from looprl.inference.v1 import inference_pb2
+
+from .checksum import sum64
+from .errors import DeliveryError
+from .shm import ArenaPool, ChunkArena
+from .specs import itemsize, torch_dtype_of
+from .transport_base import STAGE_METHOD, Endpoint, StageResult, Transport, call_error
+
+GroupKey = tuple[frozenset[Endpoint], int]
+
+
+@dataclass
+class SharedCopy:
+    """One rank's parameters, each contiguous, in shared memory; holds one version at a time."""
+
+    arena: ChunkArena
+    version: int = -1
+    busy: bool = False
+    regions: dict[str, tuple[str, int, memoryview]] = field(default_factory=dict)
+
+    def region(self, name: str, nbytes: int) -> tuple[str, int, memoryview]:
+        """(segment, byte offset, writable view) of the whole parameter `name`, placed on first use."""
+        found = self.regions.get(name)
+        if found is None:
+            found = self.regions[name] = self.arena.alloc(nbytes)
+        elif len(found[2]) != nbytes:
+            raise DeliveryError(f"shared copy: {name} was {len(found[2])} bytes, now {nbytes}")
+        return found
+
+
+class SharedCopies:
+    """The rings of copies of one weight-sync process, one ring per receiver group."""
+
+    def __init__(self, *, copies_per_group: int = 3, max_groups: int = 4, segment_bytes: int = 256 << 20):
+        self.copies_per_group = copies_per_group
+        self.max_groups = max_groups
+        self.pool = ArenaPool(segment_bytes, keep=0, tag="copy")
+        self._rings: OrderedDict[GroupKey, list[SharedCopy]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def acquire(self, key: GroupKey, in_use: set[int]) -> SharedCopy | None:
+        """A copy no receiver of the group depends on, or None when the ring is full and busy."""
+        with self._lock:
+            ring = self._rings.setdefault(key, [])
+            self._rings.move_to_end(key)
+            while len(self._rings) > self.max_groups:  # receivers keep old pages alive by their mappings
+                _, old = self._rings.popitem(last=False)
+                for copy in old:
+                    copy.arena.release()
+            for copy in ring:
+                if not copy.busy and copy.version not in in_use:
+                    copy.busy = True
+                    return copy
+            if len(ring) >= self.copies_per_group:
+                return None
+            copy = SharedCopy(self.pool.arena(), busy=True)
+            ring.append(copy)
+            return copy
+
+    def release(self, copy: SharedCopy, version: int) -> None:
+        with self._lock:
+            copy.version = version
+            copy.busy = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._rings.clear()
+        self.pool.close()
+
+
+async def versions_in_use(transport: Transport, endpoints: Sequence[Endpoint]) -> set[int] | None:
+    """Every version a receiver of the group serves, can roll back to or has staged; None if one
+    cannot say (then nothing shared may be overwritten)."""
+
+    async def one(ep: Endpoint) -> inference_pb2.StatusResponse | None:
+        try:
+            return await transport.stub(ep.address).Status(inference_pb2.StatusRequest(), timeout=10)
+        except grpc.aio.AioRpcError:
+            return None
+
+    statuses = await asyncio.gather(*(one(ep) for ep in endpoints))
+    if any(s is None for s in statuses):
+        return None
+    return {v for s in statuses for v in (s.weight_version, s.rollback_version, s.staged_version) if v >= 0}
+
+
+def _materialize(copy: SharedCopy, bucket) -> list[tuple[inference_pb2.WeightSlice, int, torch.Tensor]]:
+    """Copy the bucket's slices into the copy; (adopt slice, expected sum64, its bytes) each."""
+    expected = bucket.shm_slices()  # sums from the landing record; None when chunks are not in shm
+    dests, places = [], []
+    for ref in bucket.slices:
+        size = itemsize(torch_dtype_of(ref.dtype))
+        seg, base, view = copy.region(ref.name, math.prod(ref.shape) * size)
+        start = ref.offset * size
+        dests.append(torch.frombuffer(view[start : start + ref.nbytes], dtype=torch.uint8) if ref.nbytes
+                     else torch.empty(0, dtype=torch.uint8))  # fmt: skip
+        places.append((seg, base + start))
+    bucket.copy_to(dests)
+    out = []
+    for i, (ref, dest, (seg, offset)) in enumerate(zip(bucket.slices, dests, places, strict=True)):
+        msg = inference_pb2.WeightSlice(
+            name=ref.name, dtype=ref.dtype, shape=ref.shape, offset=ref.offset, nbytes=ref.nbytes,
+            shm_name=seg, shm_offset=offset, shm_adopt=True,
+        )  # fmt: skip
+        want = int(expected[i].sum64) if expected is not None else sum64(dest.numpy())
+        out.append((msg, want, dest))
+    return out
+
+
+async def stage_shared(
+    transport: Transport,
+    copy: SharedCopy,
+    version: int,
+    endpoints: Sequence[Endpoint],
+    buckets: AsyncIterator,
+    *,
+    model_config_json: str = "",
+    total_bytes: int = 0,
+    timeout_s: float = 600.0,
+) -> dict[Endpoint, StageResult]:
+    """Write every bucket once into `copy`; each receiver adopts it and verifies its share."""
+    loop = asyncio.get_running_loop()
+    results = {ep: StageResult(ep) for ep in endpoints}
+    calls: dict[Endpoint, grpc.aio.StreamUnaryCall] = {}
+    verify_load = dict.fromkeys(endpoints, 0)
+    shares: dict[Endpoint, list[tuple[str, int, int, torch.Tensor]]] = {ep: [] for ep in endpoints}
+    start = time.perf_counter()
+    first = True
+
+    async def send(ep: Endpoint, request: inference_pb2.StageWeightsRequest, nbytes: int) -> None:
+        res = results[ep]
+        call = calls.get(ep)
+        if call is None:
+            method = transport.channel(ep.address).stream_unary(
+                STAGE_METHOD,
+                request_serializer=inference_pb2.StageWeightsRequest.SerializeToString,
+                response_deserializer=inference_pb2.StageWeightsResponse.FromString,
+            )
+            call = calls[ep] = method(timeout=timeout_s)
+        try:
+            await call.write(request)
+            res.bytes_sent += nbytes
+            res.buckets += 1
+        except BaseException as exc:
+            res.error = transport._error(ep, await call_error(call, exc))
+
+    try:
+        async for bucket in buckets:
+            alive = [ep for ep in endpoints if results[ep].error is None]
+            if not alive:
+                break
+            items = await loop.run_in_executor(transport._executor, _materialize, copy, bucket)
+            per_ep: dict[Endpoint, list[inference_pb2.WeightSlice]] = {ep: [] for ep in alive}
+            for msg, want, dest in items:
+                verifier = min(alive, key=verify_load.__getitem__)
+                verify_load[verifier] += msg.nbytes
+                shares[verifier].append((msg.name, msg.offset, want, dest))
+                for ep in alive:
+                    one = inference_pb2.WeightSlice()
+                    one.CopyFrom(msg)
+                    if ep == verifier:
+                        one.sum64 = want
+                    per_ep[ep].append(one)
+            config = model_config_json if first else ""
+            first = False
+            await asyncio.gather(*(
+                send(ep, inference_pb2.StageWeightsRequest(
+                    version=version, bucket_count=bucket.count, bucket_index=bucket.index, rank=ep.rank,
+                    deployment=ep.deployment, total_bytes=total_bytes, model_config_json=config,
+                    slices=per_ep[ep],
+                ), bucket.nbytes)
+                for ep in alive
+            ))  # fmt: skip
+
+        async def finish(ep: Endpoint, call: grpc.aio.StreamUnaryCall) -> None:
+            res = results[ep]
+            if res.error is not None:
+                call.cancel()
+                return
+            try:
+                await call.done_writing()
+                res.complete = (await call).complete
+            except BaseException as exc:
+                res.error = transport._error(ep, await call_error(call, exc))
+
+        await asyncio.gather(*(finish(ep, call) for ep, call in calls.items()))
+    except BaseException as exc:
+        for ep, res in results.items():
+            if res.error is None:
+                res.error = transport._error(ep, exc)
+        for call in calls.values():
+            call.cancel()
+        await asyncio.gather(*(transport.abort(ep, version) for ep in endpoints))
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        return results
+    finally:
+        transport.shared.release(copy, version)
+
+    bad = next((r.error for r in results.values() if r.error is not None and r.error.code == grpc.StatusCode.DATA_LOSS), None)  # fmt: skip
+    if bad is None:  # shares of receivers that failed otherwise: weight-sync reads the same pages
+        unverified = [s for ep, r in results.items() if r.error is not None for s in shares[ep]]
+        for name, offset, want, dest in unverified:
+            if sum64(dest.numpy()) != want:
+                bad = DeliveryError(f"{name} elements from {offset} differ from what weight-sync verified",
+                                    code=grpc.StatusCode.DATA_LOSS)  # fmt: skip
+                break
+    for ep, res in results.items():
+        res.seconds = time.perf_counter() - start
+        if res.error is None and bad is not None:
+            res.error = DeliveryError(
+                f"{ep}: the shared copy of version {version} failed verification ({bad}); not served",
+                endpoint=str(ep),
+                code=grpc.StatusCode.DATA_LOSS,
+            )
+        elif res.error is None and not res.complete:
+            res.error = DeliveryError(
+                f"{ep}: version {version} incomplete after last bucket", endpoint=str(ep)
+            )
+    await asyncio.gather(*(transport.abort(ep, version) for ep, r in results.items() if r.error is not None))
+    return results

@@ -1,0 +1,153 @@
+"""The transport interface and what every transport shares: endpoints, results, the control plane.
+
+A Transport delivers the buckets of one version to a group of receivers that need the same
+buckets; `stage` never raises for one receiver's failure (it is reported in that receiver's
+StageResult). Commit and abort are gRPC for every transport: a receiver is always an
+InferenceEngineService.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+
+from .bucket import Bucket
+from .errors import DeliveryError
+
+STAGE_METHOD = "/looprl.inference.v1.InferenceEngineService/StageWeights"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One receiver: a TP rank of an inference replica."""
+
+    address: str
+    rank: int = 0
+    deployment: str = ""
+    same_host: bool = False
+    replica: str = ""
+
+    def __str__(self) -> str:
+        replica = f"/{self.replica}" if self.replica else ""
+        return f"{self.deployment or '?'}{replica}/rank{self.rank}@{self.address}"
+
+
+@dataclass
+class StageResult:
+    endpoint: Endpoint
+    bytes_sent: int = 0
+    buckets: int = 0
+    complete: bool = False
+    seconds: float = 0.0
+    error: DeliveryError | None = None
+
+
+def identity(x: bytes) -> bytes:
+    return x
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+async def aiter_buckets(buckets: Iterable[Bucket] | AsyncIterable[Bucket]):
+    if isinstance(buckets, AsyncIterable):
+        async for b in buckets:
+            yield b
+    else:
+        for b in buckets:
+            yield b
+
+
+class Transport(ABC):
+    """Delivers buckets of one version to a group of receivers that need the same buckets."""
+
+    name = "abstract"
+
+    def __init__(self, *, max_message_bytes: int = 256 * 1024 * 1024, workers: int = 2) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"wt-{self.name}")
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=channel_options(self.max_message_bytes))
+            self._channels[address] = ch
+        return ch
+
+    def stub(self, address: str) -> inference_pb2_grpc.InferenceEngineServiceStub:
+        return inference_pb2_grpc.InferenceEngineServiceStub(self.channel(address))
+
+    @abstractmethod
+    async def stage(
+        self,
+        version: int,
+        endpoints: Sequence[Endpoint],
+        buckets: Iterable[Bucket] | AsyncIterable[Bucket],
+        *,
+        model_config_json: str = "",
+        total_bytes: int = 0,
+        timeout_s: float = 600.0,
+    ) -> dict[Endpoint, StageResult]:
+        """Stage every bucket on every endpoint; never raises for one receiver's failure."""
+
+    async def commit(self, endpoint: Endpoint, version: int, timeout_s: float = 60.0) -> int:
+        try:
+            resp = await self.stub(endpoint.address).CommitWeights(
+                inference_pb2.CommitWeightsRequest(version=version), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            raise DeliveryError(
+                f"{endpoint}: commit of {version} failed: {e.details()}",
+                endpoint=str(endpoint),
+                code=e.code(),
+            ) from None
+        return resp.weight_version
+
+    async def abort(self, endpoint: Endpoint, version: int, timeout_s: float = 10.0) -> bool:
+        """Best effort: the receiver also aborts by itself when a stream breaks."""
+        try:
+            await self.stub(endpoint.address).AbortWeights(
+                inference_pb2.AbortWeightsRequest(version=version), timeout=timeout_s
+            )
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _error(self, endpoint: Endpoint, exc: BaseException) -> DeliveryError:
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return DeliveryError(
+                f"{endpoint}: {exc.code().name}: {exc.details()}", endpoint=str(endpoint), code=exc.code()
+            )
+        if isinstance(exc, DeliveryError):
+            return exc
+        return DeliveryError(f"{endpoint}: {type(exc).__name__}: {exc}", endpoint=str(endpoint))
+
+
+async def call_error(call: grpc.aio.StreamUnaryCall, exc: BaseException) -> BaseException:
+    """A write that fails because the receiver answered early carries no useful status (or a
+    generic INTERNAL one); the call's own status says why the receiver stopped."""
+    try:
+        await asyncio.wait_for(call, timeout=5)
+    except grpc.aio.AioRpcError as e:
+        return e
+    except BaseException:
+        pass
+    return exc
