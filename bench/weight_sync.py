@@ -24,10 +24,12 @@ Figures:
   in cache, the baseline until now) is printed beside it for reference.
 - grpc_fraction_of_raw_stream: planned gRPC path throughput (tp=1) / a raw gRPC byte stream of the
   same size to the same receiver process (pre-built messages, nothing decoded).
-- four_over_one_deployments: time to update 4 co-located deployments (shm fan-out: each bucket
-  written once) / time to update 1. Printed beside it: the same ratio for processes that do
-  nothing but copy the model out of shared memory (4 at once vs 1): what the host's 2 cores and
-  memory bus allow when every deployment holds its own copy of the weights.
+- four_over_one_deployments: time to update 4 co-located deployments of one layout / time to
+  update 1, commits included. One deployment reads its rectangles of the trainer chunks into its
+  own memory (reshard-on-read); four share one copy (kit/weight_transfer/shared_copy.py):
+  weight-sync writes the version once, each deployment adopts it read-only and verifies a quarter
+  of it. Printed beside it: processes that do nothing but copy the model out of shared memory (4 at
+  once vs 1), what it would cost if every deployment kept its own copy of the weights.
 """
 
 from __future__ import annotations
@@ -371,7 +373,7 @@ async def main_async(quick: bool) -> None:
         figures.append(("grpc_fraction_of_raw_stream", b_grpc / t_grpc, b_raw / t_raw,
                         (b_grpc / t_grpc) / (b_raw / t_raw), ">= 0.7"))  # fmt: skip
 
-        # (d) four co-located deployments vs one (shm fan-out)
+        # (d) four co-located deployments vs one (shared copy vs reshard-on-read)
         recs = [Receivers(config, tp1, f"d{i}") for i in range(4)]
         try:
             one = {0: [Endpoint(recs[0].endpoints[0].address, 0, "d0", True)]}
@@ -388,7 +390,7 @@ async def main_async(quick: bool) -> None:
                 r.close()
         floor_one = concurrent_memcpy_seconds(buf, 1, fast_repeat)
         floor_four = concurrent_memcpy_seconds(buf, 4, fast_repeat)
-        rows += [("1 deployment (shm)", t_one, b_one), ("4 deployments (shm fan-out)", t_four, b_four),
+        rows += [("1 deployment (shm)", t_one, b_one), ("4 deployments (one shared copy)", t_four, b_four),
                  ("(ref.) memcpy only, 1 process", floor_one, b_one),
                  ("(ref.) memcpy only, 4 processes at once", floor_four, 4 * b_one)]  # fmt: skip
         figures.append(("four_over_one_deployments", t_four, t_one, t_four / t_one, "<= 2x"))
