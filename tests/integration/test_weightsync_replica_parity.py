@@ -5,7 +5,9 @@ fused names (its second rank a TP worker actor of the replica).
 
 Version 1 (the trainer's initial weights) travels over gRPC, each deployment behind a byte-counting
 TCP proxy; version 2 (after one real training step on the replicas' own rollouts) over shared
-memory, as weight-sync delivers to replicas on its host. After each sync:
+memory, as weight-sync delivers to replicas on its host; a second tp=1 deployment makes the two tp=1
+replicas share one copy of version 2 (each serving from it read-only, each verifying half of it).
+After each sync:
 - both deployments serve the new version, and the log-probs they report for the tokens they
   generate on fixed prompts (seeded sampling and greedy) equal the trainer's own log-probs of those
   tokens (its FSDP forward) within 1e-4 (fp32). The weights they served before are far from it
@@ -257,7 +259,8 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
     address, log_path = weight_sync
     channel = grpc.insecure_channel(address)
     ws = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
-    deployments = {"hf-tp1": 1, "fused-tp2": 2}
+    # two tp=1 deployments: over shared memory they serve from one shared copy of the weights
+    deployments = {"hf-tp1": 1, "fused-tp2": 2, "hf-tp1-b": 1}
     replicas = {
         name: InferenceReplica.options(num_cpus=0.25, max_restarts=0).remote(
             spec={"name": name, "tensor_parallel": tp, "model_path": str(initial_dir), "max_model_len": 64,
@@ -312,9 +315,9 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
         assert [p["rank"] for p in pushed] == [0, 1] and all(p["version"] == 1 for p in pushed)
         assert sum(p["bytes"] for p in pushed) == MODEL_BYTES, pushed
         assert all(0 < p["bytes"] < MODEL_BYTES for p in pushed), pushed
-        assert states["hf-tp1"].last_bytes == TP1_BYTES
+        assert states["hf-tp1"].last_bytes == states["hf-tp1-b"].last_bytes == TP1_BYTES
         assert states["fused-tp2"].last_bytes == TP2_BYTES
-        for name, expected in (("hf-tp1", TP1_BYTES), ("fused-tp2", TP2_BYTES)):
+        for name, expected in (("hf-tp1", TP1_BYTES), ("fused-tp2", TP2_BYTES), ("hf-tp1-b", TP1_BYTES)):
             wire = proxies[name].counts()[0]
             print(f"{name}: payload {expected} B, on the wire {wire} B (+{wire - expected} B metadata)")
             assert expected < wire <= expected + METADATA_BOUND, (name, wire, expected)
@@ -326,10 +329,10 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
         for name, tp in deployments.items():
             _register(ws, name, tp, statuses[name]["rank_addresses"], same_host=True)
         _wait_synced(ws, 1, set(deployments), 60, log_path)  # nothing to send: both already serve v1
-        loss_tokens = sum(len(c.token_ids) for comps in rollouts.values() for c in comps)
+        loss_tokens = sum(len(c.token_ids) for name in ("hf-tp1", "fused-tp2") for c in rollouts[name])
         batches = [
-            [_train_batch(r, comps, loss_tokens, 2 * len(PROMPTS))]
-            for r, comps in enumerate(rollouts.values())
+            [_train_batch(r, rollouts[name], loss_tokens, 2 * len(PROMPTS))]
+            for r, name in enumerate(("hf-tp1", "fused-tp2"))
         ]
         metrics = trainer.train_step(batches)
         assert metrics["version"] == 1 and metrics["grad_norm"] > 0, metrics
@@ -338,8 +341,10 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
         states = _wait_synced(ws, 2, set(deployments), 120, log_path)
         print(f"v2 pushed and delivered in {time.monotonic() - t0:.2f}s")
         assert sum(p["bytes"] for p in pushed) == MODEL_BYTES, pushed
-        assert states["hf-tp1"].last_bytes == TP1_BYTES
+        assert states["hf-tp1"].last_bytes == states["hf-tp1-b"].last_bytes == TP1_BYTES
         assert states["fused-tp2"].last_bytes == TP2_BYTES
+        with open(log_path) as f:  # the two tp=1 replicas were served one shared copy
+            assert "version 2: one shared copy for" in f.read()
         _assert_serving_like_trainer(trainer, replicas, 2, trainer_model, seed=300)
         # Nothing of version 2 went through the old (gRPC) registrations.
         assert {name: proxy.counts() for name, proxy in proxies.items()} == wire_v1

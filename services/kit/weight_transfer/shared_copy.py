@@ -21,6 +21,7 @@ use and the ring is full, the caller falls back to per-receiver copies for that 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -38,6 +39,8 @@ from .errors import DeliveryError
 from .shm import ArenaPool, ChunkArena
 from .specs import itemsize, torch_dtype_of
 from .transport_base import STAGE_METHOD, Endpoint, StageResult, Transport, call_error
+
+log = logging.getLogger("looprl.weight_transfer")
 
 GroupKey = tuple[frozenset[Endpoint], int]
 
@@ -230,6 +233,7 @@ async def stage_shared(
     finally:
         transport.shared.release(copy, version)
 
+    log.info("version %d: one shared copy for %s", version, ", ".join(map(str, endpoints)))
     bad = next((r.error for r in results.values() if r.error is not None and r.error.code == grpc.StatusCode.DATA_LOSS), None)  # fmt: skip
     if bad is None:  # shares of receivers that failed otherwise: weight-sync reads the same pages
         unverified = [s for ep, r in results.items() if r.error is not None for s in shares[ep]]
