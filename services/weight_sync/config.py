@@ -18,6 +18,18 @@ class WeightSyncConfig(ServiceConfig):
     shm_segments: int = field(
         default=3, metadata={"help": "Shared-memory segments in flight per target rank group."}
     )
+    shared_copy_min_receivers: int = field(
+        default=2,
+        metadata={"help": "Co-located receivers of one layout from which they share one copy of the weights "
+                          "in shared memory (each serves from it read-only) instead of copying it each; "
+                          "0 turns shared copies off."},
+    )  # fmt: skip
+    shared_copies: int = field(
+        default=3,
+        metadata={"help": "Shared copies kept per receiver group (a copy is reused once no receiver serves, "
+                          "can roll back to or stages its version): 3 covers serving + rollback + the next "
+                          "version; each costs the rank's weights in /dev/shm."},
+    )  # fmt: skip
     prefetch_buckets: int = field(
         default=2, metadata={"help": "Buckets assembled ahead of the network (gRPC)."}
     )

@@ -51,6 +51,8 @@ class Deliverer:
         *,
         bucket_bytes: int = 32 << 20,
         shm_segments: int = 3,
+        shared_copy_min_receivers: int = 2,
+        shared_copies: int = 3,
         prefetch: int = 2,
         retry_attempts: int = 3,
         retry_backoff_s: float = 0.5,
@@ -67,7 +69,10 @@ class Deliverer:
         self.plans = PlanCache()
         self.bucket_bytes = bucket_bytes
         self.grpc = GrpcTransport(prefetch=prefetch)
-        self.shm = ShmTransport(segment_bytes=bucket_bytes, segments=shm_segments)
+        self.shm = ShmTransport(
+            segment_bytes=bucket_bytes, segments=shm_segments,
+            share_min_receivers=shared_copy_min_receivers, shared_copies=shared_copies,
+        )  # fmt: skip
         self.retry_attempts = retry_attempts
         self.retry_backoff_s = retry_backoff_s
         self.stage_timeout_s = stage_timeout_s

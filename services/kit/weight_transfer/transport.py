@@ -193,6 +193,11 @@ class ShmTransport(Transport):
         shared_copies: int = 3,
         **kw,
     ) -> None:
+        if share_min_receivers < 0 or shared_copies < 1:
+            raise ValueError(
+                f"shared_copy_min_receivers must be >= 0 (got {share_min_receivers}) and shared_copies "
+                f">= 1 (got {shared_copies})"
+            )
         super().__init__(**kw)
         self.pool = ShmPool(segment_bytes, segments)
         self.in_place = in_place  # read buckets in place when they can (reshard-on-read)
