@@ -37,6 +37,7 @@ import torch
 from looprl.inference.v1 import inference_pb2
 
 from .checksum import copy_and_hash64, copy_and_sum64, hash64, sum64
+from .coverage import Coverage
 from .errors import ChecksumMismatch, IncompleteVersion, InvalidWeights, StaleVersion
 from .shm import ShmReader
 from .specs import ParamSpec, as_param_specs, dtype_name, itemsize, torch_dtype_of
@@ -48,46 +49,6 @@ class StageProgress:
     version: int
     bytes_received: int
     complete: bool
-
-
-class _Coverage:
-    """Element ranges of one parameter already staged (sorted, disjoint)."""
-
-    __slots__ = ("covered", "numel", "ranges")
-
-    def __init__(self, numel: int) -> None:
-        self.numel = numel
-        self.ranges: list[tuple[int, int]] = []
-        self.covered = 0
-
-    def add(self, start: int, stop: int) -> bool:
-        """Record [start, stop); False if it overlaps what is already there."""
-        added = stop - start
-        ranges = self.ranges
-        lo, hi = 0, len(ranges)
-        while lo < hi:  # first range whose stop > start
-            mid = (lo + hi) // 2
-            if ranges[mid][1] <= start:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < len(ranges) and ranges[lo][0] < stop:
-            return False
-        # Merge with neighbours that touch, so a fully staged tensor is a single range.
-        if lo > 0 and ranges[lo - 1][1] == start:
-            start = ranges[lo - 1][0]
-            lo -= 1
-            del ranges[lo]
-        if lo < len(ranges) and ranges[lo][0] == stop:
-            stop = ranges[lo][1]
-            del ranges[lo]
-        ranges.insert(lo, (start, stop))
-        self.covered += added
-        return True
-
-    @property
-    def complete(self) -> bool:
-        return self.covered == self.numel
 
 
 class WeightStager:
@@ -115,7 +76,7 @@ class WeightStager:
         self._version: int | None = None
         self._tensors: dict[str, torch.Tensor] = {}
         self._flat: dict[str, torch.Tensor] = {}
-        self._coverage: dict[str, _Coverage] = {}
+        self._coverage: dict[str, Coverage] = {}
         self._bytes = 0
         self._staged_config = ""
         self._spare: dict[str, torch.Tensor] = {}
@@ -329,7 +290,7 @@ class WeightStager:
                 tensor = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
             self._tensors[name] = tensor
             self._flat[name] = tensor.view(-1)
-            self._coverage[name] = _Coverage(spec.numel)
+            self._coverage[name] = Coverage(spec.numel)
 
     def _spec(self, i: int, name: str) -> ParamSpec:
         spec = self.specs.get(name)
