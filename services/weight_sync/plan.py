@@ -406,8 +406,13 @@ class PlannedBucket:
         hasher = Hasher64(region.numpy())
         row_bytes = op.cols * size
         step = max(1, BLOCK_BYTES // max(row_bytes, 1))
+        if src.dtype == dst.dtype:  # numpy: torch's copy_ forks OpenMP threads per 256 KiB block
+            src, dst = src.view(torch.uint8).numpy(), dst.view(torch.uint8).numpy()
         for r in range(0, op.rows, step):
             stop = min(r + step, op.rows)
-            dst[r:stop].copy_(src[r:stop])
+            if isinstance(dst, np.ndarray):
+                np.copyto(dst[r:stop], src[r:stop])
+            else:
+                dst[r:stop].copy_(src[r:stop])
             hasher.advance(stop * row_bytes)
         ref.hash64 = hasher.digest()
