@@ -479,6 +479,22 @@ class Delivery:
             ) from err
         self.settled = "ack"
 
+    @staticmethod
+    async def ack_all(deliveries: Sequence[Delivery], *, timeout: float = 5.0) -> None:
+        """Acknowledge deliveries of ONE consumer with a single confirmation: every ack but the last
+        is sent without waiting, the last one confirmed. The server takes a connection's messages in
+        order and a consumer's acks in order, so the confirmed last ack means every earlier one was
+        recorded too: one round trip instead of one per message (a trained step acks thousands)."""
+        pending = [d for d in deliveries if d.settled is None]
+        if not pending:
+            return
+        consumers = {(d._msg.metadata.stream, d._msg.metadata.consumer) for d in pending}
+        if len(consumers) > 1:
+            raise ValueError(f"ack_all: deliveries of several consumers {sorted(consumers)}")
+        for d in pending[:-1]:
+            await d.ack(confirm=False)
+        await pending[-1].ack(timeout=timeout)
+
     async def nak(self, delay: float | None = None) -> None:
         """Hand the message back for redelivery, after delay seconds if given. No-op once settled."""
         if self.settled is not None:

@@ -347,7 +347,6 @@ class RunPacker:
         record.acked_version = trainer_version
         await self.store.save(record)  # durable before any bus ack: a crash now cannot train it twice
         self._register(record)
-        acked = 0
         deliveries = []
         for rid in record.rollout_ids:
             self.plan_of.pop(rid, None)
@@ -355,10 +354,8 @@ class RunPacker:
             d = self.held.pop(rid, None)
             if d is not None:
                 deliveries.append(d)
-        for i in range(0, len(deliveries), 512):
-            chunk = deliveries[i : i + 512]
-            await asyncio.gather(*(d.ack() for d in chunk))
-            acked += len(chunk)
+        await Delivery.ack_all(deliveries)
+        acked = len(deliveries)
         self.built.pop(step, None)
         self.acked_total += acked
         metrics.ACKED.labels(self.run_id).inc(acked)

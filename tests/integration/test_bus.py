@@ -20,7 +20,7 @@ from opentelemetry.trace import SpanKind
 
 from looprl.events.v1 import events_pb2
 from services.kit import subjects
-from services.kit.bus import Bus, BusError, BusUnavailable, KVConflict, PoisonMessage
+from services.kit.bus import Bus, BusError, BusUnavailable, Delivery, KVConflict, PoisonMessage
 from services.kit.local import free_port
 
 
@@ -160,6 +160,28 @@ async def test_close_before_nak_or_a_lingering_pull_swallows_the_redelivery(bus:
 
     assert await hand_back_after_a_cancelled_fetch(close_first=False) > 1.2
     assert await hand_back_after_a_cancelled_fetch(close_first=True) < 1.0
+
+
+async def test_ack_all_records_every_ack_once_the_last_is_confirmed(bus: Bus) -> None:
+    """A trained step acks thousands of rollouts with one round trip: when ack_all returns, the
+    server has recorded all of them (nothing pending, nothing redelivered after ack_wait)."""
+    run = new_run()
+    for i in range(300):
+        await bus.publish(subjects.rollouts(run), f"r{i}".encode(), msg_id=f"{run}-{i}")
+    consumer = await bus.pull_consumer(subjects.ROLLOUTS, f"many-{run}", subjects.rollouts(run), ack_wait=1)
+    held = []
+    while len(held) < 300:
+        held += await consumer.fetch(300 - len(held), timeout=2)
+    await Delivery.ack_all(held)
+    info = await consumer.info()
+    assert info.num_ack_pending == 0 and all(d.settled == "ack" for d in held)
+    assert await consumer.fetch(1, timeout=1.3) == []  # past ack_wait: none comes back
+    other = await bus.pull_consumer(subjects.ROLLOUTS, f"other-{run}", subjects.rollouts(run))
+    [theirs] = await other.fetch(1, timeout=2)
+    await bus.publish(subjects.rollouts(run), b"late", msg_id=f"{run}-late")
+    [mine] = await consumer.fetch(1, timeout=2)
+    with pytest.raises(ValueError, match="several consumers"):
+        await Delivery.ack_all([mine, theirs])
 
 
 async def test_max_deliver_bounds_the_attempts(bus: Bus) -> None:
