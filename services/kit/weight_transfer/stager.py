@@ -345,7 +345,8 @@ class WeightStager:
         if self.device.type != "cpu":  # a device engine copies the shared bytes to its device
             data = reader.view(sl.shm_name, int(sl.shm_offset), nbytes)
             expected = int(sl.sum64) if sl.HasField("sum64") else None
-            self._stage_slice(i, name, int(sl.dtype), spec.shape, offset, data, 0, None, expected)
+            self._stage_slice(i, name, int(sl.dtype), spec.shape, offset, data, 0, None, expected,
+                              verified_elsewhere=expected is None)  # fmt: skip
             return
         held = self._adopted.get(name)
         if held is None:
@@ -388,6 +389,7 @@ class WeightStager:
         crc: int,
         expected_hash: int | None,
         expected_sum: int | None = None,
+        verified_elsewhere: bool = False,
     ) -> None:
         spec = self._check_meta(i, name, dtype, shape)
         if name in self._adopted:
@@ -401,7 +403,7 @@ class WeightStager:
             )
         count = nbytes // size
         self._check_range(i, spec, offset, count)
-        verify = self.verify_checksums
+        verify = self.verify_checksums and not verified_elsewhere
         if verify and expected_hash is None and expected_sum is None:  # legacy sender: CRC32 of the source
             actual = zlib.crc32(np.ascontiguousarray(src))
             if actual != crc:

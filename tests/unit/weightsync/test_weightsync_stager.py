@@ -256,6 +256,26 @@ def test_adopted_slices_are_checked_and_a_wrong_share_is_caught():
         pool.close()
 
 
+def test_a_device_stager_copies_adopted_slices_and_checks_only_its_share():
+    """A GPU engine cannot serve from host shared memory: it copies adopted slices to its device,
+    verifying those that carry a sum64 and trusting the peers' share (device 'meta' stands in)."""
+    stager = WeightStager(weights(), device="meta")
+    w = weights(8)
+    pool = ShmPool(1 << 12, count=1)
+    try:
+        seg, placed = _shared_copy(pool, w)
+        req = _adopt_request(1, seg.name, placed, split_at=2)
+        req.slices[0].ClearField("sum64")  # a peer's share
+        assert stager.stage(req).complete
+        assert stager.commit(1)["a.weight"].device.type == "meta"
+        bad = _adopt_request(2, seg.name, placed)
+        bad.slices[0].sum64 ^= 1
+        with pytest.raises(ChecksumMismatch, match=r"slices\[0\]\.sum64"):
+            stager.stage(bad)
+    finally:
+        pool.close()
+
+
 def test_rollback_returns_the_version_served_before():
     stager = WeightStager(weights())
     stager.stage(request(1, weights(1)))
