@@ -8,7 +8,6 @@ once, under the embedding's name (``named_parameters`` de-duplicates it).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -16,6 +15,7 @@ from torch import nn
 
 from looprl.weightsync.v1 import weightsync_pb2
 from services.kit.codec import TORCH_TO_PROTO, tensor_from_bytes, tensor_to_bytes, torch_dtype
+from services.kit.weight_transfer.checksum import hash64
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 
@@ -69,7 +69,7 @@ def shard_chunks(
                 row_offset=row_offset + start,
                 rows=piece.shape[0] if local.dim() > 0 else 1,
                 data=data,
-                crc32=zlib.crc32(data),
+                hash64=hash64(data),
             )
 
 
@@ -114,7 +114,7 @@ def push_requests(
 
 
 def reassemble(requests: Iterable[weightsync_pb2.PushShardsRequest]) -> dict[str, torch.Tensor]:
-    """Full tensors from every rank's chunks, checking crc32 and that the rows tile each tensor
+    """Full tensors from every rank's chunks, checking hash64 and that the rows tile each tensor
     exactly once (what weight-sync must do; used by tests to prove the shards are complete)."""
     tensors: dict[str, torch.Tensor] = {}
     covered: dict[str, torch.Tensor] = {}
@@ -127,8 +127,8 @@ def reassemble(requests: Iterable[weightsync_pb2.PushShardsRequest]) -> dict[str
                 covered[chunk.name] = torch.zeros(shape[0] if shape else 1, dtype=torch.int32)
             if chunk.rows == 0:
                 continue
-            if zlib.crc32(chunk.data) != chunk.crc32:
-                raise ValueError(f"{chunk.name}: crc32 mismatch at row {chunk.row_offset}")
+            if hash64(chunk.data) != chunk.hash64:
+                raise ValueError(f"{chunk.name}: hash64 mismatch at row {chunk.row_offset}")
             piece_shape = [chunk.rows, *shape[1:]] if shape else []
             piece = tensor_from_bytes(chunk.data, dtype, piece_shape)
             if shape:

@@ -5,13 +5,13 @@ benchmarks and the local smoke path; the real trainer sends the same messages.""
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Iterator, Mapping
 
 import torch
 
 from looprl.weightsync.v1 import weightsync_pb2
 from services.kit.weight_transfer import proto_dtype
+from services.kit.weight_transfer.checksum import hash64
 
 
 def fsdp_rows(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -68,7 +68,7 @@ def rank_requests(
                     row_offset=start + r,
                     rows=part.shape[0],
                     data=data,
-                    crc32=zlib.crc32(data),
+                    hash64=hash64(data),
                 )
             )
             size += len(data)

@@ -26,7 +26,7 @@ import torch
 from looprl.weightsync.v1 import weightsync_pb2
 from services.kit.errors import FailedPrecondition, InvalidArgument
 from services.kit.weight_transfer import itemsize
-from services.kit.weight_transfer.checksum import landing_sums
+from services.kit.weight_transfer.checksum import copy_and_hash64, hash64, landing_sums
 from services.kit.weight_transfer.shm import ArenaPool, ChunkArena
 from services.kit.weight_transfer.specs import torch_dtype_of
 
@@ -34,7 +34,7 @@ from .plan import ChunkKey, ChunkMeta, SourceParam, TrainerLayout
 
 
 class ChunkChecksumError(InvalidArgument):
-    """A pushed chunk's bytes do not match its crc32."""
+    """A pushed chunk's bytes do not match its checksum (hash64, or crc32 from older trainers)."""
 
     import grpc as _grpc
 
@@ -48,7 +48,6 @@ class VersionBuffer:
     run_id: str = ""
     model_config_json: str = ""
     chunks: dict[ChunkKey, torch.Tensor] = field(default_factory=dict)  # 2-D (rows, width) views
-    crcs: dict[ChunkKey, int] = field(default_factory=dict)
     rows: dict[ChunkKey, int] = field(default_factory=dict)
     params: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     ranks_done: set[int] = field(default_factory=set)
@@ -129,13 +128,19 @@ class VersionBuffer:
         stored = data
         if self.arena is not None and expected:
             segment, offset, view = self.arena.alloc(expected)
-            np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(data, np.uint8))
             stored = view  # the trainer's checksum is verified on the bytes every delivery will read
-        actual = zlib.crc32(stored)
-        if actual != chunk.crc32:
+        if chunk.HasField("hash64"):  # hashed block by block as each lands in the arena: one pass
+            field_name, want, digits = "hash64", chunk.hash64, 18
+            actual = copy_and_hash64(stored, data) if stored is not data else hash64(data)
+        else:
+            field_name, want, digits = "crc32", chunk.crc32, 10
+            if stored is not data:
+                np.copyto(np.frombuffer(stored, np.uint8), np.frombuffer(data, np.uint8))
+            actual = zlib.crc32(stored)
+        if actual != want:
             raise ChunkChecksumError(
-                f"{where}.crc32: {chunk.name} rows from {chunk.row_offset} have crc32 {actual:#010x}, "
-                f"sender said {chunk.crc32:#010x}"
+                f"{where}.{field_name}: {chunk.name} rows from {chunk.row_offset} have {field_name} "
+                f"{actual:#0{digits}x}, sender said {want:#0{digits}x}"
             )
         self.params[chunk.name] = (shape, dtype)
         if chunk.rows == 0:
@@ -151,10 +156,9 @@ class VersionBuffer:
         self.chunks[key] = flat.view(chunk.rows, width)
         if stored is not data:
             self.locations[key] = (segment, offset)
-            # Recorded from the same arena bytes the CRC32 just verified: the expected sum64 of any
+            # Recorded from the same arena bytes the checksum just verified: the expected sum64 of any
             # receiver slice derives from these, so the chain from the trainer's checksum holds.
             self.sums[key] = landing_sums(np.frombuffer(stored, np.uint8).reshape(chunk.rows, -1))
-        self.crcs[key] = actual
         self.rows[key] = int(chunk.rows)
         self.bytes_received += expected
         return expected

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ShardChunk(_message.Message):
-    __slots__ = ("name", "dtype", "global_shape", "row_offset", "rows", "data", "crc32")
+    __slots__ = ("name", "dtype", "global_shape", "row_offset", "rows", "data", "crc32", "hash64")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ShardChunk(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    HASH64_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: _common_pb2.DType
     global_shape: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +24,8 @@ class ShardChunk(_message.Message):
     rows: int
     data: bytes
     crc32: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., global_shape: _Optional[_Iterable[int]] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    hash64: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., global_shape: _Optional[_Iterable[int]] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., hash64: _Optional[int] = ...) -> None: ...
 
 class PushShardsRequest(_message.Message):
     __slots__ = ("version", "trainer_rank", "trainer_world_size", "shards", "last", "run_id", "model_config_json")
