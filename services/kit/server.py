@@ -26,6 +26,7 @@ from services.kit.config import ServiceConfig
 from services.kit.interceptors import ServerInterceptor, client_interceptors
 from services.kit.local import PortInUseError, free_port, port_is_free
 from services.kit.logs import setup_logging
+from services.kit.raw_requests import add_with_raw_requests
 from services.kit.telemetry import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("looprl.server")
@@ -70,9 +71,20 @@ class Service:
     def address(self) -> str:
         return f"{self.config.host}:{self.grpc_port}"
 
-    def add(self, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> None:
-        """Register a servicer (before run). The full service name is read from its descriptor."""
-        self._adders.append((add_to_server, servicer))
+    def add(
+        self,
+        add_to_server: Callable[[Any, grpc.aio.Server], None],
+        servicer: Any,
+        raw_requests: tuple[str, ...] = (),
+    ) -> None:
+        """Register a servicer (before run). The full service name is read from its descriptor.
+        Methods named in raw_requests get their request bytes unparsed (kit/raw_requests.py)."""
+        if raw_requests:
+            self._adders.append(
+                (lambda s, server: add_with_raw_requests(server, add_to_server, s, raw_requests), servicer)
+            )
+        else:
+            self._adders.append((add_to_server, servicer))
         module = __import__(add_to_server.__module__, fromlist=["DESCRIPTOR"])
         pb2 = __import__(module.__name__.replace("_pb2_grpc", "_pb2"), fromlist=["DESCRIPTOR"])
         for service in pb2.DESCRIPTOR.services_by_name.values():

@@ -138,7 +138,11 @@ async def attach_state(
 async def serve(cfg: WeightSyncConfig) -> None:
     service = Service("weight-sync", cfg)
     servicer = make(cfg)
-    service.add(weightsync_pb2_grpc.add_WeightSyncServiceServicer_to_server, servicer)
+    # PushShards gets its request bytes unparsed: protobuf would copy every chunk on parse and on
+    # each access of its data (the copies were most of the time a push took to land)
+    service.add(
+        weightsync_pb2_grpc.add_WeightSyncServiceServicer_to_server, servicer, raw_requests=("PushShards",)
+    )
 
     async def setup(svc: Service) -> None:
         svc.on_shutdown(servicer.deliverer.close)

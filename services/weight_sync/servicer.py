@@ -8,6 +8,7 @@ import logging
 
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.kit.weight_transfer.wire import decode_push_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import hf_params
 
@@ -31,6 +32,8 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
         received = 0
         try:
             async for req in request_iterator:
+                if isinstance(req, bytes):  # registered with raw requests: chunks stay in place
+                    req = decode_push_request(req)
                 fresh = req.version not in self.store.pending
                 buf = self.store.buffer_for(req)
                 if fresh:

@@ -19,6 +19,7 @@ import torch
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.kit.errors import ServiceError
+from services.kit.raw_requests import add_with_raw_requests
 
 from .errors import WeightTransferError
 from .memory import retain_bucket_buffers
@@ -181,32 +182,10 @@ async def serve_engine(
     return server, f"127.0.0.1:{bound}"
 
 
-class _Captured:
-    """Stands in for a server to collect the handlers the generated code registers."""
-
-    def __init__(self) -> None:
-        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
-
-    def add_generic_rpc_handlers(self, handlers) -> None:
-        pass
-
-    def add_registered_method_handlers(self, service: str, handlers) -> None:
-        self.service = service
-        self.handlers = dict(handlers)
-
-
 def add_engine_servicer(server, servicer: inference_pb2_grpc.InferenceEngineServiceServicer) -> None:
     """Like `add_InferenceEngineServiceServicer_to_server`, but StageWeights receives raw request
     bytes (its handler must accept them, as WeightReceiver does) so a bucket's payload is never
-    copied by protobuf: the difference between ~3 copies of every byte and one. Interceptors that
-    parse requests themselves (services.kit.interceptors) pass raw bytes through unchanged."""
-    captured = _Captured()
-    inference_pb2_grpc.add_InferenceEngineServiceServicer_to_server(servicer, captured)
-    stage = captured.handlers["StageWeights"]
-    captured.handlers["StageWeights"] = grpc.stream_unary_rpc_method_handler(
-        servicer.StageWeights, request_deserializer=None, response_serializer=stage.response_serializer
+    copied by protobuf: the difference between ~3 copies of every byte and one."""
+    add_with_raw_requests(
+        server, inference_pb2_grpc.add_InferenceEngineServiceServicer_to_server, servicer, ["StageWeights"]
     )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(captured.service, captured.handlers),)
-    )
-    server.add_registered_method_handlers(captured.service, captured.handlers)

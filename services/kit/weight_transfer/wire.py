@@ -9,6 +9,7 @@ result is a valid StageWeightsRequest for any receiver (tests check it round-tri
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from looprl.inference.v1 import inference_pb2
 
@@ -78,8 +79,8 @@ def encode_stage_request(
 
 # ------------------------------------------------------------------------------ receiving side
 class DecodedSlice:
-    """A WeightSlice whose `data` is a memoryview into the received message (no copy); every other
-    field is read from `meta`, a WeightSlice parsed by protobuf without the payload."""
+    """A WeightSlice (or ShardChunk) whose `data` is a memoryview into the received message (no
+    copy); every other field is read from `meta`, the message parsed by protobuf without the payload."""
 
     __slots__ = ("data", "meta")
 
@@ -151,6 +152,27 @@ def _fields(buf: bytes, start: int, end: int):
         pos = stop
 
 
+def _decode_with_payloads(raw: bytes, head_type, items_field: int, item_type, payload_field: int):
+    """(head, [(item meta, payload view)]): the repeated `items_field` messages parsed by protobuf
+    without their `payload_field` bytes, which stay memoryviews of raw; the rest is the head."""
+    view = memoryview(raw)
+    head_parts: list[bytes] = []
+    items: list[tuple[Any, memoryview | bytes]] = []
+    for field, wire_type, key_start, start, stop in _fields(raw, 0, len(raw)):
+        if field != items_field or wire_type != _LEN:
+            head_parts.append(raw[key_start:stop])
+            continue
+        meta_parts: list[bytes] = []
+        data: memoryview | bytes = b""
+        for f, wt, k0, s0, s1 in _fields(raw, start, stop):
+            if f == payload_field and wt == _LEN:
+                data = view[s0:s1]
+            else:
+                meta_parts.append(raw[k0:s1])
+        items.append((item_type.FromString(b"".join(meta_parts)), data))
+    return head_type.FromString(b"".join(head_parts)), items
+
+
 def decode_stage_request(raw: bytes) -> DecodedStageRequest:
     """Decode StageWeightsRequest bytes with slice payloads left in place (memoryviews of raw).
 
@@ -160,23 +182,39 @@ def decode_stage_request(raw: bytes) -> DecodedStageRequest:
     their staging tensors. Malformed bytes raise InvalidWeights (INVALID_ARGUMENT)."""
     from .errors import InvalidWeights
 
-    view = memoryview(raw)
     try:
-        head_parts: list[bytes] = []
-        slices: list[DecodedSlice] = []
-        for field, wire_type, key_start, start, stop in _fields(raw, 0, len(raw)):
-            if field != 2 or wire_type != _LEN:
-                head_parts.append(raw[key_start:stop])
-                continue
-            meta_parts: list[bytes] = []
-            data: memoryview | bytes = b""
-            for f, wt, k0, s0, s1 in _fields(raw, start, stop):
-                if f == 5 and wt == _LEN:
-                    data = view[s0:s1]
-                else:
-                    meta_parts.append(raw[k0:s1])
-            slices.append(DecodedSlice(inference_pb2.WeightSlice.FromString(b"".join(meta_parts)), data))
-        head = inference_pb2.StageWeightsRequest.FromString(b"".join(head_parts))
+        head, items = _decode_with_payloads(
+            raw, inference_pb2.StageWeightsRequest, 2, inference_pb2.WeightSlice, 5
+        )
     except Exception as exc:
         raise InvalidWeights(f"StageWeightsRequest: malformed message ({exc})") from None
-    return DecodedStageRequest(head, slices, raw)
+    return DecodedStageRequest(head, [DecodedSlice(meta, data) for meta, data in items], raw)
+
+
+class DecodedPushRequest:
+    """A PushShardsRequest whose chunks' `data` are memoryviews into the received message."""
+
+    __slots__ = ("head", "shards")
+
+    def __init__(self, head, shards: list[DecodedSlice]) -> None:
+        self.head = head
+        self.shards = shards
+
+    def __getattr__(self, name: str):
+        return getattr(self.head, name)
+
+
+def decode_push_request(raw: bytes) -> DecodedPushRequest:
+    """Decode PushShardsRequest bytes (weight-sync's receiving end of a trainer push) with every
+    chunk's bytes left in place: weight-sync copies each once, into shared memory, hashing it on the
+    way. Malformed bytes raise InvalidArgument."""
+    from looprl.weightsync.v1 import weightsync_pb2
+    from services.kit.errors import InvalidArgument
+
+    try:
+        head, items = _decode_with_payloads(
+            raw, weightsync_pb2.PushShardsRequest, 4, weightsync_pb2.ShardChunk, 6
+        )
+    except Exception as exc:
+        raise InvalidArgument(f"PushShardsRequest: malformed message ({exc})") from None
+    return DecodedPushRequest(head, [DecodedSlice(meta, data) for meta, data in items])

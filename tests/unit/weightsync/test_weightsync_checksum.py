@@ -90,3 +90,26 @@ def test_decoded_corruption_and_malformed_bytes_are_rejected():
     for broken in (raw[: len(raw) - 3], b"\x12\xff\xff\xff\xff\x0f", b"\x0b"):
         with pytest.raises(InvalidWeights, match="malformed"):
             decode_stage_request(broken)
+
+
+def test_decoded_push_request_leaves_chunks_in_place_and_matches_protobuf():
+    from services.kit.errors import InvalidArgument
+    from services.kit.weight_transfer.wire import decode_push_request
+    from services.weight_sync.synthetic import rank_requests
+
+    g = torch.Generator().manual_seed(1)
+    state = {"a.weight": torch.randn(6, 4, generator=g), "b.bias": torch.randn(3, generator=g)}
+    (req,) = rank_requests(state, version=2, rank=1, world=2, max_message_bytes=1 << 20)
+    req.model_config_json = '{"x": 1}'
+    raw = req.SerializeToString()
+    decoded = decode_push_request(raw)
+    assert (decoded.version, decoded.trainer_rank, decoded.trainer_world_size, decoded.last) == (
+        req.version, req.trainer_rank, req.trainer_world_size, req.last,
+    )  # fmt: skip
+    assert decoded.model_config_json == '{"x": 1}' and len(decoded.shards) == len(req.shards) > 0
+    for d, p in zip(decoded.shards, req.shards, strict=True):
+        assert isinstance(d.data, memoryview) and bytes(d.data) == p.data  # not copied
+        assert (d.name, d.row_offset, d.rows, d.hash64) == (p.name, p.row_offset, p.rows, p.hash64)
+        assert d.HasField("hash64") and hash64(d.data) == d.hash64
+    with pytest.raises(InvalidArgument, match="PushShardsRequest: malformed"):
+        decode_push_request(raw[:-3])
