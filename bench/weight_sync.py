@@ -24,6 +24,10 @@ Figures:
   in cache, the baseline until now) is printed beside it for reference.
 - grpc_fraction_of_raw_stream: planned gRPC path throughput (tp=1) / a raw gRPC byte stream of the
   same size to the same receiver process (pre-built messages, nothing decoded).
+- push_landing_in_place_over_protobuf (reference): how fast weight-sync lands a pushed version
+  (both trainer ranks' PushShards messages: decode, verify each chunk's hash64, copy it into the
+  shared-memory arena), decoding with the chunks left in place (what the service does) vs parsing
+  with protobuf, which copies every chunk on parse and again on access.
 - four_over_one_deployments: time to update 4 co-located deployments of one layout / time to
   update 1, commits included. One deployment reads its rectangles of the trainer chunks into its
   own memory (reshard-on-read); four share one copy (kit/weight_transfer/shared_copy.py):
@@ -47,7 +51,10 @@ import torch
 
 from bench.common import emit, parse_args
 from bench.weight_sync_naive import NaiveLoader, add_bench_handlers, digests, naive_full, naive_resharded
-from services.kit.weight_transfer import Endpoint, GrpcTransport, ShmTransport
+from looprl.weightsync.v1 import weightsync_pb2
+from services.kit.weight_transfer import Endpoint, GrpcTransport, ShmTransport, proto_dtype
+from services.kit.weight_transfer.checksum import hash64
+from services.kit.weight_transfer.wire import decode_push_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, hf_params, rank_params
 from services.weight_sync.plan import PlanCache, PlannedBucket
@@ -137,6 +144,41 @@ def pushed_version(config: ModelConfig, world: int = 2):
         del full
     buf.ranks_done.update(range(world))
     return buf
+
+
+def push_messages(buf) -> list[bytes]:
+    """The version's PushShards messages as the trainer ranks sent them (one chunk each)."""
+    out = []
+    for (name, rank, row0), chunk in buf.chunks.items():
+        shape, dtype = buf.params[name]
+        data = chunk.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        req = weightsync_pb2.PushShardsRequest(version=0, trainer_rank=rank, trainer_world_size=2)
+        req.shards.add(name=name, dtype=proto_dtype(dtype), global_shape=shape, row_offset=row0,
+                       rows=chunk.shape[0], data=data, hash64=hash64(data))  # fmt: skip
+        out.append(req.SerializeToString())
+    return out
+
+
+def push_landing_seconds(messages: list[bytes], decode, repeat: int) -> float:
+    """Best time to land every message into a fresh version of one store (arenas reused)."""
+    store, best = VersionStore(), float("inf")
+    try:
+        for v in range(repeat + 1):  # the first round warms the arena's pages
+            start = time.perf_counter()
+            buf = None
+            for raw in messages:
+                req = decode(raw)
+                getattr(req, "head", req).version = v  # each round lands a new version
+                buf = store.buffer_for(req)
+                for i, chunk in enumerate(req.shards):
+                    buf.add_chunk(req.trainer_rank, chunk, i)
+            if v:
+                best = min(best, time.perf_counter() - start)
+            buf.ranks_done.update((0, 1))
+            store.completed(buf)
+    finally:
+        store.close()
+    return best
 
 
 async def planned(transport, plan, buf, endpoints_by_rank, version):
@@ -400,6 +442,17 @@ async def main_async(quick: bool) -> None:
         await grpc_t.close()
         await shm_t.close()
 
+    # (reference) landing a push: chunks decoded in place vs parsed by protobuf
+    messages = push_messages(buf)
+    pushed_bytes = sum(len(m) for m in messages)
+    t_place = push_landing_seconds(messages, decode_push_request, repeat)
+    t_proto = push_landing_seconds(messages, weightsync_pb2.PushShardsRequest.FromString, repeat)
+    del messages
+    rows += [("push landing, chunks decoded in place", t_place, pushed_bytes),
+             ("push landing, parsed by protobuf", t_proto, pushed_bytes)]  # fmt: skip
+    figures.append(("push_landing_in_place_over_protobuf", pushed_bytes / t_place, pushed_bytes / t_proto,
+                    t_proto / t_place, "reference"))  # fmt: skip
+
     print(f"\n{'path':<44}{'seconds':>10}{'MB':>10}{'GB/s':>8}")
     for name, secs, nbytes in rows:
         print(f"{name:<44}{secs:>10.3f}{nbytes / 1e6:>10.1f}{nbytes / secs / 1e9:>8.2f}")
@@ -409,7 +462,8 @@ async def main_async(quick: bool) -> None:
         print(note)
     print()
     units = {"planned_over_naive": "bytes/s", "shm_fraction_of_memcpy": "bytes/s",
-             "grpc_fraction_of_raw_stream": "bytes/s", "four_over_one_deployments": "s"}  # fmt: skip
+             "grpc_fraction_of_raw_stream": "bytes/s", "four_over_one_deployments": "s",
+             "push_landing_in_place_over_protobuf": "bytes/s"}  # fmt: skip
     for fig, value, baseline, ratio, target in figures:
         emit(BENCH, fig, value, baseline, ratio, units[fig], target)
 
