@@ -314,48 +314,71 @@ class PlannedBucket:
             SliceRef(s.name, s.dtype, s.shape, s.offset, s.byte_start, s.nbytes) for s in spec.slices
         ]
 
-    def shm_slices(self) -> list[inference_pb2.WeightSlice] | None:
-        """Reshard-on-read: the bucket's slices as rectangles of the trainer chunks in shared
-        memory, each with the sum64 its receiver must find in what it copies. None when a slice
-        cannot be read in place (chunks not in shared memory, or a dtype cast on the way).
-
-        Expected sums come from what was recorded when the chunk landed (`landing_sums`, taken
-        from the bytes its trainer CRC32 was verified on): a run of whole rows needs no read at
-        all; a column block (row-parallel at tp > 1) reads its rows, re-checks their word sums
-        against the landing record (ArenaChanged if they moved) and sums the block."""
+    def _in_arena(self) -> bool:
+        """Every slice can be read in place: its chunk lies in shared memory, with a landing record,
+        in the target dtype."""
         locations, sums = self._locations, self._sums
         if not locations or sums is None:
+            return False
+        chunks = self._chunks
+        return all(
+            op.chunk in locations
+            and op.chunk in sums
+            and op.chunk in chunks
+            and chunks[op.chunk].dtype == self.dtype
+            for op in self.spec.ops
+        )
+
+    def expected_sums(self) -> list[int] | None:
+        """The sum64 each slice must have as it lands (contiguous, in receiver order), or None when
+        the chunks are not in shared memory (or a dtype cast is on the way).
+
+        Sums come from what was recorded when the chunk landed (`landing_sums`, taken from the bytes
+        its trainer checksum was verified on): a run of whole rows needs no read at all; a column
+        block (row-parallel at tp > 1) reads its rows, re-checks their word sums against the landing
+        record (ArenaChanged if they moved) and sums the block."""
+        if not self._in_arena():
             return None
+        assert self._sums is not None
         size = itemsize(self.dtype)
         out = []
         for op, ref in zip(self.spec.ops, self.slices, strict=True):
-            loc = locations.get(op.chunk)
-            chunk = self._chunks.get(op.chunk)
-            landed = sums.get(op.chunk)
-            if loc is None or chunk is None or landed is None or chunk.dtype != self.dtype:
-                return None
+            chunk, landed = self._chunks[op.chunk], self._sums[op.chunk]
             row_bytes = chunk.shape[1] * size
             r0, r1 = op.row0, op.row0 + op.rows
             c0, c1 = op.col0 * size, (op.col0 + op.cols) * size
-            whole_rows = c0 == 0 and c1 == row_bytes
-            msg = ref.to_proto(shm_name=loc[0])
-            msg.shm_offset = loc[1] + r0 * row_bytes + c0
-            if not whole_rows and op.rows > 1:
-                msg.shm_rows = op.rows
-                msg.shm_row_stride = row_bytes
             u8 = chunk.view(torch.uint8).numpy()  # (rows, row_bytes) over the arena
             if isinstance(landed, np.ndarray):
-                if whole_rows:
-                    msg.sum64 = (ref.nbytes + int(landed[r0:r1].sum(dtype=np.uint64))) & MASK
-                else:
-                    now = u8[r0:r1].view(np.uint64).sum(axis=1, dtype=np.uint64)
-                    if not np.array_equal(now, landed[r0:r1]):
-                        raise ArenaChanged(op.chunk)
-                    msg.sum64 = sum64_rows(u8[r0:r1, c0:c1])
-            else:
-                if sum64(u8.reshape(-1)) != landed:
+                if c0 == 0 and c1 == row_bytes:  # whole rows
+                    out.append((ref.nbytes + int(landed[r0:r1].sum(dtype=np.uint64))) & MASK)
+                    continue
+                now = u8[r0:r1].view(np.uint64).sum(axis=1, dtype=np.uint64)
+                if not np.array_equal(now, landed[r0:r1]):
                     raise ArenaChanged(op.chunk)
-                msg.sum64 = sum64_rows(u8[r0:r1, c0:c1])
+            elif sum64(u8.reshape(-1)) != landed:
+                raise ArenaChanged(op.chunk)
+            out.append(sum64_rows(u8[r0:r1, c0:c1]))
+        return out
+
+    def shm_slices(self) -> list[inference_pb2.WeightSlice] | None:
+        """Reshard-on-read: the bucket's slices as rectangles of the trainer chunks in shared
+        memory, each with the sum64 its receiver must find in what it copies (`expected_sums`).
+        None when a slice cannot be read in place."""
+        sums = self.expected_sums()
+        if sums is None:
+            return None
+        assert self._locations is not None
+        size = itemsize(self.dtype)
+        out = []
+        for op, ref, want in zip(self.spec.ops, self.slices, sums, strict=True):
+            segment, base = self._locations[op.chunk]
+            row_bytes = self._chunks[op.chunk].shape[1] * size
+            msg = ref.to_proto(shm_name=segment)
+            msg.shm_offset = base + op.row0 * row_bytes + op.col0 * size
+            if op.cols * size != row_bytes and op.rows > 1:  # a column block: a strided rectangle
+                msg.shm_rows = op.rows
+                msg.shm_row_stride = row_bytes
+            msg.sum64 = want
             out.append(msg)
         return out
 

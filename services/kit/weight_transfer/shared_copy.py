@@ -7,7 +7,7 @@ a shared-memory copy laid out as the receiver's tensors, and every receiver adop
 shm_adopt): its staged tensors become read-only views of the copy, and it serves from them.
 
 Verification is split, not repeated: each slice's sum64 (from the record taken when the trainer's
-bytes landed and were verified, see PlannedBucket.shm_slices) is sent to one receiver, balanced by
+bytes landed and were verified, see PlannedBucket.expected_sums) is sent to one receiver, balanced by
 bytes, and every receiver reads the same pages, so the copy is verified once per host. A receiver
 that fails before verifying its share has it verified by weight-sync instead; a copy that fails
 verification anywhere fails every receiver that adopted it, so none of them serves it.
@@ -122,7 +122,7 @@ async def versions_in_use(transport: Transport, endpoints: Sequence[Endpoint]) -
 
 def _materialize(copy: SharedCopy, bucket) -> list[tuple[inference_pb2.WeightSlice, int, torch.Tensor]]:
     """Copy the bucket's slices into the copy; (adopt slice, expected sum64, its bytes) each."""
-    expected = bucket.shm_slices()  # sums from the landing record; None when chunks are not in shm
+    expected = bucket.expected_sums()  # from the landing record; None when chunks are not in shm
     dests, places = [], []
     for ref in bucket.slices:
         size = itemsize(torch_dtype_of(ref.dtype))
@@ -138,7 +138,7 @@ def _materialize(copy: SharedCopy, bucket) -> list[tuple[inference_pb2.WeightSli
             name=ref.name, dtype=ref.dtype, shape=ref.shape, offset=ref.offset, nbytes=ref.nbytes,
             shm_name=seg, shm_offset=offset, shm_adopt=True,
         )  # fmt: skip
-        want = int(expected[i].sum64) if expected is not None else sum64(dest.numpy())
+        want = expected[i] if expected is not None else sum64(dest.numpy())
         out.append((msg, want, dest))
     return out
 

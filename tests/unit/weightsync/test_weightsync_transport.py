@@ -307,8 +307,8 @@ class CorruptedCopy:
             bucket.slices,
         )
 
-    def shm_slices(self):
-        return self._b.shm_slices()
+    def expected_sums(self):
+        return self._b.expected_sums()
 
     def copy_to(self, dests):
         self._b.copy_to(dests)
