@@ -38,7 +38,7 @@ from .checksum import sum64
 from .errors import DeliveryError
 from .shm import ArenaPool, ChunkArena
 from .specs import itemsize, torch_dtype_of
-from .transport_base import STAGE_METHOD, Endpoint, StageResult, Transport, call_error
+from .transport_base import Endpoint, StageResult, StageStreams, Transport
 
 log = logging.getLogger("looprl.weight_transfer")
 
@@ -157,28 +157,11 @@ async def stage_shared(
     """Write every bucket once into `copy`; each receiver adopts it and verifies its share."""
     loop = asyncio.get_running_loop()
     results = {ep: StageResult(ep) for ep in endpoints}
-    calls: dict[Endpoint, grpc.aio.StreamUnaryCall] = {}
+    streams = StageStreams(transport, results, timeout_s)
     verify_load = dict.fromkeys(endpoints, 0)
     shares: dict[Endpoint, list[tuple[str, int, int, torch.Tensor]]] = {ep: [] for ep in endpoints}
     start = time.perf_counter()
     first = True
-
-    async def send(ep: Endpoint, request: inference_pb2.StageWeightsRequest, nbytes: int) -> None:
-        res = results[ep]
-        call = calls.get(ep)
-        if call is None:
-            method = transport.channel(ep.address).stream_unary(
-                STAGE_METHOD,
-                request_serializer=inference_pb2.StageWeightsRequest.SerializeToString,
-                response_deserializer=inference_pb2.StageWeightsResponse.FromString,
-            )
-            call = calls[ep] = method(timeout=timeout_s)
-        try:
-            await call.write(request)
-            res.bytes_sent += nbytes
-            res.buckets += 1
-        except BaseException as exc:
-            res.error = transport._error(ep, await call_error(call, exc))
 
     try:
         async for bucket in buckets:
@@ -200,32 +183,19 @@ async def stage_shared(
             config = model_config_json if first else ""
             first = False
             await asyncio.gather(*(
-                send(ep, inference_pb2.StageWeightsRequest(
+                streams.write(ep, inference_pb2.StageWeightsRequest(
                     version=version, bucket_count=bucket.count, bucket_index=bucket.index, rank=ep.rank,
                     deployment=ep.deployment, total_bytes=total_bytes, model_config_json=config,
                     slices=per_ep[ep],
                 ), bucket.nbytes)
                 for ep in alive
             ))  # fmt: skip
-
-        async def finish(ep: Endpoint, call: grpc.aio.StreamUnaryCall) -> None:
-            res = results[ep]
-            if res.error is not None:
-                call.cancel()
-                return
-            try:
-                await call.done_writing()
-                res.complete = (await call).complete
-            except BaseException as exc:
-                res.error = transport._error(ep, await call_error(call, exc))
-
-        await asyncio.gather(*(finish(ep, call) for ep, call in calls.items()))
+        await streams.finish()
     except BaseException as exc:
         for ep, res in results.items():
             if res.error is None:
                 res.error = transport._error(ep, exc)
-        for call in calls.values():
-            call.cancel()
+        streams.cancel()
         await asyncio.gather(*(transport.abort(ep, version) for ep in endpoints))
         if isinstance(exc, asyncio.CancelledError):
             raise

@@ -44,6 +44,7 @@ from .transport_base import (
     STAGE_METHOD,
     Endpoint,
     StageResult,
+    StageStreams,
     Transport,
     aiter_buckets,
     call_error,
@@ -232,7 +233,7 @@ class ShmTransport(Transport):
         results = {ep: StageResult(ep) for ep in endpoints}
         starts = time.perf_counter()
         inflight: set[asyncio.Task] = set()
-        streams: dict[Endpoint, grpc.aio.StreamUnaryCall] = {}
+        streams = StageStreams(self, results, timeout_s)
         first = True
 
         def request(
@@ -250,31 +251,14 @@ class ShmTransport(Transport):
             )
 
         async def stream_in_place(bucket: Bucket, slices, config_json: str) -> None:
-            """In-place buckets hold no segment, so they need no per-bucket answer: they go down one
-            open stream per receiver (a call per bucket cost ~1 ms each on both sides, as much as
-            copying 10 MB), and the receiver copies bucket i while bucket i+1 is already queued."""
-
-            async def one(ep: Endpoint) -> None:
-                res = results[ep]
-                if res.error is not None:
-                    return
-                call = streams.get(ep)
-                if call is None:
-                    method = self.channel(ep.address).stream_unary(
-                        STAGE_METHOD,
-                        request_serializer=inference_pb2.StageWeightsRequest.SerializeToString,
-                        response_deserializer=inference_pb2.StageWeightsResponse.FromString,
-                    )
-                    call = streams[ep] = method(timeout=timeout_s)
-                try:
-                    await call.write(request(ep, bucket, slices, config_json))
-                    res.bytes_sent += bucket.nbytes
-                    res.buckets += 1
-                except BaseException as exc:
-                    if res.error is None:
-                        res.error = self._error(ep, await call_error(call, exc))
-
-            await asyncio.gather(*(one(ep) for ep in endpoints))
+            """In-place buckets hold no segment, so they need no per-bucket answer: they go down
+            one open stream per receiver."""
+            await asyncio.gather(
+                *(
+                    streams.write(ep, request(ep, bucket, slices, config_json), bucket.nbytes)
+                    for ep in endpoints
+                )
+            )
 
         async def deliver(bucket: Bucket, seg, slices, config_json: str) -> None:
             try:
@@ -298,21 +282,6 @@ class ShmTransport(Transport):
             finally:
                 if seg is not None:
                     self.pool.release(seg)
-
-        async def finish_streams() -> None:
-            async def one(ep: Endpoint, call: grpc.aio.StreamUnaryCall) -> None:
-                res = results[ep]
-                if res.error is not None:
-                    call.cancel()
-                    return
-                try:
-                    await call.done_writing()
-                    resp = await call
-                    res.complete = res.complete or resp.complete
-                except BaseException as exc:
-                    res.error = self._error(ep, await call_error(call, exc))
-
-            await asyncio.gather(*(one(ep, call) for ep, call in streams.items()))
 
         try:
             async for bucket in aiter_buckets(buckets):
@@ -341,15 +310,14 @@ class ShmTransport(Transport):
                 task.add_done_callback(inflight.discard)
             if inflight:
                 await asyncio.gather(*inflight)
-            await finish_streams()
+            await streams.finish()
         except BaseException as exc:
             for ep, res in results.items():
                 if res.error is None:
                     res.error = self._error(ep, exc)
             for t in inflight:
                 t.cancel()
-            for call in streams.values():
-                call.cancel()
+            streams.cancel()
             await asyncio.gather(*(self.abort(ep, version) for ep in endpoints))
             if isinstance(exc, asyncio.CancelledError):
                 raise
