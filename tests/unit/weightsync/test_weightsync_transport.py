@@ -83,6 +83,14 @@ async def deliver(transport, plan, buf, endpoints, version, corrupt_rank=None):
     return results
 
 
+async def deliver_and_commit(transport, plan, buf, endpoints, version):
+    """Deliver `version` to every endpoint and commit it there: every receiver must take it."""
+    results = await deliver(transport, plan, buf, endpoints, version)
+    assert all(r.error is None and r.complete for r in results.values()), results
+    for ep in endpoints:
+        assert await transport.commit(ep, version) == version
+
+
 @pytest.mark.parametrize("kind", ["grpc", "shm"])
 async def test_fan_out_to_two_deployments_and_commit(kind):
     layout = Layout(2, "fused")
@@ -92,10 +100,7 @@ async def test_fan_out_to_two_deployments_and_commit(kind):
     engines, servers, endpoints = await start_receivers(layout, 2)
     transport = GrpcTransport() if kind == "grpc" else ShmTransport(segment_bytes=4096, segments=2)
     try:
-        results = await deliver(transport, plan, buf, endpoints, 0)
-        assert all(r.error is None and r.complete for r in results.values()), results
-        for ep in endpoints:
-            assert await transport.commit(ep, 0) == 0
+        await deliver_and_commit(transport, plan, buf, endpoints, 0)
         for engine, ep in zip(engines, endpoints, strict=True):
             want = shard_state_dict(state, CONFIG, layout, ep.rank)
             assert all(torch.equal(engine.weights[n], want[n]) for n in want)
@@ -119,8 +124,7 @@ async def test_corrupted_byte_is_caught_and_old_version_keeps_serving(kind):
     try:
         buf0 = pushed(old, version=0)
         plan = build_deployment_plan(buf0.layout(), CONFIG, layout, 4096)
-        assert all(r.error is None for r in (await deliver(transport, plan, buf0, endpoints, 0)).values())
-        await transport.commit(endpoints[0], 0)
+        await deliver_and_commit(transport, plan, buf0, endpoints, 0)
         buf1 = pushed(new, version=1)
         results = await deliver(transport, plan, buf1, endpoints, 1, corrupt_rank=0)
         (result,) = results.values()
@@ -132,8 +136,7 @@ async def test_corrupted_byte_is_caught_and_old_version_keeps_serving(kind):
             await transport.commit(endpoints[0], 1)
         assert torch.equal(engine.weights["model.norm.weight"], old["model.norm.weight"])
         # The retry goes through.
-        assert all(r.error is None for r in (await deliver(transport, plan, buf1, endpoints, 1)).values())
-        await transport.commit(endpoints[0], 1)
+        await deliver_and_commit(transport, plan, buf1, endpoints, 1)
         assert torch.equal(engine.weights["model.norm.weight"], new["model.norm.weight"])
     finally:
         await transport.close()
@@ -191,11 +194,8 @@ async def test_reshard_on_read_sends_no_bucket_bytes_and_delivers_exact_weights(
     engines, servers, endpoints = await start_receivers(layout, 2)
     transport = ShmTransport(segment_bytes=4096, segments=2)
     try:
-        results = await deliver(transport, plan, buf, endpoints, 0)
-        assert all(r.error is None and r.complete for r in results.values()), results
+        await deliver_and_commit(transport, plan, buf, endpoints, 0)
         assert transport.pool.names() == []  # not one bucket was assembled on the sending side
-        for ep in endpoints:
-            assert await transport.commit(ep, 0) == 0
         for engine, ep in zip(engines, endpoints, strict=True):
             want = shard_state_dict(state, CONFIG, layout, ep.rank)
             assert all(torch.equal(engine.weights[n], want[n]) for n in want)
@@ -238,9 +238,7 @@ async def test_byte_changed_in_shared_memory_after_verification_is_caught(tp, na
     try:
         buf0 = pushed(old, version=0, store=store)
         plan = build_deployment_plan(buf0.layout(), CONFIG, layout, 4096)
-        assert all(r.error is None for r in (await deliver(transport, plan, buf0, endpoints, 0)).values())
-        for ep in endpoints:
-            await transport.commit(ep, 0)
+        await deliver_and_commit(transport, plan, buf0, endpoints, 0)
         buf1 = pushed(new, version=1, store=store)
         key = next(k for k in buf1.chunks if k[0] == param)
         chunk = buf1.chunks[key]
@@ -329,10 +327,7 @@ async def test_co_located_deployments_share_one_copy_and_serve_from_it(tp, namin
     engines, servers, endpoints = await start_receivers(layout, 3)
     transport = ShmTransport(segment_bytes=4096, segments=2)
     try:
-        results = await deliver(transport, plan, buf, endpoints, 0)
-        assert all(r.error is None and r.complete for r in results.values()), results
-        for ep in endpoints:
-            assert await transport.commit(ep, 0) == 0
+        await deliver_and_commit(transport, plan, buf, endpoints, 0)
         for engine, ep in zip(engines, endpoints, strict=True):
             want = shard_state_dict(state, CONFIG, layout, ep.rank)
             assert all(torch.equal(engine.weights[n], want[n]) for n in want)
@@ -362,9 +357,7 @@ async def test_a_corrupted_shared_copy_fails_every_deployment_and_the_old_versio
     try:
         buf0 = pushed(old, version=0, store=store)
         plan = build_deployment_plan(buf0.layout(), CONFIG, layout, 4096)
-        assert all(r.error is None for r in (await deliver(transport, plan, buf0, endpoints, 0)).values())
-        for ep in endpoints:
-            await transport.commit(ep, 0)
+        await deliver_and_commit(transport, plan, buf0, endpoints, 0)
         buf1 = pushed(new, version=1, store=store)
         rank_plan = plan.ranks[0]
         buckets = [
@@ -380,9 +373,7 @@ async def test_a_corrupted_shared_copy_fails_every_deployment_and_the_old_versio
         for engine in engines:
             assert engine.version == 0 and engine.stager.staged_version is None
             assert all(torch.equal(engine.weights[n], t) for n, t in old.items() if n in engine.weights)
-        assert all(r.error is None for r in (await deliver(transport, plan, buf1, endpoints, 1)).values())
-        for ep in endpoints:
-            await transport.commit(ep, 1)
+        await deliver_and_commit(transport, plan, buf1, endpoints, 1)
         assert all(torch.equal(engines[2].weights[n], t) for n, t in new.items() if n in engines[2].weights)
     finally:
         await transport.close()
