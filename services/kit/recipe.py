@@ -308,6 +308,13 @@ def validate(recipe: Recipe, base_dir: Path | None = None) -> Recipe:
     return r
 
 
+def sampling_seed(run_seed: int, task_index: int, sample: int = 0) -> int:
+    """The seed of sample `sample` of the run's `task_index`-th task: never 0 (0 means unseeded), the
+    same in every process, so a run's samples depend on its seed alone. An n-completion request
+    seeded s samples completion i with s + i (the engines' convention)."""
+    return (run_seed * 1_000_003 + task_index * 1009 + sample) % (2**62) + 1
+
+
 # Names of the model configs a recipe can build without a download (see services/modeling).
 MODEL_PRESETS = ("tiny-qwen2", "small-qwen2")
 
