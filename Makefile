@@ -55,7 +55,9 @@ down:
 status: setup
 	$(VENV)/bin/looprl status
 
+# Benchmarks need the TRL peer (bench/peer_trl.py) beside the pinned torch and transformers.
 bench: setup
+	$(PY) -m pip install -q -c requirements.lock -e '.[peer]'
 	$(PY) -m bench.all $(BENCH_ARGS)
 
 # The containerised stack (needs a Docker engine): see deploy/README.md.
