@@ -53,6 +53,11 @@ def profile_of(spec: DeploymentSpec) -> LengthProfile:
     )
 
 
+def replica_gpus(spec: DeploymentSpec) -> int:
+    """GPUs a replica asks Ray for: a vLLM replica holds one per TP rank (its workers run on them)."""
+    return spec.tensor_parallel if spec.backend == "vllm" else 0
+
+
 def replica_name(deployment: str, index: int) -> str:
     return f"{deployment}-r{index}"
 
@@ -94,6 +99,7 @@ class DeploymentManager:
                 max_task_retries=0,
                 max_concurrency=1000,
                 num_cpus=self.config.replica_num_cpus,
+                num_gpus=replica_gpus(spec),
             ).remote(spec=_spec_dict(spec), replica=name)
             self.actors[name] = actor
             handles.append(RayReplicaHandle(name, actor))
