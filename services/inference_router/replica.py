@@ -11,9 +11,11 @@ rank is forwarded as received.
 
 Weights: a replica built without a model path has no model and is NOT ready. The first bucket of
 the first version carries the HF config.json (model_config_json); the replica builds its engine
-from it, stages every bucket (its own rank's slices locally, rank r's slices to TP worker r) in a
-`WeightStager` beside the serving version (checksums verified), and CommitWeights swaps the new
-version in atomically between two decode steps. The weights a commit retires go back to the
+from it, stages every bucket (its own rank's slices locally, rank r's slices to TP worker r; a vLLM
+replica stages every rank here, one stager per rank, in vLLM's fused layout) in a `WeightStager`
+beside the serving version (checksums verified), and CommitWeights swaps the new version in
+atomically between two decode steps (vLLM: once every rank is complete, through vLLM's
+weight-transfer API, engine/vllm_engine.py). The weights a commit retires go back to the
 stager as the rollback point: RollbackWeights (a canary whose new version failed its check) swaps
 them back in, again between two steps, and the status says it was a rollback, not a restart
 (`rolled_back_version`). A replica with a model path loads version 0 from it at start.

@@ -14,6 +14,7 @@ to preempt them).
 from __future__ import annotations
 
 import ast
+import asyncio
 import inspect
 from types import SimpleNamespace
 from typing import Any
@@ -69,7 +70,7 @@ def normalized(fn: Any) -> tuple[bool, inspect.Signature]:
         )
         for p in sig.parameters.values()
     ]
-    return inspect.iscoroutinefunction(fn), inspect.Signature(params)
+    return inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn), inspect.Signature(params)
 
 
 class FusedModel(torch.nn.Module):
@@ -116,6 +117,10 @@ class RecordingAsyncLLM:
         self.reset_results = list(reset_results)
         self.weight_version: str | None = None
         self.fail_update: str = ""  # a phase whose update_weights raises on rank 0
+        self.prompts: list[list[int]] = []
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._abort_epoch = 0
 
     def _utility(self, method: str, *args: Any) -> tuple:
         """The arguments as the engine core receives them (core_client._call_utility_async
@@ -138,9 +143,53 @@ class RecordingAsyncLLM:
 
     async def pause_generation(self, *, mode="abort", clear_cache=True) -> None:
         self._utility("pause_generation", mode, clear_cache)
+        self._unpaused.clear()
+        if mode == "abort":
+            self._abort_epoch += 1
 
     async def resume_generation(self) -> None:
         self._utility("resume_scheduler")
+        self._unpaused.set()
+
+    async def generate(
+        self,
+        prompt,
+        sampling_params,
+        request_id,
+        *,
+        prompt_text=None,
+        lora_request=None,
+        tokenization_kwargs=None,
+        trace_headers=None,
+        priority=0,
+        data_parallel_rank=None,
+        session_id=None,
+        kv_hints=None,
+        reasoning_ended=None,
+        reasoning_parser_kwargs=None,
+    ):
+        """One token per step (n=1), each labelled, as vLLM's engine core does, with the version
+        set when that step ran, and its log-prob -(version + 1) so a test can tell which weights
+        produced it. Paused steps wait; an abort-mode pause ends the request with "abort"."""
+        ids = list(prompt["prompt_token_ids"])
+        self.prompts.append(ids)
+        epoch, starts, count = self._abort_epoch, [], 0
+        while True:
+            await asyncio.sleep(0.001)
+            if self._abort_epoch != epoch:
+                yield _output([], [], "abort", _spans(starts, count))
+                return
+            if not self._unpaused.is_set():
+                continue
+            version = self.weight_version or "0"
+            if not starts or starts[-1][0] != version:
+                starts.append((version, count))
+            token, count = (len(ids) + count) % 50, count + 1
+            done = count >= sampling_params.max_tokens
+            yield _output([token], [-(int(version) + 1.0)], "length" if done else None,
+                          _spans(starts, count) if done else None)  # fmt: skip
+            if done:
+                return
 
     async def start_weight_update(self) -> None:
         self._utility("collective_rpc", "start_weight_update", None, (), None)
@@ -185,3 +234,16 @@ class RecordingAsyncLLM:
 
     def served(self, rank: int) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.workers[rank].model.named_parameters()}
+
+
+def _spans(starts: list[tuple[str, int]], count: int) -> list[SimpleNamespace]:
+    ends = [start for _, start in starts[1:]] + [count]
+    return [SimpleNamespace(version=v, start=s, end=e) for (v, s), e in zip(starts, ends, strict=True)]
+
+
+def _output(tokens, logprobs, finish, spans) -> SimpleNamespace:
+    steps = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(tokens, logprobs, strict=True)]
+    comp = SimpleNamespace(
+        index=0, token_ids=tokens, logprobs=steps, finish_reason=finish, weight_versions=spans
+    )
+    return SimpleNamespace(outputs=[comp])

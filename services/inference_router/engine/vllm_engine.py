@@ -98,12 +98,25 @@ def init_info_of(settings: Any) -> dict[str, Any]:
     }
 
 
-def token_versions_of(spans: Any, count: int, fallback: int) -> list[int]:
-    """Per-token versions from vLLM's WeightVersionSpan list (output-token index ranges)."""
+def vllm_sampling_params(**kwargs: Any) -> Any:
+    """vLLM SamplingParams streaming DELTA outputs (a seam: CPU tests cannot import vllm.sampling_params)."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    return SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+
+
+def tokens_prompt(ids: list[int]) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)
+
+
+def token_versions_of(spans: Sequence[tuple[int, int, int]], count: int, fallback: int) -> list[int]:
+    """Per-token versions from (version, start, end) spans of output-token indexes."""
     out = [fallback] * count
-    for span in spans or ():
-        for i in range(max(0, int(span.start)), min(count, int(span.end))):
-            out[i] = int(span.version)
+    for version, start, end in spans:
+        for i in range(max(0, start), min(count, end)):
+            out[i] = version
     return out
 
 
@@ -182,16 +195,13 @@ class VLLMEngine(Engine):
 
     # ---------------------------------------------------------------- generation
     def _sampling(self, request: EngineRequest, n: int, seed: int | None, max_tokens: int) -> Any:
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         s = request.sampling
         if (s.top_k > 0 or s.top_p < 1.0) and not s.greedy and not self.allow_truncated:
             raise InvalidArgument(
                 "sampling.top_p/top_k: the vllm backend can only report log-probs under the untruncated "
                 "tempered distribution; use top_p=1 and top_k=0 for training rollouts"
             )
-        return VSamplingParams(
+        return vllm_sampling_params(
             n=n,
             temperature=s.temperature,
             top_p=s.top_p,
@@ -201,7 +211,6 @@ class VLLMEngine(Engine):
             seed=seed,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
         )
 
     async def _run(self, request: EngineRequest) -> AsyncIterator[tuple[StreamChunk, Any]]:
@@ -222,24 +231,25 @@ class VLLMEngine(Engine):
                 await self._gate.wait()
                 swaps_at_start = self._swaps
                 params = self._sampling(request, s.n, s.seed, s.max_tokens - produced)
-                retry = False
+                retry, sampled = False, []
                 async for chunk, spans in self._stream(prompt, params, f"{rid}-{produced}", produced):
+                    sampled += chunk.token_ids
                     aborted_by_swap = chunk.finish_reason == FINISH_ABORT and self._swaps != swaps_at_start
                     if (
                         aborted_by_swap
                         and self.retry_aborted
                         and s.n == 1
-                        and produced + len(chunk.token_ids) < s.max_tokens
+                        and produced + len(sampled) < s.max_tokens
                     ):
                         # Continue after the swap from where the abort left it (n=1 only: a
                         # fork of n completions cannot be resumed as one request).
-                        if chunk.token_ids:
+                        if chunk.token_ids or spans:
                             yield (
                                 StreamChunk(0, chunk.token_ids, chunk.logprobs, chunk.weight_version, ""),
                                 spans,
                             )
-                        prompt += chunk.token_ids
-                        produced += len(chunk.token_ids)
+                        prompt += sampled
+                        produced += len(sampled)
                         retry = True
                         continue
                     yield chunk, spans
@@ -251,9 +261,7 @@ class VLLMEngine(Engine):
     async def _stream(
         self, prompt: list[int], params: Any, rid: str, offset: int
     ) -> AsyncIterator[tuple[StreamChunk, Any]]:
-        from vllm.inputs import TokensPrompt
-
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, rid):
+        async for out in self.llm.generate(tokens_prompt(prompt), params, rid):
             for comp in out.outputs:
                 lps = [
                     float(step[tok].logprob) if step is not None and tok in step else float("nan")
@@ -261,9 +269,12 @@ class VLLMEngine(Engine):
                         comp.token_ids, comp.logprobs or [None] * len(comp.token_ids), strict=False
                     )
                 ]
-                spans = getattr(comp, "weight_versions", None)
-                if spans and offset:
-                    spans = [type(sp)(sp.version, sp.start + offset, sp.end + offset) for sp in spans]
+                # vLLM's WeightVersionSpan list (final output only), as (version, start, end) of
+                # the whole completion's token indexes.
+                spans = [
+                    (int(sp.version), int(sp.start) + offset, int(sp.end) + offset)
+                    for sp in getattr(comp, "weight_versions", None) or ()
+                ]
                 chunk = StreamChunk(
                     comp.index, list(comp.token_ids), lps, self.version, comp.finish_reason or ""
                 )

@@ -234,3 +234,46 @@ def test_swap_runs_vllms_sequence_in_order_and_checks_the_prefix_cache_reset(mod
     resets = [args for m, args in llm.calls if m == "reset_prefix_cache"]
     assert resets[0][0] is (mode == "keep") and (mode == "abort" or resets[-1][0] is True)
     assert engine.version == 5 and llm.weight_version == "5" and engine.status().ready
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_tokens_keep_the_version_that_sampled_them_across_a_swap_mid_request(mode, monkeypatch):
+    """A request in flight through a swap: its tokens before it carry version 0, after it 1 (and
+    the double's log-probs prove which weights produced each); an abort-mode swap continues the
+    aborted completion as a new request over the prompt plus what it already had."""
+    import asyncio
+
+    from services.inference_router.engine import vllm_engine
+    from services.inference_router.engine.base import EngineRequest, SamplingParams
+
+    # Seams for vLLM's SamplingParams / TokensPrompt, which cannot import beside our torch.
+    monkeypatch.setattr(vllm_engine, "vllm_sampling_params", lambda **kw: SimpleNamespace(**kw))
+    monkeypatch.setattr(vllm_engine, "tokens_prompt", lambda ids: {"prompt_token_ids": ids})
+    llm = RecordingAsyncLLM(CONFIG, TP2)
+    engine = _engine(llm, pause_mode=mode)
+
+    async def run():
+        await llm.init_weight_transfer_engine(
+            SimpleNamespace(init_info=init_info_of(SimpleNamespace(tensor_parallel=2, dtype="bfloat16")))
+        )
+        request = EngineRequest([3, 4, 5], SamplingParams(temperature=1.0, max_tokens=30))
+        task = asyncio.create_task(engine.generate([request]))
+        while not llm.prompts or engine.status().queued_requests == 0:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+        await engine.swap(1, _states(TP2, seed=1))
+        [result] = await task
+        return result.completions[0]
+
+    comp = asyncio.run(run())
+    assert len(comp.token_ids) == 30 and comp.finish_reason == "length"
+    switch = comp.token_versions.index(1)
+    assert 0 < switch and comp.token_versions == [0] * switch + [1] * (30 - switch)
+    assert comp.logprobs == [-1.0] * switch + [-2.0] * (
+        30 - switch
+    )  # labelled by the weights that sampled them
+    assert comp.weight_version == 0
+    if mode == "abort":
+        assert llm.prompts == [[3, 4, 5], [3, 4, 5, *comp.token_ids[:switch]]]
+    else:
+        assert llm.prompts == [[3, 4, 5]]
