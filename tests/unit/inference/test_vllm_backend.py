@@ -268,7 +268,7 @@ def test_tokens_keep_the_version_that_sampled_them_across_a_swap_mid_request(mod
     comp = asyncio.run(run())
     assert len(comp.token_ids) == 30 and comp.finish_reason == "length"
     switch = comp.token_versions.index(1)
-    assert 0 < switch and comp.token_versions == [0] * switch + [1] * (30 - switch)
+    assert switch > 0 and comp.token_versions == [0] * switch + [1] * (30 - switch)
     assert comp.logprobs == [-1.0] * switch + [-2.0] * (
         30 - switch
     )  # labelled by the weights that sampled them
