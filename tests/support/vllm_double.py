@@ -100,6 +100,8 @@ class RecordingAsyncLLM:
         import services.inference_router.engine.vllm_transfer  # noqa: F401 - registers "looprl"
 
         self.encoder, self.decoder = serial.MsgpackEncoder(), serial.MsgpackDecoder()
+        self.utility_result = serial.UtilityResult
+        self.result_decoder = serial.MsgpackDecoder(serial.UtilityResult)
         self.calls: list[tuple[str, Any]] = []
         self.workers = []
         for rank in range(layout.tp_size):
@@ -205,6 +207,19 @@ class RecordingAsyncLLM:
                 w.active = False  # vLLM closes a worker's session when its update raises
                 raise RuntimeError(f"rank 0 failed in phase {info['phase']}")
             w.update_weights(info)
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        """Only looprl's worker extension method: each rank's report, as vLLM returns a utility
+        result to the client (encoded on the engine core, decoded typed as UtilityResult)."""
+        from services.inference_router.engine.vllm_transfer import WorkerRegistration
+
+        self._utility("collective_rpc", method, timeout, args, kwargs)
+        reports = []
+        for w in self.workers:
+            worker = WorkerRegistration()
+            worker.weight_transfer_engine = w
+            reports.append(getattr(worker, method)(*args, **(kwargs or {})))
+        return self.result_decoder.decode(self.encoder.encode(self.utility_result(reports))).result
 
     async def finish_weight_update(self, weight_version=None) -> None:
         self._utility("collective_rpc", "finish_weight_update", None, (), None)

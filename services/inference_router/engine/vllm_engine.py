@@ -28,7 +28,9 @@ rank_states)` then runs, in order:
    under the new weights).
 4. `resume_generation`.
 
-A failed transfer ends the weight-update session and resumes with the old version served.
+A failed transfer ends the weight-update session and resumes with the old version served;
+after the verify phase every worker's verdict is read back (`collective_rpc`), so a rank whose
+copy does not check out stops the version before any rank loads it.
 Per-token versions: vLLM labels every step with the version set by `finish_weight_update` and
 reports the spans on a request's final output (`CompletionOutput.weight_versions`); completions
 take their token versions from those spans, streamed chunks the version served when they were
@@ -61,6 +63,7 @@ from services.inference_router.engine.base import (
 )
 from services.inference_router.engine.vllm_handoff import RankHandoff, manifest_of
 from services.kit.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from services.kit.weight_transfer.errors import ChecksumMismatch, InvalidWeights
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout
 
@@ -69,6 +72,7 @@ log = logging.getLogger("looprl.inference_router.vllm")
 PAUSE_MODES = ("keep", "abort")
 TRANSFER_BACKEND = "looprl"
 WORKER_EXTENSION = "services.inference_router.engine.vllm_transfer.WorkerRegistration"
+STATUS_RPC = "looprl_weight_status"  # WorkerRegistration's method: each rank's verdict
 
 
 def engine_args(model_path: str, load_format: str, settings: Any) -> dict[str, Any]:
@@ -346,10 +350,13 @@ class VLLMEngine(Engine):
                 paused = True
                 await self.llm.start_weight_update()
                 try:
-                    for phase in ("verify", "load"):
-                        await self.llm.update_weights(
-                            WeightTransferUpdateRequest(update_info=[h.for_phase(phase) for h in handoffs])
-                        )
+                    await self.llm.update_weights(
+                        WeightTransferUpdateRequest(update_info=[h.for_phase("verify") for h in handoffs])
+                    )
+                    await self._check_verified(version)
+                    await self.llm.update_weights(
+                        WeightTransferUpdateRequest(update_info=[h.for_phase("load") for h in handoffs])
+                    )
                 except BaseException:
                     await self._end_session()
                     raise
@@ -364,6 +371,16 @@ class VLLMEngine(Engine):
                 if not self._user_paused and not self._broken:
                     self._gate.set()
             self.swap_seconds[version] = asyncio.get_running_loop().time() - start
+
+    async def _check_verified(self, version: int) -> None:
+        """Every worker checked its rank of `version`; else raise naming the first that did not."""
+        reports = await self.llm.collective_rpc(STATUS_RPC)
+        for rank, report in enumerate(reports):
+            if int(report.get("verified", -1)) != version:
+                why = report.get("error") or "no verdict"
+                if "hash64" in why:
+                    raise ChecksumMismatch(f"rank {rank}: {why}")
+                raise InvalidWeights(f"rank {rank}: {why}")
 
     async def _end_session(self) -> None:
         """After a failed update: close the session on the workers that still hold it open

@@ -12,10 +12,13 @@ Each worker receives its OWN TP rank's resharded rectangles (vLLM's fused names 
 shapes, as weight-sync planned them for this rank): `update_weights` gets a list indexed by
 worker rank, and vLLM hands every worker its own entry. Every version is applied in two calls:
 phase "verify" maps the rank's tensors (services/inference_router/engine/vllm_handoff.py), checks
-each against its hash64 and the worker's own parameters and writes nothing; only when every rank
-verified (the collective RPC failed otherwise) does phase "load" copy them into the model. A
-corrupt or mismatched version therefore never touches the served weights. The model's
-parameters are written in place, so start/finish only guard the session.
+each against its hash64 and the worker's own parameters and writes nothing; the engine then asks
+every worker for its verdict (`collective_rpc("looprl_weight_status")`, the one method
+`WorkerRegistration` adds) and only when every rank verified does phase "load" copy them into the
+model. A corrupt or mismatched version therefore never touches the served weights. The verify
+phase records a failure instead of raising it: vLLM's multiprocess executor stops reading the
+other ranks' replies at the first failed one, which would leave their replies queued for the
+next call. The model's parameters are written in place, so start/finish only guard the session.
 
 Imports vLLM: load it only where vLLM is installed (the vLLM workers; tests load vLLM's pure
 Python sources for it).
@@ -77,6 +80,7 @@ class LooprlWeightTransferEngine(WeightTransferEngine[LooprlInitInfo, LooprlUpda
         self.verified_version: int | None = None
         self.loaded_version: int | None = None
         self.active = False
+        self.last_error = ""
 
     def init_transfer_engine(self, init_info: LooprlInitInfo) -> None:
         tp = int(getattr(self.parallel_config, "tensor_parallel_size", 1))
@@ -110,10 +114,14 @@ class LooprlWeightTransferEngine(WeightTransferEngine[LooprlInitInfo, LooprlUpda
         reader = UpdateReader(info, self.device)
         try:
             params = dict(self.model.named_parameters())
-            check_against(params, update_info.params, self._vocab_starts())
             if update_info.phase == "verify":
-                reader.tensors(verify=True)  # every hash checked; nothing written
-                self.verified_version = update_info.version
+                try:
+                    check_against(params, update_info.params, self._vocab_starts())
+                    reader.tensors(verify=True)  # every hash checked; nothing written
+                except InvalidWeights as exc:  # ChecksumMismatch too: reported, see the module doc
+                    self.verified_version, self.last_error = None, str(exc)
+                    return
+                self.verified_version, self.last_error = update_info.version, ""
                 return
             if self.verified_version != update_info.version:
                 raise InvalidWeights(
@@ -123,6 +131,12 @@ class LooprlWeightTransferEngine(WeightTransferEngine[LooprlInitInfo, LooprlUpda
             self.loaded_version = update_info.version
         finally:
             reader.close()
+
+    def report(self) -> dict[str, Any]:
+        """This rank's verdict on the update in progress (msgpack-native)."""
+        verified = -1 if self.verified_version is None else int(self.verified_version)
+        loaded = -1 if self.loaded_version is None else int(self.loaded_version)
+        return {"verified": verified, "loaded": loaded, "error": self.last_error}
 
     def finish_weight_update(self) -> None:
         self.active, self.verified_version = False, None
@@ -147,7 +161,17 @@ def register() -> None:
 
 class WorkerRegistration:
     """vLLM's worker_extension_cls: importing it (every worker does, before loading the model)
-    registered the backend. It adds no methods to the worker."""
+    registered the backend; its one method reports the backend's verdict to the engine."""
+
+    def looprl_weight_status(self) -> dict[str, Any]:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, LooprlWeightTransferEngine):
+            return {
+                "verified": -1,
+                "loaded": -1,
+                "error": "the looprl weight-transfer backend is not configured",
+            }
+        return engine.report()
 
 
 register()

@@ -73,12 +73,18 @@ def test_every_argument_survives_vllms_own_msgpack_round_trip_with_its_types():
                 encoder.encode((0, 7, "collective_rpc", ("m", None, (), {name: value})))
             )
             _same_types(value, args[3][name], name)
-        for args in (
-            ("keep", False),
-            (True, False),
-            ("12",),
-        ):  # pause, reset_prefix_cache, set_weight_version
+        # pause_generation, reset_prefix_cache, set_weight_version
+        for args in (("keep", False), (True, False), ("12",)):
             _same_types(list(args), decoder.decode(encoder.encode((0, 1, "u", args)))[3])
+        # what the workers report back (a utility result, decoded typed as the client does)
+        reports = [
+            {"verified": 3, "loaded": -1, "error": ""},
+            {"verified": -1, "loaded": -1, "error": "hash64"},
+        ]
+        back = serial.MsgpackDecoder(serial.UtilityResult).decode(
+            encoder.encode(serial.UtilityResult(reports))
+        )
+        _same_types(reports, back.result, "reports")
     finally:
         for h in handoffs:
             h.close()
@@ -176,8 +182,12 @@ def test_a_manifest_that_does_not_fit_the_worker_is_refused_before_loading():
     handoff = manifest_of(1, wrong)
     try:
         worker.start_weight_update()
-        with pytest.raises(InvalidWeights, match=r"params\[0\]\.dtype"):
-            worker.update_weights(handoff.for_phase("verify"))
+        worker.update_weights(handoff.for_phase("verify"))  # reported, not raised (see vllm_transfer)
+        report = worker.report()
+        assert report["verified"] == -1 and "params[0].dtype" in report["error"]
+        with pytest.raises(InvalidWeights, match="must be verified before it is loaded"):
+            worker.update_weights(handoff.for_phase("load"))
+        assert all(not p.any() for p in worker.model.parameters())  # nothing written
         with pytest.raises(InvalidWeights, match="tensor_parallel"):
             worker.init_transfer_engine(
                 worker.parse_init_info({"tensor_parallel": 1, "naming": "fused", "dtype": "bfloat16"})
@@ -218,7 +228,8 @@ def test_swap_runs_vllms_sequence_in_order_and_checks_the_prefix_cache_reset(mod
 
     asyncio.run(run())
     assert llm.names() == [
-        "pause_generation", "rpc:start_weight_update", "rpc:update_weights", "rpc:update_weights",
+        "pause_generation", "rpc:start_weight_update", "rpc:update_weights", "rpc:looprl_weight_status",
+        "rpc:update_weights",
         "rpc:finish_weight_update", "set_weight_version", "reset_prefix_cache",
         *(["reset_prefix_cache"] if mode == "keep" else []), "resume_scheduler",
     ]  # fmt: skip
