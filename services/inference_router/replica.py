@@ -61,6 +61,7 @@ class ReplicaSettings:
     naming: str = ""  # "" -> "hf" at tp=1, "fused" at tp>1 and for vLLM (its own layout)
     dtype: str = "float32"  # a vLLM deployment with no dtype serves bfloat16
     pause_mode: str = "keep"  # vLLM: how in-flight requests wait out a swap ("keep" or "abort")
+    gpu_memory_utilization: float = 0.85  # vLLM: share of each GPU's memory
     max_model_len: int = 512
     max_batch_size: int = 32
     max_queued_requests: int = 256
@@ -82,6 +83,7 @@ class ReplicaSettings:
             naming=naming,
             dtype=str(spec.get("dtype") or ("bfloat16" if vllm else "float32")),
             pause_mode=str(spec.get("pause_mode") or "keep"),
+            gpu_memory_utilization=float(spec.get("gpu_memory_utilization") or 0.85),
             max_model_len=int(spec.get("max_model_len", 512)),
             max_batch_size=int(spec.get("max_batch_size", 32)),
             max_queued_requests=int(spec.get("max_queued_requests", 256)),

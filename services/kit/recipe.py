@@ -122,6 +122,11 @@ class DeploymentSpec:
         "",
         "Weights and compute dtype (float32, bfloat16, float16); empty: bfloat16 for vllm, float32 for cpu.",
     )
+    gpu_memory_utilization: float = _f(
+        0.0,
+        "vllm: share of each GPU's memory a replica takes; 0 takes vLLM's default (0.85). Below 1 a tp=1 "
+        "replica asks Ray for that fraction of a GPU, so several share one.",
+    )
     pause_mode: str = _f(
         "keep",
         "vllm: what in-flight requests do during a weight swap: keep (frozen, resumed after it) or abort "
@@ -302,6 +307,11 @@ def validate(recipe: Recipe, base_dir: Path | None = None) -> Recipe:
             d.dtype in ("", "float32", "bfloat16", "float16"),
             f"{where}.dtype",
             f"must be float32, bfloat16 or float16 (empty: the backend's default), got {d.dtype!r}",
+        )
+        _check(
+            0.0 <= d.gpu_memory_utilization < 1.0,  # also rejects NaN
+            f"{where}.gpu_memory_utilization",
+            f"must be in [0, 1) (0: vLLM's default), got {d.gpu_memory_utilization}",
         )
         _check(
             d.pause_mode in ("keep", "abort"), f"{where}.pause_mode", f"keep or abort, got {d.pause_mode!r}"

@@ -90,6 +90,7 @@ def engine_args(model_path: str, load_format: str, settings: Any) -> dict[str, A
         "worker_extension_cls": WORKER_EXTENSION,
         "weight_transfer_config": {"backend": TRANSFER_BACKEND},
         "enable_prefix_caching": True,
+        "enforce_eager": bool(getattr(settings, "enforce_eager", False)),  # no CUDA graphs: faster start
     }
 
 

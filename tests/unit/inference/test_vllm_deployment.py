@@ -71,6 +71,19 @@ def test_recipe_rejects_a_bad_dtype_or_pause_mode_naming_the_field():
         parse_recipe(RECIPE + 'pause_mode = "drain"\n')
 
 
+def test_recipe_rejects_a_bad_gpu_memory_share_naming_the_field():
+    with pytest.raises(RecipeError, match=r"deployments\[0\]\.gpu_memory_utilization"):
+        parse_recipe(RECIPE + "gpu_memory_utilization = 1.5\n")
+
+
+def test_gpu_requests_follow_the_deployment_spec():
+    [tp2] = parse_recipe(RECIPE).deployments
+    one = RECIPE.replace("tensor_parallel = 2", "tensor_parallel = 1")
+    [shared] = parse_recipe(one + "gpu_memory_utilization = 0.4\n").deployments
+    [cpu] = parse_recipe('[[deployments]]\nname = "c"\nbackend = "cpu"\n').deployments
+    assert (replica_gpus(tp2), replica_gpus(shared), replica_gpus(cpu)) == (2, 0.4, 0)
+
+
 def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its_own(monkeypatch):
     [spec] = parse_recipe(RECIPE).deployments
     assert replica_gpus(spec) == 2  # the replica's Ray actor asks for one GPU per TP rank
