@@ -123,6 +123,7 @@ class RecordingAsyncLLM:
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._abort_epoch = 0
+        self._abort_paused = False
 
     def _utility(self, method: str, *args: Any) -> tuple:
         """The arguments as the engine core receives them (core_client._call_utility_async
@@ -148,10 +149,12 @@ class RecordingAsyncLLM:
         self._unpaused.clear()
         if mode == "abort":
             self._abort_epoch += 1
+            self._abort_paused = True
 
     async def resume_generation(self) -> None:
         self._utility("resume_scheduler")
         self._unpaused.set()
+        self._abort_paused = False
 
     async def generate(
         self,
@@ -175,6 +178,8 @@ class RecordingAsyncLLM:
         produced it. Paused steps wait; an abort-mode pause ends the request with "abort"."""
         ids = list(prompt["prompt_token_ids"])
         self.prompts.append(ids)
+        if self._abort_paused:  # vLLM rejects new requests during an abort/wait pause
+            raise RetryableRequestError("Request failed; please retry")
         epoch, starts, count = self._abort_epoch, [], 0
         while True:
             await asyncio.sleep(0.001)
@@ -249,6 +254,10 @@ class RecordingAsyncLLM:
 
     def served(self, rank: int) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.workers[rank].model.named_parameters()}
+
+
+class RetryableRequestError(Exception):
+    """Named as vllm.exceptions.RetryableRequestError, which the engine recognises by name."""
 
 
 def _spans(starts: list[tuple[str, int]], count: int) -> list[SimpleNamespace]:

@@ -125,6 +125,25 @@ def token_versions_of(spans: Sequence[tuple[int, int, int]], count: int, fallbac
     return out
 
 
+def _is_retryable(exc: BaseException) -> bool:
+    """vLLM's RetryableRequestError: a request added while an abort/wait pause is on."""
+    return any(cls.__name__ == "RetryableRequestError" for cls in type(exc).__mro__)
+
+
+async def _admitted(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """The stream's items; (None, None) once if vLLM refused the request as retryable before
+    anything was sampled (the caller submits it again after the swap)."""
+    first = True
+    try:
+        async for item in stream:
+            first = False
+            yield item
+    except Exception as exc:
+        if not (first and _is_retryable(exc)):
+            raise
+        yield None, None
+
+
 class SwapError(RuntimeError):
     """A weight swap that could not complete; the message says which step."""
 
@@ -237,7 +256,12 @@ class VLLMEngine(Engine):
                 swaps_at_start = self._swaps
                 params = self._sampling(request, s.n, s.seed, s.max_tokens - produced)
                 retry, sampled = False, []
-                async for chunk, spans in self._stream(prompt, params, f"{rid}-{produced}", produced):
+                stream = self._stream(prompt, params, f"{rid}-{produced}-{self._swaps}", produced)
+                async for chunk, spans in _admitted(stream):
+                    if chunk is None:  # refused by an abort-mode pause it raced with: wait it out
+                        retry = True
+                        await asyncio.sleep(0.01)
+                        break
                     sampled += chunk.token_ids
                     aborted_by_swap = chunk.finish_reason == FINISH_ABORT and self._swaps != swaps_at_start
                     if (

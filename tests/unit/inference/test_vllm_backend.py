@@ -288,3 +288,27 @@ def test_tokens_keep_the_version_that_sampled_them_across_a_swap_mid_request(mod
         assert llm.prompts == [[3, 4, 5], [3, 4, 5, *comp.token_ids[:switch]]]
     else:
         assert llm.prompts == [[3, 4, 5]]
+
+
+def test_a_request_refused_by_an_abort_pause_it_raced_with_is_submitted_again(monkeypatch):
+    import asyncio
+
+    from services.inference_router.engine import vllm_engine
+    from services.inference_router.engine.base import EngineRequest, SamplingParams
+
+    monkeypatch.setattr(vllm_engine, "vllm_sampling_params", lambda **kw: SimpleNamespace(**kw))
+    monkeypatch.setattr(vllm_engine, "tokens_prompt", lambda ids: {"prompt_token_ids": ids})
+    llm = RecordingAsyncLLM(CONFIG, TP2)
+    engine = _engine(llm, pause_mode="abort")
+
+    async def run():
+        await llm.pause_generation(mode="abort")  # vLLM paused; the engine's own gate still open
+        task = asyncio.create_task(engine.generate([EngineRequest([1, 2], SamplingParams(max_tokens=5))]))
+        await asyncio.sleep(0.05)
+        assert not task.done() and len(llm.prompts) > 1  # refused, and tried again
+        await llm.resume_generation()
+        [result] = await task
+        return result.completions[0]
+
+    comp = asyncio.run(run())
+    assert len(comp.token_ids) == 5 and comp.finish_reason == "length"
