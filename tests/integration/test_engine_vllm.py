@@ -5,7 +5,8 @@ weight-transfer API and looprl's backend in every worker:
   swap (the prompt is long enough that vLLM caches its blocks: reusing KV computed under the old
   weights would show here);
 - a corrupted transfer is refused on every rank and the served weights stay as they were;
-- a request in flight through a swap ("keep" mode) carries version 0 before it and 1 after it;
+- a request in flight through a swap ("keep" mode) carries the old version before it and the new
+  one after it; that swap hands the ranks' tensors over as CUDA IPC handles;
 - tp=2 (two GPUs): each worker receives its own rank's rectangles and the log-probs still match.
 """
 
@@ -106,11 +107,13 @@ async def test_vllm_swaps_weights_through_its_weight_transfer_api(tmp_path, tp) 
         assert engine.version == 1
         await _check_matches(engine, v1, 1)  # nothing of version 2 reached any rank
 
-        # a request in flight through the swap to version 2
+        # a request in flight through the swap to version 2, whose rank tensors are already on the
+        # GPUs: they travel as CUDA IPC handles (vllm_handoff "cuda_ipc"), copied device to device
         long = EngineRequest(PROMPT, SamplingParams(temperature=1.0, max_tokens=120, seed=5))
         task = asyncio.create_task(engine.generate([long]))
         await asyncio.sleep(0.05)
-        await engine.swap(2, _shards(v2, tp))
+        on_gpu = [{k: v.cuda(r) for k, v in shard.items()} for r, shard in enumerate(_shards(v2, tp))]
+        await engine.swap(2, on_gpu)
         [res] = await task
         versions = res.completions[0].token_versions
         assert versions == sorted(versions) and set(versions) <= {1, 2}, versions
