@@ -126,26 +126,43 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
 
             # weight-sync's own plan for what was registered, delivered to the rank addresses
             target = Layout(request.layout.tensor_parallel, request.layout.naming, "bfloat16")
-            plan = build_deployment_plan(buf.layout(), CONFIG, target, bucket_bytes=4096)
             config_json = json.dumps(CONFIG.to_hf_dict())
-            for rank_plan in plan.ranks:
-                for spec_ in rank_plan.buckets:
-                    bucket = PlannedBucket(spec_, rank_plan.dtype, buf.chunks)
-                    payload = memoryview(bytearray(bucket.nbytes))
-                    slice_data = bucket.fill(payload)
-                    wire = encode_stage_request(bucket, payload, version=1, rank=rank_plan.rank,
-                                                slice_data=slice_data)  # fmt: skip
-                    msg = inference_pb2.StageWeightsRequest.FromString(wire)
-                    msg.model_config_json = config_json
-                    await core.stage_weights(msg)
+
+            async def deliver(buf, version: int) -> None:
+                plan = build_deployment_plan(buf.layout(), CONFIG, target, bucket_bytes=4096)
+                for rank_plan in plan.ranks:
+                    for spec_ in rank_plan.buckets:
+                        bucket = PlannedBucket(spec_, rank_plan.dtype, buf.chunks)
+                        payload = memoryview(bytearray(bucket.nbytes))
+                        slice_data = bucket.fill(payload)
+                        wire = encode_stage_request(bucket, payload, version=version, rank=rank_plan.rank,
+                                                    slice_data=slice_data)  # fmt: skip
+                        msg = inference_pb2.StageWeightsRequest.FromString(wire)
+                        msg.model_config_json = config_json
+                        await core.stage_weights(msg)
+
+            def assert_serves(state) -> None:
+                for rank in range(2):
+                    want = shard_state_dict(state, CONFIG, target, rank)
+                    served = llm.served(rank)
+                    assert set(served) == set(want)
+                    for name, t in want.items():
+                        assert torch.equal(served[name], t), (rank, name)
+
+            await deliver(buf, 1)
             assert await core.commit_weights(1) == 1
-            for rank in range(2):
-                want = shard_state_dict(state, CONFIG, target, rank)
-                served = llm.served(rank)
-                assert set(served) == set(want)
-                for name, t in want.items():
-                    assert torch.equal(served[name], t), (rank, name)
+            assert_serves(state)
             assert llm.weight_version == "1" and (await core.status())["weight_version"] == 1
+
+            # a canary's rollback: version 2 served, then every rank swapped back to version 1
+            state2 = random_state(CONFIG, seed=4)
+            await deliver(push_all(state2, world=2, version=2), 2)
+            assert await core.commit_weights(2) == 2
+            assert_serves(state2)
+            assert await core.rollback_weights(2) == 1
+            assert_serves(state)
+            status = await core.status()
+            assert llm.weight_version == "1" and status["rolled_back_version"] == 2
         finally:
             await core.shutdown()
 
