@@ -66,7 +66,7 @@ fi
 
 # ---- 3. the two-deployment probe ----------------------------------------------------------------
 say "probe: weight swap seconds, log-prob drift and tokens/s per version"
-if ! "$VPY" tools/gpu_vllm_probe.py --versions 4 --out "$OUT_DIR/probe.json" 2>&1 | tee "$OUT_DIR/probe.log"; then
+if ! "$VPY" -m tools.gpu_vllm_probe --versions 4 --out "$OUT_DIR/probe.json" 2>&1 | tee "$OUT_DIR/probe.log"; then
   say "FAILED: probe"; status=1
 fi
 
