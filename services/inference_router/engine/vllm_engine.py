@@ -369,7 +369,7 @@ class VLLMEngine(Engine):
             ]
             self._gate.clear()
             self._swaps += 1
-            paused = False
+            paused = loaded = False
             try:
                 await self.llm.pause_generation(mode=self.pause_mode, clear_cache=False)
                 paused = True
@@ -386,13 +386,17 @@ class VLLMEngine(Engine):
                     await self._end_session()
                     raise
                 await self.llm.finish_weight_update(weight_version=str(version))
-                self.version = version
-                await self._reset_prefix_cache()
+                loaded = True
+                await self._reset_prefix_cache(version)
             finally:
                 for h in handoffs:
                     h.close()
                 if paused and not self._broken:
                     await self.llm.resume_generation()
+                if loaded:
+                    # After the resume: a streamed chunk read before it holds old-version tokens
+                    # only, and one read just after it is labelled old (stale is the safe side).
+                    self.version = version
                 if not self._user_paused and not self._broken:
                     self._gate.set()
             self.swap_seconds[version] = asyncio.get_running_loop().time() - start
@@ -415,14 +419,14 @@ class VLLMEngine(Engine):
         except Exception as exc:
             log.info("closing the failed weight-update session: %s", exc)
 
-    async def _reset_prefix_cache(self) -> None:
+    async def _reset_prefix_cache(self, version: int) -> None:
         """Drop every KV block computed under the old weights, while generation is paused. Frozen
         ("keep") requests hold blocks, so they are preempted and recompute under the new weights."""
         ok = await self.llm.reset_prefix_cache(reset_running_requests=self.pause_mode == "keep")
         if not ok:
             ok = await self.llm.reset_prefix_cache(reset_running_requests=True)
         if not ok:
-            self._broken = f"the prefix cache could not be reset after version {self.version}"
+            self._broken = f"the prefix cache could not be reset after loading version {version}"
             raise SwapError(self._broken)
 
     # ---------------------------------------------------------------- control
