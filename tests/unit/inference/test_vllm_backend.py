@@ -312,3 +312,24 @@ def test_a_request_refused_by_an_abort_pause_it_raced_with_is_submitted_again(mo
 
     comp = asyncio.run(run())
     assert len(comp.token_ids) == 5 and comp.finish_reason == "length"
+
+
+def test_engine_arguments_are_fields_of_vllms_engine_args():
+    """Every keyword the engine passes AsyncEngineArgs is a field of vLLM 0.33's EngineArgs (read from
+    its source: arg_utils imports the engine graph), and the backend name is a plain string there."""
+    import ast
+
+    from services.inference_router.engine.vllm_args import engine_args
+
+    tree = ast.parse(vllm_side.source("vllm/engine/arg_utils.py"))
+    fields = {
+        node.target.id
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef) and cls.name in ("EngineArgs", "AsyncEngineArgs")
+        for node in cls.body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
+    ours = engine_args("/m", "dummy", SimpleNamespace(tensor_parallel=2, dtype="bfloat16"))
+    assert set(ours) <= fields, sorted(set(ours) - fields)
+    wt_config = vllm_side.load("vllm.config.weight_transfer")
+    assert wt_config.WeightTransferConfig(**ours["weight_transfer_config"]).backend == "looprl"
