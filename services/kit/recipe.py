@@ -115,7 +115,23 @@ class DeploymentSpec:
     model_path: str = _f(
         "", "Local model directory; empty takes the architecture from the weights it is sent."
     )
-    tensor_parallel: int = _f(1, "Tensor-parallel degree of each replica.")
+    tensor_parallel: int = _f(
+        1, "Tensor-parallel degree of each replica (a vLLM replica requests this many GPUs)."
+    )
+    dtype: str = _f(
+        "",
+        "Weights and compute dtype (float32, bfloat16, float16); empty: bfloat16 for vllm, float32 for cpu.",
+    )
+    gpu_memory_utilization: float = _f(
+        0.0,
+        "vllm: share of each GPU's memory a replica takes; 0 takes vLLM's default (0.85). Below 1 a tp=1 "
+        "replica asks Ray for that fraction of a GPU, so several share one.",
+    )
+    pause_mode: str = _f(
+        "keep",
+        "vllm: what in-flight requests do during a weight swap: keep (frozen, resumed after it) or abort "
+        "(aborted, each completion then continues as a new request).",
+    )
     replicas: int = _f(1, "Number of replicas.")
     max_model_len: int = _f(512, "Longest prompt + completion a replica accepts.")
     max_batch_size: int = _f(32, "Most sequences decoded together.")
@@ -287,6 +303,19 @@ def validate(recipe: Recipe, base_dir: Path | None = None) -> Recipe:
         names.add(d.name)
         _check(d.backend in ("cpu", "vllm"), f"{where}.backend", f"unknown backend {d.backend!r} (cpu, vllm)")
         _check(d.tensor_parallel > 0, f"{where}.tensor_parallel", "must be > 0")
+        _check(
+            d.dtype in ("", "float32", "bfloat16", "float16"),
+            f"{where}.dtype",
+            f"must be float32, bfloat16 or float16 (empty: the backend's default), got {d.dtype!r}",
+        )
+        _check(
+            0.0 <= d.gpu_memory_utilization < 1.0,  # also rejects NaN
+            f"{where}.gpu_memory_utilization",
+            f"must be in [0, 1) (0: vLLM's default), got {d.gpu_memory_utilization}",
+        )
+        _check(
+            d.pause_mode in ("keep", "abort"), f"{where}.pause_mode", f"keep or abort, got {d.pause_mode!r}"
+        )
         _check(d.replicas > 0, f"{where}.replicas", "must be > 0")
         _check(d.sync_every > 0, f"{where}.sync_every", "must be > 0")
         _check(
