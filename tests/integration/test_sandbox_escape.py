@@ -123,7 +123,7 @@ async def test_fork_bomb_is_contained_and_killed(pool):
 
 async def test_memory_bomb_hits_the_address_space_limit(pool):
     result = await pool.execute(
-        ExecJob("blocks = []\nwhile True:\n    blocks.append(bytearray(50_000_000))\n")
+        ExecJob("blocks = []\nwhile True:\n    blocks.append(bytearray(50_000_000))\n", timeout_s=10.0)
     )
     assert result.exit_code != 0
     assert result.killed_reason == "memory"

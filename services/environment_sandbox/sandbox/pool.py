@@ -7,7 +7,14 @@ when either runs out, deletes the workspace, and starts a replacement. A worker 
 job: nothing one program leaves behind (files, processes, modules, globals) reaches the next.
 
 Each worker gets its own uid from a range, because RLIMIT_NPROC counts processes per uid: with
-one shared uid a fork bomb in one sandbox would starve every other sandbox of processes.
+one shared uid a fork bomb in one sandbox would starve every other sandbox of processes. Each
+worker also gets its own cgroup (cgroups.py): memory, pids and CPU are limited for the sandbox as
+a whole, not per process.
+
+The pool fails closed: with `isolation_level = "full"` (the default) a worker that could not
+apply every mechanism in `isolation` (as root without CAP_SYS_ADMIN: no namespaces, no mounts) is
+never used; the pool refuses to start and executions raise SandboxUnavailable. Running with
+whatever the host allows takes an explicit `isolation_level = "degraded"`.
 """
 
 from __future__ import annotations
@@ -27,10 +34,14 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.environment_sandbox.sandbox.cgroups import CgroupHost, CgroupUnavailable, SandboxCgroup
+
 log = logging.getLogger(__name__)
 
 WORKER_SCRIPT = str(Path(__file__).with_name("worker.py"))
-ALL_ISOLATION = ("netns", "pidns", "mountns", "ipcns", "utsns")
+ALL_ISOLATION = ("netns", "pidns", "mountns", "ipcns", "utsns", "rootfs", "cgroup", "seccomp")
+ISOLATION_LEVELS = ("full", "degraded")
+MAX_FILE_KEY_CHARS = 255
 
 
 @dataclass
@@ -52,7 +63,28 @@ class SandboxConfig:
     python: str = sys.executable
     root_dir: str = ""
     isolation: tuple[str, ...] = ALL_ISOLATION
+    # "full": refuse to run unless every mechanism in `isolation` applies; "degraded": run with
+    # what the host allows (reported per execution and in status()). Only an operator sets it.
+    isolation_level: str = "full"
+    pids: int = 64  # processes and threads in one sandbox, all together (cgroup)
+    cpu_quota: float = 1.0  # CPUs one sandbox may use (cgroup CPU quota); 0: unlimited
+    workspace_bytes: int = 64 * 1024 * 1024  # size of the sandbox's private /tmp (tmpfs)
+    readonly_paths: tuple[str, ...] = ()  # host paths shown read-only besides the interpreter
     start_timeout_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        self.isolation = tuple(self.isolation)
+        self.readonly_paths = tuple(self.readonly_paths)
+        if self.isolation_level not in ISOLATION_LEVELS:
+            raise ValueError(
+                f"isolation_level: must be one of {', '.join(ISOLATION_LEVELS)}, got {self.isolation_level!r}"
+            )
+        unknown = set(self.isolation) - set(ALL_ISOLATION)
+        if unknown:
+            raise ValueError(f"isolation: unknown mechanisms {sorted(unknown)}")
+        for path in self.readonly_paths:
+            if not os.path.isabs(path):
+                raise ValueError(f"readonly_paths: {path!r} must be an absolute path")
 
 
 @dataclass
@@ -76,6 +108,7 @@ class ExecResult:
     isolation: list[str] = field(default_factory=list)
     missing_isolation: list[str] = field(default_factory=list)
     warm: bool = True
+    memory_peak_bytes: int = 0  # the sandbox's peak memory, all its processes together (cgroup)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -83,6 +116,39 @@ class ExecResult:
 
 class SandboxError(RuntimeError):
     """A worker could not be started (the sandbox itself is broken, not the user's code)."""
+
+
+class SandboxUnavailable(SandboxError):
+    """The isolation the pool is configured for is not available on this host."""
+
+
+class InvalidJob(ValueError):
+    """A job the sandbox refuses before running anything (the message names the field)."""
+
+
+def validate_files(files: dict[str, str]) -> None:
+    """Each key must be a plain relative file path inside the workspace."""
+    keys = set(files)
+    for key in files:
+        where = f"files[{key!r}]"
+        if not isinstance(key, str) or not key:
+            raise InvalidJob(f"{where}: must be a non-empty relative path")
+        if "\0" in key:
+            raise InvalidJob(f"{where}: contains a NUL character")
+        if len(key) > MAX_FILE_KEY_CHARS:
+            raise InvalidJob(f"{where}: longer than {MAX_FILE_KEY_CHARS} characters")
+        if key.startswith("/"):
+            raise InvalidJob(f"{where}: must be relative, not absolute")
+        parts = key.split("/")
+        if any(part in ("", ".", "..") for part in parts):
+            raise InvalidJob(f"{where}: must name a file (no empty, '.' or '..' parts, no trailing '/')")
+        if key == "main.py":
+            raise InvalidJob(f"{where}: reserved for the program itself")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in keys:
+                raise InvalidJob(f"{where}: {'/'.join(parts[:i])!r} is also given as a file")
+        if not isinstance(files[key], str):
+            raise InvalidJob(f"{where}: content must be a string")
 
 
 class _Worker:
@@ -94,7 +160,9 @@ class _Worker:
         workspace: Path,
         uid: int,
         transport: asyncio.BaseTransport,
+        cgroup: SandboxCgroup | None,
     ) -> None:
+        self.cgroup = cgroup
         self.proc = proc
         self.job_fd = job_fd
         self.status = status
@@ -186,16 +254,34 @@ class SandboxPool:
         self.running = 0
         self.completed = 0
         self.cold_starts = 0
+        self.unavailable = ""  # why this pool refuses to run code; "" while it runs
+        self.isolation: list[str] = []  # what the last started worker applied
+        self.missing_isolation: list[str] = []
+        self.cgroups: CgroupHost | None = None
+        self._cgroup_error = ""
+        if "cgroup" in self.config.isolation:
+            try:
+                self.cgroups = CgroupHost.open()
+            except CgroupUnavailable as exc:
+                self._cgroup_error = f"cgroup: {exc}"
 
     async def start(self) -> SandboxPool:
-        self._refill()
-        await self.wait_warm()
+        """Start the warm workers; SandboxUnavailable when the configured isolation is not there."""
+        try:
+            self._ready.put_nowait(await self._spawn())  # the first one surfaces a refusal
+            self._refill()
+            await self.wait_warm()
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     async def wait_warm(self, timeout: float | None = None) -> None:
         """Until `warm_workers` workers are ready (for benchmarks and tests)."""
         deadline = time.monotonic() + (timeout or self.config.start_timeout_s * 2)
         while self._ready.qsize() < self.config.warm_workers:
+            if self.unavailable:
+                raise SandboxUnavailable(self.unavailable)
             if time.monotonic() > deadline:
                 raise SandboxError(f"only {self._ready.qsize()} warm workers after waiting")
             self._refill()
@@ -211,6 +297,21 @@ class SandboxPool:
             "cold_starts": self.cold_starts,
         }
 
+    def isolation_status(self) -> dict:
+        """The isolation level and mechanisms executions run under (for the service's status)."""
+        cfg = self.config
+        return {
+            "level": cfg.isolation_level,
+            "isolation": list(self.isolation),
+            "missing_isolation": list(self.missing_isolation),
+            "unavailable": self.unavailable,
+            "cgroup": self.cgroups.name if self.cgroups else "",
+            "memory_bytes": cfg.memory_bytes,
+            "pids": cfg.pids,
+            "cpu_quota": cfg.cpu_quota,
+            "workspace_bytes": cfg.workspace_bytes,
+        }
+
     @property
     def queue_depth(self) -> int:
         return self.waiting + self.running
@@ -221,6 +322,10 @@ class SandboxPool:
         return self.config
 
     async def execute(self, job: ExecJob) -> ExecResult:
+        """Run one job; InvalidJob for bad input, SandboxUnavailable when the pool refuses to run."""
+        validate_files(job.files)
+        if self.unavailable:
+            raise SandboxUnavailable(self.unavailable)
         if self._closed:
             raise SandboxError("sandbox pool is closed")
         self.waiting += 1
@@ -261,13 +366,15 @@ class SandboxPool:
             await self._dispose(self._ready.get_nowait())
         shutil.rmtree(self._dir, ignore_errors=True)
         self._uid_block.release()
+        if self.cgroups is not None:
+            self.cgroups.close()
 
     # -- internals ---------------------------------------------------------------------------------
 
     def _refill(self) -> None:
         missing = self.config.warm_workers - self._ready.qsize() - self._spawning
         for _ in range(max(0, missing)):
-            if self._closed:
+            if self._closed or self.unavailable:
                 return
             self._spawning += 1
             self._background(self._spawn_into_pool())
@@ -280,6 +387,8 @@ class SandboxPool:
     async def _spawn_into_pool(self) -> None:
         try:
             worker = await self._spawn()
+        except SandboxUnavailable:
+            return  # logged once, in _spawn
         except Exception:
             log.exception("sandbox worker failed to start")
             await asyncio.sleep(0.5)
@@ -299,6 +408,14 @@ class SandboxPool:
         workspace = self._dir / f"w{next(self._seq)}-{uuid.uuid4().hex[:6]}"
         workspace.mkdir(mode=0o700)
         os.chown(workspace, uid, cfg.gid)
+        cgroup, cgroup_error = None, self._cgroup_error
+        if self.cgroups is not None:
+            try:
+                cgroup = await asyncio.to_thread(
+                    self.cgroups.create, cfg.memory_bytes, cfg.pids, cfg.cpu_quota
+                )
+            except OSError as exc:
+                cgroup_error = f"cgroup: {exc}"
         job_r, job_w = os.pipe()
         status_r, status_w = os.pipe()
         args = {
@@ -308,6 +425,10 @@ class SandboxPool:
             "uid": uid,
             "gid": cfg.gid,
             "want": list(cfg.isolation),
+            "cgroup_procs": cgroup.procs_files if cgroup else [],
+            "cgroup_name": "cgroup",
+            "workspace_bytes": cfg.workspace_bytes,
+            "readonly_paths": list(cfg.readonly_paths),
             "limits": {
                 "cpu_seconds": int(cfg.max_timeout_s) + 1,
                 "memory_bytes": cfg.memory_bytes,
@@ -331,6 +452,10 @@ class SandboxPool:
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
                 start_new_session=True,
             )
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove(0)
+            raise
         finally:
             os.close(job_r)
             os.close(status_w)
@@ -338,7 +463,7 @@ class SandboxPool:
         transport, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(status_r, "rb", buffering=0)
         )
-        worker = _Worker(proc, job_w, reader, workspace, uid, transport)
+        worker = _Worker(proc, job_w, reader, workspace, uid, transport, cgroup)
         try:
             async with asyncio.timeout(cfg.start_timeout_s):
                 while True:
@@ -354,18 +479,35 @@ class SandboxPool:
                         raise SandboxError(f"sandbox worker set-up failed: {data['error']}")
                     elif kind == "ready":
                         worker.isolation = data["isolation"]
-                        worker.missing = data["missing"]
-                        if worker.missing:
-                            log.warning("sandbox isolation degraded: %s", worker.missing)
+                        worker.missing = data["missing"] + ([cgroup_error] if cgroup_error else [])
+                        self._check_isolation(worker)
                         return worker
         except BaseException:
             await self._dispose(worker)
             raise
 
+    def _check_isolation(self, worker: _Worker) -> None:
+        self.isolation, self.missing_isolation = list(worker.isolation), list(worker.missing)
+        if not worker.missing:
+            return
+        if self.config.isolation_level == "degraded":
+            log.warning("sandbox isolation degraded (isolation_level = degraded): %s", worker.missing)
+            return
+        self.unavailable = (
+            "sandbox isolation unavailable, refusing to run code: "
+            + "; ".join(worker.missing)
+            + " (namespaces, mounts and cgroups need root with CAP_SYS_ADMIN; an operator may set "
+            "isolation_level = 'degraded' to run with weaker isolation)"
+        )
+        log.error("%s", self.unavailable)
+        raise SandboxUnavailable(self.unavailable)
+
     async def _run(self, worker: _Worker, job: ExecJob, warm: bool) -> ExecResult:
         cfg = self.config
         timeout = min(job.timeout_s or cfg.timeout_s, cfg.max_timeout_s)
         memory = min(job.memory_bytes or cfg.memory_bytes, cfg.memory_bytes)
+        if worker.cgroup is not None and memory < cfg.memory_bytes:
+            worker.cgroup.set_memory(memory)
         payload = json.dumps(
             {
                 "code": job.code,
@@ -419,6 +561,9 @@ class SandboxPool:
         err_text = stderr.decode(errors="replace")
         if not killed_reason and exit_code != 0 and "MemoryError" in err_text[-4000:]:
             killed_reason = "memory"
+        peak = worker.cgroup.peak_memory() if worker.cgroup else 0
+        if worker.cgroup is not None and worker.cgroup.oom_kills() and killed_reason in ("", "cpu"):
+            killed_reason = "memory"  # the cgroup's OOM killer (SIGKILL) ended a process
         return ExecResult(
             exit_code=exit_code,
             stdout=stdout.decode(errors="replace"),
@@ -430,6 +575,7 @@ class SandboxPool:
             isolation=list(worker.isolation),
             missing_isolation=list(worker.missing),
             warm=warm,
+            memory_peak_bytes=peak,
         )
 
     async def _dispose(self, worker: _Worker) -> None:
@@ -440,6 +586,8 @@ class SandboxPool:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(worker.proc.wait(), 5.0)
         worker.transport.close()
+        if worker.cgroup is not None:
+            await asyncio.to_thread(worker.cgroup.remove)
         await asyncio.to_thread(shutil.rmtree, worker.workspace, True)
         self._free_uids.append(worker.uid)
 
