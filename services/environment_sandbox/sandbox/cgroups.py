@@ -95,6 +95,18 @@ class SandboxCgroup:
             pass
         return 0
 
+    def cpu_throttled_s(self) -> float:
+        """Time the CPU quota held the sandbox back (cpu.stat)."""
+        key, scale = ("throttled_usec", 1e-6) if self.version == 2 else ("throttled_time", 1e-9)
+        try:
+            for line in self._file("cpu", "cpu.stat").read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value) * scale
+        except (OSError, ValueError):
+            pass
+        return 0.0
+
     def remove(self, wait_s: float = 2.0) -> None:
         """Delete the directories once the processes are gone (a killed init takes a moment)."""
         deadline = time.monotonic() + wait_s

@@ -109,6 +109,7 @@ class ExecResult:
     missing_isolation: list[str] = field(default_factory=list)
     warm: bool = True
     memory_peak_bytes: int = 0  # the sandbox's peak memory, all its processes together (cgroup)
+    cpu_throttled_seconds: float = 0.0  # time the CPU quota held the sandbox back (cgroup)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -476,6 +477,11 @@ class SandboxPool:
                     if kind == "pid":
                         worker.init_pid = data["pid"]
                     elif kind == "error":
+                        # Missing isolation is the likelier cause (e.g. an interpreter the sandbox
+                        # uid can only reach through the private root): report it as such.
+                        worker.missing = data.get("missing", []) + ([cgroup_error] if cgroup_error else [])
+                        if worker.missing:
+                            self._check_isolation(worker)
                         raise SandboxError(f"sandbox worker set-up failed: {data['error']}")
                     elif kind == "ready":
                         worker.isolation = data["isolation"]
@@ -576,6 +582,7 @@ class SandboxPool:
             missing_isolation=list(worker.missing),
             warm=warm,
             memory_peak_bytes=peak,
+            cpu_throttled_seconds=worker.cgroup.cpu_throttled_s() if worker.cgroup else 0.0,
         )
 
     async def _dispose(self, worker: _Worker) -> None:

@@ -43,6 +43,7 @@ CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
+REAL_EXECUTABLE = os.path.realpath(sys.executable)
 PR_SET_NO_NEW_PRIVS = 38
 
 # Modules untrusted code commonly imports, loaded before the job so it does not pay for them.
@@ -149,7 +150,7 @@ def _run_job(job_fd: int, status_fd: int, home: str) -> None:
     _set_limits(job.get("limits", {}))
     sys.argv = ["main.py"]
     sys.path.insert(0, home)
-    sys.executable = os.path.realpath(sys.executable)  # the venv's link is not visible inside
+    sys.executable = REAL_EXECUTABLE  # a venv's link to it is not visible inside
     code = 0
     namespace = {"__name__": "__main__", "__file__": main_path, "__builtins__": __builtins__}
     try:
@@ -261,7 +262,7 @@ def main() -> None:
         try:
             _init(args, job_fd, status_fd, applied, missing)
         except BaseException as exc:
-            _write_status(status_fd, "error", {"error": f"{type(exc).__name__}: {exc}"})
+            _write_status(status_fd, "error", {"error": f"{type(exc).__name__}: {exc}", "missing": missing})
             os._exit(70)
     os.close(job_fd)
     _write_status(status_fd, "pid", {"pid": child})
