@@ -230,11 +230,25 @@ from services.environment_sandbox.sandbox.pool import SandboxUnavailable
 
 async def main():
     out = {}
+    refused = SandboxPool(SandboxConfig(warm_workers=1, uid_base=730000))
     try:
-        await SandboxPool(SandboxConfig(warm_workers=1, uid_base=730000)).start()
+        await refused.start()
         out["full"] = "started"
     except SandboxUnavailable as exc:
         out["full"] = str(exc)
+    # The service answers FAILED_PRECONDITION, and says why in its status.
+    from looprl.environment.v1 import environment_pb2 as pb
+    from services.environment_sandbox.service import EnvironmentSandboxServicer
+    from services.kit.errors import FailedPrecondition
+
+    servicer = EnvironmentSandboxServicer(refused, None)
+    try:
+        await servicer.Exec(pb.ExecRequest(code="print(1)"), None)
+        out["exec"] = "ran"
+    except FailedPrecondition as exc:
+        out["exec"] = "FAILED_PRECONDITION: " + str(exc)
+    status = (await servicer.ListEnvironments(pb.ListEnvironmentsRequest(), None)).sandbox
+    out["status"] = [status.isolation_level, status.unavailable]
     try:
         pool = await SandboxPool(SandboxConfig(warm_workers=1, uid_base=730000, isolation_level="degraded")).start()
     except Exception as exc:
@@ -266,6 +280,8 @@ def test_without_cap_sys_admin_the_pool_refuses_unless_degraded_is_chosen(tmp_pa
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["full"].startswith("sandbox isolation unavailable, refusing to run code")
     assert "netns: Operation not permitted" in out["full"] and "degraded" in out["full"]
+    assert out["exec"].startswith("FAILED_PRECONDITION: sandbox isolation unavailable")
+    assert out["status"] == ["full", out["full"]]
     if not _reachable_by_others(os.path.realpath(sys.base_prefix)):
         # Without a mount namespace nothing can show the sandbox uid an interpreter under a
         # private directory (pyenv in /root): degraded isolation cannot run here, and says so.
