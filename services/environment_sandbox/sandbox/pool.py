@@ -39,7 +39,7 @@ from services.environment_sandbox.sandbox.cgroups import CgroupHost, CgroupUnava
 log = logging.getLogger(__name__)
 
 WORKER_SCRIPT = str(Path(__file__).with_name("worker.py"))
-ALL_ISOLATION = ("netns", "pidns", "mountns", "ipcns", "utsns", "rootfs", "cgroup", "seccomp")
+ALL_ISOLATION = ("netns", "pidns", "mountns", "ipcns", "utsns", "cgroupns", "rootfs", "cgroup", "seccomp")
 ISOLATION_LEVELS = ("full", "degraded")
 MAX_FILE_KEY_CHARS = 255
 
@@ -513,7 +513,10 @@ class SandboxPool:
         timeout = min(job.timeout_s or cfg.timeout_s, cfg.max_timeout_s)
         memory = min(job.memory_bytes or cfg.memory_bytes, cfg.memory_bytes)
         if worker.cgroup is not None and memory < cfg.memory_bytes:
-            worker.cgroup.set_memory(memory)
+            try:
+                worker.cgroup.set_memory(memory)
+            except OSError as exc:  # below what the waiting worker already holds: rlimits still apply
+                log.warning("sandbox memory limit %d not set on the cgroup: %s", memory, exc)
         payload = json.dumps(
             {
                 "code": job.code,

@@ -4,7 +4,7 @@ Started by the pool as root with `python -I -S worker.py ...` (no site-packages,
 standalone: this file imports only the standard library). Process tree, as seen from the host:
 
     outer (root, host PID namespace)  -- joins the sandbox's cgroup, reports the init's host pid
-      init  (pid 1 of a new PID namespace; new net/mount/IPC/UTS namespaces; private root
+      init  (pid 1 of a new PID namespace; new net/mount/IPC/UTS/cgroup namespaces; private root
              filesystem; then unprivileged, no_new_privs, seccomp filter: see confine.py)
         runner (pid 2): blocks on the job pipe, runs the untrusted code in-process, exits
 
@@ -42,6 +42,7 @@ CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWCGROUP = 0x02000000
 PR_SET_PDEATHSIG = 1
 REAL_EXECUTABLE = os.path.realpath(sys.executable)
 PR_SET_NO_NEW_PRIVS = 38
@@ -246,6 +247,7 @@ def main() -> None:
         "mountns": CLONE_NEWNS,
         "ipcns": CLONE_NEWIPC,
         "utsns": CLONE_NEWUTS,
+        "cgroupns": CLONE_NEWCGROUP,  # after joining the cgroup: its root is the sandbox's cgroup
     }
     for name, flag in flags.items():
         if name not in args["want"]:
