@@ -37,7 +37,17 @@ async def test_isolation_is_fully_applied_as_root(pool):
     uid, gid, groups = result.stdout.split(" ", 2)
     assert UID_BASE <= int(uid) < UID_BASE + 64 * 256 and int(gid) == 65534 and groups.strip() == "[]"
     assert result.missing_isolation == []
-    for mechanism in ("netns", "pidns", "mountns", "rlimits", "no_new_privs"):
+    for mechanism in (
+        "netns",
+        "pidns",
+        "mountns",
+        "cgroupns",
+        "rootfs",
+        "cgroup",
+        "seccomp",
+        "rlimits",
+        "no_new_privs",
+    ):
         assert mechanism in result.isolation
 
 
