@@ -21,7 +21,7 @@ from services.environment_sandbox.environments import (
 )
 from services.environment_sandbox.sandbox import ExecJob, SandboxPool
 from services.environment_sandbox.sandbox.fleet import SandboxFleet
-from services.environment_sandbox.sandbox.pool import InvalidJob, SandboxUnavailable, validate_files
+from services.environment_sandbox.sandbox.job import InvalidJob, SandboxUnavailable, validate_files
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
 
 

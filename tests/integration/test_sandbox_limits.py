@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.environment_sandbox.sandbox import ExecJob, SandboxConfig, SandboxPool
-from services.environment_sandbox.sandbox.pool import InvalidJob
+from services.environment_sandbox.sandbox.job import InvalidJob
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops privileges: needs root")
 UID_BASE = 720000
@@ -226,7 +226,7 @@ async def test_malformed_files_keys_are_refused_naming_the_key(pool):
 _CHILD = """
 import asyncio, json, sys
 from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool, ExecJob
-from services.environment_sandbox.sandbox.pool import SandboxUnavailable
+from services.environment_sandbox.sandbox.job import SandboxUnavailable
 
 async def main():
     out = {}

@@ -17,7 +17,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from services.environment_sandbox.sandbox.pool import (
+from services.environment_sandbox.sandbox.job import (
     ExecJob,
     ExecResult,
     SandboxConfig,

@@ -27,129 +27,25 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.environment_sandbox.sandbox.cgroups import CgroupHost, CgroupUnavailable, SandboxCgroup
+from services.environment_sandbox.sandbox.job import (
+    ExecJob,
+    ExecResult,
+    SandboxConfig,
+    SandboxError,
+    SandboxUnavailable,
+    validate_files,
+)
+from services.environment_sandbox.sandbox.uids import UidBlock, sweep_dead_pools
 
 log = logging.getLogger(__name__)
 
 WORKER_SCRIPT = str(Path(__file__).with_name("worker.py"))
-ALL_ISOLATION = ("netns", "pidns", "mountns", "ipcns", "utsns", "cgroupns", "rootfs", "cgroup", "seccomp")
-ISOLATION_LEVELS = ("full", "degraded")
-MAX_FILE_KEY_CHARS = 255
-
-
-@dataclass
-class SandboxConfig:
-    """Limits and pool sizes; per-request timeout and memory may only lower the ceilings here."""
-
-    warm_workers: int = 2
-    max_concurrency: int = 8
-    timeout_s: float = 5.0
-    max_timeout_s: float = 60.0
-    memory_bytes: int = 512 * 1024 * 1024
-    max_output_bytes: int = 1024 * 1024
-    nproc: int = 32
-    fsize_bytes: int = 16 * 1024 * 1024
-    nofile: int = 64
-    uid_base: int = 600000
-    uid_count: int = 256
-    gid: int = 65534
-    python: str = sys.executable
-    root_dir: str = ""
-    isolation: tuple[str, ...] = ALL_ISOLATION
-    # "full": refuse to run unless every mechanism in `isolation` applies; "degraded": run with
-    # what the host allows (reported per execution and in status()). Only an operator sets it.
-    isolation_level: str = "full"
-    pids: int = 64  # processes and threads in one sandbox, all together (cgroup)
-    cpu_quota: float = 1.0  # CPUs one sandbox may use (cgroup CPU quota); 0: unlimited
-    workspace_bytes: int = 64 * 1024 * 1024  # size of the sandbox's private /tmp (tmpfs)
-    readonly_paths: tuple[str, ...] = ()  # host paths shown read-only besides the interpreter
-    start_timeout_s: float = 15.0
-
-    def __post_init__(self) -> None:
-        self.isolation = tuple(self.isolation)
-        self.readonly_paths = tuple(self.readonly_paths)
-        if self.isolation_level not in ISOLATION_LEVELS:
-            raise ValueError(
-                f"isolation_level: must be one of {', '.join(ISOLATION_LEVELS)}, got {self.isolation_level!r}"
-            )
-        unknown = set(self.isolation) - set(ALL_ISOLATION)
-        if unknown:
-            raise ValueError(f"isolation: unknown mechanisms {sorted(unknown)}")
-        for path in self.readonly_paths:
-            if not os.path.isabs(path):
-                raise ValueError(f"readonly_paths: {path!r} must be an absolute path")
-
-
-@dataclass
-class ExecJob:
-    code: str
-    stdin: str = ""
-    files: dict[str, str] = field(default_factory=dict)
-    timeout_s: float = 0.0
-    memory_bytes: int = 0
-
-
-@dataclass
-class ExecResult:
-    exit_code: int
-    stdout: str
-    stderr: str
-    timed_out: bool = False
-    killed_reason: str = ""
-    wall_seconds: float = 0.0
-    output_truncated: bool = False
-    isolation: list[str] = field(default_factory=list)
-    missing_isolation: list[str] = field(default_factory=list)
-    warm: bool = True
-    memory_peak_bytes: int = 0  # the sandbox's peak memory, all its processes together (cgroup)
-    cpu_throttled_seconds: float = 0.0  # time the CPU quota held the sandbox back (cgroup)
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-class SandboxError(RuntimeError):
-    """A worker could not be started (the sandbox itself is broken, not the user's code)."""
-
-
-class SandboxUnavailable(SandboxError):
-    """The isolation the pool is configured for is not available on this host."""
-
-
-class InvalidJob(ValueError):
-    """A job the sandbox refuses before running anything (the message names the field)."""
-
-
-def validate_files(files: dict[str, str]) -> None:
-    """Each key must be a plain relative file path inside the workspace."""
-    keys = set(files)
-    for key in files:
-        where = f"files[{key!r}]"
-        if not isinstance(key, str) or not key:
-            raise InvalidJob(f"{where}: must be a non-empty relative path")
-        if "\0" in key:
-            raise InvalidJob(f"{where}: contains a NUL character")
-        if len(key) > MAX_FILE_KEY_CHARS:
-            raise InvalidJob(f"{where}: longer than {MAX_FILE_KEY_CHARS} characters")
-        if key.startswith("/"):
-            raise InvalidJob(f"{where}: must be relative, not absolute")
-        parts = key.split("/")
-        if any(part in ("", ".", "..") for part in parts):
-            raise InvalidJob(f"{where}: must name a file (no empty, '.' or '..' parts, no trailing '/')")
-        if key == "main.py":
-            raise InvalidJob(f"{where}: reserved for the program itself")
-        for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in keys:
-                raise InvalidJob(f"{where}: {'/'.join(parts[:i])!r} is also given as a file")
-        if not isinstance(files[key], str):
-            raise InvalidJob(f"{where}: content must be a string")
 
 
 class _Worker:
@@ -190,49 +86,6 @@ class _Worker:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-class _UidBlock:
-    """A block of uids this pool owns exclusively on the host.
-
-    RLIMIT_NPROC counts per uid across the whole host, so two pools (a service, a Ray actor, a
-    test) handing out the same uid would share one process budget. A pool claims block k by
-    creating `uid-block-k` exclusively (O_EXCL) with its pid inside; blocks of dead pids are
-    taken over."""
-
-    def __init__(self, root: Path, base: int, count: int, max_blocks: int = 64) -> None:
-        for k in range(max_blocks):
-            marker = root / f"uid-block-{k}"
-            if self._claim(marker):
-                self.marker = marker
-                self.uids = list(range(base + k * count, base + (k + 1) * count))
-                return
-        raise SandboxError(f"all {max_blocks} sandbox uid blocks are in use on this host")
-
-    @staticmethod
-    def _claim(marker: Path) -> bool:
-        for _ in range(2):
-            try:
-                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            except FileExistsError:
-                try:
-                    owner = int(marker.read_text() or "0")
-                    if owner == os.getpid():
-                        return False
-                    os.kill(owner, 0)
-                    return False
-                except ProcessLookupError:
-                    marker.unlink(missing_ok=True)  # the owner died: take the block over
-                    continue
-                except (ValueError, OSError):
-                    return False
-            os.write(fd, str(os.getpid()).encode())
-            os.close(fd)
-            return True
-        return False
-
-    def release(self) -> None:
-        self.marker.unlink(missing_ok=True)
-
-
 class SandboxPool:
     """Warm sandbox workers on this host. Use from one asyncio event loop."""
 
@@ -240,11 +93,11 @@ class SandboxPool:
         self.config = config or SandboxConfig()
         root = Path(self.config.root_dir or tempfile.gettempdir()) / "looprl-sandbox"
         root.mkdir(mode=0o711, exist_ok=True)
-        _sweep_dead_pools(root)
+        sweep_dead_pools(root)
         self._dir = Path(tempfile.mkdtemp(prefix=f"pool-{os.getpid()}-", dir=root))
         self._dir.chmod(0o711)  # the sandbox uid must traverse it to reach its own workspace
         self._ready: asyncio.Queue[_Worker] = asyncio.Queue()
-        self._uid_block = _UidBlock(root, self.config.uid_base, self.config.uid_count)
+        self._uid_block = UidBlock(root, self.config.uid_base, self.config.uid_count)
         self._free_uids = list(self._uid_block.uids)
         self._seq = itertools.count()
         self._slots = asyncio.Semaphore(self.config.max_concurrency)
@@ -600,21 +453,6 @@ class SandboxPool:
             await asyncio.to_thread(worker.cgroup.remove)
         await asyncio.to_thread(shutil.rmtree, worker.workspace, True)
         self._free_uids.append(worker.uid)
-
-
-def _sweep_dead_pools(root: Path) -> None:
-    """Delete workspaces left by pools whose process died without closing (SIGKILL, OOM)."""
-    for entry in root.glob("pool-*-*"):
-        try:
-            pid = int(entry.name.split("-")[1])
-        except ValueError:
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(entry, ignore_errors=True)
-        except PermissionError:
-            pass
 
 
 def _write_and_close(fd: int, data: bytes) -> None:
