@@ -282,6 +282,22 @@ def test_without_cap_sys_admin_the_pool_refuses_unless_degraded_is_chosen(tmp_pa
     assert "netns: Operation not permitted" in out["full"] and "degraded" in out["full"]
     assert out["exec"].startswith("FAILED_PRECONDITION: sandbox isolation unavailable")
     assert out["status"] == ["full", out["full"]]
+    # The service itself refuses to start, saying why.
+    service = subprocess.run(
+        [capsh, "--drop=cap_sys_admin", "--", "-c", f"exec {sys.executable} -m services.environment_sandbox"],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "LOOPRL_ENV_CONSUME_EPISODES": "false",
+            "LOOPRL_PORT": "0",
+            "LOOPRL_METRICS_PORT": "0",
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert service.returncode != 0
+    assert "refusing to run code" in service.stderr and "LOOPRL_ENV_SANDBOX_ISOLATION_LEVEL" in service.stderr
     if not _reachable_by_others(os.path.realpath(sys.base_prefix)):
         # Without a mount namespace nothing can show the sandbox uid an interpreter under a
         # private directory (pyenv in /root): degraded isolation cannot run here, and says so.

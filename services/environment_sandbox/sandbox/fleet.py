@@ -133,8 +133,12 @@ class SandboxFleet:
             self._waiting -= 1
         try:
             result = ExecResult(**await slot[0].execute.remote(asdict(job)))
-        except SandboxUnavailable as exc:  # Ray's error for the actor's is an instance of it too
-            self.unavailable = str(exc).strip().splitlines()[-1]
+        except Exception as exc:
+            # Ray wraps the actor's exception; the original is its cause.
+            cause = exc if isinstance(exc, SandboxUnavailable) else getattr(exc, "cause", None)
+            if not isinstance(cause, SandboxUnavailable):
+                raise
+            self.unavailable = str(cause.args[0] if cause.args else cause)
             raise SandboxUnavailable(self.unavailable) from None
         else:
             EXECUTIONS.inc()

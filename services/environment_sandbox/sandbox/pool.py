@@ -355,8 +355,9 @@ class SandboxPool:
         self.unavailable = (
             "sandbox isolation unavailable, refusing to run code: "
             + "; ".join(worker.missing)
-            + " (namespaces, mounts and cgroups need root with CAP_SYS_ADMIN; an operator may set "
-            "isolation_level = 'degraded' to run with weaker isolation)"
+            + " (namespaces, mounts and cgroups need root with CAP_SYS_ADMIN; to run with weaker "
+            "isolation an operator sets isolation_level = 'degraded', for the service "
+            "LOOPRL_ENV_SANDBOX_ISOLATION_LEVEL=degraded)"
         )
         log.error("%s", self.unavailable)
         raise SandboxUnavailable(self.unavailable)
