@@ -181,6 +181,13 @@ def build_root(new_root: str, visible: list[str], workspace_bytes: int, uid: int
     mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
 
 
+def private_proc_and_tmp(workspace: str) -> None:
+    """The fallback without a private root: this PID namespace's /proc, the workspace as /tmp."""
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount(workspace, "/tmp", None, MS_BIND)
+
+
 class _ArgCmp(ctypes.Structure):
     _fields_ = [
         ("arg", ctypes.c_uint),

@@ -44,8 +44,8 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 CLONE_NEWCGROUP = 0x02000000
 PR_SET_PDEATHSIG = 1
-REAL_EXECUTABLE = os.path.realpath(sys.executable)
 PR_SET_NO_NEW_PRIVS = 38
+REAL_EXECUTABLE = os.path.realpath(sys.executable)  # before the venv's link to it is out of view
 
 # Modules untrusted code commonly imports, loaded before the job so it does not pay for them.
 PREIMPORT = (
@@ -151,7 +151,7 @@ def _run_job(job_fd: int, status_fd: int, home: str) -> None:
     _set_limits(job.get("limits", {}))
     sys.argv = ["main.py"]
     sys.path.insert(0, home)
-    sys.executable = REAL_EXECUTABLE  # a venv's link to it is not visible inside
+    sys.executable = REAL_EXECUTABLE
     code = 0
     namespace = {"__name__": "__main__", "__file__": main_path, "__builtins__": __builtins__}
     try:
@@ -188,6 +188,12 @@ def _init(args: dict, job_fd: int, status_fd: int, applied: list[str], missing: 
                 home = "/tmp"
             except OSError as exc:
                 missing.append(f"rootfs: {exc}")
+        if home != "/tmp":
+            try:  # without the private root: at least this namespace's /proc and a private /tmp
+                confine.private_proc_and_tmp(args["workspace"])
+                home = "/tmp"
+            except OSError as exc:
+                missing.append(f"mountns: {exc}")
         applied.append("mountns")
     os.chdir(home)
     try:
@@ -258,6 +264,8 @@ def main() -> None:
         else:
             missing.append(f"{name}: {os.strerror(ctypes.get_errno())}")
             if name == "mountns":
+                if "rootfs" in args["want"]:
+                    missing.append("rootfs: needs the mount namespace")
                 args["want"] = [w for w in args["want"] if w not in ("mountns", "rootfs")]
     child = os.fork()
     if child == 0:
