@@ -41,6 +41,11 @@ async def serve(cfg: EnvServiceConfig) -> None:
         memory_bytes=cfg.exec_memory_bytes,
         max_output_bytes=cfg.exec_max_output_bytes,
         uid_base=cfg.sandbox_uid_base,
+        isolation_level=cfg.sandbox_isolation_level,
+        pids=cfg.exec_pids,
+        cpu_quota=cfg.exec_cpu_quota,
+        workspace_bytes=cfg.exec_workspace_bytes,
+        readonly_paths=cfg.readonly_paths,
     )
     if cfg.sandbox_backend == "ray" or cfg.rate_limiter == "ray":
         connect_ray(cfg.ray_address, RAY_NAMESPACE)

@@ -30,6 +30,21 @@ class EnvServiceConfig(ServiceConfig):
     exec_max_output_bytes: int = field(default=1 << 20, metadata={"help": "stdout+stderr kept per run."})
     exec_max_code_bytes: int = field(default=1 << 20, metadata={"help": "Largest code+files+stdin accepted."})
     sandbox_uid_base: int = field(default=600000, metadata={"help": "First uid of the per-worker uid range."})
+    sandbox_isolation_level: str = field(
+        default="full",
+        metadata={
+            "help": "full: refuse to run code unless namespaces, private root, cgroup and seccomp all apply "
+            "(root with CAP_SYS_ADMIN); degraded: run with whatever the host allows (an explicit opt-in)."
+        },
+    )
+    exec_pids: int = field(default=64, metadata={"help": "Processes+threads per sandbox, all together."})
+    exec_cpu_quota: float = field(default=1.0, metadata={"help": "CPUs one sandbox may use; 0: unlimited."})
+    exec_workspace_bytes: int = field(
+        default=64 * 1024 * 1024, metadata={"help": "Size of a sandbox's private /tmp (in memory)."}
+    )
+    sandbox_readonly_paths: str = field(
+        default="", metadata={"help": "Comma-separated host paths shown read-only inside the sandbox."}
+    )
     max_sessions: int = field(default=4096, metadata={"help": "Interactive Reset/Step sessions kept."})
     sandbox_backend: str = field(
         default="local",
@@ -71,6 +86,15 @@ class EnvServiceConfig(ServiceConfig):
             raise ConfigError(
                 f"LOOPRL_ENV_SANDBOX_BACKEND: must be one of {', '.join(SANDBOX_BACKENDS)}, got {self.sandbox_backend!r}"
             )
+        if self.sandbox_isolation_level not in ("full", "degraded"):
+            raise ConfigError(
+                "LOOPRL_ENV_SANDBOX_ISOLATION_LEVEL: must be full or degraded, "
+                f"got {self.sandbox_isolation_level!r}"
+            )
+        self.readonly_paths = tuple(p.strip() for p in self.sandbox_readonly_paths.split(",") if p.strip())
+        for path in self.readonly_paths:
+            if not path.startswith("/"):
+                raise ConfigError(f"LOOPRL_ENV_SANDBOX_READONLY_PATHS: {path!r} must be an absolute path")
         if self.rate_limiter not in RATE_LIMITERS:
             raise ConfigError(
                 f"LOOPRL_ENV_RATE_LIMITER: must be one of {', '.join(RATE_LIMITERS)}, got {self.rate_limiter!r}"

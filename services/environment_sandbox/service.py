@@ -21,6 +21,7 @@ from services.environment_sandbox.environments import (
 )
 from services.environment_sandbox.sandbox import ExecJob, SandboxPool
 from services.environment_sandbox.sandbox.fleet import SandboxFleet
+from services.environment_sandbox.sandbox.job import InvalidJob, SandboxUnavailable, validate_files
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
 
 
@@ -53,6 +54,8 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             rollout = await self.runner.run(task)
         except EnvironmentError_ as exc:
             raise _status(exc) from None
+        except SandboxUnavailable as exc:
+            raise FailedPrecondition(str(exc)) from None
         return environment_pb2.RunEpisodeResponse(rollout=rollout)
 
     async def Reset(self, request, context: Any) -> environment_pb2.ResetResponse:
@@ -80,6 +83,8 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             result = await env.step(request.action)
         except EnvironmentError_ as exc:
             raise _status(exc) from None
+        except SandboxUnavailable as exc:
+            raise FailedPrecondition(str(exc)) from None
         if result.done:
             self.sessions.pop(request.session_id, None)
         return environment_pb2.StepResponse(
@@ -106,18 +111,16 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             raise InvalidArgument(
                 f"code: code, stdin and files total {size} bytes, over {self.max_code_bytes}"
             )
-        for path in request.files:
-            if path.startswith("/") or ".." in path.split("/") or not path:
-                raise InvalidArgument(f"files[{path!r}]: must be a relative path inside the workspace")
-        result = await self.pool.execute(
-            ExecJob(
-                request.code,
-                request.stdin,
-                dict(request.files),
-                request.timeout_seconds,
-                request.memory_bytes,
+        files = dict(request.files)
+        try:
+            validate_files(files)
+            result = await self.pool.execute(
+                ExecJob(request.code, request.stdin, files, request.timeout_seconds, request.memory_bytes)
             )
-        )
+        except InvalidJob as exc:
+            raise InvalidArgument(str(exc)) from None
+        except SandboxUnavailable as exc:
+            raise FailedPrecondition(str(exc)) from None
         return environment_pb2.ExecResponse(
             exit_code=result.exit_code,
             stdout=result.stdout,
@@ -129,6 +132,7 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             isolation=result.isolation,
             missing_isolation=result.missing_isolation,
             warm=result.warm,
+            memory_peak_bytes=result.memory_peak_bytes,
         )
 
     async def ListEnvironments(self, request, context: Any) -> environment_pb2.ListEnvironmentsResponse:
@@ -143,4 +147,16 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
                     default_reward=cls.default_reward,
                 )
             )
-        return environment_pb2.ListEnvironmentsResponse(environments=infos)
+        status = self.pool.isolation_status()
+        sandbox = environment_pb2.SandboxStatus(
+            isolation_level=status["level"],
+            isolation=status["isolation"],
+            missing_isolation=status["missing_isolation"],
+            unavailable=status["unavailable"],
+            memory_bytes=status["memory_bytes"],
+            pids=status["pids"],
+            cpu_quota=status["cpu_quota"],
+            workspace_bytes=status["workspace_bytes"],
+            cgroup=status["cgroup"],
+        )
+        return environment_pb2.ListEnvironmentsResponse(environments=infos, sandbox=sandbox)

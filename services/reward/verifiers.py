@@ -9,15 +9,15 @@ failed component with the reason, never a silent 0.
 from __future__ import annotations
 
 import ast
-import json
 import math
 import operator
 import re
-import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
+
+from services.kit.code_tests import CodeTestError, build_program, parse_tests, score_output
 
 
 class VerifierError(RuntimeError):
@@ -173,24 +173,14 @@ def make_code_tests(executor: CodeExecutor | None, timeout_s: float = 5.0) -> Ve
             raise VerifierError("no sandbox configured for code tests (set LOOPRL_REWARD_SANDBOX_ADDRESS)")
         blocks = _FENCE.findall(inp.completion)
         solution = blocks[-1] if blocks else inp.completion
-        nonce = "@@" + secrets.token_hex(8)
-        harness = (
-            "import json as _j\n_ns = {'__name__': 'solution'}\n_p = 0\n_tests = " + json.dumps(tests) + "\n"
-            "try:\n    exec(compile(" + repr(solution) + ", 'solution.py', 'exec'), _ns)\n    _ok = True\n"
-            "except BaseException:\n    _ok = False\n"
-            "for _t in _tests if _ok else []:\n    try:\n        exec(_t, dict(_ns))\n        _p += 1\n"
-            "    except BaseException:\n        pass\n"
-            f"print({nonce!r}, _j.dumps([_p, len(_tests)]), flush=True)\n"
-        )
-        result = await executor(code=harness, timeout_s=timeout_s)
-        for line in reversed(result.stdout.splitlines()):
-            if line.startswith(nonce + " "):
-                passed, total = json.loads(line[len(nonce) + 1 :])
-                return passed / total
-        # The harness catches everything the solution does; not finishing means the sandbox
-        # stopped it (timeout, memory, output): the solution fails, which is a score, not an error.
-        if result.killed_reason in ("timeout", "memory", "output", "cpu"):
-            return 0.0
-        raise VerifierError(f"code harness did not report (exit {result.exit_code}): {result.stderr[-300:]}")
+        try:
+            checks = parse_tests(tests, "task_json.tests")
+        except CodeTestError as exc:
+            raise VerifierError(str(exc)) from None
+        result = await executor(code=build_program(solution, checks), timeout_s=timeout_s)
+        outcome = score_output(result.stdout, checks)
+        # The sandbox itself failing raises (a failed component). A run that gave no verdict was
+        # stopped by the solution (exit, tampering) or by the sandbox's limits: the solution fails.
+        return 0.0 if outcome.error else outcome.passed / outcome.total
 
     return code_tests

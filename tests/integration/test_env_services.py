@@ -37,8 +37,12 @@ def test_exec_sessions_and_listing(services):
     env = env_grpc.EnvironmentSandboxServiceStub(grpc.insecure_channel(services[0]))
     out = env.Exec(env_pb.ExecRequest(language="python", code="print(sum(range(10)))"))
     assert out.stdout.strip() == "45" and out.exit_code == 0 and "netns" in out.isolation
-    names = {e.name for e in env.ListEnvironments(env_pb.ListEnvironmentsRequest()).environments}
-    assert {"digits", "guess", "code"} <= names
+    listing = env.ListEnvironments(env_pb.ListEnvironmentsRequest())
+    assert {"digits", "guess", "code"} <= {e.name for e in listing.environments}
+    sandbox = listing.sandbox
+    assert sandbox.isolation_level == "full" and not sandbox.unavailable and not sandbox.missing_isolation
+    assert {"netns", "rootfs", "cgroup", "seccomp"} <= set(sandbox.isolation) and sandbox.memory_bytes > 0
+    assert out.memory_peak_bytes > 0
     reset = env.Reset(
         env_pb.ResetRequest(environment="guess", task_json=json.dumps({"secret": 5, "high": 8}))
     )
@@ -58,6 +62,9 @@ def test_bad_input_names_the_field_and_service_keeps_serving(services):
         lambda: env.Reset(env_pb.ResetRequest(environment="digits", task_json='{"digits": 5}'))
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "task_json.digits" in details
+    for key in ("sub/", "../x", "/abs", "a\0b"):
+        code, details = _code(lambda key=key: env.Exec(env_pb.ExecRequest(code="print(1)", files={key: "x"})))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(f"files[{key!r}]"), details
     reset = env.Reset(env_pb.ResetRequest(environment="digits", task_json='{"digits": "12"}'))
     code, details = _code(
         lambda: env.Step(env_pb.StepRequest(session_id=reset.session_id, action="1" * 5000))

@@ -37,7 +37,17 @@ async def test_isolation_is_fully_applied_as_root(pool):
     uid, gid, groups = result.stdout.split(" ", 2)
     assert UID_BASE <= int(uid) < UID_BASE + 64 * 256 and int(gid) == 65534 and groups.strip() == "[]"
     assert result.missing_isolation == []
-    for mechanism in ("netns", "pidns", "mountns", "rlimits", "no_new_privs"):
+    for mechanism in (
+        "netns",
+        "pidns",
+        "mountns",
+        "cgroupns",
+        "rootfs",
+        "cgroup",
+        "seccomp",
+        "rlimits",
+        "no_new_privs",
+    ):
         assert mechanism in result.isolation
 
 
@@ -123,7 +133,7 @@ async def test_fork_bomb_is_contained_and_killed(pool):
 
 async def test_memory_bomb_hits_the_address_space_limit(pool):
     result = await pool.execute(
-        ExecJob("blocks = []\nwhile True:\n    blocks.append(bytearray(50_000_000))\n")
+        ExecJob("blocks = []\nwhile True:\n    blocks.append(bytearray(50_000_000))\n", timeout_s=10.0)
     )
     assert result.exit_code != 0
     assert result.killed_reason == "memory"

@@ -1,17 +1,15 @@
 """code: the model writes a Python function; the environment runs it against tests in the
 sandbox; the reward is the fraction of tests that pass.
 
-Each test is an assertion run in its own try block by a small harness, so one failing or crashing
-test does not hide the others; the harness prints a marker line with the counts that the model's
-own prints cannot fake without knowing the per-run nonce.
+Each test is an assertion. Only its expression goes into the sandbox (see services/kit/code_tests):
+the sandbox reports the values the solution computes, and this process compares them with the
+expected values, which the sandboxed code never sees, so printing a fake result cannot earn reward.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import re
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +21,7 @@ from services.environment_sandbox.environments.base import (
     StepResult,
     register,
 )
+from services.kit.code_tests import CodeTestError, build_program, parse_tests, score_output
 
 _FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
@@ -31,36 +30,6 @@ def extract_code(text: str) -> str:
     """The last fenced code block, or the whole text when there is none."""
     blocks = _FENCE.findall(text)
     return blocks[-1] if blocks else text
-
-
-def build_harness(solution: str, tests: list[str], nonce: str) -> str:
-    return (
-        "import json as _json\n"
-        f"_tests = {json.dumps(tests)}\n"
-        "_passed = 0\n"
-        "_ns = {'__name__': 'solution'}\n"
-        "try:\n"
-        f"    exec(compile({solution!r}, 'solution.py', 'exec'), _ns)\n"
-        "    _loaded = True\n"
-        "except BaseException as _exc:\n"
-        "    _loaded = False\n"
-        "    print('load error:', type(_exc).__name__, _exc)\n"
-        "for _t in _tests if _loaded else []:\n"
-        "    try:\n"
-        "        exec(_t, dict(_ns))\n"
-        "        _passed += 1\n"
-        "    except BaseException as _exc:\n"
-        "        pass\n"
-        f"print({nonce!r}, _json.dumps({{'passed': _passed, 'total': len(_tests)}}), flush=True)\n"
-    )
-
-
-def parse_harness(stdout: str, nonce: str) -> tuple[int, int] | None:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(nonce + " "):
-            data = json.loads(line[len(nonce) + 1 :])
-            return int(data["passed"]), int(data["total"])
-    return None
 
 
 PROBLEMS: list[dict[str, Any]] = [
@@ -113,6 +82,10 @@ class CodeEnv(Environment):
         tests = task.get("tests")
         if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
             raise EnvironmentError_("task_json.tests: must be a non-empty list of strings")
+        try:
+            parse_tests(tests, "task_json.tests")
+        except CodeTestError as exc:
+            raise EnvironmentError_(str(exc)) from None
 
     async def _reset(self) -> list[Message]:
         return [{"role": "user", "content": self.task["prompt"]}]
@@ -120,14 +93,14 @@ class CodeEnv(Environment):
     async def _step(self, action: str) -> StepResult:
         if self.context.executor is None:
             raise EnvironmentError_("environment: 'code' needs a sandbox and none is configured")
-        nonce = "@@" + secrets.token_hex(8)
-        harness = build_harness(extract_code(action), self.task["tests"], nonce)
+        checks = parse_tests(self.task["tests"], "task_json.tests")
+        program = build_program(extract_code(action), checks)
         timeout = float(getattr(self.config, "timeout_s", 2.0))
         await self.context.acquire("sandbox")  # a no-op unless a limit names the sandbox
-        result = await self.context.executor(code=harness, timeout_s=timeout)
-        counts = parse_harness(result.stdout, nonce)
-        if counts is None:
+        result = await self.context.executor(code=program, timeout_s=timeout)
+        outcome = score_output(result.stdout, checks)
+        if outcome.error:
             reason = result.killed_reason or f"exit {result.exit_code}"
-            return StepResult([], 0.0, True, {"error": f"tests did not finish: {reason}"})
-        passed, total = counts
-        return StepResult([], passed / total, True, {"passed": str(passed), "total": str(total)})
+            return StepResult([], 0.0, True, {"error": f"{outcome.error}: {reason}"})
+        info = {"passed": str(outcome.passed), "total": str(outcome.total)}
+        return StepResult([], outcome.passed / outcome.total, True, info)

@@ -17,7 +17,13 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from services.environment_sandbox.sandbox.pool import ExecJob, ExecResult, SandboxConfig
+from services.environment_sandbox.sandbox.job import (
+    ExecJob,
+    ExecResult,
+    SandboxConfig,
+    SandboxUnavailable,
+    validate_files,
+)
 from services.kit.autoscale import Autoscaler
 
 ACTORS = Gauge("looprl_sandbox_fleet_actors", "Sandbox actors the fleet holds now")
@@ -77,6 +83,8 @@ class SandboxFleet:
         self._waiting = 0
         self._task: asyncio.Task | None = None
         self.peak_actors = 0
+        self._last: ExecResult | None = None
+        self.unavailable = ""
 
     async def start(self) -> SandboxFleet:
         for _ in range(self.config.min_actors):
@@ -96,7 +104,25 @@ class SandboxFleet:
     def queue_depth(self) -> int:
         return self._waiting + sum(a[1] for a in self._actors)
 
+    def isolation_status(self) -> dict:
+        """The configured level and limits, and the mechanisms the last execution ran under."""
+        cfg = self.sandbox
+        return {
+            "level": cfg.isolation_level,
+            "isolation": list(self._last.isolation) if self._last else [],
+            "missing_isolation": list(self._last.missing_isolation) if self._last else [],
+            "unavailable": self.unavailable,
+            "cgroup": "",
+            "memory_bytes": cfg.memory_bytes,
+            "pids": cfg.pids,
+            "cpu_quota": cfg.cpu_quota,
+            "workspace_bytes": cfg.workspace_bytes,
+        }
+
     async def execute(self, job: ExecJob) -> ExecResult:
+        validate_files(job.files)
+        if self.unavailable:
+            raise SandboxUnavailable(self.unavailable)
         self._waiting += 1
         try:
             while not self._actors:
@@ -107,7 +133,16 @@ class SandboxFleet:
             self._waiting -= 1
         try:
             result = ExecResult(**await slot[0].execute.remote(asdict(job)))
+        except Exception as exc:
+            # Ray wraps the actor's exception; the original is its cause.
+            cause = exc if isinstance(exc, SandboxUnavailable) else getattr(exc, "cause", None)
+            if not isinstance(cause, SandboxUnavailable):
+                raise
+            self.unavailable = str(cause.args[0] if cause.args else cause)
+            raise SandboxUnavailable(self.unavailable) from None
+        else:
             EXECUTIONS.inc()
+            self._last = result
             return result
         finally:
             slot[1] -= 1

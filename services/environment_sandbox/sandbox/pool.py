@@ -7,7 +7,14 @@ when either runs out, deletes the workspace, and starts a replacement. A worker 
 job: nothing one program leaves behind (files, processes, modules, globals) reaches the next.
 
 Each worker gets its own uid from a range, because RLIMIT_NPROC counts processes per uid: with
-one shared uid a fork bomb in one sandbox would starve every other sandbox of processes.
+one shared uid a fork bomb in one sandbox would starve every other sandbox of processes. Each
+worker also gets its own cgroup (cgroups.py): memory, pids and CPU are limited for the sandbox as
+a whole, not per process.
+
+The pool fails closed: with `isolation_level = "full"` (the default) a worker that could not
+apply every mechanism in `isolation` (as root without CAP_SYS_ADMIN: no namespaces, no mounts) is
+never used; the pool refuses to start and executions raise SandboxUnavailable. Running with
+whatever the host allows takes an explicit `isolation_level = "degraded"`.
 """
 
 from __future__ import annotations
@@ -20,69 +27,25 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.environment_sandbox.sandbox.cgroups import CgroupHost, CgroupUnavailable, SandboxCgroup
+from services.environment_sandbox.sandbox.job import (
+    ExecJob,
+    ExecResult,
+    SandboxConfig,
+    SandboxError,
+    SandboxUnavailable,
+    validate_files,
+)
+from services.environment_sandbox.sandbox.uids import UidBlock, sweep_dead_pools
 
 log = logging.getLogger(__name__)
 
 WORKER_SCRIPT = str(Path(__file__).with_name("worker.py"))
-ALL_ISOLATION = ("netns", "pidns", "mountns", "ipcns", "utsns")
-
-
-@dataclass
-class SandboxConfig:
-    """Limits and pool sizes; per-request timeout and memory may only lower the ceilings here."""
-
-    warm_workers: int = 2
-    max_concurrency: int = 8
-    timeout_s: float = 5.0
-    max_timeout_s: float = 60.0
-    memory_bytes: int = 512 * 1024 * 1024
-    max_output_bytes: int = 1024 * 1024
-    nproc: int = 32
-    fsize_bytes: int = 16 * 1024 * 1024
-    nofile: int = 64
-    uid_base: int = 600000
-    uid_count: int = 256
-    gid: int = 65534
-    python: str = sys.executable
-    root_dir: str = ""
-    isolation: tuple[str, ...] = ALL_ISOLATION
-    start_timeout_s: float = 15.0
-
-
-@dataclass
-class ExecJob:
-    code: str
-    stdin: str = ""
-    files: dict[str, str] = field(default_factory=dict)
-    timeout_s: float = 0.0
-    memory_bytes: int = 0
-
-
-@dataclass
-class ExecResult:
-    exit_code: int
-    stdout: str
-    stderr: str
-    timed_out: bool = False
-    killed_reason: str = ""
-    wall_seconds: float = 0.0
-    output_truncated: bool = False
-    isolation: list[str] = field(default_factory=list)
-    missing_isolation: list[str] = field(default_factory=list)
-    warm: bool = True
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-class SandboxError(RuntimeError):
-    """A worker could not be started (the sandbox itself is broken, not the user's code)."""
 
 
 class _Worker:
@@ -94,7 +57,9 @@ class _Worker:
         workspace: Path,
         uid: int,
         transport: asyncio.BaseTransport,
+        cgroup: SandboxCgroup | None,
     ) -> None:
+        self.cgroup = cgroup
         self.proc = proc
         self.job_fd = job_fd
         self.status = status
@@ -121,49 +86,6 @@ class _Worker:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-class _UidBlock:
-    """A block of uids this pool owns exclusively on the host.
-
-    RLIMIT_NPROC counts per uid across the whole host, so two pools (a service, a Ray actor, a
-    test) handing out the same uid would share one process budget. A pool claims block k by
-    creating `uid-block-k` exclusively (O_EXCL) with its pid inside; blocks of dead pids are
-    taken over."""
-
-    def __init__(self, root: Path, base: int, count: int, max_blocks: int = 64) -> None:
-        for k in range(max_blocks):
-            marker = root / f"uid-block-{k}"
-            if self._claim(marker):
-                self.marker = marker
-                self.uids = list(range(base + k * count, base + (k + 1) * count))
-                return
-        raise SandboxError(f"all {max_blocks} sandbox uid blocks are in use on this host")
-
-    @staticmethod
-    def _claim(marker: Path) -> bool:
-        for _ in range(2):
-            try:
-                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            except FileExistsError:
-                try:
-                    owner = int(marker.read_text() or "0")
-                    if owner == os.getpid():
-                        return False
-                    os.kill(owner, 0)
-                    return False
-                except ProcessLookupError:
-                    marker.unlink(missing_ok=True)  # the owner died: take the block over
-                    continue
-                except (ValueError, OSError):
-                    return False
-            os.write(fd, str(os.getpid()).encode())
-            os.close(fd)
-            return True
-        return False
-
-    def release(self) -> None:
-        self.marker.unlink(missing_ok=True)
-
-
 class SandboxPool:
     """Warm sandbox workers on this host. Use from one asyncio event loop."""
 
@@ -171,11 +93,11 @@ class SandboxPool:
         self.config = config or SandboxConfig()
         root = Path(self.config.root_dir or tempfile.gettempdir()) / "looprl-sandbox"
         root.mkdir(mode=0o711, exist_ok=True)
-        _sweep_dead_pools(root)
+        sweep_dead_pools(root)
         self._dir = Path(tempfile.mkdtemp(prefix=f"pool-{os.getpid()}-", dir=root))
         self._dir.chmod(0o711)  # the sandbox uid must traverse it to reach its own workspace
         self._ready: asyncio.Queue[_Worker] = asyncio.Queue()
-        self._uid_block = _UidBlock(root, self.config.uid_base, self.config.uid_count)
+        self._uid_block = UidBlock(root, self.config.uid_base, self.config.uid_count)
         self._free_uids = list(self._uid_block.uids)
         self._seq = itertools.count()
         self._slots = asyncio.Semaphore(self.config.max_concurrency)
@@ -186,16 +108,34 @@ class SandboxPool:
         self.running = 0
         self.completed = 0
         self.cold_starts = 0
+        self.unavailable = ""  # why this pool refuses to run code; "" while it runs
+        self.isolation: list[str] = []  # what the last started worker applied
+        self.missing_isolation: list[str] = []
+        self.cgroups: CgroupHost | None = None
+        self._cgroup_error = ""
+        if "cgroup" in self.config.isolation:
+            try:
+                self.cgroups = CgroupHost.open()
+            except CgroupUnavailable as exc:
+                self._cgroup_error = f"cgroup: {exc}"
 
     async def start(self) -> SandboxPool:
-        self._refill()
-        await self.wait_warm()
+        """Start the warm workers; SandboxUnavailable when the configured isolation is not there."""
+        try:
+            self._ready.put_nowait(await self._spawn())  # the first one surfaces a refusal
+            self._refill()
+            await self.wait_warm()
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     async def wait_warm(self, timeout: float | None = None) -> None:
         """Until `warm_workers` workers are ready (for benchmarks and tests)."""
         deadline = time.monotonic() + (timeout or self.config.start_timeout_s * 2)
         while self._ready.qsize() < self.config.warm_workers:
+            if self.unavailable:
+                raise SandboxUnavailable(self.unavailable)
             if time.monotonic() > deadline:
                 raise SandboxError(f"only {self._ready.qsize()} warm workers after waiting")
             self._refill()
@@ -211,6 +151,21 @@ class SandboxPool:
             "cold_starts": self.cold_starts,
         }
 
+    def isolation_status(self) -> dict:
+        """The isolation level and mechanisms executions run under (for the service's status)."""
+        cfg = self.config
+        return {
+            "level": cfg.isolation_level,
+            "isolation": list(self.isolation),
+            "missing_isolation": list(self.missing_isolation),
+            "unavailable": self.unavailable,
+            "cgroup": self.cgroups.name if self.cgroups else "",
+            "memory_bytes": cfg.memory_bytes,
+            "pids": cfg.pids,
+            "cpu_quota": cfg.cpu_quota,
+            "workspace_bytes": cfg.workspace_bytes,
+        }
+
     @property
     def queue_depth(self) -> int:
         return self.waiting + self.running
@@ -221,6 +176,10 @@ class SandboxPool:
         return self.config
 
     async def execute(self, job: ExecJob) -> ExecResult:
+        """Run one job; InvalidJob for bad input, SandboxUnavailable when the pool refuses to run."""
+        validate_files(job.files)
+        if self.unavailable:
+            raise SandboxUnavailable(self.unavailable)
         if self._closed:
             raise SandboxError("sandbox pool is closed")
         self.waiting += 1
@@ -261,13 +220,15 @@ class SandboxPool:
             await self._dispose(self._ready.get_nowait())
         shutil.rmtree(self._dir, ignore_errors=True)
         self._uid_block.release()
+        if self.cgroups is not None:
+            self.cgroups.close()
 
     # -- internals ---------------------------------------------------------------------------------
 
     def _refill(self) -> None:
         missing = self.config.warm_workers - self._ready.qsize() - self._spawning
         for _ in range(max(0, missing)):
-            if self._closed:
+            if self._closed or self.unavailable:
                 return
             self._spawning += 1
             self._background(self._spawn_into_pool())
@@ -280,6 +241,8 @@ class SandboxPool:
     async def _spawn_into_pool(self) -> None:
         try:
             worker = await self._spawn()
+        except SandboxUnavailable:
+            return  # logged once, in _spawn
         except Exception:
             log.exception("sandbox worker failed to start")
             await asyncio.sleep(0.5)
@@ -299,6 +262,14 @@ class SandboxPool:
         workspace = self._dir / f"w{next(self._seq)}-{uuid.uuid4().hex[:6]}"
         workspace.mkdir(mode=0o700)
         os.chown(workspace, uid, cfg.gid)
+        cgroup, cgroup_error = None, self._cgroup_error
+        if self.cgroups is not None:
+            try:
+                cgroup = await asyncio.to_thread(
+                    self.cgroups.create, cfg.memory_bytes, cfg.pids, cfg.cpu_quota
+                )
+            except OSError as exc:
+                cgroup_error = f"cgroup: {exc}"
         job_r, job_w = os.pipe()
         status_r, status_w = os.pipe()
         args = {
@@ -308,6 +279,10 @@ class SandboxPool:
             "uid": uid,
             "gid": cfg.gid,
             "want": list(cfg.isolation),
+            "cgroup_procs": cgroup.procs_files if cgroup else [],
+            "cgroup_name": "cgroup",
+            "workspace_bytes": cfg.workspace_bytes,
+            "readonly_paths": list(cfg.readonly_paths),
             "limits": {
                 "cpu_seconds": int(cfg.max_timeout_s) + 1,
                 "memory_bytes": cfg.memory_bytes,
@@ -331,6 +306,10 @@ class SandboxPool:
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
                 start_new_session=True,
             )
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove(0)
+            raise
         finally:
             os.close(job_r)
             os.close(status_w)
@@ -338,7 +317,7 @@ class SandboxPool:
         transport, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(status_r, "rb", buffering=0)
         )
-        worker = _Worker(proc, job_w, reader, workspace, uid, transport)
+        worker = _Worker(proc, job_w, reader, workspace, uid, transport, cgroup)
         try:
             async with asyncio.timeout(cfg.start_timeout_s):
                 while True:
@@ -351,21 +330,47 @@ class SandboxPool:
                     if kind == "pid":
                         worker.init_pid = data["pid"]
                     elif kind == "error":
+                        # Missing isolation is the likelier cause (e.g. an interpreter the sandbox
+                        # uid can only reach through the private root): report it as such.
+                        worker.missing = data.get("missing", []) + ([cgroup_error] if cgroup_error else [])
+                        if worker.missing:
+                            self._check_isolation(worker)
                         raise SandboxError(f"sandbox worker set-up failed: {data['error']}")
                     elif kind == "ready":
                         worker.isolation = data["isolation"]
-                        worker.missing = data["missing"]
-                        if worker.missing:
-                            log.warning("sandbox isolation degraded: %s", worker.missing)
+                        worker.missing = data["missing"] + ([cgroup_error] if cgroup_error else [])
+                        self._check_isolation(worker)
                         return worker
         except BaseException:
             await self._dispose(worker)
             raise
 
+    def _check_isolation(self, worker: _Worker) -> None:
+        self.isolation, self.missing_isolation = list(worker.isolation), list(worker.missing)
+        if not worker.missing:
+            return
+        if self.config.isolation_level == "degraded":
+            log.warning("sandbox isolation degraded (isolation_level = degraded): %s", worker.missing)
+            return
+        self.unavailable = (
+            "sandbox isolation unavailable, refusing to run code: "
+            + "; ".join(worker.missing)
+            + " (namespaces, mounts and cgroups need root with CAP_SYS_ADMIN; to run with weaker "
+            "isolation an operator sets isolation_level = 'degraded', for the service "
+            "LOOPRL_ENV_SANDBOX_ISOLATION_LEVEL=degraded)"
+        )
+        log.error("%s", self.unavailable)
+        raise SandboxUnavailable(self.unavailable)
+
     async def _run(self, worker: _Worker, job: ExecJob, warm: bool) -> ExecResult:
         cfg = self.config
         timeout = min(job.timeout_s or cfg.timeout_s, cfg.max_timeout_s)
         memory = min(job.memory_bytes or cfg.memory_bytes, cfg.memory_bytes)
+        if worker.cgroup is not None and memory < cfg.memory_bytes:
+            try:
+                worker.cgroup.set_memory(memory)
+            except OSError as exc:  # below what the waiting worker already holds: rlimits still apply
+                log.warning("sandbox memory limit %d not set on the cgroup: %s", memory, exc)
         payload = json.dumps(
             {
                 "code": job.code,
@@ -419,6 +424,9 @@ class SandboxPool:
         err_text = stderr.decode(errors="replace")
         if not killed_reason and exit_code != 0 and "MemoryError" in err_text[-4000:]:
             killed_reason = "memory"
+        peak = worker.cgroup.peak_memory() if worker.cgroup else 0
+        if worker.cgroup is not None and worker.cgroup.oom_kills() and killed_reason in ("", "cpu"):
+            killed_reason = "memory"  # the cgroup's OOM killer (SIGKILL) ended a process
         return ExecResult(
             exit_code=exit_code,
             stdout=stdout.decode(errors="replace"),
@@ -430,6 +438,8 @@ class SandboxPool:
             isolation=list(worker.isolation),
             missing_isolation=list(worker.missing),
             warm=warm,
+            memory_peak_bytes=peak,
+            cpu_throttled_seconds=worker.cgroup.cpu_throttled_s() if worker.cgroup else 0.0,
         )
 
     async def _dispose(self, worker: _Worker) -> None:
@@ -440,23 +450,10 @@ class SandboxPool:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(worker.proc.wait(), 5.0)
         worker.transport.close()
+        if worker.cgroup is not None:
+            await asyncio.to_thread(worker.cgroup.remove)
         await asyncio.to_thread(shutil.rmtree, worker.workspace, True)
         self._free_uids.append(worker.uid)
-
-
-def _sweep_dead_pools(root: Path) -> None:
-    """Delete workspaces left by pools whose process died without closing (SIGKILL, OOM)."""
-    for entry in root.glob("pool-*-*"):
-        try:
-            pid = int(entry.name.split("-")[1])
-        except ValueError:
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(entry, ignore_errors=True)
-        except PermissionError:
-            pass
 
 
 def _write_and_close(fd: int, data: bytes) -> None:

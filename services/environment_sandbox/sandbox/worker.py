@@ -3,9 +3,13 @@
 Started by the pool as root with `python -I -S worker.py ...` (no site-packages, no PYTHON* env,
 standalone: this file imports only the standard library). Process tree, as seen from the host:
 
-    outer (root, host PID namespace)  -- reports the init's host pid and exits after it
-      init  (pid 1 of a new PID namespace; new net/mount/IPC/UTS namespaces; then unprivileged)
+    outer (root, host PID namespace)  -- joins the sandbox's cgroup, reports the init's host pid
+      init  (pid 1 of a new PID namespace; new net/mount/IPC/UTS/cgroup namespaces; private root
+             filesystem; then unprivileged, no_new_privs, seccomp filter: see confine.py)
         runner (pid 2): blocks on the job pipe, runs the untrusted code in-process, exits
+
+The cgroup is joined first, so everything the worker ever starts counts against the sandbox's
+memory, pids and CPU limits together.
 
 The init is pid 1 of its namespace so that when it dies the kernel kills every process left in
 the namespace (fork bombs, daemonised children, setsid escapes): the host needs one SIGKILL to
@@ -24,22 +28,24 @@ import json
 import os
 import resource
 import signal
-import stat
 import sys
+
+# -I leaves the script's directory off sys.path: add it for confine.py alone, then take it off
+# again so the sandboxed code cannot import the pool's modules.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import confine
+
+sys.path.pop(0)
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-MS_NOSUID = 2
-MS_NODEV = 4
-MS_NOEXEC = 8
-MS_REC = 16384
-MS_BIND = 4096
-MS_PRIVATE = 1 << 18
+CLONE_NEWCGROUP = 0x02000000
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
+REAL_EXECUTABLE = os.path.realpath(sys.executable)  # before the venv's link to it is out of view
 
 # Modules untrusted code commonly imports, loaded before the job so it does not pay for them.
 PREIMPORT = (
@@ -73,14 +79,6 @@ def _check(rc: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
-    enc = lambda s: None if s is None else s.encode()  # noqa: E731
-    _check(
-        _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-        f"mount {target}",
-    )
-
-
 def _prctl(option: int, arg: int) -> None:
     _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl {option}")
 
@@ -89,46 +87,10 @@ def _write_status(fd: int, kind: str, payload: object) -> None:
     os.write(fd, f"{kind} {json.dumps(payload)}\n".encode())
 
 
-def _hidden_prefix_dirs() -> list[tuple[str, str]]:
-    """(top ancestor not traversable by others, interpreter dir below it) pairs.
-
-    The interpreter may live under a directory the sandbox user cannot enter (pyenv under /root
-    is 0700). Inside the private mount namespace such an ancestor is covered with an empty tmpfs
-    and only the interpreter's own tree is bound back, so the sandbox can import the standard
-    library without seeing anything else that was there."""
-    needed = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(os.__file__))}
-    pairs = []
-    for path in sorted(needed):
-        parts = path.strip("/").split("/")
-        for i in range(1, len(parts)):
-            ancestor = "/" + "/".join(parts[:i])
-            if not (os.stat(ancestor).st_mode & stat.S_IXOTH):
-                pairs.append((ancestor, path))
-                break
-    return pairs
-
-
-def _setup_mounts(workspace: str, applied: list[str], missing: list[str]) -> None:
-    _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
-    try:
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-        applied.append("proc")
-    except OSError as exc:
-        missing.append(f"proc: {exc}")
-    # Rebind the interpreter's tree under an empty tmpfs covering its private ancestor.
-    for ancestor, keep in _hidden_prefix_dirs():
-        fd = os.open(keep, os.O_PATH | os.O_DIRECTORY)
-        _mount("tmpfs", ancestor, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-        os.makedirs(keep, mode=0o755, exist_ok=True)
-        _mount(f"/proc/self/fd/{fd}", keep, None, MS_BIND | MS_REC, None)
-        os.close(fd)
-        applied.append(f"hide:{ancestor}")
-    # World-writable places become private: the workspace is /tmp, the others are empty tmpfs.
-    _mount(workspace, "/tmp", None, MS_BIND, None)
-    for place in ("/var/tmp", "/dev/shm", "/run/lock"):
-        if os.path.isdir(place):
-            _mount("tmpfs", place, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=1m")
-    applied.append("mountns")
+def _visible_paths(declared: list[str]) -> list[str]:
+    """System library directories, this interpreter's own tree, and the declared read-only paths."""
+    interpreter = {os.path.realpath(p) for p in (sys.base_prefix, os.path.dirname(os.__file__))}
+    return list(confine.DEFAULT_VISIBLE) + sorted(interpreter) + list(declared)
 
 
 def _drop_privileges(uid: int, gid: int) -> None:
@@ -154,8 +116,8 @@ def _set_limits(limits: dict[str, int]) -> None:
             resource.setrlimit(which, (value, hard))
 
 
-def _run_job(job_fd: int, status_fd: int) -> None:
-    """Runner: wait for the job, then run it in this (already warm) interpreter."""
+def _run_job(job_fd: int, status_fd: int, home: str) -> None:
+    """Runner: wait for the job, then run it in this (already warm) interpreter, in `home`."""
     chunks = []
     while True:
         chunk = os.read(job_fd, 1 << 16)
@@ -168,14 +130,19 @@ def _run_job(job_fd: int, status_fd: int) -> None:
         os._exit(0)  # the pool closed without giving a job
     job = json.loads(b"".join(chunks))
     os.environ.clear()
-    os.environ.update({"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp"})
-    for rel, content in job.get("files", {}).items():
-        path = os.path.join("/tmp", rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as fh:
-            fh.write(content)
-    with open("/tmp/main.py", "w") as fh:
-        fh.write(job["code"])
+    os.environ.update({"PATH": "/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8", "TMPDIR": home})
+    main_path = os.path.join(home, "main.py")
+    try:
+        for rel, content in job.get("files", {}).items():
+            path = os.path.join(home, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as fh:
+                fh.write(content)
+        with open(main_path, "w") as fh:
+            fh.write(job["code"])
+    except OSError as exc:  # e.g. the workspace is full: the program cannot start
+        os.write(2, f"sandbox: could not write the job's files: {exc}\n".encode())
+        os._exit(1)
     stdin_fd = os.memfd_create("stdin")
     os.write(stdin_fd, job.get("stdin", "").encode())
     os.lseek(stdin_fd, 0, os.SEEK_SET)
@@ -183,11 +150,12 @@ def _run_job(job_fd: int, status_fd: int) -> None:
     os.close(stdin_fd)
     _set_limits(job.get("limits", {}))
     sys.argv = ["main.py"]
-    sys.path.insert(0, "/tmp")
+    sys.path.insert(0, home)
+    sys.executable = REAL_EXECUTABLE
     code = 0
-    namespace = {"__name__": "__main__", "__file__": "/tmp/main.py", "__builtins__": __builtins__}
+    namespace = {"__name__": "__main__", "__file__": main_path, "__builtins__": __builtins__}
     try:
-        exec(compile(job["code"], "/tmp/main.py", "exec"), namespace)
+        exec(compile(job["code"], main_path, "exec"), namespace)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
@@ -208,15 +176,26 @@ def _run_job(job_fd: int, status_fd: int) -> None:
 def _init(args: dict, job_fd: int, status_fd: int, applied: list[str], missing: list[str]) -> None:
     """pid 1 of the new PID namespace: finish isolation, fork the runner, report its exit."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    home = args["workspace"]
     if "mountns" in args["want"]:
-        try:
-            _setup_mounts(args["workspace"], applied, missing)
-        except OSError as exc:
-            missing.append(f"mountns: {exc}")
-    if "mountns" not in applied:
-        os.chdir(args["workspace"])
-    else:
-        os.chdir("/tmp")
+        if "rootfs" in args["want"]:
+            try:
+                visible = _visible_paths(args["readonly_paths"])
+                confine.build_root(
+                    args["workspace"], visible, args["workspace_bytes"], args["uid"], args["gid"]
+                )
+                applied.append("rootfs")
+                home = "/tmp"
+            except OSError as exc:
+                missing.append(f"rootfs: {exc}")
+        if home != "/tmp":
+            try:  # without the private root: at least this namespace's /proc and a private /tmp
+                confine.private_proc_and_tmp(args["workspace"])
+                home = "/tmp"
+            except OSError as exc:
+                missing.append(f"mountns: {exc}")
+        applied.append("mountns")
+    os.chdir(home)
     try:
         _libc.sethostname(b"sandbox", 7)
     except OSError:
@@ -228,11 +207,17 @@ def _init(args: dict, job_fd: int, status_fd: int, applied: list[str], missing: 
     applied.append("no_new_privs")
     _set_limits(args["limits"])
     applied.append("rlimits")
+    if "seccomp" in args["want"]:
+        try:
+            confine.apply_seccomp()
+            applied.append("seccomp")
+        except OSError as exc:
+            missing.append(f"seccomp: {exc}")
     for name in PREIMPORT:
         __import__(name)
     runner = os.fork()
     if runner == 0:
-        _run_job(job_fd, status_fd)
+        _run_job(job_fd, status_fd, home)
     os.close(job_fd)
     _write_status(status_fd, "ready", {"isolation": applied, "missing": missing})
     while True:
@@ -254,12 +239,21 @@ def main() -> None:
     job_fd, status_fd = args["job_fd"], args["status_fd"]
     applied: list[str] = []
     missing: list[str] = []
+    if args.get("cgroup_procs"):
+        try:
+            for procs in args["cgroup_procs"]:
+                with open(procs, "w") as fh:
+                    fh.write(str(os.getpid()))
+            applied.append(args["cgroup_name"])
+        except OSError as exc:
+            missing.append(f"cgroup: {exc}")
     flags = {
         "netns": CLONE_NEWNET,
         "pidns": CLONE_NEWPID,
         "mountns": CLONE_NEWNS,
         "ipcns": CLONE_NEWIPC,
         "utsns": CLONE_NEWUTS,
+        "cgroupns": CLONE_NEWCGROUP,  # after joining the cgroup: its root is the sandbox's cgroup
     }
     for name, flag in flags.items():
         if name not in args["want"]:
@@ -270,13 +264,15 @@ def main() -> None:
         else:
             missing.append(f"{name}: {os.strerror(ctypes.get_errno())}")
             if name == "mountns":
-                args["want"] = [w for w in args["want"] if w != "mountns"]
+                if "rootfs" in args["want"]:
+                    missing.append("rootfs: needs the mount namespace")
+                args["want"] = [w for w in args["want"] if w not in ("mountns", "rootfs")]
     child = os.fork()
     if child == 0:
         try:
             _init(args, job_fd, status_fd, applied, missing)
         except BaseException as exc:
-            _write_status(status_fd, "error", {"error": f"{type(exc).__name__}: {exc}"})
+            _write_status(status_fd, "error", {"error": f"{type(exc).__name__}: {exc}", "missing": missing})
             os._exit(70)
     os.close(job_fd)
     _write_status(status_fd, "pid", {"pid": child})

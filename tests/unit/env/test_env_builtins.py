@@ -14,8 +14,9 @@ from services.environment_sandbox.environments import (
     make_environment,
     parse_task,
 )
-from services.environment_sandbox.environments.code import build_harness, extract_code, parse_harness
+from services.environment_sandbox.environments.code import extract_code
 from services.environment_sandbox.environments.digits import digits_score
+from services.kit.code_tests import build_program, parse_tests, score_output
 
 
 def test_registry_lists_the_builtins():
@@ -88,18 +89,39 @@ async def test_guess_ends_at_max_turns_without_reward():
     assert last.done and last.reward == 0 and last.info["finish"] == "max_turns"
 
 
-def test_code_harness_counts_passes_and_extracts_fenced_code():
+def test_code_program_counts_passes_and_extracts_fenced_code():
     text = "here:\n```python\ndef add(a, b):\n    return a + b\n```\n"
     assert extract_code(text).strip().startswith("def add")
-    harness = build_harness(extract_code(text), ["assert add(1, 2) == 3", "assert add(1, 1) == 3"], "@@n")
+    checks = parse_tests(["assert add(1, 2) == 3", "assert add(1, 1) == 3", "assert not add(0, 0)"])
+    program = build_program(extract_code(text), checks)
+    assert "== 3" not in program  # the expected values stay out of what the sandbox runs
     namespace: dict = {}
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(harness, namespace)
-    assert parse_harness(out.getvalue(), "@@n") == (1, 2)
+        exec(program, namespace)
+    outcome = score_output(out.getvalue(), checks)
+    assert (outcome.passed, outcome.total, outcome.error) == (2, 3, "")
+
+
+def test_code_checks_split_probe_from_expected_and_refuse_non_asserts():
+    from services.kit.code_tests import Check, CodeTestError
+
+    assert parse_tests(["assert 4 == f(2)"]) == [Check("f(2)", "==", 4)]
+    assert parse_tests(["assert 5 > g(1)"]) == [Check("g(1)", "<", 5)]
+    assert parse_tests(["assert f(1) is None"]) == [Check("f(1)", "is", None)]
+    assert parse_tests(["assert f(1) == f(2)"]) == [Check("f(1) == f(2)", "truthy")]
+    with pytest.raises(CodeTestError, match=r"tests\[0\]: must be a single assert"):
+        parse_tests(["print(1)"])
+    with pytest.raises(CodeTestError, match="non-empty"):
+        parse_tests([])
+    checks = parse_tests(["assert f(1) == 2"])
+    assert score_output("@@probe 0 2\n@@probe 0 2\n@@probes-done\n", checks).error
+    assert score_output("@@probe 0 2\n", checks).error == "tests did not finish"
+    assert score_output("@@probe 0 2\n@@probes-done\n", checks).passed == 1
+    assert score_output("@@probe 0 __import__('os')\n@@probes-done\n", checks).passed == 0
 
 
 def test_jsonl_loader_names_the_bad_line(tmp_path):

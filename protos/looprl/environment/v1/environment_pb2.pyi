@@ -97,7 +97,7 @@ class ExecRequest(_message.Message):
     def __init__(self, language: _Optional[str] = ..., code: _Optional[str] = ..., stdin: _Optional[str] = ..., files: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ExecResponse(_message.Message):
-    __slots__ = ("exit_code", "stdout", "stderr", "timed_out", "killed_reason", "wall_seconds", "output_truncated", "isolation", "missing_isolation", "warm")
+    __slots__ = ("exit_code", "stdout", "stderr", "timed_out", "killed_reason", "wall_seconds", "output_truncated", "isolation", "missing_isolation", "warm", "memory_peak_bytes")
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
     STDERR_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class ExecResponse(_message.Message):
     ISOLATION_FIELD_NUMBER: _ClassVar[int]
     MISSING_ISOLATION_FIELD_NUMBER: _ClassVar[int]
     WARM_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     exit_code: int
     stdout: str
     stderr: str
@@ -118,7 +119,8 @@ class ExecResponse(_message.Message):
     isolation: _containers.RepeatedScalarFieldContainer[str]
     missing_isolation: _containers.RepeatedScalarFieldContainer[str]
     warm: bool
-    def __init__(self, exit_code: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., timed_out: _Optional[bool] = ..., killed_reason: _Optional[str] = ..., wall_seconds: _Optional[float] = ..., output_truncated: _Optional[bool] = ..., isolation: _Optional[_Iterable[str]] = ..., missing_isolation: _Optional[_Iterable[str]] = ..., warm: _Optional[bool] = ...) -> None: ...
+    memory_peak_bytes: int
+    def __init__(self, exit_code: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., timed_out: _Optional[bool] = ..., killed_reason: _Optional[str] = ..., wall_seconds: _Optional[float] = ..., output_truncated: _Optional[bool] = ..., isolation: _Optional[_Iterable[str]] = ..., missing_isolation: _Optional[_Iterable[str]] = ..., warm: _Optional[bool] = ..., memory_peak_bytes: _Optional[int] = ...) -> None: ...
 
 class EnvironmentInfo(_message.Message):
     __slots__ = ("name", "description", "multi_turn", "default_reward")
@@ -137,7 +139,31 @@ class ListEnvironmentsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListEnvironmentsResponse(_message.Message):
-    __slots__ = ("environments",)
+    __slots__ = ("environments", "sandbox")
     ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
     environments: _containers.RepeatedCompositeFieldContainer[EnvironmentInfo]
-    def __init__(self, environments: _Optional[_Iterable[_Union[EnvironmentInfo, _Mapping]]] = ...) -> None: ...
+    sandbox: SandboxStatus
+    def __init__(self, environments: _Optional[_Iterable[_Union[EnvironmentInfo, _Mapping]]] = ..., sandbox: _Optional[_Union[SandboxStatus, _Mapping]] = ...) -> None: ...
+
+class SandboxStatus(_message.Message):
+    __slots__ = ("isolation_level", "isolation", "missing_isolation", "unavailable", "memory_bytes", "pids", "cpu_quota", "workspace_bytes", "cgroup")
+    ISOLATION_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    MISSING_ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CGROUP_FIELD_NUMBER: _ClassVar[int]
+    isolation_level: str
+    isolation: _containers.RepeatedScalarFieldContainer[str]
+    missing_isolation: _containers.RepeatedScalarFieldContainer[str]
+    unavailable: str
+    memory_bytes: int
+    pids: int
+    cpu_quota: float
+    workspace_bytes: int
+    cgroup: str
+    def __init__(self, isolation_level: _Optional[str] = ..., isolation: _Optional[_Iterable[str]] = ..., missing_isolation: _Optional[_Iterable[str]] = ..., unavailable: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., pids: _Optional[int] = ..., cpu_quota: _Optional[float] = ..., workspace_bytes: _Optional[int] = ..., cgroup: _Optional[str] = ...) -> None: ...
