@@ -27,7 +27,7 @@ async def serve(cfg: EnvServiceConfig) -> None:
     from services.environment_sandbox.environments import EnvContext
     from services.environment_sandbox.episode_worker import EpisodeWorker, WorkerConfig
     from services.environment_sandbox.ratelimit import RateLimiter, rate_limiter_actor
-    from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool
+    from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool, SandboxUnavailable
     from services.environment_sandbox.service import EnvironmentSandboxServicer
     from services.kit.ray_utils import connect_ray
     from services.kit.server import Service, open_channel
@@ -93,7 +93,12 @@ async def serve(cfg: EnvServiceConfig) -> None:
     state: dict = {}
 
     async def setup(_: Service) -> None:
-        await pool.start()
+        try:
+            await pool.start()
+        except SandboxUnavailable:
+            # Fail closed for code only: Exec and code environments answer FAILED_PRECONDITION with
+            # the reason (also in ListEnvironments), environments that run no code keep working.
+            pass
         if runner is not None and cfg.consume_episodes:
             from services.kit.bus import Bus
 

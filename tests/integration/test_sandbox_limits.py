@@ -8,15 +8,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
+from looprl.environment.v1 import environment_pb2, environment_pb2_grpc
 from services.environment_sandbox.sandbox import ExecJob, SandboxConfig, SandboxPool
 from services.environment_sandbox.sandbox.job import InvalidJob
+from tests.support.service_process import service_process
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops privileges: needs root")
 UID_BASE = 720000
@@ -283,22 +287,23 @@ def test_without_cap_sys_admin_the_pool_refuses_unless_degraded_is_chosen(tmp_pa
     assert "netns: Operation not permitted" in out["full"] and "degraded" in out["full"]
     assert out["exec"].startswith("FAILED_PRECONDITION: sandbox isolation unavailable")
     assert out["status"] == ["full", out["full"]]
-    # The service itself refuses to start, saying why.
-    service = subprocess.run(
-        [capsh, "--drop=cap_sys_admin", "--", "-c", f"exec {sys.executable} -m services.environment_sandbox"],
-        cwd=REPO,
-        env={
-            **os.environ,
-            "LOOPRL_ENV_CONSUME_EPISODES": "false",
-            "LOOPRL_PORT": "0",
-            "LOOPRL_METRICS_PORT": "0",
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert service.returncode != 0
-    assert "refusing to run code" in service.stderr and "LOOPRL_ENV_SANDBOX_ISOLATION_LEVEL" in service.stderr
+    # The service keeps serving environments that run no code, and refuses code, saying why.
+    env = {"LOOPRL_ENV_CONSUME_EPISODES": "false", "LOOPRL_LOG_LEVEL": "ERROR"}
+
+    def without_sys_admin(command: list[str]) -> list[str]:
+        return [capsh, "--drop=cap_sys_admin", "--", "-c", "exec " + shlex.join(command)]
+
+    with (
+        service_process("services.environment_sandbox", env, timeout=120, wrap=without_sys_admin) as svc,
+        grpc.insecure_channel(svc.address) as channel,
+    ):
+        stub = environment_pb2_grpc.EnvironmentSandboxServiceStub(channel)
+        listed = stub.ListEnvironments(environment_pb2.ListEnvironmentsRequest(), timeout=30)
+        assert "refusing to run code" in listed.sandbox.unavailable
+        assert "LOOPRL_ENV_SANDBOX_ISOLATION_LEVEL" in listed.sandbox.unavailable
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Exec(environment_pb2.ExecRequest(code="print(1)"), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     # Degraded: the code runs, and every response says what is missing.
     stdout, missing, level = out["degraded"]
     assert stdout == "42" and level == "degraded"

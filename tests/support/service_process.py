@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -23,8 +23,14 @@ class ServiceProcess:
 
 
 @contextmanager
-def service_process(module: str, env: dict[str, str], timeout: float = 60.0) -> Iterator[ServiceProcess]:
-    """`env` is added to this process's environment (LOOPRL_GRPC_PORT/METRICS_PORT are chosen here)."""
+def service_process(
+    module: str,
+    env: dict[str, str],
+    timeout: float = 60.0,
+    wrap: Callable[[list[str]], list[str]] | None = None,
+) -> Iterator[ServiceProcess]:
+    """`env` is added to this process's environment (LOOPRL_GRPC_PORT/METRICS_PORT are chosen here);
+    `wrap` turns the command into the one actually run (e.g. under capsh)."""
     port, metrics_port = free_port(), free_port()
     full = {
         **os.environ,
@@ -33,7 +39,8 @@ def service_process(module: str, env: dict[str, str], timeout: float = 60.0) -> 
         "LOOPRL_GRPC_PORT": str(port),
         "LOOPRL_METRICS_PORT": str(metrics_port),
     }
-    proc = subprocess.Popen([sys.executable, "-m", module], env=full)
+    command = [sys.executable, "-m", module]
+    proc = subprocess.Popen(wrap(command) if wrap else command, env=full)
     address = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

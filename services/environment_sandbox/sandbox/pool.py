@@ -13,7 +13,8 @@ a whole, not per process.
 
 The pool fails closed: with `isolation_level = "full"` (the default) a worker that could not
 apply every mechanism in `isolation` (as root without CAP_SYS_ADMIN: no namespaces, no mounts) is
-never used; the pool refuses to start and executions raise SandboxUnavailable. Running with
+never used; the pool refuses to start and executions raise SandboxUnavailable (the service keeps
+serving environments that run no code). Running with
 whatever the host allows takes an explicit `isolation_level = "degraded"`.
 """
 
