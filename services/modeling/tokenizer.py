@@ -4,8 +4,8 @@ CharTokenizer needs no download: its vocabulary is fixed in this file (4 ChatML 
 tab and printable ASCII), so the tiny embedded model, the environments and the engines always agree
 on token ids. Its chat template is ChatML kept deliberately short, because the tiny model has to
 learn the format quickly. `load_tokenizer("char")` gives it; `load_tokenizer(<directory>)` gives a
-CharTokenizer when the directory was written by `CharTokenizer.save_pretrained`, and otherwise a
-thin wrapper over `transformers.AutoTokenizer` (local files only).
+CharTokenizer when the directory was written by `CharTokenizer.save_pretrained`, and otherwise an
+HFTokenizer over the directory's tokenizer.json and chat template (services/modeling/hf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
+
+from services.modeling.hf_tokenizer import HFTokenizer
 
 PAD, EOT, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOT, IM_START, IM_END)
@@ -129,56 +131,8 @@ class CharTokenizer:
             json.dump({"type": "char", "vocab_size": self.vocab_size}, f)
 
 
-class HFTokenizer:
-    """Thin wrapper giving a transformers tokenizer the same interface as CharTokenizer."""
-
-    def __init__(self, hf_tokenizer: Any) -> None:
-        self.hf = hf_tokenizer
-        self.name = getattr(hf_tokenizer, "name_or_path", "hf")
-        eos = hf_tokenizer.eos_token_id
-        if eos is None:
-            raise ValueError(f"tokenizer {self.name}: has no eos_token_id")
-        self._eos = int(eos)
-        pad = hf_tokenizer.pad_token_id
-        self._pad = int(pad) if pad is not None else self._eos
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.hf)
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._eos
-
-    @property
-    def pad_token_id(self) -> int:
-        return self._pad
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> list[int]:
-        if getattr(self.hf, "chat_template", None):
-            out = self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True
-            )
-            if hasattr(out, "keys") and "input_ids" in out:
-                out = out["input_ids"]
-            return [int(i) for i in out]
-        # No template shipped with the tokenizer: fall back to plain ChatML text.
-        return self.encode(render_chatml(messages, add_generation_prompt))
-
-
 def load_tokenizer(path_or_name: str | os.PathLike[str]) -> CharTokenizer | HFTokenizer:
-    """ "char" -> CharTokenizer; a directory -> CharTokenizer if marked, else AutoTokenizer (local only)."""
+    """ "char" -> CharTokenizer; a directory -> CharTokenizer if marked, else its tokenizer.json (local only)."""
     path = os.fspath(path_or_name)
     if path == "char":
         return CharTokenizer()
@@ -191,6 +145,4 @@ def load_tokenizer(path_or_name: str | os.PathLike[str]) -> CharTokenizer | HFTo
         return CharTokenizer()
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer: {path!r} is neither 'char' nor a local directory")
-    from transformers import AutoTokenizer
-
-    return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    return HFTokenizer.from_directory(path)
