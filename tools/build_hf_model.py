@@ -27,6 +27,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 from services.modeling.config import ModelConfig  # noqa: E402
 from services.modeling.hf_files import (  # noqa: E402
     QWEN_CHAT_TEMPLATE,
+    set_byte_level_pipeline,
     write_generation_files,
     write_model_card,
     write_tokenizer_config,
@@ -34,26 +35,17 @@ from services.modeling.hf_files import (  # noqa: E402
 from services.modeling.tokenizer import EOT, IM_END, IM_START  # noqa: E402
 
 DEFAULT_CORPUS = ROOT / "tools" / "data" / "hf_corpus.txt"
-# Qwen2's pre-tokenizer split: contractions, words, single digits, punctuation runs, whitespace.
-QWEN_SPLIT_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 SPECIALS = (EOT, IM_START, IM_END)
 
 
 def train_bpe(corpus: str, vocab_size: int) -> Any:
     """A byte-level BPE `tokenizers.Tokenizer` of at most vocab_size ids, the 3 specials last."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + len(SPECIALS) + 1:
         raise ValueError(f"--vocab-size: must be > {256 + len(SPECIALS)} (the 256 bytes and the specials)")
     tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
+    set_byte_level_pipeline(tok)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(SPECIALS),
         min_frequency=1,

@@ -40,6 +40,8 @@ TOKENIZER_FILES = (
     CHAR_MARKER_FILE,
 )
 
+# Qwen2's pre-tokenizer split: contractions, words, single digits, punctuation runs, whitespace.
+QWEN_SPLIT_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 # A Jinja copy of tokenizer.render_chatml: what CharTokenizer.apply_chat_template renders.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -95,15 +97,54 @@ def write_tokenizer_config(
     Path(directory, TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def char_tokenizer_object(char: CharTokenizer) -> Any:
-    """A `tokenizers.Tokenizer` giving CharTokenizer's ids: WordLevel over its vocabulary in order,
-    one pre-token per character, `?` for unknown characters, specials as added tokens, Fuse decoder."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
-    vocab = {char.decode([i]): i for i in range(char.vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+
+def set_byte_level_pipeline(tokenizer: Any) -> None:
+    """Qwen2's normalizer, pre-tokenizer and decoder on a `tokenizers.Tokenizer` (in place)."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+
+
+def char_tokenizer_object(char: CharTokenizer) -> Any:
+    """A `tokenizers.Tokenizer` giving CharTokenizer's ids on ASCII text: a byte-level BPE with no
+    merges whose vocabulary is CharTokenizer's, in order, in byte-level spelling, specials as added
+    tokens. Byte-level, because transformers >= 5 loads every qwen2 checkpoint's tokenizer as
+    Qwen2Tokenizer, which rebuilds Qwen's byte-level pipeline around the file's vocabulary and
+    merges (a WordLevel tokenizer.json would lose newlines there). Characters outside the
+    vocabulary are dropped (CharTokenizer encodes them as '?')."""
+    from tokenizers import Tokenizer, models
+
+    names = bytes_to_unicode()
+    specials = char.special_token_ids
+    vocab = {}
+    for i in range(char.vocab_size):
+        text = char.decode([i])
+        vocab[text if i in specials else names[ord(text)]] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=False))
+    set_byte_level_pipeline(tok)
     tok.add_special_tokens([PAD, EOT, IM_START, IM_END])
     return tok
 
@@ -120,7 +161,6 @@ def write_char_tokenizer(directory: str | os.PathLike[str], model_max_length: in
         tok,
         eos_token=IM_END,
         pad_token=PAD,
-        unk_token="?",
         chat_template=CHATML_TEMPLATE,
         model_max_length=model_max_length,
     )
