@@ -32,7 +32,8 @@ from services.modeling.hf_files import (  # noqa: E402
     write_model_card,
     write_tokenizer_config,
 )
-from services.modeling.tokenizer import EOT, IM_END, IM_START  # noqa: E402
+from services.modeling.tokenizer import EOT, IM_END, IM_START, load_tokenizer  # noqa: E402
+from tools.hf_warm_start import warm_start  # noqa: E402
 
 DEFAULT_CORPUS = ROOT / "tools" / "data" / "hf_corpus.txt"
 SPECIALS = (EOT, IM_START, IM_END)
@@ -71,6 +72,7 @@ def build(
     max_positions: int = 2048,
     init_std: float = 0.02,
     corpus_path: Path = DEFAULT_CORPUS,
+    sft_steps: int = 0,
 ) -> dict[str, Any]:
     """Write the model directory; returns a summary (parameters, vocabulary, file sizes)."""
     from services.modeling.qwen2 import Qwen2ForCausalLM
@@ -89,7 +91,10 @@ def build(
     )
     if not init_std > 0:
         raise ValueError(f"--init-std: must be > 0, got {init_std}")
-    tok = train_bpe(corpus_path.read_text(), vocab_size)
+    if sft_steps < 0:
+        raise ValueError(f"--sft-steps: must be >= 0, got {sft_steps}")
+    corpus = corpus_path.read_text()
+    tok = train_bpe(corpus, vocab_size)
     config = config.replace(vocab_size=tok.get_vocab_size(with_added_tokens=True))
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
@@ -103,6 +108,9 @@ def build(
     )
     model = Qwen2ForCausalLM(config, seed=None)
     model.init_weights(seed, std=init_std)
+    warm = {}
+    if sft_steps:
+        warm = warm_start(model, load_tokenizer(out), corpus, sft_steps, seed)
     model.save_pretrained(out)
     ids = write_generation_files(out, str(out))
     params = sum(p.numel() for p in model.parameters())
@@ -113,7 +121,13 @@ def build(
         "vocabulary": f"{config.vocab_size} (byte-level BPE, specials {', '.join(SPECIALS)})",
         "layers / hidden / heads / kv heads": f"{num_layers} / {hidden_size} / {num_heads} / {num_kv_heads}",
         "eos / pad / bos ids": f"{ids['eos_token_id']} / {ids['pad_token_id']} / {ids['bos_token_id']}",
-        "init": f"N(0, {init_std}) with seed {seed} (untrained)",
+        "init": f"N(0, {init_std}) with seed {seed}",
+        "warm start": (
+            f"{sft_steps} SFT steps on the corpus' math problems as chat turns "
+            f"(loss {warm['first_loss']:.2f} -> {warm['last_loss']:.2f})"
+            if warm
+            else "none (untrained)"
+        ),
         "tokenizer corpus": f"{corpus_path.name} (sha256 {corpus_sha}...)",
         "built by": "tools/build_hf_model.py",
     }
@@ -121,10 +135,17 @@ def build(
         out,
         title=f"looprl tiny BPE Qwen2 (seed {seed})",
         facts=facts,
-        note="A randomly initialised model for offline tests and CPU recipes (configs/hf_math_grpo.toml).",
+        note="A small model for offline tests and CPU recipes (configs/hf_math_grpo.toml).",
     )
     sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
-    return {"out": str(out), "parameters": params, "vocab_size": config.vocab_size, **ids, "files": sizes}
+    return {
+        "out": str(out),
+        "parameters": params,
+        "vocab_size": config.vocab_size,
+        **ids,
+        **warm,
+        "files": sizes,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,6 +162,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-positions", type=int, default=2048)
     parser.add_argument("--init-std", type=float, default=0.02)
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="Text the BPE is trained on.")
+    parser.add_argument(
+        "--sft-steps",
+        type=int,
+        default=0,
+        help="Supervised steps on the corpus' math problems as chat turns (0: an untrained init).",
+    )
     args = parser.parse_args(argv)
     try:
         summary = build(
@@ -156,10 +183,13 @@ def main(argv: list[str] | None = None) -> None:
             max_positions=args.max_positions,
             init_std=args.init_std,
             corpus_path=args.corpus,
+            sft_steps=args.sft_steps,
         )
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
     print(f"{summary['out']}: {summary['parameters']:,} parameters, vocabulary {summary['vocab_size']}")
+    if "last_loss" in summary:
+        print(f"  warm start: loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}")
     for name, size in summary["files"].items():
         print(f"  {name}: {size:,} bytes")
 

@@ -12,11 +12,13 @@ import pytest
 import torch
 import transformers
 
+from services.kit.recipe import load_recipe
 from services.modeling.config import ModelConfig
 from services.modeling.hf_files import write_char_tokenizer
 from services.modeling.hf_tokenizer import HFTokenizer
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.tokenizer import CharTokenizer, load_tokenizer
+from services.trainer.spec import spec_from_recipe
 from tools.build_hf_model import build, main
 
 CONVERSATIONS = [
@@ -132,3 +134,16 @@ def test_char_tokenizer_as_hf_files_gives_char_tokenizer_ids(tmp_path, beside_a_
             hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
         )
         assert char.apply_chat_template(messages) == expected == wrapped.apply_chat_template(messages)
+
+
+def test_the_hf_math_recipe_names_the_directory_the_tool_builds(built, tmp_path, monkeypatch):
+    recipe_file = Path(__file__).resolve().parents[3] / "configs" / "hf_math_grpo.toml"
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny-bpe-qwen2").symlink_to(built)
+    monkeypatch.chdir(tmp_path)  # relative model paths are the services' working directory's
+    recipe = load_recipe(recipe_file)
+    assert recipe.environment.name == "math" and recipe.model.tokenizer == recipe.model.path
+    assert "tools/build_hf_model.py --out models/tiny-bpe-qwen2" in recipe_file.read_text()
+    assert isinstance(load_tokenizer(recipe.model.tokenizer), HFTokenizer)
+    spec = spec_from_recipe(recipe, "hf-math")
+    assert spec.model_path == spec.tokenizer == "models/tiny-bpe-qwen2" and spec.recipe["run"]["steps"] > 0
