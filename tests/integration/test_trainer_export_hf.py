@@ -5,6 +5,7 @@ world size 1) for the char tokenizer and for the BPE model of tools/build_hf_mod
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ from services.trainer.spec import TrainerSpec
 from services.trainer.worker import TrainerWorker
 from tools.build_hf_model import build
 
+pytestmark = pytest.mark.slow  # a real trainer rank trains a step; transformers generates
+
 MESSAGES = [
     {"role": "user", "content": "Ann has 12 apples, buys 30 more, then gives away 4. How many are left?"}
 ]
@@ -31,10 +34,13 @@ MAX_NEW = 40
 
 
 @torch.no_grad()
-def rig_toward_eos(model: Qwen2ForCausalLM, eos: int, strength: float = 2.0) -> None:
+def rig_toward_eos(model: Qwen2ForCausalLM, eos: int) -> None:
     """Make eos likely at every position while the other tokens keep their own logits: residual
-    dimension 0 holds a constant no layer writes to, and eos's (tied) output row reads it
-    `strength` times as strongly as the other rows do."""
+    dimension 0 holds a constant no layer writes to, and eos's (tied) output row reads it more
+    strongly than the other rows do: by ~ln(vocab) nats after the final norm (which scales that
+    dimension to ~sqrt(hidden)), so eos has a probability of roughly 1/3 at every step."""
+    config = model.config
+    strength = 1.0 + (math.log(config.vocab_size) - 0.5) / math.sqrt(config.hidden_size)
     embed = model.model.embed_tokens.weight
     embed[:, 0] = 1.0
     embed[eos, 0] = strength
@@ -109,20 +115,23 @@ def test_export_loads_in_transformers_stops_at_eos_and_matches_engine_logprobs(k
     assert hf_model.generation_config.pad_token_id == ours.pad_token_id
     prompt = hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt")
     assert prompt["input_ids"][0].tolist() == ours.apply_chat_template(MESSAGES)
+    prompt_len = prompt["input_ids"].shape[1]
 
-    # generate() stops where the policy stops: at eos, well before the length limit ...
-    torch.manual_seed(0)
-    stopped = hf_model.generate(**prompt, max_new_tokens=MAX_NEW, do_sample=True)[
-        0, prompt["input_ids"].shape[1] :
-    ]
-    assert 0 < len(stopped) < MAX_NEW and int(stopped[-1]) == ours.eos_token_id
+    # generate() stops where the policy stops: at eos, after a few tokens, well before the limit ...
+    lengths = []
+    for seed in range(5):
+        torch.manual_seed(seed)
+        completion = hf_model.generate(**prompt, max_new_tokens=MAX_NEW, do_sample=True)[0, prompt_len:]
+        assert int(completion[-1]) == ours.eos_token_id and len(completion) < MAX_NEW
+        lengths.append(len(completion))
+    assert max(lengths) > 1, f"every sample stopped at once: {lengths}"
     # ... and only because of the ids the export writes: the same weights saved without them run on.
     weights_only = tmp_path / "weights-only"
     Qwen2ForCausalLM.from_pretrained(out).save_pretrained(weights_only)
     bare = transformers.AutoModelForCausalLM.from_pretrained(weights_only, dtype=torch.float32)
     torch.manual_seed(0)
     runs_on = bare.generate(**prompt, max_new_tokens=MAX_NEW, do_sample=True)
-    assert runs_on.shape[1] - prompt["input_ids"].shape[1] == MAX_NEW
+    assert runs_on.shape[1] - prompt_len == MAX_NEW
 
     # Next-token log-probs of the trained policy: transformers on the export == the trainer's model ==
     # the inference engine (tp 1 and tp 2) on the exported weights.

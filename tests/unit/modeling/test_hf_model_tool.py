@@ -94,6 +94,7 @@ def test_chat_ids_equal_transformers_apply_chat_template(built, add_generation_p
         ours.decode([ours.vocab_size])
 
 
+@pytest.mark.slow  # two more builds
 def test_build_is_deterministic_and_the_seed_only_changes_the_weights(built, tmp_path):
     build(tmp_path / "again", seed=0)
     build(tmp_path / "other", seed=1)
