@@ -193,3 +193,12 @@ class HFTokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    def chat_continuation(
+        self, previous: list[dict[str, Any]], new: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Ids after the model's turn (ended by eos) that append `new` messages (see continuation_text)."""
+        from services.modeling.tokenizer import continuation_text
+
+        eos = self.special_tokens["eos_token"]
+        return self.encode(continuation_text(self.render_chat, previous, new, eos, add_generation_prompt))

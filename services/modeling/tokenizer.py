@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from services.modeling.hf_tokenizer import HFTokenizer
@@ -39,6 +39,31 @@ class Tokenizer(Protocol):
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]: ...
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+
+    def chat_continuation(
+        self, previous: list[dict[str, str]], new: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+
+def continuation_text(
+    render: Callable[[list[dict[str, str]], bool], str],
+    previous: list[dict[str, str]],
+    new: list[dict[str, str]],
+    turn_end: str,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The chat text that follows the model's last turn (which ended with `turn_end`, its eos token)
+    when `new` messages are appended, so a multi-turn episode extends the token ids it already has
+    instead of re-rendering (a template's first-message preamble, like Qwen's default system
+    turn, is rendered once)."""
+    before = render(previous, False)
+    full = render([*previous, *new], add_generation_prompt)
+    end = before.rfind(turn_end)
+    if end < 0 or not full.startswith(before[: end + len(turn_end)]):
+        raise ValueError("chat template: appending messages does not extend the conversation's text")
+    return full[end + len(turn_end) :]
 
 
 def render_chatml(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -123,6 +148,15 @@ class CharTokenizer:
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
         return self.encode(render_chatml(messages, add_generation_prompt))
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return render_chatml(messages, add_generation_prompt)
+
+    def chat_continuation(
+        self, previous: list[dict[str, str]], new: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Ids after the model's turn (ended by eos) that append `new` messages (see continuation_text)."""
+        return self.encode(continuation_text(render_chatml, previous, new, IM_END, add_generation_prompt))
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
         """Mark a model directory as using this tokenizer, so load_tokenizer(directory) finds it."""

@@ -148,3 +148,35 @@ def test_the_hf_math_recipe_names_the_directory_the_tool_builds(built, tmp_path,
     assert isinstance(load_tokenizer(recipe.model.tokenizer), HFTokenizer)
     spec = spec_from_recipe(recipe, "hf-math")
     assert spec.model_path == spec.tokenizer == "models/tiny-bpe-qwen2" and spec.recipe["run"]["steps"] > 0
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_a_multi_turn_episode_extends_its_ids_as_the_template_renders_the_whole_conversation(built, kind):
+    tok = CharTokenizer() if kind == "char" else load_tokenizer(built)
+    hf = None if kind == "char" else transformers.AutoTokenizer.from_pretrained(built)
+    conversation = [
+        {"role": "user", "content": "Guess my number between 1 and 9."},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "Higher."},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "Correct!"},
+    ]
+    # What an agent loop holds: the prompt, then per turn the model's tokens (ending with eos) and
+    # the continuation that appends the environment's reply.
+    ids = tok.apply_chat_template(conversation[:1])
+    for turn in (1, 3):
+        ids += [*tok.encode(conversation[turn]["content"]), tok.eos_token_id]
+        ids += tok.chat_continuation(conversation[: turn + 1], conversation[turn + 1 : turn + 2])
+    assert ids == tok.apply_chat_template(conversation)
+    if hf is not None:
+        assert ids == list(hf.apply_chat_template(conversation, add_generation_prompt=True)["input_ids"])
+        assert tok.decode(ids).count("You are a helpful assistant.") == 1
+
+
+@pytest.mark.slow  # two builds with a few training steps each
+def test_the_warm_start_is_deterministic_and_lowers_the_answer_loss(tmp_path):
+    first = build(tmp_path / "a", seed=0, sft_steps=4)
+    second = build(tmp_path / "b", seed=0, sft_steps=4)
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+    assert second["last_loss"] == first["last_loss"] < first["first_loss"]
+    assert "4 SFT steps" in (tmp_path / "a" / "README.md").read_text()
