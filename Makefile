@@ -6,7 +6,8 @@ STAMP := $(VENV)/.setup-stamp
 RECIPE ?= configs/digits_grpo.toml
 PYTEST_ARGS ?=
 
-.PHONY: setup hf-model run test test-fast lint fmt protos check breaking up down status bench clean compose-up compose-down
+.PHONY: setup hf-model run test test-fast lint fmt protos check breaking up down status bench clean compose-up compose-down \
+	vllm-side gpu-check
 
 setup: $(STAMP)
 
@@ -59,8 +60,19 @@ down:
 status: setup
 	$(VENV)/bin/looprl status
 
+# Benchmarks need the TRL peer (bench/peer_trl.py) beside the pinned torch and transformers.
 bench: setup
+	$(PY) -m pip install -q -c requirements.lock -e '.[peer]'
 	$(PY) -m bench.all $(BENCH_ARGS)
+
+# The pinned vLLM's Python sources beside our torch (no dependencies), for the CPU tests of what we
+# hand to vLLM; the tests install it on first use too (tests/support/vllm_side.py).
+vllm-side: setup
+	$(PY) -c "from tests.support.vllm_side import side_dir; print(side_dir())"
+
+# The prepared GPU check of the vLLM path (CUDA machine; see tools/gpu_check.sh).
+gpu-check:
+	bash tools/gpu_check.sh
 
 # The containerised stack (needs a Docker engine): see deploy/README.md.
 compose-up:

@@ -19,6 +19,7 @@ BENCHES = (
     "weight_sync",
     "async_vs_sync",
     "loop_vs_single_process",
+    "peer_trl",
 )
 
 

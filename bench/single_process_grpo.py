@@ -65,7 +65,6 @@ import argparse
 import asyncio
 import json
 import math
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,10 +75,12 @@ import torch
 
 from looprl.common.v1 import common_pb2
 from services.environment_sandbox.environments.base import parse_config
+from services.environment_sandbox.environments.datasets import task_by_index
 from services.environment_sandbox.environments.digits import DigitsEnv
 from services.inference_router.engine.base import EngineRequest, SamplingParams
 from services.inference_router.engine.cpu import CPUEngine
 from services.inference_router.engine.scheduler import SchedulerLimits
+from services.kit.recipe import sampling_seed
 from services.modeling.config import ModelConfig
 from services.modeling.logprobs import entropy as token_entropy
 from services.modeling.logprobs import token_logprobs
@@ -276,7 +277,6 @@ class SingleProcessGRPO:
             world_size=1,
         )
         self.env_config = parse_config(DigitsEnv, settings.env_config)
-        self.task_rng = random.Random(settings.seed)
         self.version = 0  # trainer steps taken == weight version the engine serves
         self.engine: CPUEngine | None = None
         self.records: list[StepRecord] = []
@@ -307,7 +307,12 @@ class SingleProcessGRPO:
     async def rollouts(self, step: int) -> list[Rollout]:
         """Sample and score one step's groups under the engine's current version."""
         assert self.engine is not None, "start() first"
-        tasks = [DigitsEnv.generate(self.task_rng, self.env_config) for _ in range(self.s.groups_per_step)]
+        # The services' tasks and seeds: task step * groups + g, as the gateway publishes them.
+        first = step * self.s.groups_per_step
+        tasks = [
+            task_by_index("digits", first + g, self.s.seed, self.s.env_config)
+            for g in range(self.s.groups_per_step)
+        ]
         envs_and_prompts = []
         for task in tasks:
             env = DigitsEnv(self.env_config)
@@ -320,7 +325,7 @@ class SingleProcessGRPO:
                     temperature=self.s.temperature,
                     max_tokens=self.s.max_tokens,
                     n=self.s.group_size,
-                    seed=(self.s.seed * 1_000_003 + step * 1009 + g) * 64 + 1,
+                    seed=sampling_seed(self.s.seed, first + g),
                 ),
                 request_id=f"{step}/{g}",
             )

@@ -23,7 +23,7 @@ from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import subjects
 from services.kit.bus import Bus
 from services.kit.kv import KV, KVConflict
-from services.kit.recipe import Recipe, RunRecord
+from services.kit.recipe import Recipe, RunRecord, sampling_seed
 
 log = logging.getLogger("looprl.gateway.runs")
 
@@ -121,7 +121,7 @@ def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[st
         for sample in range(group_size // per_task):
             params = common_pb2.SamplingParams()
             params.CopyFrom(sampling)
-            params.seed = (recipe.run.seed * 1_000_003 + index * 1009 + sample) % (2**62) + 1
+            params.seed = sampling_seed(recipe.run.seed, index, sample)
             task = events_pb2.EpisodeTask(
                 run_id=record.run_id,
                 task_id=f"{group_id}.i{sample}",

@@ -18,7 +18,15 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.kit.local import NatsServer, RayHead, pid_alive, require_free, stop_pid_group
+from services.kit.local import (
+    RAY_GRACE_S,
+    NatsServer,
+    RayHead,
+    pid_alive,
+    require_free,
+    stop_pid_group,
+    stop_session,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -256,7 +264,7 @@ def down(state_dir: Path, grace: float = 15.0, log=print) -> bool:
     for svc in reversed(state.services):
         killed = stop_pid_group(svc.pid, grace)
         log(f"stopped {svc.name}{' (killed after grace)' if killed else ''}")
-    stop_pid_group(state.ray_pid, grace)
+    stop_session(state.ray_pid, RAY_GRACE_S)
     log("stopped ray head")
     stop_pid_group(state.nats_pid, grace)
     log("stopped nats-server")

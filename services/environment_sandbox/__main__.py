@@ -100,7 +100,13 @@ async def serve(cfg: EnvServiceConfig) -> None:
     async def shutdown() -> None:
         if "worker" in state:
             await state["worker"].stop(cfg.grace_seconds)
-            state["task"].cancel()
+            # The fetch loop ends by itself within one fetch timeout once stopped. Cancelling it
+            # mid-fetch would leave that fetch's subscription undrained, and drain() would wait
+            # out the client's whole drain timeout for it.
+            try:
+                await asyncio.wait_for(state["task"], timeout=5.0)
+            except (TimeoutError, asyncio.CancelledError):
+                pass
             await state["bus"].drain()
         await pool.close()
 

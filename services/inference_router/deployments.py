@@ -53,6 +53,16 @@ def profile_of(spec: DeploymentSpec) -> LengthProfile:
     )
 
 
+def replica_gpus(spec: DeploymentSpec) -> float:
+    """GPUs a replica asks Ray for: a vLLM replica holds one per TP rank (its workers run on them);
+    a tp=1 replica given a memory share below 1 asks for that fraction, so replicas can share a GPU."""
+    if spec.backend != "vllm":
+        return 0
+    if spec.tensor_parallel == 1 and spec.gpu_memory_utilization > 0:
+        return spec.gpu_memory_utilization
+    return spec.tensor_parallel
+
+
 def replica_name(deployment: str, index: int) -> str:
     return f"{deployment}-r{index}"
 
@@ -94,6 +104,7 @@ class DeploymentManager:
                 max_task_retries=0,
                 max_concurrency=1000,
                 num_cpus=self.config.replica_num_cpus,
+                num_gpus=replica_gpus(spec),
             ).remote(spec=_spec_dict(spec), replica=name)
             self.actors[name] = actor
             handles.append(RayReplicaHandle(name, actor))

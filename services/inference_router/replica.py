@@ -11,9 +11,11 @@ rank is forwarded as received.
 
 Weights: a replica built without a model path has no model and is NOT ready. The first bucket of
 the first version carries the HF config.json (model_config_json); the replica builds its engine
-from it, stages every bucket (its own rank's slices locally, rank r's slices to TP worker r) in a
-`WeightStager` beside the serving version (checksums verified), and CommitWeights swaps the new
-version in atomically between two decode steps. The weights a commit retires go back to the
+from it, stages every bucket (its own rank's slices locally, rank r's slices to TP worker r; a vLLM
+replica stages every rank here, one stager per rank, in vLLM's fused layout) in a `WeightStager`
+beside the serving version (checksums verified), and CommitWeights swaps the new version in
+atomically between two decode steps (vLLM: once every rank is complete, through vLLM's
+weight-transfer API, engine/vllm_engine.py). The weights a commit retires go back to the
 stager as the rollback point: RollbackWeights (a canary whose new version failed its check) swaps
 them back in, again between two steps, and the status says it was a rollback, not a restart
 (`rolled_back_version`). A replica with a model path loads version 0 from it at start.
@@ -43,7 +45,7 @@ from services.kit.weight_transfer import add_engine_servicer
 from services.kit.weight_transfer.stager import WeightStager
 from services.kit.weight_transfer.wire import decode_stage_request
 from services.modeling.config import ModelConfig
-from services.modeling.layouts import Layout, rank_params
+from services.modeling.layouts import Layout, rank_params, shard_state_dict
 
 log = logging.getLogger("looprl.inference_router.replica")
 
@@ -56,8 +58,10 @@ class ReplicaSettings:
     backend: str = "cpu"
     model_path: str = ""
     tensor_parallel: int = 1
-    naming: str = ""  # "" -> "hf" at tp=1, "fused" at tp>1 (vLLM's layout)
-    dtype: str = "float32"
+    naming: str = ""  # "" -> "hf" at tp=1, "fused" at tp>1 and for vLLM (its own layout)
+    dtype: str = "float32"  # a vLLM deployment with no dtype serves bfloat16
+    pause_mode: str = "keep"  # vLLM: how in-flight requests wait out a swap ("keep" or "abort")
+    gpu_memory_utilization: float = 0.85  # vLLM: share of each GPU's memory
     max_model_len: int = 512
     max_batch_size: int = 32
     max_queued_requests: int = 256
@@ -68,14 +72,18 @@ class ReplicaSettings:
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> ReplicaSettings:
         tp = int(spec.get("tensor_parallel", 1))
-        naming = str(spec.get("layout") or spec.get("naming") or ("fused" if tp > 1 else "hf"))
+        backend = str(spec.get("backend", "cpu"))
+        vllm = backend == "vllm"
+        naming = str(spec.get("layout") or spec.get("naming") or ("fused" if tp > 1 or vllm else "hf"))
         return cls(
             deployment=str(spec.get("name", spec.get("deployment", "default"))),
-            backend=str(spec.get("backend", "cpu")),
+            backend=backend,
             model_path=str(spec.get("model_path", "")),
             tensor_parallel=tp,
             naming=naming,
-            dtype=str(spec.get("dtype", "float32")),
+            dtype=str(spec.get("dtype") or ("bfloat16" if vllm else "float32")),
+            pause_mode=str(spec.get("pause_mode") or "keep"),
+            gpu_memory_utilization=float(spec.get("gpu_memory_utilization") or 0.85),
             max_model_len=int(spec.get("max_model_len", 512)),
             max_batch_size=int(spec.get("max_batch_size", 32)),
             max_queued_requests=int(spec.get("max_queued_requests", 256)),
@@ -117,6 +125,7 @@ class ReplicaCore:
         self.config: ModelConfig | None = None
         self.engine: Engine | None = None
         self._stager: WeightStager | None = None  # rank 0's (tp=1: the only one)
+        self._rank_stagers: list[WeightStager] = []  # vLLM: one per TP rank, all in this process
         self._server: grpc.aio.Server | None = None
         self._address = ""
         self._start_lock: asyncio.Lock | None = None
@@ -125,6 +134,7 @@ class ReplicaCore:
         # The state dict the engine serves, as the stager handed it over: returned to the stager
         # when the next version retires it (the rollback point).
         self._held: dict[str, torch.Tensor] = {}
+        self._held_ranks: list[dict[str, torch.Tensor]] = []  # vLLM: what each rank's worker serves
         self._weights_lock: asyncio.Lock | None = None  # commit and rollback never interleave
         self.rolled_back_version = -1  # the newest version a rollback undid (-1: none)
         self._stage_locks: dict[int, asyncio.Lock] = {}
@@ -196,9 +206,16 @@ class ReplicaCore:
             if s.backend == "vllm":
                 from services.inference_router.engine.vllm_engine import VLLMEngine
 
+                if layout.naming != "fused":
+                    raise errors.InvalidArgument(
+                        f"deployments.naming: vLLM holds its weights in 'fused' names, got {layout.naming!r}"
+                    )
                 engine = await VLLMEngine.create(config, s.model_path, s)
-                # vLLM shards HF tensors itself: this replica receives the full model in HF names.
-                self._stager = WeightStager(rank_params(config, Layout(dtype=s.dtype), 0))
+                # Each TP rank's rectangles are staged here, then handed to its vLLM worker.
+                self._rank_stagers = [
+                    WeightStager(rank_params(config, layout, r), rank=r) for r in range(s.tensor_parallel)
+                ]
+                self._stager = self._rank_stagers[0]
             elif s.tensor_parallel > 1:
                 from services.inference_router.engine.tp import TPEngine
 
@@ -229,8 +246,8 @@ class ReplicaCore:
 
     @property
     def _receiving_ranks(self) -> int:
-        """Ranks weight-sync delivers to: every TP rank of a CPU group; one for vLLM (it shards itself)."""
-        return 1 if self.settings.backend == "vllm" else self.settings.tensor_parallel
+        """Ranks weight-sync delivers to: every TP rank (a vLLM worker or a TP worker actor)."""
+        return self.settings.tensor_parallel
 
     # ------------------------------------------------------------------ weights
     async def load_state_dict(
@@ -244,9 +261,17 @@ class ReplicaCore:
             raise errors.FailedPrecondition("config: this replica has no model yet; pass its config")
         engine = await self._ensure_engine(config)
         try:
-            await engine.load_weights(version, state_dict)
+            if self._rank_stagers:  # vLLM: every rank's shard of the full HF state dict
+                layout = self.settings.layout
+                await engine.swap(  # type: ignore[attr-defined]
+                    version, [shard_state_dict(state_dict, config, layout, r) for r in range(layout.tp_size)]
+                )
+            else:
+                await engine.load_weights(version, state_dict)
         except ValueError as exc:
             raise errors.InvalidArgument(f"weights: {exc}") from None
+        for stager in self._rank_stagers[1:]:
+            stager.serving_version = max(stager.serving_version, version)
         if self._stager is not None:
             self._stager.serving_version = max(self._stager.serving_version, version)
         self._held = self._engine_params(engine)
@@ -280,12 +305,11 @@ class ReplicaCore:
         # several buckets in flight and takes `complete` from the answer that reaches it last, so
         # answers must leave in staging order (staging is serialized by the stager's lock anyway).
         async with self._stage_locks.setdefault(msg.rank, asyncio.Lock()):
-            if msg.rank == 0:
-                assert self._stager is not None
-                self._stager.serving_version = max(
-                    self._stager.serving_version, engine.status().weight_version
-                )
-                p = await asyncio.to_thread(self._stager.stage, msg)
+            if msg.rank == 0 or self._rank_stagers:
+                stager = self._rank_stagers[msg.rank] if self._rank_stagers else self._stager
+                assert stager is not None
+                stager.serving_version = max(stager.serving_version, engine.status().weight_version)
+                p = await asyncio.to_thread(stager.stage, msg)
                 out = {"version": p.version, "bytes_received": p.bytes_received, "complete": p.complete}
             else:
                 # The bytes as received (a decoded request keeps them): forwarding needs no re-encoding.
@@ -302,7 +326,9 @@ class ReplicaCore:
         async with self._lock():
             if engine.status().weight_version == version:
                 return version  # a retried commit
-            if hasattr(engine, "commit"):  # a TP group: every rank commits (and keeps) its own shard
+            if self._rank_stagers:
+                await self._commit_ranks(engine, version)
+            elif hasattr(engine, "commit"):  # a TP group: every rank commits (and keeps) its own shard
                 await engine.commit(version)
             else:
                 assert self._stager is not None
@@ -317,6 +343,46 @@ class ReplicaCore:
         log.info("replica %s now serves weight version %d", self.name, version)
         return engine.status().weight_version
 
+    async def _commit_ranks(self, engine: Engine, version: int) -> None:
+        """vLLM: every rank complete and verified, then one swap of all ranks; if the swap fails
+        the stagers go back to the version still served (the sender retries the whole version)."""
+        for stager in self._rank_stagers:
+            if not stager.is_complete(version):
+                stager.commit(version)  # raises IncompleteVersion naming what is missing
+        previous = [st.serving_version for st in self._rank_stagers]
+        states = [st.commit(version) for st in self._rank_stagers]
+        try:
+            await engine.swap(version, states)  # type: ignore[attr-defined]
+        except Exception:
+            for stager, served, state in zip(self._rank_stagers, previous, states, strict=True):
+                stager.serving_version = served
+                stager.recycle(state)
+            raise
+        retired = self._held_ranks or [{} for _ in states]
+        self._held_ranks = states
+        for stager, old in zip(self._rank_stagers, retired, strict=True):
+            stager.give_back(old)
+
+    async def _rollback_ranks(self, engine: Engine, version: int) -> int:
+        try:
+            back = [st.rollback(version) for st in self._rank_stagers]
+        except Exception as exc:
+            for stager in self._rank_stagers:
+                stager.serving_version = version
+            raise errors.FailedPrecondition(str(exc)) from None
+        previous = back[0][0]
+        try:
+            await engine.swap(previous, [state for _, state in back], allow_older=True)  # type: ignore[attr-defined]
+        except Exception:
+            for stager, (_, state) in zip(self._rank_stagers, back, strict=True):
+                stager.serving_version = version
+                stager.recycle(state)
+            raise
+        retired, self._held_ranks = self._held_ranks, [state for _, state in back]
+        for stager, old in zip(self._rank_stagers, retired, strict=True):
+            stager.recycle(old)
+        return previous
+
     async def rollback_weights(self, version: int) -> int:
         """Stop serving `version` (a canary weight-sync rejected): serve the version before it again,
         swapped in between two decode steps. Returns the version now served; a retried rollback
@@ -330,7 +396,9 @@ class ReplicaCore:
             serving = engine.status().weight_version
             if serving < version and (self._stager is None or self._stager.serving_version < version):
                 return serving
-            if hasattr(engine, "rollback_weights"):  # a TP group: every rank swaps its own shard back
+            if self._rank_stagers:
+                previous = await self._rollback_ranks(engine, version)
+            elif hasattr(engine, "rollback_weights"):  # a TP group: every rank swaps its own shard back
                 previous = await engine.rollback_weights(version)
             else:
                 assert self._stager is not None
@@ -356,8 +424,8 @@ class ReplicaCore:
         return self._weights_lock
 
     async def abort_weights(self, version: int) -> None:
-        if self._stager is not None:
-            self._stager.abort(version)
+        for stager in self._rank_stagers or ([self._stager] if self._stager is not None else []):
+            stager.abort(version)
         if self.engine is not None and hasattr(self.engine, "abort_staged"):
             await self.engine.abort_staged(version)
 
@@ -431,7 +499,7 @@ class ReplicaCore:
             "rank_addresses": [self._address] * self._receiving_ranks,
             "backend": s.backend,
             "tensor_parallel": s.tensor_parallel,
-            "layout": "hf" if s.backend == "vllm" else s.naming,
+            "layout": s.naming,
             "dtype": s.dtype,
             "max_model_len": s.max_model_len,
             "vocab_size": self.config.vocab_size if self.config else 0,

@@ -116,6 +116,11 @@ class NatsServer:
             stop_process_group(self.proc, grace)
 
 
+# `ray start --block` sits out any grace on SIGTERM before it exits; its state is the stack's own
+# and disposable, so two seconds for gcs and raylet to flush logs is enough.
+RAY_GRACE_S = 2.0
+
+
 @dataclass
 class RayHead:
     """A Ray head started with `ray start --block` as our own child, token auth on."""
@@ -165,9 +170,43 @@ class RayHead:
         wait_for_port(self.port, timeout, self.proc, "ray head")
         return self
 
-    def stop(self, grace: float = 15.0) -> None:
+    def stop(self, grace: float = RAY_GRACE_S) -> None:
         if self.proc is not None:
-            stop_process_group(self.proc, grace)
+            stop_session(self.proc.pid, grace)
+            self.proc.wait(timeout=5)
+
+
+def session_pids(sid: int) -> list[int]:
+    """Every process of the session led by `sid` (Ray's workers have process groups of their own
+    but stay in the head's session)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(") ", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # fields after the command: state, ppid, pgrp, session, ...
+            pids.append(int(entry))
+    return pids
+
+
+def stop_session(sid: int, grace: float) -> None:
+    """SIGTERM the session's process group, then SIGKILL whatever of the session is left after grace."""
+    try:
+        os.killpg(sid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(pid_alive(p) for p in session_pids(sid)):
+        time.sleep(0.1)
+    for pid in session_pids(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def pid_alive(pid: int) -> bool:

@@ -115,7 +115,23 @@ class DeploymentSpec:
     model_path: str = _f(
         "", "Local model directory; empty takes the architecture from the weights it is sent."
     )
-    tensor_parallel: int = _f(1, "Tensor-parallel degree of each replica.")
+    tensor_parallel: int = _f(
+        1, "Tensor-parallel degree of each replica (a vLLM replica requests this many GPUs)."
+    )
+    dtype: str = _f(
+        "",
+        "Weights and compute dtype (float32, bfloat16, float16); empty: bfloat16 for vllm, float32 for cpu.",
+    )
+    gpu_memory_utilization: float = _f(
+        0.0,
+        "vllm: share of each GPU's memory a replica takes; 0 takes vLLM's default (0.85). Below 1 a tp=1 "
+        "replica asks Ray for that fraction of a GPU, so several share one.",
+    )
+    pause_mode: str = _f(
+        "keep",
+        "vllm: what in-flight requests do during a weight swap: keep (frozen, resumed after it) or abort "
+        "(aborted, each completion then continues as a new request).",
+    )
     replicas: int = _f(1, "Number of replicas.")
     max_model_len: int = _f(512, "Longest prompt + completion a replica accepts.")
     max_batch_size: int = _f(32, "Most sequences decoded together.")
@@ -289,6 +305,19 @@ def validate(recipe: Recipe, base_dir: Path | None = None) -> Recipe:
         names.add(d.name)
         _check(d.backend in ("cpu", "vllm"), f"{where}.backend", f"unknown backend {d.backend!r} (cpu, vllm)")
         _check(d.tensor_parallel > 0, f"{where}.tensor_parallel", "must be > 0")
+        _check(
+            d.dtype in ("", "float32", "bfloat16", "float16"),
+            f"{where}.dtype",
+            f"must be float32, bfloat16 or float16 (empty: the backend's default), got {d.dtype!r}",
+        )
+        _check(
+            0.0 <= d.gpu_memory_utilization < 1.0,  # also rejects NaN
+            f"{where}.gpu_memory_utilization",
+            f"must be in [0, 1) (0: vLLM's default), got {d.gpu_memory_utilization}",
+        )
+        _check(
+            d.pause_mode in ("keep", "abort"), f"{where}.pause_mode", f"keep or abort, got {d.pause_mode!r}"
+        )
         _check(d.replicas > 0, f"{where}.replicas", "must be > 0")
         _check(d.sync_every > 0, f"{where}.sync_every", "must be > 0")
         _check(
@@ -308,6 +337,13 @@ def validate(recipe: Recipe, base_dir: Path | None = None) -> Recipe:
             "must be >= min_output_tokens",
         )
     return r
+
+
+def sampling_seed(run_seed: int, task_index: int, sample: int = 0) -> int:
+    """The seed of sample `sample` of the run's `task_index`-th task: never 0 (0 means unseeded), the
+    same in every process, so a run's samples depend on its seed alone. An n-completion request
+    seeded s samples completion i with s + i (the engines' convention)."""
+    return (run_seed * 1_000_003 + task_index * 1009 + sample) % (2**62) + 1
 
 
 # Names of the model configs a recipe can build without a download (see services/modeling).

@@ -13,6 +13,14 @@ all-reduce of a zero-padded [N, V] tensor), so every rank ends with the full log
 The `KVCache` holds, per rank, keys/values of up to `max_slots` sequences of up to `max_len`
 tokens. `prefill` appends tokens to a slot (start_pos = tokens already cached, so multi-turn
 episodes reuse their prefix); `decode` advances many slots of different lengths by one token each.
+
+Batch invariance: a sequence's logits do not depend on what else shares its batch, bit for bit, so
+a seeded request samples the same tokens with the same log-probs however requests arrive (what makes
+a synchronous run reproducible). CPU kernels pick their reduction order by shape: a matmul of 1-3
+rows reduces differently from one of more, and attention sums keys in vector-width chunks whose tail
+depends on the key count. So matmuls get at least `MIN_GEMM_ROWS` rows (zero rows added), attention
+spans are whole `KEY_BLOCK`s (masked keys add exact zeros), and every prompt's attention is its own
+call.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from services.modeling.layouts import Layout, TargetParam, rank_params
 from services.modeling.qwen2 import apply_rope, rms_norm, rope_cos_sin
 
 AllReduce = Callable[[Tensor], None]
+MIN_GEMM_ROWS = 8
+KEY_BLOCK = 64
 # all_gather(t) -> [tp, *t.shape]: every rank's t (all the same shape) stacked in rank order.
 AllGather = Callable[[Tensor], Tensor]
 
@@ -52,7 +62,9 @@ class KVCache:
             )
         self.max_slots, self.max_len = max_slots, max_len
         kv_heads = len(layout.kv_heads(config, 0))
-        shape = (config.num_hidden_layers, max_slots, kv_heads, max_len, config.head_dim)
+        # Storage in whole key blocks, so every attention span can be one (see the module docstring).
+        capacity = _round_up(max_len, KEY_BLOCK)
+        shape = (config.num_hidden_layers, max_slots, kv_heads, capacity, config.head_dim)
         self.k = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
         self.v = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
         self.lengths = torch.zeros(max_slots, dtype=torch.long)
@@ -90,6 +102,19 @@ class KVCache:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"KVCache: slot {slot} outside [0, {self.max_slots})")
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear whose rows do not depend on how many rows come with them (see the module docstring)."""
+    rows = x.shape[0]
+    if rows >= MIN_GEMM_ROWS:
+        return F.linear(x, weight, bias)
+    padded = F.pad(x, (0, 0, 0, MIN_GEMM_ROWS - rows))
+    return F.linear(padded, weight, bias)[:rows]
 
 
 class EngineModel:
@@ -162,10 +187,10 @@ class EngineModel:
         p, d = self.params, self.config.head_dim
         pre = f"model.layers.{layer}.self_attn."
         if self.layout.naming == "fused":
-            qkv = F.linear(x, p[pre + "qkv_proj.weight"], p.get(pre + "qkv_proj.bias"))
+            qkv = _linear(x, p[pre + "qkv_proj.weight"], p.get(pre + "qkv_proj.bias"))
             q, k, v = qkv.split([self.q_local * d, self.kv_local * d, self.kv_local * d], dim=-1)
         else:
-            q, k, v = (F.linear(x, p[f"{pre}{n}_proj.weight"], p.get(f"{pre}{n}_proj.bias")) for n in "qkv")
+            q, k, v = (_linear(x, p[f"{pre}{n}_proj.weight"], p.get(f"{pre}{n}_proj.bias")) for n in "qkv")
         n = x.shape[0]
         return q.view(n, self.q_local, d), k.view(n, self.kv_local, d), v.view(n, self.kv_local, d)
 
@@ -173,10 +198,10 @@ class EngineModel:
         p = self.params
         pre = f"model.layers.{layer}.mlp."
         if self.layout.naming == "fused":
-            gate, up = F.linear(x, p[pre + "gate_up_proj.weight"]).split(self.i_local, dim=-1)
+            gate, up = _linear(x, p[pre + "gate_up_proj.weight"]).split(self.i_local, dim=-1)
         else:
-            gate, up = F.linear(x, p[pre + "gate_proj.weight"]), F.linear(x, p[pre + "up_proj.weight"])
-        return self._reduce(F.linear(F.silu(gate) * up, p[pre + "down_proj.weight"]))
+            gate, up = _linear(x, p[pre + "gate_proj.weight"]), _linear(x, p[pre + "up_proj.weight"])
+        return self._reduce(_linear(F.silu(gate) * up, p[pre + "down_proj.weight"]))
 
     def _run_layers(self, token_ids: Tensor, positions: Tensor, attend: Callable[..., Tensor]) -> Tensor:
         """Shared trunk: `attend(layer, q, k, v)` stores k/v and returns attention output [N, q_local, d]."""
@@ -192,7 +217,7 @@ class EngineModel:
             q, k, v = self._qkv(layer, h)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = attend(layer, q, k, v).reshape(x.shape[0], self.q_local * c.head_dim)
-            x = x + self._reduce(F.linear(attn, p[pre + "self_attn.o_proj.weight"]))
+            x = x + self._reduce(_linear(attn, p[pre + "self_attn.o_proj.weight"]))
             x = x + self._mlp(layer, rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps))
         return rms_norm(x, p["model.norm.weight"], c.rms_norm_eps)
 
@@ -206,7 +231,7 @@ class EngineModel:
         return self._reduce(x.masked_fill(outside[:, None], 0))
 
     def _logits(self, hidden: Tensor) -> Tensor:
-        local = F.linear(hidden, self.params["lm_head.weight"]).float()
+        local = _linear(hidden, self.params["lm_head.weight"]).float()
         if self.layout.tp_size == 1:
             return local
         n, vocab = hidden.shape[0], self.config.vocab_size
@@ -239,8 +264,8 @@ class EngineModel:
         start_positions: Sequence[int],
         all_logits: bool = False,
     ) -> list[Tensor]:
-        """Prefill several slots in one pass: matmuls over all new tokens; attention as one packed call
-        when every prompt is fresh, else slot by slot; a fresh prompt given for several slots (the n
+        """Prefill several slots in one pass: matmuls over all new tokens, attention slot by slot (each
+        prompt's own call, so it does not depend on the others); a fresh prompt given for several slots (the n
         samples of a request) is computed once and its keys/values copied."""
         if not (len(slots) == len(token_ids) == len(start_positions)) or not slots:
             raise ValueError(
@@ -277,12 +302,7 @@ class EngineModel:
             offset += n
         flat = torch.cat([token_ids[i].long() for i in computed])
         positions = torch.cat([torch.arange(s, s + n) for _, s, _, n in segments])
-        fresh = all(start == 0 for _, start, _, _ in segments) and offset <= self.PACKED_PREFILL_MAX_TOKENS
-        attend = (
-            self._packed_attend(cache, segments, positions) if fresh else self._slot_attend(cache, segments)
-        )
-
-        hidden = self._run_layers(flat, positions, attend)
+        hidden = self._run_layers(flat, positions, self._slot_attend(cache, segments))
         for slot, start, _, n in segments:
             cache.lengths[slot] = start + n
         for i, src in enumerate(source):
@@ -299,31 +319,6 @@ class EngineModel:
         by_input = dict(zip(computed, out, strict=True))
         return [by_input[src] for src in source]
 
-    # Fresh prefills up to this many tokens run attention as one packed call with a block-diagonal
-    # causal mask (mask memory grows with its square); longer ones go slot by slot.
-    PACKED_PREFILL_MAX_TOKENS = 2048
-
-    @staticmethod
-    def _packed_attend(cache: KVCache, segments: list[tuple[int, int, int, int]], positions: Tensor):
-        """Attention of fresh prompts (nothing cached before them), all in one call."""
-        device = cache.k.device
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(len(segments)), torch.tensor([n for *_, n in segments])
-        ).to(device)
-        slot_of_token = torch.tensor([s for s, *_ in segments], device=device)[seq_of_token]
-        pos = positions.to(device)
-        mask = (seq_of_token[:, None] == seq_of_token[None, :]) & (pos[None, :] <= pos[:, None])
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            cache.k[layer][slot_of_token, :, pos] = k
-            cache.v[layer][slot_of_token, :, pos] = v
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
-            )
-            return out.transpose(0, 1)
-
-        return attend
-
     @staticmethod
     def _slot_attend(cache: KVCache, segments: list[tuple[int, int, int, int]]):
         """Attention slot by slot over each slot's cached prefix plus its new tokens."""
@@ -334,9 +329,10 @@ class EngineModel:
                 ck, cv = cache.k[layer, slot], cache.v[layer, slot]  # [kv, max_len, d]
                 ck[:, start : start + n] = k[off : off + n].transpose(0, 1)
                 cv[:, start : start + n] = v[off : off + n].transpose(0, 1)
-                keys, values = ck[:, : start + n], cv[:, : start + n]
+                span = _round_up(start + n, KEY_BLOCK)
+                keys, values = ck[:, :span], cv[:, :span]
                 qpos = torch.arange(start, start + n, device=q.device)
-                mask = torch.arange(start + n, device=q.device)[None, :] <= qpos[:, None]
+                mask = torch.arange(span, device=q.device)[None, :] <= qpos[:, None]
                 o = F.scaled_dot_product_attention(
                     q[off : off + n].transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True
                 )
@@ -369,20 +365,23 @@ class EngineModel:
             raise ValueError(f"decode: positions {positions.tolist()} reach max_len={cache.max_len}")
         self._check_ids(token_ids)
         dev_slots, dev_pos = slots.to(cache.k.device), positions.to(cache.k.device)
-        span = int(positions.max()) + 1
-        # key j of row b is visible iff j <= positions[b]; [B, 1, 1, span] broadcasts over heads and query
-        mask = (torch.arange(span, device=cache.k.device)[None, :] <= dev_pos[:, None])[:, None, None, :]
+        span = _round_up(int(positions.max()) + 1, KEY_BLOCK)
+        visible = torch.arange(span, device=cache.k.device)[None, :] <= dev_pos[:, None]  # [B, span]
+        group = self.q_local // self.kv_local
+        scale = self.config.head_dim**-0.5
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             ck, cv = cache.k[layer], cache.v[layer]
             ck[dev_slots, :, dev_pos] = k
             cv[dev_slots, :, dev_pos] = v
             keys, values = ck[dev_slots, :, :span], cv[dev_slots, :, :span]  # [B, kv_heads, span, d]
-            # enable_gqa: query head j reads kv head j // group without materialising repeated kv.
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True
-            )
-            return out[:, :, 0, :]
+            # Plain matmuls rather than SDPA, whose CPU kernel reduces a row differently depending on
+            # the batch and thread count. Query head j reads kv head j // group (GQA).
+            b, d = q.shape[0], q.shape[-1]
+            scores = torch.matmul(q.view(b, self.kv_local, group, d), keys.transpose(-1, -2)) * scale
+            scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, kv_heads, group, d]
+            return out.reshape(b, self.q_local, d)
 
         hidden = self._run_layers(token_ids, positions, attend)
         cache.lengths[slots] = positions + 1

@@ -18,8 +18,10 @@ In both namings embed_tokens and lm_head are vocab-parallel (vLLM's VocabParalle
 ParallelLMHead): rank r holds vocabulary rows `Layout.vocab_rows` = [r * ceil(V/tp),
 min(V, (r+1) * ceil(V/tp))), so the last rank may hold fewer. The engine looks tokens up in its
 rows and all-reduces (every token is found on exactly one rank) and gathers each rank's logits
-along the vocabulary. (vLLM first pads V to a multiple of 64, so its row boundaries can differ;
-nothing hands these shards to vLLM, which receives full HF tensors and shards them itself.)
+along the vocabulary. (vLLM first pads V to a multiple of 64 and splits the padded rows, so its
+boundaries equal these only when ceil(V/tp) is a multiple of 64/tp's share; the vLLM weight
+backend checks each rank's first row against vLLM's shard before loading, see
+services/inference_router/engine/vllm_handoff.py.)
 A tied lm_head is not a target parameter at all (the receiver ties it to its own embed_tokens
 rows), so it is never sent twice. Only the RMSNorm weights are replicated on every rank (and the
 kv heads when tp > num_key_value_heads): a tp>1 deployment receives the model once plus those.

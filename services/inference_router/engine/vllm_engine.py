@@ -12,23 +12,37 @@ with logprobs_mode="processed_logprobs" and, by default, REJECTS truncated sampl
 INVALID_ARGUMENT rather than hand the trainer log-probs of a different distribution
 (`allow_truncated_logprobs=True` accepts them, documented as the truncated distribution).
 
-Weights: `load_weights(version, hf_state_dict)` runs `collective_rpc("looprl_load_weights")` on
-every vLLM worker through `WeightUpdateExtension` (vLLM's worker_extension_cls hook), which calls
-the model's own `load_weights` (vLLM shards/fuses HF-named tensors into its TP layout itself),
-then resets the prefix cache so no KV computed under the old weights is reused. The RPC runs in
-the engine core between two steps, so a swap is atomic with respect to forward passes. Tokens
-already delivered before the swap returns are attributed to the old version, later ones to the
-new; the completion's weight_version is the oldest (tokens still in flight at the swap may be
-attributed to the new version: conservative for staleness, which uses the oldest).
-A deployment with no model path starts from its config with load_format="dummy" and is not
-ready until the first version is loaded. Weight-sync should target such deployments with the
-"hf" naming at tp=1 granularity (each vLLM worker takes full HF tensors and shards them).
+Weights go through vLLM's own weight-transfer API with looprl's backend
+(engine/vllm_transfer.py, registered in every worker). The replica stages each TP rank's
+resharded rectangles (vLLM's fused names and shard shapes) in its own stager; `swap(version,
+rank_states)` then runs, in order:
+
+1. `pause_generation(mode=...)`: "keep" (the default, async runs) freezes in-flight requests
+   where they are; "abort" aborts them, and with `retry_aborted` each aborted completion
+   continues after the swap as a new request over its prompt plus the tokens it already had.
+   New requests wait at the engine's own gate until the swap ends.
+2. `start_weight_update`, `update_weights` twice (phase "verify" on every rank, then "load":
+   a version that fails a check anywhere is never written), `finish_weight_update(weight_version=v)`.
+3. `reset_prefix_cache` while still paused, checked to return True (it returns False while
+   requests hold KV blocks; with frozen requests it preempts them, so their KV is recomputed
+   under the new weights).
+4. `resume_generation`.
+
+A failed transfer ends the weight-update session and resumes with the old version served;
+after the verify phase every worker's verdict is read back (`collective_rpc`), so a rank whose
+copy does not check out stops the version before any rank loads it.
+Per-token versions: vLLM labels every step with the version set by `finish_weight_update` and
+reports the spans on a request's final output (`CompletionOutput.weight_versions`); completions
+take their token versions from those spans, streamed chunks the version served when they were
+read. A deployment with no model path starts from its config with load_format="dummy" and is
+not ready until the first version is loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -47,19 +61,38 @@ from services.inference_router.engine.base import (
     StreamChunk,
     validate_request,
 )
-from services.kit.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.inference_router.engine.vllm_args import (
+    PAUSE_MODES,
+    STATUS_RPC,
+    admitted,
+    engine_args,
+    init_info_of,
+    token_versions_of,
+)
+from services.inference_router.engine.vllm_handoff import RankHandoff, manifest_of
+from services.kit.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from services.kit.weight_transfer.errors import ChecksumMismatch, InvalidWeights
 from services.modeling.config import ModelConfig
+from services.modeling.layouts import Layout
+
+log = logging.getLogger("looprl.inference_router.vllm")
 
 
-class WeightUpdateExtension:
-    """Mixed into every vLLM worker (worker_extension_cls): weight updates from the replica."""
+def vllm_sampling_params(**kwargs: Any) -> Any:
+    """vLLM SamplingParams streaming DELTA outputs (a seam: CPU tests cannot import vllm.sampling_params)."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-    def looprl_load_weights(self, items: list[tuple[str, torch.Tensor]]) -> int:
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        device = next(model.parameters()).device
-        model.load_weights(weights=((name, t.to(device, non_blocking=True)) for name, t in items))
-        torch.cuda.synchronize()
-        return len(items)
+    return SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+
+
+def tokens_prompt(ids: list[int]) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)
+
+
+class SwapError(RuntimeError):
+    """A weight swap that could not complete; the message says which step."""
 
 
 class VLLMEngine(Engine):
@@ -72,7 +105,12 @@ class VLLMEngine(Engine):
         allow_truncated_logprobs: bool,
         version: int,
         default_stop: tuple[int, ...],
+        layout: Layout | None = None,
+        pause_mode: str = "keep",
+        retry_aborted: bool = True,
     ):
+        if pause_mode not in PAUSE_MODES:
+            raise InvalidArgument(f"pause_mode: must be one of {PAUSE_MODES}, got {pause_mode!r}")
         self.llm = llm
         self.config = config
         self.max_model_len = max_model_len
@@ -80,14 +118,23 @@ class VLLMEngine(Engine):
         self.allow_truncated = allow_truncated_logprobs
         self.version = version
         self.default_stop = default_stop
-        self._paused = asyncio.Event()
-        self._paused.set()  # set = running
+        self.layout = layout or Layout(1, "fused", "bfloat16")
+        self.pause_mode = pause_mode
+        self.retry_aborted = retry_aborted
+        self._gate = asyncio.Event()  # set = requests may enter vLLM
+        self._gate.set()
+        self._user_paused = False
+        self._swap_lock = asyncio.Lock()
+        self._swaps = 0  # swaps started (a request aborted by one knows it from this)
+        self._broken = ""
         self._active: dict[str, dict[str, Any]] = {}
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self.swap_seconds: dict[int, float] = {}
 
     @classmethod
     async def create(cls, config: ModelConfig, model_path: str, settings: Any) -> VLLMEngine:
         from vllm import AsyncEngineArgs
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
         from vllm.v1.engine.async_llm import AsyncLLM
 
         tmp = None
@@ -97,20 +144,11 @@ class VLLMEngine(Engine):
             tmp = tempfile.TemporaryDirectory(prefix="looprl-vllm-")
             (Path(tmp.name) / "config.json").write_text(json.dumps(config.to_hf_dict()))
             model_path, load_format, version = tmp.name, "dummy", -1
-        args = AsyncEngineArgs(
-            model=model_path,
-            skip_tokenizer_init=True,
-            tensor_parallel_size=int(getattr(settings, "tensor_parallel", 1)),
-            dtype=str(getattr(settings, "dtype", "bfloat16")),
-            max_model_len=int(getattr(settings, "max_model_len", 2048)),
-            max_num_seqs=int(getattr(settings, "max_batch_size", 256)),
-            gpu_memory_utilization=float(getattr(settings, "gpu_memory_utilization", 0.85)),
-            load_format=load_format,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.WeightUpdateExtension",
-            enable_prefix_caching=True,
-        )
+        args = AsyncEngineArgs(**engine_args(model_path, load_format, settings))
         llm = AsyncLLM.from_engine_args(args)
+        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info_of(settings)))
+        if version >= 0:
+            await llm.update_weight_version(str(version))
         engine = cls(
             llm,
             config,
@@ -119,105 +157,240 @@ class VLLMEngine(Engine):
             bool(getattr(settings, "allow_truncated_logprobs", False)),
             version,
             tuple(getattr(settings, "stop_token_ids", ())),
+            layout=Layout(int(getattr(settings, "tensor_parallel", 1)), "fused", args.dtype),
+            pause_mode=str(getattr(settings, "pause_mode", "keep")),
+            retry_aborted=bool(getattr(settings, "retry_aborted", True)),
         )
         engine._tmp = tmp
         return engine
 
     # ---------------------------------------------------------------- generation
-    def _sampling(self, request: EngineRequest, n: int, seed: int | None) -> Any:
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
+    def _sampling(self, request: EngineRequest, n: int, seed: int | None, max_tokens: int) -> Any:
         s = request.sampling
         if (s.top_k > 0 or s.top_p < 1.0) and not s.greedy and not self.allow_truncated:
             raise InvalidArgument(
                 "sampling.top_p/top_k: the vllm backend can only report log-probs under the untruncated "
                 "tempered distribution; use top_p=1 and top_k=0 for training rollouts"
             )
-        return VSamplingParams(
+        return vllm_sampling_params(
             n=n,
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k if s.top_k > 0 else 0,
-            max_tokens=s.max_tokens,
+            max_tokens=max_tokens,
             stop_token_ids=list(s.stop_token_ids) + list(self.default_stop),
             seed=seed,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
         )
 
-    async def _run(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
-        from vllm.inputs import TokensPrompt
-
+    async def _run(self, request: EngineRequest) -> AsyncIterator[tuple[StreamChunk, Any]]:
+        """(chunk, vLLM's version spans of that completion, on its final chunk only)."""
         if self.version < 0:
             raise Unavailable("engine has no weights yet (waiting for the first weight version)")
+        if self._broken:
+            raise Unavailable(f"engine is out of service: {self._broken}")
         validate_request(request, vocab_size=self.config.vocab_size, max_model_len=self.max_model_len)
         if len(self._active) >= self.max_waiting:
             raise ResourceExhausted(f"engine queue full ({len(self._active)} requests)", retry_after_s=0.5)
-        await self._paused.wait()
-        rid = request.request_id or uuid.uuid4().hex
-        rid = f"{rid}-{uuid.uuid4().hex[:6]}"
-        # Seeded n>1: one vLLM request with the seed would give n correlated samples only through
-        # vLLM's own per-request generator; that is what vLLM documents, so pass it through.
-        params = self._sampling(request, request.sampling.n, request.sampling.seed)
-        self._active[rid] = {"tokens": request.sampling.max_tokens * request.sampling.n}
+        s = request.sampling
+        rid = f"{request.request_id or uuid.uuid4().hex}-{uuid.uuid4().hex[:6]}"
+        self._active[rid] = {"tokens": s.max_tokens * s.n}
         try:
-            async for out in self.llm.generate(
-                TokensPrompt(prompt_token_ids=request.prompt_token_ids), params, rid
-            ):
-                for comp in out.outputs:
-                    lps = [
-                        float(step[tok].logprob) if step is not None and tok in step else float("nan")
-                        for tok, step in zip(
-                            comp.token_ids, comp.logprobs or [None] * len(comp.token_ids), strict=False
-                        )
-                    ]
-                    yield StreamChunk(
-                        comp.index, list(comp.token_ids), lps, self.version, comp.finish_reason or ""
-                    )
+            prompt, produced = list(request.prompt_token_ids), 0
+            while True:
+                await self._gate.wait()
+                swaps_at_start = self._swaps
+                params = self._sampling(request, s.n, s.seed, s.max_tokens - produced)
+                retry, sampled = False, []
+                stream = self._stream(prompt, params, f"{rid}-{produced}-{self._swaps}", produced)
+                async for chunk, spans in admitted(stream):
+                    if chunk is None:  # refused by an abort-mode pause it raced with: wait it out
+                        retry = True
+                        await asyncio.sleep(0.01)
+                        break
+                    sampled += chunk.token_ids
+                    aborted_by_swap = chunk.finish_reason == FINISH_ABORT and self._swaps != swaps_at_start
+                    if (
+                        aborted_by_swap
+                        and self.retry_aborted
+                        and s.n == 1
+                        and produced + len(sampled) < s.max_tokens
+                    ):
+                        # Continue after the swap from where the abort left it (n=1 only: a
+                        # fork of n completions cannot be resumed as one request).
+                        if chunk.token_ids or spans:
+                            yield (
+                                StreamChunk(0, chunk.token_ids, chunk.logprobs, chunk.weight_version, ""),
+                                spans,
+                            )
+                        prompt += sampled
+                        produced += len(sampled)
+                        retry = True
+                        continue
+                    yield chunk, spans
+                if not retry:
+                    return
         finally:
             self._active.pop(rid, None)
 
+    async def _stream(
+        self, prompt: list[int], params: Any, rid: str, offset: int
+    ) -> AsyncIterator[tuple[StreamChunk, Any]]:
+        async for out in self.llm.generate(tokens_prompt(prompt), params, rid):
+            for comp in out.outputs:
+                lps = [
+                    float(step[tok].logprob) if step is not None and tok in step else float("nan")
+                    for tok, step in zip(
+                        comp.token_ids, comp.logprobs or [None] * len(comp.token_ids), strict=False
+                    )
+                ]
+                # vLLM's WeightVersionSpan list (final output only), as (version, start, end) of
+                # the whole completion's token indexes.
+                spans = [
+                    (int(sp.version), int(sp.start) + offset, int(sp.end) + offset)
+                    for sp in getattr(comp, "weight_versions", None) or ()
+                ]
+                chunk = StreamChunk(
+                    comp.index, list(comp.token_ids), lps, self.version, comp.finish_reason or ""
+                )
+                yield chunk, spans
+
     async def generate_stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
-        async for chunk in self._run(request):
+        async for chunk, _ in self._run(request):
             yield chunk
 
     async def generate(self, requests: Sequence[EngineRequest]) -> list[EngineResult]:
         async def one(req: EngineRequest) -> EngineResult:
             comps = [Completion([], [], "", self.version, []) for _ in range(req.sampling.n)]
-            async for chunk in self._run(req):
+            spans: dict[int, list[Any]] = {}
+            async for chunk, final_spans in self._run(req):
                 c = comps[chunk.index]
                 c.token_ids += chunk.token_ids
                 c.logprobs += chunk.logprobs
                 c.token_versions += [chunk.weight_version] * len(chunk.token_ids)
+                if final_spans:
+                    spans.setdefault(chunk.index, []).extend(final_spans)
                 if chunk.finish_reason:
                     c.finish_reason = chunk.finish_reason
-            for c in comps:
+            for i, c in enumerate(comps):
+                if i in spans:  # vLLM's own per-step labels are exact
+                    labelled = token_versions_of(spans[i], len(c.token_ids), -1)
+                    c.token_versions = [
+                        v if v >= 0 else old for v, old in zip(labelled, c.token_versions, strict=True)
+                    ]
                 c.finish_reason = c.finish_reason or FINISH_ABORT
                 c.weight_version = min(c.token_versions, default=self.version)
             return EngineResult(req.request_id, comps, len(req.prompt_token_ids))
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
-    # ---------------------------------------------------------------- weights and control
+    # ---------------------------------------------------------------- weights
     async def load_weights(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
-        items = [(name, t.detach().contiguous()) for name, t in state_dict.items()]
-        await self.llm.collective_rpc("looprl_load_weights", args=(items,))
-        await self.llm.reset_prefix_cache()
-        self.version = version
+        """tp=1: rank 0's state dict (vLLM's fused names). A TP group swaps with `swap`."""
+        await self.swap(version, [state_dict])
 
+    async def rollback(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        await self.swap(version, [state_dict], allow_older=True)
+
+    def _row_starts(self, rank: int) -> dict[str, int]:
+        rows = self.layout.vocab_rows(self.config, rank).start
+        return {"model.embed_tokens.weight": rows, "lm_head.weight": rows}
+
+    async def swap(
+        self, version: int, rank_states: Sequence[Mapping[str, torch.Tensor]], *, allow_older: bool = False
+    ) -> None:
+        """Serve `version` (one state dict per TP rank) on every worker, between two steps."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        if len(rank_states) != self.layout.tp_size:
+            raise FailedPrecondition(
+                f"version: {len(rank_states)} rank state dicts for tp={self.layout.tp_size}"
+            )
+        if version <= self.version and not allow_older:
+            return  # a retried commit
+        async with self._swap_lock:
+            start = asyncio.get_running_loop().time()
+            handoffs: list[RankHandoff] = [
+                manifest_of(version, state, self._row_starts(rank)) for rank, state in enumerate(rank_states)
+            ]
+            self._gate.clear()
+            self._swaps += 1
+            paused = loaded = False
+            try:
+                await self.llm.pause_generation(mode=self.pause_mode, clear_cache=False)
+                paused = True
+                await self.llm.start_weight_update()
+                try:
+                    await self.llm.update_weights(
+                        WeightTransferUpdateRequest(update_info=[h.for_phase("verify") for h in handoffs])
+                    )
+                    await self._check_verified(version)
+                    await self.llm.update_weights(
+                        WeightTransferUpdateRequest(update_info=[h.for_phase("load") for h in handoffs])
+                    )
+                except BaseException:
+                    await self._end_session()
+                    raise
+                await self.llm.finish_weight_update(weight_version=str(version))
+                loaded = True
+                await self._reset_prefix_cache(version)
+            finally:
+                for h in handoffs:
+                    h.close()
+                if paused and not self._broken:
+                    await self.llm.resume_generation()
+                if loaded:
+                    # After the resume: a streamed chunk read before it holds old-version tokens
+                    # only, and one read just after it is labelled old (stale is the safe side).
+                    self.version = version
+                if not self._user_paused and not self._broken:
+                    self._gate.set()
+            self.swap_seconds[version] = asyncio.get_running_loop().time() - start
+
+    async def _check_verified(self, version: int) -> None:
+        """Every worker checked its rank of `version`; else raise naming the first that did not."""
+        reports = await self.llm.collective_rpc(STATUS_RPC)
+        for rank, report in enumerate(reports):
+            if int(report.get("verified", -1)) != version:
+                why = report.get("error") or "no verdict"
+                if "hash64" in why:
+                    raise ChecksumMismatch(f"rank {rank}: {why}")
+                raise InvalidWeights(f"rank {rank}: {why}")
+
+    async def _end_session(self) -> None:
+        """After a failed update: close the session on the workers that still hold it open
+        (a worker whose update raised closed its own; vLLM refuses a second finish there)."""
+        try:
+            await self.llm.finish_weight_update()
+        except Exception as exc:
+            log.info("closing the failed weight-update session: %s", exc)
+
+    async def _reset_prefix_cache(self, version: int) -> None:
+        """Drop every KV block computed under the old weights, while generation is paused. Frozen
+        ("keep") requests hold blocks, so they are preempted and recompute under the new weights."""
+        ok = await self.llm.reset_prefix_cache(reset_running_requests=self.pause_mode == "keep")
+        if not ok:
+            ok = await self.llm.reset_prefix_cache(reset_running_requests=True)
+        if not ok:
+            self._broken = f"the prefix cache could not be reset after loading version {version}"
+            raise SwapError(self._broken)
+
+    # ---------------------------------------------------------------- control
     def pause(self) -> None:
-        self._paused.clear()
+        self._user_paused = True
+        self._gate.clear()
 
     def resume(self) -> None:
-        self._paused.set()
+        self._user_paused = False
+        if not self._swap_lock.locked() and not self._broken:
+            self._gate.set()
 
     def status(self) -> EngineStatus:
         return EngineStatus(
             weight_version=self.version,
-            ready=self.version >= 0,
-            paused=not self._paused.is_set(),
+            ready=self.version >= 0 and not self._broken,
+            paused=not self._gate.is_set(),
             queued_requests=len(self._active),
             running_sequences=len(self._active),
             tokens_in_flight=sum(a["tokens"] for a in self._active.values()),

@@ -1,0 +1,362 @@
+"""looprl against Hugging Face TRL's GRPOTrainer: the same recipe, learned by both, in the same run.
+
+Everything that can be identical is made identical and checked before anything is measured
+(`check_parity`): the Qwen2 config and the initial weights (logits equal on a prompt), the token ids
+(a `PreTrainedTokenizerFast` over CharTokenizer's vocabulary with the same ChatML template), the
+tasks in order (looprl's `task_by_index`, TRL with `shuffle_dataset=False`), the reward
+(`digits_score` on the completion decoded without special tokens) and the optimizer (looprl's own
+AdamW + warmup schedule handed to TRL), and the first update itself: the same 64 completions, sampled
+once by looprl's engine and replayed into TRL's step, move both models' weights alike (within 1% of
+the update; measured 4e-6 on a 1.5e-3 update). The loss settings map as in shared/peer-trl-mapping.md:
+token-mean over the step = TRL `loss_type="dapo"`, Dr. GRPO advantages = `scale_rewards="none"`,
+clip 0.2/0.28, entropy bonus, grad clip, one optimizer step per generation batch.
+
+Both sides run synchronously, alternating per seed (TRL, then looprl's services on a fresh local
+stack), so machine noise hits both alike. Per seed it prints steps/s (the first step excluded, the
+same definition on both sides) and the mean reward of the last 10 steps; the figures are the ratios
+looprl / TRL of the seed means:
+
+    python -m bench.peer_trl [--seeds 1,2,3,4,5] [--steps 400] [--quick]
+
+`--quick` runs one seed for 40 steps (a smoke run: ratios then mean little). TRL is an optional
+bench dependency (`pip install -c requirements.lock '.[peer]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import emit
+from services.environment_sandbox.environments.base import make_environment
+from services.environment_sandbox.environments.datasets import task_by_index
+from services.environment_sandbox.environments.digits import digits_score
+from services.kit.recipe import Recipe, parse_recipe
+from services.modeling.qwen2 import Qwen2ForCausalLM
+from services.modeling.tokenizer import IM_END, PAD, SPECIAL_TOKENS, CharTokenizer
+from services.trainer.optim import OptimizerSpec, build_optimizer
+from services.trainer.spec import model_preset
+
+BENCH = "peer_trl"
+ROOT = Path(__file__).resolve().parent.parent
+TINY_RECIPE = ROOT / "configs" / "digits_grpo.toml"
+LAST_STEPS = 10
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass
+class SideResult:
+    """One side's run of one seed."""
+
+    rewards: list[float]
+    steps_per_s: float
+    wall_seconds: float
+
+    @property
+    def final_reward(self) -> float:
+        return statistics.fmean(self.rewards[-LAST_STEPS:])
+
+
+# ---- identical parts ----------------------------------------------------------------------------
+
+
+def char_tokenizer_fast() -> Any:
+    """CharTokenizer as a transformers tokenizer: WordLevel over its vocabulary in id order, one token
+    per character, unknown characters as '?', ChatML specials as single tokens."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    char = CharTokenizer()
+    vocab = {char.decode([i]): i for i in range(char.vocab_size)}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="?"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token=IM_END, pad_token=PAD, chat_template=CHATML_TEMPLATE
+    )
+
+
+def hf_policy(recipe: Recipe) -> tuple[Any, Qwen2ForCausalLM]:
+    """transformers' Qwen2ForCausalLM holding exactly looprl's initial weights, and looprl's model."""
+    from transformers import Qwen2Config
+    from transformers import Qwen2ForCausalLM as HFQwen2
+
+    config = model_preset(recipe.model.preset)
+    ours = Qwen2ForCausalLM(config, seed=None)
+    ours.init_weights(recipe.run.seed, std=recipe.model.init_std)
+    theirs = HFQwen2(Qwen2Config(**config.to_hf_dict()))
+    theirs.load_state_dict(ours.hf_state_dict(), strict=False)
+    theirs.tie_weights()
+    tokenizer = CharTokenizer()
+    theirs.generation_config.eos_token_id = tokenizer.eos_token_id
+    theirs.generation_config.pad_token_id = tokenizer.pad_token_id
+    return theirs, ours
+
+
+def prompts(recipe: Recipe) -> list[dict[str, Any]]:
+    """The run's tasks in the order the gateway publishes them (task step*groups + g), as chat rows."""
+    env_name, config = recipe.environment.name, recipe.environment.config
+    rows = []
+    for index in range(recipe.run.steps * recipe.groups_per_step):
+        task = task_by_index(env_name, index, recipe.run.seed, config)
+        messages = asyncio.run(make_environment(env_name, config).reset(task))
+        rows.append({"prompt": messages, "answer": task["answer"]})
+    return rows
+
+
+def digits_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+    """The stack's `digits` reward on each completion's text (TRL decodes without special tokens)."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [digits_score(text, target) for text, target in zip(texts, answer, strict=True)]
+
+
+def check_parity(recipe: Recipe) -> None:
+    """Raise unless model, init, tokenizer, template and tasks are the same on both sides."""
+    hf_model, ours = hf_policy(recipe)
+    fast, char = char_tokenizer_fast(), CharTokenizer()
+    for text in ("rev 123", "<|im_start|>user\nx<|im_end|>", "tab\there  é", "\n\n  ~"):
+        assert fast.encode(text, add_special_tokens=False) == char.encode(text), f"token ids differ: {text!r}"
+        assert fast.decode(char.encode(text)) == char.decode(char.encode(text)), f"decode differs: {text!r}"
+    rows = prompts(recipe)
+    for row in rows[:5]:
+        ids = fast.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert list(ids) == char.apply_chat_template(row["prompt"]), "chat template ids differ"
+    ids = torch.tensor(char.apply_chat_template(rows[0]["prompt"]))
+    with torch.no_grad():
+        theirs = hf_model(ids[None]).logits[0]
+        mine = ours(ids, torch.arange(len(ids)), torch.tensor([0, len(ids)]))
+    diff = float((theirs - mine).abs().max())
+    assert diff < 1e-5, f"initial logits differ by {diff}"
+    gap, update = one_step_update_gap(recipe)
+    assert gap < 0.01 * update, f"one update on the same completions differs by {gap} (update size {update})"
+
+
+def one_step_update_gap(recipe: Recipe) -> tuple[float, float]:
+    """Largest weight difference between TRL's and looprl's first update on the same 64 completions
+    (sampled once by looprl's engine and handed to both), and the update's own largest element."""
+    from bench.single_process_grpo import GRPOSettings, Rollout, SingleProcessGRPO
+
+    char = CharTokenizer()
+    looprl = SingleProcessGRPO(GRPOSettings.from_recipe(TINY_RECIPE, seed=recipe.run.seed, threads=0))
+    rows = prompts(recipe)[: recipe.groups_per_step]
+    initial = {k: v.clone() for k, v in looprl.policy.hf_state_dict().items()}
+
+    async def sample() -> list[Rollout]:
+        await looprl.start()
+        try:
+            return await looprl.rollouts(0)
+        finally:
+            await looprl.close()
+
+    rollouts = asyncio.run(sample())
+    for r, row in zip(rollouts[:: recipe.batch.group_size], rows, strict=True):
+        assert r.prompt_ids == char.apply_chat_template(row["prompt"]), (
+            "looprl's step-0 prompts differ from TRL's"
+        )
+    batch, _ = looprl.pack(0, rollouts)
+    looprl.train(batch)
+    ours = looprl.policy.hf_state_dict()
+    with tempfile.TemporaryDirectory(prefix="looprl-peer-trl-") as out:
+        trainer = trl_trainer(recipe, out)
+        trainer.args.max_steps = 1
+
+        def replay(prompt_ids, *_: Any, **__: Any) -> tuple[list[list[int]], None]:
+            assert [list(p) for p in prompt_ids] == [r.prompt_ids for r in rollouts]
+            return [r.completion_ids for r in rollouts], None
+
+        trainer._generate_single_turn = replay
+        trainer.train()
+        theirs = trainer.model.state_dict()
+    gap = max(float((ours[k] - theirs[k]).abs().max()) for k in ours)
+    update = max(float((ours[k] - initial[k]).abs().max()) for k in ours)
+    return gap, update
+
+
+# ---- the two sides ------------------------------------------------------------------------------
+
+
+def _optimizer(model: Any, recipe: Recipe) -> tuple[Any, Any]:
+    opt = recipe.optimizer
+    return build_optimizer(
+        list(model.parameters()),
+        OptimizerSpec(
+            lr=opt.lr,
+            betas=list(opt.betas),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            warmup_steps=opt.warmup_steps,
+            schedule=opt.schedule,
+            total_steps=recipe.run.steps,
+            grad_clip=opt.grad_clip,
+        ),
+    )
+
+
+def trl_trainer(recipe: Recipe, output_dir: str, callbacks: list[Any] = ()) -> Any:
+    """A GRPOTrainer set up as shared/peer-trl-mapping.md maps the recipe."""
+    from datasets import Dataset
+    from transformers import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    model, _ = hf_policy(recipe)
+    opt, algo, sampling = recipe.optimizer, recipe.algorithm, recipe.sampling
+    assert algo.advantage == "dr_grpo" and algo.loss_aggregation == "token-mean" and algo.kl_coef == 0
+    config = GRPOConfig(
+        output_dir=output_dir,
+        seed=recipe.run.seed,
+        max_steps=recipe.run.steps,
+        per_device_train_batch_size=recipe.batch.rollouts_per_step,
+        num_generations=recipe.batch.group_size,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        loss_type="dapo",
+        scale_rewards="none",
+        epsilon=algo.clip_low,
+        epsilon_high=algo.clip_high,
+        beta=0.0,
+        entropy_coef=algo.entropy_coef,
+        learning_rate=opt.lr,
+        adam_beta1=opt.betas[0],
+        adam_beta2=opt.betas[1],
+        adam_epsilon=opt.eps,
+        weight_decay=opt.weight_decay,
+        max_grad_norm=opt.grad_clip,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        shuffle_dataset=False,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=digits_reward,
+        args=config,
+        train_dataset=Dataset.from_list(prompts(recipe)),
+        processing_class=char_tokenizer_fast(),
+        optimizers=_optimizer(model, recipe),
+        callbacks=list(callbacks),
+    )
+    trainer.remove_callback(PrinterCallback)  # a dict per step on stdout otherwise
+    return trainer
+
+
+def run_trl(recipe: Recipe, threads: int = 2) -> SideResult:
+    """TRL's GRPOTrainer on the recipe, in this process."""
+    from transformers import TrainerCallback
+
+    torch.set_num_threads(threads)
+    step_ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory(prefix="looprl-peer-trl-") as out:
+        trainer = trl_trainer(recipe, out, [StepClock()])
+        start = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - start
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    steady = step_ends[-1] - step_ends[0]
+    return SideResult(rewards, (len(step_ends) - 1) / max(steady, 1e-9), wall)
+
+
+def run_looprl(recipe_text: str, run_id: str) -> SideResult:
+    """The services loop on a fresh local stack (gateway + every service in its own process)."""
+    from bench.loop_harness import run_on_fresh_stack
+
+    result = run_on_fresh_stack(recipe_text, run_id)
+    rewards = [h.reward_mean for h in sorted(result.run.history, key=lambda h: h.step)]
+    return SideResult(rewards, result.steps_per_second, result.wall_seconds)
+
+
+def with_seed_and_steps(recipe_text: str, seed: int, steps: int) -> str:
+    from bench.loop_harness import with_overrides
+
+    return with_overrides(recipe_text, run={"seed": seed, "steps": steps})
+
+
+# ---- the bench ----------------------------------------------------------------------------------
+
+
+def compare(shape: str, recipe_path: Path, seeds: list[int], steps: int) -> dict[str, float]:
+    base = recipe_path.read_text()
+    trl_runs: list[SideResult] = []
+    ours: list[SideResult] = []
+    for seed in seeds:
+        text = with_seed_and_steps(base, seed, steps)
+        recipe = parse_recipe(text)
+        check_parity(recipe)
+        trl_runs.append(run_trl(recipe))
+        ours.append(run_looprl(text, f"peer-{shape}-s{seed}-{int(time.time())}"))
+        print(
+            f"[{shape}] seed {seed}: looprl {ours[-1].steps_per_s:.2f} steps/s, last-{LAST_STEPS} reward "
+            f"{ours[-1].final_reward:.3f} | TRL {trl_runs[-1].steps_per_s:.2f} steps/s, reward "
+            f"{trl_runs[-1].final_reward:.3f}",
+            flush=True,
+        )
+    speed = [o.steps_per_s / t.steps_per_s for o, t in zip(ours, trl_runs, strict=True)]
+    looprl_reward = statistics.fmean(o.final_reward for o in ours)
+    trl_reward = statistics.fmean(t.final_reward for t in trl_runs)
+    looprl_speed = statistics.fmean(o.steps_per_s for o in ours)
+    trl_speed = statistics.fmean(t.steps_per_s for t in trl_runs)
+    print(f"[{shape}] steps/s ratio per seed: {', '.join(f'{r:.2f}' for r in speed)}", flush=True)
+    emit(
+        BENCH,
+        f"reward_ratio_{shape}",
+        looprl_reward,
+        trl_reward,
+        looprl_reward / max(trl_reward, 1e-9),
+        f"mean last-{LAST_STEPS} reward over seeds {seeds}",
+        ">= 0.9",
+    )
+    emit(
+        BENCH,
+        f"steps_per_s_ratio_{shape}",
+        looprl_speed,
+        trl_speed,
+        looprl_speed / trl_speed,
+        "steps/s (first step excluded)",
+        ">= 0.7" if shape == "tiny" else ">= 1.3",
+    )
+    return {"reward": looprl_reward, "trl_reward": trl_reward}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one seed, 40 steps")
+    parser.add_argument("--seeds", default="1,2,3,4,5")
+    parser.add_argument("--steps", type=int, default=0, help="steps per run (default: the recipe's)")
+    args = parser.parse_args()
+    seeds = [1] if args.quick else [int(s) for s in args.seeds.split(",")]
+    steps = 40 if args.quick else args.steps or parse_recipe(TINY_RECIPE.read_text()).run.steps
+    compare("tiny", TINY_RECIPE, seeds, steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""What the vLLM engine hands vLLM, apart from the engine itself: engine arguments from a replica's
+settings, the weight backend's init info, reading vLLM's per-token version spans, and recognising
+a request vLLM refused as retryable. Pure Python: no vLLM import (the CPU tests check these values
+against vLLM's own serialization, tests/unit/inference/test_vllm_backend.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+PAUSE_MODES = ("keep", "abort")
+TRANSFER_BACKEND = "looprl"
+WORKER_EXTENSION = "services.inference_router.engine.vllm_transfer.WorkerRegistration"
+STATUS_RPC = "looprl_weight_status"  # WorkerRegistration's method: each rank's verdict
+
+
+def engine_args(model_path: str, load_format: str, settings: Any) -> dict[str, Any]:
+    """AsyncEngineArgs keywords for a replica's settings (dtype and TP from its deployment spec)."""
+    return {
+        "model": model_path,
+        "skip_tokenizer_init": True,
+        "tensor_parallel_size": int(getattr(settings, "tensor_parallel", 1)),
+        "dtype": str(getattr(settings, "dtype", "bfloat16")),
+        "max_model_len": int(getattr(settings, "max_model_len", 2048)),
+        "max_num_seqs": int(getattr(settings, "max_batch_size", 256)),
+        "gpu_memory_utilization": float(getattr(settings, "gpu_memory_utilization", 0.85)),
+        "load_format": load_format,
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": WORKER_EXTENSION,
+        "weight_transfer_config": {"backend": TRANSFER_BACKEND},
+        "enable_prefix_caching": True,
+        "enforce_eager": bool(getattr(settings, "enforce_eager", False)),  # no CUDA graphs: faster start
+    }
+
+
+def init_info_of(settings: Any) -> dict[str, Any]:
+    """The backend's init info (LooprlInitInfo as a dict): the layout weight-sync plans for."""
+    return {
+        "tensor_parallel": int(getattr(settings, "tensor_parallel", 1)),
+        "naming": "fused",
+        "dtype": str(getattr(settings, "dtype", "bfloat16")),
+    }
+
+
+def token_versions_of(spans: Sequence[tuple[int, int, int]], count: int, fallback: int) -> list[int]:
+    """Per-token versions from (version, start, end) spans of output-token indexes."""
+    out = [fallback] * count
+    for version, start, end in spans:
+        for i in range(max(0, start), min(count, end)):
+            out[i] = version
+    return out
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """vLLM's RetryableRequestError: a request added while an abort/wait pause is on."""
+    return any(cls.__name__ == "RetryableRequestError" for cls in type(exc).__mro__)
+
+
+async def admitted(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """The stream's items; (None, None) once if vLLM refused the request as retryable before
+    anything was sampled (the caller submits it again after the swap)."""
+    first = True
+    try:
+        async for item in stream:
+            first = False
+            yield item
+    except Exception as exc:
+        if not (first and is_retryable(exc)):
+            raise
+        yield None, None
