@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 RECIPE ?= configs/digits_grpo.toml
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast lint fmt protos check breaking up down status bench clean compose-up compose-down \
+.PHONY: setup hf-model run test test-fast lint fmt protos check breaking up down status bench clean compose-up compose-down \
 	vllm-side gpu-check
 
 setup: $(STAMP)
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c requirements.lock -e '.[dev]'
 	@touch $(STAMP)
+
+# The small Hugging Face-format model configs/hf_math_grpo.toml trains (offline, deterministic).
+hf-model: setup
+	$(PY) tools/build_hf_model.py --out models/tiny-bpe-qwen2 --sft-steps 200
 
 run: setup
 	$(VENV)/bin/looprl run $(RECIPE) --local

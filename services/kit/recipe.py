@@ -232,7 +232,9 @@ def validate(recipe: Recipe, base_dir: Path | None = None) -> Recipe:
     _check(bool(r.run.name.strip()), "run.name", "must not be empty")
     if r.model.path:
         path = Path(r.model.path)
-        if not path.is_absolute() and base_dir is not None:
+        if not path.is_absolute() and base_dir is not None and not path.is_dir():
+            # Services open the path from their working directory; a recipe file may also name it
+            # relative to itself.
             path = base_dir / path
         _check(path.is_dir(), "model.path", f"directory {str(path)!r} does not exist")
         _check((path / "config.json").exists(), "model.path", f"{str(path)!r} has no config.json")

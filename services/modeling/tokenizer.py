@@ -4,8 +4,8 @@ CharTokenizer needs no download: its vocabulary is fixed in this file (4 ChatML 
 tab and printable ASCII), so the tiny embedded model, the environments and the engines always agree
 on token ids. Its chat template is ChatML kept deliberately short, because the tiny model has to
 learn the format quickly. `load_tokenizer("char")` gives it; `load_tokenizer(<directory>)` gives a
-CharTokenizer when the directory was written by `CharTokenizer.save_pretrained`, and otherwise a
-thin wrapper over `transformers.AutoTokenizer` (local files only).
+CharTokenizer when the directory was written by `CharTokenizer.save_pretrained`, and otherwise an
+HFTokenizer over the directory's tokenizer.json and chat template (services/modeling/hf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from services.modeling.hf_tokenizer import HFTokenizer
 
 PAD, EOT, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOT, IM_START, IM_END)
@@ -37,6 +39,31 @@ class Tokenizer(Protocol):
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]: ...
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+
+    def chat_continuation(
+        self, previous: list[dict[str, str]], new: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+
+def continuation_text(
+    render: Callable[[list[dict[str, str]], bool], str],
+    previous: list[dict[str, str]],
+    new: list[dict[str, str]],
+    turn_end: str,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The chat text that follows the model's last turn (which ended with `turn_end`, its eos token)
+    when `new` messages are appended, so a multi-turn episode extends the token ids it already has
+    instead of re-rendering (a template's first-message preamble, like Qwen's default system
+    turn, is rendered once)."""
+    before = render(previous, False)
+    full = render([*previous, *new], add_generation_prompt)
+    end = before.rfind(turn_end)
+    if end < 0 or not full.startswith(before[: end + len(turn_end)]):
+        raise ValueError("chat template: appending messages does not extend the conversation's text")
+    return full[end + len(turn_end) :]
 
 
 def render_chatml(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -122,6 +149,15 @@ class CharTokenizer:
     ) -> list[int]:
         return self.encode(render_chatml(messages, add_generation_prompt))
 
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return render_chatml(messages, add_generation_prompt)
+
+    def chat_continuation(
+        self, previous: list[dict[str, str]], new: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Ids after the model's turn (ended by eos) that append `new` messages (see continuation_text)."""
+        return self.encode(continuation_text(render_chatml, previous, new, IM_END, add_generation_prompt))
+
     def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
         """Mark a model directory as using this tokenizer, so load_tokenizer(directory) finds it."""
         os.makedirs(directory, exist_ok=True)
@@ -129,56 +165,8 @@ class CharTokenizer:
             json.dump({"type": "char", "vocab_size": self.vocab_size}, f)
 
 
-class HFTokenizer:
-    """Thin wrapper giving a transformers tokenizer the same interface as CharTokenizer."""
-
-    def __init__(self, hf_tokenizer: Any) -> None:
-        self.hf = hf_tokenizer
-        self.name = getattr(hf_tokenizer, "name_or_path", "hf")
-        eos = hf_tokenizer.eos_token_id
-        if eos is None:
-            raise ValueError(f"tokenizer {self.name}: has no eos_token_id")
-        self._eos = int(eos)
-        pad = hf_tokenizer.pad_token_id
-        self._pad = int(pad) if pad is not None else self._eos
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.hf)
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._eos
-
-    @property
-    def pad_token_id(self) -> int:
-        return self._pad
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> list[int]:
-        if getattr(self.hf, "chat_template", None):
-            out = self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True
-            )
-            if hasattr(out, "keys") and "input_ids" in out:
-                out = out["input_ids"]
-            return [int(i) for i in out]
-        # No template shipped with the tokenizer: fall back to plain ChatML text.
-        return self.encode(render_chatml(messages, add_generation_prompt))
-
-
 def load_tokenizer(path_or_name: str | os.PathLike[str]) -> CharTokenizer | HFTokenizer:
-    """ "char" -> CharTokenizer; a directory -> CharTokenizer if marked, else AutoTokenizer (local only)."""
+    """ "char" -> CharTokenizer; a directory -> CharTokenizer if marked, else its tokenizer.json (local only)."""
     path = os.fspath(path_or_name)
     if path == "char":
         return CharTokenizer()
@@ -191,6 +179,4 @@ def load_tokenizer(path_or_name: str | os.PathLike[str]) -> CharTokenizer | HFTo
         return CharTokenizer()
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer: {path!r} is neither 'char' nor a local directory")
-    from transformers import AutoTokenizer
-
-    return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    return HFTokenizer.from_directory(path)

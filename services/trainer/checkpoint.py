@@ -152,17 +152,48 @@ def load(worker: TrainerWorker, path: str) -> dict[str, Any]:
 
 
 def export_hf(worker: TrainerWorker, directory: str) -> str:
-    """Collective: gather the full state dict to rank 0 and write a HF safetensors directory there.
+    """Collective: gather the full state dict to rank 0 and write a complete HF directory there.
 
-    The one place the trainer gathers the whole model (export is rare and explicit).
+    Weights and config.json, the run's tokenizer files (copied from its tokenizer directory, or the
+    char tokenizer written out as a PreTrainedTokenizerFast), generation_config.json and config.json
+    with eos/pad/bos ids (so `generate()` stops where the policy stops), and a README.md model card
+    naming the run, the step and the recipe. The one place the trainer gathers the whole model
+    (export is rare and explicit).
     """
+    from services.modeling import hf_files
     from services.modeling.qwen2 import Qwen2ForCausalLM
 
     full = worker.full_state_dict(rank0_only=True)
     if worker.rank == 0:
+        spec = worker.spec
+        tokenizer = spec.tokenizer if spec is not None else "char"
+        config = worker.model.config
         with torch.device("meta"):
-            model = Qwen2ForCausalLM(worker.model.config, seed=None)
+            model = Qwen2ForCausalLM(config, seed=None)
         model.load_hf_state_dict(full, assign=True)
         model.save_pretrained(directory)
+        hf_files.write_tokenizer_files(tokenizer, directory, model_max_length=config.max_position_embeddings)
+        ids = hf_files.write_generation_files(directory, tokenizer)
+        run_id = spec.run_id if spec is not None else ""
+        facts = {
+            "run id": run_id or "(none)",
+            "step": worker.step,
+            "weight version": worker.step,
+            "parameters": f"{sum(p.numel() for p in model.parameters()):,}",
+            "base model": (
+                spec.model_path if spec is not None and spec.model_path else "built from a config"
+            ),
+            "tokenizer": tokenizer,
+            "eos / pad / bos ids": f"{ids['eos_token_id']} / {ids['pad_token_id']} / {ids['bos_token_id']}",
+            "exported at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        }
+        hf_files.write_model_card(
+            directory,
+            title=f"looprl policy {run_id or 'export'} at step {worker.step}",
+            facts=facts,
+            recipe=spec.recipe if spec is not None else None,
+            note="Trained with looprl (RL post-training). Load with transformers' AutoModelForCausalLM "
+            "and AutoTokenizer; generation_config.json stops on the tokenizer's eos.",
+        )
     dist.barrier()
     return directory

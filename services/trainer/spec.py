@@ -29,6 +29,10 @@ class TrainerSpec:
     loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     run_id: str = ""
+    # The run's tokenizer ("char" or a local tokenizer directory) and its recipe (Recipe.to_dict()):
+    # the Hugging Face export writes the tokenizer files and lists the recipe in the model card.
+    tokenizer: str = "char"
+    recipe: dict[str, Any] = field(default_factory=dict)
     # Dtype of the shards sent to weight-sync ("" = the parameters' own dtype).
     push_dtype: str = ""
     push_max_bytes: int = 16 << 20
@@ -90,4 +94,6 @@ def spec_from_recipe(recipe: Any, run_id: str) -> TrainerSpec:
             grad_clip=opt.grad_clip,
         ),
         run_id=run_id,
+        tokenizer=recipe.model.tokenizer,
+        recipe=recipe.to_dict(),
     )
