@@ -25,8 +25,16 @@ class WorkerConfig:
     concurrency: int = 16
     durable: str = "environment-sandbox"
     ack_wait_s: float = 30.0
-    max_deliver: int = 5
-    retry_delay_s: float = 1.0
+    # A failed episode (a dependency down or restarting: router, reward, weights not there yet) is
+    # handed back with a delay doubling from retry_delay_s up to max_retry_delay_s, so it outlives
+    # restarts of tens of seconds: 200 attempts are over an hour of retrying.
+    max_deliver: int = 200
+    retry_delay_s: float = 0.5
+    max_retry_delay_s: float = 30.0
+
+    def retry_delay(self, attempt: int) -> float:
+        """Delay before redelivering a task that failed on its `attempt`-th delivery (1-based)."""
+        return min(self.max_retry_delay_s, self.retry_delay_s * 2 ** max(0, attempt - 1))
 
 
 class EpisodeWorker:
@@ -100,8 +108,13 @@ class EpisodeWorker:
                 self.failed += 1
                 return
             except Exception:
-                log.exception("episode failed; handing the task back")
-                await delivery.nak(delay=self.config.retry_delay_s)
+                delay = self.config.retry_delay(delivery.num_delivered)
+                log.exception(
+                    "episode failed (delivery %d); handing the task back in %.1fs",
+                    delivery.num_delivered,
+                    delay,
+                )
+                await delivery.nak(delay=delay)
                 self.failed += 1
                 return
             # Every rollout of the task (all branches of a forked episode) before the ack: a crash
