@@ -31,3 +31,11 @@ class GatewayConfig(ServiceConfig):
     recipe_base_dir: str = field(
         default=".", metadata={"help": "Relative model paths in recipes resolve here."}
     )
+    recipe_limits: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "What a recipe may ask of this cluster, as JSON overriding services.kit.limits.RecipeLimits "
+            '(e.g. {"max_rollouts_per_step": 4096, "max_world_size": 8, "max_replicas": 16}); a recipe over '
+            "a limit is refused with INVALID_ARGUMENT before its run exists."
+        },
+    )
