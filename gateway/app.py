@@ -16,14 +16,12 @@ from looprl.inference.v1 import inference_pb2_grpc
 from looprl.packer.v1 import packer_pb2_grpc
 from services.kit import subjects
 from services.kit.bus import Bus
-from services.kit.limits import RecipeLimits
 from services.kit.local import free_port
 from services.kit.server import Service, open_channel
 from services.modeling.tokenizer import load_tokenizer
 
 
 async def serve(config: GatewayConfig) -> None:
-    limits = RecipeLimits.from_dict(config.recipe_limits)  # a bad limit stops the gateway before it serves
     service = Service("gateway", config)
     auth = TokenAuth.from_config(config.tokens)
     # Servicer first (handlers must be registered before the port opens); its run manager needs
@@ -43,7 +41,7 @@ async def serve(config: GatewayConfig) -> None:
             Path(config.recipe_base_dir),
             packer,
             config.exclusive_runs,
-            limits,
+            config.limits(),
         )
         servicer.runs = runs
         router = None

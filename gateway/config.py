@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.kit.config import ServiceConfig
+from services.kit.config import ConfigError, ServiceConfig
+from services.kit.limits import RecipeLimits
 
 
 @dataclass
@@ -39,3 +40,12 @@ class GatewayConfig(ServiceConfig):
             "a limit is refused with INVALID_ARGUMENT before its run exists."
         },
     )
+
+    def __post_init__(self) -> None:
+        self.limits()  # a bad limit is a configuration error at start-up, naming the limit
+
+    def limits(self) -> RecipeLimits:
+        """The cluster limits recipes are admitted against."""
+        if not isinstance(self.recipe_limits, dict):
+            raise ConfigError(f"recipe_limits: must be a JSON object, got {self.recipe_limits!r}")
+        return RecipeLimits.from_dict(self.recipe_limits)

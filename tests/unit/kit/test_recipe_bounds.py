@@ -111,7 +111,7 @@ def test_the_values_at_the_limits_are_accepted() -> None:
 
 def test_the_gateway_configuration_sets_the_cluster_limits() -> None:
     env = {"LOOPRL_GATEWAY_RECIPE_LIMITS": '{"max_rollouts_per_step": 128, "max_world_size": 4}'}
-    limits = RecipeLimits.from_dict(load_config(GatewayConfig, "GATEWAY", env).recipe_limits)
+    limits = load_config(GatewayConfig, "GATEWAY", env).limits()
     assert _refusal("[batch]\nrollouts_per_step = 256\n", limits).startswith(
         "batch.rollouts_per_step: must be <= 128 (this cluster's max_rollouts_per_step), got 256"
     )
@@ -136,6 +136,19 @@ def test_the_gateway_configuration_sets_the_cluster_limits() -> None:
 def test_limits_over_their_ceiling_or_unknown_are_configuration_errors(values: dict, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         RecipeLimits.from_dict(values)
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ('{"max_steps": 0}', "recipe limit max_steps: must be an integer in [1, "),
+        ("[4096]", "recipe_limits: must be"),
+    ],
+)
+def test_a_bad_gateway_limit_is_a_configuration_error_at_start_up(raw: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(GatewayConfig, "GATEWAY", {"LOOPRL_GATEWAY_RECIPE_LIMITS": raw})
     assert str(err.value).startswith(message)
 
 
