@@ -3,8 +3,9 @@
 Every field has a default and a docstring-like `help`. Parsing rejects unknown sections and
 fields and names the offending path ("batch.group_size: ..."), so a bad recipe fails before
 anything starts. Every number has bounds (`_BOUNDS`); the ones a cluster sets (rollouts per step,
-world size, replicas, ...) come from `RecipeLimits`, which the gateway reads from its configuration. The gateway stores the recipe text in the run record (KV bucket "runs");
-every service re-parses it with this module, so they all read the same run the same way.
+world size, replicas, ...) come from `RecipeLimits`, which the gateway reads from its configuration.
+The gateway stores the recipe text in the run record (KV bucket "runs"); every service re-parses it
+with this module, so they all read the same run the same way.
 """
 
 from __future__ import annotations
