@@ -41,6 +41,7 @@ async def serve(config: GatewayConfig) -> None:
             Path(config.recipe_base_dir),
             packer,
             config.exclusive_runs,
+            config.limits(),
         )
         servicer.runs = runs
         router = None

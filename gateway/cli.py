@@ -55,8 +55,16 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
-    from gateway.stack import restart
+    from gateway.stack import StackState, restart
 
+    state = StackState.load(_state_dir(args).resolve())
+    if state is None:
+        print("no local stack is up (run `looprl up`)", file=sys.stderr)
+        return 1
+    names = [s.name for s in state.services]
+    if args.service not in names:
+        print(f"unknown service {args.service!r}; the stack runs: {', '.join(names)}", file=sys.stderr)
+        return 2
     svc = restart(_state_dir(args), args.service, kill=args.kill)
     print(f"{svc.name} SERVING again at {svc.address} (pid {svc.pid})")
     return 0
@@ -106,12 +114,16 @@ def _recipe_env(recipe: str | None) -> dict[str, str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import grpc
+
     from gateway.stack import StackPorts, StackState, down, up
     from looprl.gateway.v1 import gateway_pb2
+    from services.kit.limits import RecipeLimits
     from services.kit.recipe import RecipeError, load_recipe
 
     try:
-        load_recipe(args.recipe)
+        # The widest limits here: the gateway holds its cluster's, and says which one a recipe exceeds.
+        load_recipe(args.recipe, limits=RecipeLimits.ceilings())
     except RecipeError as exc:
         print(f"invalid recipe {args.recipe}: {exc}", file=sys.stderr)
         return 2
@@ -122,9 +134,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         started_here = True
     try:
         stub, metadata = _gateway(args)
-        reply = stub.CreateRun(
-            gateway_pb2.CreateRunRequest(recipe_toml=Path(args.recipe).read_text()), metadata=metadata
-        )
+        try:
+            reply = stub.CreateRun(
+                gateway_pb2.CreateRunRequest(recipe_toml=Path(args.recipe).read_text()), metadata=metadata
+            )
+        except grpc.RpcError as exc:
+            print(f"the gateway refused {args.recipe}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
         print(f"run {reply.run.run_id} created")
         return _follow(stub, metadata, reply.run.run_id, Path(args.report_dir))
     finally:

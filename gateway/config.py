@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.kit.config import ServiceConfig
+from services.kit.config import ConfigError, ServiceConfig
+from services.kit.limits import RecipeLimits
 
 
 @dataclass
@@ -31,3 +32,20 @@ class GatewayConfig(ServiceConfig):
     recipe_base_dir: str = field(
         default=".", metadata={"help": "Relative model paths in recipes resolve here."}
     )
+    recipe_limits: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "What a recipe may ask of this cluster, as JSON overriding services.kit.limits.RecipeLimits "
+            '(e.g. {"max_rollouts_per_step": 4096, "max_world_size": 8, "max_replicas": 16}); a recipe over '
+            "a limit is refused with INVALID_ARGUMENT before its run exists."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        self.limits()  # a bad limit is a configuration error at start-up, naming the limit
+
+    def limits(self) -> RecipeLimits:
+        """The cluster limits recipes are admitted against."""
+        if not isinstance(self.recipe_limits, dict):
+            raise ConfigError(f"recipe_limits: must be a JSON object, got {self.recipe_limits!r}")
+        return RecipeLimits.from_dict(self.recipe_limits)

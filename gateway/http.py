@@ -2,12 +2,16 @@
 
 The OpenAI-compatible endpoints tokenize, forward to the inference-router's Generate and
 decode, so agent frameworks and evaluators can use the policy being trained. Every route but
-/healthz needs a bearer token. Errors use OpenAI's {"error": {...}} shape with the HTTP status
-that matches the gRPC one.
+/healthz needs a bearer token. Every request field is checked against its type and range before
+anything is forwarded (OPENAI_FIELDS). Errors use OpenAI's {"error": {"message", "type", "param",
+"code"}} shape with the HTTP status that matches the gRPC one; `param` names the offending field.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import re
 import time
 import uuid
 from typing import Any
@@ -21,6 +25,12 @@ from gateway.service import RunManager, run_to_proto
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.kit.errors import InvalidArgument, ServiceError, Unavailable
+from services.kit.limits import INT32_MAX, INT64_MAX
+
+log = logging.getLogger("looprl.gateway.http")
+
+# Largest request body: room for a recipe at the largest recipe limit plus JSON escaping.
+MAX_BODY_BYTES = 4 << 20
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -34,10 +44,34 @@ HTTP_STATUS = {
 }
 
 
-def _error(status: int, message: str, code: str) -> web.Response:
+# OpenAI's error type by HTTP status; 5xx is "server_error".
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+# The OpenAI request fields forwarded as SamplingParams: (kind, default, smallest, largest); a str
+# largest names the gateway's RecipeLimits field (the same cluster limit a recipe is held to).
+# OpenAI's own ranges where it has one (temperature [0, 2], top_p [0, 1], n <= 128).
+OPENAI_FIELDS: dict[str, tuple[type, float, float, float | str]] = {
+    "temperature": (float, 1.0, 0.0, 2.0),
+    "top_p": (float, 1.0, 0.0, 1.0),
+    "max_tokens": (int, 16, 1, "max_tokens"),
+    "n": (int, 1, 1, 128),
+    "seed": (int, 0, 0, INT64_MAX),
+}
+
+_FIELD = re.compile(r"^([A-Za-z_]\w*)[\w.\[\]]*: ")
+
+
+def _error(status: int, message: str, code: str, param: str | None = None) -> web.Response:
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return web.json_response(
-        {"error": {"message": message, "type": code.lower(), "code": code}}, status=status
+        {"error": {"message": message, "type": kind, "param": param, "code": code}}, status=status
     )
+
+
+def _param(message: str) -> str | None:
+    """The top-level request field a "field[...]: what" message names."""
+    match = _FIELD.match(message)
+    return match.group(1) if match else None
 
 
 @web.middleware
@@ -45,9 +79,35 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
     except ServiceError as exc:
-        return _error(HTTP_STATUS.get(exc.code, 500), exc.message, exc.code.name)
+        status = HTTP_STATUS.get(exc.code, 500)
+        return _error(status, exc.message, exc.code.name, _param(exc.message) if status == 400 else None)
     except grpc.aio.AioRpcError as exc:
         return _error(HTTP_STATUS.get(exc.code(), 502), exc.details() or "", exc.code().name)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.text or exc.reason, exc.reason.upper().replace(" ", "_"))
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, "internal error (logged by the gateway)", "INTERNAL")
+
+
+def _sampling_value(body: dict, name: str, limits: Any) -> Any:
+    """One OPENAI_FIELDS field of the body, checked; InvalidArgument names it otherwise."""
+    kind, default, low, high = OPENAI_FIELDS[name]
+    value = body.get(name)
+    if value is None:  # absent or null: OpenAI's default
+        return default
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise InvalidArgument(f"{name}: must be an integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{name}: must be a number, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidArgument(f"{name}: must be a finite number, got {value!r}")
+    largest = getattr(limits, high) if isinstance(high, str) else high
+    if not low <= value <= largest:
+        raise InvalidArgument(f"{name}: must be in [{low}, {largest}], got {value!r}")
+    return kind(value)
 
 
 def _run_json(run) -> dict:
@@ -65,7 +125,7 @@ class HttpApi:
         self.runs, self.auth, self.router, self.tokenizer = runs, auth, router, tokenizer
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors, self._authenticate])
+        app = web.Application(middlewares=[_errors, self._authenticate], client_max_size=MAX_BODY_BYTES)
         app.add_routes(
             [
                 web.get("/healthz", self.healthz),
@@ -91,6 +151,8 @@ class HttpApi:
     async def _body(self, request: web.Request) -> dict:
         try:
             body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            raise
         except Exception as exc:
             raise InvalidArgument(f"body: not valid JSON ({exc})") from exc
         if not isinstance(body, dict):
@@ -119,28 +181,45 @@ class HttpApi:
         )
 
     def _sampling(self, body: dict) -> common_pb2.SamplingParams:
-        def number(name: str, default: float, kind: type = float) -> Any:
-            value = body.get(name, default)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise InvalidArgument(f"{name}: must be a number, got {value!r}")
-            return kind(value)
+        values = {name: _sampling_value(body, name, self.runs.limits) for name in OPENAI_FIELDS}
+        return common_pb2.SamplingParams(**values, stop_token_ids=[self.tokenizer.eos_token_id])
 
-        return common_pb2.SamplingParams(
-            temperature=number("temperature", 1.0),
-            top_p=number("top_p", 1.0),
-            max_tokens=number("max_tokens", 16, int),
-            n=number("n", 1, int),
-            seed=number("seed", 0, int),
-            stop_token_ids=[self.tokenizer.eos_token_id],
-        )
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = prompt
+        else:
+            raise InvalidArgument("prompt: must be a string or a list of token ids")
+        self._check_ids("prompt", ids)
+        return ids
 
-    async def _generate(self, prompt_ids: list[int], body: dict) -> inference_pb2.GenerateResponse:
+    def _check_ids(self, field: str, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidArgument(f"{field}: must not be empty")
+        longest = self.runs.limits.max_model_len
+        if len(ids) > longest:
+            raise InvalidArgument(f"{field}: {len(ids)} tokens, more than the longest model length {longest}")
+        for i, token in enumerate(ids):
+            if not 0 <= token <= INT32_MAX:
+                raise InvalidArgument(f"{field}[{i}]: token id {token} is outside [0, {INT32_MAX}]")
+
+    async def _generate(
+        self, prompt_ids: list[int], sampling: common_pb2.SamplingParams, prompt_field: str
+    ) -> inference_pb2.GenerateResponse:
         if self.router is None:
             raise Unavailable("no inference-router configured (LOOPRL_GATEWAY_ROUTER_ADDRESS)")
         request = inference_pb2.GenerateRequest(
-            prompt_token_ids=prompt_ids, sampling=self._sampling(body), request_id=uuid.uuid4().hex
+            prompt_token_ids=prompt_ids, sampling=sampling, request_id=uuid.uuid4().hex
         )
-        return await self.router.Generate(request, timeout=120)
+        try:
+            return await self.router.Generate(request, timeout=120)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            # The router names its own fields (sampling.max_tokens, prompt_token_ids[3]): say the OpenAI ones.
+            detail = re.sub(r"^sampling\.", "", exc.details() or "")
+            raise InvalidArgument(re.sub(r"^prompt_token_ids", prompt_field, detail)) from exc
 
     def _usage(self, prompt_ids: list[int], reply: inference_pb2.GenerateResponse) -> dict:
         completion = sum(len(c.token_ids) for c in reply.completions)
@@ -155,14 +234,8 @@ class HttpApi:
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = prompt
-        else:
-            raise InvalidArgument("prompt: must be a string or a list of token ids")
-        reply = await self._generate(ids, body)
+        ids = self._prompt_ids(body.get("prompt"))
+        reply = await self._generate(ids, self._sampling(body), "prompt")
         choices = [
             {"index": i, "text": self._text(c.token_ids), "finish_reason": c.finish_reason, "logprobs": None}
             for i, c in enumerate(reply.completions)
@@ -182,7 +255,8 @@ class HttpApi:
             ):
                 raise InvalidArgument(f"messages[{i}]: needs string 'role' and 'content'")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        reply = await self._generate(ids, body)
+        self._check_ids("messages", ids)
+        reply = await self._generate(ids, self._sampling(body), "messages")
         choices = [
             {
                 "index": i,

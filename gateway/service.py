@@ -14,6 +14,7 @@ from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.kit import subjects
 from services.kit.bus import Bus
 from services.kit.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.kit.limits import RecipeLimits
 from services.kit.recipe import RecipeError, RunRecord, parse_recipe
 
 log = logging.getLogger("looprl.gateway")
@@ -69,10 +70,17 @@ class RunManager:
     """Owns the RunDrivers of this gateway process; resumes active runs on start."""
 
     def __init__(
-        self, bus: Bus, store: RunStore, recipe_base_dir: Path, packer=None, exclusive_runs: bool = True
+        self,
+        bus: Bus,
+        store: RunStore,
+        recipe_base_dir: Path,
+        packer=None,
+        exclusive_runs: bool = True,
+        limits: RecipeLimits | None = None,
     ) -> None:
         self.bus, self.store, self.base_dir, self.packer = bus, store, recipe_base_dir, packer
         self.exclusive_runs = exclusive_runs
+        self.limits = limits or RecipeLimits()
         self.drivers: dict[str, RunDriver] = {}
 
     async def proto(self, record: RunRecord) -> gateway_pb2.Run:
@@ -90,8 +98,9 @@ class RunManager:
         driver.start()
 
     async def create(self, recipe_toml: str, run_id: str = "") -> RunRecord:
+        """Admit a run: every check (recipe bounds included) passes before its record is written."""
         try:
-            recipe = parse_recipe(recipe_toml, base_dir=self.base_dir)
+            recipe = parse_recipe(recipe_toml, base_dir=self.base_dir, limits=self.limits)
         except RecipeError as exc:
             raise InvalidArgument(f"recipe_toml: {exc}") from exc
         if run_id:

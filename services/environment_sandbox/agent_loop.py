@@ -29,9 +29,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
@@ -44,6 +43,12 @@ from services.environment_sandbox.environments import (
     parse_task,
 )
 from services.environment_sandbox.environments.datasets import is_index_task, task_by_index
+from services.environment_sandbox.model_io import (
+    Generator,
+    ModelTurn,
+    Score,  # noqa: F401 - re-exported: callers build scorers from agent_loop
+    Scorer,
+)
 from services.environment_sandbox.ratelimit import Limit, RateLimiter
 
 log = logging.getLogger(__name__)
@@ -62,36 +67,6 @@ def rollout_id_for(
     every redelivery."""
     key = f"{run_id}/{group_id}/{task_id}/{sample_index}" + ("" if branch is None else f"/b{branch}")
     return uuid.uuid5(_ROLLOUT_NS, key).hex
-
-
-@dataclass
-class ModelTurn:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    weight_version: int
-
-
-class Generator(Protocol):
-    async def __call__(
-        self,
-        prompt_ids: list[int],
-        sampling: common_pb2.SamplingParams,
-        session_id: str,
-        min_weight_version: int,
-    ) -> ModelTurn: ...
-
-
-@dataclass
-class Score:
-    score: float
-    components: dict[str, float] = field(default_factory=dict)
-    ok: bool = True
-    reasons: dict[str, str] = field(default_factory=dict)
-
-
-# (reward name, task json, completion, rollout id, transcript, environment reward) -> Score
-Scorer = Callable[[str, str, str, str, str, float | None], Awaitable[Score]]
 
 
 @dataclass

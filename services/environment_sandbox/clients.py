@@ -7,6 +7,8 @@ import asyncio
 import uuid
 from typing import Any
 
+from services.environment_sandbox.model_io import ModelTurn, Score
+
 
 class RouterGenerator:
     """Generator over InferenceRouterService.Generate."""
@@ -24,7 +26,6 @@ class RouterGenerator:
         """n completions of one prompt in one request (a fork: the prefix is prefilled once)."""
         from looprl.common.v1 import common_pb2
         from looprl.inference.v1 import inference_pb2
-        from services.environment_sandbox.agent_loop import ModelTurn
 
         params = common_pb2.SamplingParams()
         params.CopyFrom(sampling)
@@ -141,8 +142,6 @@ def _fail(batch: list[tuple[Any, asyncio.Future]], exc: BaseException) -> None:
 
 
 def _score(response: Any) -> Any:
-    from services.environment_sandbox.agent_loop import Score
-
     return Score(
         response.score,
         {c.name: c.score for c in response.components if c.ok},

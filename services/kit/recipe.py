@@ -2,19 +2,24 @@
 
 Every field has a default and a docstring-like `help`. Parsing rejects unknown sections and
 fields and names the offending path ("batch.group_size: ..."), so a bad recipe fails before
-anything starts. The gateway stores the recipe text in the run record (KV bucket "runs");
-every service re-parses it with this module, so they all read the same run the same way.
+anything starts. Every number has bounds (`_BOUNDS`); the ones a cluster sets (rollouts per step,
+world size, replicas, ...) come from `RecipeLimits`, which the gateway reads from its configuration.
+The gateway stores the recipe text in the run record (KV bucket "runs"); every service re-parses it
+with this module, so they all read the same run the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from services.kit.limits import INT32_MAX, INT64_MAX, RecipeLimits
 
 
 class RecipeError(ValueError):
@@ -219,16 +224,99 @@ def _coerce(raw: Any, tp: Any, path: str) -> Any:
     return raw
 
 
+@dataclass(frozen=True)
+class _Above:
+    """An exclusive lower bound (the value must be greater)."""
+
+    value: float
+
+
+# Bounds of every number in a recipe by field path (`name[]`: each element of a list):
+# (smallest, largest), inclusive; a str largest names the RecipeLimits field that holds it.
+# Floats must also be finite (TOML has inf and nan).
+_BOUNDS: dict[str, tuple[float | _Above, float | str]] = {
+    "run.seed": (0, INT64_MAX),
+    "run.steps": (1, "max_steps"),
+    "run.max_staleness": (0, "max_staleness"),
+    "model.init_std": (_Above(0.0), 10.0),
+    "sampling.temperature": (_Above(0.0), 100.0),
+    "sampling.top_p": (_Above(0.0), 1.0),
+    "sampling.top_k": (0, INT32_MAX),
+    "sampling.max_tokens": (1, "max_tokens"),
+    "batch.rollouts_per_step": (1, "max_rollouts_per_step"),
+    "batch.group_size": (1, "max_group_size"),
+    "batch.max_tokens_per_microbatch": (1, "max_tokens_per_microbatch"),
+    "algorithm.clip_low": (0.0, 1.0),
+    "algorithm.clip_high": (0.0, 100.0),
+    "algorithm.tis_cap": (0.0, 1e6),
+    "algorithm.kl_coef": (0.0, 1e6),
+    "algorithm.entropy_coef": (0.0, 1e6),
+    "algorithm.group_timeout_seconds": (_Above(0.0), 7 * 86_400.0),
+    "optimizer.lr": (_Above(0.0), 1.0),
+    "optimizer.weight_decay": (0.0, 1e3),
+    "optimizer.betas[]": (0.0, 1.0),
+    "optimizer.eps": (_Above(0.0), 1.0),
+    "optimizer.warmup_steps": (0, "max_steps"),
+    "optimizer.grad_clip": (0.0, 1e9),
+    "trainer.world_size": (1, "max_world_size"),
+    "trainer.checkpoint_every": (0, "max_steps"),
+    "deployments[].tensor_parallel": (1, "max_tensor_parallel"),
+    "deployments[].gpu_memory_utilization": (0.0, 1.0),
+    "deployments[].replicas": (1, "max_replicas"),
+    "deployments[].max_model_len": (1, "max_model_len"),
+    "deployments[].max_batch_size": (1, "max_batch_size"),
+    "deployments[].max_queued_requests": (1, "max_queued_requests"),
+    "deployments[].min_prompt_tokens": (0, INT32_MAX),
+    "deployments[].max_prompt_tokens": (0, INT32_MAX),
+    "deployments[].min_output_tokens": (0, INT32_MAX),
+    "deployments[].max_output_tokens": (0, INT32_MAX),
+    "deployments[].sync_every": (1, "max_steps"),
+    "deployments[].canary_max_logprob_drift": (0.0, 1e6),
+    "deployments[].canary_tokens_per_prompt": (0, "max_tokens"),
+}
+
+
+def _values_at(node: Any, path: list[str], where: str) -> list[tuple[str, Any]]:
+    """(dotted path, value) of every value the bounds path names (expanding `name[]` lists)."""
+    if not path:
+        return [(where, node)]
+    name, rest = path[0], path[1:]
+    if name.endswith("[]"):
+        items = getattr(node, name[:-2])
+        found = []
+        for i, item in enumerate(items):
+            found.extend(_values_at(item, rest, f"{_join(where, name[:-2])}[{i}]"))
+        return found
+    return _values_at(getattr(node, name), rest, _join(where, name))
+
+
+def _check_bounds(recipe: Recipe, limits: RecipeLimits) -> None:
+    for field_path, (low, high) in _BOUNDS.items():
+        for path, value in _values_at(recipe, field_path.split("."), ""):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise RecipeError(f"{path}: must be a finite number, got {value}")
+            if isinstance(low, _Above):
+                _check(value > low.value, path, f"must be > {low.value}, got {value}")
+            else:
+                _check(value >= low, path, f"must be >= {low}, got {value}")
+            if isinstance(high, str):
+                limit = getattr(limits, high)
+                _check(value <= limit, path, f"must be <= {limit} (this cluster's {high}), got {value}")
+            else:
+                _check(value <= high, path, f"must be <= {high}, got {value}")
+
+
 def _check(cond: bool, path: str, message: str) -> None:
     if not cond:
         raise RecipeError(f"{path}: {message}")
 
 
-def validate(recipe: Recipe, base_dir: Path | None = None) -> Recipe:
-    """Cross-field checks; raises RecipeError naming the first bad field."""
+def validate(recipe: Recipe, base_dir: Path | None = None, limits: RecipeLimits | None = None) -> Recipe:
+    """Bounds (against `limits`, the defaults when None) and cross-field checks; raises RecipeError
+    naming the first bad field."""
     r = recipe
-    _check(r.run.steps > 0, "run.steps", f"must be > 0, got {r.run.steps}")
-    _check(r.run.max_staleness >= 0, "run.max_staleness", f"must be >= 0, got {r.run.max_staleness}")
+    limits = limits or RecipeLimits()
+    _check_bounds(r, limits)
     _check(bool(r.run.name.strip()), "run.name", "must not be empty")
     if r.model.path:
         path = Path(r.model.path)
@@ -250,24 +338,10 @@ def validate(recipe: Recipe, base_dir: Path | None = None) -> Recipe:
         f"must be float32 or bfloat16, got {r.model.dtype!r}",
     )
     _check(
-        r.sampling.temperature > 0,
-        "sampling.temperature",
-        f"must be > 0 for RL sampling, got {r.sampling.temperature}",
-    )
-    _check(0 < r.sampling.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {r.sampling.top_p}")
-    _check(r.sampling.max_tokens > 0, "sampling.max_tokens", f"must be > 0, got {r.sampling.max_tokens}")
-    _check(r.batch.group_size > 0, "batch.group_size", f"must be > 0, got {r.batch.group_size}")
-    _check(
-        r.batch.rollouts_per_step > 0,
-        "batch.rollouts_per_step",
-        f"must be > 0, got {r.batch.rollouts_per_step}",
-    )
-    _check(
         r.batch.rollouts_per_step % r.batch.group_size == 0,
         "batch.rollouts_per_step",
         f"{r.batch.rollouts_per_step} is not divisible by batch.group_size {r.batch.group_size}",
     )
-    _check(r.batch.max_tokens_per_microbatch > 0, "batch.max_tokens_per_microbatch", "must be > 0")
     _check(
         r.algorithm.advantage in ("grpo", "dr_grpo", "rloo"),
         "algorithm.advantage",
@@ -283,49 +357,37 @@ def validate(recipe: Recipe, base_dir: Path | None = None) -> Recipe:
         "batch.group_size",
         "rloo needs group_size > 1",
     )
-    _check(r.optimizer.lr > 0, "optimizer.lr", f"must be > 0, got {r.optimizer.lr}")
-    _check(r.model.init_std > 0, "model.init_std", f"must be > 0, got {r.model.init_std}")
-    _check(
-        r.algorithm.entropy_coef >= 0,
-        "algorithm.entropy_coef",
-        f"must be >= 0, got {r.algorithm.entropy_coef}",
-    )
     _check(len(r.optimizer.betas) == 2, "optimizer.betas", "must have two values")
     _check(
         r.optimizer.schedule in ("constant", "cosine"),
         "optimizer.schedule",
         f"unknown schedule {r.optimizer.schedule!r}",
     )
-    _check(r.trainer.world_size > 0, "trainer.world_size", f"must be > 0, got {r.trainer.world_size}")
     _check(len(r.deployments) > 0, "deployments", "at least one deployment is needed")
+    _check(
+        len(r.deployments) <= limits.max_deployments,
+        "deployments",
+        f"must be at most {limits.max_deployments} (this cluster's max_deployments), got {len(r.deployments)}",
+    )
     names = set()
     for i, d in enumerate(r.deployments):
         where = f"deployments[{i}]"
         _check(d.name not in names, f"{where}.name", f"duplicate deployment name {d.name!r}")
         names.add(d.name)
         _check(d.backend in ("cpu", "vllm"), f"{where}.backend", f"unknown backend {d.backend!r} (cpu, vllm)")
-        _check(d.tensor_parallel > 0, f"{where}.tensor_parallel", "must be > 0")
         _check(
             d.dtype in ("", "float32", "bfloat16", "float16"),
             f"{where}.dtype",
             f"must be float32, bfloat16 or float16 (empty: the backend's default), got {d.dtype!r}",
         )
         _check(
-            0.0 <= d.gpu_memory_utilization < 1.0,  # also rejects NaN
+            d.gpu_memory_utilization < 1.0,
             f"{where}.gpu_memory_utilization",
             f"must be in [0, 1) (0: vLLM's default), got {d.gpu_memory_utilization}",
         )
         _check(
             d.pause_mode in ("keep", "abort"), f"{where}.pause_mode", f"keep or abort, got {d.pause_mode!r}"
         )
-        _check(d.replicas > 0, f"{where}.replicas", "must be > 0")
-        _check(d.sync_every > 0, f"{where}.sync_every", "must be > 0")
-        _check(
-            d.canary_max_logprob_drift >= 0,  # also rejects NaN
-            f"{where}.canary_max_logprob_drift",
-            "must be >= 0",
-        )
-        _check(d.canary_tokens_per_prompt >= 0, f"{where}.canary_tokens_per_prompt", "must be >= 0")
         _check(
             d.min_prompt_tokens <= d.max_prompt_tokens,
             f"{where}.max_prompt_tokens",
@@ -350,22 +412,28 @@ def sampling_seed(run_seed: int, task_index: int, sample: int = 0) -> int:
 MODEL_PRESETS = ("tiny-qwen2", "small-qwen2")
 
 
-def parse_recipe(text: str, base_dir: Path | None = None) -> Recipe:
-    """Parse and validate recipe TOML text."""
+def parse_recipe(text: str, base_dir: Path | None = None, limits: RecipeLimits | None = None) -> Recipe:
+    """Parse and validate recipe TOML text (against `limits`, the defaults when None)."""
+    limits = limits or RecipeLimits()
+    size = len(text.encode())
+    if size > limits.max_recipe_bytes:
+        raise RecipeError(
+            f"recipe: {size} bytes, more than this cluster's max_recipe_bytes ({limits.max_recipe_bytes})"
+        )
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError(f"recipe: not valid TOML: {exc}") from exc
     if "deployments" in data and isinstance(data["deployments"], dict):
         raise RecipeError("deployments: use [[deployments]] (an array of tables)")
-    return validate(_build(Recipe, data, ""), base_dir)
+    return validate(_build(Recipe, data, ""), base_dir, limits)
 
 
-def load_recipe(path: str | Path) -> Recipe:
+def load_recipe(path: str | Path, limits: RecipeLimits | None = None) -> Recipe:
     path = Path(path)
     if not path.exists():
         raise RecipeError(f"recipe: file {str(path)!r} does not exist")
-    return parse_recipe(path.read_text(), base_dir=path.parent)
+    return parse_recipe(path.read_text(), base_dir=path.parent, limits=limits)
 
 
 @dataclass
@@ -383,7 +451,8 @@ class RunRecord:
     extra: dict = field(default_factory=dict)
 
     def recipe(self) -> Recipe:
-        return parse_recipe(self.recipe_toml)
+        # The gateway admitted the recipe against its own limits; every reader takes it as admitted.
+        return parse_recipe(self.recipe_toml, limits=RecipeLimits.ceilings())
 
     def to_json(self) -> bytes:
         # Not dataclasses.asdict, which deep-copies `extra` first: the gateway writes the record

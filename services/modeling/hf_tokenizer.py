@@ -19,6 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from services.modeling.chatml import continuation_text, render_chatml
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -174,8 +176,6 @@ class HFTokenizer:
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The chat template's text for `messages` (ChatML when the directory ships no template)."""
         if self.chat_template is None:
-            from services.modeling.tokenizer import render_chatml
-
             return render_chatml(messages, add_generation_prompt)
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -198,7 +198,5 @@ class HFTokenizer:
         self, previous: list[dict[str, Any]], new: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Ids after the model's turn (ended by eos) that append `new` messages (see continuation_text)."""
-        from services.modeling.tokenizer import continuation_text
-
         eos = self.special_tokens["eos_token"]
         return self.encode(continuation_text(self.render_chat, previous, new, eos, add_generation_prompt))

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
+from services.modeling.chatml import EOT, IM_END, IM_START, PAD, continuation_text, render_chatml
 from services.modeling.hf_tokenizer import HFTokenizer
 
-PAD, EOT, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOT, IM_START, IM_END)
 # Order is part of the contract: ids are positions in this tuple. Never reorder, only append.
 _CHARS: tuple[str, ...] = ("\n", "\t", *(chr(c) for c in range(32, 127)))
@@ -45,38 +45,6 @@ class Tokenizer(Protocol):
     def chat_continuation(
         self, previous: list[dict[str, str]], new: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]: ...
-
-
-def continuation_text(
-    render: Callable[[list[dict[str, str]], bool], str],
-    previous: list[dict[str, str]],
-    new: list[dict[str, str]],
-    turn_end: str,
-    add_generation_prompt: bool = True,
-) -> str:
-    """The chat text that follows the model's last turn (which ended with `turn_end`, its eos token)
-    when `new` messages are appended, so a multi-turn episode extends the token ids it already has
-    instead of re-rendering (a template's first-message preamble, like Qwen's default system
-    turn, is rendered once)."""
-    before = render(previous, False)
-    full = render([*previous, *new], add_generation_prompt)
-    end = before.rfind(turn_end)
-    if end < 0 or not full.startswith(before[: end + len(turn_end)]):
-        raise ValueError("chat template: appending messages does not extend the conversation's text")
-    return full[end + len(turn_end) :]
-
-
-def render_chatml(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """ChatML text: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then the assistant header."""
-    parts = []
-    for i, message in enumerate(messages):
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise ValueError(f"messages[{i}]: needs string 'role' and 'content'")
-        parts.append(f"{IM_START}{role}\n{content}{IM_END}\n")
-    if add_generation_prompt:
-        parts.append(f"{IM_START}assistant\n")
-    return "".join(parts)
 
 
 class CharTokenizer:

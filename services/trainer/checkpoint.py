@@ -16,13 +16,29 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from services.trainer.worker import TrainerWorker
+from services.trainer.spec import TrainerSpec
+
+
+class TrainerRank(Protocol):
+    """What a checkpoint reads from and restores into a trainer rank (implemented by
+    services.trainer.worker.TrainerWorker, which imports this module, never the reverse)."""
+
+    rank: int
+    world_size: int
+    step: int
+    last_packer_step: int
+    model: Any  # the FSDP-wrapped Qwen2ForCausalLM
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    spec: TrainerSpec | None
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None: ...
+
 
 STATE_FILE = "trainer_state.json"
 PREFIX = "step_"
@@ -60,7 +76,7 @@ def read_state(path: str | Path) -> dict[str, Any]:
 class _TrainState:
     """DCP Stateful view of a worker: model + optimizer via the distributed state-dict API."""
 
-    def __init__(self, worker: TrainerWorker) -> None:
+    def __init__(self, worker: TrainerRank) -> None:
         self.worker = worker
 
     def state_dict(self) -> dict[str, Any]:
@@ -105,7 +121,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(worker: TrainerWorker, root: str, extra: dict[str, Any], keep: int = 3) -> str:
+def save(worker: TrainerRank, root: str, extra: dict[str, Any], keep: int = 3) -> str:
     """Collective: write a checkpoint of the current step; returns its directory."""
     import torch.distributed.checkpoint as dcp
 
@@ -138,7 +154,7 @@ def save(worker: TrainerWorker, root: str, extra: dict[str, Any], keep: int = 3)
     return str(final)
 
 
-def load(worker: TrainerWorker, path: str) -> dict[str, Any]:
+def load(worker: TrainerRank, path: str) -> dict[str, Any]:
     """Collective: restore model, optimizer, schedule, counters and this rank's RNG from `path`."""
     import torch.distributed.checkpoint as dcp
 
@@ -151,7 +167,7 @@ def load(worker: TrainerWorker, path: str) -> dict[str, Any]:
     return state
 
 
-def export_hf(worker: TrainerWorker, directory: str) -> str:
+def export_hf(worker: TrainerRank, directory: str) -> str:
     """Collective: gather the full state dict to rank 0 and write a complete HF directory there.
 
     Weights and config.json, the run's tokenizer files (copied from its tokenizer directory, or the

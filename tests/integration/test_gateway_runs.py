@@ -1,5 +1,6 @@
-"""The gateway as a real process against a real nats-server: auth, recipe validation, the
-staleness gate on episode feeding, and a restarted gateway continuing a run.
+"""The gateway as a real process against a real nats-server: auth, recipe validation and bounds
+(gRPC and HTTP, OpenAI-shaped errors), the staleness gate on episode feeding, and a restarted
+gateway continuing a run.
 
 The test plays the trainer's part on the bus (publishing TrainStepRecords) so that the gateway's
 run control is observable on its own; the end-to-end test runs the real trainer.
@@ -9,9 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,14 +19,10 @@ import grpc
 import pytest
 
 from looprl.events.v1 import events_pb2
-from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from looprl.gateway.v1 import gateway_pb2
 from services.kit import subjects
 from services.kit.bus import Bus
-from services.kit.local import free_port, wait_for_port
-
-ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "s3cret-token"
-AUTH = (("authorization", f"Bearer {TOKEN}"),)
+from tests.support.gateway import AUTH, TOKEN, GatewayProcess, http, openai_error
 
 RECIPE = """
 [run]
@@ -39,45 +33,6 @@ max_staleness = {staleness}
 rollouts_per_step = 4
 group_size = 2
 """
-
-
-class GatewayProcess:
-    def __init__(self, nats_url: str, tmp: Path) -> None:
-        self.grpc_port, self.http_port = free_port(), free_port()
-        self.env = {
-            **os.environ,
-            "LOOPRL_GATEWAY_GRPC_PORT": str(self.grpc_port),
-            "LOOPRL_GATEWAY_HTTP_PORT": str(self.http_port),
-            "LOOPRL_GATEWAY_TOKENS": f"other,{TOKEN}",
-            # Several runs share this test's nats-server and no deployment serves them.
-            "LOOPRL_GATEWAY_EXCLUSIVE_RUNS": "false",
-            "LOOPRL_NATS_URL": nats_url,
-            "LOOPRL_STATE_DIR": str(tmp),
-            "PYTHONPATH": str(ROOT),
-        }
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> GatewayProcess:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway"], cwd=ROOT, env=self.env, stderr=subprocess.DEVNULL
-        )
-        wait_for_port(self.grpc_port, 30, self.proc, "gateway")
-        channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
-        self.stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.stub.ListRuns(gateway_pb2.ListRunsRequest(), metadata=AUTH, timeout=2)
-                return self
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture
@@ -148,7 +103,16 @@ def test_every_call_needs_a_valid_token(gateway: GatewayProcess) -> None:
         ("[run]\nsteps = 2\nsurprise = 1\n", "run.surprise"),
         ("[model]\npath = 'no/such/model'\n", "model.path"),
         ("[batch]\nrollouts_per_step = 6\ngroup_size = 4\n", "batch.rollouts_per_step"),
+        # Out of range: refused by the bounds before a run record exists (steps = 2**64 used to
+        # create the run and then answer INTERNAL).
+        ("[run]\nsteps = 18446744073709551616\n", "run.steps: must be <= 1000000"),
+        ("[batch]\nrollouts_per_step = 8000000\n", "batch.rollouts_per_step: must be <= 65536"),
+        ("[sampling]\nmax_tokens = 1000000000000\n", "sampling.max_tokens"),
+        ("[trainer]\nworld_size = 1000000\n", "trainer.world_size"),
+        ("[[deployments]]\nreplicas = 100000000\n", "deployments[0].replicas"),
+        ("[environment.config]\nblob = '" + "x" * 2_000_000 + "'\n", "max_recipe_bytes (262144)"),
     ],
+    ids=lambda v: v[:40] if isinstance(v, str) else v,
 )
 def test_bad_recipes_are_rejected_and_nothing_starts(
     gateway: GatewayProcess, recipe: str, field: str
@@ -159,9 +123,70 @@ def test_bad_recipes_are_rejected_and_nothing_starts(
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
+    assert err.value.details().startswith("recipe_toml: ")
     with pytest.raises(grpc.RpcError) as missing:
         gateway.stub.GetRun(gateway_pb2.GetRunRequest(run_id="bad-run"), metadata=AUTH)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "bad-run" not in [
+        r.run_id for r in gateway.stub.ListRuns(gateway_pb2.ListRunsRequest(), metadata=AUTH).runs
+    ]
+
+
+OUT_OF_RANGE = [
+    ("/v1/completions", {"prompt": [1, 2, 2**40]}, "prompt", "prompt[2]: token id 1099511627776"),
+    ("/v1/completions", {"prompt": [1, True]}, "prompt", "list of token ids"),
+    ("/v1/completions", {"prompt": []}, "prompt", "must not be empty"),
+    ("/v1/completions", {"prompt": "12", "max_tokens": 10**12}, "max_tokens", "[1, 131072]"),
+    ("/v1/completions", {"prompt": "12", "max_tokens": 2.5}, "max_tokens", "must be an integer"),
+    ("/v1/completions", {"prompt": "12", "seed": 2**70}, "seed", "1180591620717411303424"),
+    ("/v1/completions", {"prompt": "12", "n": -1}, "n", "must be in [1, 128]"),
+    ("/v1/completions", {"prompt": "12", "temperature": "hot"}, "temperature", "must be a number"),
+    ("/v1/completions", {"prompt": "12", "temperature": float("nan")}, "temperature", "finite"),
+    ("/v1/completions", {"prompt": "12", "top_p": 7}, "top_p", "must be in [0.0, 1.0]"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**12},
+        "max_tokens",
+        "[1, 131072]",
+    ),
+    ("/v1/chat/completions", {"messages": []}, "messages", "non-empty list"),
+    (
+        "/v1/runs",
+        {"recipe_toml": "[run]\nsteps = 18446744073709551616\n", "run_id": "bad-http"},
+        "recipe_toml",
+        "run.steps: must be <= 1000000",
+    ),
+    (
+        "/v1/runs",
+        {"recipe_toml": "[batch]\nrollouts_per_step = 8000000\n", "run_id": "bad-http"},
+        "recipe_toml",
+        "batch.rollouts_per_step",
+    ),
+    ("/v1/runs", {"recipe_toml": "x" * 2_000_000, "run_id": "bad-http"}, "recipe_toml", "max_recipe_bytes"),
+]
+
+
+def test_http_answers_out_of_range_fields_with_openai_400s_and_keeps_serving(gateway: GatewayProcess) -> None:
+    for path, body, param, text in OUT_OF_RANGE:
+        status, reply = http(gateway, path, body)
+        error = openai_error(reply)
+        assert (status, error["type"], error["param"], error["code"]) == (
+            400,
+            "invalid_request_error",
+            param,
+            "INVALID_ARGUMENT",
+        ), (path, body.get("recipe_toml", body)[:80] if "recipe_toml" in body else body, reply)
+        assert text in error["message"], (path, error)
+    status, reply = http(gateway, "/v1/completions", b"[" * (5 << 20))  # past the 4 MiB body limit
+    assert status == 413 and openai_error(reply)["type"] == "invalid_request_error"
+    assert http(gateway, "/v1/runs/bad-http")[0] == 404
+    # Still serving: a valid completion gets past validation (no router here: 503, OpenAI-shaped),
+    # and a valid run is created.
+    status, reply = http(gateway, "/v1/completions", {"prompt": [1, 2], "max_tokens": 4, "seed": 2**63 - 1})
+    assert status == 503 and openai_error(reply)["type"] == "server_error"
+    recipe = RECIPE.format(staleness=0)
+    status, reply = http(gateway, "/v1/runs", {"recipe_toml": recipe, "run_id": "after-bad-input"})
+    assert status == 201 and reply["run_id"] == "after-bad-input"
 
 
 def test_synchronous_run_feeds_one_step_per_trained_version(gateway: GatewayProcess, nats_url: str) -> None:

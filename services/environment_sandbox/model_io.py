@@ -1,0 +1,43 @@
+"""What the agent loop exchanges with the model and the reward: a sampled turn and a score.
+
+The loop (agent_loop) and its gRPC adapters (clients) both speak these types; they live here so
+neither of the two has to import the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from looprl.common.v1 import common_pb2
+
+
+@dataclass
+class ModelTurn:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+
+
+class Generator(Protocol):
+    async def __call__(
+        self,
+        prompt_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        session_id: str,
+        min_weight_version: int,
+    ) -> ModelTurn: ...
+
+
+@dataclass
+class Score:
+    score: float
+    components: dict[str, float] = field(default_factory=dict)
+    ok: bool = True
+    reasons: dict[str, str] = field(default_factory=dict)
+
+
+# (reward name, task json, completion, rollout id, transcript, environment reward) -> Score
+Scorer = Callable[[str, str, str, str, str, float | None], Awaitable[Score]]

@@ -1,0 +1,79 @@
+"""The OpenAI-compatible endpoints of a real gateway in front of a real inference-router with one
+replica of a tiny Qwen2 that serves weights: out-of-range fields are OpenAI-shaped 400s naming the
+field (the gateway's checks, and the router's renamed to OpenAI's fields), and valid requests are
+served before and after them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.inference_router.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
+from tests.support.gateway import GatewayProcess, http, openai_error
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+DEPLOYMENT = {"name": "d", "replicas": 1, "tensor_parallel": 1, "max_model_len": 64, "max_batch_size": 4}
+
+
+@pytest.fixture(scope="module")
+def served(ray_client, nats_url: str, tmp_path_factory: pytest.TempPathFactory):
+    import ray
+
+    tmp = tmp_path_factory.mktemp("openai")
+    router = RouterProcess([DEPLOYMENT], tmp / "router.log", status_interval_s=0.2, replica_num_cpus=0.5)
+    gateway = None
+    try:
+        router.wait_serving(timeout=150)
+        config, weights = tiny_checkpoint(seed=0)
+        ray.get(load_weights(replica_actor("d", 0, router.namespace), config, weights, 1), timeout=120)
+        gateway = GatewayProcess(nats_url, tmp, router_address=router.address).start()
+        yield gateway, config
+    finally:
+        if gateway is not None:
+            gateway.kill()
+        router.stop()
+
+
+def _completion(gateway: GatewayProcess, timeout: float = 60) -> dict:
+    """A valid completion, retried while the router has not yet seen the replica's version."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, reply = http(gateway, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4, "seed": 7})
+        if status == 200 or time.monotonic() > deadline:
+            assert status == 200, reply
+            return reply
+        time.sleep(0.3)
+
+
+def test_out_of_range_fields_are_openai_400s_and_the_endpoint_keeps_serving(served) -> None:
+    gateway, config = served
+    assert len(_completion(gateway)["choices"]) == 1
+    vocab = config.vocab_size
+    bad = [
+        ({"prompt": [1, 2**40]}, "prompt", "prompt[1]: token id 1099511627776 is outside [0, 2147483647]"),
+        (
+            {"prompt": [1, vocab]},
+            "prompt",
+            f"prompt[1]: token id {vocab} is outside the vocabulary [0, {vocab})",
+        ),
+        ({"prompt": [1], "max_tokens": 10**12}, "max_tokens", "max_tokens: must be in [1, 131072]"),
+        ({"prompt": [1], "max_tokens": 1000}, "max_tokens", "max_tokens: prompt + max_tokens = 1001 exceeds"),
+        ({"prompt": [1], "seed": 2**70}, "seed", "seed: must be in [0, 9223372036854775807]"),
+        ({"prompt": [1], "n": -1}, "n", "n: must be in [1, 128]"),
+        ({"prompt": [1], "temperature": "warm"}, "temperature", "temperature: must be a number"),
+    ]
+    for body, param, text in bad:
+        status, reply = http(gateway, "/v1/completions", body)
+        error = openai_error(reply)
+        assert (status, error["type"], error["param"]) == (400, "invalid_request_error", param), (body, reply)
+        assert error["message"].startswith(text), (body, error)
+    again = _completion(gateway)
+    assert again["choices"][0]["text"] == _completion(gateway)["choices"][0]["text"]  # seeded: same text
+    status, chat = http(
+        gateway,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "12"}], "max_tokens": 3, "n": 2},
+    )
+    assert status == 200 and len(chat["choices"]) == 2, chat

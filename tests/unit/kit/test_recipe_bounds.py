@@ -1,0 +1,181 @@
+"""Recipe bounds: every number has a range, the cluster's limits come from one place (RecipeLimits,
+set by the gateway's configuration), and an oversized recipe is refused before it is parsed."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from gateway.config import GatewayConfig
+from services.kit.config import ConfigError, load_config
+from services.kit.limits import CEILINGS, INT32_MAX, INT64_MAX, RecipeLimits
+from services.kit.recipe import _BOUNDS, Recipe, RecipeError, RunRecord, _Above, parse_recipe
+
+
+def _toml(field_path: str, value: object) -> str:
+    """A recipe setting one field of the bounds table (`deployments[]`: in one deployment)."""
+    literal = repr(value)
+    section, name = field_path.split(".")
+    if section == "deployments[]":
+        return f"[[deployments]]\n{name} = {literal}\n"
+    if name == "betas[]":
+        return f"[optimizer]\nbetas = [{literal}, 0.99]\n"
+    return f"[{section}]\n{name} = {literal}\n"
+
+
+def _path(field_path: str) -> str:
+    return field_path.replace("deployments[]", "deployments[0]").replace("betas[]", "betas[0]")
+
+
+def _refusal(text: str, limits: RecipeLimits | None = None) -> str:
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(text, limits=limits)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("field_path", sorted(_BOUNDS))
+def test_every_bounded_field_refuses_a_value_above_its_largest(field_path: str) -> None:
+    low, high = _BOUNDS[field_path]
+    largest = getattr(RecipeLimits(), high) if isinstance(high, str) else high
+    integer = isinstance(largest, int) and not isinstance(low, _Above) and isinstance(low, int)
+    too_big = largest + 1 if integer else largest * 2 + 1.0
+    message = _refusal(_toml(field_path, too_big))
+    assert message.startswith(f"{_path(field_path)}: must be <= {largest}"), message
+    if isinstance(high, str):
+        assert f"this cluster's {high}" in message
+
+
+@pytest.mark.parametrize("field_path", sorted(_BOUNDS))
+def test_every_bounded_field_refuses_a_value_below_its_smallest(field_path: str) -> None:
+    low, _ = _BOUNDS[field_path]
+    if isinstance(low, _Above):
+        below, expected = low.value, f"must be > {low.value}"
+    else:
+        below, expected = low - 1, f"must be >= {low}"
+    message = _refusal(_toml(field_path, below))
+    assert message.startswith(f"{_path(field_path)}: {expected}"), message
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[run]\nsteps = 18446744073709551616\n", "run.steps: must be <= 1000000 (this cluster's max_steps)"),
+        ("[run]\nseed = 1180591620717411303424\n", f"run.seed: must be <= {INT64_MAX}"),
+        ("[batch]\nrollouts_per_step = 8000000\n", "batch.rollouts_per_step: must be <= 65536"),
+        ("[sampling]\nmax_tokens = 1000000000000\n", "sampling.max_tokens: must be <= 131072"),
+        ("[sampling]\ntop_k = -1\n", "sampling.top_k: must be >= 0"),
+        ("[sampling]\ntemperature = inf\n", "sampling.temperature: must be a finite number"),
+        ("[optimizer]\nlr = nan\n", "optimizer.lr: must be a finite number"),
+        ("[trainer]\nworld_size = 100000\n", "trainer.world_size: must be <= 1024"),
+        (
+            "[[deployments]]\nname = 'a'\n[[deployments]]\nname = 'b'\nreplicas = 1000000\n",
+            "deployments[1].replicas",
+        ),
+        (
+            "[[deployments]]\nmax_model_len = 1099511627776\n",
+            "deployments[0].max_model_len: must be <= 1048576",
+        ),
+    ],
+)
+def test_out_of_range_values_name_the_field_and_the_bound(text: str, message: str) -> None:
+    assert _refusal(text).startswith(message)
+
+
+def test_too_many_deployments_are_refused() -> None:
+    text = "".join(f"[[deployments]]\nname = 'd{i}'\n" for i in range(65))
+    assert _refusal(text).startswith(
+        "deployments: must be at most 64 (this cluster's max_deployments), got 65"
+    )
+
+
+def test_a_two_megabyte_recipe_is_refused_before_parsing() -> None:
+    text = "[environment.config]\nblob = '" + "x" * 2_000_000 + "'\n"
+    assert _refusal(text) == f"recipe: {len(text)} bytes, more than this cluster's max_recipe_bytes (262144)"
+    # Under the limit the same kind of recipe is fine.
+    assert parse_recipe("[environment.config]\nblob = '" + "x" * 1000 + "'\n").environment.config["blob"]
+
+
+def test_the_values_at_the_limits_are_accepted() -> None:
+    recipe = parse_recipe(
+        "[run]\nsteps = 1000000\nseed = 9223372036854775807\n[batch]\nrollouts_per_step = 65536\n"
+        f"group_size = 256\n[sampling]\nmax_tokens = 131072\ntop_k = {INT32_MAX}\n[trainer]\nworld_size = 1024\n"
+    )
+    assert (recipe.run.steps, recipe.batch.rollouts_per_step, recipe.batch.group_size) == (
+        1_000_000,
+        65536,
+        256,
+    )
+
+
+def test_the_gateway_configuration_sets_the_cluster_limits() -> None:
+    env = {"LOOPRL_GATEWAY_RECIPE_LIMITS": '{"max_rollouts_per_step": 128, "max_world_size": 4}'}
+    limits = load_config(GatewayConfig, "GATEWAY", env).limits()
+    assert _refusal("[batch]\nrollouts_per_step = 256\n", limits).startswith(
+        "batch.rollouts_per_step: must be <= 128 (this cluster's max_rollouts_per_step), got 256"
+    )
+    assert _refusal("[trainer]\nworld_size = 8\n", limits).startswith("trainer.world_size: must be <= 4")
+    # Raised past the default, a larger batch is admitted, and every service re-reads the admitted
+    # recipe from its run record without the gateway's limits.
+    wide = RecipeLimits.from_dict({"max_rollouts_per_step": 200_000})
+    text = "[batch]\nrollouts_per_step = 131072\n"
+    assert parse_recipe(text, limits=wide).batch.rollouts_per_step == 131072
+    assert RunRecord("r", text).recipe().batch.rollouts_per_step == 131072
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"max_rollout_per_step": 5}, "recipe limit max_rollout_per_step: unknown"),
+        ({"max_steps": 2**64}, f"recipe limit max_steps: must be an integer in [1, {CEILINGS['max_steps']}]"),
+        ({"max_group_size": 0}, "recipe limit max_group_size: must be an integer in [1, 256]"),
+        ({"max_world_size": "8"}, "recipe limit max_world_size: must be an integer"),
+    ],
+)
+def test_limits_over_their_ceiling_or_unknown_are_configuration_errors(values: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        RecipeLimits.from_dict(values)
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ('{"max_steps": 0}', "recipe limit max_steps: must be an integer in [1, "),
+        ("[4096]", "recipe_limits: must be"),
+    ],
+)
+def test_a_bad_gateway_limit_is_a_configuration_error_at_start_up(raw: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(GatewayConfig, "GATEWAY", {"LOOPRL_GATEWAY_RECIPE_LIMITS": raw})
+    assert str(err.value).startswith(message)
+
+
+def test_every_named_limit_exists_and_is_within_its_ceiling() -> None:
+    named = {high for _, high in _BOUNDS.values() if isinstance(high, str)}
+    defaults = RecipeLimits()
+    assert named <= set(CEILINGS)
+    assert all(getattr(defaults, name) <= CEILINGS[name] for name in CEILINGS)
+    assert RecipeLimits.ceilings().max_steps == CEILINGS["max_steps"]
+
+
+def _numeric_fields(cls: type, prefix: str = "") -> set[str]:
+    hints = typing.get_type_hints(cls)
+    found = set()
+    for f in dataclasses.fields(cls):
+        tp, path = hints[f.name], f"{prefix}{f.name}"
+        args = typing.get_args(tp)
+        if dataclasses.is_dataclass(tp):
+            found |= _numeric_fields(tp, path + ".")
+        elif typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+            found |= _numeric_fields(args[0], path + "[].")
+        elif tp in (int, float):
+            found.add(path)
+        elif tp is list and all(isinstance(v, (int, float)) for v in getattr(cls(), f.name)):
+            found.add(path + "[]")
+    return found
+
+
+def test_every_number_in_a_recipe_has_bounds() -> None:
+    assert _numeric_fields(Recipe) == set(_BOUNDS)
