@@ -91,10 +91,9 @@ class Qwen2Attention(nn.Module):
         self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segments: list[tuple[int, int]]) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, blocks: LengthBlocks) -> Tensor:
         c = self.config
         t = x.shape[0]
-        # [T, heads, d]: per-sequence slices of this layout hit torch's fused causal CPU/GPU kernels.
         q = apply_rope(self.q_proj(x).view(t, c.num_attention_heads, c.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim), cos, sin)
         v = self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim)
@@ -102,19 +101,45 @@ class Qwen2Attention(nn.Module):
         if group > 1:
             # Query head j uses kv head j // group (transformers' repeat_kv).
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        # Attention per sequence (block-diagonal by construction): costs sum(L_i^2), not T^2, and
-        # needs no [T, T] mask.
-        outs = [
-            F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1)[None],
-                k[s:e].transpose(0, 1)[None],
-                v[s:e].transpose(0, 1)[None],
-                is_causal=True,
-            )[0].transpose(0, 1)
-            for s, e in segments
-        ]
+        # Block-diagonal causal attention as one fused call per distinct sequence length: sequences
+        # of one length stack into [n, heads, L, d]. Costs sum(L_i^2), not T^2, needs no [T, T] mask,
+        # and a GRPO step (a few lengths, many sequences) makes a handful of calls, not one per sequence.
+        outs = []
+        for index in blocks.token_index:  # [n, L] token positions of the n sequences of one length
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[index].transpose(1, 2),
+                    k[index].transpose(1, 2),
+                    v[index].transpose(1, 2),
+                    is_causal=True,
+                )
+                .transpose(1, 2)
+                .reshape(-1, c.num_attention_heads, c.head_dim)
+            )
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        if blocks.restore is not None:
+            out = out.index_select(0, blocks.restore)
         return self.o_proj(out.reshape(t, c.q_size))
+
+
+class LengthBlocks:
+    """A packed batch's sequences grouped by length: per distinct length, the [n, L] token positions
+    of its sequences, and the permutation that puts the blocks' concatenated tokens back in order."""
+
+    def __init__(self, cu_seqlens: Tensor) -> None:
+        bounds = cu_seqlens.tolist()
+        by_length: dict[int, list[int]] = {}
+        for start, end in itertools.pairwise(bounds):
+            if end > start:
+                by_length.setdefault(end - start, []).append(start)
+        device = cu_seqlens.device
+        self.token_index = [
+            torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)[None, :]
+            for length, starts in sorted(by_length.items())
+        ]
+        order = torch.cat([index.reshape(-1) for index in self.token_index])
+        in_order = bool((order[1:] > order[:-1]).all()) if order.numel() > 1 else True
+        self.restore = None if in_order else torch.argsort(order)
 
 
 class Qwen2MLP(nn.Module):
@@ -137,8 +162,8 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segments: list[tuple[int, int]]) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, blocks: LengthBlocks) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, blocks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -155,10 +180,9 @@ class Qwen2Model(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, x.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads of [T, heads, d]
-        bounds = cu_seqlens.tolist()
-        segments = [(s, e) for s, e in itertools.pairwise(bounds) if e > s]
+        blocks = LengthBlocks(cu_seqlens)
         for layer in self.layers:
-            x = layer(x, cos, sin, segments)
+            x = layer(x, cos, sin, blocks)
         return self.norm(x)
 
 

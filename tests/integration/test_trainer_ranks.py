@@ -73,9 +73,11 @@ def test_one_step_lowers_the_loss_and_matches_single_process_reference(group: Ra
             grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
         )
     params = _params(group)
+    # Adam's first step is ~lr * g / (|g| + eps): for a gradient element near eps, float noise in g
+    # (1e-4 relative, above) moves its update by up to ~1e-5 of lr's 1e-2.
     for name, p in reference.model.named_parameters():
         torch.testing.assert_close(
-            params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            params[name], p.detach(), rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
         )
 
     after = group.call("evaluate_loss", per_rank[0])
