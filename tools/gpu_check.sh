@@ -84,7 +84,8 @@ if not Path(r["model"]["path"]).is_dir():  # no checkpoint on this machine: a pr
 r["environment"]["config"]["dataset"] = str(Path("configs/data/gsm8k_sample.jsonl").resolve())
 r["sampling"]["max_tokens"] = 256
 r["batch"].update(rollouts_per_step=64, group_size=8, max_tokens_per_microbatch=8192)
-r["trainer"].update(world_size=1, checkpoint_every=0)
+# One GPU: the trainer rank shares it with both replicas (0.35 of its memory each, by Ray's count too).
+r["trainer"].update(world_size=1, checkpoint_every=0, num_gpus_per_rank=0.3 if gpus == 1 else 1.0)
 second_tp = 2 if gpus >= 3 else 1  # tp=1 (1 GPU) + tp=2 (2 GPUs) needs three; else two tp=1
 for d, tp in zip(r["deployments"], (1, second_tp)):
     d.update(tensor_parallel=tp, replicas=1, max_model_len=1024, model_path=r["model"]["path"])

@@ -111,6 +111,9 @@ class OptimizerSection:
 class TrainerSection:
     world_size: int = _f(2, "Data-parallel trainer ranks (Ray actors, FSDP2).")
     checkpoint_every: int = _f(10, "Write a checkpoint every k steps (and on stop); 0 only on stop.")
+    num_gpus_per_rank: float = _f(
+        0.0, "GPUs each rank asks Ray for (1 on GPU nodes: the ranks then train with NCCL); 0 trains on CPU."
+    )
 
 
 @dataclass
@@ -260,6 +263,7 @@ _BOUNDS: dict[str, tuple[float | _Above, float | str]] = {
     "optimizer.grad_clip": (0.0, 1e9),
     "trainer.world_size": (1, "max_world_size"),
     "trainer.checkpoint_every": (0, "max_steps"),
+    "trainer.num_gpus_per_rank": (0.0, 64.0),
     "deployments[].tensor_parallel": (1, "max_tensor_parallel"),
     "deployments[].gpu_memory_utilization": (0.0, 1.0),
     "deployments[].replicas": (1, "max_replicas"),

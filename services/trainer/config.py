@@ -43,7 +43,6 @@ class TrainerConfig(ServiceConfig):
         default=5.0, metadata={"help": "NextBatch wait per attempt; the trainer retries until stopped."}
     )
     num_cpus_per_rank: float = field(default=0.5, metadata={"help": "Ray CPUs reserved per rank."})
-    num_gpus_per_rank: float = field(default=0.0, metadata={"help": "Ray GPUs per rank (1 on GPU nodes)."})
     threads_per_rank: int = field(default=1, metadata={"help": "torch threads per rank."})
     placement_strategy: str = field(default="PACK", metadata={"help": "Ray placement strategy of the ranks."})
     export_hf_at_end: bool = field(

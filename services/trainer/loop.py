@@ -48,7 +48,7 @@ class RunTrainer:
         self.group = RankGroup(
             self.world_size,
             num_cpus_per_rank=cfg.num_cpus_per_rank,
-            num_gpus_per_rank=cfg.num_gpus_per_rank,
+            num_gpus_per_rank=recipe.trainer.num_gpus_per_rank,
             strategy=cfg.placement_strategy,
             threads_per_rank=cfg.threads_per_rank,
         )
