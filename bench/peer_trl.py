@@ -12,9 +12,11 @@ token-mean over the step = TRL `loss_type="dapo"`, Dr. GRPO advantages = `scale_
 clip 0.2/0.28, entropy bonus, grad clip, one optimizer step per generation batch.
 
 Both sides run synchronously, alternating per seed (TRL, then looprl's services on a fresh local
-stack), so machine noise hits both alike. Per seed it prints steps/s (the first step excluded, the
-same definition on both sides) and the mean reward of the last 10 steps; the figures are the ratios
-looprl / TRL of the seed means:
+stack, then looprl's libraries in one process), so machine noise hits them alike. Per seed it prints
+steps/s (the first step excluded, the same definition on both sides) and the mean reward of the last
+10 steps. Figures: reward_ratio_tiny (looprl / TRL of the seed means), reward_vs_single_process_tiny,
+steps_per_s_ratio_tiny, and local_stack_up_down_s (looprl's stack up + down around a run, against
+TRL's trainer set-up):
 
     python -m bench.peer_trl [--seeds 1,2,3,4,5] [--steps 400] [--quick]
 
@@ -62,6 +64,8 @@ class SideResult:
     rewards: list[float]
     steps_per_s: float
     wall_seconds: float
+    overhead_seconds: float = 0.0
+    """Around the training: TRL's trainer set-up; looprl's local stack up and down."""
 
     @property
     def final_reward(self) -> float:
@@ -277,22 +281,34 @@ def run_trl(recipe: Recipe, threads: int = 2) -> SideResult:
             step_ends.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory(prefix="looprl-peer-trl-") as out:
+        setup = time.perf_counter()
         trainer = trl_trainer(recipe, out, [StepClock()])
         start = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - start
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     steady = step_ends[-1] - step_ends[0]
-    return SideResult(rewards, (len(step_ends) - 1) / max(steady, 1e-9), wall)
+    return SideResult(rewards, (len(step_ends) - 1) / max(steady, 1e-9), wall, start - setup)
 
 
 def run_looprl(recipe_text: str, run_id: str) -> SideResult:
     """The services loop on a fresh local stack (gateway + every service in its own process)."""
     from bench.loop_harness import run_on_fresh_stack
 
+    start = time.perf_counter()
     result = run_on_fresh_stack(recipe_text, run_id)
+    total = time.perf_counter() - start
     rewards = [h.reward_mean for h in sorted(result.run.history, key=lambda h: h.step)]
-    return SideResult(rewards, result.steps_per_second, result.wall_seconds)
+    return SideResult(rewards, result.steps_per_second, result.wall_seconds, total - result.wall_seconds)
+
+
+def run_single_process(seed: int, steps: int) -> SideResult:
+    """looprl's own libraries in one process (bench/single_process_grpo.py), on the same tasks and seeds."""
+    from bench.single_process_grpo import GRPOSettings, run_sync, summarize
+
+    records = run_sync(GRPOSettings.from_recipe(TINY_RECIPE, seed=seed, steps=steps, threads=2))
+    figures = summarize(records)
+    return SideResult([r.mean_reward for r in records], figures["steps_per_s"], figures["wall_seconds"])
 
 
 def with_seed_and_steps(recipe_text: str, seed: int, steps: int) -> str:
@@ -308,33 +324,50 @@ def compare(shape: str, recipe_path: Path, seeds: list[int], steps: int) -> dict
     base = recipe_path.read_text()
     trl_runs: list[SideResult] = []
     ours: list[SideResult] = []
+    single: list[SideResult] = []
     for seed in seeds:
         text = with_seed_and_steps(base, seed, steps)
         recipe = parse_recipe(text)
         check_parity(recipe)
         trl_runs.append(run_trl(recipe))
         ours.append(run_looprl(text, f"peer-{shape}-s{seed}-{int(time.time())}"))
+        single.append(run_single_process(seed, steps))
         print(
             f"[{shape}] seed {seed}: looprl {ours[-1].steps_per_s:.2f} steps/s, last-{LAST_STEPS} reward "
-            f"{ours[-1].final_reward:.3f} | TRL {trl_runs[-1].steps_per_s:.2f} steps/s, reward "
-            f"{trl_runs[-1].final_reward:.3f}",
+            f"{ours[-1].final_reward:.3f}, stack up+down {ours[-1].overhead_seconds:.1f}s | TRL "
+            f"{trl_runs[-1].steps_per_s:.2f} steps/s, reward {trl_runs[-1].final_reward:.3f}, set-up "
+            f"{trl_runs[-1].overhead_seconds:.1f}s | single process reward {single[-1].final_reward:.3f}",
             flush=True,
         )
     speed = [o.steps_per_s / t.steps_per_s for o, t in zip(ours, trl_runs, strict=True)]
-    looprl_reward = statistics.fmean(o.final_reward for o in ours)
-    trl_reward = statistics.fmean(t.final_reward for t in trl_runs)
-    looprl_speed = statistics.fmean(o.steps_per_s for o in ours)
-    trl_speed = statistics.fmean(t.steps_per_s for t in trl_runs)
     print(f"[{shape}] steps/s ratio per seed: {', '.join(f'{r:.2f}' for r in speed)}", flush=True)
+
+    def mean(runs: list[SideResult], key: str) -> float:
+        return statistics.fmean(getattr(r, key) for r in runs)
+
+    looprl_reward, trl_reward = mean(ours, "final_reward"), mean(trl_runs, "final_reward")
+    single_reward = mean(single, "final_reward")
+    unit = f"mean last-{LAST_STEPS} reward over seeds {seeds}"
     emit(
         BENCH,
         f"reward_ratio_{shape}",
         looprl_reward,
         trl_reward,
         looprl_reward / max(trl_reward, 1e-9),
-        f"mean last-{LAST_STEPS} reward over seeds {seeds}",
+        unit,
         ">= 0.9",
     )
+    emit(
+        BENCH,
+        f"reward_vs_single_process_{shape}",
+        looprl_reward,
+        single_reward,
+        looprl_reward / max(single_reward, 1e-9),
+        unit,
+        ">= 1.0",
+    )
+    looprl_speed, trl_speed = mean(ours, "steps_per_s"), mean(trl_runs, "steps_per_s")
+    target = ">= 0.7" if shape == "tiny" else ">= 1.3"
     emit(
         BENCH,
         f"steps_per_s_ratio_{shape}",
@@ -342,7 +375,17 @@ def compare(shape: str, recipe_path: Path, seeds: list[int], steps: int) -> dict
         trl_speed,
         looprl_speed / trl_speed,
         "steps/s (first step excluded)",
-        ">= 0.7" if shape == "tiny" else ">= 1.3",
+        target,
+    )
+    overhead, setup = mean(ours, "overhead_seconds"), mean(trl_runs, "overhead_seconds")
+    emit(
+        BENCH,
+        "local_stack_up_down_s",
+        overhead,
+        setup,
+        overhead / max(setup, 1e-9),
+        "s (TRL: trainer set-up)",
+        "< 15 s",
     )
     return {"reward": looprl_reward, "trl_reward": trl_reward}
 
