@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -82,7 +81,6 @@ from services.inference_router.engine.cpu import CPUEngine
 from services.inference_router.engine.scheduler import SchedulerLimits
 from services.kit.recipe import sampling_seed
 from services.modeling.config import ModelConfig
-from services.modeling.logprobs import entropy as token_entropy
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.tokenizer import CharTokenizer
@@ -90,8 +88,9 @@ from services.rollout_packer.groups import Group
 from services.rollout_packer.sequences import Rejected, sequence_from_rollout
 from services.rollout_packer.step import PackerSettings, StepBatch, build_step, screen_group
 from services.trainer.batch import PackedMicroBatch, validate_rank_batches
-from services.trainer.loss import LossConfig, LossMetrics, StepNorm, policy_loss
+from services.trainer.loss import LossConfig
 from services.trainer.optim import OptimizerSpec, build_optimizer
+from services.trainer.step import StepSettings, accumulate, apply_gradients
 
 BENCH = "single_process_grpo"
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "digits_grpo.toml"
@@ -425,44 +424,13 @@ class SingleProcessGRPO:
         micro = self.micro_batches(batch)
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = LossMetrics()
-        for mb in micro:
-            logits = self.policy(mb.input_ids, mb.position_ids, mb.cu_seqlens)
-            logp = token_logprobs(logits, mb.input_ids, mb.cu_seqlens, self.s.temperature)
-            if self.s.entropy_coef > 0:
-                ent = token_entropy(logits, mb.cu_seqlens, self.s.temperature)
-            else:  # measured either way: a collapsing entropy is how a stuck run shows itself
-                with torch.no_grad():
-                    ent = token_entropy(logits.detach(), mb.cu_seqlens, self.s.temperature)
-            ref = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logits = self.reference(mb.input_ids, mb.position_ids, mb.cu_seqlens)
-                    ref = token_logprobs(ref_logits, mb.input_ids, mb.cu_seqlens, self.s.temperature)
-            share, metrics = policy_loss(
-                logp,
-                mb.behaviour_logprobs,
-                mb.advantages,
-                mb.loss_mask,
-                mb.cu_seqlens,
-                self.loss_cfg,
-                StepNorm(mb.global_loss_tokens, mb.global_sequences),
-                ref_logprobs=ref,
-                entropy=ent,
-                versions=mb.versions,
-                trainer_version=self.version,
-            )
-            share.backward()
-            sums.add(metrics)
-        max_norm = self.s.grad_clip if self.s.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(list(self.policy.parameters()), max_norm))
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        # The trainer ranks' own step (services/trainer/step.py), without FSDP.
+        step = accumulate(
+            self.policy, micro, StepSettings(self.loss_cfg, self.s.temperature), self.version, self.reference
+        )
+        grad_norm, _, lr = apply_gradients(self.policy, self.optimizer, self.scheduler, self.s.grad_clip)
         self.version += 1
-        m = sums.finalize()
+        m = step.metrics.finalize()
         return {
             "loss": m["loss"],
             "trained_tokens": sum(mb.num_tokens for mb in micro),

@@ -51,7 +51,8 @@ def sampled_logprobs(logits: Tensor, token_ids: Tensor, temperature: float | Ten
     return torch.cat(out)
 
 
-def _rows_entropy(logits: Tensor, temperature: float | Tensor) -> Tensor:
+def rows_entropy(logits: Tensor, temperature: float | Tensor) -> Tensor:
+    """Entropy of softmax(logits[b] / temperature[b]) per row of logits [B, V] -> [B] float32."""
     out = []
     for start in range(0, logits.shape[0], _CHUNK_ROWS):
         stop = start + _CHUNK_ROWS
@@ -102,5 +103,5 @@ def entropy(logits: Tensor, cu_seqlens: Tensor, temperature: float = 1.0) -> Ten
     out = torch.zeros(total, dtype=torch.float32, device=logits.device)
     if total < 2:
         return out
-    out = torch.cat([out[:1], _rows_entropy(logits[:-1], temperature)])
+    out = torch.cat([out[:1], rows_entropy(logits[:-1], temperature)])
     return out.index_fill(0, _sequence_starts(cu_seqlens, total, out.device), 0.0)

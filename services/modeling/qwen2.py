@@ -225,11 +225,17 @@ class Qwen2ForCausalLM(nn.Module):
             p.copy_(value.to(p.dtype))
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor | None = None, cu_seqlens: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+        logits_at: Tensor | None = None,
     ) -> Tensor:
-        """Logits [T, V] of a packed batch. Omitted position_ids/cu_seqlens mean one sequence."""
+        """Logits [T, V] of a packed batch, or only at the rows `logits_at` ([R] -> [R, V]): the
+        vocabulary projection of a prompt token that predicts nothing trained is wasted work.
+        Omitted position_ids/cu_seqlens mean one sequence."""
         hidden = self.hidden_states(input_ids, position_ids, cu_seqlens)
-        return self.lm_head(hidden)
+        return self.lm_head(hidden if logits_at is None else hidden.index_select(0, logits_at))
 
     def hidden_states(
         self, input_ids: Tensor, position_ids: Tensor | None = None, cu_seqlens: Tensor | None = None

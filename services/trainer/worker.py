@@ -21,14 +21,14 @@ import torch.distributed as dist
 
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2_grpc
-from services.modeling.logprobs import entropy as token_entropy
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.trainer.batch import BatchRejected, PackedMicroBatch, from_proto, validate_rank_batches
-from services.trainer.loss import LossMetrics, StepNorm, policy_loss
+from services.trainer.loss import LossMetrics
 from services.trainer.optim import build_optimizer
 from services.trainer.shards import push_requests
 from services.trainer.spec import TrainerSpec
+from services.trainer.step import StepSettings, accumulate, apply_gradients, micro_batch_loss
 
 log = logging.getLogger("looprl.trainer.worker")
 
@@ -218,50 +218,21 @@ class TrainerWorker:
         spec = self.spec
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = LossMetrics()
-        local_tokens = 0
-        max_staleness = 0
-        for mb in decoded:
-            mb = mb.to(self.device)
-            norm = StepNorm(mb.global_loss_tokens, mb.global_sequences)
-            logits = self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
-            logp = token_logprobs(logits, mb.input_ids, mb.cu_seqlens, spec.temperature)
-            if spec.loss.entropy_coef > 0:
-                ent = token_entropy(logits, mb.cu_seqlens, spec.temperature)
-            else:
-                with torch.no_grad():
-                    ent = token_entropy(logits.detach(), mb.cu_seqlens, spec.temperature)
-            ref = self._ref_logprobs(mb) if self.ref_model is not None else None
-            share, metrics = policy_loss(
-                logp,
-                mb.behaviour_logprobs,
-                mb.advantages,
-                mb.loss_mask,
-                mb.cu_seqlens,
-                spec.loss,
-                norm,
-                ref_logprobs=ref,
-                entropy=ent,
-                versions=mb.versions,
-                trainer_version=expected,
-            )
-            # FSDP averages gradients over ranks; the shares are fractions of the global sum.
-            (share * self.world_size).backward()
-            sums.add(metrics)
-            local_tokens += mb.num_tokens
-            trained = mb.loss_mask > 0
-            if bool(trained.any()):
-                max_staleness = max(max_staleness, int((expected - mb.versions[trained]).max()))
-            del logits, logp, ent
-        grad_norm = self._clip_gradients(spec.optimizer.grad_clip)
-        skipped = not torch.isfinite(torch.tensor(grad_norm)).item()
-        lr = self.scheduler.get_last_lr()[0]
+        # FSDP averages gradients over ranks; each micro-batch's share is a fraction of the global sum.
+        step = accumulate(
+            self.model,
+            [mb.to(self.device) for mb in decoded],
+            self._step_settings(),
+            expected,
+            self.ref_model,
+            loss_scale=self.world_size,
+        )
+        grad_norm, skipped, lr = apply_gradients(
+            self.model, self.optimizer, self.scheduler, spec.optimizer.grad_clip
+        )
         if skipped:
             log.warning("non-finite gradient norm; step %d skipped", expected)
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
+        sums, local_tokens, max_staleness = step.metrics, step.tokens, step.max_staleness
         self.step = expected + 1
         self.last_packer_step = expected
 
@@ -288,19 +259,8 @@ class TrainerWorker:
         )
         return result
 
-    def _clip_gradients(self, max_norm: float) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
-            return 0.0
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
-
-    @torch.no_grad()
-    def _ref_logprobs(self, mb: PackedMicroBatch) -> torch.Tensor:
-        logits = self.ref_model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
-        return token_logprobs(logits, mb.input_ids, mb.cu_seqlens, self.spec.temperature)
+    def _step_settings(self) -> StepSettings:
+        return StepSettings(self.spec.loss, self.spec.temperature)
 
     def pull_and_train(
         self,
@@ -361,19 +321,8 @@ class TrainerWorker:
         self.model.eval()
         sums = LossMetrics()
         for mb in decoded:
-            mb = mb.to(self.device)
-            logits = self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
-            logp = token_logprobs(logits, mb.input_ids, mb.cu_seqlens, self.spec.temperature)
-            ref = self._ref_logprobs(mb) if self.ref_model is not None else None
-            _, metrics = policy_loss(
-                logp,
-                mb.behaviour_logprobs,
-                mb.advantages,
-                mb.loss_mask,
-                mb.cu_seqlens,
-                self.spec.loss,
-                StepNorm(mb.global_loss_tokens, mb.global_sequences),
-                ref_logprobs=ref,
+            _, metrics = micro_batch_loss(
+                self.model, mb.to(self.device), self._step_settings(), self.step, self.ref_model
             )
             sums.add(metrics)
         return LossMetrics.from_tensor(self._all_reduce(sums.as_tensor(), dist.ReduceOp.SUM)).finalize()
