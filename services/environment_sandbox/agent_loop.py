@@ -6,9 +6,10 @@ opening messages with that tokenizer's chat template, asks the inference-router 
 turn (one session id per episode so a multi-turn episode stays on the replica holding its cache),
 feeds the decoded reply to the environment and extends the token ids with the template's
 continuation for the environment's answer (`chat_continuation`: the ids already sent are never
-re-rendered, so the prefix the replica caches stays valid), and repeats until done. Every model turn keeps its sampled tokens, their log-probs and the weight version it
-was sampled under (trainable); prompt and environment tokens are kept masked out. The reward
-service then scores the episode.
+re-rendered, so the prefix the replica caches stays valid), and repeats until done. Every model
+turn keeps its sampled tokens, their log-probs and the weight version it was sampled under
+(trainable); prompt and environment tokens are kept masked out. The reward service then scores
+the episode.
 
 `EpisodeWorker` pulls EpisodeTasks from the JetStream work queue, runs up to `concurrency`
 episodes at once, publishes each rollout with msg_id = rollout_id (deterministic from run, task
@@ -150,8 +151,8 @@ class EpisodeRunner:
     async def _tokenizer(self, task: events_pb2.EpisodeTask) -> Tokenizer:
         try:
             return await self.tokenizers.aget(task.tokenizer)
-        except ValueError as exc:  # names model.tokenizer: a bad task, not a retry
-            raise EnvironmentError_(f"task.tokenizer: {exc}") from None
+        except ValueError as exc:  # a bad task, not one to retry
+            raise EnvironmentError_(f"task.tokenizer (the run's model.tokenizer): {exc}") from None
 
     async def run(self, task: events_pb2.EpisodeTask) -> common_pb2.Rollout:
         """One episode, one rollout (a forking task gives several: use `run_all`)."""

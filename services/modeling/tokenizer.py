@@ -157,7 +157,7 @@ def load_tokenizer(path_or_name: str | os.PathLike[str]) -> CharTokenizer | HFTo
 class TokenizerCache:
     """Loaded tokenizers by spec ("char" or a directory, the recipe's `model.tokenizer`), least recently
     used evicted past `max_entries`. An empty spec means `default` (a spec, or a tokenizer object).
-    A spec that fails to load raises ValueError naming `model.tokenizer` and is not cached, so a
+    A spec that does not load raises ValueError naming the directory and is not cached, so a
     directory created later loads on the next call."""
 
     def __init__(self, default: str | Tokenizer = "char", max_entries: int = 8) -> None:
@@ -186,8 +186,10 @@ class TokenizerCache:
     def _load(self, spec: str) -> Tokenizer:
         try:
             return load_tokenizer(spec)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"model.tokenizer: cannot load {spec!r}: {exc}") from exc
+        except (OSError, ValueError) as exc:  # the message names the directory and what it lacks
+            raise ValueError(str(exc)) from exc
+        except Exception as exc:  # tokenizers' own errors (a corrupt tokenizer.json) are plain Exceptions
+            raise ValueError(f"tokenizer: {spec!r} does not load: {exc}") from exc
 
     def _store(self, spec: str, tokenizer: Tokenizer) -> Tokenizer:
         self._entries[self.key(spec)] = tokenizer

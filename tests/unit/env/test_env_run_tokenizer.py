@@ -117,7 +117,10 @@ async def test_tasks_without_a_tokenizer_keep_the_char_template(hf_dir):
 
 async def test_a_missing_tokenizer_directory_is_a_bad_task_naming_model_tokenizer(tmp_path):
     runner = EpisodeRunner(RecordingGenerator(CharTokenizer(), ["1"]), None, TokenizerCache())
-    with pytest.raises(EnvironmentError_, match=r"model\.tokenizer: cannot load .*nope"):
+    with pytest.raises(
+        EnvironmentError_,
+        match=r"^task\.tokenizer \(the run's model\.tokenizer\): .*nope' is neither 'char' nor",
+    ):
         await runner.run(_task("digits", {"digits": "1"}, str(tmp_path / "nope")))
 
 
