@@ -18,7 +18,7 @@ from services.kit import subjects
 from services.kit.bus import Bus
 from services.kit.local import free_port
 from services.kit.server import Service, open_channel
-from services.modeling.tokenizer import load_tokenizer
+from services.modeling.tokenizer import TokenizerCache
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -47,7 +47,9 @@ async def serve(config: GatewayConfig) -> None:
         router = None
         if config.router_address:
             router = inference_pb2_grpc.InferenceRouterServiceStub(open_channel(config.router_address))
-        api = HttpApi(runs, auth, router, load_tokenizer(config.tokenizer))
+        tokenizers = TokenizerCache(config.tokenizer)
+        tokenizers.get()  # a default that does not load fails at start-up
+        api = HttpApi(runs, auth, router, tokenizers)
         runner = web.AppRunner(api.app(), access_log=None)
         await runner.setup()
         port = config.http_port or free_port()

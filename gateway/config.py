@@ -21,7 +21,13 @@ class GatewayConfig(ServiceConfig):
     packer_address: str = field(
         default="", metadata={"help": "rollout-packer gRPC address, for drop counts."}
     )
-    tokenizer: str = field(default="char", metadata={"help": "Tokenizer for the OpenAI-compatible endpoint."})
+    tokenizer: str = field(
+        default="char",
+        metadata={
+            "help": "Tokenizer of the OpenAI-compatible endpoint while the stack has no run ('char' or a "
+            "local directory); with a run it is the run's model.tokenizer."
+        },
+    )
     exclusive_runs: bool = field(
         default=True,
         metadata={

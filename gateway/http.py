@@ -1,7 +1,9 @@
 """HTTP/JSON API: runs, and an OpenAI-compatible /v1/completions and /v1/chat/completions.
 
 The OpenAI-compatible endpoints tokenize, forward to the inference-router's Generate and
-decode, so agent frameworks and evaluators can use the policy being trained. Every route but
+decode, so agent frameworks and evaluators can use the policy being trained. They tokenize with the
+tokenizer of the model the router serves: the newest run's (its recipe's `model.tokenizer`, with its
+chat template; a stack serves one run at a time), or the gateway's default while there is no run. Every route but
 /healthz needs a bearer token. Every request field is checked against its type and range before
 anything is forwarded (OPENAI_FIELDS). Errors use OpenAI's {"error": {"message", "type", "param",
 "code"}} shape with the HTTP status that matches the gRPC one; `param` names the offending field.
@@ -21,11 +23,14 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
 from gateway.auth import TokenAuth
+from gateway.runs import ACTIVE
 from gateway.service import RunManager, run_to_proto
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.kit.errors import InvalidArgument, ServiceError, Unavailable
+from services.kit.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from services.kit.limits import INT32_MAX, INT64_MAX
+from services.kit.recipe import RecipeError
+from services.modeling.tokenizer import Tokenizer, TokenizerCache
 
 log = logging.getLogger("looprl.gateway.http")
 
@@ -120,9 +125,10 @@ class HttpApi:
         runs: RunManager,
         auth: TokenAuth,
         router: inference_pb2_grpc.InferenceRouterServiceStub | None,
-        tokenizer: Any,
+        tokenizers: TokenizerCache,
     ) -> None:
-        self.runs, self.auth, self.router, self.tokenizer = runs, auth, router, tokenizer
+        self.runs, self.auth, self.router, self.tokenizers = runs, auth, router, tokenizers
+        self._run_tokenizers: dict[str, str] = {}  # run id -> its recipe's model.tokenizer (fixed)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors, self._authenticate], client_max_size=MAX_BODY_BYTES)
@@ -180,13 +186,29 @@ class HttpApi:
             _run_json(await self.runs.proto(await self.runs.stop(request.match_info["run_id"])))
         )
 
-    def _sampling(self, body: dict) -> common_pb2.SamplingParams:
-        values = {name: _sampling_value(body, name, self.runs.limits) for name in OPENAI_FIELDS}
-        return common_pb2.SamplingParams(**values, stop_token_ids=[self.tokenizer.eos_token_id])
+    async def _tokenizer(self) -> Tokenizer:
+        """The tokenizer of the model the router serves: the newest active run's (else the newest
+        run's), the gateway's default while there is none."""
+        records = await self.runs.store.list()
+        records = [r for r in records if r.state in ACTIVE] or records
+        if not records:
+            return await self.tokenizers.aget()
+        run_id = records[-1].run_id
+        spec = self._run_tokenizers.get(run_id)
+        try:
+            if spec is None:
+                spec = self._run_tokenizers[run_id] = records[-1].recipe().model.tokenizer
+            return await self.tokenizers.aget(spec)
+        except (RecipeError, ValueError) as exc:
+            raise FailedPrecondition(f"model: the tokenizer of run {run_id!r} does not load: {exc}") from exc
 
-    def _prompt_ids(self, prompt: Any) -> list[int]:
+    def _sampling(self, body: dict, tokenizer: Tokenizer) -> common_pb2.SamplingParams:
+        values = {name: _sampling_value(body, name, self.runs.limits) for name in OPENAI_FIELDS}
+        return common_pb2.SamplingParams(**values, stop_token_ids=[tokenizer.eos_token_id])
+
+    def _prompt_ids(self, prompt: Any, tokenizer: Tokenizer) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
         else:
@@ -229,15 +251,22 @@ class HttpApi:
             "total_tokens": len(prompt_ids) + completion,
         }
 
-    def _text(self, ids: Any) -> str:
-        return self.tokenizer.decode([t for t in ids if t != self.tokenizer.eos_token_id])
+    @staticmethod
+    def _text(ids: Any, tokenizer: Tokenizer) -> str:
+        return tokenizer.decode([t for t in ids if t != tokenizer.eos_token_id])
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        ids = self._prompt_ids(body.get("prompt"))
-        reply = await self._generate(ids, self._sampling(body), "prompt")
+        tokenizer = await self._tokenizer()
+        ids = self._prompt_ids(body.get("prompt"), tokenizer)
+        reply = await self._generate(ids, self._sampling(body, tokenizer), "prompt")
         choices = [
-            {"index": i, "text": self._text(c.token_ids), "finish_reason": c.finish_reason, "logprobs": None}
+            {
+                "index": i,
+                "text": self._text(c.token_ids, tokenizer),
+                "finish_reason": c.finish_reason,
+                "logprobs": None,
+            }
             for i, c in enumerate(reply.completions)
         ]
         return web.json_response(self._envelope("text_completion", reply, choices, ids))
@@ -254,13 +283,17 @@ class HttpApi:
                 or not isinstance(m.get("content"), str)
             ):
                 raise InvalidArgument(f"messages[{i}]: needs string 'role' and 'content'")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        tokenizer = await self._tokenizer()
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as exc:  # the model's chat template refused the conversation
+            raise InvalidArgument(f"messages: {exc}") from exc
         self._check_ids("messages", ids)
-        reply = await self._generate(ids, self._sampling(body), "messages")
+        reply = await self._generate(ids, self._sampling(body, tokenizer), "messages")
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": self._text(c.token_ids)},
+                "message": {"role": "assistant", "content": self._text(c.token_ids, tokenizer)},
                 "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(reply.completions)

@@ -138,6 +138,9 @@ def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[st
                 environment_config_json=json.dumps(env.config),
                 branches=per_task if per_task > 1 else 0,
                 branch_at_turn=0,
+                # The run's tokenizer travels with each task, so an environment serving several runs
+                # renders each with its own chat template without reading run records.
+                tokenizer=recipe.model.tokenizer,
             )
             tasks.append((task.task_id, task))
     return tasks

@@ -31,7 +31,7 @@ async def serve(cfg: EnvServiceConfig) -> None:
     from services.environment_sandbox.service import EnvironmentSandboxServicer
     from services.kit.ray_utils import connect_ray
     from services.kit.server import Service, open_channel
-    from services.modeling.tokenizer import load_tokenizer
+    from services.modeling.tokenizer import TokenizerCache
 
     sandbox = SandboxConfig(
         warm_workers=cfg.warm_workers,
@@ -74,12 +74,14 @@ async def serve(cfg: EnvServiceConfig) -> None:
         else RateLimiter.local()
     )
     runner = None
+    tokenizers = TokenizerCache(cfg.tokenizer)
+    tokenizers.get()  # a default that does not load fails at start-up, not on the first task naming none
     if cfg.router_address:
         scorer = RewardClient(open_channel(cfg.reward_address)) if cfg.reward_address else None
         runner = EpisodeRunner(
             RouterGenerator(open_channel(cfg.router_address)),
             scorer,
-            load_tokenizer(cfg.tokenizer),
+            tokenizers,
             EnvContext(executor=pool.run_code),
             LoopConfig(default_max_tokens=cfg.max_tokens),
             limiter=limiter,

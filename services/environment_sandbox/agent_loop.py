@@ -1,12 +1,15 @@
 """The agent loop: run episodes (model <-> environment), score them, publish rollouts.
 
-`EpisodeRunner.run(task)` plays one episode: it renders the environment's opening messages with
-the chat template, asks the inference-router for the model's turn (one session id per episode so
-a multi-turn episode stays on the replica holding its cache), feeds the decoded reply to the
-environment, appends the environment's answer (rendered with the same template) and repeats
-until done. Every model turn keeps its sampled tokens, their log-probs and the weight version it
-was sampled under (trainable); prompt and environment tokens are kept masked out. The reward
-service then scores the episode.
+`EpisodeRunner.run(task)` plays one episode with the run's tokenizer (`EpisodeTask.tokenizer`, the
+recipe's `model.tokenizer`; loaded once per tokenizer and cached): it renders the environment's
+opening messages with that tokenizer's chat template, asks the inference-router for the model's
+turn (one session id per episode so a multi-turn episode stays on the replica holding its cache),
+feeds the decoded reply to the environment and extends the token ids with the template's
+continuation for the environment's answer (`chat_continuation`: the ids already sent are never
+re-rendered, so the prefix the replica caches stays valid), and repeats until done. Every model
+turn keeps its sampled tokens, their log-probs and the weight version it was sampled under
+(trainable); prompt and environment tokens are kept masked out. The reward service then scores
+the episode.
 
 `EpisodeWorker` pulls EpisodeTasks from the JetStream work queue, runs up to `concurrency`
 episodes at once, publishes each rollout with msg_id = rollout_id (deterministic from run, task
@@ -50,6 +53,7 @@ from services.environment_sandbox.model_io import (
     Scorer,
 )
 from services.environment_sandbox.ratelimit import Limit, RateLimiter
+from services.modeling.tokenizer import Tokenizer, TokenizerCache
 
 log = logging.getLogger(__name__)
 # The resource the agent loop reserves before every model turn when a limit names it.
@@ -83,6 +87,10 @@ class _Episode:
     rollout: common_pb2.Rollout
     context: list[int]
     limits: dict[str, Limit]
+    tokenizer: Tokenizer
+    # The conversation so far as chat messages (the model's turns as their decoded text): what the
+    # chat template continues from when the environment answers.
+    messages: list[dict[str, str]]
     env_reward: float = 0.0
     versions: list[int] = field(default_factory=list)
     last_action: str = ""
@@ -100,6 +108,7 @@ class _Episode:
             env=self.env.fork(),
             rollout=rollout,
             context=list(self.context),
+            messages=list(self.messages),
             versions=list(self.versions),
         )
 
@@ -109,7 +118,7 @@ class EpisodeRunner:
         self,
         generate: Generator,
         score: Scorer | None,
-        tokenizer: Any,
+        tokenizer: Tokenizer | TokenizerCache,
         env_context: EnvContext | None = None,
         config: LoopConfig | None = None,
         limiter: RateLimiter | None = None,
@@ -117,7 +126,8 @@ class EpisodeRunner:
     ) -> None:
         self.generate = generate
         self.score = score
-        self.tokenizer = tokenizer
+        # A task naming no tokenizer gets the cache's default (a plain tokenizer given here is it).
+        self.tokenizers = tokenizer if isinstance(tokenizer, TokenizerCache) else TokenizerCache(tokenizer)
         self.env_context = env_context or EnvContext()
         self.config = config or LoopConfig()
         # Without a shared (Ray) limiter the limits still hold within this process.
@@ -138,12 +148,11 @@ class EpisodeRunner:
         if INFERENCE_RESOURCE in limits:
             await self.limiter.acquire(INFERENCE_RESOURCE, float(n), float(prompt_tokens + n * max_tokens))
 
-    def _render(self, messages: list[dict[str, str]], after_model: bool) -> list[int]:
-        from services.modeling.tokenizer import render_chatml
-
-        text = render_chatml(messages, add_generation_prompt=True)
-        # The model's turn ended with <|im_end|>; ChatML puts a newline after it.
-        return self.tokenizer.encode(("\n" if after_model else "") + text)
+    async def _tokenizer(self, task: events_pb2.EpisodeTask) -> Tokenizer:
+        try:
+            return await self.tokenizers.aget(task.tokenizer)
+        except ValueError as exc:  # a bad task, not one to retry
+            raise EnvironmentError_(f"task.tokenizer (the run's model.tokenizer): {exc}") from None
 
     async def run(self, task: events_pb2.EpisodeTask) -> common_pb2.Rollout:
         """One episode, one rollout (a forking task gives several: use `run_all`)."""
@@ -161,6 +170,7 @@ class EpisodeRunner:
         branches = max(1, task.branches)
         if branches > MAX_BRANCHES:
             raise EnvironmentError_(f"task.branches: at most {MAX_BRANCHES}, got {branches}")
+        tokenizer = await self._tokenizer(task)
         env, payload = self._environment(task)
         task_json = json.dumps(payload)
         # One session for the prefix and every branch: the router keeps them on the replica
@@ -168,8 +178,8 @@ class EpisodeRunner:
         session_id = (
             f"{task.run_id}/{rollout_id_for(task.run_id, task.task_id, task.group_id, task.sample_index)}"
         )
-        sampling = self._sampling(task)
-        episode = await self._start(task, env, payload)
+        sampling = self._sampling(task, tokenizer)
+        episode = await self._start(task, env, payload, tokenizer)
         if branches == 1:
             await self._play(episode, task, sampling, session_id, 0)
             return [await self._finish(episode, task, task_json, None, 1)]
@@ -213,12 +223,12 @@ class EpisodeRunner:
             )
         return env, payload
 
-    def _sampling(self, task: events_pb2.EpisodeTask) -> common_pb2.SamplingParams:
+    def _sampling(self, task: events_pb2.EpisodeTask, tokenizer: Tokenizer) -> common_pb2.SamplingParams:
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(task.sampling)
         if sampling.max_tokens <= 0:
             sampling.max_tokens = self.config.default_max_tokens
-        eos = self.tokenizer.eos_token_id
+        eos = tokenizer.eos_token_id
         if eos not in sampling.stop_token_ids:
             sampling.stop_token_ids.append(eos)
         sampling.n = 1
@@ -235,7 +245,9 @@ class EpisodeRunner:
             return 0
         return task.sampling.seed + 7919 * task.sample_index + turn + 104729 * branch
 
-    async def _start(self, task: events_pb2.EpisodeTask, env: Environment, payload: dict) -> _Episode:
+    async def _start(
+        self, task: events_pb2.EpisodeTask, env: Environment, payload: dict, tokenizer: Tokenizer
+    ) -> _Episode:
         limits = await self._limits_for(env)
         rollout = common_pb2.Rollout(
             run_id=task.run_id,
@@ -246,16 +258,21 @@ class EpisodeRunner:
         started = time.perf_counter()
         observation = await env.reset(payload)
         env_seconds = time.perf_counter() - started
-        prompt_ids = self._render(observation, after_model=False)
+        try:
+            prompt_ids = tokenizer.apply_chat_template(observation, add_generation_prompt=True)
+        except ValueError as exc:  # the chat template refused the messages
+            raise EnvironmentError_(str(exc)) from None
         rollout.turns.append(
             common_pb2.Turn(
                 role=common_pb2.ROLE_USER,
                 token_ids=prompt_ids,
                 trainable=False,
-                text=self.tokenizer.decode(prompt_ids),
+                text=tokenizer.decode(prompt_ids),
             )
         )
-        return _Episode(env, rollout, list(prompt_ids), limits, env_seconds=env_seconds)
+        return _Episode(
+            env, rollout, list(prompt_ids), limits, tokenizer, list(observation), env_seconds=env_seconds
+        )
 
     async def _sample(
         self,
@@ -292,10 +309,11 @@ class EpisodeRunner:
 
     async def _apply(self, episode: _Episode, model: ModelTurn, sampling: common_pb2.SamplingParams) -> None:
         """Record the model's turn, let the environment answer, record its answer (masked)."""
-        eos = self.tokenizer.eos_token_id
+        tokenizer = episode.tokenizer
+        eos = tokenizer.eos_token_id
         rollout = episode.rollout
         episode.versions.append(model.weight_version)
-        episode.last_action = self.tokenizer.decode(model.token_ids, skip_special_tokens=True)
+        episode.last_action = tokenizer.decode(model.token_ids, skip_special_tokens=True)
         rollout.turns.append(
             common_pb2.Turn(
                 role=common_pb2.ROLE_ASSISTANT,
@@ -303,7 +321,7 @@ class EpisodeRunner:
                 logprobs=model.logprobs,
                 trainable=True,
                 weight_version=model.weight_version,
-                text=self.tokenizer.decode(model.token_ids),
+                text=tokenizer.decode(model.token_ids),
             )
         )
         episode.context.extend(model.token_ids)
@@ -322,7 +340,13 @@ class EpisodeRunner:
             episode.finish = step.info.get("finish", episode.finish)
             episode.done = True
             return
-        env_ids = self._render(step.observation, after_model=True)
+        episode.messages.append({"role": "assistant", "content": episode.last_action})
+        try:
+            env_ids = tokenizer.chat_continuation(episode.messages, step.observation)
+        except ValueError as exc:  # a template whose rendering of a longer chat is not an extension
+            episode.finish, episode.done = f"env_error: {exc}", True
+            return
+        episode.messages.extend(step.observation)
         if model.token_ids and model.token_ids[-1] != eos:
             env_ids = [eos, *env_ids]  # close the cut-off turn so the template stays well formed
         rollout.turns.append(
@@ -330,7 +354,7 @@ class EpisodeRunner:
                 role=common_pb2.ROLE_ENVIRONMENT,
                 token_ids=env_ids,
                 trainable=False,
-                text=self.tokenizer.decode(env_ids),
+                text=tokenizer.decode(env_ids),
             )
         )
         episode.context.extend(env_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from services.kit.config import ConfigError, ServiceConfig
@@ -16,7 +17,13 @@ class EnvServiceConfig(ServiceConfig):
     reward_address: str = field(
         default="", metadata={"help": "reward service gRPC address; empty: env reward."}
     )
-    tokenizer: str = field(default="char", metadata={"help": "Tokenizer name or local path (chat template)."})
+    tokenizer: str = field(
+        default="char",
+        metadata={
+            "help": "Tokenizer of episodes whose task names none ('char' or a local directory); a run's "
+            "tasks name its recipe's model.tokenizer."
+        },
+    )
     consume_episodes: bool = field(default=True, metadata={"help": "Pull episode tasks from the bus."})
     concurrency: int = field(default=16, metadata={"help": "Episodes run at once by this process."})
     durable: str = field(default="environment-sandbox", metadata={"help": "Durable consumer name."})
@@ -82,6 +89,10 @@ class EnvServiceConfig(ServiceConfig):
     rate_limit_namespace: str = field(default="looprl", metadata={"help": "Ray namespace of that actor."})
 
     def __post_init__(self) -> None:
+        if self.tokenizer != "char" and not os.path.isdir(self.tokenizer):
+            raise ConfigError(
+                f"LOOPRL_ENV_TOKENIZER: must be 'char' or a local tokenizer directory, got {self.tokenizer!r}"
+            )
         if self.sandbox_backend not in SANDBOX_BACKENDS:
             raise ConfigError(
                 f"LOOPRL_ENV_SANDBOX_BACKEND: must be one of {', '.join(SANDBOX_BACKENDS)}, got {self.sandbox_backend!r}"

@@ -315,6 +315,19 @@ def _check(cond: bool, path: str, message: str) -> None:
         raise RecipeError(f"{path}: {message}")
 
 
+# A tokenizer directory holds one of these: a Hugging Face tokenizer, or the char tokenizer's marker.
+TOKENIZER_FILES = ("tokenizer.json", "looprl_tokenizer.json")
+
+
+def _local_dir(value: str, base_dir: Path | None) -> Path:
+    """A recipe's local directory: services open it from their working directory; a recipe file may
+    also name it relative to itself."""
+    path = Path(value)
+    if not path.is_absolute() and base_dir is not None and not path.is_dir():
+        path = base_dir / path
+    return path
+
+
 def validate(recipe: Recipe, base_dir: Path | None = None, limits: RecipeLimits | None = None) -> Recipe:
     """Bounds (against `limits`, the defaults when None) and cross-field checks; raises RecipeError
     naming the first bad field."""
@@ -323,13 +336,21 @@ def validate(recipe: Recipe, base_dir: Path | None = None, limits: RecipeLimits 
     _check_bounds(r, limits)
     _check(bool(r.run.name.strip()), "run.name", "must not be empty")
     if r.model.path:
-        path = Path(r.model.path)
-        if not path.is_absolute() and base_dir is not None and not path.is_dir():
-            # Services open the path from their working directory; a recipe file may also name it
-            # relative to itself.
-            path = base_dir / path
+        path = _local_dir(r.model.path, base_dir)
         _check(path.is_dir(), "model.path", f"directory {str(path)!r} does not exist")
         _check((path / "config.json").exists(), "model.path", f"{str(path)!r} has no config.json")
+    if r.model.tokenizer != "char":
+        path = _local_dir(r.model.tokenizer, base_dir)
+        _check(
+            path.is_dir(),
+            "model.tokenizer",
+            f"must be 'char' or a local tokenizer directory; {str(path)!r} does not exist",
+        )
+        _check(
+            any((path / name).is_file() for name in TOKENIZER_FILES),
+            "model.tokenizer",
+            f"{str(path)!r} has none of {', '.join(TOKENIZER_FILES)}",
+        )
     else:
         _check(
             r.model.preset in MODEL_PRESETS,

@@ -174,20 +174,26 @@ class HFTokenizer:
         return _clean_up_tokenization(text) if self._clean_up else text
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for `messages` (ChatML when the directory ships no template)."""
+        """The chat template's text for `messages` (ChatML when the directory ships no template);
+        ValueError when the template refuses them."""
         if self.chat_template is None:
             return render_chatml(messages, add_generation_prompt)
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ValueError(f"messages[{i}]: needs a string 'role'")
+        import jinja2
+
         template = compile_chat_template(self.chat_template)
-        return template.render(
-            messages=[dict(m) for m in messages],
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **self.special_tokens,
-        )
+        try:
+            return template.render(
+                messages=[dict(m) for m in messages],
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.exceptions.TemplateError as exc:  # raise_exception in the template, or a bad one
+            raise ValueError(f"chat template of {self.name}: {exc}") from exc
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

@@ -6,13 +6,17 @@ on token ids. Its chat template is ChatML kept deliberately short, because the t
 learn the format quickly. `load_tokenizer("char")` gives it; `load_tokenizer(<directory>)` gives a
 CharTokenizer when the directory was written by `CharTokenizer.save_pretrained`, and otherwise an
 HFTokenizer over the directory's tokenizer.json and chat template (services/modeling/hf_tokenizer.py).
+`TokenizerCache` keeps one loaded tokenizer per spec, so services that serve many runs load each
+run's tokenizer once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -148,3 +152,77 @@ def load_tokenizer(path_or_name: str | os.PathLike[str]) -> CharTokenizer | HFTo
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer: {path!r} is neither 'char' nor a local directory")
     return HFTokenizer.from_directory(path)
+
+
+class TokenizerCache:
+    """Loaded tokenizers by spec ("char" or a directory, the recipe's `model.tokenizer`), least recently
+    used evicted past `max_entries`. An empty spec means `default` (a spec, or a tokenizer object).
+    A spec that does not load raises ValueError naming the directory and is not cached, so a
+    directory created later loads on the next call."""
+
+    def __init__(self, default: str | Tokenizer = "char", max_entries: int = 8) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, Tokenizer] = OrderedDict()
+        self._loading: dict[str, asyncio.Future] = {}
+        if isinstance(default, str):
+            self.default_spec = default or "char"
+        else:  # a tokenizer object: it is what an empty spec gets, never evicted
+            self.default_spec = ""
+            self._default = default
+
+    @staticmethod
+    def key(spec: str) -> str:
+        """One key per tokenizer: "char", or the directory's real path (so spellings of a path share)."""
+        return spec if spec == "char" else os.path.realpath(spec)
+
+    def _cached(self, spec: str) -> Tokenizer | None:
+        if not spec and not self.default_spec:
+            return self._default
+        found = self._entries.get(self.key(spec or self.default_spec))
+        if found is not None:
+            self._entries.move_to_end(self.key(spec or self.default_spec))
+        return found
+
+    def _load(self, spec: str) -> Tokenizer:
+        try:
+            return load_tokenizer(spec)
+        except (OSError, ValueError) as exc:  # the message names the directory and what it lacks
+            raise ValueError(str(exc)) from exc
+        except Exception as exc:  # tokenizers' own errors (a corrupt tokenizer.json) are plain Exceptions
+            raise ValueError(f"tokenizer: {spec!r} does not load: {exc}") from exc
+
+    def _store(self, spec: str, tokenizer: Tokenizer) -> Tokenizer:
+        self._entries[self.key(spec)] = tokenizer
+        self._entries.move_to_end(self.key(spec))
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return tokenizer
+
+    def get(self, spec: str = "") -> Tokenizer:
+        """The tokenizer of `spec`, loaded in this thread on first use."""
+        found = self._cached(spec)
+        if found is not None:
+            return found
+        spec = spec or self.default_spec
+        return self._store(spec, self._load(spec))
+
+    async def aget(self, spec: str = "") -> Tokenizer:
+        """`get` for async services: a directory loads (~0.7 s) in a thread, once however many
+        callers ask for it at the same time."""
+        found = self._cached(spec)
+        if found is not None:
+            return found
+        spec = spec or self.default_spec
+        key = self.key(spec)
+        pending = self._loading.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(asyncio.to_thread(self._load, spec))
+            self._loading[key] = pending
+            pending.add_done_callback(lambda done: self._loaded(spec, key, done))
+        # Shielded: one caller cancelled (its episode dropped) does not cancel the others' load.
+        return await asyncio.shield(pending)
+
+    def _loaded(self, spec: str, key: str, done: asyncio.Future) -> None:
+        self._loading.pop(key, None)
+        if not done.cancelled() and done.exception() is None:
+            self._store(spec, done.result())
