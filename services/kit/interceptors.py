@@ -232,12 +232,7 @@ def _background(coro: Any) -> None:
     task.add_done_callback(_finishing.discard)
 
 
-class _TraceClientInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
+class _AioClientSpans:
     """A CLIENT span around every outgoing call (asyncio channels), its context in the metadata."""
 
     @staticmethod
@@ -273,15 +268,24 @@ class _TraceClientInterceptor(
         call.add_done_callback(lambda finished: _background(finish(finished)))
         return call
 
+
+# grpc.aio files a channel's interceptor under the first call type it implements only: one each.
+class _AioUnaryUnary(_AioClientSpans, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await self._intercept(continuation, client_call_details, request)
 
+
+class _AioUnaryStream(_AioClientSpans, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await self._intercept(continuation, client_call_details, request)
 
+
+class _AioStreamUnary(_AioClientSpans, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
         return await self._intercept(continuation, client_call_details, request_iterator)
 
+
+class _AioStreamStream(_AioClientSpans, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await self._intercept(continuation, client_call_details, request_iterator)
 
@@ -358,7 +362,7 @@ class _SyncTraceClientInterceptor(
 
 def client_interceptors() -> list[Any]:
     """For grpc.aio channels: a CLIENT span per call, its context sent in the metadata."""
-    return [_TraceClientInterceptor()]
+    return [_AioUnaryUnary(), _AioUnaryStream(), _AioStreamUnary(), _AioStreamStream()]
 
 
 def traced_channel(channel: grpc.Channel) -> grpc.Channel:

@@ -186,7 +186,7 @@ def test_failed_call_ends_its_client_span_with_the_status(probe, monkeypatch) ->
     from services.kit.interceptors import traced_channel
 
     address, _, _, _ = probe
-    tracer, exporter = _client_spans(monkeypatch)
+    _, exporter = _client_spans(monkeypatch)
     with traced_channel(grpc.insecure_channel(address)) as channel:
         wait_serving(channel)
         with pytest.raises(grpc.RpcError):
