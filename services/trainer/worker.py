@@ -115,6 +115,7 @@ class TrainerWorker:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
 
     def shutdown(self) -> None:
+        telemetry.flush()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -332,7 +333,6 @@ class TrainerWorker:
         finally:
             if token is not None:
                 otel_context.detach(token)
-                telemetry.flush()
         return metrics
 
     def _pull_and_train(
