@@ -44,8 +44,8 @@ from services.environment_sandbox.environments.digits import digits_score
 from services.kit.recipe import Recipe, parse_recipe
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.tokenizer import IM_END, PAD, SPECIAL_TOKENS, CharTokenizer
-from services.trainer.optim import OptimizerSpec, build_optimizer
-from services.trainer.spec import model_preset
+from services.trainer.optim import build_optimizer
+from services.trainer.spec import model_preset, spec_from_recipe
 
 BENCH = "peer_trl"
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,20 +194,8 @@ def one_step_update_gap(recipe: Recipe) -> tuple[float, float]:
 
 
 def _optimizer(model: Any, recipe: Recipe) -> tuple[Any, Any]:
-    opt = recipe.optimizer
-    return build_optimizer(
-        list(model.parameters()),
-        OptimizerSpec(
-            lr=opt.lr,
-            betas=list(opt.betas),
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
-            warmup_steps=opt.warmup_steps,
-            schedule=opt.schedule,
-            total_steps=recipe.run.steps,
-            grad_clip=opt.grad_clip,
-        ),
-    )
+    """looprl's own AdamW and schedule, as the trainer builds them from the recipe."""
+    return build_optimizer(list(model.parameters()), spec_from_recipe(recipe, "peer").optimizer)
 
 
 def trl_trainer(recipe: Recipe, output_dir: str, callbacks: list[Any] = ()) -> Any:
