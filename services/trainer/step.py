@@ -49,7 +49,6 @@ def micro_batch_loss(
     settings: StepSettings,
     trainer_version: int,
     ref_model: Any = None,
-    entropy_grad: bool = True,
 ) -> tuple[Tensor, dict[str, float]]:
     """This micro-batch's share of the step loss (carrying the graph) and its metric sums."""
     total = mb.num_tokens
@@ -62,8 +61,10 @@ def micro_batch_loss(
     if trained.numel() == 0:
         share = logits.sum() * 0.0
         return share, {"loss": 0.0, "tokens": 0.0, "sequences": float(mb.num_sequences)}
-    use_entropy_grad = entropy_grad and settings.loss.entropy_coef > 0
-    entropy = rows_entropy(logits if use_entropy_grad else logits.detach(), settings.temperature)
+    # The entropy carries a gradient only when the loss has an entropy bonus.
+    entropy = rows_entropy(
+        logits if settings.loss.entropy_coef > 0 else logits.detach(), settings.temperature
+    )
     ref = None
     if ref_model is not None:
         with torch.no_grad():
