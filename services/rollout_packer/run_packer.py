@@ -180,9 +180,9 @@ class RunPacker:
             return
         rid = seq.rollout_id
         if rid in self.trained:
-            await self._drop(
-                d, Rejected(rid, DropReason.ALREADY_TRAINED, f"trained in step {self.trained[rid]}")
-            )
+            step = self.trained[rid]
+            await self._drop(d, Rejected(rid, DropReason.ALREADY_TRAINED, f"trained in step {step}"))
+            await self._settled(step, rid)
             return
         held = self.held.get(rid)
         if held is not None:
@@ -204,6 +204,16 @@ class RunPacker:
             return
         self.held[rid] = d
         await self._screen(self.collector.take_ready())
+
+    async def _settled(self, step: int, rid: str) -> None:
+        """A trained rollout left pending on the bus by a crash came back and was acked."""
+        record = self.records.get(step)
+        if record is None or rid not in record.unsettled:
+            return
+        record.unsettled.remove(rid)
+        if not record.unsettled:
+            with contextlib.suppress(Exception):  # a stale list only delays forgetting the record
+                await self.store.save(record)
 
     async def _screen(self, groups: list[Group]) -> None:
         for group in groups:
@@ -345,6 +355,10 @@ class RunPacker:
             return 0
         record.acked = True
         record.acked_version = trainer_version
+        record.acked_at = time.time()
+        # Rollouts of this step we do not hold were delivered to a packer that died: the bus still
+        # has them pending and redelivers them later; the record must outlive that.
+        record.unsettled = [rid for rid in record.rollout_ids if rid not in self.held]
         await self.store.save(record)  # durable before any bus ack: a crash now cannot train it twice
         self._register(record)
         deliveries = []

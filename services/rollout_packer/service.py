@@ -69,7 +69,11 @@ class PackerApp:
         async with self._lock:
             if run_id in self.runs:
                 return self.runs[run_id]
-            store = StepStore(await self.bus.kv(self.cfg.state_bucket), run_id, self.cfg.keep_acked_steps)
+            store = StepStore(
+                await self.bus.kv(self.cfg.state_bucket), run_id, self.cfg.keep_acked_steps,
+                # a bus ack lost in a crash shows up as a redelivery one ack wait later
+                settle_s=2 * self.cfg.ack_wait_s + 5,
+            )  # fmt: skip
             packer = RunPacker(
                 run_id, settings, self.bus, store,
                 ack_wait_s=self.cfg.ack_wait_s, max_ack_pending=self.cfg.max_ack_pending,

@@ -7,13 +7,18 @@ micro-batches is served and marked acked BEFORE its rollouts are acked on the bu
   the rebuild is deterministic, so every rank sees the same batch as before the crash;
 - a redelivered rollout of an acked step is recognised, acked and dropped: never trained twice.
 
-Only the newest `keep_acked` acked records are kept: a rollout can only be redelivered if it was still
-unacked at the crash, i.e. belongs to one of the last steps.
+An acked record is forgotten only when all three hold: it is not among the newest `keep_acked`, it
+was acked more than `settle_s` ago (a bus ack sent just before a crash may not have landed, and the
+redelivery comes one ack-wait later), and none of its rollouts is `unsettled` - still pending on the
+bus because the packer that planned it died holding it, so the bus will redeliver it after its ack
+wait, however many steps later. A record whose unsettled rollouts never come back (the stream lost
+them) is forgotten after `10 * settle_s`.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 
 from services.kit.kv import KV
@@ -27,6 +32,8 @@ class StepRecord:
     groups: dict[str, list[str]]  # group id -> rollout ids
     acked: bool = False
     acked_version: int = -1
+    acked_at: float = 0.0  # wall-clock time of the trainer's AckStep
+    unsettled: list[str] = field(default_factory=list)  # acked step's rollouts not yet acked on the bus
     extra: dict = field(default_factory=dict)
 
     @property
@@ -44,10 +51,11 @@ class StepRecord:
 class StepStore:
     """Step records of one run in a KV bucket."""
 
-    def __init__(self, kv: KV, run_id: str, keep_acked: int = 8) -> None:
+    def __init__(self, kv: KV, run_id: str, keep_acked: int = 8, settle_s: float = 65.0) -> None:
         self.kv = kv
         self.run_id = run_id
         self.keep_acked = keep_acked
+        self.settle_s = settle_s
         self._prefix = f"{run_id}.step."
 
     def _key(self, step: int) -> str:
@@ -67,10 +75,19 @@ class StepStore:
     async def save(self, record: StepRecord) -> None:
         await self.kv.put(self._key(record.step), record.to_json())
 
-    async def prune(self, records: dict[int, StepRecord]) -> list[int]:
-        """Forget acked records beyond the newest keep_acked; returns the steps forgotten."""
+    async def prune(self, records: dict[int, StepRecord], now: float | None = None) -> list[int]:
+        """Forget the acked records no redelivery can need any more; returns the steps forgotten."""
+        now = time.time() if now is None else now
         acked = sorted(s for s, r in records.items() if r.acked)
-        old = acked[: max(0, len(acked) - self.keep_acked)]
+        old = [
+            step
+            for step in acked[: max(0, len(acked) - self.keep_acked)]
+            if self._settled(records[step], now)
+        ]
         for step in old:
             await self.kv.delete(self._key(step))
         return old
+
+    def _settled(self, record: StepRecord, now: float) -> bool:
+        age = now - record.acked_at
+        return age > self.settle_s and (not record.unsettled or age > 10 * self.settle_s)

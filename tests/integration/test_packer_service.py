@@ -192,6 +192,44 @@ async def test_crash_after_recording_the_ack_but_before_bus_acks_never_trains_tw
         await bus.close()
 
 
+async def test_rollouts_of_a_dead_packer_redelivered_after_many_steps_are_not_trained_again(
+    packer, nats_url
+) -> None:
+    """A packer killed while holding a planned step: its successor serves the step, the trainer acks
+    it, and the run goes on for more steps than `keep_acked_steps` before the bus redelivers the dead
+    packer's copies (one ack wait later). They are recognised as trained, not packed a second time."""
+    app, stub = packer
+    app.cfg.keep_acked_steps = 1
+    run_id = f"svc-{uuid.uuid4().hex[:8]}"
+    settings = PackerSettings(prompts_per_step=1, group_size=2, world_size=1, max_tokens_per_microbatch=64)
+    first = await app.add_run(run_id, settings)
+    bus = await Bus.connect(nats_url, name="test-publisher")
+    try:
+        await _publish(bus, run_id, _group(run_id, "s0"))
+        step0 = sorted(rid for mb in (await _fetch(stub, run_id, step=0, world=1))[0] for rid in mb.rollout_ids)
+        # SIGKILL: nothing handed back, so the bus redelivers step 0's rollouts only after ack_wait
+        app.runs.pop(run_id)
+        await first.stop(hand_back=False)
+
+        second = await app.add_run(run_id, settings)
+        await stub.AckStep(packer_pb2.AckStepRequest(run_id=run_id, step=0, trainer_version=1))
+        for step in range(1, 4):  # more acked steps than keep_acked_steps
+            await _publish(bus, run_id, _group(run_id, f"s{step}", version=step))
+            await _fetch(stub, run_id, step=step, world=1, version=step)
+            await stub.AckStep(packer_pb2.AckStepRequest(run_id=run_id, step=step, trainer_version=step + 1))
+        for _ in range(100):
+            if second.dropped.get("already_trained", 0) == len(step0):
+                break
+            await asyncio.sleep(0.1)
+        assert second.dropped.get("already_trained", 0) == len(step0), dict(second.dropped)
+        await _publish(bus, run_id, _group(run_id, "s4", version=4))
+        nxt = await _fetch(stub, run_id, step=4, world=1, version=4)
+        assert not set(step0) & {rid for mb in nxt[0] for rid in mb.rollout_ids}
+        assert not second.records[0].unsettled  # every copy the bus held is acked now
+    finally:
+        await bus.close()
+
+
 async def test_step_records_survive_in_kv_and_old_acked_ones_are_pruned(nats_url) -> None:
     from services.rollout_packer.state import StepRecord, StepStore
 
@@ -209,5 +247,17 @@ async def test_step_records_survive_in_kv_and_old_acked_ones_are_pruned(nats_url
         assert await store.prune(records) == [0]
         reloaded = await StepStore(await bus.kv("packer"), run_id).load()
         assert sorted(reloaded) == [1, 2] and reloaded[1].acked and not reloaded[2].acked
+
+        # beyond the window but acked within settle_s, or with rollouts still pending on the bus: kept
+        store = StepStore(await bus.kv("packer"), run_id, keep_acked=0, settle_s=60)
+        recent = StepRecord(3, 3, 1, {"g": ["r3"]}, acked=True, acked_at=1000.0)
+        pending = StepRecord(4, 4, 1, {"g": ["r4"]}, acked=True, acked_at=1000.0, unsettled=["r4"])
+        for record in (recent, pending):
+            await store.save(record)
+        records = {3: recent, 4: pending}
+        assert await store.prune(records, now=1030.0) == []
+        assert await store.prune(records, now=1100.0) == [3]
+        assert await store.prune({4: pending}, now=1599.0) == []
+        assert await store.prune({4: pending}, now=1601.0) == [4]
     finally:
         await bus.close()
