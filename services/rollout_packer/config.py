@@ -34,8 +34,10 @@ class PackerConfig(ServiceConfig):
     )
     keep_acked_steps: int = field(
         default=8,
-        metadata={"help": "Acked step records always kept in KV to recognise redelivered trained rollouts (older ones "
-            "stay while a redelivery is still possible)."},
+        metadata={
+            "help": "Acked step records always kept in KV to recognise redelivered trained rollouts (older ones "
+            "stay while a redelivery is still possible)."
+        },
     )
     state_bucket: str = field(
         default="packer", metadata={"help": "KV bucket holding step plans and acknowledgements."}

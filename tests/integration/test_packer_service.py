@@ -206,7 +206,9 @@ async def test_rollouts_of_a_dead_packer_redelivered_after_many_steps_are_not_tr
     bus = await Bus.connect(nats_url, name="test-publisher")
     try:
         await _publish(bus, run_id, _group(run_id, "s0"))
-        step0 = sorted(rid for mb in (await _fetch(stub, run_id, step=0, world=1))[0] for rid in mb.rollout_ids)
+        step0 = sorted(
+            rid for mb in (await _fetch(stub, run_id, step=0, world=1))[0] for rid in mb.rollout_ids
+        )
         # SIGKILL: nothing handed back, so the bus redelivers step 0's rollouts only after ack_wait
         app.runs.pop(run_id)
         await first.stop(hand_back=False)
