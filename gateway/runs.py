@@ -6,21 +6,30 @@ synchronous on-policy and k > 0 overlaps generation with training. It follows th
 the TRAIN and WEIGHTS streams and keeps the run record (KV bucket "runs") up to date; a
 restarted gateway re-creates the drivers of running runs and continues where the record says.
 Episode tasks carry deterministic message ids, so a feed repeated after a crash is deduped.
+
+Tracing: a driver runs outside the CreateRun call that started it. The run's trace (the one
+CreateRun was in, its traceparent kept in the record) holds the run's lifecycle only: driving
+started, completed or failed. Each step's feed is its own small trace (a root span linked to the
+run's trace, holding that step's task publishes), and each episode task starts its own trace in
+the environment-sandbox, linked to its publish: no trace grows with the number of steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import re
 import time
 import uuid
 
+from opentelemetry import trace
+
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
-from services.kit import subjects
+from services.kit import subjects, telemetry
 from services.kit.bus import Bus
 from services.kit.kv import KV, KVConflict
 from services.kit.recipe import Recipe, RunRecord, sampling_seed
@@ -30,6 +39,11 @@ log = logging.getLogger("looprl.gateway.runs")
 
 # Packer drop reasons that mark a redelivery of a rollout it already trained or holds, not a rollout.
 DUPLICATE_REASONS = frozenset({"duplicate", "already_trained"})
+
+# Key in RunRecord.extra holding the run's trace context (W3C headers).
+RUN_TRACE_KEY = "trace"
+
+_tracer = trace.get_tracer("looprl.gateway.runs")
 
 ACTIVE = ("pending", "running")
 FINAL = ("completed", "failed", "stopped")
@@ -163,9 +177,13 @@ class RunDriver:
         # Newest trained version seen on the bus, ahead of the KV record that follows it: feeding
         # waits on it, and the next step's tasks go out before the accounting is written.
         self._trained_version = 0
+        self._run_trace: dict[str, str] | None = None  # the run's trace context, from its record
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._main(), name=f"run-{self.run_id}")
+        # A context of its own: the driver's spans are not children of the RPC that started it.
+        self._task = asyncio.create_task(
+            self._main(), name=f"run-{self.run_id}", context=contextvars.Context()
+        )
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -185,35 +203,67 @@ class RunDriver:
             log.exception("run %s failed", self.run_id)
             error = f"gateway: {exc!r}"
             await self.store.update(self.run_id, lambda r: _fail(r, error))
+            self._lifecycle("run failed", error=error)
         finally:
             for task in followers:
                 task.cancel()
+
+    def _lifecycle(self, name: str, **attributes: object) -> None:
+        """A moment of the run's life, as a short span in the run's own trace."""
+        if self._run_trace is None:
+            return
+        with _tracer.start_as_current_span(
+            name,
+            context=telemetry.extract(self._run_trace),
+            attributes={telemetry.ATTR.RUN_ID: self.run_id, **{k: str(v) for k, v in attributes.items()}},
+        ):
+            pass
+
+    async def _publish_step(self, record: RunRecord, recipe: Recipe, step: int) -> None:
+        """One step's episode tasks, in a trace of their own linked to the run's."""
+        run_ctx = telemetry.remote_span_context(self._run_trace)
+        with _tracer.start_as_current_span(
+            "feed step",
+            context=telemetry.new_trace(),
+            links=[trace.Link(run_ctx)] if run_ctx is not None else [],
+            attributes={
+                telemetry.ATTR.RUN_ID: self.run_id,
+                telemetry.ATTR.STEP: step,
+                telemetry.ATTR.ROLLOUTS: recipe.batch.rollouts_per_step,
+            },
+        ):
+            subject = subjects.episodes(self.run_id)
+            await asyncio.gather(
+                *(
+                    self.bus.publish(subject, task, msg_id=mid)
+                    for mid, task in episode_tasks(record, recipe, step)
+                )
+            )
 
     async def _feed(self) -> None:
         record = await self.store.get(self.run_id)
         if record is None or record.state in FINAL:
             return
         recipe = record.recipe()
+        self._run_trace = record.extra.get(RUN_TRACE_KEY) or None
+        fed = int(record.extra.get("fed_steps", 0))
         if record.state == "pending":
             record = await self.store.update(self.run_id, lambda r: setattr(r, "state", "running"))
-        fed = int(record.extra.get("fed_steps", 0))
+            self._lifecycle("run started", steps=recipe.run.steps)
+        else:
+            self._lifecycle("run resumed", fed_steps=fed)
         while True:
             record = await self.store.get(self.run_id)
             if record is None or record.state not in ACTIVE:
                 return
             if record.weight_version >= recipe.run.steps:
                 await self.store.update(self.run_id, _complete)
+                self._lifecycle("run completed", steps=record.weight_version)
                 self.changed.set()
                 return
             trained = max(record.weight_version, self._trained_version)
             if fed < recipe.run.steps and fed - recipe.run.max_staleness <= trained:
-                subject = subjects.episodes(self.run_id)
-                await asyncio.gather(
-                    *(
-                        self.bus.publish(subject, task, msg_id=mid)
-                        for mid, task in episode_tasks(record, recipe, fed)
-                    )
-                )
+                await self._publish_step(record, recipe, fed)
                 fed += 1
                 count = recipe.batch.rollouts_per_step
                 await self.store.update(self.run_id, lambda r, f=fed, c=count: _fed(r, f, c))

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from gateway.auth import TokenAuth
-from gateway.runs import ACTIVE, FINAL, RunDriver, RunStore, new_run_id
+from gateway.runs import ACTIVE, FINAL, RUN_TRACE_KEY, RunDriver, RunStore, new_run_id
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.kit import subjects
+from services.kit import subjects, telemetry
 from services.kit.bus import Bus
 from services.kit.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.kit.limits import RecipeLimits
@@ -119,6 +119,10 @@ class RunManager:
         record = RunRecord(
             run_id=run_id or new_run_id(recipe.run.name), recipe_toml=recipe_toml, created_at=time.time()
         )
+        # The run's trace is the one CreateRun is in: its episodes, steps and lifecycle link to it.
+        carrier = telemetry.current_carrier()
+        if carrier:
+            record.extra[RUN_TRACE_KEY] = carrier
         try:
             await self.store.create(record)
         except Exception as exc:

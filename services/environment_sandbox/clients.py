@@ -7,7 +7,11 @@ import asyncio
 import uuid
 from typing import Any
 
+from opentelemetry import trace
+
 from services.environment_sandbox.model_io import ModelTurn, Score
+
+_tracer = trace.get_tracer("looprl.environment_sandbox.clients")
 
 
 class RouterGenerator:
@@ -61,6 +65,7 @@ class RewardClient:
         self.max_batch = max_batch
         self.batching = True
         self._pending: list[tuple[Any, asyncio.Future]] = []
+        self._callers: list[Any] = []  # span context of each pending score's episode
         self._sending: set[asyncio.Task] = set()
 
     async def __call__(self, reward, task_json, completion, rollout_id, transcript, env_reward):
@@ -79,7 +84,9 @@ class RewardClient:
             return _score(await self.stub.Score(request, timeout=self.timeout_s))
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        # The batch call is made in the first caller's trace and linked to the others' episodes.
         self._pending.append((request, future))
+        self._callers.append(trace.get_current_span().get_span_context())
         if len(self._pending) == 1:
             loop.call_soon(self._flush)  # after every coroutine ready in this turn has queued its score
         elif len(self._pending) >= self.max_batch:
@@ -88,10 +95,25 @@ class RewardClient:
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
+        callers, self._callers = self._callers, []
         if batch:
-            task = asyncio.ensure_future(self._send(batch))
+            task = asyncio.ensure_future(self._send_traced(batch, callers))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
+
+    async def _send_traced(self, batch: list[tuple[Any, asyncio.Future]], callers: list[Any]) -> None:
+        """_send inside a span of the first caller's episode, linked to every other caller's."""
+        from services.kit import telemetry
+
+        first = trace.set_span_in_context(trace.NonRecordingSpan(callers[0])) if callers else None
+        links, dropped = telemetry.links(callers[1:])
+        with _tracer.start_as_current_span(
+            "score batch",
+            context=first,
+            links=links,
+            attributes={telemetry.ATTR.ROLLOUTS: len(batch), telemetry.ATTR.LINKS_DROPPED: dropped},
+        ):
+            await self._send(batch)
 
     async def _send(self, batch: list[tuple[Any, asyncio.Future]]) -> None:
         import grpc

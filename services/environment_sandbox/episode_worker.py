@@ -1,7 +1,10 @@
 """The episode work-queue consumer: pulls EpisodeTasks from a run's EPISODES work queue, runs them
 through the EpisodeRunner (bounded concurrency), publishes every rollout (deterministic id, so a
 redelivered task is deduplicated) and only then acks the task; in_progress heartbeats keep long
-episodes from being redelivered, and bad tasks are terminated with their reason."""
+episodes from being redelivered, and bad tasks are terminated with their reason.
+
+Each task is its own trace: an "episode" root span, linked to the gateway's publish of the task,
+covers the agent loop (every Generate and reward call) and the publish of the task's rollouts."""
 
 from __future__ import annotations
 
@@ -94,40 +97,64 @@ class EpisodeWorker:
             await asyncio.wait(set(self._tasks), timeout=grace_s)
 
     async def _handle(self, delivery: Any) -> None:
-        from services.kit import subjects
-        from services.kit.bus import PoisonMessage
 
         heartbeat = asyncio.ensure_future(self._heartbeat(delivery))
         try:
-            try:
-                task = delivery.parse(events_pb2.EpisodeTask)
-                with delivery.process_span():
-                    rollouts = await self.runner.run_all(task)
-            except (PoisonMessage, EnvironmentError_, json.JSONDecodeError) as exc:
-                await delivery.term(f"bad episode task: {exc}")
-                self.failed += 1
-                return
-            except Exception:
-                delay = self.config.retry_delay(delivery.num_delivered)
-                log.exception(
-                    "episode failed (delivery %d); handing the task back in %.1fs",
-                    delivery.num_delivered,
-                    delay,
-                )
-                await delivery.nak(delay=delay)
-                self.failed += 1
-                return
-            # Every rollout of the task (all branches of a forked episode) before the ack: a crash
-            # in between re-runs the task, re-publishing the same ids, which the stream drops.
-            # Concurrently: one round trip for the group instead of one per rollout.
-            subject = subjects.rollouts(task.run_id)
-            await asyncio.gather(*(self.bus.publish(subject, r, msg_id=r.rollout_id) for r in rollouts))
-            self.published += len(rollouts)
-            if self._crash_after_publish:
-                os._exit(17)
-            await delivery.ack()
+            with delivery.process_span("episode", new_trace=True) as span:
+                await self._episode(delivery, span)
         finally:
             heartbeat.cancel()
+
+    async def _episode(self, delivery: Any, span: Any) -> None:
+        from services.kit import subjects, telemetry
+        from services.kit.bus import PoisonMessage
+
+        try:
+            task = delivery.parse(events_pb2.EpisodeTask)
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        telemetry.ATTR.RUN_ID: task.run_id,
+                        telemetry.ATTR.TASK_ID: task.task_id,
+                        telemetry.ATTR.STEP: task.step,
+                        "looprl.environment": task.environment,
+                    }
+                )
+            rollouts = await self.runner.run_all(task)
+        except (PoisonMessage, EnvironmentError_, json.JSONDecodeError) as exc:
+            span.set_status(telemetry.error_status(exc))
+            await delivery.term(f"bad episode task: {exc}")
+            self.failed += 1
+            return
+        except Exception as exc:
+            span.set_status(telemetry.error_status(exc))
+            delay = self.config.retry_delay(delivery.num_delivered)
+            log.exception(
+                "episode failed (delivery %d); handing the task back in %.1fs",
+                delivery.num_delivered,
+                delay,
+            )
+            await delivery.nak(delay=delay)
+            self.failed += 1
+            return
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    telemetry.ATTR.ROLLOUT_ID: ",".join(r.rollout_id for r in rollouts),
+                    telemetry.ATTR.ROLLOUTS: len(rollouts),
+                    telemetry.ATTR.TOKENS: sum(len(t.token_ids) for r in rollouts for t in r.turns),
+                    telemetry.ATTR.WEIGHT_VERSION: min(r.min_weight_version for r in rollouts),
+                }
+            )
+        # Every rollout of the task (all branches of a forked episode) before the ack: a crash
+        # in between re-runs the task, re-publishing the same ids, which the stream drops.
+        # Concurrently: one round trip for the group instead of one per rollout.
+        subject = subjects.rollouts(task.run_id)
+        await asyncio.gather(*(self.bus.publish(subject, r, msg_id=r.rollout_id) for r in rollouts))
+        self.published += len(rollouts)
+        if self._crash_after_publish:
+            os._exit(17)
+        await delivery.ack()
 
     async def _heartbeat(self, delivery: Any) -> None:
         while True:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import grpc
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.kit import errors
+from services.kit import errors, telemetry
 
 # Engine answers that say the request is at fault: passed through to the caller, never retried.
 _CALLER_FAULT = {
@@ -74,7 +74,10 @@ class RayReplicaHandle:
     ) -> inference_pb2.GenerateResponse:
         if self._direct is not None:
             return await self._direct.generate(request, timeout_s)
-        raw = await self._call(self.actor.generate.remote(request.SerializeToString()), timeout_s)
+        raw = await self._call(
+            self.actor.generate.remote(request.SerializeToString(), telemetry.current_carrier() or None),
+            timeout_s,
+        )
         return inference_pb2.GenerateResponse.FromString(raw)
 
     async def generate_stream(
@@ -86,7 +89,7 @@ class RayReplicaHandle:
         deadline = loop.time() + timeout_s
         try:
             gen = self.actor.generate_stream.options(num_returns="streaming").remote(
-                request.SerializeToString()
+                request.SerializeToString(), telemetry.current_carrier() or None
             )
             async for ref in gen:
                 raw = await self._call(ref, max(0.01, deadline - loop.time()))

@@ -35,11 +35,12 @@ from typing import Any
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.engine.base import Engine, EngineRequest, SamplingParams
 from services.inference_router.engine.scheduler import SchedulerLimits
-from services.kit import errors
+from services.kit import errors, telemetry
 from services.kit.interceptors import ServerInterceptor
 from services.kit.weight_transfer import add_engine_servicer
 from services.kit.weight_transfer.stager import WeightStager
@@ -48,6 +49,7 @@ from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params, shard_state_dict
 
 log = logging.getLogger("looprl.inference_router.replica")
+_tracer = trace.get_tracer("looprl.inference_router.replica")
 
 
 @dataclass
@@ -117,7 +119,14 @@ def engine_request(req: inference_pb2.GenerateRequest) -> EngineRequest:
 class ReplicaCore:
     """The replica's logic; `InferenceReplica` is this class as a Ray actor."""
 
-    def __init__(self, spec: Mapping[str, Any] | None = None, replica: str = "") -> None:
+    def __init__(
+        self,
+        spec: Mapping[str, Any] | None = None,
+        replica: str = "",
+        tracing: Mapping[str, str] | None = None,
+    ) -> None:
+        # Spans of this replica (its gRPC server, generation over Ray) go where the router's go.
+        telemetry.setup_from_settings("inference-replica", tracing)
         self.settings = ReplicaSettings.from_spec(spec or {})
         self.name = replica or f"{self.settings.deployment}-r0"
         if self.settings.num_threads > 0:
@@ -341,6 +350,7 @@ class ReplicaCore:
                 retired, self._held = self._held, state
                 self._stager.give_back(retired)
         log.info("replica %s now serves weight version %d", self.name, version)
+        self._annotate(weight_version=version)
         return engine.status().weight_version
 
     async def _commit_ranks(self, engine: Engine, version: int) -> None:
@@ -435,9 +445,21 @@ class ReplicaCore:
             raise errors.Unavailable(f"replica {self.name} has no weights yet")
         return self.engine
 
+    def _annotate(self, **attributes: Any) -> None:
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes(
+                {telemetry.ATTR.DEPLOYMENT: self.settings.deployment, telemetry.ATTR.REPLICA: self.name}
+                | {getattr(telemetry.ATTR, k.upper()): v for k, v in attributes.items()}
+            )
+
     async def generate_proto(self, req: inference_pb2.GenerateRequest) -> inference_pb2.GenerateResponse:
         engine = self._serving_engine()
         [result] = await engine.generate([engine_request(req)])
+        self._annotate(
+            weight_version=min((c.weight_version for c in result.completions), default=-1),
+            tokens=result.prompt_tokens + sum(len(c.token_ids) for c in result.completions),
+        )
         return inference_pb2.GenerateResponse(
             completions=[
                 inference_pb2.Completion(
@@ -469,17 +491,34 @@ class ReplicaCore:
             )
 
     # ------------------------------------------------------------------ the router's Ray surface
-    async def generate(self, request_bytes: bytes) -> bytes:
+    async def generate(self, request_bytes: bytes, trace_headers: Mapping[str, str] | None = None) -> bytes:
         await self.start()
         req = inference_pb2.GenerateRequest.FromString(request_bytes)
-        return (await self.generate_proto(req)).SerializeToString()
+        # A SERVER span for a call that came over Ray, in the caller's trace (its headers).
+        with _tracer.start_as_current_span(
+            "replica generate", context=telemetry.extract(trace_headers), kind=trace.SpanKind.SERVER
+        ):
+            return (await self.generate_proto(req)).SerializeToString()
 
-    async def generate_stream(self, request_bytes: bytes) -> AsyncIterator[bytes]:
+    async def generate_stream(
+        self, request_bytes: bytes, trace_headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[bytes]:
         """Async generator: call with `.options(num_returns="streaming")`; yields GenerateStreamResponse bytes."""
         await self.start()
         req = inference_pb2.GenerateRequest.FromString(request_bytes)
-        async for chunk in self.stream_proto(req):
-            yield chunk.SerializeToString()
+        # Not made current: an async generator resumes in its consumer's context at every chunk.
+        span = _tracer.start_span(
+            "replica generate_stream", context=telemetry.extract(trace_headers), kind=trace.SpanKind.SERVER,
+            attributes={telemetry.ATTR.DEPLOYMENT: self.settings.deployment, telemetry.ATTR.REPLICA: self.name},
+        )  # fmt: skip
+        tokens = 0
+        try:
+            async for chunk in self.stream_proto(req):
+                tokens += len(chunk.token_ids)
+                yield chunk.SerializeToString()
+        finally:
+            span.set_attribute(telemetry.ATTR.TOKENS, tokens)
+            span.end()
 
     async def address(self) -> str:
         return await self.start()

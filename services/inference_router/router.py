@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry import trace
+
 from looprl.inference.v1 import inference_pb2
 from services.inference_router import metrics
 from services.inference_router.handles import ReplicaFailure, ReplicaHandle
@@ -35,7 +37,7 @@ from services.inference_router.policies import (
     RoutingPolicy,
     VersionUnavailable,
 )
-from services.kit import errors
+from services.kit import errors, telemetry
 
 log = logging.getLogger("looprl.inference_router")
 
@@ -186,6 +188,20 @@ class Router:
             self._finished(dep, replica, request, response, time.perf_counter() - start)
             response.deployment = dep.name
             response.replica = replica.name
+            span = trace.get_current_span()
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        telemetry.ATTR.DEPLOYMENT: dep.name,
+                        telemetry.ATTR.REPLICA: replica.name,
+                        telemetry.ATTR.WEIGHT_VERSION: min(
+                            (c.weight_version for c in response.completions), default=-1
+                        ),
+                        telemetry.ATTR.TOKENS: response.prompt_tokens
+                        + sum(len(c.token_ids) for c in response.completions),
+                        "looprl.attempts": attempt,
+                    }
+                )
             return response
         metrics.REJECTIONS.labels("attempts").inc()
         raise errors.Unavailable(

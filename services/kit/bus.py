@@ -11,7 +11,8 @@ What it gives a service:
   a PRODUCER span "<subject> publish".
 - `pull_consumer(stream, durable, filter_subject, ...)`: durable pull consumers with explicit ack;
   `fetch()` returns `Delivery` objects with ack / nak / term / in_progress and a CONSUMER span
-  "<subject> process" parented on the producer's span.
+  "<subject> process" parented on the producer's span (or, for work that starts its own trace,
+  a root span linked to it).
 - `kv(bucket)`: get / put / compare-and-set update / keys / watch on a JetStream KV bucket.
 
 JetStream semantics this wrapper does not hide:
@@ -42,7 +43,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from opentelemetry import propagate, trace
-from opentelemetry.trace import Span, SpanKind, TracerProvider
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, TracerProvider
 
 from services.kit import subjects as names
 from services.kit.bus_errors import BusError, BusUnavailable, KVConflict, PoisonMessage
@@ -538,20 +540,36 @@ class Delivery:
                 f"{message_type.DESCRIPTOR.full_name}: {err}"
             ) from err
 
+    def producer_context(self) -> SpanContext | None:
+        """The publisher's span (from the traceparent header), to link to; None when none came."""
+        ctx = trace.get_current_span(propagate.extract(self.headers)).get_span_context()
+        return ctx if ctx.is_valid else None
+
     @contextmanager
-    def process_span(self) -> Iterator[Span]:
-        """A CONSUMER span "<subject> process" whose parent is the publisher's span."""
-        parent = propagate.extract(self.headers)
-        attributes: dict[str, Any] = {
+    def process_span(
+        self, name: str | None = None, *, new_trace: bool = False, attributes: Mapping[str, Any] | None = None
+    ) -> Iterator[Span]:
+        """A CONSUMER span "<subject> process" whose parent is the publisher's span; with new_trace
+        the root of a new trace instead, linked to the publisher's span (work that deserves its own
+        trace, such as one episode of a run)."""
+        attrs: dict[str, Any] = {
             "messaging.system": "nats",
             "messaging.operation.type": "process",
             "messaging.destination.name": self.subject,
             "messaging.nats.stream_sequence": self.stream_seq,
             "messaging.nats.num_delivered": self.num_delivered,
+            **(attributes or {}),
         }
         if self.msg_id:
-            attributes["messaging.message.id"] = self.msg_id
+            attrs["messaging.message.id"] = self.msg_id
+        producer = self.producer_context()
+        if new_trace:
+            parent = Context()
+            links = [Link(producer)] if producer is not None else []
+        else:
+            parent, links = propagate.extract(self.headers), []
         with self._bus._tracer.start_as_current_span(
-            f"{self.subject} process", context=parent, kind=SpanKind.CONSUMER, attributes=attributes
-        ) as span:
+            name or f"{self.subject} process", context=parent, kind=SpanKind.CONSUMER, attributes=attrs,
+            links=links,
+        ) as span:  # fmt: skip
             yield span

@@ -6,12 +6,14 @@ Server side, one interceptor wraps every method handler to:
 - open a SERVER span whose parent comes from the caller's traceparent metadata;
 - count requests and time them for Prometheus;
 - map ServiceError to its status and any other exception to INTERNAL, logged with the trace id.
-Client side, interceptors put the current trace context into outgoing metadata.
+Client side, interceptors open a CLIENT span per outgoing call (so trace views draw the edge
+between two services) and put its context into the call's metadata.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import time
@@ -21,7 +23,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.kit import telemetry
@@ -192,38 +194,177 @@ async def _responses(result: Any) -> AsyncIterator[Any]:
         await result
 
 
-class _TraceClientInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the current trace context to outgoing metadata."""
+_client_tracer = trace.get_tracer("looprl.grpc.client")
+
+
+def _client_span(method: str) -> Span:
+    """A CLIENT span for one outgoing call, a child of the current span."""
+    service, _, short = method.lstrip("/").rpartition("/")
+    return _client_tracer.start_span(
+        method.lstrip("/"),
+        kind=SpanKind.CLIENT,
+        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": short},
+    )
+
+
+def _outgoing_metadata(metadata: Any, span: Span) -> list[tuple[str, str]]:
+    """The call's metadata plus the client span's traceparent."""
+    out = [(k, v) for k, v in (metadata or ()) if k.lower() != "traceparent"]
+    with trace.use_span(span, end_on_exit=False):
+        out.extend(telemetry.grpc_metadata())
+    return out
+
+
+def _end_client_span(span: Span, code: grpc.StatusCode | None, details: str = "") -> None:
+    name = (code or grpc.StatusCode.UNKNOWN).name
+    span.set_attribute("rpc.grpc.status_code", (code or grpc.StatusCode.UNKNOWN).value[0])
+    if code is not None and code != grpc.StatusCode.OK:
+        span.set_status(Status(StatusCode.ERROR, f"{name}: {details}"[:256]))
+    span.end()
+
+
+_finishing: set[asyncio.Task] = set()
+
+
+def _background(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    _finishing.add(task)
+    task.add_done_callback(_finishing.discard)
+
+
+class _AioClientSpans:
+    """A CLIENT span around every outgoing call (asyncio channels), its context in the metadata."""
 
     @staticmethod
-    def _details(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = list(details.metadata or ())
-        metadata.extend(telemetry.grpc_metadata())
+    def _details(details: grpc.aio.ClientCallDetails, span: Span) -> grpc.aio.ClientCallDetails:
         return grpc.aio.ClientCallDetails(
             details.method,
             details.timeout,
-            grpc.aio.Metadata(*metadata),
+            grpc.aio.Metadata(*_outgoing_metadata(details.metadata, span)),
             details.credentials,
             details.wait_for_ready,
         )
 
+    async def _intercept(self, continuation, details, request):
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        span = _client_span(method)
+        if not span.is_recording():  # tracing off: only carry the context on
+            return await continuation(self._details(details, span), request)
+        try:
+            call = await continuation(self._details(details, span), request)
+        except BaseException as exc:
+            span.record_exception(exc)
+            _end_client_span(span, grpc.StatusCode.UNKNOWN, repr(exc))
+            raise
+
+        async def finish(finished: Any) -> None:
+            try:
+                code, detail = await finished.code(), await finished.details()
+            except BaseException:  # cancelled before a status arrived
+                code, detail = grpc.StatusCode.CANCELLED, ""
+            _end_client_span(span, code, detail or "")
+
+        # The status getters of an asyncio call are coroutines; the call is over, so they return at once.
+        call.add_done_callback(lambda finished: _background(finish(finished)))
+        return call
+
+
+# grpc.aio files a channel's interceptor under the first call type it implements only: one each.
+class _AioUnaryUnary(_AioClientSpans, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
+        return await self._intercept(continuation, client_call_details, request)
 
+
+class _AioUnaryStream(_AioClientSpans, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
+        return await self._intercept(continuation, client_call_details, request)
 
+
+class _AioStreamUnary(_AioClientSpans, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._details(client_call_details), request_iterator)
+        return await self._intercept(continuation, client_call_details, request_iterator)
 
+
+class _AioStreamStream(_AioClientSpans, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._details(client_call_details), request_iterator)
+        return await self._intercept(continuation, client_call_details, request_iterator)
+
+
+_SYNC_DETAIL_FIELDS = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+
+
+class _SyncCallDetails(
+    collections.namedtuple("_SyncCallDetails", _SYNC_DETAIL_FIELDS), grpc.ClientCallDetails
+):
+    pass
+
+
+class _SyncTraceClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """The same CLIENT span for blocking channels (grpc.intercept_channel)."""
+
+    def _intercept(self, continuation, details, request):
+        span = _client_span(details.method)
+        new = _SyncCallDetails(
+            details.method,
+            details.timeout,
+            _outgoing_metadata(details.metadata, span),
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+        try:
+            call = continuation(new, request)
+        except BaseException as exc:
+            _end_client_span(span, grpc.StatusCode.UNKNOWN, repr(exc))
+            raise
+        if not span.is_recording():
+            span.end()
+            return call
+
+        def done(*_: Any) -> None:
+            try:
+                code, detail = call.code(), call.details()
+            except Exception:
+                code, detail = grpc.StatusCode.UNKNOWN, ""
+            _end_client_span(span, code, detail or "")
+
+        # A blocking unary call is over when the continuation returns; a stream ends later.
+        try:
+            over = isinstance(call, grpc.Future) and call.done()
+        except Exception:
+            over = True
+        if not over:
+            try:
+                over = not call.add_callback(done)
+            except NotImplementedError:
+                over = True
+        if over:
+            done()
+        return call
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return self._intercept(continuation, client_call_details, request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return self._intercept(continuation, client_call_details, request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return self._intercept(continuation, client_call_details, request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return self._intercept(continuation, client_call_details, request_iterator)
 
 
 def client_interceptors() -> list[Any]:
-    return [_TraceClientInterceptor()]
+    """For grpc.aio channels: a CLIENT span per call, its context sent in the metadata."""
+    return [_AioUnaryUnary(), _AioUnaryStream(), _AioStreamUnary(), _AioStreamStream()]
+
+
+def traced_channel(channel: grpc.Channel) -> grpc.Channel:
+    """A blocking channel whose calls get CLIENT spans and carry their context."""
+    return grpc.intercept_channel(channel, _SyncTraceClientInterceptor())

@@ -10,6 +10,10 @@ Bus contract (ROLLOUTS stream, durable pull consumer `packer-<run>`, explicit ac
 Steps: the first NextBatch of a step plans it from the oldest complete groups (FIFO), after the
 staleness filter, once `prompts_per_step` groups are there; the plan is saved before it is served.
 Every rank of the step is served from the same deterministic StepBatch.
+
+Tracing: taking in a rollout is a CONSUMER span in the rollout's own trace (a child of its
+publish); building a step is a "packer step" span linked to the publish of every rollout in it,
+and the trainer gets each rollout's traceparent with its micro-batch so its step span links too.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import logging
 import time
 from collections import Counter, deque
 
+from opentelemetry import trace
+
 from looprl.common.v1 import common_pb2
-from services.kit import subjects
+from services.kit import subjects, telemetry
 from services.kit.bus import Bus, Consumer, Delivery, PoisonMessage
 from services.kit.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from services.rollout_packer import metrics
@@ -31,6 +37,7 @@ from services.rollout_packer.state import StepRecord, StepStore
 from services.rollout_packer.step import PackerSettings, StepBatch, build_step, filter_stale, screen_group
 
 log = logging.getLogger("looprl.rollout_packer")
+_tracer = trace.get_tracer("looprl.rollout_packer")
 
 # Policy drops are acked (the message was fine, we chose not to train it); invalid rollouts are termed.
 _INVALID = {
@@ -63,6 +70,7 @@ class RunPacker:
         self.collector = GroupCollector(settings.straggler_timeout_s, settings.min_group_size)
         self.ready: deque[Group] = deque()
         self.held: dict[str, Delivery] = {}  # rollout id -> its unsettled delivery
+        self.traceparents: dict[str, str] = {}  # rollout id -> its publish span (W3C traceparent)
         self.records: dict[int, StepRecord] = {}  # planned (and recently acked) steps
         self.plan_of: dict[str, int] = {}  # rollout id -> unacked planned step
         self.plan_groups: set[str] = set()
@@ -123,6 +131,7 @@ class RunPacker:
                 with contextlib.suppress(Exception):
                     await d.nak()
         self.held.clear()
+        self.traceparents.clear()
 
     def _register(self, record: StepRecord) -> None:
         if record.acked:
@@ -151,7 +160,8 @@ class RunPacker:
                 continue
             for d in deliveries:
                 try:
-                    await self._take(d)
+                    with d.process_span(attributes={telemetry.ATTR.RUN_ID: self.run_id}):
+                        await self._take(d)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
@@ -179,6 +189,9 @@ class RunPacker:
             await self._drop(d, seq)
             return
         rid = seq.rollout_id
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes({telemetry.ATTR.ROLLOUT_ID: rid, telemetry.ATTR.TOKENS: seq.length})
         if rid in self.trained:
             step = self.trained[rid]
             await self._drop(d, Rejected(rid, DropReason.ALREADY_TRAINED, f"trained in step {step}"))
@@ -187,12 +200,12 @@ class RunPacker:
         held = self.held.get(rid)
         if held is not None:
             if held.stream_seq == d.stream_seq:  # a redelivery of the message we hold: keep the newest
-                self.held[rid] = d
+                self._hold(rid, d)
             else:
                 await self._drop(d, Rejected(rid, DropReason.DUPLICATE, "rollout_id: already held"))
             return
         if rid in self.plan_of:
-            self.held[rid] = d
+            self._hold(rid, d)
             self.plan_seqs[rid] = seq
             return
         if seq.group_id in self.plan_groups:
@@ -202,7 +215,7 @@ class RunPacker:
         if rejected is not None:
             await self._drop(d, rejected)
             return
-        self.held[rid] = d
+        self._hold(rid, d)
         await self._screen(self.collector.take_ready())
 
     async def _settled(self, step: int, rid: str) -> None:
@@ -214,6 +227,12 @@ class RunPacker:
         if not record.unsettled:
             with contextlib.suppress(Exception):  # a stale list only delays forgetting the record
                 await self.store.save(record)
+
+    def _hold(self, rid: str, d: Delivery) -> None:
+        self.held[rid] = d
+        parent = d.headers.get("traceparent")
+        if parent:
+            self.traceparents[rid] = parent
 
     async def _screen(self, groups: list[Group]) -> None:
         for group in groups:
@@ -236,8 +255,12 @@ class RunPacker:
             await d.term(f"{rejected.reason.value}: {rejected.detail}")
         else:
             await d.ack()
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attribute("looprl.dropped", rejected.reason.value)
         if rejected.rollout_id and self.held.get(rejected.rollout_id) is d:
             del self.held[rejected.rollout_id]
+            self.traceparents.pop(rejected.rollout_id, None)
 
     async def _drop_many(self, drops: list[Rejected]) -> None:
         for rejected in drops:
@@ -321,9 +344,32 @@ class RunPacker:
     async def _build(self, record: StepRecord) -> StepBatch:
         groups = [Group(gid, [self.plan_seqs[r] for r in rids]) for gid, rids in record.groups.items()]
         started = time.perf_counter()
-        batch = await asyncio.to_thread(
-            build_step, record.step, groups, record.trainer_version, self.settings, record.world_size
+        links, dropped = telemetry.link_carriers(
+            [{"traceparent": self.traceparents.get(r, "")} for r in record.rollout_ids],
+            limit=self.settings.prompts_per_step * self.settings.group_size,
         )
+        with _tracer.start_as_current_span(
+            "packer step",
+            links=links,
+            attributes={
+                telemetry.ATTR.RUN_ID: self.run_id,
+                telemetry.ATTR.STEP: record.step,
+                telemetry.ATTR.WEIGHT_VERSION: record.trainer_version,
+                telemetry.ATTR.ROLLOUTS: len(record.rollout_ids),
+                telemetry.ATTR.LINKS_DROPPED: dropped,
+            },
+        ) as span:
+            batch = await asyncio.to_thread(
+                build_step, record.step, groups, record.trainer_version, self.settings, record.world_size
+            )
+            if span.is_recording():
+                oldest = min((s.min_version for s in batch.sequences), default=record.trainer_version)
+                span.set_attributes(
+                    {
+                        telemetry.ATTR.TOKENS: sum(s.length for s in batch.sequences),
+                        telemetry.ATTR.STALENESS: record.trainer_version - oldest,
+                    }
+                )
         metrics.PLAN_SECONDS.labels(self.run_id).observe(time.perf_counter() - started)
         self.built[record.step] = batch
         self.last_batch = batch
@@ -365,6 +411,7 @@ class RunPacker:
         for rid in record.rollout_ids:
             self.plan_of.pop(rid, None)
             self.plan_seqs.pop(rid, None)
+            self.traceparents.pop(rid, None)
             d = self.held.pop(rid, None)
             if d is not None:
                 deliveries.append(d)

@@ -71,6 +71,7 @@ class RolloutPackerServicer(packer_pb2_grpc.RolloutPackerServiceServicer):
         for j in range(batch.plan.micro_batches_per_rank):
             message = micro_batch_to_proto(batch.micro_batch(request.rank, j))
             message.step_reward_mean, message.step_reward_std = reward_mean, reward_std
+            message.rollout_traceparents.extend(packer.traceparents.get(r, "") for r in message.rollout_ids)
             yield packer_pb2.NextBatchResponse(micro_batch=message)
 
     async def AckStep(

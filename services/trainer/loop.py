@@ -6,6 +6,10 @@ Steps are acknowledged to the packer (AckStep) once a checkpoint covers them (ac
 "checkpoint"), so after a crash the packer re-serves exactly the steps the restored checkpoint lacks;
 that is what makes resume exact. All rank-group calls are serialized by one lock: collectives need
 every rank to see the calls in the same order, and a Checkpoint RPC must fall between two steps.
+
+Each step is its own trace: a "trainer step" root span, linked to the rollouts it trains, holding
+every rank's NextBatch and PushShards calls (the ranks get its context), AckStep and the
+TrainStepRecord publish.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
-from services.kit import subjects
+from services.kit import subjects, telemetry
+from services.kit.interceptors import client_interceptors
 from services.trainer.batch import BatchRejected
 from services.trainer.checkpoint import latest_checkpoint
 from services.trainer.config import TrainerConfig
@@ -29,6 +35,7 @@ from services.trainer.spec import TrainerSpec, spec_from_recipe
 from services.trainer.worker import StepAborted
 
 log = logging.getLogger("looprl.trainer.loop")
+_tracer = trace.get_tracer("looprl.trainer.loop")
 
 
 class RunTrainer:
@@ -102,6 +109,14 @@ class RunTrainer:
         self.state = "training"
 
     async def _train_one(self) -> bool:
+        with _tracer.start_as_current_span(
+            "trainer step",
+            context=telemetry.new_trace(),
+            attributes={telemetry.ATTR.RUN_ID: self.run_id, telemetry.ATTR.STEP: self.step},
+        ) as span:
+            return await self._train_one_traced(span)
+
+    async def _train_one_traced(self, span: trace.Span) -> bool:
         step = self.step
         try:
             metrics = await self._ranks(
@@ -111,13 +126,31 @@ class RunTrainer:
                 step,
                 self.cfg.next_batch_timeout_s,
                 self.cfg.weight_sync_address,  # the ranks push the new version right after the step
+                telemetry.current_carrier() or None,
             )
         except StepAborted as exc:
+            span.set_status(telemetry.error_status(exc))
             log.info("run %s: step %d not ready (%s); retrying", self.run_id, step, exc)
             await asyncio.sleep(0.2)
             return False
         except BatchRejected as exc:
             raise RuntimeError(f"the packer served an invalid batch for step {step}: {exc}") from exc
+        if span.is_recording():
+            links, dropped = telemetry.link_carriers(
+                [{"traceparent": t} for t in metrics.get("rollout_traceparents", [])],
+                limit=self.recipe.batch.rollouts_per_step,
+            )
+            for link in links:
+                span.add_link(link.context)
+            span.set_attributes(
+                {
+                    telemetry.ATTR.WEIGHT_VERSION: metrics["version"],
+                    telemetry.ATTR.TOKENS: int(metrics["num_tokens"]),
+                    telemetry.ATTR.STALENESS: metrics["max_staleness"],
+                    telemetry.ATTR.ROLLOUTS: int(metrics["sequences"]),
+                    telemetry.ATTR.LINKS_DROPPED: dropped,
+                }
+            )
         self.step = step + 1
         self.last_loss = metrics["loss"]
         self.unacked.append(step)
@@ -153,7 +186,9 @@ class RunTrainer:
     async def _ack_pending(self) -> None:
         if not self.unacked:
             return
-        async with grpc.aio.insecure_channel(self.cfg.packer_address) as channel:
+        async with grpc.aio.insecure_channel(
+            self.cfg.packer_address, interceptors=client_interceptors()
+        ) as channel:
             stub = packer_pb2_grpc.RolloutPackerServiceStub(channel)
             while self.unacked:
                 step = self.unacked[0]

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from services.kit import telemetry
 from services.trainer.spec import TrainerSpec
 from services.trainer.worker import TrainerWorker
 
@@ -68,7 +69,7 @@ class RankGroup:
                     placement_group=self.pg, placement_group_bundle_index=rank
                 ),
                 max_concurrency=1,
-            ).remote(rank, self.world_size, self.threads_per_rank)
+            ).remote(rank, self.world_size, self.threads_per_rank, telemetry.exporter_settings())
             for rank in range(self.world_size)
         ]
         host, port = ray.get(self.actors[0].rendezvous_address.remote(), timeout=self.ready_timeout_s)
@@ -107,12 +108,26 @@ class RankGroup:
         return _merge(results)
 
     def pull_and_train(
-        self, packer_address: str, run_id: str, step: int, timeout_s: float = 0.0, push_address: str = ""
+        self,
+        packer_address: str,
+        run_id: str,
+        step: int,
+        timeout_s: float = 0.0,
+        push_address: str = "",
+        trace_headers: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """One step on every rank; with push_address each rank then pushes its shards of the new
         version ("pushes": one result per rank)."""
         return _merge(
-            self.call("pull_and_train", packer_address, run_id, step, timeout_s, push_address=push_address)
+            self.call(
+                "pull_and_train",
+                packer_address,
+                run_id,
+                step,
+                timeout_s,
+                push_address=push_address,
+                trace_headers=trace_headers,
+            )
         )
 
     def push_weights(self, address: str, version: int) -> list[dict[str, Any]]:
@@ -149,6 +164,7 @@ def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0's all-reduced metrics plus the rollout ids of every rank."""
     merged = dict(results[0])
     merged["rollout_ids"] = [rid for r in results for rid in r.get("rollout_ids", [])]
+    merged["rollout_traceparents"] = [t for r in results for t in r.get("rollout_traceparents", [])]
     merged.pop("push", None)
     if any("push" in r for r in results):
         merged["pushes"] = [r["push"] for r in results if "push" in r]

@@ -18,9 +18,12 @@ from typing import Any
 import grpc
 import torch
 import torch.distributed as dist
+from opentelemetry import context as otel_context
 
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2_grpc
+from services.kit import telemetry
+from services.kit.interceptors import traced_channel
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.trainer.batch import BatchRejected, PackedMicroBatch, from_proto, validate_rank_batches
@@ -40,7 +43,11 @@ class StepAborted(RuntimeError):
 
 
 class TrainerWorker:
-    def __init__(self, rank: int, world_size: int, threads: int | None = None) -> None:
+    def __init__(
+        self, rank: int, world_size: int, threads: int | None = None, tracing: dict[str, str] | None = None
+    ) -> None:
+        # Spans of this rank (its packer and weight-sync calls) go where the trainer service's go.
+        telemetry.setup_from_settings("trainer", tracing)
         self.rank = rank
         self.world_size = world_size
         torch.set_num_threads(threads or int(os.environ.get("LOOPRL_TRAINER_THREADS", "1")))
@@ -71,7 +78,7 @@ class TrainerWorker:
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
             ]
-            channel = self._channels[key] = grpc.insecure_channel(address, options=options)
+            channel = self._channels[key] = traced_channel(grpc.insecure_channel(address, options=options))
         return channel
 
     def _forget_channel(self, address: str, max_message_bytes: int) -> None:
@@ -108,6 +115,7 @@ class TrainerWorker:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
 
     def shutdown(self) -> None:
+        telemetry.flush()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -270,11 +278,32 @@ class TrainerWorker:
         timeout_s: float = 0.0,
         max_message_bytes: int = 256 << 20,
         push_address: str = "",
+        trace_headers: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """Pull this rank's micro-batches of `step` from the packer, train on them, and (with
         push_address) push the new version's shards to weight-sync in the same call: one actor
         round trip less on every step's critical path. A failed push does not undo the step; it
-        comes back as "push" = {"error": ...}."""
+        comes back as "push" = {"error": ...}. trace_headers: the trainer's step span, so this
+        rank's calls are in the step's trace."""
+        token = otel_context.attach(telemetry.extract(trace_headers)) if trace_headers else None
+        try:
+            metrics = self._pull_and_train(
+                packer_address, run_id, step, timeout_s, max_message_bytes, push_address
+            )
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+        return metrics
+
+    def _pull_and_train(
+        self,
+        packer_address: str,
+        run_id: str,
+        step: int,
+        timeout_s: float,
+        max_message_bytes: int,
+        push_address: str,
+    ) -> dict[str, Any]:
         batches: list[Any] = []
         failure = None
         try:
@@ -293,6 +322,7 @@ class TrainerWorker:
             self._forget_channel(packer_address, max_message_bytes)
             failure = f"NextBatch from {packer_address}: {exc.code().name} {exc.details()}"
         metrics = self.train_step(batches, pull_failure=failure)
+        metrics["rollout_traceparents"] = [t for b in batches for t in b.rollout_traceparents if t]
         if push_address:
             try:
                 metrics["push"] = self.push_weights(push_address, self.step)

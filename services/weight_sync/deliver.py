@@ -28,8 +28,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+from opentelemetry import trace
 
 from looprl.inference.v1 import inference_pb2
+from services.kit import telemetry
 from services.kit.weight_transfer import DeliveryError, Endpoint, GrpcTransport, ShmTransport, StageResult
 from services.modeling.config import ModelConfig
 
@@ -39,6 +41,7 @@ from .targets import Target
 from .versions import VersionBuffer, VersionStore
 
 log = logging.getLogger("looprl.weight_sync")
+_tracer = trace.get_tracer("looprl.weight_sync.deliver")
 
 PublishHook = Callable[[Target, int, int, float], Awaitable[None]]
 RejectHook = Callable[[Target, int, float, str], Awaitable[None]]  # target, version, drift, detail
@@ -128,6 +131,23 @@ class Deliverer:
     # ---------------------------------------------------------- delivery
     async def _deliver(self, buf: VersionBuffer, targets: list[Target], speculative: TrainerLayout | None,
                        forced: bool = False) -> None:  # fmt: skip
+        """One delivery, its own trace: linked to the trainer's pushes of the version (its step)."""
+        links, _ = telemetry.links(buf.pushes)
+        with _tracer.start_as_current_span(
+            "weight-sync deliver",
+            context=telemetry.new_trace(),
+            links=links,
+            attributes={
+                telemetry.ATTR.RUN_ID: buf.run_id,
+                telemetry.ATTR.WEIGHT_VERSION: buf.version,
+                telemetry.ATTR.DEPLOYMENT: ",".join(t.deployment for t in targets),
+                "looprl.speculative": speculative is not None,
+            },
+        ):
+            await self._deliver_traced(buf, targets, speculative, forced)
+
+    async def _deliver_traced(self, buf: VersionBuffer, targets: list[Target], speculative: TrainerLayout | None,
+                              forced: bool) -> None:  # fmt: skip
         version = buf.version
         for t in targets:
             self._busy[t.deployment] = version

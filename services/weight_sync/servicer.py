@@ -6,7 +6,10 @@ import asyncio
 import json
 import logging
 
+from opentelemetry import trace
+
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
+from services.kit import telemetry
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.kit.weight_transfer.wire import decode_push_request
 from services.modeling.config import ModelConfig
@@ -30,12 +33,16 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
     async def PushShards(self, request_iterator, context):
         buf: VersionBuffer | None = None
         received = 0
+        push = trace.get_current_span().get_span_context()
         try:
             async for req in request_iterator:
                 if isinstance(req, bytes):  # registered with raw requests: chunks stay in place
                     req = decode_push_request(req)
                 fresh = req.version not in self.store.pending
+                first = buf is None
                 buf = self.store.buffer_for(req)
+                if first and push.is_valid and len(buf.pushes) < telemetry.MAX_LINKS:
+                    buf.pushes.append(push)  # the delivery of this version links to every rank's push
                 if fresh:
                     config = self.deliverer.model_config(buf)
                     if config is not None:

@@ -58,6 +58,7 @@ class VersionBuffer:
     arena: ChunkArena | None = None  # shared memory holding the chunks (None: they stay in the messages)
     locations: dict[ChunkKey, tuple[str, int]] = field(default_factory=dict)  # chunk -> (segment, offset)
     sums: dict[ChunkKey, object] = field(default_factory=dict)  # checksum.landing_sums of each arena chunk
+    pushes: list[object] = field(default_factory=list)  # span context of each rank's PushShards (links)
     _arrived: asyncio.Condition | None = None
     _holds: int = 0
     _retired: bool = False

@@ -231,6 +231,32 @@ async def test_trace_context_survives_one_nats_hop(nats_url: str) -> None:
     assert consumer_span.attributes["messaging.message.id"] == "s-1"
 
 
+async def test_work_that_starts_its_own_trace_links_to_the_publish(nats_url: str) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    b = await Bus.connect(nats_url, name="traced", tracer_provider=provider)
+    try:
+        await b.ensure_streams()
+        run = new_run()
+        subject = subjects.episodes(run)
+        with provider.get_tracer("test").start_as_current_span("feed"):
+            await b.publish(subject, b"task", msg_id="t-1")
+        consumer = await b.pull_consumer(subjects.EPISODES, f"ep-{run}", subject)
+        [delivery] = await consumer.fetch(1, timeout=2)
+        with delivery.process_span("episode", new_trace=True, attributes={"looprl.run_id": run}):
+            pass
+        await delivery.ack()
+    finally:
+        await b.close()
+
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    producer, episode = spans[f"{subject} publish"], spans["episode"]
+    assert episode.parent is None and episode.context.trace_id != producer.context.trace_id
+    assert [link.context.span_id for link in episode.links] == [producer.context.span_id]
+    assert episode.attributes["looprl.run_id"] == run
+
+
 async def test_work_queue_message_acked_by_one_worker_is_gone(nats_url: str) -> None:
     run = new_run()
     subject = subjects.episodes(run)

@@ -127,6 +127,75 @@ def test_trace_context_crosses_one_grpc_hop(probe) -> None:
     assert trace.get_current_span().get_span_context().is_valid is False
 
 
+def _client_spans(monkeypatch):
+    """The kit's client interceptors recording into memory (the test process has no exporter)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from services.kit import interceptors
+
+    provider, exporter = TracerProvider(), InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(interceptors, "_client_tracer", provider.get_tracer("test"))
+    return provider.get_tracer("test"), exporter
+
+
+def _server_span(span_log: Path, trace_id: str, method: str) -> dict:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        spans = [json.loads(line) for line in span_log.read_text().splitlines()] if span_log.exists() else []
+        found = [s for s in spans if s["trace_id"] == trace_id and s["name"].endswith(method)]
+        if found:
+            return found[-1]
+        time.sleep(0.05)
+    raise AssertionError(f"no {method} server span in trace {trace_id}")
+
+
+def test_blocking_and_asyncio_calls_get_client_spans_parenting_the_server_span(probe, monkeypatch) -> None:
+    import asyncio
+
+    from services.kit.interceptors import traced_channel
+    from services.kit.server import open_channel
+
+    address, _, _, span_log = probe
+    tracer, exporter = _client_spans(monkeypatch)
+    with grpc.insecure_channel(address) as plain:
+        wait_serving(plain)
+    with tracer.start_as_current_span("caller"), traced_channel(grpc.insecure_channel(address)) as channel:
+        trainer_pb2_grpc.TrainerServiceStub(channel).GetConfig(trainer_pb2.GetConfigRequest())
+
+    async def call_async() -> None:
+        with tracer.start_as_current_span("caller"):
+            async with open_channel(address) as channel:
+                await trainer_pb2_grpc.TrainerServiceStub(channel).GetConfig(trainer_pb2.GetConfigRequest())
+
+    asyncio.run(call_async())
+    clients = [s for s in exporter.get_finished_spans() if s.kind is trace.SpanKind.CLIENT]
+    callers = [s for s in exporter.get_finished_spans() if s.name == "caller"]
+    assert len(clients) == 2 and len(callers) == 2
+    for client, caller in zip(clients, callers, strict=True):
+        assert client.name == "looprl.trainer.v1.TrainerService/GetConfig"
+        assert client.parent.span_id == caller.context.span_id
+        assert client.attributes["rpc.grpc.status_code"] == 0
+        server = _server_span(span_log, format(client.context.trace_id, "032x"), "GetConfig")
+        assert server["parent_span_id"] == format(client.context.span_id, "016x")
+
+
+def test_failed_call_ends_its_client_span_with_the_status(probe, monkeypatch) -> None:
+    from services.kit.interceptors import traced_channel
+
+    address, _, _, _ = probe
+    _, exporter = _client_spans(monkeypatch)
+    with traced_channel(grpc.insecure_channel(address)) as channel:
+        wait_serving(channel)
+        with pytest.raises(grpc.RpcError):
+            trainer_pb2_grpc.TrainerServiceStub(channel).Checkpoint(trainer_pb2.CheckpointRequest())
+    [client] = [s for s in exporter.get_finished_spans() if s.name.endswith("/Checkpoint")]
+    assert client.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INTERNAL.value[0]
+    assert client.status.status_code is trace.StatusCode.ERROR
+
+
 def test_sigterm_goes_not_serving_while_in_flight_call_completes(probe) -> None:
     address, _, proc, _ = probe
     with grpc.insecure_channel(address) as channel:

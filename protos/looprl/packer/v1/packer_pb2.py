@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from looprl.common.v1 import common_pb2 as looprl_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dlooprl/packer/v1/packer.proto\x12\x10looprl.packer.v1\x1a\x1dlooprl/common/v1/common.proto\"\x84\x01\n\x10NextBatchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x17\n\x0ftrainer_version\x18\x05 \x01(\x03\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\"\xa0\x04\n\nMicroBatch\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12\r\n\x05\x63ount\x18\x04 \x01(\x05\x12+\n\tinput_ids\x18\x05 \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12.\n\x0cposition_ids\x18\x06 \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12,\n\ncu_seqlens\x18\x07 \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12+\n\tloss_mask\x18\x08 \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12,\n\nadvantages\x18\t \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12\x34\n\x12\x62\x65haviour_logprobs\x18\n \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12*\n\x08versions\x18\x0b \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12\x13\n\x0brollout_ids\x18\x0c \x03(\t\x12\x12\n\nnum_tokens\x18\r \x01(\x03\x12\x1a\n\x12global_loss_tokens\x18\x0e \x01(\x03\x12\x18\n\x10global_sequences\x18\x0f \x01(\x03\x12\x18\n\x10step_reward_mean\x18\x10 \x01(\x01\x12\x17\n\x0fstep_reward_std\x18\x11 \x01(\x01\"F\n\x11NextBatchResponse\x12\x31\n\x0bmicro_batch\x18\x01 \x01(\x0b\x32\x1c.looprl.packer.v1.MicroBatch\"G\n\x0e\x41\x63kStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x17\n\x0ftrainer_version\x18\x03 \x01(\x03\")\n\x0f\x41\x63kStepResponse\x12\x16\n\x0e\x61\x63ked_rollouts\x18\x01 \x01(\x03\"\x1e\n\x0cStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x8f\x02\n\rStatsResponse\x12\x17\n\x0fqueued_rollouts\x18\x01 \x01(\x03\x12\x16\n\x0epending_groups\x18\x02 \x01(\x03\x12\x18\n\x10padding_fraction\x18\x03 \x01(\x01\x12\x16\n\x0erank_imbalance\x18\x04 \x01(\x01\x12=\n\x07\x64ropped\x18\x05 \x03(\x0b\x32,.looprl.packer.v1.StatsResponse.DroppedEntry\x12\x14\n\x0cpacked_steps\x18\x06 \x01(\x03\x12\x16\n\x0e\x61\x63ked_rollouts\x18\x07 \x01(\x03\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x88\x02\n\x14RolloutPackerService\x12V\n\tNextBatch\x12\".looprl.packer.v1.NextBatchRequest\x1a#.looprl.packer.v1.NextBatchResponse0\x01\x12N\n\x07\x41\x63kStep\x12 .looprl.packer.v1.AckStepRequest\x1a!.looprl.packer.v1.AckStepResponse\x12H\n\x05Stats\x12\x1e.looprl.packer.v1.StatsRequest\x1a\x1f.looprl.packer.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dlooprl/packer/v1/packer.proto\x12\x10looprl.packer.v1\x1a\x1dlooprl/common/v1/common.proto\"\x84\x01\n\x10NextBatchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x17\n\x0ftrainer_version\x18\x05 \x01(\x03\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\"\xbe\x04\n\nMicroBatch\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12\r\n\x05\x63ount\x18\x04 \x01(\x05\x12+\n\tinput_ids\x18\x05 \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12.\n\x0cposition_ids\x18\x06 \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12,\n\ncu_seqlens\x18\x07 \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12+\n\tloss_mask\x18\x08 \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12,\n\nadvantages\x18\t \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12\x34\n\x12\x62\x65haviour_logprobs\x18\n \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12*\n\x08versions\x18\x0b \x01(\x0b\x32\x18.looprl.common.v1.Tensor\x12\x13\n\x0brollout_ids\x18\x0c \x03(\t\x12\x12\n\nnum_tokens\x18\r \x01(\x03\x12\x1a\n\x12global_loss_tokens\x18\x0e \x01(\x03\x12\x18\n\x10global_sequences\x18\x0f \x01(\x03\x12\x18\n\x10step_reward_mean\x18\x10 \x01(\x01\x12\x17\n\x0fstep_reward_std\x18\x11 \x01(\x01\x12\x1c\n\x14rollout_traceparents\x18\x12 \x03(\t\"F\n\x11NextBatchResponse\x12\x31\n\x0bmicro_batch\x18\x01 \x01(\x0b\x32\x1c.looprl.packer.v1.MicroBatch\"G\n\x0e\x41\x63kStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x17\n\x0ftrainer_version\x18\x03 \x01(\x03\")\n\x0f\x41\x63kStepResponse\x12\x16\n\x0e\x61\x63ked_rollouts\x18\x01 \x01(\x03\"\x1e\n\x0cStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x8f\x02\n\rStatsResponse\x12\x17\n\x0fqueued_rollouts\x18\x01 \x01(\x03\x12\x16\n\x0epending_groups\x18\x02 \x01(\x03\x12\x18\n\x10padding_fraction\x18\x03 \x01(\x01\x12\x16\n\x0erank_imbalance\x18\x04 \x01(\x01\x12=\n\x07\x64ropped\x18\x05 \x03(\x0b\x32,.looprl.packer.v1.StatsResponse.DroppedEntry\x12\x14\n\x0cpacked_steps\x18\x06 \x01(\x03\x12\x16\n\x0e\x61\x63ked_rollouts\x18\x07 \x01(\x03\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x88\x02\n\x14RolloutPackerService\x12V\n\tNextBatch\x12\".looprl.packer.v1.NextBatchRequest\x1a#.looprl.packer.v1.NextBatchResponse0\x01\x12N\n\x07\x41\x63kStep\x12 .looprl.packer.v1.AckStepRequest\x1a!.looprl.packer.v1.AckStepResponse\x12H\n\x05Stats\x12\x1e.looprl.packer.v1.StatsRequest\x1a\x1f.looprl.packer.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,19 +37,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NEXTBATCHREQUEST']._serialized_start=83
   _globals['_NEXTBATCHREQUEST']._serialized_end=215
   _globals['_MICROBATCH']._serialized_start=218
-  _globals['_MICROBATCH']._serialized_end=762
-  _globals['_NEXTBATCHRESPONSE']._serialized_start=764
-  _globals['_NEXTBATCHRESPONSE']._serialized_end=834
-  _globals['_ACKSTEPREQUEST']._serialized_start=836
-  _globals['_ACKSTEPREQUEST']._serialized_end=907
-  _globals['_ACKSTEPRESPONSE']._serialized_start=909
-  _globals['_ACKSTEPRESPONSE']._serialized_end=950
-  _globals['_STATSREQUEST']._serialized_start=952
-  _globals['_STATSREQUEST']._serialized_end=982
-  _globals['_STATSRESPONSE']._serialized_start=985
-  _globals['_STATSRESPONSE']._serialized_end=1256
-  _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_start=1210
-  _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_end=1256
-  _globals['_ROLLOUTPACKERSERVICE']._serialized_start=1259
-  _globals['_ROLLOUTPACKERSERVICE']._serialized_end=1523
+  _globals['_MICROBATCH']._serialized_end=792
+  _globals['_NEXTBATCHRESPONSE']._serialized_start=794
+  _globals['_NEXTBATCHRESPONSE']._serialized_end=864
+  _globals['_ACKSTEPREQUEST']._serialized_start=866
+  _globals['_ACKSTEPREQUEST']._serialized_end=937
+  _globals['_ACKSTEPRESPONSE']._serialized_start=939
+  _globals['_ACKSTEPRESPONSE']._serialized_end=980
+  _globals['_STATSREQUEST']._serialized_start=982
+  _globals['_STATSREQUEST']._serialized_end=1012
+  _globals['_STATSRESPONSE']._serialized_start=1015
+  _globals['_STATSRESPONSE']._serialized_end=1286
+  _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_start=1240
+  _globals['_STATSRESPONSE_DROPPEDENTRY']._serialized_end=1286
+  _globals['_ROLLOUTPACKERSERVICE']._serialized_start=1289
+  _globals['_ROLLOUTPACKERSERVICE']._serialized_end=1553
 # @@protoc_insertion_point(module_scope)

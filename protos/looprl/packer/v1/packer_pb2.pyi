@@ -24,7 +24,7 @@ class NextBatchRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., trainer_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
-    __slots__ = ("step", "rank", "index", "count", "input_ids", "position_ids", "cu_seqlens", "loss_mask", "advantages", "behaviour_logprobs", "versions", "rollout_ids", "num_tokens", "global_loss_tokens", "global_sequences", "step_reward_mean", "step_reward_std")
+    __slots__ = ("step", "rank", "index", "count", "input_ids", "position_ids", "cu_seqlens", "loss_mask", "advantages", "behaviour_logprobs", "versions", "rollout_ids", "num_tokens", "global_loss_tokens", "global_sequences", "step_reward_mean", "step_reward_std", "rollout_traceparents")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class MicroBatch(_message.Message):
     GLOBAL_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     STEP_REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
     STEP_REWARD_STD_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     rank: int
     index: int
@@ -59,7 +60,8 @@ class MicroBatch(_message.Message):
     global_sequences: int
     step_reward_mean: float
     step_reward_std: float
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., input_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., cu_seqlens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., loss_mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., behaviour_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., versions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., global_sequences: _Optional[int] = ..., step_reward_mean: _Optional[float] = ..., step_reward_std: _Optional[float] = ...) -> None: ...
+    rollout_traceparents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., input_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., cu_seqlens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., loss_mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., behaviour_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., versions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., global_sequences: _Optional[int] = ..., step_reward_mean: _Optional[float] = ..., step_reward_std: _Optional[float] = ..., rollout_traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NextBatchResponse(_message.Message):
     __slots__ = ("micro_batch",)
