@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from aiohttp import web
@@ -9,6 +10,7 @@ from aiohttp import web
 from gateway.auth import TokenAuth
 from gateway.config import GatewayConfig
 from gateway.http import HttpApi
+from gateway.metrics import follow_runs
 from gateway.runs import RunStore
 from gateway.service import GatewayServicer, RunManager
 from looprl.gateway.v1 import gateway_pb2_grpc
@@ -55,8 +57,10 @@ async def serve(config: GatewayConfig) -> None:
         port = config.http_port or free_port()
         await web.TCPSite(runner, config.host, port).start()
         await runs.resume()
+        run_gauges = asyncio.create_task(follow_runs(runs.store), name="run-metrics")
 
         async def shutdown() -> None:
+            run_gauges.cancel()
             await runs.close()
             await runner.cleanup()
             await bus.drain()

@@ -23,6 +23,7 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
 from gateway.auth import TokenAuth
+from gateway.metrics import count_openai_tokens, http_metrics
 from gateway.runs import ACTIVE
 from gateway.service import RunManager, run_to_proto
 from looprl.common.v1 import common_pb2
@@ -131,7 +132,9 @@ class HttpApi:
         self._run_tokenizers: dict[str, str] = {}  # run id -> its recipe's model.tokenizer (fixed)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors, self._authenticate], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(
+            middlewares=[http_metrics, _errors, self._authenticate], client_max_size=MAX_BODY_BYTES
+        )
         app.add_routes(
             [
                 web.get("/healthz", self.healthz),
@@ -303,12 +306,14 @@ class HttpApi:
     def _envelope(
         self, kind: str, reply: inference_pb2.GenerateResponse, choices: list, ids: list[int]
     ) -> dict:
+        usage = self._usage(ids, reply)
+        count_openai_tokens(kind, usage)
         return {
             "id": f"cmpl-{uuid.uuid4().hex[:12]}",
             "object": kind,
             "created": int(time.time()),
             "model": reply.deployment,
             "choices": choices,
-            "usage": self._usage(ids, reply),
+            "usage": usage,
             "weight_version": max((c.weight_version for c in reply.completions), default=0),
         }

@@ -3,9 +3,11 @@
 The dashboard is generated rather than hand-edited so that every panel has the same shape, the
 grid never overlaps, and every query names its datasource by the FIXED uid provisioned in
 observability/grafana/provisioning/datasources/datasources.yaml ("prometheus", "tempo").
-tests/unit/deploy/test_deploy_observability.py checks the committed JSON is what this script
-writes, that it refers only to provisioned uids, and that every looprl_* metric it queries is
-defined by some service. Regenerate after an edit:
+Rows: the run (reward, loss, tokens/s, staleness, versions per deployment), then one row per
+service, then traces. Panels link to the service's traces in Tempo. tests/unit/deploy checks the
+committed JSON is what this script writes, that it refers only to provisioned uids and that every
+metric it queries is in services/kit/metric_names.py; tests/e2e/test_metrics_scrape.py checks every
+query returns a series from a live stack. Regenerate after an edit:
 
     .venv/bin/python observability/grafana/build_dashboard.py
 """
@@ -22,6 +24,7 @@ PROM = {"type": "prometheus", "uid": "prometheus"}
 TEMPO = {"type": "tempo", "uid": "tempo"}
 RATE = "$__rate_interval"
 SERVICE = 'service=~"$service"'
+RUN = 'run=~"$run"'
 
 
 class Grid:
@@ -56,27 +59,48 @@ def target(expr: str, legend: str, ref: str = "A") -> dict[str, Any]:
     return {"datasource": PROM, "expr": expr, "legendFormat": legend, "refId": ref, "exemplar": True}
 
 
+def targets(*queries: tuple[str, str]) -> list[dict[str, Any]]:
+    """(expr, legend) pairs as targets A, B, C..."""
+    return [target(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(queries)]
+
+
+def tempo_url(traceql: str) -> str:
+    query = traceql.replace('"', '\\"')
+    return (
+        '/explore?left={"datasource":"tempo","queries":[{"refId":"A","queryType":"traceql",'
+        f'"query":"{query}"}}]}}'
+    )
+
+
 TRACE_LINK = {
     "title": "Traces of ${__field.labels.service} in Tempo",
-    "url": (
-        '/explore?left={"datasource":"tempo","queries":[{"refId":"A","queryType":"traceql",'
-        '"query":"{resource.service.name=\\"${__field.labels.service}\\"}"}]}'
-    ),
+    "url": tempo_url('{resource.service.name="${__field.labels.service}"}'),
 }
+
+
+def service_traces(service: str) -> dict[str, str]:
+    """A panel link to one service's traces in Tempo."""
+    return {
+        "title": f"Traces of {service} in Tempo",
+        "url": tempo_url(f'{{resource.service.name="{service}"}}'),
+    }
 
 
 def timeseries(
     grid: Grid,
     title: str,
-    targets: list[dict[str, Any]],
+    queries: list[dict[str, Any]],
     unit: str = "short",
     width: int = 8,
     description: str = "",
     trace_links: bool = False,
+    service: str = "",
 ) -> dict[str, Any]:
     defaults: dict[str, Any] = {"unit": unit, "custom": {"lineWidth": 1, "fillOpacity": 10}}
     if trace_links:
         defaults["links"] = [TRACE_LINK]
+    elif service:
+        defaults["links"] = [service_traces(service)]
     return {
         "id": grid.take_id(),
         "type": "timeseries",
@@ -84,7 +108,7 @@ def timeseries(
         "description": description,
         "datasource": PROM,
         "gridPos": grid.place(width, 8),
-        "targets": targets,
+        "targets": queries,
         "fieldConfig": {"defaults": defaults, "overrides": []},
         "options": {
             "legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
@@ -104,266 +128,257 @@ def row(grid: Grid, title: str) -> dict[str, Any]:
     }
 
 
-def build() -> dict[str, Any]:
-    g = Grid()
-    panels: list[dict[str, Any]] = []
+def select(metric: str, selector: str = "") -> str:
+    return f"{metric}{{{selector}}}" if selector else metric
 
-    panels.append(row(g, "RPCs (every service, from the kit interceptor)"))
-    panels.append(
-        timeseries(
-            g,
-            "Request rate by service",
-            [
-                target(
-                    f"sum by (service) (rate(looprl_rpc_requests_total{{{SERVICE}}}[{RATE}]))", "{{service}}"
-                )
-            ],
-            unit="reqps",
-            trace_links=True,
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "Error ratio by service (code != OK)",
-            [
-                target(
-                    f'sum by (service) (rate(looprl_rpc_requests_total{{{SERVICE},code!="OK"}}[{RATE}]))'
-                    f" / sum by (service) (rate(looprl_rpc_requests_total{{{SERVICE}}}[{RATE}]))",
-                    "{{service}}",
-                )
-            ],
-            unit="percentunit",
-            trace_links=True,
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "Latency p50 / p99 by service",
-            [
-                target(
-                    "histogram_quantile(0.99, sum by (service, le) "
-                    f"(rate(looprl_rpc_duration_seconds_bucket{{{SERVICE}}}[{RATE}])))",
-                    "p99 {{service}}",
-                ),
-                target(
-                    "histogram_quantile(0.5, sum by (service, le) "
-                    f"(rate(looprl_rpc_duration_seconds_bucket{{{SERVICE}}}[{RATE}])))",
-                    "p50 {{service}}",
-                    "B",
-                ),
-            ],
-            unit="s",
-            trace_links=True,
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "Errors by method and code",
-            [
-                target(
-                    f'sum by (service, method, code) (rate(looprl_rpc_requests_total{{{SERVICE},code!="OK"}}[{RATE}]))',
-                    "{{service}} {{method}} {{code}}",
-                )
-            ],
-            unit="reqps",
-            width=12,
-            trace_links=True,
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "In-flight RPCs",
-            [target(f"sum by (service) (looprl_rpc_in_flight{{{SERVICE}}})", "{{service}}")],
-            width=12,
-        )
+
+def agg(op: str, metric: str, by: str, selector: str = "") -> str:
+    """A gauge aggregated: op by (labels) (metric{selector})."""
+    return f"{op} by ({by}) ({select(metric, selector)})"
+
+
+def rate(metric: str, by: str, selector: str = "") -> str:
+    return f"sum by ({by}) (rate({select(metric, selector)}[{RATE}]))"
+
+
+def quantile(q: float, metric: str, by: str, selector: str = "") -> str:
+    return (
+        f"histogram_quantile({q}, sum by ({by}, le) (rate({select(metric + '_bucket', selector)}[{RATE}])))"
     )
 
-    panels.append(row(g, "Inference router (per deployment)"))
-    panels.append(
-        timeseries(
-            g,
-            "Generate requests by deployment and outcome",
-            [
-                target(
-                    f"sum by (deployment, outcome) (rate(looprl_router_requests_total[{RATE}]))",
-                    "{{deployment}} {{outcome}}",
-                )
-            ],
-            unit="reqps",
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "Outstanding requests per replica",
-            [
-                target(
-                    "sum by (deployment, replica) (looprl_router_outstanding_requests)",
-                    "{{deployment}}/{{replica}}",
-                )
-            ],
-            description="Load the router sees on each replica; routing balances on this and on tokens.",
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "Outstanding tokens per replica",
-            [
-                target(
-                    "sum by (deployment, replica) (looprl_router_outstanding_tokens)",
-                    "{{deployment}}/{{replica}}",
-                )
-            ],
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "Tokens/s by deployment",
-            [
-                target(
-                    f"sum by (deployment, kind) (rate(looprl_router_tokens_total[{RATE}]))",
-                    "{{deployment}} {{kind}}",
-                )
-            ],
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "Request latency p99 by deployment",
-            [
-                target(
-                    f"histogram_quantile(0.99, sum by (deployment, le) (rate(looprl_router_request_seconds_bucket[{RATE}])))",
-                    "{{deployment}}",
-                )
-            ],
-            unit="s",
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "Routing decisions, retries, rejections",
-            [
-                target(
-                    f"sum by (deployment, reason) (rate(looprl_router_decisions_total[{RATE}]))",
-                    "decide {{deployment}} {{reason}}",
-                ),
-                target(
-                    f"sum by (deployment) (rate(looprl_router_retries_total[{RATE}]))",
-                    "retry {{deployment}}",
-                    "B",
-                ),
-                target(
-                    f"sum by (reason) (rate(looprl_router_rejections_total[{RATE}]))",
-                    "reject {{reason}}",
-                    "C",
-                ),
-            ],
-            unit="ops",
-        )
-    )
 
-    panels.append(row(g, "Weight versions"))
-    panels.append(
-        timeseries(
-            g,
-            "Weight version served per replica",
-            [
-                target(
-                    "max by (deployment, replica) (looprl_router_replica_weight_version)",
-                    "{{deployment}}/{{replica}}",
-                )
-            ],
-            width=12,
-            description="Every replica should step up together after each weights.published event.",
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "Version spread per deployment (max - min)",
-            [
-                target(
-                    "max by (deployment) (looprl_router_replica_weight_version)"
-                    " - min by (deployment) (looprl_router_replica_weight_version)",
-                    "{{deployment}}",
-                ),
-                target(
-                    "sum by (deployment) (looprl_router_replica_routable)", "routable {{deployment}}", "B"
-                ),
-            ],
-            width=12,
-        )
-    )
+def mean_of(metric: str, by: str, selector: str = "") -> str:
+    """Mean of a histogram's observations over the rate window (sum / count)."""
+    return f"{rate(metric + '_sum', by, selector)} / {rate(metric + '_count', by, selector)}"
 
-    panels.append(row(g, "Rollout packer"))
-    panels.append(
-        timeseries(
-            g,
-            "Padding fraction of the micro-batch budget",
-            [target("max by (run) (looprl_packer_padding_fraction)", "{{run}}")],
-            unit="percentunit",
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "DP rank imbalance (max/mean) and sync idle",
-            [
-                target("max by (run) (looprl_packer_rank_imbalance)", "imbalance {{run}}"),
-                target("max by (run) (looprl_packer_sync_idle_fraction)", "idle {{run}}", "B"),
-            ],
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "Rollouts: queued, pending groups",
-            [
-                target("sum by (run) (looprl_packer_queued_rollouts)", "queued {{run}}"),
-                target("sum by (run) (looprl_packer_pending_groups)", "pending groups {{run}}", "B"),
-            ],
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "Rollouts acked vs dropped (by reason)",
-            [
-                target(f"sum by (run) (rate(looprl_packer_acked_rollouts_total[{RATE}]))", "acked {{run}}"),
-                target(
-                    f"sum by (run, reason) (rate(looprl_packer_dropped_rollouts_total[{RATE}]))",
-                    "dropped {{run}} {{reason}}",
-                    "B",
-                ),
-            ],
-            unit="ops",
-        )
-    )
-    panels.append(
-        timeseries(
-            g,
-            "Steps planned and plan time p99",
-            [
-                target(f"sum by (run) (rate(looprl_packer_steps_planned_total[{RATE}]))", "steps/s {{run}}"),
-                target(
-                    f"histogram_quantile(0.99, sum by (run, le) (rate(looprl_packer_plan_seconds_bucket[{RATE}])))",
-                    "plan p99 s {{run}}",
-                    "B",
-                ),
-            ],
-        )
-    )
 
-    panels.append(row(g, "Traces (Tempo)"))
-    panels.append(
+def run_row(g: Grid) -> list[dict[str, Any]]:
+    return [
+        row(g, "Run"),
+        timeseries(g, "Reward (mean of the step's rollouts)",
+                   targets((agg("max", "looprl_trainer_reward_mean", "run", RUN), "{{run}}")),
+                   service="trainer"),
+        timeseries(g, "Loss", targets((agg("max", "looprl_trainer_loss", "run", RUN), "{{run}}")),
+                   service="trainer"),
+        timeseries(g, "Trained tokens/s",
+                   targets((agg("max", "looprl_trainer_tokens_per_second", "run", RUN), "{{run}}"),
+                           (rate("looprl_trainer_tokens_total", "run", RUN), "rate {{run}}")),
+                   service="trainer"),
+        timeseries(g, "Staleness (policy lag, steps)",
+                   targets((agg("max", "looprl_trainer_staleness_steps", "run, stat", RUN), "{{stat}} {{run}}"),
+                           (agg("max", "looprl_packer_staleness_steps", "run", RUN), "packer {{run}}")),
+                   service="rollout-packer"),
+        timeseries(g, "Weight version per deployment",
+                   targets((agg("max", "looprl_weightsync_deployment_version", "run, deployment", RUN),
+                            "{{deployment}}"),
+                           (agg("max", "looprl_trainer_weight_version", "run", RUN), "trained {{run}}")),
+                   service="weight-sync"),
+        timeseries(g, "Steps and runs",
+                   targets((agg("max", "looprl_gateway_run_step", "run", RUN), "step {{run}}"),
+                           ("sum by (state) (looprl_gateway_runs)", "runs {{state}}")),
+                   service="gateway"),
+    ]  # fmt: skip
+
+
+def rpc_row(g: Grid) -> list[dict[str, Any]]:
+    requests = "looprl_rpc_requests_total"
+    errors = rate(requests, "service", f'{SERVICE},code!="OK"')
+    return [
+        row(g, "RPCs (every service, from the kit interceptor)"),
+        timeseries(g, "Request rate by service", targets((rate(requests, "service", SERVICE), "{{service}}")),
+                   unit="reqps", trace_links=True),
+        # `or ... * 0`: a service with no errors shows 0, not a gap.
+        timeseries(g, "Error ratio by service (code != OK)",
+                   targets((f"({errors} or {rate(requests, 'service', SERVICE)} * 0)"
+                            f" / {rate(requests, 'service', SERVICE)}", "{{service}}")),
+                   unit="percentunit", trace_links=True),
+        timeseries(g, "Latency p50 / p99 by service",
+                   targets((quantile(0.99, "looprl_rpc_duration_seconds", "service", SERVICE), "p99 {{service}}"),
+                           (quantile(0.5, "looprl_rpc_duration_seconds", "service", SERVICE), "p50 {{service}}")),
+                   unit="s", trace_links=True),
+        timeseries(g, "Requests by method and code",
+                   targets((rate(requests, "service, method, code", SERVICE), "{{service}} {{method}} {{code}}")),
+                   unit="reqps", width=12, trace_links=True),
+        timeseries(g, "In-flight RPCs",
+                   targets((f"sum by (service) (looprl_rpc_in_flight{{{SERVICE}}})", "{{service}}")), width=12),
+    ]  # fmt: skip
+
+
+def gateway_row(g: Grid) -> list[dict[str, Any]]:
+    svc = "gateway"
+    return [
+        row(g, "Gateway"),
+        timeseries(g, "HTTP requests by route and status",
+                   targets((rate("looprl_gateway_http_requests_total", "route, status"), "{{route}} {{status}}")),
+                   unit="reqps", service=svc),
+        timeseries(g, "HTTP latency p99 by route",
+                   targets((quantile(0.99, "looprl_gateway_http_request_seconds", "route"), "{{route}}")),
+                   unit="s", service=svc),
+        timeseries(g, "OpenAI-compatible requests and tokens/s",
+                   targets((rate("looprl_gateway_openai_requests_total", "endpoint, status"),
+                            "{{endpoint}} {{status}}"),
+                           (rate("looprl_gateway_openai_tokens_total", "endpoint, kind"), "tokens {{endpoint}} {{kind}}")),
+                   service=svc),
+    ]  # fmt: skip
+
+
+def trainer_row(g: Grid) -> list[dict[str, Any]]:
+    svc = "trainer"
+    return [
+        row(g, "Trainer"),
+        timeseries(g, "KL and entropy (nats)",
+                   targets((agg("max", "looprl_trainer_kl", "run", RUN), "kl {{run}}"),
+                           (agg("max", "looprl_trainer_entropy", "run", RUN), "entropy {{run}}")),
+                   service=svc),
+        timeseries(g, "Gradient norm and clip fraction",
+                   targets((agg("max", "looprl_trainer_grad_norm", "run", RUN), "grad norm {{run}}"),
+                           (agg("max", "looprl_trainer_clip_fraction", "run", RUN), "clipped {{run}}")),
+                   service=svc),
+        timeseries(g, "Step seconds by phase (mean)",
+                   targets((mean_of("looprl_trainer_step_seconds", "run, phase", RUN), "{{phase}} {{run}}")),
+                   unit="s", service=svc),
+        timeseries(g, "Steps/s", targets((rate("looprl_trainer_steps_total", "run", RUN), "{{run}}")),
+                   service=svc, width=12),
+        timeseries(g, "Checkpoint seconds (p99)",
+                   targets((quantile(0.99, "looprl_trainer_checkpoint_seconds", "run, kind", RUN), "{{kind}} {{run}}")),
+                   unit="s", service=svc, width=12),
+    ]  # fmt: skip
+
+
+def weight_sync_row(g: Grid) -> list[dict[str, Any]]:
+    svc = "weight-sync"
+    return [
+        row(g, "Weight-sync"),
+        timeseries(g, "Sync seconds p99 by transport",
+                   targets((quantile(0.99, "looprl_weightsync_sync_seconds", "deployment, transport"),
+                            "{{deployment}} {{transport}}")),
+                   unit="s", service=svc),
+        timeseries(g, "Bytes/s delivered by transport, pushed by the trainer",
+                   targets((rate("looprl_weightsync_sync_bytes_total", "deployment, transport"),
+                            "{{deployment}} {{transport}}"),
+                           (rate("looprl_weightsync_pushed_bytes_total", "run", RUN), "pushed {{run}}")),
+                   unit="Bps", service=svc),
+        timeseries(g, "Versions: latest pushed, rejected, failed deliveries",
+                   targets((agg("max", "looprl_weightsync_latest_version", "run", RUN), "latest {{run}}"),
+                           (f"sum by (deployment) (increase(looprl_weightsync_rejected_versions_total[{RATE}]))",
+                            "rejected {{deployment}}"),
+                           (f"sum by (deployment) (increase(looprl_weightsync_failed_syncs_total[{RATE}]))",
+                            "failed {{deployment}}")),
+                   service=svc),
+    ]  # fmt: skip
+
+
+def reward_row(g: Grid) -> list[dict[str, Any]]:
+    svc = "reward"
+    return [
+        row(g, "Reward"),
+        timeseries(g, "Mean score by reward", targets((mean_of("looprl_reward_score", "reward"), "{{reward}}")),
+                   service=svc),
+        timeseries(g, "Scoring latency p99 by reward",
+                   targets((quantile(0.99, "looprl_reward_seconds", "reward"), "{{reward}}")), unit="s",
+                   service=svc),
+        timeseries(g, "Failed components by reason",
+                   targets((rate("looprl_reward_failures_total", "reward, reason"), "{{reward}} {{reason}}")),
+                   unit="ops", service=svc),
+    ]  # fmt: skip
+
+
+def router_row(g: Grid) -> list[dict[str, Any]]:
+    svc = "inference-router"
+    per_replica = "{{deployment}}/{{replica}}"
+    return [
+        row(g, "Inference router (per deployment)"),
+        timeseries(g, "Generate requests by deployment and outcome",
+                   targets((rate("looprl_router_requests_total", "deployment, outcome"), "{{deployment}} {{outcome}}")),
+                   unit="reqps", service=svc),
+        timeseries(g, "Outstanding requests per replica",
+                   targets(("sum by (deployment, replica) (looprl_router_outstanding_requests)", per_replica)),
+                   description="Load the router sees on each replica; routing balances on this and on tokens.",
+                   service=svc),
+        timeseries(g, "Outstanding tokens per replica",
+                   targets(("sum by (deployment, replica) (looprl_router_outstanding_tokens)", per_replica)),
+                   service=svc),
+        timeseries(g, "Tokens/s by deployment",
+                   targets((rate("looprl_router_tokens_total", "deployment, kind"), "{{deployment}} {{kind}}")),
+                   service=svc),
+        timeseries(g, "Request latency p99 by deployment",
+                   targets((quantile(0.99, "looprl_router_request_seconds", "deployment"), "{{deployment}}")),
+                   unit="s", service=svc),
+        timeseries(g, "Routing decisions, retries, rejections",
+                   targets((rate("looprl_router_decisions_total", "deployment, reason"), "decide {{deployment}} {{reason}}"),
+                           (rate("looprl_router_retries_total", "deployment"), "retry {{deployment}}"),
+                           (rate("looprl_router_rejections_total", "reason"), "reject {{reason}}"),
+                           (quantile(0.99, "looprl_router_decision_seconds", "instance"), "decide p99 s")),
+                   unit="ops", service=svc),
+        timeseries(g, "Weight version served per replica",
+                   targets(("max by (deployment, replica) (looprl_router_replica_weight_version)", per_replica)),
+                   width=12, description="Every replica should step up together after each weights.published event.",
+                   service=svc),
+        timeseries(g, "Version spread per deployment (max - min), routable replicas",
+                   targets(("max by (deployment) (looprl_router_replica_weight_version)"
+                            " - min by (deployment) (looprl_router_replica_weight_version)", "{{deployment}}"),
+                           ("sum by (deployment) (looprl_router_replica_routable)", "routable {{deployment}}")),
+                   width=12, service=svc),
+    ]  # fmt: skip
+
+
+def packer_row(g: Grid) -> list[dict[str, Any]]:
+    svc = "rollout-packer"
+    return [
+        row(g, "Rollout packer"),
+        timeseries(g, "Padding fraction of the micro-batch budget",
+                   targets((agg("max", "looprl_packer_padding_fraction", "run", RUN), "{{run}}")),
+                   unit="percentunit", service=svc),
+        timeseries(g, "DP rank imbalance (max/mean) and sync idle",
+                   targets((agg("max", "looprl_packer_rank_imbalance", "run", RUN), "imbalance {{run}}"),
+                           (agg("max", "looprl_packer_sync_idle_fraction", "run", RUN), "idle {{run}}")),
+                   service=svc),
+        timeseries(g, "Lag: queued rollouts, pending groups, unacked steps",
+                   targets((agg("sum", "looprl_packer_queued_rollouts", "run", RUN), "queued {{run}}"),
+                           (agg("sum", "looprl_packer_pending_groups", "run", RUN), "pending groups {{run}}"),
+                           (agg("max", "looprl_packer_unacked_steps", "run", RUN), "unacked steps {{run}}")),
+                   service=svc),
+        timeseries(g, "Rollouts acked vs dropped (by reason)",
+                   targets((rate("looprl_packer_acked_rollouts_total", "run", RUN), "acked {{run}}"),
+                           (rate("looprl_packer_dropped_rollouts_total", "run, reason", RUN), "dropped {{run}} {{reason}}")),
+                   unit="ops", service=svc, width=12),
+        timeseries(g, "Steps planned and plan time p99",
+                   targets((rate("looprl_packer_steps_planned_total", "run", RUN), "steps/s {{run}}"),
+                           (quantile(0.99, "looprl_packer_plan_seconds", "run", RUN), "plan p99 s {{run}}")),
+                   service=svc, width=12),
+    ]  # fmt: skip
+
+
+def sandbox_row(g: Grid) -> list[dict[str, Any]]:
+    svc = "environment-sandbox"
+    return [
+        row(g, "Environment sandbox"),
+        timeseries(g, "Sandbox actors (now, peak)",
+                   targets(("sum(looprl_sandbox_fleet_actors)", "actors"),
+                           ("max(looprl_sandbox_fleet_peak_actors)", "peak")),
+                   service=svc, width=12),
+        timeseries(g, "Sandbox executions/s",
+                   targets((f"sum(rate(looprl_sandbox_fleet_executions_total[{RATE}]))", "executions")),
+                   unit="ops", service=svc, width=12),
+    ]  # fmt: skip
+
+
+def traces_row(g: Grid) -> list[dict[str, Any]]:
+    def traceql(title: str, query: str, width: int, description: str = "") -> dict[str, Any]:
+        return {
+            "id": g.take_id(),
+            "type": "table",
+            "title": title,
+            "description": description,
+            "datasource": TEMPO,
+            "gridPos": g.place(width, 10),
+            "targets": [
+                {"datasource": TEMPO, "queryType": "traceql", "query": query, "limit": 20, "refId": "A"}
+            ],
+        }
+
+    return [
+        row(g, "Traces (Tempo)"),
         {
             "id": g.take_id(),
             "type": "nodeGraph",
@@ -371,50 +386,43 @@ def build() -> dict[str, Any]:
             "datasource": TEMPO,
             "gridPos": g.place(12, 10),
             "targets": [{"datasource": TEMPO, "queryType": "serviceMap", "refId": "A"}],
-        }
-    )
-    panels.append(
-        {
-            "id": g.take_id(),
-            "type": "table",
-            "title": "Recent error traces",
-            "description": "Click a trace id to open it in Tempo.",
-            "datasource": TEMPO,
-            "gridPos": g.place(12, 10),
-            "targets": [
-                {
-                    "datasource": TEMPO,
-                    "queryType": "traceql",
-                    "query": '{ status = error && resource.service.name =~ "$service" }',
-                    "limit": 20,
-                    "refId": "A",
-                }
-            ],
-        }
-    )
-    panels.append(
-        {
-            "id": g.take_id(),
-            "type": "table",
-            "title": "Slowest traces (> 1 s)",
-            "datasource": TEMPO,
-            "gridPos": g.place(24, 10),
-            "targets": [
-                {
-                    "datasource": TEMPO,
-                    "queryType": "traceql",
-                    "query": '{ duration > 1s && resource.service.name =~ "$service" }',
-                    "limit": 20,
-                    "refId": "A",
-                }
-            ],
-        }
-    )
+        },
+        traceql("Recent error traces", '{ status = error && resource.service.name =~ "$service" }', 12,
+                "Click a trace id to open it in Tempo."),
+        traceql("Slowest traces (> 1 s)", '{ duration > 1s && resource.service.name =~ "$service" }', 12),
+        traceql("Recent trainer steps", '{ name = "trainer step" && span.looprl.run_id =~ "$run" }', 12,
+                "One trace per step, linked to the rollouts it trained."),
+    ]  # fmt: skip
 
+
+def variable(name: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": name,
+        "type": "query",
+        "datasource": PROM,
+        "query": {"query": query, "refId": name},
+        "definition": query,
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "refresh": 2,
+        "sort": 1,
+    }
+
+
+def build() -> dict[str, Any]:
+    g = Grid()
+    panels: list[dict[str, Any]] = []
+    for section in (run_row, rpc_row, gateway_row, trainer_row, weight_sync_row, reward_row, router_row,
+                    packer_row, sandbox_row, traces_row):  # fmt: skip
+        panels.extend(section(g))
     return {
         "uid": "looprl-overview",
         "title": "looprl",
-        "description": "RPCs of every looprl service, inference routing, weight versions, packing, traces.",
+        "description": "The run, then every looprl service: RPCs, gateway, trainer, weight-sync, reward, "
+        "inference routing, packing, sandboxes; traces in Tempo.",
         "tags": ["looprl"],
         "timezone": "browser",
         "schemaVersion": 39,
@@ -424,32 +432,12 @@ def build() -> dict[str, Any]:
         "time": {"from": "now-30m", "to": "now"},
         "graphTooltip": 1,
         "links": [
-            {
-                "title": "Explore traces",
-                "type": "link",
-                "url": '/explore?left={"datasource":"tempo","queries":[{"refId":"A","queryType":"traceql","query":"{}"}]}',
-                "icon": "external link",
-            }
+            {"title": "Explore traces", "type": "link", "url": tempo_url("{}"), "icon": "external link"}
         ],
         "templating": {
             "list": [
-                {
-                    "name": "service",
-                    "label": "service",
-                    "type": "query",
-                    "datasource": PROM,
-                    "query": {
-                        "query": "label_values(looprl_rpc_requests_total, service)",
-                        "refId": "service",
-                    },
-                    "definition": "label_values(looprl_rpc_requests_total, service)",
-                    "includeAll": True,
-                    "multi": True,
-                    "allValue": ".*",
-                    "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-                    "refresh": 2,
-                    "sort": 1,
-                }
+                variable("service", "label_values(looprl_rpc_requests_total, service)"),
+                variable("run", "label_values(looprl_trainer_steps_total, run)"),
             ]
         },
         "annotations": {"list": []},

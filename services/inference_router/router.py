@@ -38,6 +38,7 @@ from services.inference_router.policies import (
     VersionUnavailable,
 )
 from services.kit import errors, telemetry
+from services.kit.metric_names import observe
 
 log = logging.getLogger("looprl.inference_router")
 
@@ -88,6 +89,7 @@ class Router:
             self.handles[replica.name] = by_name[replica.name]
             self.replicas[replica.name] = replica
         self.deployments[deployment.name] = deployment
+        metrics.init_deployment(deployment.name, [r.name for r in deployment.replicas])
         self._notify()
 
     def deployment_list(self) -> list[DeploymentState]:
@@ -252,7 +254,7 @@ class Router:
             metrics.REQUESTS.labels(dep.name, replica.name, "ok").inc()
             metrics.TOKENS.labels(dep.name, replica.name, "completion").inc(tokens)
             metrics.TOKENS.labels(dep.name, replica.name, "prompt").inc(len(request.prompt_token_ids))
-            metrics.LATENCY.labels(dep.name).observe(time.perf_counter() - start)
+            observe(metrics.LATENCY.labels(dep.name), time.perf_counter() - start)
             return
         raise errors.Unavailable(
             f"request failed on {self.settings.max_attempts} replicas; last error: {last_failure}",
@@ -300,7 +302,7 @@ class Router:
         metrics.TOKENS.labels(dep.name, replica.name, "completion").inc(
             sum(len(c.token_ids) for c in response.completions)
         )
-        metrics.LATENCY.labels(dep.name).observe(seconds)
+        observe(metrics.LATENCY.labels(dep.name), seconds)
 
     # ---- health and versions ------------------------------------------------------------------
 

@@ -24,21 +24,15 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from prometheus_client import Counter, Gauge, Histogram
 
-from services.kit import telemetry
+from services.kit import metric_names, telemetry
 from services.kit.errors import InvalidArgument, ServiceError
 
 log = logging.getLogger("looprl.rpc")
 
-RPC_REQUESTS = Counter("looprl_rpc_requests_total", "RPCs handled", ["service", "method", "code"])
-RPC_SECONDS = Histogram(
-    "looprl_rpc_duration_seconds",
-    "RPC handling time",
-    ["service", "method"],
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-)
-RPC_IN_FLIGHT = Gauge("looprl_rpc_in_flight", "RPCs being handled", ["service"])
+RPC_REQUESTS = metric_names.counter("looprl_rpc_requests_total")
+RPC_SECONDS = metric_names.histogram("looprl_rpc_duration_seconds")
+RPC_IN_FLIGHT = metric_names.gauge("looprl_rpc_in_flight")
 
 # Always answered, even before ready and while draining.
 ALWAYS_OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -147,7 +141,9 @@ class _RpcScope:
         if self.owner.in_flight == 0:
             self.owner.idle.set()
         RPC_IN_FLIGHT.labels(self.owner.service).dec()
-        RPC_SECONDS.labels(self.owner.service, self.method).observe(time.perf_counter() - self.start)
+        metric_names.observe(
+            RPC_SECONDS.labels(self.owner.service, self.method), time.perf_counter() - self.start
+        )
         code = "OK"
         try:
             if exc is None:

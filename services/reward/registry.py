@@ -12,6 +12,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from services.reward import metrics
 from services.reward import verifiers as v
 
 log = logging.getLogger(__name__)
@@ -88,11 +89,14 @@ class RewardRegistry:
         try:
             score = await asyncio.wait_for(verifier(inp), self.timeout_s)
         except TimeoutError:
+            metrics.FAILURES.labels(name, "timeout").inc()
             return Component(name, 0.0, weight, False, f"timed out after {self.timeout_s:g}s")
         except v.VerifierError as exc:
+            metrics.FAILURES.labels(name, "rejected").inc()
             return Component(name, 0.0, weight, False, str(exc))
         except Exception as exc:  # a crashing verifier is reported, not propagated
             log.exception("verifier %s crashed", name)
+            metrics.FAILURES.labels(name, "crashed").inc()
             return Component(name, 0.0, weight, False, f"crashed: {type(exc).__name__}: {exc}")
         return Component(name, float(score), weight, True)
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from typing import Any
 
 from looprl.reward.v1 import reward_pb2, reward_pb2_grpc
 from services.kit.errors import InvalidArgument, NotFound
+from services.kit.metric_names import observe
+from services.reward import metrics
 from services.reward.registry import RewardRegistry, UnknownReward
 from services.reward.verifiers import ScoreInput
 
@@ -19,6 +22,7 @@ MAX_BATCH = 1024
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     def __init__(self, registry: RewardRegistry) -> None:
         self.registry = registry
+        metrics.init_rewards(s.name for s in registry.specs())
 
     async def Score(self, request: reward_pb2.ScoreRequest, context: Any) -> reward_pb2.ScoreResponse:
         return await self._score(*self._validated(request))
@@ -56,7 +60,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         )
 
     async def _score(self, reward: str, item: ScoreInput) -> reward_pb2.ScoreResponse:
+        started = time.perf_counter()
         outcome = await self.registry.score(reward, item)
+        observe(metrics.SECONDS.labels(reward), time.perf_counter() - started)
+        metrics.SCORES.labels(reward).observe(outcome.score)
         return reward_pb2.ScoreResponse(
             score=outcome.score,
             ok=outcome.ok,

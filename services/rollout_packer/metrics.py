@@ -1,24 +1,28 @@
-"""Prometheus metrics of the packer (process-wide registry, labelled by run)."""
+"""Prometheus metrics of the packer (process-wide registry, labelled by run; names:
+services/kit/metric_names.py). `init_run` creates a run's drop counters at zero, one per reason."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from services.kit.metric_names import counter, gauge, histogram
+from services.rollout_packer.sequences import DropReason
 
-PADDING_FRACTION = Gauge(
-    "looprl_packer_padding_fraction", "Unused share of the micro-batch token budget, last step", ["run"]
-)
-RANK_IMBALANCE = Gauge("looprl_packer_rank_imbalance", "max/mean work per DP rank, last step", ["run"])
-SYNC_IDLE = Gauge(
-    "looprl_packer_sync_idle_fraction", "Rank time spent waiting at micro-batch syncs, last step", ["run"]
-)
-DROPPED = Counter("looprl_packer_dropped_rollouts_total", "Rollouts dropped, by reason", ["run", "reason"])
-QUEUE_DEPTH = Gauge("looprl_packer_queued_rollouts", "Rollouts held and not yet planned into a step", ["run"])
-PENDING_GROUPS = Gauge("looprl_packer_pending_groups", "Groups incomplete or complete but unplanned", ["run"])
-STEPS_PLANNED = Counter("looprl_packer_steps_planned_total", "Steps planned", ["run"])
-ACKED = Counter("looprl_packer_acked_rollouts_total", "Rollouts acked after their step was trained", ["run"])
-PLAN_SECONDS = Histogram(
-    "looprl_packer_plan_seconds",
-    "Time to compute advantages and the pack plan of a step",
-    ["run"],
-    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-)
+PADDING_FRACTION = gauge("looprl_packer_padding_fraction")
+RANK_IMBALANCE = gauge("looprl_packer_rank_imbalance")
+SYNC_IDLE = gauge("looprl_packer_sync_idle_fraction")
+DROPPED = counter("looprl_packer_dropped_rollouts_total")
+QUEUE_DEPTH = gauge("looprl_packer_queued_rollouts")
+PENDING_GROUPS = gauge("looprl_packer_pending_groups")
+STEPS_PLANNED = counter("looprl_packer_steps_planned_total")
+ACKED = counter("looprl_packer_acked_rollouts_total")
+PLAN_SECONDS = histogram("looprl_packer_plan_seconds")
+STALENESS = gauge("looprl_packer_staleness_steps")
+UNACKED_STEPS = gauge("looprl_packer_unacked_steps")
+
+
+def init_run(run_id: str) -> None:
+    """Every series of a run, at zero (the gauges until its first step sets them)."""
+    for reason in DropReason:
+        DROPPED.labels(run_id, reason.value)
+    for metric in (PADDING_FRACTION, RANK_IMBALANCE, SYNC_IDLE, QUEUE_DEPTH, PENDING_GROUPS, STALENESS,
+                   UNACKED_STEPS, STEPS_PLANNED, ACKED, PLAN_SECONDS):  # fmt: skip
+        metric.labels(run_id)

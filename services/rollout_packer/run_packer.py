@@ -30,6 +30,7 @@ from looprl.common.v1 import common_pb2
 from services.kit import subjects, telemetry
 from services.kit.bus import Bus, Consumer, Delivery, PoisonMessage
 from services.kit.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from services.kit.metric_names import observe
 from services.rollout_packer import metrics
 from services.rollout_packer.groups import Group, GroupCollector
 from services.rollout_packer.sequences import DropReason, Rejected, TokenSequence, sequence_from_rollout
@@ -61,6 +62,7 @@ class RunPacker:
         fetch_batch: int = 256,
     ) -> None:
         self.run_id = subjects.validate_run_id(run_id)
+        metrics.init_run(self.run_id)
         self.settings = settings
         self.bus = bus
         self.store = store
@@ -362,15 +364,16 @@ class RunPacker:
             batch = await asyncio.to_thread(
                 build_step, record.step, groups, record.trainer_version, self.settings, record.world_size
             )
+            oldest = min((s.min_version for s in batch.sequences), default=record.trainer_version)
             if span.is_recording():
-                oldest = min((s.min_version for s in batch.sequences), default=record.trainer_version)
                 span.set_attributes(
                     {
                         telemetry.ATTR.TOKENS: sum(s.length for s in batch.sequences),
                         telemetry.ATTR.STALENESS: record.trainer_version - oldest,
                     }
                 )
-        metrics.PLAN_SECONDS.labels(self.run_id).observe(time.perf_counter() - started)
+            observe(metrics.PLAN_SECONDS.labels(self.run_id), time.perf_counter() - started)
+        metrics.STALENESS.labels(self.run_id).set(record.trainer_version - oldest)
         self.built[record.step] = batch
         self.last_batch = batch
         metrics.PADDING_FRACTION.labels(self.run_id).set(batch.plan.padding_fraction)
@@ -448,3 +451,4 @@ class RunPacker:
     def _update_gauges(self) -> None:
         metrics.QUEUE_DEPTH.labels(self.run_id).set(self.queued_rollouts)
         metrics.PENDING_GROUPS.labels(self.run_id).set(self.pending_groups)
+        metrics.UNACKED_STEPS.labels(self.run_id).set(sum(1 for r in self.records.values() if not r.acked))

@@ -27,6 +27,8 @@ from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import subjects, telemetry
 from services.kit.interceptors import client_interceptors
+from services.kit.metric_names import observe
+from services.trainer import metrics
 from services.trainer.batch import BatchRejected
 from services.trainer.checkpoint import latest_checkpoint
 from services.trainer.config import TrainerConfig
@@ -68,6 +70,7 @@ class RunTrainer:
         self._lock = asyncio.Lock()
         self._stop = asyncio.Event()
         self._started = False
+        metrics.init_run(self.run_id)
 
     # ---- rank calls, serialized ------------------------------------------------------------------
 
@@ -118,8 +121,9 @@ class RunTrainer:
 
     async def _train_one_traced(self, span: trace.Span) -> bool:
         step = self.step
+        started = time.perf_counter()
         try:
-            metrics = await self._ranks(
+            result = await self._ranks(
                 self.group.pull_and_train,
                 self.cfg.packer_address,
                 self.run_id,
@@ -137,34 +141,35 @@ class RunTrainer:
             raise RuntimeError(f"the packer served an invalid batch for step {step}: {exc}") from exc
         if span.is_recording():
             links, dropped = telemetry.link_carriers(
-                [{"traceparent": t} for t in metrics.get("rollout_traceparents", [])],
+                [{"traceparent": t} for t in result.get("rollout_traceparents", [])],
                 limit=self.recipe.batch.rollouts_per_step,
             )
             for link in links:
                 span.add_link(link.context)
             span.set_attributes(
                 {
-                    telemetry.ATTR.WEIGHT_VERSION: metrics["version"],
-                    telemetry.ATTR.TOKENS: int(metrics["num_tokens"]),
-                    telemetry.ATTR.STALENESS: metrics["max_staleness"],
-                    telemetry.ATTR.ROLLOUTS: int(metrics["sequences"]),
+                    telemetry.ATTR.WEIGHT_VERSION: result["version"],
+                    telemetry.ATTR.TOKENS: int(result["num_tokens"]),
+                    telemetry.ATTR.STALENESS: result["max_staleness"],
+                    telemetry.ATTR.ROLLOUTS: int(result["sequences"]),
                     telemetry.ATTR.LINKS_DROPPED: dropped,
                 }
             )
         self.step = step + 1
-        self.last_loss = metrics["loss"]
+        self.last_loss = result["loss"]
+        metrics.record_step(self.run_id, result, time.perf_counter() - started)
         self.unacked.append(step)
-        self._check_pushes(self.step, metrics.get("pushes", []))
+        self._check_pushes(self.step, result.get("pushes", []))
         if self.cfg.ack_policy == "step" or self.checkpoint_every <= 0:
             await self._ack_pending()
-        await self._publish(metrics)
+        await self._publish(result)
         log.info(
             "run %s: step %d loss %.4f grad_norm %.3f tokens/s %.0f",
             self.run_id,
             step,
-            metrics["loss"],
-            metrics["grad_norm"],
-            metrics["tokens_per_second"],
+            result["loss"],
+            result["grad_norm"],
+            result["tokens_per_second"],
         )
         return True
 
@@ -243,11 +248,16 @@ class RunTrainer:
             self.group.save_checkpoint, str(self.checkpoint_root), {"run_id": self.run_id}
         )
         self.last_checkpoint = path
+        observe(metrics.CHECKPOINT_SECONDS.labels(self.run_id, "checkpoint"), time.perf_counter() - start)
         await self._ack_pending()
         hf_path = ""
         if export_hf:
             hf_path = str(self.checkpoint_root / "hf" / f"step_{self.step:08d}")
+            exporting = time.perf_counter()
             await self._ranks(self.group.export_hf, hf_path)
+            observe(
+                metrics.CHECKPOINT_SECONDS.labels(self.run_id, "hf_export"), time.perf_counter() - exporting
+            )
         log.info("run %s: checkpoint %s in %.1fs", self.run_id, path, time.perf_counter() - start)
         return path, self.step, hf_path
 

@@ -306,6 +306,7 @@ class TrainerWorker:
     ) -> dict[str, Any]:
         batches: list[Any] = []
         failure = None
+        started = time.perf_counter()
         try:
             stub = packer_pb2_grpc.RolloutPackerServiceStub(self._channel(packer_address, max_message_bytes))
             request = packer_pb2.NextBatchRequest(
@@ -321,13 +322,17 @@ class TrainerWorker:
         except grpc.RpcError as exc:
             self._forget_channel(packer_address, max_message_bytes)
             failure = f"NextBatch from {packer_address}: {exc.code().name} {exc.details()}"
+        pulled = time.perf_counter()
         metrics = self.train_step(batches, pull_failure=failure)
         metrics["rollout_traceparents"] = [t for b in batches for t in b.rollout_traceparents if t]
+        trained = time.perf_counter()
+        metrics["phase_seconds"] = {"pull": pulled - started, "train": trained - pulled}
         if push_address:
             try:
                 metrics["push"] = self.push_weights(push_address, self.step)
             except Exception as exc:  # the step is applied either way; the caller decides
                 metrics["push"] = {"rank": self.rank, "version": self.step, "error": repr(exc)}
+            metrics["phase_seconds"]["push"] = time.perf_counter() - trained
         return metrics
 
     # ---- inspection (no update) ------------------------------------------------------------------

@@ -35,7 +35,7 @@ from services.kit import telemetry
 from services.kit.weight_transfer import DeliveryError, Endpoint, GrpcTransport, ShmTransport, StageResult
 from services.modeling.config import ModelConfig
 
-from . import canary
+from . import canary, metrics
 from .plan import PlanCache, PlannedBucket, RankPlan, TrainerLayout
 from .targets import Target
 from .versions import VersionBuffer, VersionStore
@@ -252,6 +252,8 @@ class Deliverer:
         t.last_error = ""
         t.last_bytes = sum(results[e].bytes_sent for e in t.endpoints if e in results)
         t.last_sync_seconds = time.perf_counter() - start
+        run_id = t.run_id or (buf.run_id if buf is not None else "")
+        metrics.delivered(run_id, t.deployment, version, t.last_sync_seconds, t.endpoints, results)
         t.attempts.pop(version, None)
         log.info("deployment %s now serves version %s (%d bytes, %.3fs)", t.deployment, version, t.last_bytes,
                  t.last_sync_seconds)  # fmt: skip
@@ -302,6 +304,7 @@ class Deliverer:
             *(self.grpc.abort(e, version) for e in t.endpoints if e not in skip and e not in replica)
         )
         t.canary_rejected_version = version
+        metrics.REJECTED.labels(t.deployment).inc()
         t.attempts[version] = self.retry_attempts  # checksum-valid bytes: a retry would fail the same way
         problems = "; ".join(e for e in errors if e)
         await self._failed(t, None, f"canary rejected version {version}: {verdict.detail}"
@@ -331,6 +334,7 @@ class Deliverer:
 
     async def _failed(self, t: Target, buf: VersionBuffer | None, error: str) -> None:
         t.state = "failed"
+        metrics.FAILED.labels(t.deployment).inc()
         t.last_error = error
         if self.on_state is not None:
             try:

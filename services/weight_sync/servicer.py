@@ -15,6 +15,7 @@ from services.kit.weight_transfer.wire import decode_push_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import hf_params
 
+from . import metrics
 from .deliver import Deliverer
 from .plan import PlanError, check_trainer_layout
 from .targets import target_from_request
@@ -65,6 +66,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
             raise
         if buf is None:
             raise InvalidArgument("PushShards: the stream carried no message")
+        metrics.PUSHED_BYTES.labels(buf.run_id).inc(received)
         return weightsync_pb2.PushShardsResponse(
             version=buf.version, bytes_received=received, version_complete=buf.complete
         )
@@ -83,6 +85,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
                 buf.ranks_done.clear()
                 raise
             self.store.completed(buf)
+            metrics.LATEST_VERSION.labels(buf.run_id).set(buf.version)
             log.info(
                 "version %s complete: %d bytes from %d ranks", buf.version, buf.bytes_received, buf.world_size
             )
@@ -105,6 +108,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
             target.version = old.version  # re-registration of the same deployment keeps its state
             target.state = old.state
         self.deliverer.targets[target.deployment] = target
+        metrics.init_deployment(target.deployment, target.endpoints)
         if self.state is not None:
             await self.state.save_target(target)
         latest = self.store.latest

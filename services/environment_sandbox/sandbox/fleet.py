@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from prometheus_client import Counter, Gauge
-
 from services.environment_sandbox.sandbox.job import (
     ExecJob,
     ExecResult,
@@ -25,10 +23,11 @@ from services.environment_sandbox.sandbox.job import (
     validate_files,
 )
 from services.kit.autoscale import Autoscaler
+from services.kit.metric_names import counter, gauge
 
-ACTORS = Gauge("looprl_sandbox_fleet_actors", "Sandbox actors the fleet holds now")
-PEAK_ACTORS = Gauge("looprl_sandbox_fleet_peak_actors", "Most sandbox actors the fleet held at once")
-EXECUTIONS = Counter("looprl_sandbox_fleet_executions_total", "Executions that ran on a sandbox actor")
+ACTORS = gauge("looprl_sandbox_fleet_actors")
+PEAK_ACTORS = gauge("looprl_sandbox_fleet_peak_actors")
+EXECUTIONS = counter("looprl_sandbox_fleet_executions_total")
 
 
 def sandbox_actor_class():

@@ -16,61 +16,25 @@ from pathlib import Path
 import yaml
 
 from gateway.stack import SERVICES
+from services.kit.metric_names import BY_NAME, CATALOG, SERIES, render_markdown
+from tests.support.dashboard_queries import (
+    EXTERNAL_METRIC_PREFIXES,
+    load,
+    metric_names,
+    promql,
+    walk,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 OBS = ROOT / "observability"
 DASHBOARDS = sorted((OBS / "grafana/dashboards").glob("*.json"))
 STACK = {entry[0]: entry[1] for entry in SERVICES}
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-# Metrics produced outside looprl code that dashboards may use (Tempo's metrics generator).
-EXTERNAL_METRIC_PREFIXES = ("traces_",)
-PROMQL_WORDS = {
-    "sum", "by", "rate", "irate", "increase", "histogram_quantile", "max", "min", "avg", "count",
-    "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "topk", "bottomk",
-    "le", "label_values", "offset", "bool", "abs", "clamp_min", "clamp_max", "delta", "deriv",
-}  # fmt: skip
 
 
 def provisioned_datasources() -> dict[str, str]:
     spec = yaml.safe_load((OBS / "grafana/provisioning/datasources/datasources.yaml").read_text())
     return {d["uid"]: d["type"] for d in spec["datasources"]}
-
-
-def defined_metrics() -> set[str]:
-    """Names passed to prometheus_client Counter/Gauge/Histogram/Summary anywhere in our code."""
-    names: set[str] = set()
-    for path in [*(ROOT / "services").rglob("*.py"), *(ROOT / "gateway").rglob("*.py")]:
-        try:
-            tree = ast.parse(path.read_text())
-        except SyntaxError:
-            continue
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Call)
-                and getattr(node.func, "id", getattr(node.func, "attr", ""))
-                in ("Counter", "Gauge", "Histogram", "Summary")
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)
-            ):
-                kind, name = getattr(node.func, "id", getattr(node.func, "attr", "")), node.args[0].value
-                names.add(name)
-                if kind == "Counter" and not name.endswith("_total"):
-                    names.add(name + "_total")
-                if kind in ("Histogram", "Summary"):
-                    names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
-    return names
-
-
-def walk(node, key: str):
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k == key:
-                yield v
-            yield from walk(v, key)
-    elif isinstance(node, list):
-        for item in node:
-            yield from walk(item, key)
 
 
 def panels(dashboard: dict) -> list[dict]:
@@ -79,20 +43,6 @@ def panels(dashboard: dict) -> list[dict]:
         out.append(panel)
         out.extend(panel.get("panels", []))
     return out
-
-
-def metric_names(expr: str) -> set[str]:
-    label_values = re.fullmatch(r"\s*label_values\(\s*([^,)]+)\s*,[^)]*\)\s*", expr)
-    if label_values:  # Grafana's label_values(metric, label): only the metric is a metric
-        expr = label_values.group(1)
-    expr = re.sub(r'"[^"]*"', '""', expr)  # label values
-    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
-    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
-    tokens = set(re.findall(r"\b[a-zA-Z_:][a-zA-Z0-9_:]*\b", expr))
-    by_labels = set()
-    for group in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr):
-        by_labels |= {t.strip() for t in group.split(",")}
-    return {t for t in tokens - PROMQL_WORDS - by_labels if not t.startswith("$")}
 
 
 def test_there_is_a_dashboard():
@@ -138,19 +88,78 @@ def test_dashboards_refer_only_to_provisioned_datasource_uids():
                 ), url
 
 
-def test_dashboard_queries_only_metrics_the_code_defines():
-    defined = defined_metrics()
-    assert "looprl_rpc_requests_total" in defined and "looprl_rpc_duration_seconds_bucket" in defined
-    used: set[str] = set()
-    for path in DASHBOARDS:
-        for expr in walk(json.loads(path.read_text()), "expr"):
-            used |= metric_names(expr)
-        for query in walk(json.loads(path.read_text()), "query"):
-            if isinstance(query, dict):
-                used |= metric_names(query["query"])
-    assert used, "no PromQL found"
-    unknown = {m for m in used if m not in defined and not m.startswith(EXTERNAL_METRIC_PREFIXES)}
-    assert not unknown, f"dashboard queries metrics no service defines: {sorted(unknown)}"
+def test_dashboard_queries_only_metrics_of_the_one_table():
+    used = {name for query in promql(load()) for name in metric_names(query)}
+    assert "looprl_rpc_requests_total" in used and "looprl_rpc_duration_seconds_bucket" in used
+    unknown = {m for m in used if m not in SERIES and not m.startswith(EXTERNAL_METRIC_PREFIXES)}
+    assert not unknown, f"dashboard queries metrics not in services/kit/metric_names.py: {sorted(unknown)}"
+
+
+def test_every_service_has_a_row_and_every_row_links_to_its_traces():
+    dashboard = load()
+    services = {m.service for m in CATALOG} - {"every"}
+    row_titles = [p["title"].lower() for p in dashboard["panels"] if p["type"] == "row"]
+    for service in services:
+        words = service.replace("-", " ").split()
+        assert any(all(w in title or w.rstrip("s") in title for w in words) for title in row_titles), (
+            f"no dashboard row for {service}"
+        )
+    linked = {
+        re.search(r'service.name=\\"([^"\\]+)', link["url"]).group(1)
+        for p in panels(dashboard)
+        for link in p.get("fieldConfig", {}).get("defaults", {}).get("links", [])
+        if "service.name" in link["url"]
+    }
+    assert services <= linked, f"no trace link for {sorted(services - linked)}"
+
+
+def test_run_row_shows_reward_loss_throughput_staleness_and_versions():
+    top = load()["panels"]
+    assert top[0]["type"] == "row" and top[0]["title"] == "Run", "the run row comes first"
+    end = next(i for i, p in enumerate(top[1:], 1) if p["type"] == "row")
+    run_panels = top[1:end]
+    exprs = " ".join(t["expr"] for p in run_panels for t in p["targets"])
+    for metric in ("looprl_trainer_reward_mean", "looprl_trainer_loss", "looprl_trainer_tokens_per_second",
+                   "looprl_trainer_staleness_steps", "looprl_weightsync_deployment_version"):  # fmt: skip
+        assert metric in exprs, f"the run row does not show {metric}"
+
+
+def test_metrics_are_created_only_from_the_table_and_every_entry_is_created():
+    """No service defines a Prometheus metric of its own; every catalog entry is made by some module."""
+    made: set[str] = set()
+    for path in [*(ROOT / "services").rglob("*.py"), *(ROOT / "gateway").rglob("*.py")]:
+        if path.name == "metric_names.py" or "_pb2" in path.name:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+                continue
+            called = getattr(node.func, "id", getattr(node.func, "attr", ""))
+            assert called not in ("Counter", "Gauge", "Histogram", "Summary", "Info", "Enum"), (
+                f"{path.relative_to(ROOT)}: a metric defined outside services/kit/metric_names.py"
+            )
+            if called in ("counter", "gauge", "histogram"):
+                made.add(node.args[0].value)
+    missing = {m.name for m in CATALOG} - made
+    assert not missing, f"in the catalog but exported by no service: {sorted(missing)}"
+
+
+def test_metric_names_follow_prometheus_conventions():
+    for m in CATALOG:
+        assert re.fullmatch(r"looprl_[a-z0-9_]+", m.name), m.name
+        assert (m.kind == "counter") == m.name.endswith("_total"), f"{m.name}: _total is for counters only"
+        assert not re.search(r"_(ms|milliseconds|sec|secs|kb|mb|percent)(_|$)", m.name), (
+            f"{m.name}: base units"
+        )
+        if m.unit == "seconds":
+            assert "_seconds" in m.name, f"{m.name}: a time in seconds says so in its name"
+        assert m.help and m.unit, m.name
+    assert len(BY_NAME) == len(CATALOG), "a metric name appears twice"
+
+
+def test_metrics_doc_is_rendered_from_the_table():
+    assert (ROOT / "docs/metrics.md").read_text() == render_markdown(), (
+        "stale docs/metrics.md: .venv/bin/python -m services.kit.metric_names > docs/metrics.md"
+    )
 
 
 def test_metric_name_extraction_sees_through_promql():
