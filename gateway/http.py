@@ -23,7 +23,7 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
 from gateway.auth import TokenAuth
-from gateway.metrics import count_openai_tokens, http_metrics
+from gateway.metrics import count_openai_tokens, http_metrics, init_routes
 from gateway.runs import ACTIVE
 from gateway.service import RunManager, run_to_proto
 from looprl.common.v1 import common_pb2
@@ -146,6 +146,7 @@ class HttpApi:
                 web.post("/v1/chat/completions", self.chat_completions),
             ]
         )
+        init_routes(app)
         return app
 
     @web.middleware

@@ -39,6 +39,18 @@ for _endpoint in OPENAI_ROUTES.values():
         OPENAI_TOKENS.labels(_endpoint, _kind)
 
 
+def init_routes(app: web.Application) -> None:
+    """Every route's series at zero (as answered with 200), so idle routes show 0, not "No data"."""
+    for route in app.router.routes():
+        if route.method == "HEAD":
+            continue
+        pattern = route.resource.canonical if route.resource is not None else "unmatched"
+        HTTP_REQUESTS.labels(pattern, route.method, "200")
+        HTTP_SECONDS.labels(pattern, "200")
+        if pattern in OPENAI_ROUTES:
+            OPENAI_REQUESTS.labels(OPENAI_ROUTES[pattern], "200")
+
+
 def _route(request: web.Request) -> str:
     """The route pattern (/v1/runs/{run_id}), not the path: one series per route, not per run."""
     route = request.match_info.route

@@ -19,7 +19,9 @@ from prometheus_client import Counter, Gauge, Histogram
 
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LONG_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-SCORE_BUCKETS = (-1.0, -0.5, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0)
+# The first bound is 0, not negative: prometheus-client leaves out a histogram's _sum when a bucket
+# bound is below 0 (and the mean score is sum / count). A negative score falls in the le="0" bucket.
+SCORE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0)
 
 
 @dataclass(frozen=True)

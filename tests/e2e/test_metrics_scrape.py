@@ -1,0 +1,130 @@
+"""Metrics against a live stack: a short real run, every service's /metrics scraped.
+
+Every metric the dashboard queries must be in some service's scrape with at least one series, each
+scrape must pass `promtool check metrics`, and, with a real Prometheus scraping the services during
+the run, every dashboard query must return a series. Prometheus and promtool come from PATH or
+Debian's `prometheus` package (installed here when running as root with apt); without them the
+scrapes are parsed in Python only and the test says what it skipped.
+
+The stack is a fresh one: the shared `stack` fixture is for tests that start no run (a stack
+serves one run, and other tests rely on it having served none).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+import warnings
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.kit.metric_names import SERIES
+from tests.support import prometheus
+from tests.support.dashboard_queries import EXTERNAL_METRIC_PREFIXES, load, metric_names, promql, runnable
+from tests.support.runs import run_to_end, with_overrides
+from tests.support.stack import DEFAULT_RECIPE
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def samples(exposition: str) -> dict[str, list]:
+    """Sample name -> its samples, as Prometheus would ingest them."""
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def total(found: dict[str, list], name: str, **labels: str) -> float:
+    return sum(s.value for s in found.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def openai_completion(stack) -> dict:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{stack.state.http_port}/v1/completions",
+        data=json.dumps({"prompt": "Reverse the digits: 123", "max_tokens": 4}).encode(),
+        headers={"Authorization": f"Bearer {stack.state.gateway_token}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.loads(reply.read())
+
+
+def test_every_dashboard_query_has_a_series_from_a_live_run(fresh_stack, tmp_path) -> None:
+    stack = fresh_stack
+    ports = {svc.name: svc.metrics_port for svc in stack.state.services}
+    promtool, promtool_missing = prometheus.find_or_install("promtool")
+    server, server_missing = prometheus.find_or_install("prometheus")
+    recipe = with_overrides(DEFAULT_RECIPE, run={"steps": STEPS})
+    queries = [runnable(q) for q in promql(load())]
+    results: dict[str, list] = {}
+    if server is not None:
+        targets = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+        with prometheus.running(server, targets, tmp_path) as prom:
+            run = run_to_end(stack.stub, stack.metadata, recipe, "e2e-metrics", timeout=300)
+            usage = openai_completion(stack)["usage"]
+            time.sleep(3)  # two more scrapes after the last step and the request
+            results = {q: prom.query(q) for q in queries}
+    else:
+        run = run_to_end(stack.stub, stack.metadata, recipe, "e2e-metrics", timeout=300)
+        usage = openai_completion(stack)["usage"]
+    expositions = {name: scrape(port) for name, port in ports.items()}
+    found: dict[str, list] = {}
+    for exposition in expositions.values():
+        for name, series in samples(exposition).items():
+            found.setdefault(name, []).extend(series)
+
+    # Every metric a panel reads is exported, with at least one series.
+    wanted = {
+        n for q in promql(load()) for n in metric_names(q) if not n.startswith(EXTERNAL_METRIC_PREFIXES)
+    }
+    missing = sorted(n for n in wanted if not found.get(n))
+    assert not missing, f"dashboard metrics with no series in any scrape: {missing}"
+    # And every exported looprl series is in the one table.
+    strays = sorted(n for n in found if n.startswith("looprl_") and n.removesuffix("_created") not in SERIES)
+    assert not strays, f"exported but not in services/kit/metric_names.py: {strays}"
+
+    # The values say what happened in the run.
+    run_id = run.run_id
+    assert total(found, "looprl_trainer_steps_total", run=run_id) == STEPS
+    assert total(found, "looprl_trainer_tokens_total", run=run_id) > 0
+    assert total(found, "looprl_trainer_step_seconds_count", run=run_id, phase="train") == STEPS
+    assert total(found, "looprl_trainer_checkpoint_seconds_count", run=run_id, kind="checkpoint") >= 1
+    versions = {s.labels["deployment"]: s.value for s in found["looprl_weightsync_deployment_version"]}
+    assert versions and all(v == STEPS for v in versions.values()), versions
+    assert total(found, "looprl_weightsync_pushed_bytes_total", run=run_id) > 0
+    rollouts = STEPS * 64
+    assert total(found, "looprl_reward_score_count") >= rollouts
+    assert total(found, "looprl_packer_acked_rollouts_total", run=run_id) == rollouts
+    assert total(found, "looprl_gateway_runs", state="completed") == 1
+    assert total(found, "looprl_gateway_run_step", run=run_id) == STEPS
+    assert total(found, "looprl_gateway_openai_requests_total", endpoint="completions", status="200") == 1
+    assert (
+        total(found, "looprl_gateway_openai_tokens_total", endpoint="completions", kind="completion")
+        == (usage["completion_tokens"])
+    )
+    assert total(found, "looprl_router_requests_total", outcome="ok") >= rollouts
+    # Zeroed series exist before anything happens to them.
+    assert found.get("looprl_router_retries_total") and found.get("looprl_packer_dropped_rollouts_total")
+
+    if promtool is None:
+        warnings.warn(f"promtool check metrics skipped: {promtool_missing}", stacklevel=1)
+        print(f"SKIPPED promtool check metrics: {promtool_missing}")
+    else:
+        problems = {name: prometheus.check_metrics(promtool, text) for name, text in expositions.items()}
+        assert not any(problems.values()), f"promtool check metrics: {problems}"
+    if server is None:
+        warnings.warn(f"dashboard queries not evaluated: {server_missing}", stacklevel=1)
+        print(f"SKIPPED evaluating dashboard queries in Prometheus: {server_missing}")
+    else:
+        empty = [q for q, series in results.items() if not series]
+        assert not empty, f"dashboard queries with no series: {empty}"
