@@ -80,7 +80,9 @@ def running(
     )
     config = state_dir / "prometheus.yml"
     every = f"{round(interval_s * 1000)}ms"
-    config.write_text(f"global:\n  scrape_interval: {every}\n  scrape_timeout: {every}\nscrape_configs:\n{jobs}\n")
+    config.write_text(
+        f"global:\n  scrape_interval: {every}\n  scrape_timeout: {every}\nscrape_configs:\n{jobs}\n"
+    )
     port = free_port()
     with open(state_dir / "prometheus.log", "w") as log:
         process = subprocess.Popen(
