@@ -6,8 +6,9 @@ the run, every dashboard query must return a series. Prometheus and promtool com
 Debian's `prometheus` package (installed here when running as root with apt); without them the
 scrapes are parsed in Python only and the test says what it skipped.
 
-The stack is a fresh one: the shared `stack` fixture is for tests that start no run (a stack
-serves one run, and other tests rely on it having served none).
+The stack is one of its own, traced to a span log (so exemplars can be checked against recorded
+traces): the shared `stack` fixture is for tests that start no run (a stack serves one run, and
+other tests rely on it having served none), and it is not traced.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from services.kit.metric_names import BY_NAME, SERIES
 from tests.support import prometheus
 from tests.support.dashboard_queries import EXTERNAL_METRIC_PREFIXES, load, metric_names, promql, runnable
 from tests.support.runs import run_to_end, with_overrides
-from tests.support.stack import DEFAULT_RECIPE
+from tests.support.stack import DEFAULT_RECIPE, local_stack
 
 pytestmark = pytest.mark.slow
 
@@ -65,25 +66,39 @@ def openai_completion(stack) -> dict:
         return json.loads(reply.read())
 
 
-def test_every_dashboard_query_has_a_series_from_a_live_run(fresh_stack, tmp_path) -> None:
-    stack = fresh_stack
-    ports = {svc.name: svc.metrics_port for svc in stack.state.services}
+def test_every_dashboard_query_has_a_series_from_a_live_run(tmp_path, monkeypatch) -> None:
+    # Spans recorded (to a span log), so latency observations carry trace-id exemplars.
+    span_log = tmp_path / "spans.jsonl"
+    monkeypatch.setenv("LOOPRL_SPAN_LOG", str(span_log))
     promtool, promtool_missing = prometheus.find_or_install("promtool")
     server, server_missing = prometheus.find_or_install("prometheus")
     recipe = with_overrides(DEFAULT_RECIPE, run={"steps": STEPS})
     queries = [runnable(q) for q in promql(load())]
     results: dict[str, list] = {}
-    if server is not None:
-        targets = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-        with prometheus.running(server, targets, tmp_path) as prom:
+    exemplars: list[dict] = []
+    (tmp_path / "stack").mkdir()
+    with local_stack(tmp_path / "stack") as stack:
+        ports = {svc.name: svc.metrics_port for svc in stack.state.services}
+        if server is not None:
+            targets = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+            started = time.time()
+            with prometheus.running(server, targets, tmp_path / "prometheus") as prom:
+                run_started = time.monotonic()
+                run = run_to_end(stack.stub, stack.metadata, recipe, "e2e-metrics", timeout=300)
+                usage = openai_completion(stack)["usage"]
+                checks_started = time.monotonic()
+                time.sleep(3)  # two more scrapes after the last step and the request
+                results = {q: prom.query(q) for q in queries}
+                exemplars = prom.exemplars('{__name__=~"looprl_.+_bucket"}', started, time.time())
+            print(
+                f"run {checks_started - run_started:.1f}s; {len(queries)} dashboard queries evaluated "
+                f"{time.monotonic() - checks_started:.1f}s after it"
+            )
+        else:
             run = run_to_end(stack.stub, stack.metadata, recipe, "e2e-metrics", timeout=300)
             usage = openai_completion(stack)["usage"]
-            time.sleep(3)  # two more scrapes after the last step and the request
-            results = {q: prom.query(q) for q in queries}
-    else:
-        run = run_to_end(stack.stub, stack.metadata, recipe, "e2e-metrics", timeout=300)
-        usage = openai_completion(stack)["usage"]
-    expositions = {name: scrape(port) for name, port in ports.items()}
+        expositions = {name: scrape(port) for name, port in ports.items()}
+    traced = {json.loads(line)["trace_id"] for line in span_log.read_text().splitlines() if line}
     found: dict[str, list] = {}
     for exposition in expositions.values():
         for name, series in samples(exposition).items():
@@ -135,3 +150,11 @@ def test_every_dashboard_query_has_a_series_from_a_live_run(fresh_stack, tmp_pat
     else:
         empty = [q for q, series in results.items() if not series]
         assert not empty, f"dashboard queries with no series: {empty}"
+        # Latency histograms carry trace ids, of traces the services really recorded.
+        by_metric = {
+            e["seriesLabels"]["__name__"]: {x["labels"].get("trace_id") for x in e["exemplars"]}
+            for e in exemplars
+        }
+        for metric in ("looprl_rpc_duration_seconds_bucket", "looprl_trainer_step_seconds_bucket"):
+            assert by_metric.get(metric), f"no exemplar on {metric}; exemplars on {sorted(by_metric)}"
+            assert by_metric[metric] & traced, f"{metric}: exemplar trace ids are not in the span log"

@@ -78,6 +78,7 @@ def running(
         f"  - job_name: {job}\n    static_configs: [{{targets: ['{address}']}}]"
         for job, address in targets.items()
     )
+    state_dir.mkdir(parents=True, exist_ok=True)
     config = state_dir / "prometheus.yml"
     every = f"{round(interval_s * 1000)}ms"
     config.write_text(
