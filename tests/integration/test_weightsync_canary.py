@@ -11,6 +11,7 @@ import asyncio
 
 import grpc
 import torch
+from prometheus_client import REGISTRY
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
@@ -110,6 +111,16 @@ async def answers(replica):
     return await canary.golden_answers(stub, PROMPTS, 6)
 
 
+def metric(name: str, **labels: str) -> float:
+    """The sum of a metric's samples in this process's registry that carry `labels`."""
+    return sum(
+        sample.value
+        for family in REGISTRY.collect()
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
 async def test_canary_passes_a_training_step_and_rolls_back_scaled_weights():
     servicer = make(WeightSyncConfig(use_bus=False, bucket_bytes=1 << 16, retry_backoff_s=0.05))
     ws_server = grpc.aio.server(interceptors=[ServerInterceptor("weight-sync", lambda: None)])
@@ -162,6 +173,14 @@ async def test_canary_passes_a_training_step_and_rolls_back_scaled_weights():
         target = await settle(stub, lambda t: t.version == 3 and t.state == "ready")
         assert [r.engine.status().weight_version for r in replicas] == [3, 3]
         assert await answers(replicas[0]) == await answers(replicas[1])
+        # The metrics say the same: one rejected version, v3 served, bytes over both transports.
+        assert metric("looprl_weightsync_rejected_versions_total", deployment="canaried") == 1
+        assert metric("looprl_weightsync_deployment_version", deployment="canaried") == 3
+        for transport in ("shm", "grpc"):
+            assert (
+                metric("looprl_weightsync_sync_bytes_total", deployment="canaried", transport=transport) > 0
+            )
+        assert metric("looprl_weightsync_sync_seconds_count", deployment="canaried", transport="mixed") == 3
     finally:
         await servicer.deliverer.close()
         await channel.close()
