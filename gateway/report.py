@@ -151,6 +151,11 @@ def table_steps(count: int, rows: int = TABLE_ROWS, tail: int = TABLE_TAIL) -> l
     return sorted({*range(0, count, every), *range(max(0, count - tail), count)})
 
 
+def _which_steps(count: int) -> str:
+    every = max(1, math.ceil(count / TABLE_ROWS))
+    return "all of them" if every == 1 else f"one in {every} and the last {TABLE_TAIL}"
+
+
 TABLE_COLUMNS = (
     ("step", "step", "{:d}"),
     ("reward mean", "reward_mean", "{:.3f}"),
@@ -187,8 +192,8 @@ def summary_lines(run: gateway_pb2.Run) -> list[str]:
         f"- weight syncs: {len(syncs)}"
         + (f", {sum(syncs) / len(syncs):.3f} s mean, {max(syncs):.3f} s max" if syncs else ""),
         "",
-        f"{len(shown)} of {len(run.history)} steps (every {max(1, math.ceil(len(run.history) / TABLE_ROWS))}"
-        f"th and the last {TABLE_TAIL}); every step is in {HISTORY_CSV}.",
+        f"{len(shown)} of {len(run.history)} steps ({_which_steps(len(run.history))}); every step is in "
+        f"{HISTORY_CSV}.",
         "",
         "| " + " | ".join(name for name, _, _ in TABLE_COLUMNS) + " |",
         "|" + "---:|" * len(TABLE_COLUMNS),
