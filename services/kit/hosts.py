@@ -1,0 +1,68 @@
+"""Host identity: which processes can share memory with each other.
+
+Two processes are on the same "host" for weight delivery when they run on the same kernel (boot
+id), in the same network namespace, and see the same shared-memory directory (the device and
+inode of the /dev/shm mount, or of LOOPRL_SHM_DIR; a tmpfs mounted in another mount namespace
+has another device, a bind mount of the same one does not). Two network namespaces, or two mount
+namespaces with their own /dev/shm, on one kernel are therefore different hosts, as two machines
+are. The identity is a claim a process
+makes about itself; weight-sync still proves shared memory works with a probe segment
+(services/weight_sync/placement.py) before it relies on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+
+def shm_dir() -> Path:
+    """Where this host's shared-memory segments live: /dev/shm where it exists (Linux), a temp dir
+    otherwise (slower, still correct); LOOPRL_SHM_DIR overrides both."""
+    override = os.environ.get("LOOPRL_SHM_DIR")
+    if override:
+        return Path(override)
+    dev_shm = Path("/dev/shm")
+    if dev_shm.is_dir() and os.access(dev_shm, os.W_OK):
+        return dev_shm
+    return Path(tempfile.gettempdir())
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def _namespace(kind: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/ns/{kind}")  # e.g. "net:[4026531840]"
+    except OSError:
+        return ""
+
+
+def host_parts() -> dict[str, str]:
+    """What the identity is made of, readable (logs, debugging a wrong transport choice)."""
+    directory = shm_dir()
+    try:
+        st = os.stat(directory)
+        shm = f"{directory}:{st.st_dev}:{st.st_ino}"
+    except OSError:
+        shm = f"{directory}:missing"
+    return {
+        "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+        "net_ns": _namespace("net"),
+        "shm": shm,
+    }
+
+
+@lru_cache(maxsize=1)
+def host_identity() -> str:
+    """A short stable digest of `host_parts()`; equal in every process of one host."""
+    parts = host_parts()
+    text = "\n".join(f"{k}={parts[k]}" for k in sorted(parts))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
