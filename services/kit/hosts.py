@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -66,3 +67,26 @@ def host_identity() -> str:
     parts = host_parts()
     text = "\n".join(f"{k}={parts[k]}" for k in sorted(parts))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def primary_address() -> str:
+    """This host's address on the interface of its default route (what a service bound to 0.0.0.0
+    advertises); the first non-loopback address of the host name without one; 127.0.0.1 last."""
+    for probe in ("10.254.254.254", "192.0.2.1"):  # connect() on UDP sends nothing: it only routes
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.connect((probe, 9))
+                address = sock.getsockname()[0]
+            if not address.startswith("127."):
+                return address
+        except OSError:
+            continue
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    except OSError:
+        infos = []
+    for info in infos:
+        address = str(info[4][0])
+        if not address.startswith("127."):
+            return address
+    return "127.0.0.1"
