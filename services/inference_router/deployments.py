@@ -105,7 +105,11 @@ class DeploymentManager:
                 max_concurrency=1000,
                 num_cpus=self.config.replica_num_cpus,
                 num_gpus=replica_gpus(spec),
-            ).remote(spec=_spec_dict(spec), replica=name, tracing=telemetry.exporter_settings())
+            ).remote(
+                spec={**_spec_dict(spec), "host": self.config.replica_host},
+                replica=name,
+                tracing=telemetry.exporter_settings(),
+            )
             self.actors[name] = actor
             handles.append(RayReplicaHandle(name, actor))
             state.replicas.append(

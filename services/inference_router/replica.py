@@ -69,7 +69,7 @@ class ReplicaSettings:
     max_model_len: int = 512
     max_batch_size: int = 32
     max_queued_requests: int = 256
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # "node": the address of the Ray node (or host) the replica runs on
     num_threads: int = 0  # 0 leaves torch's default (Ray sets OMP_NUM_THREADS from num_cpus)
     stop_token_ids: tuple[int, ...] = ()
 
@@ -99,6 +99,20 @@ class ReplicaSettings:
     @property
     def layout(self) -> Layout:
         return Layout(tp_size=self.tensor_parallel, naming=self.naming, dtype=self.dtype)
+
+
+def _bind_host(host: str) -> str:
+    """`host`, with "node" resolved to the address of the Ray node this process runs on (the host's
+    primary address outside Ray), which weight-sync and the router reach from other hosts."""
+    if host != "node":
+        return host
+    import ray
+
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    from services.kit.hosts import primary_address
+
+    return primary_address()
 
 
 def _config_at(path: str) -> ModelConfig:
@@ -174,10 +188,11 @@ class ReplicaCore:
             ],
         )
         add_engine_servicer(server, _EngineServicer(self))
-        port = server.add_insecure_port(f"{self.settings.host}:0")
+        host = _bind_host(self.settings.host)
+        port = server.add_insecure_port(f"{host}:0")
         await server.start()
         self._server = server
-        self._address = f"{self.settings.host}:{port}"
+        self._address = f"{host}:{port}"
         log.info("replica %s serving InferenceEngineService on %s", self.name, self._address)
 
     async def _load_model_path(self, path: str) -> None:
