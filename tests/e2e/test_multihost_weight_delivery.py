@@ -172,3 +172,103 @@ async def test_shared_memory_within_a_host_and_grpc_across_hosts():
         assert int(seen["impostor"][2]) == 0 < int(seen["impostor"][1])
     left = hosts.leftovers()
     assert left == {"namespaces": [], "interfaces": [], "processes": []}, left
+
+
+def ray_node(hosts, host: int, env: dict[str, str]) -> subprocess.Popen:
+    """A Ray head on host 1, a worker joined to it (`ray start --address`) elsewhere; 1 CPU each."""
+    here = hosts[host].address
+    role = ["--head", "--port=6379", "--include-dashboard=false"] if host == 1 else [
+        f"--address={hosts[1].address}:6379"
+    ]  # fmt: skip
+    return hosts.popen(host, [_bin("ray"), "start", "--block", *role, "--num-cpus=1", f"--node-ip-address={here}",
+                              "--disable-usage-stats", "--temp-dir=/tmp/ray", "--object-store-memory=100000000"],
+                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+async def test_router_replicas_on_two_ray_nodes_get_shm_on_weight_syncs_host_and_grpc_elsewhere(tmp_path):
+    """The real path: the router (host 1) places one replica per Ray node, each binds its node's
+    address (replica_host = node) and reports its host identity, the router registers them with
+    weight-sync (host 1), which sends host 1's replica shared memory and host 2's gRPC."""
+    from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+
+    netns_hosts.require()
+    with netns_hosts.namespace_hosts(2) as hosts:
+        h1 = hosts[1].address
+        env = {k: v for k, v in os.environ.items() if k not in ("LOOPRL_SHM_DIR", "RAY_ADDRESS")}
+        env.update(
+            {
+                "RAY_AUTH_MODE": "token",
+                "RAY_AUTH_TOKEN": "looprl-multihost-test",
+                "RAY_USAGE_STATS_ENABLED": "0",
+            }
+        )
+        nats_proc = hosts.popen(1, [_bin("nats-server"), "-js", "-a", h1, "-p", str(NATS_PORT), "-sd", "/tmp/nats"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        head = ray_node(hosts, 1, env)
+        wait_listening(h1, 6379, head, "ray head")
+        ray_node(hosts, 2, env)
+        wait_listening(h1, NATS_PORT, nats_proc, "nats-server")
+        ws_env = {**env, "LOOPRL_WEIGHTSYNC_HOST": h1, "LOOPRL_WEIGHTSYNC_GRPC_PORT": str(WS_PORT),
+                  "LOOPRL_WEIGHTSYNC_METRICS_PORT": str(WS_METRICS), "LOOPRL_WEIGHTSYNC_USE_BUS": "false"}  # fmt: skip
+        ws_proc = hosts.popen(1, [PY, "-m", "services.weight_sync"], env=ws_env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+        wait_listening(h1, WS_PORT, ws_proc, "weight-sync")
+        deployments = [{"name": "d", "replicas": 2, "max_model_len": 64, "max_batch_size": 4}]
+        router_env = {**env, **{f"LOOPRL_INFERENCE_ROUTER_{k}": v for k, v in {
+            "HOST": h1, "GRPC_PORT": "50081", "METRICS_PORT": "50082", "RAY_ADDRESS": f"{h1}:6379",
+            "NATS_URL": f"nats://{h1}:{NATS_PORT}", "WEIGHT_SYNC_ADDRESS": f"{h1}:{WS_PORT}",
+            "DEPLOYMENTS_JSON": json.dumps(deployments), "REPLICA_HOST": "node", "REPLICA_NUM_CPUS": "1",
+            "STATUS_INTERVAL_S": "0.2", "GRACE_SECONDS": "3",
+        }.items()}}  # fmt: skip
+        router_log = open(tmp_path / "router.log", "w")  # noqa: SIM115
+        router = hosts.popen(1, [PY, "-m", "services.inference_router"], env=router_env, stdout=router_log,
+                             stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            wait_listening(h1, 50081, router, "router", timeout=180)
+            async with grpc.aio.insecure_channel(f"{h1}:{WS_PORT}") as channel:
+                stub = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
+                deadline = time.monotonic() + 180
+                while (
+                    len((await stub.GetVersion(weightsync_pb2.GetVersionRequest(), timeout=10)).targets) < 2
+                ):
+                    assert time.monotonic() < deadline and router.poll() is None, "replicas never registered"
+                    await asyncio.sleep(0.5)
+                reqs = rank_requests(model_state(0), version=0, rank=0, world=1, max_message_bytes=1 << 16,
+                                     model_config_json=json.dumps(CONFIG.to_hf_dict()))  # fmt: skip
+                await stub.PushShards(iter(list(reqs)), timeout=60)
+                while True:
+                    reply = await stub.GetVersion(weightsync_pb2.GetVersionRequest(), timeout=10)
+                    if all(t.version == 0 and t.state == "ready" for t in reply.targets):
+                        break
+                    assert time.monotonic() < deadline, f"version 0 not delivered: {reply}"
+                    await asyncio.sleep(0.2)
+            routes = {r.address.rsplit(":", 1)[0]: r for t in reply.targets for r in t.routes}
+            for ip, route in sorted(routes.items()):
+                host = "host1" if ip == h1 else "host2" if ip == hosts[2].address else ip
+                print(
+                    f"{route.replica} on {host}: {route.transport} {route.bytes_delivered} bytes ({route.reason})"
+                )
+            assert set(routes) == {h1, hosts[2].address}, routes  # one replica per Ray node
+            assert routes[h1].transport == "shm" and routes[h1].host_id == reply.host_id
+            assert (
+                routes[hosts[2].address].transport == "grpc"
+                and "other host" in routes[hosts[2].address].reason
+            )
+            async with grpc.aio.insecure_channel(f"{h1}:50081") as channel:
+                router_stub = inference_pb2_grpc.InferenceRouterServiceStub(channel)
+                served = set()
+                for i in range(8):
+                    request = inference_pb2.GenerateRequest(prompt_token_ids=[4, 5, 6 + i], min_weight_version=0,
+                                                            sampling=common_pb2.SamplingParams(max_tokens=2))  # fmt: skip
+                    response = await router_stub.Generate(request, timeout=60)
+                    assert response.completions[0].weight_version == 0
+                    served.add(response.replica)
+            print("served by", sorted(served))
+        except BaseException:
+            router_log.flush()
+            print((tmp_path / "router.log").read_text()[-6000:])
+            raise
+        finally:
+            router_log.close()
+    left = hosts.leftovers()
+    assert left == {"namespaces": [], "interfaces": [], "processes": []}, left
