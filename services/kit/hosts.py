@@ -90,3 +90,34 @@ def primary_address() -> str:
         if not address.startswith("127."):
             return address
     return "127.0.0.1"
+
+
+def interface_of(address: str) -> str:
+    """The name of the local network interface that holds `address` ("" when none does): what
+    gloo must bind (GLOO_SOCKET_IFNAME) for its peers on other hosts to reach it."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                packed = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address on this interface
+        if socket.inet_ntoa(packed[20:24]) == address:
+            return name
+    return ""
+
+
+def node_address() -> str:
+    """This process's address for peers on other hosts: its Ray node's where it runs in Ray (the
+    address the node was started with), else the primary address."""
+    import sys
+
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    return primary_address()
