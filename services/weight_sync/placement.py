@@ -97,7 +97,11 @@ class Placement:
             return Route(GRPC, "no host identity registered")
         if ep.host_id != self.host_id:
             return Route(GRPC, f"other host ({ep.host_id}, weight-sync is on {self.host_id})")
-        with ProbeSegment() as probe:
+        try:
+            probe = ProbeSegment()
+        except OSError as exc:  # no writable shared-memory directory here: nobody can share it
+            return Route(GRPC, f"no probe segment: {exc}")
+        with probe:
             try:
                 reply = await self.stub_for(ep.address).ProbeSharedMemory(
                     probe.request(), timeout=self.probe_timeout_s
