@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import netns_hosts
 
 RANK = """
@@ -22,6 +24,7 @@ worker.shutdown()
 """
 
 
+@pytest.mark.slow  # two processes import torch and form a gloo group
 def test_two_ranks_on_two_hosts_all_reduce_over_the_bridge():
     netns_hosts.require()
     with netns_hosts.namespace_hosts(2, controller=False) as hosts:
