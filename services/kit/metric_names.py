@@ -157,22 +157,24 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     # ---- weight-sync
     _g(
-        "looprl_weightsync_latest_version",
+        "looprl_weight_sync_latest_version",
         "version",
         RUN,
         "Newest version every trainer rank pushed",
         "weight-sync",
     ),
     _g(
-        "looprl_weightsync_deployment_version",
+        "looprl_weight_sync_deployment_version",
         "version",
         ("run", "deployment"),
         "Version each deployment serves (committed on every replica)",
         "weight-sync",
     ),
-    _c("looprl_weightsync_pushed_bytes_total", "bytes", RUN, "Bytes the trainer ranks pushed", "weight-sync"),
+    _c(
+        "looprl_weight_sync_pushed_bytes_total", "bytes", RUN, "Bytes the trainer ranks pushed", "weight-sync"
+    ),
     _h(
-        "looprl_weightsync_sync_seconds",
+        "looprl_weight_sync_sync_seconds",
         "seconds",
         ("deployment", "transport"),
         "Time to deliver one version to a deployment (transport: shm | grpc | mixed)",
@@ -180,21 +182,21 @@ CATALOG: tuple[MetricSpec, ...] = (
         LONG_SECONDS_BUCKETS,
     ),
     _c(
-        "looprl_weightsync_sync_bytes_total",
+        "looprl_weight_sync_delivered_bytes_total",
         "bytes",
-        ("deployment", "transport"),
-        "Bytes delivered to deployments, by transport (shm | grpc)",
+        ("transport", "host"),
+        "Weight payload bytes delivered, by transport (shm | grpc) and receiver host identity",
         "weight-sync",
     ),
     _c(
-        "looprl_weightsync_rejected_versions_total",
+        "looprl_weight_sync_rejected_versions_total",
         "versions",
         ("deployment",),
         "Versions a deployment's canary rejected",
         "weight-sync",
     ),
     _c(
-        "looprl_weightsync_failed_syncs_total",
+        "looprl_weight_sync_failed_syncs_total",
         "deliveries",
         ("deployment",),
         "Deliveries to a deployment that failed (retried)",

@@ -1,54 +1,36 @@
 """Prometheus metrics of weight-sync (names: services/kit/metric_names.py): versions pushed and
-served per deployment, delivery time and bytes by transport, rejected and failed deliveries."""
+served per deployment, delivery time by transport, rejected and failed deliveries. Bytes by
+transport and host are counted where routes are decided (placement.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 from services.kit.metric_names import counter, gauge, histogram, observe
-from services.kit.weight_transfer import Endpoint, StageResult
+from services.kit.weight_transfer import Endpoint
 
-LATEST_VERSION = gauge("looprl_weightsync_latest_version")
-DEPLOYMENT_VERSION = gauge("looprl_weightsync_deployment_version")
-PUSHED_BYTES = counter("looprl_weightsync_pushed_bytes_total")
-SYNC_SECONDS = histogram("looprl_weightsync_sync_seconds")
-SYNC_BYTES = counter("looprl_weightsync_sync_bytes_total")
-REJECTED = counter("looprl_weightsync_rejected_versions_total")
-FAILED = counter("looprl_weightsync_failed_syncs_total")
-
-
-def transport_of(endpoint: Endpoint) -> str:
-    """Receivers on this host read shared memory; the others are sent the bytes over gRPC."""
-    return "shm" if endpoint.same_host else "grpc"
+LATEST_VERSION = gauge("looprl_weight_sync_latest_version")
+DEPLOYMENT_VERSION = gauge("looprl_weight_sync_deployment_version")
+PUSHED_BYTES = counter("looprl_weight_sync_pushed_bytes_total")
+SYNC_SECONDS = histogram("looprl_weight_sync_sync_seconds")
+REJECTED = counter("looprl_weight_sync_rejected_versions_total")
+FAILED = counter("looprl_weight_sync_failed_syncs_total")
 
 
-def transports(endpoints: Iterable[Endpoint]) -> str:
-    used = {transport_of(e) for e in endpoints}
+def transport(endpoints: Iterable[Endpoint], uses_shm: Callable[[Endpoint], bool]) -> str:
+    """How a deployment is reached: shm, grpc, or mixed when its ranks are reached both ways."""
+    used = {"shm" if uses_shm(e) else "grpc" for e in endpoints}
     return used.pop() if len(used) == 1 else "mixed"
 
 
-def init_deployment(deployment: str, endpoints: Iterable[Endpoint]) -> None:
+def init_deployment(deployment: str, reached_by: str) -> None:
     """A registered deployment's series at zero."""
-    endpoints = list(endpoints)
     REJECTED.labels(deployment)
     FAILED.labels(deployment)
-    SYNC_SECONDS.labels(deployment, transports(endpoints))
-    for transport in {transport_of(e) for e in endpoints}:
-        SYNC_BYTES.labels(deployment, transport)
+    SYNC_SECONDS.labels(deployment, reached_by)
 
 
-def delivered(
-    run_id: str,
-    deployment: str,
-    version: int,
-    seconds: float,
-    endpoints: Iterable[Endpoint],
-    results: Mapping[Endpoint, StageResult],
-) -> None:
+def delivered(run_id: str, deployment: str, version: int, seconds: float, reached_by: str) -> None:
     """A version committed on every replica of a deployment."""
-    endpoints = list(endpoints)
     DEPLOYMENT_VERSION.labels(run_id, deployment).set(version)
-    observe(SYNC_SECONDS.labels(deployment, transports(endpoints)), seconds)
-    for e in endpoints:
-        if e in results:
-            SYNC_BYTES.labels(deployment, transport_of(e)).inc(results[e].bytes_sent)
+    observe(SYNC_SECONDS.labels(deployment, reached_by), seconds)

@@ -120,9 +120,9 @@ def test_every_dashboard_query_has_a_series_from_a_live_run(tmp_path, monkeypatc
     assert total(found, "looprl_trainer_tokens_total", run=run_id) > 0
     assert total(found, "looprl_trainer_step_seconds_count", run=run_id, phase="train") == STEPS
     assert total(found, "looprl_trainer_checkpoint_seconds_count", run=run_id, kind="checkpoint") >= 1
-    versions = {s.labels["deployment"]: s.value for s in found["looprl_weightsync_deployment_version"]}
+    versions = {s.labels["deployment"]: s.value for s in found["looprl_weight_sync_deployment_version"]}
     assert versions and all(v == STEPS for v in versions.values()), versions
-    assert total(found, "looprl_weightsync_pushed_bytes_total", run=run_id) > 0
+    assert total(found, "looprl_weight_sync_pushed_bytes_total", run=run_id) > 0
     rollouts = STEPS * 64
     assert total(found, "looprl_reward_score_count") >= rollouts
     assert total(found, "looprl_packer_acked_rollouts_total", run=run_id) == rollouts

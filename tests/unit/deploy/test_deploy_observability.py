@@ -120,7 +120,7 @@ def test_run_row_shows_reward_loss_throughput_staleness_and_versions():
     run_panels = top[1:end]
     exprs = " ".join(t["expr"] for p in run_panels for t in p["targets"])
     for metric in ("looprl_trainer_reward_mean", "looprl_trainer_loss", "looprl_trainer_tokens_per_second",
-                   "looprl_trainer_staleness_steps", "looprl_weightsync_deployment_version"):  # fmt: skip
+                   "looprl_trainer_staleness_steps", "looprl_weight_sync_deployment_version"):  # fmt: skip
         assert metric in exprs, f"the run row does not show {metric}"
 
 
