@@ -6,14 +6,17 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gateway.admission import Peers
 from gateway.auth import TokenAuth
 from gateway.config import GatewayConfig
 from gateway.http import HttpApi
 from gateway.runs import RunStore
 from gateway.service import GatewayServicer, RunManager
+from looprl.environment.v1 import environment_pb2_grpc
 from looprl.gateway.v1 import gateway_pb2_grpc
 from looprl.inference.v1 import inference_pb2_grpc
 from looprl.packer.v1 import packer_pb2_grpc
+from looprl.reward.v1 import reward_pb2_grpc
 from services.kit import subjects
 from services.kit.bus import Bus
 from services.kit.local import free_port
@@ -32,6 +35,19 @@ async def serve(config: GatewayConfig) -> None:
     async def setup(svc: Service) -> None:
         bus = await Bus.connect(config.nats_url, name="gateway")
         await bus.ensure_streams()
+        router = None
+        if config.router_address:
+            router = inference_pb2_grpc.InferenceRouterServiceStub(open_channel(config.router_address))
+        # Admission asks the services a run needs whether they serve it, before the run exists.
+        peers = Peers(
+            router=router,
+            sandbox=environment_pb2_grpc.EnvironmentSandboxServiceStub(open_channel(config.sandbox_address))
+            if config.sandbox_address
+            else None,
+            reward=reward_pb2_grpc.RewardServiceStub(open_channel(config.reward_address))
+            if config.reward_address
+            else None,
+        )
         packer = None
         if config.packer_address:
             packer = packer_pb2_grpc.RolloutPackerServiceStub(open_channel(config.packer_address))
@@ -42,11 +58,9 @@ async def serve(config: GatewayConfig) -> None:
             packer,
             config.exclusive_runs,
             config.limits(),
+            peers,
         )
         servicer.runs = runs
-        router = None
-        if config.router_address:
-            router = inference_pb2_grpc.InferenceRouterServiceStub(open_channel(config.router_address))
         tokenizers = TokenizerCache(config.tokenizer)
         tokenizers.get()  # a default that does not load fails at start-up
         api = HttpApi(runs, auth, router, tokenizers)

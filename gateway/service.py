@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+from gateway.admission import Peers, admit
 from gateway.auth import TokenAuth
 from gateway.runs import ACTIVE, FINAL, RUN_TRACE_KEY, RunDriver, RunStore, new_run_id
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -77,10 +78,12 @@ class RunManager:
         packer=None,
         exclusive_runs: bool = True,
         limits: RecipeLimits | None = None,
+        peers: Peers | None = None,
     ) -> None:
         self.bus, self.store, self.base_dir, self.packer = bus, store, recipe_base_dir, packer
         self.exclusive_runs = exclusive_runs
         self.limits = limits or RecipeLimits()
+        self.peers = peers or Peers()
         self.drivers: dict[str, RunDriver] = {}
 
     async def proto(self, record: RunRecord) -> gateway_pb2.Run:
@@ -108,6 +111,7 @@ class RunManager:
                 subjects.validate_run_id(run_id)
             except ValueError as exc:
                 raise InvalidArgument(f"run_id: {exc}") from exc
+        await admit(recipe, self.peers, self.base_dir)
         existing = await self.store.list() if self.exclusive_runs else []
         if existing:
             # Deployments and weight-sync number weight versions per stack, not per run: a second
