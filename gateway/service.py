@@ -11,6 +11,7 @@ from pathlib import Path
 from gateway.admission import Peers, admit
 from gateway.auth import TokenAuth
 from gateway.runs import ACTIVE, FINAL, RUN_TRACE_KEY, RunDriver, RunStore, new_run_id
+from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.kit import subjects, telemetry
 from services.kit.bus import Bus
@@ -64,6 +65,15 @@ def run_to_proto(record: RunRecord, history: Sequence[dict] = ()) -> gateway_pb2
     for reason, count in extra.get("dropped", {}).items():
         run.rollouts_dropped[reason] = int(count)
     run.duplicate_deliveries = int(extra.get("duplicate_deliveries", 0))
+    if record.state == "running" and extra.get(STALLED_KEY):
+        run.state = gateway_pb2.RUN_STATE_STALLED
+        run.stalled_reason = extra[STALLED_KEY]
+    error = extra.get(LAST_ERROR_KEY)
+    if error:
+        run.last_error.component = error["component"]
+        run.last_error.message = error["message"]
+        run.last_error.occurrences = int(error.get("occurrences", 1))
+        run.last_error.unix_time = float(error.get("unix_time", 0.0))
     return run
 
 
