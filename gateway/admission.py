@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from looprl.environment.v1 import environment_pb2, environment_pb2_grpc
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -33,12 +34,28 @@ VOCAB_PADDING_TOLERANCE = 512
 
 @dataclass
 class Peers:
-    """Stubs of the services admission asks; None where the gateway has no address for one."""
+    """Stubs of the services admission asks; None where the gateway has no address for one. `health`
+    holds the health stubs of the services a run needs (by name), for the stall watch to name one
+    that is not serving."""
 
     router: inference_pb2_grpc.InferenceRouterServiceStub | None = None
     sandbox: environment_pb2_grpc.EnvironmentSandboxServiceStub | None = None
     reward: reward_pb2_grpc.RewardServiceStub | None = None
     timeout_s: float = 10.0
+    health: dict[str, health_pb2_grpc.HealthStub] = field(default_factory=dict)
+
+    async def not_serving(self) -> list[str]:
+        """'<service> (<status>)' for each service whose health check does not answer SERVING."""
+        out = []
+        for name, stub in sorted(self.health.items()):
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as exc:
+                status = f"DOWN: {exc.code().name}"
+            if status != "SERVING":
+                out.append(f"{name} ({status})")
+        return out
 
 
 async def admit(recipe: Recipe, peers: Peers, base_dir: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aiohttp import web
+from grpc_health.v1 import health_pb2_grpc
 
 from gateway.admission import Peers
 from gateway.auth import TokenAuth
@@ -38,15 +39,22 @@ async def serve(config: GatewayConfig) -> None:
         router = None
         if config.router_address:
             router = inference_pb2_grpc.InferenceRouterServiceStub(open_channel(config.router_address))
-        # Admission asks the services a run needs whether they serve it, before the run exists.
+        # Admission asks the services a run needs whether they serve it, before the run exists; the
+        # stall watch asks their health.
+        addresses = {
+            "inference-router": config.router_address,
+            "environment-sandbox": config.sandbox_address,
+            "reward": config.reward_address,
+            "rollout-packer": config.packer_address,
+        }
+        channels = {name: open_channel(address) for name, address in addresses.items() if address}
         peers = Peers(
             router=router,
-            sandbox=environment_pb2_grpc.EnvironmentSandboxServiceStub(open_channel(config.sandbox_address))
-            if config.sandbox_address
+            sandbox=environment_pb2_grpc.EnvironmentSandboxServiceStub(channels["environment-sandbox"])
+            if "environment-sandbox" in channels
             else None,
-            reward=reward_pb2_grpc.RewardServiceStub(open_channel(config.reward_address))
-            if config.reward_address
-            else None,
+            reward=reward_pb2_grpc.RewardServiceStub(channels["reward"]) if "reward" in channels else None,
+            health={name: health_pb2_grpc.HealthStub(channel) for name, channel in channels.items()},
         )
         packer = None
         if config.packer_address:

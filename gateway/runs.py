@@ -25,6 +25,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 from opentelemetry import trace
 
@@ -172,8 +173,10 @@ class RunDriver:
         store: RunStore,
         run_id: str,
         packer: packer_pb2_grpc.RolloutPackerServiceStub | None = None,
+        not_serving: Callable[[], Awaitable[list[str]]] | None = None,
     ) -> None:
         self.bus, self.store, self.run_id, self.packer = bus, store, run_id, packer
+        self.not_serving = not_serving  # the services of the run that are not serving, for stall reasons
         self.changed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._version_seen = asyncio.Event()
@@ -221,7 +224,9 @@ class RunDriver:
         record = await self.store.get(self.run_id)
         if record is not None:
             stall_s = record.recipe().run.stall_seconds
-            await watch_stalls(self.store, self.run_id, stall_s, self.progress, self.changed)
+            await watch_stalls(
+                self.store, self.run_id, stall_s, self.progress, self.changed, self.not_serving
+            )
 
     def _lifecycle(self, name: str, **attributes: object) -> None:
         """A moment of the run's life, as a short span in the run's own trace."""

@@ -106,7 +106,7 @@ class RunManager:
                 self._drive(record.run_id)
 
     def _drive(self, run_id: str) -> None:
-        driver = RunDriver(self.bus, self.store, run_id, self.packer)
+        driver = RunDriver(self.bus, self.store, run_id, self.packer, self.peers.not_serving)
         self.drivers[run_id] = driver
         driver.start()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from looprl.events.v1 import events_pb2
 from services.kit import subjects
@@ -51,11 +51,16 @@ def apply_error(record: RunRecord, event: events_pb2.RunError) -> None:
     }
 
 
-def stall_reason(record: RunRecord, stall_s: float, progressed_at: float) -> str:
-    """Why the run is stalled: since when it has been idle, and what was reported since then."""
+def stall_reason(
+    record: RunRecord, stall_s: float, progressed_at: float, not_serving: Sequence[str] = ()
+) -> str:
+    """Why the run is stalled: since when it has been idle, which of its services are not serving,
+    and what was reported since it last progressed."""
     total = record.recipe().run.steps
     since = time.strftime("%H:%M:%S UTC", time.gmtime(progressed_at))
     head = f"no progress at step {record.step}/{total} since {since} (run.stall_seconds = {stall_s:g})"
+    if not_serving:
+        head += f"; not serving: {', '.join(not_serving)}"
     error = record.extra.get(LAST_ERROR_KEY) or {}
     if error and float(error.get("unix_time", 0.0)) >= progressed_at:
         count = int(error.get("occurrences", 1))
@@ -78,9 +83,16 @@ async def follow_errors(bus: Bus, store, run_id: str, changed: asyncio.Event) ->
 
 
 async def watch_stalls(
-    store, run_id: str, stall_s: float, clock: ProgressClock, changed: asyncio.Event, period_s: float = 1.0
+    store,
+    run_id: str,
+    stall_s: float,
+    clock: ProgressClock,
+    changed: asyncio.Event,
+    not_serving: Callable[[], Awaitable[list[str]]] | None = None,
+    period_s: float = 1.0,
 ) -> None:
-    """Mark the run stalled after stall_s without progress; clear the mark once it progresses."""
+    """Mark the run stalled after stall_s without progress (naming the services `not_serving` finds
+    down); clear the mark once it progresses."""
     while True:
         await asyncio.sleep(min(period_s, stall_s / 4))
         record = await store.get(run_id)
@@ -88,7 +100,8 @@ async def watch_stalls(
             continue
         stalled = record.extra.get(STALLED_KEY)
         if clock.idle_s() >= stall_s:
-            reason = stall_reason(record, stall_s, clock.wall)
+            down = await not_serving() if not_serving is not None else []
+            reason = stall_reason(record, stall_s, clock.wall, down)
             if reason != stalled:  # written again only when a newer error is named
                 await store.update(run_id, _setter(reason))
                 changed.set()

@@ -18,6 +18,7 @@ import pytest
 from looprl.gateway.v1 import gateway_pb2
 from services.kit import subjects
 from services.kit.bus import Bus
+from services.kit.local import free_port
 from services.kit.run_errors import RunErrorReporter
 from tests.integration.test_gateway_runs import publish_train_step
 from tests.support.gateway import AUTH, GatewayProcess
@@ -122,6 +123,20 @@ def test_a_run_without_progress_is_stalled_naming_the_reported_error_and_recover
     report(nats_url, run_id, "trainer", ["pushing version 2 to weight-sync failed: UNAVAILABLE"])
     run, _ = wait_for_run(gateway, run_id, lambda r: "trainer reported" in r.stalled_reason, timeout=10)
     assert "pushing version 2 to weight-sync failed" in run.stalled_reason
+
+
+def test_a_stalled_run_names_the_service_that_is_not_serving(nats_url: str, tmp_path: Path) -> None:
+    gw = GatewayProcess(nats_url, tmp_path)
+    gw.env["LOOPRL_GATEWAY_PACKER_ADDRESS"] = f"127.0.0.1:{free_port()}"  # nothing listens there
+    gw.start()
+    try:
+        run_id = gw.stub.CreateRun(gateway_pb2.CreateRunRequest(recipe_toml=RECIPE), metadata=AUTH).run.run_id
+        run, _ = wait_for_run(
+            gw, run_id, lambda r: r.state == gateway_pb2.RUN_STATE_STALLED, timeout=STALL_S + 10
+        )
+        assert "; not serving: rollout-packer (DOWN: UNAVAILABLE)" in run.stalled_reason
+    finally:
+        gw.kill()
 
 
 def test_stall_seconds_is_bounded(gateway: GatewayProcess) -> None:
