@@ -6,6 +6,7 @@ its run.stall_seconds, naming the environment-sandbox and the router's error."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -123,6 +124,8 @@ def test_a_run_whose_episodes_all_fail_is_stalled_naming_the_component_and_error
                 break
             assert time.monotonic() - started < STALL_S + 30, f"not stalled: {run}"
             time.sleep(0.5)
+        took = time.monotonic() - started
+        print(f"stalled {took:.1f}s after CreateRun (stall_seconds {STALL_S}): {run.stalled_reason}")
         assert run.step == 0
         assert "max_model_len" in run.stalled_reason, run.stalled_reason
         assert run.last_error.component == "environment-sandbox" and run.last_error.occurrences >= 1
@@ -131,3 +134,9 @@ def test_a_run_whose_episodes_all_fail_is_stalled_naming_the_component_and_error
         line = next(line for line in listed.stdout.splitlines() if line.startswith(run_id))
         assert "[  stalled]" in line and "stalled: no progress at step 0/3" in line
         assert "environment-sandbox reported" in line and "max_model_len" in line
+        # `looprl watch` follows a stalled run (it has not ended) and shows why on every line.
+        try:
+            watched = stack.looprl("watch", run_id, timeout=10).stdout
+        except subprocess.TimeoutExpired as exc:
+            watched = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        assert "[  stalled] step   0/3" in watched and "environment-sandbox reported" in watched
