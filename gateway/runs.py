@@ -101,6 +101,26 @@ class RunStore:
         entries.append(entry)
         await self.kv.put(key, json.dumps(entries).encode())
 
+    async def weight_syncs(self, record: RunRecord) -> list[dict]:
+        """Every version delivered to every deployment, in (version, deployment) order."""
+        newest = max((int(v) for v in record.extra.get("deployments", {}).values()), default=-1)
+        out: list[dict] = []
+        for chunk in range(newest // HISTORY_CHUNK + 1):
+            raw = await self.kv.get(f"{record.run_id}.syncs.{chunk}")
+            out.extend(json.loads(raw) if raw else [])
+        return sorted(out, key=lambda w: (w["version"], w["deployment"]))
+
+    async def add_weight_sync(self, run_id: str, entry: dict) -> None:
+        """Add one delivery (idempotent per deployment and version), in chunks by version beside the
+        record like the history. Only the run's driver writes them."""
+        key = f"{run_id}.syncs.{entry['version'] // HISTORY_CHUNK}"
+        raw = await self.kv.get(key)
+        entries = json.loads(raw) if raw else []
+        if any(w["version"] == entry["version"] and w["deployment"] == entry["deployment"] for w in entries):
+            return
+        entries.append(entry)
+        await self.kv.put(key, json.dumps(entries).encode())
+
     async def update(self, run_id: str, change) -> RunRecord:
         """Apply change(record) and write it back; retried on concurrent writes."""
         for _ in range(20):
@@ -340,6 +360,7 @@ class RunDriver:
                 else:
                     event = delivery.parse(events_pb2.WeightsPublished)
                     self.progress.mark()
+                    await self.store.add_weight_sync(self.run_id, weight_sync_entry(event))
                     await self.store.update(self.run_id, lambda r, e=event: _apply_weights(r, e))
                 await delivery.ack()
                 self.changed.set()
@@ -363,7 +384,21 @@ def history_entry(step: events_pb2.TrainStepRecord) -> dict:
         "num_rollouts": step.num_rollouts,
         "num_tokens": step.num_tokens,
         "seconds": step.step_seconds,
+        "clip_fraction": step.clip_fraction,
+        "kl": step.kl,
+        "entropy": step.entropy,
+        "grad_norm": step.grad_norm,
+        "mean_response_tokens": step.response_tokens / max(step.num_rollouts, 1),
         "at": time.time(),
+    }
+
+
+def weight_sync_entry(event: events_pb2.WeightsPublished) -> dict:
+    return {
+        "deployment": event.deployment,
+        "version": event.version,
+        "sync_seconds": event.sync_seconds,
+        "bytes": event.bytes,
     }
 
 

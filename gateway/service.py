@@ -31,8 +31,11 @@ STATES = {
 }
 
 
-def run_to_proto(record: RunRecord, history: Sequence[dict] = ()) -> gateway_pb2.Run:
-    """The public Run: the record, plus its per-step history when given (RunManager.proto loads it)."""
+def run_to_proto(
+    record: RunRecord, history: Sequence[dict] = (), weight_syncs: Sequence[dict] = ()
+) -> gateway_pb2.Run:
+    """The public Run: the record, plus its per-step history and weight deliveries when given
+    (RunManager.proto loads them)."""
     extra = record.extra
     run = gateway_pb2.Run(
         run_id=record.run_id,
@@ -61,6 +64,16 @@ def run_to_proto(record: RunRecord, history: Sequence[dict] = ()) -> gateway_pb2
             num_rollouts=h["num_rollouts"],
             seconds=h["seconds"],
             max_staleness=h.get("max_staleness", 0),
+            # Entries written before these were recorded read as zeros.
+            clip_fraction=h.get("clip_fraction", 0.0),
+            kl=h.get("kl", 0.0),
+            entropy=h.get("entropy", 0.0),
+            grad_norm=h.get("grad_norm", 0.0),
+            mean_response_tokens=h.get("mean_response_tokens", 0.0),
+        )
+    for w in weight_syncs:
+        run.weight_syncs.add(
+            deployment=w["deployment"], version=w["version"], sync_seconds=w["sync_seconds"], bytes=w["bytes"]
         )
     for reason, count in extra.get("dropped", {}).items():
         run.rollouts_dropped[reason] = int(count)
@@ -97,7 +110,7 @@ class RunManager:
         self.drivers: dict[str, RunDriver] = {}
 
     async def proto(self, record: RunRecord) -> gateway_pb2.Run:
-        return run_to_proto(record, await self.store.history(record))
+        return run_to_proto(record, await self.store.history(record), await self.store.weight_syncs(record))
 
     async def resume(self) -> None:
         for record in await self.store.list():

@@ -236,6 +236,7 @@ class RunTrainer:
             max_staleness=m["max_staleness"],
             num_rollouts=int(m["sequences"]),
             num_tokens=int(m["num_tokens"]),
+            response_tokens=int(m.get("loss_tokens", 0)),
             step_seconds=m["step_seconds"],
             rollout_ids=m["rollout_ids"],
             reward_mean=m.get("reward_mean", 0.0),
