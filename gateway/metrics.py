@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.stalls import STALLED_KEY
 from services.kit.metric_names import counter, gauge, histogram, observe
 
 log = logging.getLogger("looprl.gateway.metrics")
@@ -27,7 +28,8 @@ HTTP_SECONDS = histogram("looprl_gateway_http_request_seconds")
 OPENAI_REQUESTS = counter("looprl_gateway_openai_requests_total")
 OPENAI_TOKENS = counter("looprl_gateway_openai_tokens_total")
 
-RUN_STATES = ("pending", "running", "stopping", "completed", "failed", "stopped")
+# As GetRun shows them: a running run that stopped making progress counts as stalled.
+RUN_STATES = ("pending", "running", "stalled", "stopping", "completed", "failed", "stopped")
 # OpenAI-compatible routes, by the endpoint label their metrics carry.
 OPENAI_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 OPENAI_OBJECTS = {"text_completion": "completions", "chat.completion": "chat_completions"}
@@ -88,7 +90,8 @@ def record_runs(records: list[Any]) -> None:
     """Set the run gauges from the run records (every state present, at zero when none)."""
     counts = dict.fromkeys(RUN_STATES, 0)
     for record in records:
-        counts[record.state] = counts.get(record.state, 0) + 1
+        state = "stalled" if record.state == "running" and record.extra.get(STALLED_KEY) else record.state
+        counts[state] = counts.get(state, 0) + 1
         RUN_STEP.labels(record.run_id).set(record.step)
         RUN_WEIGHT_VERSION.labels(record.run_id).set(record.weight_version)
     for state, count in counts.items():

@@ -27,6 +27,12 @@ def progress_line(run: gateway_pb2.Run) -> str:
         parts.append("dropped " + ",".join(f"{k}={v}" for k, v in run.rollouts_dropped.items()))
     if run.duplicate_deliveries:
         parts.append(f"duplicates {run.duplicate_deliveries}")
+    if run.stalled_reason:
+        parts.append(f"stalled: {run.stalled_reason}")
+    elif run.last_error.component and run.state != gateway_pb2.RUN_STATE_COMPLETED:
+        parts.append(f"last error {run.last_error.component}: {run.last_error.message[:200]}")
+    if run.error:
+        parts.append(f"error: {run.error}")
     return " | ".join(parts)
 
 

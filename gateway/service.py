@@ -8,8 +8,10 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+from gateway.admission import Peers, admit
 from gateway.auth import TokenAuth
 from gateway.runs import ACTIVE, FINAL, RUN_TRACE_KEY, RunDriver, RunStore, new_run_id
+from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.kit import subjects, telemetry
 from services.kit.bus import Bus
@@ -76,6 +78,15 @@ def run_to_proto(
     for reason, count in extra.get("dropped", {}).items():
         run.rollouts_dropped[reason] = int(count)
     run.duplicate_deliveries = int(extra.get("duplicate_deliveries", 0))
+    if record.state == "running" and extra.get(STALLED_KEY):
+        run.state = gateway_pb2.RUN_STATE_STALLED
+        run.stalled_reason = extra[STALLED_KEY]
+    error = extra.get(LAST_ERROR_KEY)
+    if error:
+        run.last_error.component = error["component"]
+        run.last_error.message = error["message"]
+        run.last_error.occurrences = int(error.get("occurrences", 1))
+        run.last_error.unix_time = float(error.get("unix_time", 0.0))
     return run
 
 
@@ -90,10 +101,12 @@ class RunManager:
         packer=None,
         exclusive_runs: bool = True,
         limits: RecipeLimits | None = None,
+        peers: Peers | None = None,
     ) -> None:
         self.bus, self.store, self.base_dir, self.packer = bus, store, recipe_base_dir, packer
         self.exclusive_runs = exclusive_runs
         self.limits = limits or RecipeLimits()
+        self.peers = peers or Peers()
         self.drivers: dict[str, RunDriver] = {}
 
     async def proto(self, record: RunRecord) -> gateway_pb2.Run:
@@ -106,7 +119,7 @@ class RunManager:
                 self._drive(record.run_id)
 
     def _drive(self, run_id: str) -> None:
-        driver = RunDriver(self.bus, self.store, run_id, self.packer)
+        driver = RunDriver(self.bus, self.store, run_id, self.packer, self.peers.not_serving)
         self.drivers[run_id] = driver
         driver.start()
 
@@ -121,6 +134,7 @@ class RunManager:
                 subjects.validate_run_id(run_id)
             except ValueError as exc:
                 raise InvalidArgument(f"run_id: {exc}") from exc
+        await admit(recipe, self.peers, self.base_dir)
         existing = await self.store.list() if self.exclusive_runs else []
         if existing:
             # Deployments and weight-sync number weight versions per stack, not per run: a second

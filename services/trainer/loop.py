@@ -28,6 +28,7 @@ from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import subjects, telemetry
 from services.kit.interceptors import client_interceptors
 from services.kit.metric_names import observe
+from services.kit.run_errors import RunErrorReporter, describe
 from services.trainer import metrics
 from services.trainer.batch import BatchRejected
 from services.trainer.checkpoint import latest_checkpoint
@@ -46,6 +47,8 @@ class RunTrainer:
         self.recipe = recipe
         self.cfg = cfg
         self.bus = bus
+        # Failed steps and pushes go to the run (the gateway names them), not only to this log.
+        self.reporter = RunErrorReporter(bus, "trainer") if bus is not None else None
         self.spec: TrainerSpec = spec_from_recipe(recipe, run_id)
         self.total_steps = recipe.run.steps
         self.world_size = recipe.trainer.world_size
@@ -94,6 +97,7 @@ class RunTrainer:
         except Exception as exc:
             self.state, self.error = "failed", str(exc)
             log.exception("run %s: training failed at step %d", self.run_id, self.step)
+            await self._report(f"training failed at step {self.step}: {describe(exc)}")
         finally:
             await self._ranks(self.group.shutdown)
 
@@ -159,7 +163,9 @@ class RunTrainer:
         self.last_loss = result["loss"]
         metrics.record_step(self.run_id, result, time.perf_counter() - started)
         self.unacked.append(step)
-        self._check_pushes(self.step, result.get("pushes", []))
+        refused = self._check_pushes(self.step, result.get("pushes", []))
+        if refused and self.reporter is not None:
+            await self.reporter.report(self.run_id, refused)
         if self.cfg.ack_policy == "step" or self.checkpoint_every <= 0:
             await self._ack_pending()
         await self._publish(result)
@@ -176,17 +182,27 @@ class RunTrainer:
     async def _push(self, version: int) -> None:
         if not self.cfg.weight_sync_address:
             return
-        self._check_pushes(
+        refused = self._check_pushes(
             version, await self._ranks(self.group.push_weights, self.cfg.weight_sync_address, version)
         )
+        if refused and self.reporter is not None:
+            await self.reporter.report(self.run_id, refused)
 
-    def _check_pushes(self, version: int, results: list[dict[str, Any]]) -> None:
+    def _check_pushes(self, version: int, results: list[dict[str, Any]]) -> str | None:
+        """Raise on a failed push; the refusal to report when weight-sync skipped the version."""
         errors = [r["error"] for r in results if r.get("error")]
         if errors:
             raise RuntimeError(f"pushing version {version} to weight-sync failed: {errors[0]}")
         skipped = [r["skipped"] for r in results if r.get("skipped")]
         if skipped:
             log.warning("run %s: weight-sync refused version %d: %s", self.run_id, version, skipped[0])
+            return f"weight-sync refused version {version}: {skipped[0]}"
+        return None
+
+    async def _report(self, message: str) -> None:
+        if self.reporter is not None:
+            await self.reporter.report(self.run_id, message)
+            await self.reporter.close()
 
     async def _ack_pending(self) -> None:
         if not self.unacked:

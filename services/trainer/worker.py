@@ -438,7 +438,10 @@ class TrainerWorker:
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 self._forget_channel(address, limit)
-                raise
+                # A gRPC error does not pickle: Ray would hand the caller its own error instead.
+                raise RuntimeError(
+                    f"PushShards to weight-sync at {address}: {exc.code().name}: {exc.details()}"
+                ) from None
             # e.g. after a resume, weight-sync already holds this version from before the crash.
             return {
                 "rank": self.rank,

@@ -16,6 +16,7 @@ class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATE_COMPLETED: _ClassVar[RunState]
     RUN_STATE_FAILED: _ClassVar[RunState]
     RUN_STATE_STOPPED: _ClassVar[RunState]
+    RUN_STATE_STALLED: _ClassVar[RunState]
 RUN_STATE_UNSPECIFIED: RunState
 RUN_STATE_PENDING: RunState
 RUN_STATE_RUNNING: RunState
@@ -23,6 +24,7 @@ RUN_STATE_STOPPING: RunState
 RUN_STATE_COMPLETED: RunState
 RUN_STATE_FAILED: RunState
 RUN_STATE_STOPPED: RunState
+RUN_STATE_STALLED: RunState
 
 class DeploymentVersion(_message.Message):
     __slots__ = ("deployment", "version")
@@ -79,7 +81,7 @@ class WeightSync(_message.Message):
     def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "state", "recipe_toml", "step", "total_steps", "weight_version", "deployments", "history", "episodes_published", "rollouts_trained", "rollouts_dropped", "error", "queued_episodes", "duplicate_deliveries", "weight_syncs")
+    __slots__ = ("run_id", "state", "recipe_toml", "step", "total_steps", "weight_version", "deployments", "history", "episodes_published", "rollouts_trained", "rollouts_dropped", "error", "queued_episodes", "duplicate_deliveries", "weight_syncs", "last_error", "stalled_reason")
     class RolloutsDroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,8 @@ class Run(_message.Message):
     QUEUED_EPISODES_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNCS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    STALLED_REASON_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     recipe_toml: str
@@ -117,7 +121,21 @@ class Run(_message.Message):
     queued_episodes: int
     duplicate_deliveries: int
     weight_syncs: _containers.RepeatedCompositeFieldContainer[WeightSync]
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., recipe_toml: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., deployments: _Optional[_Iterable[_Union[DeploymentVersion, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., episodes_published: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., rollouts_dropped: _Optional[_Mapping[str, int]] = ..., error: _Optional[str] = ..., queued_episodes: _Optional[int] = ..., duplicate_deliveries: _Optional[int] = ..., weight_syncs: _Optional[_Iterable[_Union[WeightSync, _Mapping]]] = ...) -> None: ...
+    last_error: ComponentError
+    stalled_reason: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., recipe_toml: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., deployments: _Optional[_Iterable[_Union[DeploymentVersion, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., episodes_published: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., rollouts_dropped: _Optional[_Mapping[str, int]] = ..., error: _Optional[str] = ..., queued_episodes: _Optional[int] = ..., duplicate_deliveries: _Optional[int] = ..., weight_syncs: _Optional[_Iterable[_Union[WeightSync, _Mapping]]] = ..., last_error: _Optional[_Union[ComponentError, _Mapping]] = ..., stalled_reason: _Optional[str] = ...) -> None: ...
+
+class ComponentError(_message.Message):
+    __slots__ = ("component", "message", "occurrences", "unix_time")
+    COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    OCCURRENCES_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    component: str
+    message: str
+    occurrences: int
+    unix_time: float
+    def __init__(self, component: _Optional[str] = ..., message: _Optional[str] = ..., occurrences: _Optional[int] = ..., unix_time: _Optional[float] = ...) -> None: ...
 
 class CreateRunRequest(_message.Message):
     __slots__ = ("recipe_toml", "run_id")
