@@ -17,6 +17,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from looprl.common.v1 import common_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
@@ -44,6 +45,26 @@ def wait_listening(address: str, port: int, proc: subprocess.Popen, what: str, t
                 return
         time.sleep(0.2)
     raise AssertionError(f"{what} not listening on {address}:{port} after {timeout}s")
+
+
+def wait_serving(address: str, port: int, proc: subprocess.Popen, what: str, timeout: float = 90) -> None:
+    """Until the service's gRPC health check says SERVING (it listens before it is ready)."""
+    wait_listening(address, port, proc, what, timeout)
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"{address}:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"{what} exited with {proc.returncode}"
+            try:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise AssertionError(f"{what} not serving on {address}:{port} after {timeout}s")
 
 
 def start_engine(hosts, host: int) -> tuple[subprocess.Popen, str, str]:
@@ -128,7 +149,7 @@ async def test_shared_memory_within_a_host_and_grpc_across_hosts():
             "far": start_engine(hosts, 2),
             "impostor": start_engine(hosts, 2),
         }
-        wait_listening(h1, WS_PORT, ws_proc, "weight-sync")
+        wait_serving(h1, WS_PORT, ws_proc, "weight-sync")
         host1_id, host2_id = engines["near"][2], engines["far"][2]
         assert host1_id != host2_id == engines["impostor"][2]
         # The impostor is registered with host 1's identity: only the probe can tell.
@@ -212,7 +233,7 @@ async def test_router_replicas_on_two_ray_nodes_get_shm_on_weight_syncs_host_and
                   "LOOPRL_WEIGHTSYNC_METRICS_PORT": str(WS_METRICS), "LOOPRL_WEIGHTSYNC_USE_BUS": "false"}  # fmt: skip
         ws_proc = hosts.popen(1, [PY, "-m", "services.weight_sync"], env=ws_env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)  # fmt: skip
-        wait_listening(h1, WS_PORT, ws_proc, "weight-sync")
+        wait_serving(h1, WS_PORT, ws_proc, "weight-sync")
         deployments = [{"name": "d", "replicas": 2, "max_model_len": 64, "max_batch_size": 4}]
         router_env = {**env, **{f"LOOPRL_INFERENCE_ROUTER_{k}": v for k, v in {
             "HOST": h1, "GRPC_PORT": "50081", "METRICS_PORT": "50082", "RAY_ADDRESS": f"{h1}:6379",
