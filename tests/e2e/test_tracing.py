@@ -28,9 +28,9 @@ STEPS = 150  # the length the bound must hold for: no trace may grow with the ru
 # Generate per turn as client + router server + router client + replica server, the reward calls,
 # the rollout publishes and the packer's consumes); a trainer step trace holds the step, two ranks'
 # NextBatch and PushShards (client and server), the packer's step build, AckStep and the record
-# publish with the gateway's processing of it. Measured: the largest trace of this run holds 24
-# spans over 150 steps (24 over 20). Before episodes were traces of their own, the run's trace held every task publish and
-# episode of the run: 604 spans for these 20 steps, growing with every step.
+# publish with the gateway's processing of it. Measured: the largest trace of a 150-step run holds
+# 24 spans (as of a 20-step one). Before episodes were traces of their own, the run's trace held every
+# task publish and episode of the run: 604 spans for 20 steps, growing with every step.
 MAX_TRACE_SPANS = 80
 
 
