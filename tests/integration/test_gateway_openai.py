@@ -10,7 +10,7 @@ import time
 import pytest
 
 from services.inference_router.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
-from tests.support.gateway import GatewayProcess, http, openai_error
+from tests.support.gateway import TOKEN, GatewayProcess, http, openai_error
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -77,3 +77,79 @@ def test_out_of_range_fields_are_openai_400s_and_the_endpoint_keeps_serving(serv
         {"messages": [{"role": "user", "content": "12"}], "max_tokens": 3, "n": 2},
     )
     assert status == 200 and len(chat["choices"]) == 2, chat
+
+
+def _client(gateway: GatewayProcess, key: str = TOKEN):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key=key, max_retries=0)
+
+
+def test_the_official_openai_client_lists_models_and_samples_with_every_documented_option(served) -> None:
+    import openai
+
+    gateway, _config = served
+    _completion(gateway)  # the replica has its weights
+    client = _client(gateway)
+    assert "d" in [m.id for m in client.models.list().data]
+    assert client.models.retrieve("d").id == "d"
+
+    messages = [{"role": "user", "content": "12"}]
+    plain = client.chat.completions.create(model="d", messages=messages, max_tokens=8, seed=11)
+    text = plain.choices[0].message.content
+    assert plain.model == "d" and plain.usage.completion_tokens >= 1
+
+    # the same seed streamed gives the same text, delta by delta
+    stream = client.chat.completions.create(model="d", messages=messages, max_tokens=8, seed=11, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+
+    # a stop string cuts the choice where it first occurs, streamed or not
+    assert len(text) >= 2, text  # seed 11 samples 8 tokens of the tiny model without eos
+    stop = text[1]
+    cut = client.chat.completions.create(model="d", messages=messages, max_tokens=8, seed=11, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(
+        model="d", messages=messages, max_tokens=8, seed=11, stop=stop, stream=True
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[: text.index(stop)]
+    )
+
+    # n=2 with log-probs: one log-prob per token of each choice, each a real log-probability
+    two = client.chat.completions.create(
+        model="d", messages=messages, max_tokens=4, n=2, logprobs=True, seed=5
+    )
+    assert len(two.choices) == 2
+    for choice in two.choices:
+        content = choice.logprobs.content
+        assert "".join(t.token for t in content) == choice.message.content
+        assert all(t.logprob <= 0.0 for t in content)
+
+    completion = client.completions.create(model="d", prompt="12", max_tokens=4, seed=7, logprobs=0)
+    lp = completion.choices[0].logprobs
+    assert "".join(lp.tokens) == completion.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    streamed = client.completions.create(model="d", prompt="12", max_tokens=4, seed=7, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
+
+    # OpenAI-shaped errors the client raises as its own exception types
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="nope", messages=messages, max_tokens=2)
+    assert missing.value.code == "model_not_found" and missing.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model="d", messages=messages, max_tokens=10_000)
+    assert too_long.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as top:
+        client.chat.completions.create(
+            model="d", messages=messages, max_tokens=2, logprobs=True, top_logprobs=3
+        )
+    assert top.value.param == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as penalty:
+        client.chat.completions.create(model="d", messages=messages, max_tokens=2, presence_penalty=1.0)
+    assert penalty.value.param == "presence_penalty"
+    with pytest.raises(openai.AuthenticationError):
+        _client(gateway, key="wrong").models.list()
+    # and it still serves
+    assert client.completions.create(model="d", prompt="12", max_tokens=2).choices

@@ -1,0 +1,370 @@
+"""OpenAI-compatible /v1/models, /v1/completions and /v1/chat/completions over the inference-router.
+
+Agent frameworks and evaluators use the policy being trained through the official `openai` client.
+`/v1/models` lists the policies a caller may use: each active run (by run id; the newest run while
+none is active) and each deployment the router serves (by name). `model` picks one: a run id means
+that run's tokenizer and chat template, a deployment name also pins the request to that deployment;
+an unknown model is OpenAI's 404 `model_not_found`. The endpoints tokenize, call the router's
+Generate (GenerateStream for `stream: true`, sent as server-sent events) and decode. `stop` strings
+end a choice at their first occurrence (finish_reason "stop"); `logprobs` report the sampled tokens'
+log-probs (the engine returns no alternatives, so `top_logprobs` above 0 is refused). Every field is
+checked against its type and range before anything is forwarded; errors are OpenAI-shaped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from gateway.metrics import count_openai_tokens
+from gateway.openai_shapes import (
+    OPENAI_FIELDS,
+    Choice,
+    check_unsupported,
+    choice_json,
+    delta,
+    int_field,
+    logprobs_json,
+    model_entry,
+    sampling_value,
+    stop_strings,
+)
+from gateway.runs import ACTIVE
+from gateway.service import RunManager
+from looprl.common.v1 import common_pb2
+from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.kit.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.kit.limits import INT32_MAX
+from services.kit.recipe import RecipeError
+from services.modeling.tokenizer import Tokenizer, TokenizerCache
+
+DEPLOYMENTS_TTL_S = 5.0
+
+
+class OpenAIError(Exception):
+    """An error with OpenAI's own code (e.g. model_not_found), not one derived from a gRPC status."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+class OpenAIEndpoints:
+    def __init__(
+        self,
+        runs: RunManager,
+        router: inference_pb2_grpc.InferenceRouterServiceStub | None,
+        tokenizers: TokenizerCache,
+    ) -> None:
+        self.runs, self.router, self.tokenizers = runs, router, tokenizers
+        self._run_tokenizers: dict[str, str] = {}  # run id -> its recipe's model.tokenizer (fixed)
+        self._deployments: tuple[float, list[str]] = (0.0, [])
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/v1/models", self.list_models),
+            web.get("/v1/models/{model}", self.get_model),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+        ]
+
+    # ---- models -----------------------------------------------------------------------------------
+
+    async def _policies(self) -> tuple[list[Any], list[str]]:
+        """(run records a caller may sample from, deployment names the router serves)."""
+        records = await self.runs.store.list()
+        runs = [r for r in records if r.state in ACTIVE] or records[-1:]
+        return runs, await self._deployment_names()
+
+    async def _deployment_names(self) -> list[str]:
+        at, names = self._deployments
+        if self.router is None or time.monotonic() - at < DEPLOYMENTS_TTL_S:
+            return names
+        try:
+            reply = await self.router.ListDeployments(inference_pb2.ListDeploymentsRequest(), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"inference-router: cannot list deployments ({exc.details()})") from exc
+        names = [d.name for d in reply.deployments]
+        self._deployments = (time.monotonic(), names)
+        return names
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        runs, deployments = await self._policies()
+        data = [model_entry(r.run_id, r.created_at, f"run {r.state}") for r in reversed(runs)]
+        data += [model_entry(name, 0, "deployment") for name in deployments]
+        return web.json_response({"object": "list", "data": data})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        runs, deployments = await self._policies()
+        for r in runs:
+            if r.run_id == name:
+                return web.json_response(model_entry(r.run_id, r.created_at, f"run {r.state}"))
+        if name in deployments:
+            return web.json_response(model_entry(name, 0, "deployment"))
+        raise _not_found(name)
+
+    async def _resolve(self, body: dict) -> tuple[str, Tokenizer, str]:
+        """(model id, its tokenizer, the deployment to pin or "") for the request's `model`."""
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise InvalidArgument(f"model: must be a string, got {model!r}")
+        runs, deployments = await self._policies()
+        run = next((r for r in runs if r.run_id == model), None)
+        if model and run is None and model not in deployments:
+            raise _not_found(model)
+        pinned = model if run is None and model in deployments else ""
+        if run is None and runs:
+            run = runs[-1]  # a deployment serves the newest run's policy
+        if run is None:
+            return model or "default", await self.tokenizers.aget(), pinned
+        spec = self._run_tokenizers.get(run.run_id)
+        try:
+            if spec is None:
+                spec = self._run_tokenizers[run.run_id] = run.recipe().model.tokenizer
+            tokenizer = await self.tokenizers.aget(spec)
+        except (RecipeError, ValueError) as exc:
+            raise FailedPrecondition(
+                f"model: the tokenizer of run {run.run_id!r} does not load: {exc}"
+            ) from exc
+        return model or run.run_id, tokenizer, pinned
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def _request(
+        self, body: dict, ids: list[int], tokenizer: Tokenizer, deployment: str
+    ) -> inference_pb2.GenerateRequest:
+        check_unsupported(body)
+        values = {name: sampling_value(body, name, self.runs.limits) for name in OPENAI_FIELDS}
+        sampling = common_pb2.SamplingParams(**values, stop_token_ids=[tokenizer.eos_token_id])
+        return inference_pb2.GenerateRequest(
+            prompt_token_ids=ids, sampling=sampling, request_id=uuid.uuid4().hex, deployment=deployment
+        )
+
+    def _check_ids(self, field: str, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidArgument(f"{field}: must not be empty")
+        longest = self.runs.limits.max_model_len
+        if len(ids) > longest:
+            raise InvalidArgument(f"{field}: {len(ids)} tokens, more than the longest model length {longest}")
+        for i, token in enumerate(ids):
+            if not 0 <= token <= INT32_MAX:
+                raise InvalidArgument(f"{field}[{i}]: token id {token} is outside [0, {INT32_MAX}]")
+
+    def _router(self) -> inference_pb2_grpc.InferenceRouterServiceStub:
+        if self.router is None:
+            raise Unavailable("no inference-router configured (LOOPRL_GATEWAY_ROUTER_ADDRESS)")
+        return self.router
+
+    async def _generate(
+        self, request: inference_pb2.GenerateRequest, field: str
+    ) -> inference_pb2.GenerateResponse:
+        try:
+            return await self._router().Generate(request, timeout=120)
+        except grpc.aio.AioRpcError as exc:
+            raise _renamed(exc, field) from exc
+
+    async def _stream(
+        self, request: inference_pb2.GenerateRequest, field: str
+    ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
+        call = self._router().GenerateStream(
+            inference_pb2.GenerateStreamRequest(request=request), timeout=120
+        )
+        try:
+            async for chunk in call:
+                yield chunk
+        except grpc.aio.AioRpcError as exc:
+            raise _renamed(exc, field) from exc
+
+    # ---- completions ------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _body(request)
+        model, tokenizer, deployment = await self._resolve(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = prompt
+        else:
+            raise InvalidArgument("prompt: must be a string or a list of token ids")
+        self._check_ids("prompt", ids)
+        logprobs = int_field(body, "logprobs", 0, 0)
+        return await self._serve(
+            request, body, "text_completion", model, tokenizer, deployment, ids, "prompt", logprobs
+        )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _body(request)
+        model, tokenizer, deployment = await self._resolve(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidArgument("messages: must be a non-empty list")
+        for i, m in enumerate(messages):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise InvalidArgument(f"messages[{i}]: needs string 'role' and 'content'")
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as exc:  # the model's chat template refused the conversation
+            raise InvalidArgument(f"messages: {exc}") from exc
+        self._check_ids("messages", ids)
+        want = body.get("logprobs")
+        if want is not None and not isinstance(want, bool):
+            raise InvalidArgument(f"logprobs: must be a boolean, got {want!r}")
+        int_field(body, "top_logprobs", 0, 0)
+        return await self._serve(
+            request,
+            body,
+            "chat.completion",
+            model,
+            tokenizer,
+            deployment,
+            ids,
+            "messages",
+            0 if want else None,
+        )
+
+    async def _serve(
+        self,
+        http_request: web.Request,
+        body: dict,
+        kind: str,
+        model: str,
+        tokenizer: Tokenizer,
+        deployment: str,
+        ids: list[int],
+        field: str,
+        logprobs: int | None,
+    ) -> web.StreamResponse:
+        stops = stop_strings(body)
+        request = self._request(body, ids, tokenizer, deployment)
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise InvalidArgument(f"stream: must be a boolean, got {stream!r}")
+        envelope = {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "created": int(time.time()), "model": model}
+        choices = [Choice(tokenizer, stops) for _ in range(request.sampling.n)]
+        if stream:
+            options = body.get("stream_options") or {}
+            usage = isinstance(options, dict) and options.get("include_usage") is True
+            return await self._sse(
+                http_request, request, field, kind, envelope, choices, ids, logprobs, usage
+            )
+        reply = await self._generate(request, field)
+        for choice, completion in zip(choices, reply.completions, strict=False):
+            choice.add(list(completion.token_ids), list(completion.logprobs), completion.finish_reason)
+        out = [choice_json(kind, i, c, logprobs) for i, c in enumerate(choices)]
+        version = max((c.weight_version for c in reply.completions), default=0)
+        usage = _usage(kind, ids, choices)
+        return web.json_response(
+            {**envelope, "object": kind, "choices": out, "usage": usage, "weight_version": version}
+        )
+
+    async def _sse(
+        self,
+        http_request: web.Request,
+        request: inference_pb2.GenerateRequest,
+        field: str,
+        kind: str,
+        envelope: dict,
+        choices: list[Choice],
+        ids: list[int],
+        logprobs: int | None,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        chunks = self._stream(request, field)
+        first = await anext(chunks, None)  # router errors still become an HTTP status
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(http_request)
+        obj = "chat.completion.chunk" if kind == "chat.completion" else kind
+
+        async def send(payload: dict | str) -> None:
+            data = payload if isinstance(payload, str) else json.dumps({**envelope, "object": obj, **payload})
+            await response.write(f"data: {data}\n\n".encode())
+
+        if kind == "chat.completion":
+            for i in range(len(choices)):
+                await send(
+                    {
+                        "choices": [
+                            {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                        ]
+                    }
+                )
+        done: set[int] = set()
+
+        async def forward(chunk: inference_pb2.GenerateStreamResponse) -> None:
+            if chunk.index >= len(choices) or chunk.index in done:
+                return
+            choice = choices[chunk.index]
+            before = len(choice.ids)
+            choice.add(list(chunk.token_ids), list(chunk.logprobs), chunk.finish_reason)
+            text = choice.pending_text(final=choice.finish is not None)
+            if text or choice.finish:
+                part = delta(kind, chunk.index, text, choice.finish)
+                if logprobs is not None:
+                    part["logprobs"] = logprobs_json(kind, choice.pieces(before))
+                await send({"choices": [part]})
+            if choice.finish:
+                done.add(chunk.index)
+
+        if first is not None:
+            await forward(first)
+        async for chunk in chunks:
+            await forward(chunk)
+        if include_usage:
+            await send({"choices": [], "usage": _usage(kind, ids, choices)})
+        else:
+            _usage(kind, ids, choices)  # counted in the metrics either way
+        await send("[DONE]")
+        await response.write_eof()
+        return response
+
+
+async def _body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except web.HTTPRequestEntityTooLarge:
+        raise
+    except Exception as exc:
+        raise InvalidArgument(f"body: not valid JSON ({exc})") from exc
+    if not isinstance(body, dict):
+        raise InvalidArgument("body: must be a JSON object")
+    return body
+
+
+def _not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        404, f"The model '{model}' does not exist (see GET /v1/models)", "model_not_found", "model"
+    )
+
+
+def _renamed(exc: grpc.aio.AioRpcError, field: str) -> Exception:
+    if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+        return exc
+    # The router names its own fields (sampling.max_tokens, prompt_token_ids[3]): say the OpenAI ones.
+    detail = re.sub(r"^sampling\.", "", exc.details() or "")
+    return InvalidArgument(re.sub(r"^prompt_token_ids", field, detail))
+
+
+def _usage(kind: str, ids: list[int], choices: list[Choice]) -> dict:
+    completion = sum(len(c.ids) for c in choices)
+    usage = {
+        "prompt_tokens": len(ids),
+        "completion_tokens": completion,
+        "total_tokens": len(ids) + completion,
+    }
+    count_openai_tokens(kind, usage)
+    return usage
