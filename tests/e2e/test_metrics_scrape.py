@@ -56,14 +56,17 @@ def total(found: dict[str, list], name: str, **labels: str) -> float:
     return sum(s.value for s in found.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def openai_completion(stack) -> dict:
+def openai_completion(stack, model: str) -> dict:
+    """A completion from the run's policy, selected by run id as a user of /v1/models would."""
     request = urllib.request.Request(
         f"http://127.0.0.1:{stack.state.http_port}/v1/completions",
-        data=json.dumps({"prompt": "Reverse the digits: 123", "max_tokens": 4}).encode(),
+        data=json.dumps({"model": model, "prompt": "Reverse the digits: 123", "max_tokens": 4}).encode(),
         headers={"Authorization": f"Bearer {stack.state.gateway_token}", "Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=60) as reply:
-        return json.loads(reply.read())
+        completion = json.loads(reply.read())
+    assert completion["model"] == model, completion
+    return completion
 
 
 def test_every_dashboard_query_has_a_series_from_a_live_run(tmp_path, monkeypatch) -> None:
@@ -85,7 +88,7 @@ def test_every_dashboard_query_has_a_series_from_a_live_run(tmp_path, monkeypatc
             with prometheus.running(server, targets, tmp_path / "prometheus") as prom:
                 run_started = time.monotonic()
                 run = run_to_end(stack.stub, stack.metadata, recipe, "e2e-metrics", timeout=300)
-                usage = openai_completion(stack)["usage"]
+                usage = openai_completion(stack, "e2e-metrics")["usage"]
                 checks_started = time.monotonic()
                 time.sleep(3)  # two more scrapes after the last step and the request
                 results = {q: prom.query(q) for q in queries}
@@ -96,7 +99,7 @@ def test_every_dashboard_query_has_a_series_from_a_live_run(tmp_path, monkeypatc
             )
         else:
             run = run_to_end(stack.stub, stack.metadata, recipe, "e2e-metrics", timeout=300)
-            usage = openai_completion(stack)["usage"]
+            usage = openai_completion(stack, "e2e-metrics")["usage"]
         expositions = {name: scrape(port) for name, port in ports.items()}
     traced = {json.loads(line)["trace_id"] for line in span_log.read_text().splitlines() if line}
     found: dict[str, list] = {}
