@@ -91,7 +91,7 @@ def _weight_versions(state) -> dict[str, int]:
     from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 
     try:
-        with grpc.insecure_channel(state.service("weight-sync").address) as channel:
+        with state.channel("weight-sync") as channel:
             reply = weightsync_pb2_grpc.WeightSyncServiceStub(channel).GetVersion(
                 weightsync_pb2.GetVersionRequest(), timeout=2
             )

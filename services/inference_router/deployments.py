@@ -31,7 +31,7 @@ from services.inference_router.config import RouterConfig
 from services.inference_router.handles import GrpcReplicaHandle, RayReplicaHandle, ReplicaHandle
 from services.inference_router.policies import DeploymentState, LengthProfile, ReplicaState
 from services.inference_router.router import Router
-from services.kit import errors, telemetry
+from services.kit import errors, telemetry, tls
 from services.kit.recipe import DeploymentSpec
 
 log = logging.getLogger("looprl.inference_router.deployments")
@@ -105,7 +105,12 @@ class DeploymentManager:
                 max_concurrency=1000,
                 num_cpus=self.config.replica_num_cpus,
                 num_gpus=replica_gpus(spec),
-            ).remote(spec=_spec_dict(spec), replica=name, tracing=telemetry.exporter_settings())
+            ).remote(
+                spec=_spec_dict(spec),
+                replica=name,
+                tracing=telemetry.exporter_settings(),
+                tls_credentials=tls.export(),
+            )
             self.actors[name] = actor
             handles.append(RayReplicaHandle(name, actor))
             state.replicas.append(

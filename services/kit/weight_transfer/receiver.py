@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.kit import tls
 from services.kit.errors import ServiceError
 from services.kit.raw_requests import add_with_raw_requests
 
@@ -177,7 +178,7 @@ async def serve_engine(
         ]
     )
     add_engine_servicer(server, engine)
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    bound = tls.add_port(server, f"127.0.0.1:{port}")
     await server.start()
     return server, f"127.0.0.1:{bound}"
 
