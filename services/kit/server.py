@@ -1,9 +1,9 @@
 """gRPC aio server bootstrap shared by every service.
 
-A Service owns one grpc.aio server with the standard health service (SERVING only once the
-service's setup finished, NOT_SERVING while draining), server reflection, message size limits,
-the kit interceptor (tracing, metrics, error mapping, input validation) and a Prometheus
-/metrics endpoint on its own port. SIGTERM/SIGINT drain it: health goes NOT_SERVING, new
+A Service owns one grpc.aio server with mutual TLS (services/kit/tls.py), the standard health
+service (SERVING only once the service's setup finished, NOT_SERVING while draining), server
+reflection, message size limits, the kit interceptor (caller authorization, tracing, metrics, error
+mapping, input validation) and a Prometheus /metrics endpoint on its own port. SIGTERM/SIGINT drain it: health goes NOT_SERVING, new
 RPCs get UNAVAILABLE, in-flight RPCs finish within the grace period, shutdown hooks run
 (stop consumers, hand back work, drain NATS), then telemetry is flushed.
 """
