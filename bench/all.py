@@ -18,6 +18,7 @@ BENCHES = (
     "agent_loop",
     "weight_sync",
     "async_vs_sync",
+    "tracing_cost",
     "loop_vs_single_process",
     "peer_trl",
 )

@@ -71,8 +71,11 @@ def _free(lo: int, hi: int) -> int:
 
 
 @contextmanager
-def local_stack(recipe_text: str) -> Iterator[tuple[gateway_pb2_grpc.GatewayServiceStub, tuple]]:
-    """A whole stack on free ports, with the router's deployments taken from recipe_text."""
+def local_stack(
+    recipe_text: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[gateway_pb2_grpc.GatewayServiceStub, tuple]]:
+    """A whole stack on free ports, with the router's deployments taken from recipe_text; `env` is
+    added to every service's environment (e.g. where to export traces)."""
     with tempfile.TemporaryDirectory(prefix="looprl-bench-") as tmp:
         state_dir = Path(tmp)
         recipe_path = state_dir / "recipe.toml"
@@ -81,7 +84,10 @@ def local_stack(recipe_text: str) -> Iterator[tuple[gateway_pb2_grpc.GatewayServ
             nats=_free(14000, 15000), ray=_free(27000, 28000), base=_free_base(), http=_free(18000, 19000)
         )
         state = up(
-            state_dir, ports, {"LOOPRL_INFERENCE_ROUTER_RECIPE": str(recipe_path)}, log=lambda *_: None
+            state_dir,
+            ports,
+            {"LOOPRL_INFERENCE_ROUTER_RECIPE": str(recipe_path), **(env or {})},
+            log=lambda *_: None,
         )
         channel = grpc.insecure_channel(state.service("gateway").address)
         try:
@@ -113,7 +119,7 @@ def run_recipe(
     return RunResult(final, elapsed, done_at)
 
 
-def run_on_fresh_stack(recipe_text: str, run_id: str) -> RunResult:
+def run_on_fresh_stack(recipe_text: str, run_id: str, env: dict[str, str] | None = None) -> RunResult:
     """A stack serves one run: bring one up for this run and down after."""
-    with local_stack(recipe_text) as (stub, metadata):
+    with local_stack(recipe_text, env) as (stub, metadata):
         return run_recipe(stub, metadata, recipe_text, run_id)

@@ -366,7 +366,7 @@ async def main_async(quick: bool) -> None:
                 lambda: naive_resharded(grpc_t, config, tp2, buf, rec.endpoints, next(version)), repeat
             )
             committed["naive resharded on rank 0"] = await digests(grpc_t, rec.endpoints)
-            shm_eps = {r: [Endpoint(e[0].address, r, "tp2", True)] for r, e in eps.items()}
+            shm_eps = {r: [Endpoint(e[0].address, r, "tp2")] for r, e in eps.items()}
             t_plan_shm, _ = await timed_async(
                 lambda: planned(shm_t, plan2, buf, shm_eps, next(version)), repeat + 1
             )
@@ -396,7 +396,7 @@ async def main_async(quick: bool) -> None:
             t_raw, b_raw = await timed_async(
                 lambda: raw_stream(grpc_t, ep.address, b_grpc, bucket), repeat + 1
             )
-            shm_ep = Endpoint(ep.address, 0, "tp1", True)
+            shm_ep = Endpoint(ep.address, 0, "tp1")
             await planned(
                 shm_t, plan1, buf, {0: [shm_ep]}, next(version)
             )  # warm: the receiver maps the arena
@@ -418,8 +418,8 @@ async def main_async(quick: bool) -> None:
         # (d) four co-located deployments vs one (shared copy vs reshard-on-read)
         recs = [Receivers(config, tp1, f"d{i}") for i in range(4)]
         try:
-            one = {0: [Endpoint(recs[0].endpoints[0].address, 0, "d0", True)]}
-            four = {0: [Endpoint(r.endpoints[0].address, 0, f"d{i}", True) for i, r in enumerate(recs)]}
+            one = {0: [Endpoint(recs[0].endpoints[0].address, 0, "d0")]}
+            four = {0: [Endpoint(r.endpoints[0].address, 0, f"d{i}") for i, r in enumerate(recs)]}
             await planned(shm_t, plan1, buf, four, next(version))  # warm every receiver
             t_one, b_one = await timed_async(
                 lambda: planned(shm_t, plan1, buf, one, next(version)), fast_repeat

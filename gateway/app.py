@@ -5,15 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from aiohttp import web
+from grpc_health.v1 import health_pb2_grpc
 
+from gateway.admission import Peers
 from gateway.auth import TokenAuth
 from gateway.config import GatewayConfig
 from gateway.http import HttpApi
 from gateway.runs import RunStore
 from gateway.service import GatewayServicer, RunManager
+from looprl.environment.v1 import environment_pb2_grpc
 from looprl.gateway.v1 import gateway_pb2_grpc
 from looprl.inference.v1 import inference_pb2_grpc
 from looprl.packer.v1 import packer_pb2_grpc
+from looprl.reward.v1 import reward_pb2_grpc
 from services.kit import subjects
 from services.kit.bus import Bus
 from services.kit.local import free_port
@@ -32,6 +36,26 @@ async def serve(config: GatewayConfig) -> None:
     async def setup(svc: Service) -> None:
         bus = await Bus.connect(config.nats_url, name="gateway")
         await bus.ensure_streams()
+        router = None
+        if config.router_address:
+            router = inference_pb2_grpc.InferenceRouterServiceStub(open_channel(config.router_address))
+        # Admission asks the services a run needs whether they serve it, before the run exists; the
+        # stall watch asks their health.
+        addresses = {
+            "inference-router": config.router_address,
+            "environment-sandbox": config.sandbox_address,
+            "reward": config.reward_address,
+            "rollout-packer": config.packer_address,
+        }
+        channels = {name: open_channel(address) for name, address in addresses.items() if address}
+        peers = Peers(
+            router=router,
+            sandbox=environment_pb2_grpc.EnvironmentSandboxServiceStub(channels["environment-sandbox"])
+            if "environment-sandbox" in channels
+            else None,
+            reward=reward_pb2_grpc.RewardServiceStub(channels["reward"]) if "reward" in channels else None,
+            health={name: health_pb2_grpc.HealthStub(channel) for name, channel in channels.items()},
+        )
         packer = None
         if config.packer_address:
             packer = packer_pb2_grpc.RolloutPackerServiceStub(open_channel(config.packer_address))
@@ -42,11 +66,9 @@ async def serve(config: GatewayConfig) -> None:
             packer,
             config.exclusive_runs,
             config.limits(),
+            peers,
         )
         servicer.runs = runs
-        router = None
-        if config.router_address:
-            router = inference_pb2_grpc.InferenceRouterServiceStub(open_channel(config.router_address))
         tokenizers = TokenizerCache(config.tokenizer)
         tokenizers.get()  # a default that does not load fails at start-up
         api = HttpApi(runs, auth, router, tokenizers)

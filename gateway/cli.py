@@ -159,7 +159,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _follow(stub, metadata, run_id: str, report_root: Path) -> int:
-    from gateway.progress import STATE_NAMES, progress_line, reward_gain, write_report
+    from gateway.progress import STATE_NAMES, progress_line, reward_gain
+    from gateway.report import GRID_IMAGE, write_report
 
     final = None
     started = time.monotonic()
@@ -171,7 +172,7 @@ def _follow(stub, metadata, run_id: str, report_root: Path) -> int:
     summary = write_report(final, report_root / run_id)
     first, last = reward_gain(final)
     print(f"reward: first steps {first:.3f} -> last steps {last:.3f} ({last - first:+.3f})")
-    print(f"report: {summary} and {summary.parent / 'reward.png'}")
+    print(f"report: {summary.parent / GRID_IMAGE} and {summary}")
     return 0 if STATE_NAMES.get(final.state) == "completed" else 1
 
 

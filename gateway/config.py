@@ -18,6 +18,15 @@ class GatewayConfig(ServiceConfig):
         metadata={"help": "Comma-separated bearer tokens accepted on every external call; none is built in."},
     )
     router_address: str = field(default="", metadata={"help": "inference-router gRPC address host:port."})
+    sandbox_address: str = field(
+        default="",
+        metadata={
+            "help": "environment-sandbox gRPC address; CreateRun refuses environments it does not serve."
+        },
+    )
+    reward_address: str = field(
+        default="", metadata={"help": "reward gRPC address; CreateRun refuses rewards it does not serve."}
+    )
     packer_address: str = field(
         default="", metadata={"help": "rollout-packer gRPC address, for drop counts."}
     )

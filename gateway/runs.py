@@ -5,6 +5,8 @@ within the run's staleness bound (version >= s - max_staleness), so max_stalenes
 synchronous on-policy and k > 0 overlaps generation with training. It follows the run through
 the TRAIN and WEIGHTS streams and keeps the run record (KV bucket "runs") up to date; a
 restarted gateway re-creates the drivers of running runs and continues where the record says.
+The driver also keeps the errors components report for the run and marks it stalled when it stops
+progressing (gateway/stalls.py).
 Episode tasks carry deterministic message ids, so a feed repeated after a crash is deduped.
 
 Tracing: a driver runs outside the CreateRun call that started it. The run's trace (the one
@@ -23,9 +25,11 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 from opentelemetry import trace
 
+from gateway.stalls import STALLED_KEY, ProgressClock, follow_errors, watch_stalls
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
@@ -93,6 +97,26 @@ class RunStore:
         raw = await self.kv.get(key)
         entries = json.loads(raw) if raw else []
         if any(h["step"] == entry["step"] for h in entries):
+            return
+        entries.append(entry)
+        await self.kv.put(key, json.dumps(entries).encode())
+
+    async def weight_syncs(self, record: RunRecord) -> list[dict]:
+        """Every version delivered to every deployment, in (version, deployment) order."""
+        newest = max((int(v) for v in record.extra.get("deployments", {}).values()), default=-1)
+        out: list[dict] = []
+        for chunk in range(newest // HISTORY_CHUNK + 1):
+            raw = await self.kv.get(f"{record.run_id}.syncs.{chunk}")
+            out.extend(json.loads(raw) if raw else [])
+        return sorted(out, key=lambda w: (w["version"], w["deployment"]))
+
+    async def add_weight_sync(self, run_id: str, entry: dict) -> None:
+        """Add one delivery (idempotent per deployment and version), in chunks by version beside the
+        record like the history. Only the run's driver writes them."""
+        key = f"{run_id}.syncs.{entry['version'] // HISTORY_CHUNK}"
+        raw = await self.kv.get(key)
+        entries = json.loads(raw) if raw else []
+        if any(w["version"] == entry["version"] and w["deployment"] == entry["deployment"] for w in entries):
             return
         entries.append(entry)
         await self.kv.put(key, json.dumps(entries).encode())
@@ -169,8 +193,10 @@ class RunDriver:
         store: RunStore,
         run_id: str,
         packer: packer_pb2_grpc.RolloutPackerServiceStub | None = None,
+        not_serving: Callable[[], Awaitable[list[str]]] | None = None,
     ) -> None:
         self.bus, self.store, self.run_id, self.packer = bus, store, run_id, packer
+        self.not_serving = not_serving  # the services of the run that are not serving, for stall reasons
         self.changed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._version_seen = asyncio.Event()
@@ -178,6 +204,7 @@ class RunDriver:
         # waits on it, and the next step's tasks go out before the accounting is written.
         self._trained_version = 0
         self._run_trace: dict[str, str] | None = None  # the run's trace context, from its record
+        self.progress = ProgressClock()  # fed steps, trained steps and weight versions mark it
 
     def start(self) -> None:
         # A context of its own: the driver's spans are not children of the RPC that started it.
@@ -194,7 +221,12 @@ class RunDriver:
                 pass
 
     async def _main(self) -> None:
-        followers = [asyncio.create_task(self._follow_train()), asyncio.create_task(self._follow_weights())]
+        followers = [
+            asyncio.create_task(self._follow_train()),
+            asyncio.create_task(self._follow_weights()),
+            asyncio.create_task(follow_errors(self.bus, self.store, self.run_id, self.changed)),
+            asyncio.create_task(self._watch_stalls()),
+        ]
         try:
             await self._feed()
         except asyncio.CancelledError:
@@ -207,6 +239,14 @@ class RunDriver:
         finally:
             for task in followers:
                 task.cancel()
+
+    async def _watch_stalls(self) -> None:
+        record = await self.store.get(self.run_id)
+        if record is not None:
+            stall_s = record.recipe().run.stall_seconds
+            await watch_stalls(
+                self.store, self.run_id, stall_s, self.progress, self.changed, self.not_serving
+            )
 
     def _lifecycle(self, name: str, **attributes: object) -> None:
         """A moment of the run's life, as a short span in the run's own trace."""
@@ -264,6 +304,7 @@ class RunDriver:
             trained = max(record.weight_version, self._trained_version)
             if fed < recipe.run.steps and fed - recipe.run.max_staleness <= trained:
                 await self._publish_step(record, recipe, fed)
+                self.progress.mark()
                 fed += 1
                 count = recipe.batch.rollouts_per_step
                 await self.store.update(self.run_id, lambda r, f=fed, c=count: _fed(r, f, c))
@@ -283,6 +324,7 @@ class RunDriver:
             for delivery in await consumer.fetch(batch=16, timeout=1.0):
                 with delivery.process_span():
                     step = delivery.parse(events_pb2.TrainStepRecord)
+                    self.progress.mark()
                     self._trained_version = max(self._trained_version, step.version)
                     self._version_seen.set()
                     dropped = await self._dropped()
@@ -317,12 +359,15 @@ class RunDriver:
                     await self.store.update(self.run_id, lambda r, e=rejected: _apply_rejection(r, e))
                 else:
                     event = delivery.parse(events_pb2.WeightsPublished)
+                    self.progress.mark()
+                    await self.store.add_weight_sync(self.run_id, weight_sync_entry(event))
                     await self.store.update(self.run_id, lambda r, e=event: _apply_weights(r, e))
                 await delivery.ack()
                 self.changed.set()
 
 
 def _fed(record: RunRecord, fed_steps: int, per_step: int) -> None:
+    record.extra.pop(STALLED_KEY, None)
     record.extra["fed_steps"] = max(fed_steps, int(record.extra.get("fed_steps", 0)))
     record.episodes_published = record.extra["fed_steps"] * per_step
 
@@ -339,7 +384,21 @@ def history_entry(step: events_pb2.TrainStepRecord) -> dict:
         "num_rollouts": step.num_rollouts,
         "num_tokens": step.num_tokens,
         "seconds": step.step_seconds,
+        "clip_fraction": step.clip_fraction,
+        "kl": step.kl,
+        "entropy": step.entropy,
+        "grad_norm": step.grad_norm,
+        "mean_response_tokens": step.response_tokens / max(step.num_rollouts, 1),
         "at": time.time(),
+    }
+
+
+def weight_sync_entry(event: events_pb2.WeightsPublished) -> dict:
+    return {
+        "deployment": event.deployment,
+        "version": event.version,
+        "sync_seconds": event.sync_seconds,
+        "bytes": event.bytes,
     }
 
 
@@ -360,12 +419,14 @@ def _apply_step(record: RunRecord, step: events_pb2.TrainStepRecord, dropped: di
         else:
             merged.append([lo, hi])
     record.extra["counted_steps"] = merged
+    record.extra.pop(STALLED_KEY, None)
     record.extra["rollouts_trained"] = int(record.extra.get("rollouts_trained", 0)) + step.num_rollouts
     record.step = max(record.step, step.step + 1)
     record.weight_version = max(record.weight_version, step.version)
 
 
 def _apply_weights(record: RunRecord, event: events_pb2.WeightsPublished) -> None:
+    record.extra.pop(STALLED_KEY, None)
     versions = record.extra.setdefault("deployments", {})
     versions[event.deployment] = max(int(versions.get(event.deployment, -1)), event.version)
 

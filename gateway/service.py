@@ -8,8 +8,10 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+from gateway.admission import Peers, admit
 from gateway.auth import TokenAuth
 from gateway.runs import ACTIVE, FINAL, RUN_TRACE_KEY, RunDriver, RunStore, new_run_id
+from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.kit import subjects, telemetry
 from services.kit.bus import Bus
@@ -29,8 +31,11 @@ STATES = {
 }
 
 
-def run_to_proto(record: RunRecord, history: Sequence[dict] = ()) -> gateway_pb2.Run:
-    """The public Run: the record, plus its per-step history when given (RunManager.proto loads it)."""
+def run_to_proto(
+    record: RunRecord, history: Sequence[dict] = (), weight_syncs: Sequence[dict] = ()
+) -> gateway_pb2.Run:
+    """The public Run: the record, plus its per-step history and weight deliveries when given
+    (RunManager.proto loads them)."""
     extra = record.extra
     run = gateway_pb2.Run(
         run_id=record.run_id,
@@ -59,10 +64,29 @@ def run_to_proto(record: RunRecord, history: Sequence[dict] = ()) -> gateway_pb2
             num_rollouts=h["num_rollouts"],
             seconds=h["seconds"],
             max_staleness=h.get("max_staleness", 0),
+            # Entries written before these were recorded read as zeros.
+            clip_fraction=h.get("clip_fraction", 0.0),
+            kl=h.get("kl", 0.0),
+            entropy=h.get("entropy", 0.0),
+            grad_norm=h.get("grad_norm", 0.0),
+            mean_response_tokens=h.get("mean_response_tokens", 0.0),
+        )
+    for w in weight_syncs:
+        run.weight_syncs.add(
+            deployment=w["deployment"], version=w["version"], sync_seconds=w["sync_seconds"], bytes=w["bytes"]
         )
     for reason, count in extra.get("dropped", {}).items():
         run.rollouts_dropped[reason] = int(count)
     run.duplicate_deliveries = int(extra.get("duplicate_deliveries", 0))
+    if record.state == "running" and extra.get(STALLED_KEY):
+        run.state = gateway_pb2.RUN_STATE_STALLED
+        run.stalled_reason = extra[STALLED_KEY]
+    error = extra.get(LAST_ERROR_KEY)
+    if error:
+        run.last_error.component = error["component"]
+        run.last_error.message = error["message"]
+        run.last_error.occurrences = int(error.get("occurrences", 1))
+        run.last_error.unix_time = float(error.get("unix_time", 0.0))
     return run
 
 
@@ -77,14 +101,16 @@ class RunManager:
         packer=None,
         exclusive_runs: bool = True,
         limits: RecipeLimits | None = None,
+        peers: Peers | None = None,
     ) -> None:
         self.bus, self.store, self.base_dir, self.packer = bus, store, recipe_base_dir, packer
         self.exclusive_runs = exclusive_runs
         self.limits = limits or RecipeLimits()
+        self.peers = peers or Peers()
         self.drivers: dict[str, RunDriver] = {}
 
     async def proto(self, record: RunRecord) -> gateway_pb2.Run:
-        return run_to_proto(record, await self.store.history(record))
+        return run_to_proto(record, await self.store.history(record), await self.store.weight_syncs(record))
 
     async def resume(self) -> None:
         for record in await self.store.list():
@@ -93,7 +119,7 @@ class RunManager:
                 self._drive(record.run_id)
 
     def _drive(self, run_id: str) -> None:
-        driver = RunDriver(self.bus, self.store, run_id, self.packer)
+        driver = RunDriver(self.bus, self.store, run_id, self.packer, self.peers.not_serving)
         self.drivers[run_id] = driver
         driver.start()
 
@@ -108,6 +134,7 @@ class RunManager:
                 subjects.validate_run_id(run_id)
             except ValueError as exc:
                 raise InvalidArgument(f"run_id: {exc}") from exc
+        await admit(recipe, self.peers, self.base_dir)
         existing = await self.store.list() if self.exclusive_runs else []
         if existing:
             # Deployments and weight-sync number weight versions per stack, not per run: a second

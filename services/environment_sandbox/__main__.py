@@ -103,10 +103,16 @@ async def serve(cfg: EnvServiceConfig) -> None:
             pass
         if runner is not None and cfg.consume_episodes:
             from services.kit.bus import Bus
+            from services.kit.run_errors import RunErrorReporter
 
             bus = await Bus.connect(cfg.nats_url, name="environment-sandbox")
             await bus.ensure_streams()
-            worker = EpisodeWorker(bus, runner, WorkerConfig(cfg.concurrency, cfg.durable, cfg.ack_wait_s))
+            worker = EpisodeWorker(
+                bus,
+                runner,
+                WorkerConfig(cfg.concurrency, cfg.durable, cfg.ack_wait_s),
+                reporter=RunErrorReporter(bus, "environment-sandbox"),
+            )
             state.update(bus=bus, worker=worker, task=asyncio.ensure_future(worker.run()))
 
     async def shutdown() -> None:
@@ -119,6 +125,7 @@ async def serve(cfg: EnvServiceConfig) -> None:
                 await asyncio.wait_for(state["task"], timeout=5.0)
             except (TimeoutError, asyncio.CancelledError):
                 pass
+            await state["worker"].reporter.close()
             await state["bus"].drain()
         await pool.close()
 

@@ -19,6 +19,7 @@ from typing import Any
 from looprl.events.v1 import events_pb2
 from services.environment_sandbox.agent_loop import EpisodeRunner
 from services.environment_sandbox.environments import EnvironmentError_
+from services.kit.run_errors import describe
 
 log = logging.getLogger("looprl.environment_sandbox.worker")
 
@@ -47,6 +48,7 @@ class EpisodeWorker:
         runner: EpisodeRunner,
         config: WorkerConfig | None = None,
         filter_subject: str | None = None,
+        reporter: Any = None,
     ) -> None:
         from services.kit import subjects
 
@@ -54,6 +56,8 @@ class EpisodeWorker:
         self.runner = runner
         self.config = config or WorkerConfig()
         self.filter_subject = filter_subject or subjects.all_runs(subjects.Kind.EPISODES)
+        # A RunErrorReporter: failed episodes are reported to their run, not only logged.
+        self.reporter = reporter
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
         self.published = 0
@@ -125,6 +129,7 @@ class EpisodeWorker:
             span.set_status(telemetry.error_status(exc))
             await delivery.term(f"bad episode task: {exc}")
             self.failed += 1
+            await self._report(delivery, f"bad episode task, dropped: {exc}")
             return
         except Exception as exc:
             span.set_status(telemetry.error_status(exc))
@@ -136,6 +141,9 @@ class EpisodeWorker:
             )
             await delivery.nak(delay=delay)
             self.failed += 1
+            await self._report(
+                delivery, f"episode failed (delivery {delivery.num_delivered}, retried): {describe(exc)}"
+            )
             return
         if span.is_recording():
             span.set_attributes(
@@ -155,6 +163,17 @@ class EpisodeWorker:
         if self._crash_after_publish:
             os._exit(17)
         await delivery.ack()
+
+    async def _report(self, delivery: Any, message: str) -> None:
+        from services.kit import subjects
+
+        if self.reporter is None:
+            return
+        try:
+            run_id = subjects.run_of(delivery.subject)
+        except ValueError:
+            return
+        await self.reporter.report(run_id, message)
 
     async def _heartbeat(self, delivery: Any) -> None:
         while True:

@@ -50,6 +50,12 @@ class RouterConfig(ServiceConfig):
         default=0, metadata={"help": "Requests in flight per deployment (0: only per-replica bounds)."}
     )
     replica_num_cpus: float = field(default=1.0, metadata={"help": "Ray CPUs reserved per replica rank."})
+    replica_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "Address each replica's InferenceEngineService binds and reports: 127.0.0.1 (every "
+                          "replica on this host), 'node' (the address of the Ray node it runs on: several "
+                          "hosts), or an explicit address."},
+    )  # fmt: skip
     namespace: str = field(default="looprl-inference", metadata={"help": "Ray namespace of the replicas."})
 
     def __post_init__(self) -> None:

@@ -106,7 +106,7 @@ class DeploymentManager:
                 num_cpus=self.config.replica_num_cpus,
                 num_gpus=replica_gpus(spec),
             ).remote(
-                spec=_spec_dict(spec),
+                spec={**_spec_dict(spec), "host": self.config.replica_host},
                 replica=name,
                 tracing=telemetry.exporter_settings(),
                 tls_credentials=tls.export(),
@@ -230,7 +230,7 @@ class DeploymentManager:
         from looprl.weightsync.v1 import weightsync_pb2
 
         ranks = []
-        for replica, addresses in zip(
+        for replica, (addresses, host_id) in zip(
             replicas, await asyncio.gather(*(self._rank_addresses(r) for r in replicas)), strict=True
         ):
             if len(addresses) != state.tensor_parallel:
@@ -243,9 +243,7 @@ class DeploymentManager:
                 )
                 return
             ranks += [
-                weightsync_pb2.TargetRank(
-                    rank=rank, address=address, same_host=not state.external, replica=replica.name
-                )
+                weightsync_pb2.TargetRank(rank=rank, address=address, replica=replica.name, host_id=host_id)
                 for rank, address in enumerate(addresses)
             ]
         dtype = {"bfloat16": common_pb2.D_TYPE_BFLOAT16, "float16": common_pb2.D_TYPE_FLOAT16}.get(
@@ -285,17 +283,19 @@ class DeploymentManager:
             )
         return self._weight_sync
 
-    async def _rank_addresses(self, replica: ReplicaState) -> list[str]:
+    async def _rank_addresses(self, replica: ReplicaState) -> tuple[list[str], str]:
+        """The replica's rank addresses and the host identity it reports ("" when unknown)."""
         handle = self.router.handles[replica.name]
         try:
             status = await handle.status(self.config.request_timeout_s)
         except Exception:
-            return [replica.address] if replica.address else []
+            return ([replica.address] if replica.address else []), ""
+        host_id = str(status.get("host_id") or "")
         ranks = status.get("rank_addresses")
         if ranks:
-            return [str(a) for a in ranks]
+            return [str(a) for a in ranks], host_id
         address = str(status.get("address") or replica.address)
-        return [address] if address else []
+        return ([address] if address else []), host_id
 
     async def request_sync(self, deployment: str, replica: str) -> None:
         """A restarted replica lacks the newest weights and listens on a new address: register it

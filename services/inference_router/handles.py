@@ -182,6 +182,7 @@ class GrpcReplicaHandle:
             "outstanding_tokens": reply.tokens_in_flight,
             "outstanding_requests": reply.queued_requests,
             "address": self.address,
+            "host_id": reply.host_id,
         }
 
     async def close(self) -> None:

@@ -3,8 +3,8 @@
 `InferenceReplica` (a Ray async actor: `InferenceReplica.options(...).remote(spec=..., replica=...)`)
 wraps ONE engine for one replica of a deployment. The router calls it through Ray with serialized
 protos (`generate`, `generate_stream`, `status`, ...); the same replica ALSO serves
-InferenceEngineService on 127.0.0.1:<free port> (Generate, Status, Pause, Resume, StageWeights,
-CommitWeights, AbortWeights, RollbackWeights) so weight-sync can deliver weights to it and
+InferenceEngineService on its host's address:<free port> (Generate, Status, Pause, Resume,
+StageWeights, CommitWeights, AbortWeights, RollbackWeights, ProbeSharedMemory) so weight-sync can deliver weights to it and
 benchmarks can call it directly. StageWeights is registered to receive raw bytes
 (`add_engine_servicer`) and decoded without protobuf copying the payload; a bucket for another TP
 rank is forwarded as received.
@@ -41,8 +41,10 @@ from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.engine.base import Engine, EngineRequest, SamplingParams
 from services.inference_router.engine.scheduler import SchedulerLimits
 from services.kit import errors, telemetry, tls
+from services.kit.hosts import host_identity
 from services.kit.interceptors import ServerInterceptor
 from services.kit.weight_transfer import add_engine_servicer
+from services.kit.weight_transfer.probe import read_probe
 from services.kit.weight_transfer.stager import WeightStager
 from services.kit.weight_transfer.wire import decode_stage_request
 from services.modeling.config import ModelConfig
@@ -67,7 +69,7 @@ class ReplicaSettings:
     max_model_len: int = 512
     max_batch_size: int = 32
     max_queued_requests: int = 256
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # "node": the address of the Ray node (or host) the replica runs on
     num_threads: int = 0  # 0 leaves torch's default (Ray sets OMP_NUM_THREADS from num_cpus)
     stop_token_ids: tuple[int, ...] = ()
 
@@ -97,6 +99,20 @@ class ReplicaSettings:
     @property
     def layout(self) -> Layout:
         return Layout(tp_size=self.tensor_parallel, naming=self.naming, dtype=self.dtype)
+
+
+def _bind_host(host: str) -> str:
+    """`host`, with "node" resolved to the address of the Ray node this process runs on (the host's
+    primary address outside Ray), which weight-sync and the router reach from other hosts."""
+    if host != "node":
+        return host
+    import ray
+
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    from services.kit.hosts import primary_address
+
+    return primary_address()
 
 
 def _config_at(path: str) -> ModelConfig:
@@ -178,10 +194,11 @@ class ReplicaCore:
             ],
         )
         add_engine_servicer(server, _EngineServicer(self))
-        port = tls.add_port(server, f"{self.settings.host}:0")
+        host = _bind_host(self.settings.host)
+        port = tls.add_port(server, f"{host}:0")
         await server.start()
         self._server = server
-        self._address = f"{self.settings.host}:{port}"
+        self._address = f"{host}:{port}"
         log.info("replica %s serving InferenceEngineService on %s", self.name, self._address)
 
     async def _load_model_path(self, path: str) -> None:
@@ -542,6 +559,7 @@ class ReplicaCore:
             "address": self._address,
             # Every TP rank receives through this one server; StageWeightsRequest.rank picks the rank.
             "rank_addresses": [self._address] * self._receiving_ranks,
+            "host_id": host_identity(),
             "backend": s.backend,
             "tensor_parallel": s.tensor_parallel,
             "layout": s.naming,
@@ -609,6 +627,7 @@ class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
             paused=st["paused"],
             staged_version=st["staged_version"],
             rollback_version=st["rollback_version"],
+            host_id=st["host_id"],
         )
 
     async def Pause(self, request, context):
@@ -638,6 +657,9 @@ class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
     async def RollbackWeights(self, request, context):
         version = await self.core.rollback_weights(int(request.version))
         return inference_pb2.RollbackWeightsResponse(weight_version=version)
+
+    async def ProbeSharedMemory(self, request, context):
+        return read_probe(request)
 
 
 _actor_class: Any = None

@@ -27,7 +27,15 @@ class ConfigError(ValueError):
 class ServiceConfig:
     """Settings every service has."""
 
-    host: str = field(default="127.0.0.1", metadata={"help": "Interface the gRPC and metrics servers bind."})
+    host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "Interface the gRPC and metrics servers bind (0.0.0.0: every interface)."},
+    )
+    advertise_host: str = field(
+        default="",
+        metadata={"help": "Address other hosts reach this service at (what it reports and registers); empty: "
+                          "`host`, or this machine's primary address when `host` is 0.0.0.0 or ::."},
+    )  # fmt: skip
     grpc_port: int = field(default=0, metadata={"help": "gRPC port; 0 picks a free port (logged)."})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port; 0 picks a free port."})
     nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL."})
@@ -73,6 +81,17 @@ class ServiceConfig:
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def advertised_host(config: ServiceConfig) -> str:
+    """The host part of the address this service gives others (see `advertise_host`)."""
+    if config.advertise_host:
+        return config.advertise_host
+    if config.host in ("", "0.0.0.0", "::"):
+        from services.kit.hosts import primary_address
+
+        return primary_address()
+    return config.host
 
 
 def _convert(raw: str, tp: Any, var: str) -> Any:

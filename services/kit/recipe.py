@@ -40,6 +40,12 @@ class RunSection:
     max_staleness: int = _f(
         0, "Max trainer version minus sampling version; 0 = synchronous on-policy, k > 0 overlaps."
     )
+    stall_seconds: float = _f(
+        600.0,
+        "A running run that trains no step, feeds no step and receives no weight version for this long is "
+        "marked STALLED (with the last error a component reported); it is RUNNING again once it progresses. "
+        "Leave room for the first step, which loads the model and starts every replica.",
+    )
 
 
 @dataclass
@@ -241,6 +247,7 @@ _BOUNDS: dict[str, tuple[float | _Above, float | str]] = {
     "run.seed": (0, INT64_MAX),
     "run.steps": (1, "max_steps"),
     "run.max_staleness": (0, "max_staleness"),
+    "run.stall_seconds": (1.0, 7 * 86_400.0),
     "model.init_std": (_Above(0.0), 10.0),
     "sampling.temperature": (_Above(0.0), 100.0),
     "sampling.top_p": (_Above(0.0), 1.0),
@@ -310,6 +317,22 @@ def _check_bounds(recipe: Recipe, limits: RecipeLimits) -> None:
                 _check(value <= high, path, f"must be <= {high}, got {value}")
 
 
+def _check_finite(node: Any, where: str) -> None:
+    """Every float anywhere in the recipe, free-form tables (environment.config) included, is finite:
+    TOML spells inf and nan, and one NaN hyper-parameter turns every weight into NaN."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            _check_finite(getattr(node, f.name), _join(where, f.name))
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            _check_finite(value, _join(where, str(key)))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _check_finite(value, f"{where}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise RecipeError(f"{where}: must be a finite number, got {node}")
+
+
 def _check(cond: bool, path: str, message: str) -> None:
     if not cond:
         raise RecipeError(f"{path}: {message}")
@@ -333,6 +356,7 @@ def validate(recipe: Recipe, base_dir: Path | None = None, limits: RecipeLimits 
     naming the first bad field."""
     r = recipe
     limits = limits or RecipeLimits()
+    _check_finite(r, "")
     _check_bounds(r, limits)
     _check(bool(r.run.name.strip()), "run.name", "must not be empty")
     if r.model.path:

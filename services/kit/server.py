@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from services.kit import tls
-from services.kit.config import ServiceConfig
+from services.kit.config import ServiceConfig, advertised_host
 from services.kit.interceptors import ServerInterceptor, client_interceptors
 from services.kit.local import PortInUseError, free_port, port_is_free
 from services.kit.logs import setup_logging
@@ -79,7 +79,8 @@ class Service:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.grpc_port}"
+        """Where others reach this service: the advertised host (config.advertise_host), its port."""
+        return f"{advertised_host(self.config)}:{self.grpc_port}"
 
     def add(
         self,

@@ -15,6 +15,7 @@ Streams (one per kind of event, covering every run with a '*' in the run positio
 | ROLLOUTS | looprl.*.rollouts     | Limits    | durable record of every rollout; the packer acks after the trainer took the batch |
 | WEIGHTS  | looprl.*.weights      | Limits    | weight versions published, replayable by a late deployment |
 | TRAIN    | looprl.*.train        | Limits    | trainer step records for progress views and plots      |
+| RUN_EVENTS | looprl.*.events     | Limits    | errors components met working for a run (RunError)     |
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Kind(StrEnum):
     ROLLOUTS = "rollouts"
     WEIGHTS = "weights"
     TRAIN = "train"
+    EVENTS = "events"
 
 
 def subject(run_id: str, kind: Kind | str) -> str:
@@ -79,6 +81,11 @@ def weights(run_id: str) -> str:
 def train(run_id: str) -> str:
     """Trainer step records for one run (trainer -> gateway, progress views)."""
     return subject(run_id, Kind.TRAIN)
+
+
+def events(run_id: str) -> str:
+    """Errors components report for one run (any service -> gateway, which names them in the run)."""
+    return subject(run_id, Kind.EVENTS)
 
 
 def all_runs(kind: Kind | str) -> str:
@@ -128,6 +135,7 @@ EPISODES = "EPISODES"
 ROLLOUTS = "ROLLOUTS"
 WEIGHTS = "WEIGHTS"
 TRAIN = "TRAIN"
+RUN_EVENTS = "RUN_EVENTS"
 
 STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec(
@@ -157,6 +165,14 @@ STREAMS: tuple[StreamSpec, ...] = (
         max_age_s=_WEEK,
         description="trainer step records",
     ),
+    StreamSpec(
+        RUN_EVENTS,
+        (all_runs(Kind.EVENTS),),
+        Retention.LIMITS,
+        max_age_s=24 * 3600.0,
+        max_bytes=64 << 20,
+        description="errors components reported for a run (rate-limited per component and run)",
+    ),
 )
 
 STREAM_OF_KIND: dict[Kind, str] = {
@@ -164,6 +180,7 @@ STREAM_OF_KIND: dict[Kind, str] = {
     Kind.ROLLOUTS: ROLLOUTS,
     Kind.WEIGHTS: WEIGHTS,
     Kind.TRAIN: TRAIN,
+    Kind.EVENTS: RUN_EVENTS,
 }
 
 RUNS = "runs"

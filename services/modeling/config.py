@@ -174,3 +174,20 @@ class ModelConfig:
             attention_bias=attention_bias,
             model_type=model_type,
         )
+
+
+def model_preset(name: str) -> ModelConfig:
+    """The config a recipe's `model.preset` builds (shared: the trainer builds it, the gateway checks
+    the run's tokenizer against its vocabulary)."""
+    if name == "tiny-qwen2":
+        return ModelConfig.tiny()
+    if name == "small-qwen2":
+        return ModelConfig.tiny(
+            hidden_size=256,
+            intermediate_size=704,
+            num_hidden_layers=4,
+            head_dim=32,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+        )
+    raise ValueError(f"model.preset: unknown preset {name!r}")

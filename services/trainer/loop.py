@@ -27,6 +27,7 @@ from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import subjects, telemetry, tls
 from services.kit.interceptors import client_interceptors
+from services.kit.run_errors import RunErrorReporter, describe
 from services.trainer.batch import BatchRejected
 from services.trainer.checkpoint import latest_checkpoint
 from services.trainer.config import TrainerConfig
@@ -44,6 +45,8 @@ class RunTrainer:
         self.recipe = recipe
         self.cfg = cfg
         self.bus = bus
+        # Failed steps and pushes go to the run (the gateway names them), not only to this log.
+        self.reporter = RunErrorReporter(bus, "trainer") if bus is not None else None
         self.spec: TrainerSpec = spec_from_recipe(recipe, run_id)
         self.total_steps = recipe.run.steps
         self.world_size = recipe.trainer.world_size
@@ -91,6 +94,7 @@ class RunTrainer:
         except Exception as exc:
             self.state, self.error = "failed", str(exc)
             log.exception("run %s: training failed at step %d", self.run_id, self.step)
+            await self._report(f"training failed at step {self.step}: {describe(exc)}")
         finally:
             await self._ranks(self.group.shutdown)
 
@@ -154,7 +158,9 @@ class RunTrainer:
         self.step = step + 1
         self.last_loss = metrics["loss"]
         self.unacked.append(step)
-        self._check_pushes(self.step, metrics.get("pushes", []))
+        refused = self._check_pushes(self.step, metrics.get("pushes", []))
+        if refused and self.reporter is not None:
+            await self.reporter.report(self.run_id, refused)
         if self.cfg.ack_policy == "step" or self.checkpoint_every <= 0:
             await self._ack_pending()
         await self._publish(metrics)
@@ -171,17 +177,27 @@ class RunTrainer:
     async def _push(self, version: int) -> None:
         if not self.cfg.weight_sync_address:
             return
-        self._check_pushes(
+        refused = self._check_pushes(
             version, await self._ranks(self.group.push_weights, self.cfg.weight_sync_address, version)
         )
+        if refused and self.reporter is not None:
+            await self.reporter.report(self.run_id, refused)
 
-    def _check_pushes(self, version: int, results: list[dict[str, Any]]) -> None:
+    def _check_pushes(self, version: int, results: list[dict[str, Any]]) -> str | None:
+        """Raise on a failed push; the refusal to report when weight-sync skipped the version."""
         errors = [r["error"] for r in results if r.get("error")]
         if errors:
             raise RuntimeError(f"pushing version {version} to weight-sync failed: {errors[0]}")
         skipped = [r["skipped"] for r in results if r.get("skipped")]
         if skipped:
             log.warning("run %s: weight-sync refused version %d: %s", self.run_id, version, skipped[0])
+            return f"weight-sync refused version {version}: {skipped[0]}"
+        return None
+
+    async def _report(self, message: str) -> None:
+        if self.reporter is not None:
+            await self.reporter.report(self.run_id, message)
+            await self.reporter.close()
 
     async def _ack_pending(self) -> None:
         if not self.unacked:
@@ -218,6 +234,7 @@ class RunTrainer:
             max_staleness=m["max_staleness"],
             num_rollouts=int(m["sequences"]),
             num_tokens=int(m["num_tokens"]),
+            response_tokens=int(m.get("loss_tokens", 0)),
             step_seconds=m["step_seconds"],
             rollout_ids=m["rollout_ids"],
             reward_mean=m.get("reward_mean", 0.0),

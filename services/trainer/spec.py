@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.modeling.config import ModelConfig
+from services.modeling.config import ModelConfig, model_preset
 from services.trainer.loss import LossConfig
 from services.trainer.optim import OptimizerSpec
 
@@ -44,21 +44,6 @@ class TrainerSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def model_preset(name: str) -> ModelConfig:
-    if name == "tiny-qwen2":
-        return ModelConfig.tiny()
-    if name == "small-qwen2":
-        return ModelConfig.tiny(
-            hidden_size=256,
-            intermediate_size=704,
-            num_hidden_layers=4,
-            head_dim=32,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-        )
-    raise ValueError(f"model.preset: unknown preset {name!r}")
 
 
 def spec_from_recipe(recipe: Any, run_id: str) -> TrainerSpec:

@@ -23,6 +23,7 @@ from opentelemetry import context as otel_context
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2_grpc
 from services.kit import telemetry, tls
+from services.kit.hosts import interface_of, node_address
 from services.kit.interceptors import traced_channel
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
@@ -97,10 +98,14 @@ class TrainerWorker:
     # ---- process group ---------------------------------------------------------------------------
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """Called on rank 0: an address the other ranks can reach and a port free right now."""
+        """Called on rank 0: an address the other ranks can reach and a port free right now. In Ray
+        that is the node's address: 127.0.0.1 for a local head, a reachable one on a cluster."""
+        import ray
+
         from services.kit.local import free_port
 
-        return "127.0.0.1", free_port()
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        return host, free_port()
 
     def init_process_group(self, host: str, port: int, timeout_s: float = 600.0) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -110,8 +115,11 @@ class TrainerWorker:
             backend = "nccl"
         else:
             backend = "gloo"
-            if host == "127.0.0.1":
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            # gloo binds the interface of the host name's address unless told: on a machine (or
+            # namespace host) whose name resolves elsewhere the other ranks could not connect.
+            ifname = "lo" if host == "127.0.0.1" else interface_of(node_address())
+            if ifname:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
         dist.init_process_group(
             backend,
             init_method=f"tcp://{host}:{port}",
@@ -432,7 +440,10 @@ class TrainerWorker:
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 self._forget_channel(address, limit)
-                raise
+                # A gRPC error does not pickle: Ray would hand the caller its own error instead.
+                raise RuntimeError(
+                    f"PushShards to weight-sync at {address}: {exc.code().name}: {exc.details()}"
+                ) from None
             # e.g. after a resume, weight-sync already holds this version from before the crash.
             return {
                 "rank": self.rank,

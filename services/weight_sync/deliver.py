@@ -1,8 +1,9 @@
 """Delivering versions to targets: plan, stage on every rank, commit on every rank, publish.
 
 For a version, the due targets are grouped by layout; every (layout, rank) group gets ONE bucket
-stream, fanned out to the group's receivers (shared memory for receivers on this host: the bucket
-is written once and read by all of them; gRPC otherwise, the same encoded bytes sent to each).
+stream, fanned out to the group's receivers (shared memory for receivers proven to be on this
+host, placement.py: the bucket is written once and read by all of them; gRPC otherwise, the same
+encoded bytes sent to each).
 All ranks of all groups stage concurrently. A deployment commits only when every one of its ranks
 staged the version completely and verified; otherwise all its ranks abort, it keeps serving v-1,
 and the delivery is retried (or superseded by a newer version). After the commit:
@@ -36,6 +37,7 @@ from services.kit.weight_transfer import DeliveryError, Endpoint, GrpcTransport,
 from services.modeling.config import ModelConfig
 
 from . import canary
+from .placement import Placement
 from .plan import PlanCache, PlannedBucket, RankPlan, TrainerLayout
 from .targets import Target
 from .versions import VersionBuffer, VersionStore
@@ -66,6 +68,7 @@ class Deliverer:
         on_published: PublishHook | None = None,
         on_state: Callable[[Target], Awaitable[None]] | None = None,
         on_rejected: RejectHook | None = None,
+        host_id: str = "",
     ) -> None:
         self.store = store
         self.targets: dict[str, Target] = {}
@@ -76,6 +79,7 @@ class Deliverer:
             segment_bytes=bucket_bytes, segments=shm_segments,
             share_min_receivers=shared_copy_min_receivers, shared_copies=shared_copies,
         )  # fmt: skip
+        self.placement = Placement(self.grpc.stub, host_id=host_id)
         self.retry_attempts = retry_attempts
         self.retry_backoff_s = retry_backoff_s
         self.stage_timeout_s = stage_timeout_s
@@ -161,6 +165,7 @@ class Deliverer:
                     f"version {version}: no model config pushed (model_config_json) and none known"
                 )
             start = time.perf_counter()
+            await self.placement.place(e for t in targets for e in t.endpoints)
             skip = await self._ranks_already_at(version, targets) if forced else set()
             jobs, job_keys = [], []
             by_layout: dict[object, list[Target]] = {}
@@ -172,8 +177,8 @@ class Deliverer:
                     eps = [
                         e for t in group for e in t.endpoints if e.rank == rank_plan.rank and e not in skip
                     ]
-                    for transport, subset in ((self.shm, [e for e in eps if e.same_host]),
-                                              (self.grpc, [e for e in eps if not e.same_host])):  # fmt: skip
+                    shm = [e for e in eps if self.placement.uses_shm(e)]
+                    for transport, subset in ((self.shm, shm), (self.grpc, [e for e in eps if e not in shm])):
                         if subset:
                             jobs.append(transport.stage(
                                 version, subset, self._buckets(rank_plan, buf),
@@ -184,6 +189,8 @@ class Deliverer:
             results: dict[Endpoint, StageResult] = {}
             for res in await asyncio.gather(*jobs):
                 results.update(res)
+            for ep, res in results.items():
+                self.placement.delivered(ep, res.bytes_sent)
             await asyncio.gather(*(self._finish(t, version, results, skip, start) for t in targets))
         except asyncio.CancelledError:
             await asyncio.gather(*(self.grpc.abort(e, version) for t in targets for e in t.endpoints))

@@ -105,6 +105,9 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
             target.version = old.version  # re-registration of the same deployment keeps its state
             target.state = old.state
         self.deliverer.targets[target.deployment] = target
+        placement = self.deliverer.placement
+        placement.forget_except(e for t in self.deliverer.targets.values() for e in t.endpoints)
+        await placement.place(target.endpoints)
         if self.state is not None:
             await self.state.save_target(target)
         latest = self.store.latest
@@ -113,11 +116,14 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
         return weightsync_pb2.RegisterTargetResponse(current_version=self.store.latest_version)
 
     async def GetVersion(self, request, context):
+        placement = self.deliverer.placement
+        targets = []
+        for t in sorted(self.deliverer.targets.values(), key=lambda t: t.deployment):
+            proto = t.to_proto()
+            proto.routes.extend(placement.to_proto(e) for e in t.endpoints)
+            targets.append(proto)
         return weightsync_pb2.GetVersionResponse(
-            latest_version=self.store.latest_version,
-            targets=[
-                t.to_proto() for t in sorted(self.deliverer.targets.values(), key=lambda t: t.deployment)
-            ],
+            latest_version=self.store.latest_version, targets=targets, host_id=placement.host_id
         )
 
     async def RequestSync(self, request, context):

@@ -180,7 +180,8 @@ def test_killing_a_replica_mid_load_loses_no_request(fleet):
     router, stub, actors, (config, weights) = fleet
 
     async def load() -> list[inference_pb2.GenerateResponse]:
-        """12 clients send requests back to back for 2.5 s; the replica dies at 0.8 s."""
+        """12 clients send requests back to back for 2.5 s (and at least 2 each, however slow the
+        machine); the replica dies at 0.8 s."""
         channel = grpc.aio.insecure_channel(router.address)
         aio_stub = inference_pb2_grpc.InferenceRouterServiceStub(channel)
         loop = asyncio.get_running_loop()
@@ -188,7 +189,9 @@ def test_killing_a_replica_mid_load_loses_no_request(fleet):
         done: list[inference_pb2.GenerateResponse] = []
 
         async def client(i: int) -> None:
-            while loop.time() < stop_at:
+            sent = 0
+            while loop.time() < stop_at or sent < 2:
+                sent += 1
                 done.append(await aio_stub.Generate(_req(max_tokens=16, prompt=(3, 4, i + 1)), timeout=120))
 
         async def killer() -> None:

@@ -82,7 +82,7 @@ async def test_kill_mid_transfer_keeps_old_version_and_restart_syncs_next(nats_u
         await wait_ready(stub, proc)
         await stub.RegisterTarget(weightsync_pb2.RegisterTargetRequest(
             deployment="kill-d", layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf"),
-            ranks=[weightsync_pb2.TargetRank(rank=0, address=address, same_host=False)],
+            ranks=[weightsync_pb2.TargetRank(rank=0, address=address)],
         ))  # fmt: skip
         v0, v1, v2 = (random_state(CONFIG, seed=s) for s in (0, 1, 2))
         await push(stub, v0, 0)

@@ -175,8 +175,9 @@ def _wait_synced(stub, version: int, deployments: set[str], timeout: float, log_
     )
 
 
-def _register(stub, name: str, tp: int, addresses: list[str], same_host: bool) -> None:
-    """Register one deployment as the router does (services/inference_router/deployments.py)."""
+def _register(stub, name: str, tp: int, addresses: list[str], host_id: str) -> None:
+    """Register one deployment as the router does (services/inference_router/deployments.py); an
+    empty host_id (unknown host) gets gRPC, the replica's own gets shared memory."""
     stub.RegisterTarget(
         weightsync_pb2.RegisterTargetRequest(
             deployment=name,
@@ -184,7 +185,7 @@ def _register(stub, name: str, tp: int, addresses: list[str], same_host: bool) -
                 tensor_parallel=tp, naming="hf" if tp == 1 else "fused", dtype=common_pb2.D_TYPE_FLOAT32
             ),
             ranks=[
-                weightsync_pb2.TargetRank(rank=r, address=a, same_host=same_host, replica=f"{name}-r0")
+                weightsync_pb2.TargetRank(rank=r, address=a, host_id=host_id, replica=f"{name}-r0")
                 for r, a in enumerate(addresses)
             ],
         ),
@@ -305,7 +306,7 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
         # replica receives on the replica's one server).
         for name, tp in deployments.items():
             proxies[name] = ByteCountingProxy(statuses[name]["address"]).start()
-            _register(ws, name, tp, [proxies[name].address] * tp, same_host=False)
+            _register(ws, name, tp, [proxies[name].address] * tp, host_id="")
         t0 = time.monotonic()
         pushed = trainer.push_weights(address, 1)
         states = _wait_synced(ws, 1, set(deployments), 120, log_path)
@@ -327,7 +328,7 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
         # ---- one training step on those rollouts (rank r trains on deployment r's), then
         # version 2 over shared memory: the replicas are registered again at their own addresses.
         for name, tp in deployments.items():
-            _register(ws, name, tp, statuses[name]["rank_addresses"], same_host=True)
+            _register(ws, name, tp, statuses[name]["rank_addresses"], host_id=statuses[name]["host_id"])
         _wait_synced(ws, 1, set(deployments), 60, log_path)  # nothing to send: both already serve v1
         loss_tokens = sum(len(c.token_ids) for name in ("hf-tp1", "fused-tp2") for c in rollouts[name])
         batches = [

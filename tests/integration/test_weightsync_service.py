@@ -15,6 +15,7 @@ import torch
 
 from looprl.common.v1 import common_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
+from services.kit.hosts import host_identity
 from services.kit.interceptors import ServerInterceptor
 from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, serve_engine
 from services.modeling.config import ModelConfig
@@ -44,13 +45,15 @@ class Harness:
         return self
 
     async def add_deployment(self, name, layout, same_host):
+        """same_host: the deployment reports this host's identity (shared memory), else none (gRPC)."""
         engines, ranks = [], []
         for r in range(layout.tp_size):
             engine = WeightOnlyEngine(WeightStager(rank_params(CONFIG, layout, r), rank=r))
             server, address = await serve_engine(engine)
             self.engine_servers.append(server)
             engines.append(engine)
-            ranks.append(weightsync_pb2.TargetRank(rank=r, address=address, same_host=same_host))
+            host_id = host_identity() if same_host else ""
+            ranks.append(weightsync_pb2.TargetRank(rank=r, address=address, host_id=host_id))
         self.engines[name] = engines
         dtype = common_pb2.DType.D_TYPE_BFLOAT16 if layout.dtype == "bfloat16" else F32
         await self.stub.RegisterTarget(weightsync_pb2.RegisterTargetRequest(

@@ -20,10 +20,12 @@ import torch
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.kit import tls
 from services.kit.errors import ServiceError
+from services.kit.hosts import host_identity
 from services.kit.raw_requests import add_with_raw_requests
 
 from .errors import WeightTransferError
 from .memory import retain_bucket_buffers
+from .probe import read_probe
 from .shm import ShmReader
 from .stager import WeightStager
 from .wire import decode_stage_request
@@ -39,6 +41,7 @@ class WeightReceiver:
         self.on_commit = on_commit
         self.nccl_group = None  # set by a GPU engine that joined weight-sync's NCCL group
         self.bytes_received = 0  # payload bytes accepted, all versions (for accounting)
+        self.shm_bytes_received = 0  # of which read from shared memory
         self.buckets_received = 0
         self._lock = threading.Lock()
         self._shm = ShmReader()  # kept open: weight-sync reuses its segments (see ShmReader)
@@ -85,6 +88,7 @@ class WeightReceiver:
             progress = self.stager.stage(request, reader)
         with self._lock:
             self.bytes_received += sum(s.nbytes or len(s.data) for s in request.slices)
+            self.shm_bytes_received += sum(s.nbytes for s in request.slices if s.shm_name)
             self.buckets_received += 1
         return progress
 
@@ -117,6 +121,13 @@ class WeightReceiver:
             if inspect.isawaitable(result):
                 await result
         return inference_pb2.RollbackWeightsResponse(weight_version=self.stager.serving_version)
+
+    async def ProbeSharedMemory(self, request, context) -> inference_pb2.ProbeSharedMemoryResponse:
+        """Read back weight-sync's probe segment (probe.py): how it learns shared memory reaches us."""
+        try:
+            return read_probe(request)
+        except ServiceError as exc:
+            await context.abort(exc.code, str(exc))
 
 
 class WeightOnlyEngine(inference_pb2_grpc.InferenceEngineServiceServicer):
@@ -156,12 +167,16 @@ class WeightOnlyEngine(inference_pb2_grpc.InferenceEngineServiceServicer):
     async def RollbackWeights(self, request, context):
         return await self.receiver.RollbackWeights(request, context)
 
+    async def ProbeSharedMemory(self, request, context):
+        return await self.receiver.ProbeSharedMemory(request, context)
+
     async def Status(self, request, context):
         staged, previous = self.stager.staged_version, self.stager.rollback_version
         return inference_pb2.StatusResponse(
             weight_version=self.version,
             staged_version=-1 if staged is None else staged,
             rollback_version=-1 if previous is None else previous,
+            host_id=host_identity(),
         )
 
 
@@ -169,8 +184,10 @@ async def serve_engine(
     engine: inference_pb2_grpc.InferenceEngineServiceServicer,
     port: int = 0,
     max_message_bytes: int = 256 * 1024 * 1024,
+    host: str = "127.0.0.1",
 ) -> tuple[grpc.aio.Server, str]:
-    """Start a gRPC server for an engine on 127.0.0.1; returns (server, address)."""
+    """Start a gRPC server for an engine on `host` (an address of this host others reach it at);
+    returns (server, address)."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
@@ -178,9 +195,9 @@ async def serve_engine(
         ]
     )
     add_engine_servicer(server, engine)
-    bound = tls.add_port(server, f"127.0.0.1:{port}")
+    bound = tls.add_port(server, f"{host}:{port}")
     await server.start()
-    return server, f"127.0.0.1:{bound}"
+    return server, f"{host}:{bound}"
 
 
 def add_engine_servicer(server, servicer: inference_pb2_grpc.InferenceEngineServiceServicer) -> None:

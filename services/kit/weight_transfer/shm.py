@@ -18,26 +18,15 @@ import atexit
 import mmap
 import os
 import re
-import tempfile
 import threading
 import uuid
-from pathlib import Path
+
+from services.kit.hosts import shm_dir
 
 from .errors import InvalidWeights
 
 PREFIX = "looprl-ws-"
 _NAME = re.compile(r"^looprl-ws-(\d+)-[A-Za-z0-9_.-]+$")
-
-
-def shm_dir() -> Path:
-    """/dev/shm where it exists (Linux); a temp dir otherwise (slower, still correct)."""
-    override = os.environ.get("LOOPRL_SHM_DIR")
-    if override:
-        return Path(override)
-    dev_shm = Path("/dev/shm")
-    if dev_shm.is_dir() and os.access(dev_shm, os.W_OK):
-        return dev_shm
-    return Path(tempfile.gettempdir())
 
 
 def validate_segment_name(name: str) -> str:

@@ -28,12 +28,13 @@ STAGE_METHOD = "/looprl.inference.v1.InferenceEngineService/StageWeights"
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One receiver: a TP rank of an inference replica."""
+    """One receiver: a TP rank of an inference replica. `host_id` is the host identity it reported
+    (services/kit/hosts.py); which transport reaches it is weight-sync's decision, not a field."""
 
     address: str
     rank: int = 0
     deployment: str = ""
-    same_host: bool = False
+    host_id: str = ""
     replica: str = ""
 
     def __str__(self) -> str:

@@ -26,12 +26,13 @@ def test_error_names_the_bad_run_id() -> None:
 
 def test_streams_cover_every_runs_subjects() -> None:
     by_name = {s.name: s for s in subjects.STREAMS}
-    assert set(by_name) == {"EPISODES", "ROLLOUTS", "WEIGHTS", "TRAIN"}
+    assert set(by_name) == {"EPISODES", "ROLLOUTS", "WEIGHTS", "TRAIN", "RUN_EVENTS"}
     assert by_name["EPISODES"].retention is subjects.Retention.WORK_QUEUE
     assert by_name["ROLLOUTS"].retention is subjects.Retention.LIMITS
     assert by_name["EPISODES"].subjects == ("looprl.*.episodes",)
     assert by_name["ROLLOUTS"].subjects == ("looprl.*.rollouts",)
-    for make in (subjects.episodes, subjects.rollouts, subjects.weights, subjects.train):
+    assert by_name["RUN_EVENTS"].subjects == ("looprl.*.events",)
+    for make in (subjects.episodes, subjects.rollouts, subjects.weights, subjects.train, subjects.events):
         subj = make("run-x")
         assert subjects.stream_for(subj) in by_name
 

@@ -66,7 +66,7 @@ async def start_receivers(layout, n):
             server, address = await serve_engine(engine)
             engines.append(engine)
             servers.append(server)
-            endpoints.append(Endpoint(address, rank, f"d{i}", same_host=True))
+            endpoints.append(Endpoint(address, rank, f"d{i}"))
     return engines, servers, endpoints
 
 

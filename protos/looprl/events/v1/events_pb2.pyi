@@ -70,7 +70,7 @@ class WeightsRejected(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., deployment: _Optional[str] = ..., drift: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class TrainStepRecord(_message.Message):
-    __slots__ = ("run_id", "step", "version", "loss", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_second", "mean_staleness", "reward_mean", "reward_std", "num_rollouts", "num_tokens", "step_seconds", "rollout_ids", "max_staleness")
+    __slots__ = ("run_id", "step", "version", "loss", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_second", "mean_staleness", "reward_mean", "reward_std", "num_rollouts", "num_tokens", "step_seconds", "rollout_ids", "max_staleness", "response_tokens")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class TrainStepRecord(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     version: int
@@ -105,4 +106,19 @@ class TrainStepRecord(_message.Message):
     step_seconds: float
     rollout_ids: _containers.RepeatedScalarFieldContainer[str]
     max_staleness: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., loss: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., num_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    response_tokens: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., loss: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., num_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., max_staleness: _Optional[int] = ..., response_tokens: _Optional[int] = ...) -> None: ...
+
+class RunError(_message.Message):
+    __slots__ = ("run_id", "component", "message", "occurrences", "unix_time")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    OCCURRENCES_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    component: str
+    message: str
+    occurrences: int
+    unix_time: float
+    def __init__(self, run_id: _Optional[str] = ..., component: _Optional[str] = ..., message: _Optional[str] = ..., occurrences: _Optional[int] = ..., unix_time: _Optional[float] = ...) -> None: ...

@@ -146,7 +146,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("weight_version", "queued_requests", "tokens_in_flight", "cache_usage", "paused", "staged_version", "rollback_version")
+    __slots__ = ("weight_version", "queued_requests", "tokens_in_flight", "cache_usage", "paused", "staged_version", "rollback_version", "host_id")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class StatusResponse(_message.Message):
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     queued_requests: int
     tokens_in_flight: int
@@ -161,7 +162,8 @@ class StatusResponse(_message.Message):
     paused: bool
     staged_version: int
     rollback_version: int
-    def __init__(self, weight_version: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., staged_version: _Optional[int] = ..., rollback_version: _Optional[int] = ...) -> None: ...
+    host_id: str
+    def __init__(self, weight_version: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., staged_version: _Optional[int] = ..., rollback_version: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()
@@ -268,6 +270,22 @@ class AbortWeightsRequest(_message.Message):
 class AbortWeightsResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ProbeSharedMemoryRequest(_message.Message):
+    __slots__ = ("segment", "nbytes")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    nbytes: int
+    def __init__(self, segment: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ProbeSharedMemoryResponse(_message.Message):
+    __slots__ = ("data", "host_id")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    host_id: str
+    def __init__(self, data: _Optional[bytes] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RollbackWeightsRequest(_message.Message):
     __slots__ = ("version",)

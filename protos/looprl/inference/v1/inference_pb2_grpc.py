@@ -287,6 +287,11 @@ class InferenceEngineServiceStub:
                 request_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.RollbackWeightsRequest.SerializeToString,
                 response_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.RollbackWeightsResponse.FromString,
                 _registered_method=True)
+        self.ProbeSharedMemory = channel.unary_unary(
+                '/looprl.inference.v1.InferenceEngineService/ProbeSharedMemory',
+                request_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.ProbeSharedMemoryRequest.SerializeToString,
+                response_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.ProbeSharedMemoryResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceEngineServiceServicer:
@@ -348,6 +353,14 @@ class InferenceEngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeSharedMemory(self, request, context):
+        """Read back the first bytes of a shared-memory segment weight-sync just created: proof that
+        this replica sees weight-sync's /dev/shm. NOT_FOUND when the segment is not there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceEngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -390,6 +403,11 @@ def add_InferenceEngineServiceServicer_to_server(servicer, server):
                     servicer.RollbackWeights,
                     request_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.RollbackWeightsRequest.FromString,
                     response_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.RollbackWeightsResponse.SerializeToString,
+            ),
+            'ProbeSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeSharedMemory,
+                    request_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.ProbeSharedMemoryRequest.FromString,
+                    response_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.ProbeSharedMemoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -610,6 +628,33 @@ class InferenceEngineService:
             '/looprl.inference.v1.InferenceEngineService/RollbackWeights',
             looprl_dot_inference_dot_v1_dot_inference__pb2.RollbackWeightsRequest.SerializeToString,
             looprl_dot_inference_dot_v1_dot_inference__pb2.RollbackWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/looprl.inference.v1.InferenceEngineService/ProbeSharedMemory',
+            looprl_dot_inference_dot_v1_dot_inference__pb2.ProbeSharedMemoryRequest.SerializeToString,
+            looprl_dot_inference_dot_v1_dot_inference__pb2.ProbeSharedMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -125,6 +125,10 @@ class InferenceEngineServiceStub:
     that served before it again. FAILED_PRECONDITION once the replica no longer holds that
     version (staging of a newer version reuses its buffers).
     """
+    ProbeSharedMemory: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ProbeSharedMemoryRequest, _inference_pb2.ProbeSharedMemoryResponse]
+    """Read back the first bytes of a shared-memory segment weight-sync just created: proof that
+    this replica sees weight-sync's /dev/shm. NOT_FOUND when the segment is not there.
+    """
 
 @_typing.type_check_only
 class InferenceEngineServiceAsyncStub(InferenceEngineServiceStub):
@@ -147,6 +151,10 @@ class InferenceEngineServiceAsyncStub(InferenceEngineServiceStub):
     """Undo the commit of `version` (a canary whose golden-prompt check failed): serve the version
     that served before it again. FAILED_PRECONDITION once the replica no longer holds that
     version (staging of a newer version reuses its buffers).
+    """
+    ProbeSharedMemory: _aio.UnaryUnaryMultiCallable[_inference_pb2.ProbeSharedMemoryRequest, _inference_pb2.ProbeSharedMemoryResponse]  # type: ignore[assignment]
+    """Read back the first bytes of a shared-memory segment weight-sync just created: proof that
+    this replica sees weight-sync's /dev/shm. NOT_FOUND when the segment is not there.
     """
 
 class InferenceEngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -215,6 +223,16 @@ class InferenceEngineServiceServicer(metaclass=_abc_1.ABCMeta):
         """Undo the commit of `version` (a canary whose golden-prompt check failed): serve the version
         that served before it again. FAILED_PRECONDITION once the replica no longer holds that
         version (staging of a newer version reuses its buffers).
+        """
+
+    @_abc_1.abstractmethod
+    def ProbeSharedMemory(
+        self,
+        request: _inference_pb2.ProbeSharedMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.ProbeSharedMemoryResponse, _abc.Awaitable[_inference_pb2.ProbeSharedMemoryResponse]]:
+        """Read back the first bytes of a shared-memory segment weight-sync just created: proof that
+        this replica sees weight-sync's /dev/shm. NOT_FOUND when the segment is not there.
         """
 
 def add_InferenceEngineServiceServicer_to_server(servicer: InferenceEngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -56,16 +56,18 @@ class PushShardsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., version_complete: _Optional[bool] = ...) -> None: ...
 
 class TargetRank(_message.Message):
-    __slots__ = ("rank", "address", "same_host", "replica")
+    __slots__ = ("rank", "address", "same_host", "replica", "host_id")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SAME_HOST_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     address: str
     same_host: bool
     replica: str
-    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., same_host: _Optional[bool] = ..., replica: _Optional[str] = ...) -> None: ...
+    host_id: str
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., same_host: _Optional[bool] = ..., replica: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class TargetLayout(_message.Message):
     __slots__ = ("tensor_parallel", "naming", "dtype")
@@ -124,7 +126,7 @@ class GetVersionRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetVersion(_message.Message):
-    __slots__ = ("deployment", "version", "state", "last_error", "last_bytes", "last_sync_seconds", "canary_drift", "canary_rejected_version")
+    __slots__ = ("deployment", "version", "state", "last_error", "last_bytes", "last_sync_seconds", "canary_drift", "canary_rejected_version", "routes")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +135,7 @@ class TargetVersion(_message.Message):
     LAST_SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CANARY_DRIFT_FIELD_NUMBER: _ClassVar[int]
     CANARY_REJECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     version: int
     state: str
@@ -141,15 +144,36 @@ class TargetVersion(_message.Message):
     last_sync_seconds: float
     canary_drift: float
     canary_rejected_version: int
-    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_bytes: _Optional[int] = ..., last_sync_seconds: _Optional[float] = ..., canary_drift: _Optional[float] = ..., canary_rejected_version: _Optional[int] = ...) -> None: ...
+    routes: _containers.RepeatedCompositeFieldContainer[DeliveryRoute]
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_bytes: _Optional[int] = ..., last_sync_seconds: _Optional[float] = ..., canary_drift: _Optional[float] = ..., canary_rejected_version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[DeliveryRoute, _Mapping]]] = ...) -> None: ...
+
+class DeliveryRoute(_message.Message):
+    __slots__ = ("replica", "rank", "address", "host_id", "transport", "reason", "bytes_delivered")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    rank: int
+    address: str
+    host_id: str
+    transport: str
+    reason: str
+    bytes_delivered: int
+    def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., host_id: _Optional[str] = ..., transport: _Optional[str] = ..., reason: _Optional[str] = ..., bytes_delivered: _Optional[int] = ...) -> None: ...
 
 class GetVersionResponse(_message.Message):
-    __slots__ = ("latest_version", "targets")
+    __slots__ = ("latest_version", "targets", "host_id")
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     latest_version: int
     targets: _containers.RepeatedCompositeFieldContainer[TargetVersion]
-    def __init__(self, latest_version: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetVersion, _Mapping]]] = ...) -> None: ...
+    host_id: str
+    def __init__(self, latest_version: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetVersion, _Mapping]]] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RequestSyncRequest(_message.Message):
     __slots__ = ("deployment",)

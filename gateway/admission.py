@@ -1,0 +1,167 @@
+"""Admission of a run's prerequisites: what must exist on this stack before a run record is written.
+
+A recipe can be valid on its own and still be unable to make progress here: no deployment of the
+inference-router serves it, the environment-sandbox does not know its environment, the reward
+service does not know its reward, or its tokenizer's vocabulary does not fit the model's. Each
+is refused with FAILED_PRECONDITION naming the recipe field and what is missing, before the run
+exists. The services are asked over their own RPCs (ListDeployments, ListEnvironments,
+ListRewards); a service whose address the gateway was not given is not asked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from looprl.environment.v1 import environment_pb2, environment_pb2_grpc
+from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+from looprl.reward.v1 import reward_pb2, reward_pb2_grpc
+from services.kit.errors import FailedPrecondition
+from services.kit.recipe import Recipe
+
+log = logging.getLogger("looprl.gateway.admission")
+
+# Hugging Face models pad their embedding past the tokenizer (Qwen2.5: 151,936 rows for 151,665
+# ids), so a model vocabulary somewhat larger than the tokenizer's is normal; much larger means
+# the policy samples ids the tokenizer cannot decode.
+VOCAB_PADDING_TOLERANCE = 512
+
+
+@dataclass
+class Peers:
+    """Stubs of the services admission asks; None where the gateway has no address for one. `health`
+    holds the health stubs of the services a run needs (by name), for the stall watch to name one
+    that is not serving."""
+
+    router: inference_pb2_grpc.InferenceRouterServiceStub | None = None
+    sandbox: environment_pb2_grpc.EnvironmentSandboxServiceStub | None = None
+    reward: reward_pb2_grpc.RewardServiceStub | None = None
+    timeout_s: float = 10.0
+    health: dict[str, health_pb2_grpc.HealthStub] = field(default_factory=dict)
+
+    async def not_serving(self) -> list[str]:
+        """'<service> (<status>)' for each service whose health check does not answer SERVING."""
+        out = []
+        for name, stub in sorted(self.health.items()):
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as exc:
+                status = f"DOWN: {exc.code().name}"
+            if status != "SERVING":
+                out.append(f"{name} ({status})")
+        return out
+
+
+async def admit(recipe: Recipe, peers: Peers, base_dir: Path) -> None:
+    """Raise FailedPrecondition naming the first missing prerequisite of `recipe`."""
+    check_vocabulary(recipe, base_dir)
+    if peers.router is not None:
+        await _check_deployments(recipe, peers)
+    if peers.sandbox is not None:
+        await _check_environment(recipe, peers)
+    if peers.reward is not None and recipe.environment.reward:
+        await _check_reward(recipe, peers)
+
+
+async def _ask(service: str, call, request, timeout_s: float):
+    try:
+        return await call(request, timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise FailedPrecondition(
+            f"{service} cannot be asked whether it serves this run: {exc.code().name}: {exc.details()}"
+        ) from None
+
+
+async def _check_deployments(recipe: Recipe, peers: Peers) -> None:
+    reply = await _ask(
+        "inference-router",
+        peers.router.ListDeployments,
+        inference_pb2.ListDeploymentsRequest(),
+        peers.timeout_s,
+    )
+    served = sorted(d.name for d in reply.deployments if d.replicas)
+    wanted = [d.name for d in recipe.deployments]
+    if not any(name in served for name in wanted):
+        have = ", ".join(served) if served else "none"
+        raise FailedPrecondition(
+            f"deployments: no deployment serves this run: the recipe asks for {', '.join(wanted)}; the "
+            f"inference-router serves {have} (start the stack with the recipe: `looprl up --recipe RECIPE`)"
+        )
+
+
+async def _check_environment(recipe: Recipe, peers: Peers) -> None:
+    reply = await _ask(
+        "environment-sandbox",
+        peers.sandbox.ListEnvironments,
+        environment_pb2.ListEnvironmentsRequest(),
+        peers.timeout_s,
+    )
+    known = sorted(e.name for e in reply.environments)
+    if recipe.environment.name not in known:
+        raise FailedPrecondition(
+            f"environment.name: unknown environment {recipe.environment.name!r}: the environment-sandbox "
+            f"serves {', '.join(known) or 'none'}"
+        )
+
+
+async def _check_reward(recipe: Recipe, peers: Peers) -> None:
+    reply = await _ask("reward", peers.reward.ListRewards, reward_pb2.ListRewardsRequest(), peers.timeout_s)
+    known = sorted(r.name for r in reply.rewards)
+    if recipe.environment.reward not in known:
+        raise FailedPrecondition(
+            f"environment.reward: unknown reward {recipe.environment.reward!r}: the reward service "
+            f"serves {', '.join(known) or 'none'}"
+        )
+
+
+def model_vocab_size(recipe: Recipe, base_dir: Path) -> int:
+    """Rows of the run's model's embedding: its config.json's vocab_size, or its preset's."""
+    from services.modeling.config import model_preset
+
+    if not recipe.model.path:
+        return model_preset(recipe.model.preset).vocab_size
+    path = Path(recipe.model.path)
+    if not path.is_absolute() and not path.is_dir():
+        path = base_dir / path
+    try:
+        return int(json.loads((path / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FailedPrecondition(
+            f"model.path: cannot read vocab_size from {path / 'config.json'}: {exc}"
+        ) from None
+
+
+def check_vocabulary(recipe: Recipe, base_dir: Path) -> None:
+    """The tokenizer's ids must all index the model's embedding, and the model must not sample many
+    ids the tokenizer cannot decode."""
+    from services.modeling.tokenizer import load_tokenizer
+
+    spec = recipe.model.tokenizer
+    if spec != "char" and not Path(spec).is_absolute() and not Path(spec).is_dir():
+        spec = str(base_dir / spec)
+    try:
+        tokenizer_vocab = load_tokenizer(spec).vocab_size
+    except (OSError, ValueError) as exc:
+        raise FailedPrecondition(
+            f"model.tokenizer: {recipe.model.tokenizer!r} does not load: {exc}"
+        ) from None
+    model_vocab = model_vocab_size(recipe, base_dir)
+    model = recipe.model.path or f"preset {recipe.model.preset!r}"
+    if tokenizer_vocab > model_vocab:
+        raise FailedPrecondition(
+            f"model.tokenizer: vocabulary mismatch: the tokenizer {recipe.model.tokenizer!r} has "
+            f"{tokenizer_vocab} ids, the model ({model}) has vocab_size {model_vocab}: ids past "
+            f"{model_vocab - 1} have no embedding"
+        )
+    if model_vocab - tokenizer_vocab > VOCAB_PADDING_TOLERANCE:
+        raise FailedPrecondition(
+            f"model.tokenizer: vocabulary mismatch: the model ({model}) has vocab_size {model_vocab}, the "
+            f"tokenizer {recipe.model.tokenizer!r} only {tokenizer_vocab} ids: the policy would sample "
+            "ids the tokenizer cannot decode (is this the model's own tokenizer?)"
+        )

@@ -1,0 +1,225 @@
+"""The end-of-run report: one grid image of what RL practitioners watch, a condensed summary table
+and the full per-step history as CSV, all drawn from the run as GetRun returns it.
+
+Panels: reward with its spread, loss, entropy, KL, clip fraction, response length, trained
+tokens/s, staleness, and weight-sync seconds per version (one line per deployment). Each panel is
+a list of `Series` computed from the run's records (`panels`), so what is drawn can be checked
+against the records.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.progress import STATE_NAMES, reward_gain
+from looprl.gateway.v1 import gateway_pb2
+
+# Rows the summary table aims at: every k-th step, k chosen so the table holds about this many.
+TABLE_ROWS = 40
+# The last steps, always in the table whatever k is.
+TABLE_TAIL = 5
+
+GRID_IMAGE = "report.png"
+SUMMARY = "summary.md"
+HISTORY_CSV = "history.csv"
+
+
+@dataclass(frozen=True)
+class Series:
+    """One line of a panel; `spread` (same length as y) draws y ± spread as a band."""
+
+    label: str
+    x: list[float]
+    y: list[float]
+    spread: list[float] | None = None
+    steps: bool = False  # drawn as a step function (integer quantities)
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    xlabel: str
+    ylabel: str
+    series: list[Series]
+    legend: bool = False
+
+
+def _per_step(run: gateway_pb2.Run, field: str) -> list[float]:
+    return [float(getattr(h, field)) for h in run.history]
+
+
+def panels(run: gateway_pb2.Run) -> list[Panel]:
+    """The grid's panels, in reading order, from the run's history and weight deliveries."""
+    steps = [float(h.step) for h in run.history]
+
+    def one(title: str, field: str, ylabel: str, label: str = "") -> Panel:
+        return Panel(title, "trainer step", ylabel, [Series(label or field, steps, _per_step(run, field))])
+
+    syncs: dict[str, list[gateway_pb2.WeightSync]] = {}
+    for w in sorted(run.weight_syncs, key=lambda w: (w.deployment, w.version)):
+        syncs.setdefault(w.deployment, []).append(w)
+    return [
+        Panel(
+            "reward",
+            "trainer step",
+            "reward",
+            [Series("mean ± std", steps, _per_step(run, "reward_mean"), _per_step(run, "reward_std"))],
+            legend=True,
+        ),
+        one("loss", "loss", "policy loss"),
+        one("entropy", "entropy", "nats / token"),
+        one("KL to reference", "kl", "nats / token"),
+        one("clip fraction", "clip_fraction", "fraction of tokens"),
+        one("response length", "mean_response_tokens", "tokens / rollout"),
+        one("trained tokens/s", "train_tokens_per_second", "tokens / s"),
+        Panel(
+            "staleness",
+            "trainer step",
+            "versions",
+            [
+                Series("mean", steps, _per_step(run, "mean_staleness")),
+                Series("max", steps, _per_step(run, "max_staleness"), steps=True),
+            ],
+            legend=True,
+        ),
+        Panel(
+            "weight-sync seconds per version",
+            "weight version",
+            "seconds",
+            [
+                Series(name, [float(w.version) for w in ws], [w.sync_seconds for w in ws])
+                for name, ws in sorted(syncs.items())
+            ],
+            legend=True,
+        ),
+    ]
+
+
+def _pyplot():
+    """pyplot on the file-only backend (no display where `looprl run` runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def grid_figure(run: gateway_pb2.Run):
+    """A matplotlib Figure with one axes per panel (titles as in `panels`)."""
+    plt = _pyplot()
+    drawn = panels(run)
+    cols = 3
+    rows = math.ceil(len(drawn) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, drawn, strict=False):
+        for series in panel.series:
+            if series.steps:
+                (line,) = ax.step(series.x, series.y, where="post", label=series.label, linewidth=1.0)
+            else:
+                (line,) = ax.plot(series.x, series.y, label=series.label, linewidth=1.2)
+            if series.spread is not None:
+                ax.fill_between(
+                    series.x,
+                    [y - s for y, s in zip(series.y, series.spread, strict=True)],
+                    [y + s for y, s in zip(series.y, series.spread, strict=True)],
+                    alpha=0.2,
+                    color=line.get_color(),
+                )
+        if not any(s.x for s in panel.series):
+            ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes, alpha=0.6)
+        ax.set_title(panel.title)
+        ax.set_xlabel(panel.xlabel)
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(alpha=0.3)
+        if panel.legend and panel.series:
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(drawn) :]:
+        ax.set_visible(False)
+    state = STATE_NAMES.get(run.state, "?")
+    fig.suptitle(f"{run.run_id}: {state}, {run.step}/{run.total_steps} steps")
+    fig.tight_layout()
+    return fig
+
+
+def table_steps(count: int, rows: int = TABLE_ROWS, tail: int = TABLE_TAIL) -> list[int]:
+    """Indices of the history the summary table shows: every k-th step and the last `tail`."""
+    every = max(1, math.ceil(count / rows))
+    return sorted({*range(0, count, every), *range(max(0, count - tail), count)})
+
+
+def _which_steps(count: int) -> str:
+    every = max(1, math.ceil(count / TABLE_ROWS))
+    return "all of them" if every == 1 else f"one in {every} and the last {TABLE_TAIL}"
+
+
+TABLE_COLUMNS = (
+    ("step", "step", "{:d}"),
+    ("reward mean", "reward_mean", "{:.3f}"),
+    ("reward std", "reward_std", "{:.3f}"),
+    ("loss", "loss", "{:+.4f}"),
+    ("entropy", "entropy", "{:.3f}"),
+    ("KL", "kl", "{:.4f}"),
+    ("clip frac", "clip_fraction", "{:.3f}"),
+    ("grad norm", "grad_norm", "{:.3f}"),
+    ("resp len", "mean_response_tokens", "{:.1f}"),
+    ("staleness", "mean_staleness", "{:.2f}"),
+    ("train tok/s", "train_tokens_per_second", "{:.0f}"),
+    ("rollouts", "num_rollouts", "{:d}"),
+    ("seconds", "seconds", "{:.2f}"),
+)
+
+
+def summary_lines(run: gateway_pb2.Run) -> list[str]:
+    first, last = reward_gain(run)
+    syncs = [w.sync_seconds for w in run.weight_syncs]
+    shown = table_steps(len(run.history))
+    lines = [
+        f"# Run {run.run_id}",
+        "",
+        f"![run report]({GRID_IMAGE})",
+        "",
+        f"- state: {STATE_NAMES.get(run.state, '?')}" + (f" ({run.error})" if run.error else ""),
+        f"- steps: {run.step}/{run.total_steps}, trainer weight version {run.weight_version}",
+        f"- reward: first steps {first:.3f} -> last steps {last:.3f} ({last - first:+.3f})",
+        f"- episodes published {run.episodes_published}, rollouts trained {run.rollouts_trained}",
+        f"- dropped: {dict(run.rollouts_dropped) or 'none'}; redelivered duplicates recognised: "
+        f"{run.duplicate_deliveries}",
+        f"- deployments: {', '.join(f'{d.deployment}=v{d.version}' for d in run.deployments) or 'n/a'}",
+        f"- weight syncs: {len(syncs)}"
+        + (f", {sum(syncs) / len(syncs):.3f} s mean, {max(syncs):.3f} s max" if syncs else ""),
+        "",
+        f"{len(shown)} of {len(run.history)} steps ({_which_steps(len(run.history))}); every step is in "
+        f"{HISTORY_CSV}.",
+        "",
+        "| " + " | ".join(name for name, _, _ in TABLE_COLUMNS) + " |",
+        "|" + "---:|" * len(TABLE_COLUMNS),
+    ]
+    for i in shown:
+        h = run.history[i]
+        lines.append("| " + " | ".join(fmt.format(getattr(h, f)) for _, f, fmt in TABLE_COLUMNS) + " |")
+    return lines
+
+
+def write_history_csv(run: gateway_pb2.Run, path: Path) -> None:
+    with path.open("w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow([f for _, f, _ in TABLE_COLUMNS] + ["max_staleness"])
+        for h in run.history:
+            writer.writerow([getattr(h, f) for _, f, _ in TABLE_COLUMNS] + [h.max_staleness])
+
+
+def write_report(run: gateway_pb2.Run, out_dir: Path) -> Path:
+    """report.png (the grid), summary.md (condensed table) and history.csv; returns the summary."""
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig = grid_figure(run)
+    fig.savefig(out_dir / GRID_IMAGE, dpi=100)
+    plt.close(fig)
+    write_history_csv(run, out_dir / HISTORY_CSV)
+    summary = out_dir / SUMMARY
+    summary.write_text("\n".join(summary_lines(run)) + "\n")
+    return summary
