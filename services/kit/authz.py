@@ -30,6 +30,7 @@ POLICY: dict[str, dict[str, frozenset[str]]] = {
         "CommitWeights": frozenset({"weight-sync"}),
         "AbortWeights": frozenset({"weight-sync"}),
         "RollbackWeights": frozenset({"weight-sync"}),
+        "ProbeSharedMemory": frozenset({"weight-sync"}),
     },
     "looprl.inference.v1.InferenceRouterService": {
         "Generate": frozenset({"environment-sandbox", "gateway"}),
