@@ -91,7 +91,7 @@ def _weight_versions(state) -> dict[str, int]:
     from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 
     try:
-        with grpc.insecure_channel(state.service("weight-sync").address) as channel:
+        with state.channel("weight-sync") as channel:
             reply = weightsync_pb2_grpc.WeightSyncServiceStub(channel).GetVersion(
                 weightsync_pb2.GetVersionRequest(), timeout=2
             )
@@ -111,6 +111,15 @@ def _recipe_env(recipe: str | None) -> dict[str, str]:
     if not recipe:
         return {}
     return {"LOOPRL_INFERENCE_ROUTER_RECIPE": str(Path(recipe).resolve())}
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    """A development CA and one certificate per service (for docker compose or a Kubernetes Secret)."""
+    from services.kit import tls
+
+    out = tls.generate_dev_pki(Path(args.out), hosts=args.host)
+    print(f"CA and certificates for {', '.join(tls.IDENTITIES)} in {out}")
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -221,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("service", help="service name as `looprl status` shows it")
     p.add_argument("--kill", action="store_true", help="SIGKILL it first, as a crash would")
     p.set_defaults(func=cmd_restart)
+    p = sub.add_parser("certs", help="write a development CA and per-service certificates into a directory")
+    p.add_argument("out", help="directory (an existing ca.crt/ca.key there is reused)")
+    p.add_argument("--host", action="append", default=[], help="extra DNS name or IP for every certificate")
+    p.set_defaults(func=cmd_certs)
     p = sub.add_parser("run", help="submit a recipe and follow the run")
     p.add_argument("recipe")
     p.add_argument("--local", action="store_true", help="bring the local stack up (and down after) if needed")

@@ -1,6 +1,8 @@
 """The local stack behind `looprl up/down/status`: nats-server, a Ray head and every service as
 its own OS process (own log file, own process group), with their ports and pids recorded in
 <state_dir>/stack.json so a later `looprl down` stops exactly what `up` started.
+`up` also issues the stack's development CA and one certificate per service into <state_dir>/tls
+(services/kit/tls.py): every service serves and calls with mutual TLS; the CLI is `operator`.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.kit import tls
 from services.kit.local import (
     RAY_GRACE_S,
     NatsServer,
@@ -40,6 +44,9 @@ SERVICES: tuple[tuple[str, str], ...] = (
     ("trainer", "services.trainer"),
     ("gateway", "gateway"),
 )
+
+# Served without client certificates (users authenticate with bearer tokens).
+PUBLIC_SERVICES = frozenset({"gateway"})
 
 # Each service finds its peers through these variables.
 PEER_VARIABLES = {
@@ -86,6 +93,20 @@ class StackState:
     def service(self, name: str) -> ServiceProcess:
         return next(s for s in self.services if s.name == name)
 
+    @property
+    def tls_dir(self) -> Path:
+        return Path(self.state_dir) / "tls"
+
+    def credentials(self, identity: str = tls.OPERATOR) -> tls.Credentials:
+        """An identity's certificate from this stack's CA (the CLI is `operator`)."""
+        return tls.Credentials.from_dir(identity, self.tls_dir)
+
+    def channel(self, name: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
+        """A channel to service `name`, as the operator (plaintext to the public gateway)."""
+        address = self.service(name).address
+        creds = None if name in PUBLIC_SERVICES else self.credentials()
+        return tls.sync_channel(address, options or [], creds=creds)
+
     def save(self) -> None:
         path = Path(self.state_dir) / "stack.json"
         path.write_text(json.dumps(asdict(self), indent=2))
@@ -110,9 +131,9 @@ class StackPorts:
     http: int = 8080
 
 
-def health_status(address: str, timeout: float = 1.0) -> str:
+def health_status(address: str, timeout: float = 1.0, creds: tls.Credentials | None = None) -> str:
     try:
-        with grpc.insecure_channel(address) as channel:
+        with tls.sync_channel(address, creds=creds) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout
             )
@@ -164,8 +185,12 @@ def up(
         http_port=ports.http,
     )
     state.save()
+    tls.generate_dev_pki(state.tls_dir)
     env = {
         **ray.env(),
+        "LOOPRL_TLS_DIR": str(state.tls_dir),
+        # `up` is secure whatever the caller's environment says; extra_env may still opt out.
+        "LOOPRL_INSECURE_PLAINTEXT": "false",
         "LOOPRL_NATS_URL": nats.url,
         "LOOPRL_RAY_ADDRESS": ray.address,
         "LOOPRL_STATE_DIR": str(state_dir),
@@ -243,7 +268,7 @@ def wait_serving(state: StackState, timeout: float) -> None:
             if not pid_alive(svc.pid):
                 tail = Path(svc.log).read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{name} exited during start-up; last log lines:\n{tail}")
-            if health_status(svc.address, timeout=0.5) == "SERVING":
+            if _health(state, svc, timeout=0.5) == "SERVING":
                 del pending[name]
         if pending and time.monotonic() > deadline:
             raise TimeoutError(
@@ -288,6 +313,11 @@ def status_rows(state: StackState) -> list[dict[str, str]]:
         },
     ]
     for svc in state.services:
-        health = health_status(svc.address) if pid_alive(svc.pid) else "DOWN (no process)"
+        health = _health(state, svc) if pid_alive(svc.pid) else "DOWN (no process)"
         rows.append({"name": svc.name, "health": health, "address": svc.address, "pid": str(svc.pid)})
     return rows
+
+
+def _health(state: StackState, svc: ServiceProcess, timeout: float = 1.0) -> str:
+    plaintext = svc.name in PUBLIC_SERVICES or not state.tls_dir.exists()
+    return health_status(svc.address, timeout, None if plaintext else state.credentials())

@@ -20,6 +20,11 @@ from services.kit.local import NatsServer, RayHead, free_port
 SESSION_RAY_TOKEN = secrets.token_hex(16)
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ["RAY_AUTH_TOKEN"] = SESSION_RAY_TOKEN
+# In-process tests build servers and plain clients by hand, so they run without TLS (the kit logs
+# a warning). Stacks started with `looprl up` (tests/support/stack.py) always use the certificates
+# `up` issues, and tests/security checks mutual TLS and authorization on such a stack. Set before
+# the Ray head starts, so that Ray workers created by these tests inherit it.
+os.environ.setdefault("LOOPRL_INSECURE_PLAINTEXT", "true")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

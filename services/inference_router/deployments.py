@@ -31,7 +31,7 @@ from services.inference_router.config import RouterConfig
 from services.inference_router.handles import GrpcReplicaHandle, RayReplicaHandle, ReplicaHandle
 from services.inference_router.policies import DeploymentState, LengthProfile, ReplicaState
 from services.inference_router.router import Router
-from services.kit import errors, telemetry
+from services.kit import errors, telemetry, tls
 from services.kit.recipe import DeploymentSpec
 
 log = logging.getLogger("looprl.inference_router.deployments")
@@ -109,6 +109,7 @@ class DeploymentManager:
                 spec={**_spec_dict(spec), "host": self.config.replica_host},
                 replica=name,
                 tracing=telemetry.exporter_settings(),
+                tls_credentials=tls.export(),
             )
             self.actors[name] = actor
             handles.append(RayReplicaHandle(name, actor))

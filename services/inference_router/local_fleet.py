@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.kit import tls
 from services.kit.local import free_port, stop_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +83,7 @@ class RouterProcess:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
+        with tls.sync_channel(self.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:

@@ -40,7 +40,7 @@ from opentelemetry import trace
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.engine.base import Engine, EngineRequest, SamplingParams
 from services.inference_router.engine.scheduler import SchedulerLimits
-from services.kit import errors, telemetry
+from services.kit import errors, telemetry, tls
 from services.kit.hosts import host_identity
 from services.kit.interceptors import ServerInterceptor
 from services.kit.weight_transfer import add_engine_servicer
@@ -140,9 +140,13 @@ class ReplicaCore:
         spec: Mapping[str, Any] | None = None,
         replica: str = "",
         tracing: Mapping[str, str] | None = None,
+        tls_credentials: dict[str, Any] | None = None,
     ) -> None:
         # Spans of this replica (its gRPC server, generation over Ray) go where the router's go.
         telemetry.setup_from_settings("inference-replica", tracing)
+        if tls_credentials is not None:
+            # The router's identity (services/kit/tls.py): weight-sync and the router verify it.
+            tls.adopt(tls_credentials)
         self.settings = ReplicaSettings.from_spec(spec or {})
         self.name = replica or f"{self.settings.deployment}-r0"
         if self.settings.num_threads > 0:
@@ -180,7 +184,9 @@ class ReplicaCore:
 
     async def _serve(self) -> None:
         server = grpc.aio.server(
-            interceptors=[ServerInterceptor(f"replica/{self.name}", lambda: None)],
+            interceptors=[
+                ServerInterceptor(f"replica/{self.name}", lambda: None, authorize=tls.current() is not None)
+            ],
             options=[
                 ("grpc.max_receive_message_length", 256 * 1024 * 1024),
                 ("grpc.max_send_message_length", 256 * 1024 * 1024),
@@ -189,7 +195,7 @@ class ReplicaCore:
         )
         add_engine_servicer(server, _EngineServicer(self))
         host = _bind_host(self.settings.host)
-        port = server.add_insecure_port(f"{host}:0")
+        port = tls.add_port(server, f"{host}:0")
         await server.start()
         self._server = server
         self._address = f"{host}:{port}"

@@ -56,6 +56,31 @@ class ServiceConfig:
     max_message_bytes: int = field(
         default=64 * 1024 * 1024, metadata={"help": "Largest gRPC message accepted or sent."}
     )
+    tls_dir: str = field(
+        default="",
+        metadata={
+            "help": "Directory with ca.crt and <service>.crt/.key (what `looprl up` writes); used when "
+            "the tls_*_file fields are empty."
+        },
+    )
+    tls_ca_file: str = field(
+        default="", metadata={"help": "PEM CA certificate(s) that sign every peer this service accepts."}
+    )
+    tls_cert_file: str = field(
+        default="", metadata={"help": "PEM certificate of this service; its common name is the identity."}
+    )
+    tls_key_file: str = field(default="", metadata={"help": "PEM private key of tls_cert_file."})
+    insecure_plaintext: bool = field(
+        default_factory=lambda: _env_flag("LOOPRL_INSECURE_PLAINTEXT"),
+        metadata={
+            "help": "Serve and call gRPC without TLS or caller checks (local development only; logged "
+            "as a warning). Without it a service with no certificates refuses to start."
+        },
+    )
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def advertised_host(config: ServiceConfig) -> str:

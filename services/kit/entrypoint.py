@@ -9,6 +9,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from services.kit import tls
 from services.kit.config import ConfigError, ServiceConfig, load_config
 
 
@@ -23,6 +24,9 @@ def run_service(
     process exit code (2 on a config error)."""
     try:
         config = load_config(config_cls, env_prefix)
+        # Before the service opens any channel: without certificates (and no explicit opt-out)
+        # the process stops here, with the variables to set.
+        tls.configure(name, config)
     except ConfigError as exc:
         print(f"{name}: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,8 @@
 
 Server side, one interceptor wraps every method handler to:
 - parse request bytes itself, so malformed input is INVALID_ARGUMENT (grpc would say INTERNAL);
+- refuse callers services/kit/authz.py does not allow (UNAUTHENTICATED without a verified client
+  certificate, PERMISSION_DENIED for another identity), when the server runs with mutual TLS;
 - reject new work with UNAVAILABLE while the service is not ready or is draining;
 - open a SERVER span whose parent comes from the caller's traceparent metadata;
 - count requests and time them for Prometheus;
@@ -25,7 +27,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from services.kit import metric_names, telemetry
+from services.kit import authz, metric_names, telemetry, tls
 from services.kit.errors import InvalidArgument, ServiceError
 
 log = logging.getLogger("looprl.rpc")
@@ -41,9 +43,10 @@ ALWAYS_OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 class ServerInterceptor(grpc.aio.ServerInterceptor):
     """See module docstring. `gate()` returns None when new work is accepted, else the reason."""
 
-    def __init__(self, service: str, gate: Callable[[], str | None]) -> None:
+    def __init__(self, service: str, gate: Callable[[], str | None], authorize: bool = False) -> None:
         self.service = service
         self.gate = gate
+        self.authorize = authorize
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -117,6 +120,13 @@ class _RpcScope:
         self.owner, self.method, self.context = owner, method, context
 
     async def __aenter__(self) -> None:
+        if self.owner.authorize:
+            refused = authz.denial(self.method, tls.peer_identity(self.context))
+            if refused is not None:
+                code, message = refused
+                RPC_REQUESTS.labels(self.owner.service, self.method, code).inc()
+                log.warning("refused %s", message)
+                await self.context.abort(getattr(grpc.StatusCode, code), message)
         closed = self.owner.gate()
         if closed is not None:
             RPC_REQUESTS.labels(self.owner.service, self.method, "UNAVAILABLE").inc()

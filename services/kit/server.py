@@ -1,9 +1,9 @@
 """gRPC aio server bootstrap shared by every service.
 
-A Service owns one grpc.aio server with the standard health service (SERVING only once the
-service's setup finished, NOT_SERVING while draining), server reflection, message size limits,
-the kit interceptor (tracing, metrics, error mapping, input validation) and a Prometheus
-/metrics endpoint on its own port. SIGTERM/SIGINT drain it: health goes NOT_SERVING, new
+A Service owns one grpc.aio server with mutual TLS (services/kit/tls.py), the standard health
+service (SERVING only once the service's setup finished, NOT_SERVING while draining), server
+reflection, message size limits, the kit interceptor (caller authorization, tracing, metrics, error
+mapping, input validation) and a Prometheus /metrics endpoint on its own port. SIGTERM/SIGINT drain it: health goes NOT_SERVING, new
 RPCs get UNAVAILABLE, in-flight RPCs finish within the grace period, shutdown hooks run
 (stop consumers, hand back work, drain NATS), then telemetry is flushed.
 """
@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from services.kit import tls
 from services.kit.config import ServiceConfig, advertised_host
 from services.kit.interceptors import ServerInterceptor, client_interceptors
 from services.kit.local import PortInUseError, free_port, port_is_free
@@ -44,18 +45,25 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 
 def open_channel(address: str, max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
-    """A client channel with the kit's message limits and trace propagation."""
-    return grpc.aio.insecure_channel(
-        address, options=grpc_options(max_message_bytes), interceptors=client_interceptors()
-    )
+    """A client channel with the kit's message limits and trace propagation, presenting this
+    process's certificate (services/kit/tls.py)."""
+    return tls.aio_channel(address, grpc_options(max_message_bytes), client_interceptors())
 
 
 class Service:
-    """One service process: register servicers with add(), then `await run(setup)`."""
+    """One service process: register servicers with add(), then `await run(setup)`.
 
-    def __init__(self, name: str, config: ServiceConfig) -> None:
+    The process adopts `name` as its TLS identity (refusing, with ConfigError, to exist without
+    certificates unless config.insecure_plaintext). Its server requires a client certificate from
+    the same CA and checks every RPC against services/kit/authz.py; a `public` service (the gateway,
+    which authenticates users by token) serves without client certificates but still calls its
+    peers with its own."""
+
+    def __init__(self, name: str, config: ServiceConfig, public: bool = False) -> None:
         self.name = name
         self.config = config
+        self.public = public
+        self.credentials = tls.configure(name, config)
         self.grpc_port = config.grpc_port
         self.metrics_port = config.metrics_port
         self._service_names: list[str] = []
@@ -64,7 +72,9 @@ class Service:
         self._state = "starting"
         self._stopping = asyncio.Event() if _has_loop() else None
         self.health = health.aio.HealthServicer()
-        self.interceptor = ServerInterceptor(name, self._gate)
+        self.interceptor = ServerInterceptor(
+            name, self._gate, authorize=self.credentials is not None and not public
+        )
         self.server: grpc.aio.Server | None = None
 
     @property
@@ -122,7 +132,10 @@ class Service:
         reflection.enable_server_reflection(
             [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
-        bound = self.server.add_insecure_port(f"{self.config.host}:{self.grpc_port}")
+        address = f"{self.config.host}:{self.grpc_port}"
+        if self.credentials is None:
+            log.warning(tls.INSECURE_WARNING, self.name)
+        bound = tls.add_port(self.server, address, None if self.public else self.credentials)
         if bound == 0:
             raise PortInUseError(f"{self.name}: could not bind gRPC port {self.grpc_port}")
         self.grpc_port = bound

@@ -25,7 +25,7 @@ from opentelemetry import trace
 
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
-from services.kit import subjects, telemetry
+from services.kit import subjects, telemetry, tls
 from services.kit.interceptors import client_interceptors
 from services.kit.metric_names import observe
 from services.kit.run_errors import RunErrorReporter, describe
@@ -207,9 +207,7 @@ class RunTrainer:
     async def _ack_pending(self) -> None:
         if not self.unacked:
             return
-        async with grpc.aio.insecure_channel(
-            self.cfg.packer_address, interceptors=client_interceptors()
-        ) as channel:
+        async with tls.aio_channel(self.cfg.packer_address, interceptors=client_interceptors()) as channel:
             stub = packer_pb2_grpc.RolloutPackerServiceStub(channel)
             while self.unacked:
                 step = self.unacked[0]

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from services.kit import telemetry
+from services.kit import telemetry, tls
 from services.trainer.spec import TrainerSpec
 from services.trainer.worker import TrainerWorker
 
@@ -69,7 +69,9 @@ class RankGroup:
                     placement_group=self.pg, placement_group_bundle_index=rank
                 ),
                 max_concurrency=1,
-            ).remote(rank, self.world_size, self.threads_per_rank, telemetry.exporter_settings())
+            ).remote(
+                rank, self.world_size, self.threads_per_rank, telemetry.exporter_settings(), tls.export()
+            )
             for rank in range(self.world_size)
         ]
         host, port = ray.get(self.actors[0].rendezvous_address.remote(), timeout=self.ready_timeout_s)

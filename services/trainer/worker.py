@@ -22,7 +22,7 @@ from opentelemetry import context as otel_context
 
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2_grpc
-from services.kit import telemetry
+from services.kit import telemetry, tls
 from services.kit.hosts import interface_of, node_address
 from services.kit.interceptors import traced_channel
 from services.modeling.logprobs import token_logprobs
@@ -45,10 +45,17 @@ class StepAborted(RuntimeError):
 
 class TrainerWorker:
     def __init__(
-        self, rank: int, world_size: int, threads: int | None = None, tracing: dict[str, str] | None = None
+        self,
+        rank: int,
+        world_size: int,
+        threads: int | None = None,
+        tracing: dict[str, str] | None = None,
+        tls_credentials: dict[str, Any] | None = None,
     ) -> None:
         # Spans of this rank (its packer and weight-sync calls) go where the trainer service's go.
         telemetry.setup_from_settings("trainer", tracing)
+        if tls_credentials is not None:
+            tls.adopt(tls_credentials)  # calls the packer and weight-sync as the trainer
         self.rank = rank
         self.world_size = world_size
         torch.set_num_threads(threads or int(os.environ.get("LOOPRL_TRAINER_THREADS", "1")))
@@ -79,7 +86,7 @@ class TrainerWorker:
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
             ]
-            channel = self._channels[key] = traced_channel(grpc.insecure_channel(address, options=options))
+            channel = self._channels[key] = traced_channel(tls.sync_channel(address, options))
         return channel
 
     def _forget_channel(self, address: str, max_message_bytes: int) -> None:

@@ -16,6 +16,7 @@ import looprl.packer.v1.packer_pb2
 import looprl.reward.v1.reward_pb2
 import looprl.trainer.v1.trainer_pb2
 import looprl.weightsync.v1.weightsync_pb2  # noqa: F401
+from services.kit import authz, tls
 
 pytestmark = pytest.mark.slow
 
@@ -38,31 +39,44 @@ def _looprl_services(channel: grpc.Channel) -> list[str]:
     return [s.name for s in reply.list_services_response.service if s.name.startswith("looprl.")]
 
 
+def _allowed_channel(stack, svc, path: str) -> grpc.Channel:
+    """A channel to svc as a caller allowed to call path (others are refused before it is read)."""
+    if svc.name == "gateway":
+        return stack.state.channel("gateway")
+    identity = sorted(authz.allowed_callers(path))[0]
+    return tls.sync_channel(svc.address, creds=stack.state.credentials(identity))
+
+
 def test_every_service_answers_garbage_with_invalid_argument_and_keeps_serving(stack) -> None:
     pool = descriptor_pool.Default()
     checked = []
     for svc in stack.state.services:
-        with grpc.insecure_channel(svc.address) as channel:
-            names = _looprl_services(channel)
+        with stack.state.channel(svc.name) as operator:
+            names = _looprl_services(operator)
             assert names, f"{svc.name} exposes no looprl service over reflection"
             for name in names:
                 for method in pool.FindServiceByName(name).methods:
                     path = f"/{name}/{method.name}"
-                    if method.client_streaming:
-                        call = channel.stream_unary if not method.server_streaming else channel.stream_stream
-                        request = iter([GARBAGE])
-                    else:
-                        call = channel.unary_unary if not method.server_streaming else channel.unary_stream
-                        request = GARBAGE
-                    with pytest.raises(grpc.RpcError) as err:
-                        reply = call(path)(request, timeout=10)
-                        if method.server_streaming:
-                            list(reply)
+                    with _allowed_channel(stack, svc, path) as channel:
+                        if method.client_streaming:
+                            call = (
+                                channel.stream_unary if not method.server_streaming else channel.stream_stream
+                            )
+                            request = iter([GARBAGE])
+                        else:
+                            call = (
+                                channel.unary_unary if not method.server_streaming else channel.unary_stream
+                            )
+                            request = GARBAGE
+                        with pytest.raises(grpc.RpcError) as err:
+                            reply = call(path)(request, timeout=10)
+                            if method.server_streaming:
+                                list(reply)
                     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (
                         f"{path}: {err.value.code()} {err.value.details()}"
                     )
                     assert "malformed" in err.value.details()
                     checked.append(path)
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            health = health_pb2_grpc.HealthStub(operator).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING, f"{svc.name} stopped serving"
     assert len(checked) >= 25

@@ -2,7 +2,7 @@
 
 It implements TrainerService with controllable behaviour: Status sleeps for the number of
 seconds in LOOPRL_PROBE_DELAY (to hold a call in flight across SIGTERM), Checkpoint raises an
-unexpected error (to see INTERNAL with a trace id), GetConfig echoes the trace id it saw.
+unexpected error (to see INTERNAL with a trace id), GetConfig echoes the trace id it saw. LOOPRL_PROBE_IDENTITY names its TLS identity.
 """
 
 import asyncio
@@ -28,7 +28,9 @@ class Probe(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 async def main() -> None:
-    service = Service("probe", load_config(ServiceConfig, "PROBE"))
+    # LOOPRL_PROBE_IDENTITY lets the security tests run it under a real service's certificate.
+    name = os.environ.get("LOOPRL_PROBE_IDENTITY", "probe")
+    service = Service(name, load_config(ServiceConfig, "PROBE"))
     service.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, Probe())
     await service.run()
 

@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.kit import tls
 from services.kit.errors import ServiceError
 from services.kit.hosts import host_identity
 from services.kit.raw_requests import add_with_raw_requests
@@ -194,7 +195,7 @@ async def serve_engine(
         ]
     )
     add_engine_servicer(server, engine)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = tls.add_port(server, f"{host}:{port}")
     await server.start()
     return server, f"{host}:{bound}"
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.kit import tls
 from services.kit.interceptors import client_interceptors
 
 from .bucket import Bucket
@@ -84,9 +85,7 @@ class Transport(ABC):
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(
-                address, options=channel_options(self.max_message_bytes), interceptors=client_interceptors()
-            )
+            ch = tls.aio_channel(address, channel_options(self.max_message_bytes), client_interceptors())
             self._channels[address] = ch
         return ch
 

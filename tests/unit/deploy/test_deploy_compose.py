@@ -151,7 +151,10 @@ def test_every_service_is_health_checked_or_says_why_not(name):
 def test_looprl_services_are_checked_through_grpc_health_on_their_grpc_port():
     for name in STACK:
         svc = COMPOSE_SERVICES[name]
-        assert svc["healthcheck"]["test"] == ["CMD", "python", "/usr/local/bin/looprl-healthcheck"]
+        probe = ["CMD", "python", "/usr/local/bin/looprl-healthcheck"]
+        # The gateway's gRPC port is public (tokens, no client certificates); the others need the
+        # container's own certificate, which the healthcheck reads from the LOOPRL_TLS_* files.
+        assert svc["healthcheck"]["test"] == ([*probe, "--plaintext"] if name == "gateway" else probe)
         port = svc["environment"]["LOOPRL_GRPC_PORT"]
         published = [p.rsplit(":", 1)[-1] for p in svc.get("ports", [])]
         assert port in published, f"{name}: gRPC port {port} is not the one published ({published})"
@@ -238,6 +241,19 @@ def test_secrets_are_required_and_never_committed_in_dotenv():
         assert re.search(rf"\$\{{{secret}:\?[^}}]+\}}", text), (
             f"compose must refuse to start without {secret}"
         )
+
+
+@pytest.mark.parametrize("name", sorted(STACK))
+def test_each_service_mounts_its_own_certificate_where_its_tls_settings_point(name):
+    svc = COMPOSE_SERVICES[name]
+    targets = {s["target"]: s["source"] for s in svc["secrets"]}
+    assert targets == {"ca.crt": "tls-ca", "tls.crt": f"tls-{name}-crt", "tls.key": f"tls-{name}-key"}
+    env = svc["environment"]
+    for field, target in (("CA", "ca.crt"), ("CERT", "tls.crt"), ("KEY", "tls.key")):
+        assert env[f"LOOPRL_TLS_{field}_FILE"] == f"/run/secrets/{target}"
+    for source in targets.values():
+        assert COMPOSE["secrets"][source]["file"].startswith("${LOOPRL_TLS_DIR:?")
+    assert COMPOSE["secrets"][f"tls-{name}-crt"]["file"].endswith(f"/{name}.crt")
 
 
 def test_published_ports_bind_loopback_only():

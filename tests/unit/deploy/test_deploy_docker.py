@@ -281,3 +281,28 @@ def test_entrypoint_without_a_cluster_address_just_runs_the_service(tmp_path, ad
     code, out = run_until_ready_then_sigterm(tmp_path, env)
     assert "drained" in out and code == 0
     assert not (tmp_path / "ray-calls").exists()
+
+
+def test_healthcheck_presents_the_services_certificate_to_a_mutual_tls_server(tmp_path, monkeypatch, capsys):
+    from services.kit import tls
+
+    pki = tls.generate_dev_pki(tmp_path / "tls", ["trainer"])
+    creds = tls.Credentials.from_dir("trainer", pki)
+    server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = tls.add_port(server, "127.0.0.1:0", creds)
+    server.start()
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        probe = load_healthcheck()
+        assert probe.main(["--port", str(port), "--timeout", "2"]) == 1  # no certificate: refused
+        monkeypatch.setenv("LOOPRL_TLS_CA_FILE", str(pki / "ca.crt"))
+        monkeypatch.setenv("LOOPRL_TLS_CERT_FILE", str(pki / "trainer.crt"))
+        monkeypatch.setenv("LOOPRL_TLS_KEY_FILE", str(pki / "trainer.key"))
+        assert probe.main(["--port", str(port), "--timeout", "5"]) == 0
+        assert "SERVING" in capsys.readouterr().out
+        monkeypatch.delenv("LOOPRL_TLS_KEY_FILE")
+        assert probe.main(["--port", str(port)]) == 2  # half-configured TLS is a misconfiguration
+    finally:
+        server.stop(None)

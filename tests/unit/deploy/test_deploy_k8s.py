@@ -118,16 +118,25 @@ def test_every_stack_service_has_a_deployment_and_a_service():
     assert set(STACK) <= set(of_kind("Service"))
 
 
+HEALTHCHECK = ["python", "/usr/local/bin/looprl-healthcheck"]
+
+
+def is_health_probe(probe: dict, grpc_port: int, name: str) -> bool:
+    """The public gateway: the kubelet's native gRPC probe. Every other service requires a client
+    certificate, which the kubelet cannot present: the image's healthcheck, using the pod's own."""
+    if name == "gateway":
+        return probe.get("grpc", {}).get("port") == grpc_port
+    return probe.get("exec", {}).get("command") == HEALTHCHECK and "grpc" not in probe
+
+
 @pytest.mark.parametrize("name", sorted(STACK))
-def test_deployment_has_named_ports_and_native_grpc_probes(name):
+def test_deployment_has_named_ports_and_grpc_health_probes(name):
     deployment = of_kind("Deployment")[name]
     c = container(deployment)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["grpc"] == GRPC_PORT and ports["metrics"] == METRICS_PORT
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"]["port"] == ports["grpc"], (
-            f"{name}: {probe} must be a gRPC health probe on grpc"
-        )
+        assert is_health_probe(c[probe], ports["grpc"], name), f"{name}: {probe} must be a gRPC health probe"
     # Startup may take minutes (Ray, model load); liveness must not kill a pod still starting.
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
@@ -185,6 +194,19 @@ def test_configuration_comes_from_the_configmap_and_secrets_from_the_secret(name
             assert "value" not in e, f"{name}: {e['name']} must come from a Secret"
     if name == "gateway":
         assert env["LOOPRL_GATEWAY_TOKENS"]["valueFrom"]["secretKeyRef"]["key"] == "gateway-tokens"
+
+
+@pytest.mark.parametrize("name", sorted(STACK))
+def test_each_service_mounts_its_own_certificate_where_the_configmap_points(name):
+    deployment = of_kind("Deployment")[name]
+    pod = deployment["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == f"looprl-tls-{name}"
+    mount = next(m for m in container(deployment)["volumeMounts"] if m["name"] == "tls")
+    assert mount["readOnly"] is True
+    data = of_kind("ConfigMap")["looprl-env"]["data"]
+    for field, key in (("CA", "ca.crt"), ("CERT", "tls.crt"), ("KEY", "tls.key")):
+        assert data[f"LOOPRL_TLS_{field}_FILE"] == f"{mount['mountPath']}/{key}"
 
 
 def test_no_secret_is_committed():
@@ -298,7 +320,8 @@ def test_gpu_overlay_puts_the_router_on_a_gpu_node_with_the_vllm_image():
     assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
     assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
     # The strategic merge kept the base's probes, security and mounts.
-    assert c["readinessProbe"]["grpc"]["port"] == GRPC_PORT
+    assert is_health_probe(c["readinessProbe"], GRPC_PORT, "inference-router")
+    assert is_health_probe(c["startupProbe"], GRPC_PORT, "inference-router")
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert {"/tmp", "/dev/shm"} <= {m["mountPath"] for m in c["volumeMounts"]}
     cluster = of_kind("RayCluster", resources)["looprl-ray"]
