@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.kit import tls
+from services.kit import nats_auth, tls
 from services.kit.local import (
     RAY_GRACE_S,
     NatsServer,
@@ -85,10 +85,18 @@ class StackState:
     services: list[ServiceProcess] = field(default_factory=list)
     service_env: dict[str, str] = field(default_factory=dict)
     """What `up` adds to the environment of every service (so a restart gets the same)."""
+    nats_passwords: dict[str, str] = field(default_factory=dict)
+    """Each service's NATS password (and the operator's), from kit/nats_auth.py."""
 
     @property
     def nats_url(self) -> str:
         return f"nats://127.0.0.1:{self.nats_port}"
+
+    def nats_url_for(self, user: str = nats_auth.OPERATOR) -> str:
+        """The NATS URL with `user`'s credentials (the plain URL on a stack without NATS users)."""
+        if user not in self.nats_passwords:
+            return self.nats_url
+        return nats_auth.url_with_credentials(self.nats_url, user, self.nats_passwords[user])
 
     def service(self, name: str) -> ServiceProcess:
         return next(s for s in self.services if s.name == name)
@@ -170,7 +178,10 @@ def up(
         require_free(metrics_port, f"{name} metrics")
     require_free(ports.http, "gateway HTTP")
     started = time.monotonic()
-    nats = NatsServer(state_dir=state_dir, port=ports.nats).start()
+    nats_passwords = nats_auth.new_passwords([name for name, _ in SERVICES])
+    nats = NatsServer(
+        state_dir=state_dir, port=ports.nats, config=nats_auth.server_config(nats_passwords)
+    ).start()
     log(f"nats-server   {nats.url} (pid {nats.proc.pid})")
     ray = RayHead(state_dir=state_dir, port=ports.ray, num_cpus=max(8, os.cpu_count() or 2)).start()
     log(f"ray head      {ray.address} (pid {ray.proc.pid})")
@@ -183,6 +194,7 @@ def up(
         ray_token=ray.token,
         gateway_token=secrets.token_urlsafe(24),
         http_port=ports.http,
+        nats_passwords=nats_passwords,
     )
     state.save()
     tls.generate_dev_pki(state.tls_dir)
@@ -226,6 +238,7 @@ def _launch(state: StackState, svc: ServiceProcess) -> ServiceProcess:
     env = {
         **os.environ,
         **state.service_env,
+        "LOOPRL_NATS_URL": state.nats_url_for(svc.name),  # its own NATS user
         "LOOPRL_GRPC_PORT": str(svc.grpc_port),
         "LOOPRL_METRICS_PORT": str(svc.metrics_port),
     }

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -108,19 +109,24 @@ class Bus:
         servers = [u.strip() for u in url.split(",") if u.strip()]
         if not servers:
             raise ValueError("nats url is empty")
+        where = redact(url)  # URLs carry the service's NATS password: never log it
         # nats-py uses one attempt budget for the first connect and for later reconnects; bound the
         # first connect by the timeout and lift the bound once connected.
         first_attempts = max(1, math.ceil(connect_timeout_s / max(reconnect_wait_s, 0.05)))
 
+        refused: list[Exception] = []  # the server's answers to our credentials, if it refused them
+
         async def on_error(err: Exception) -> None:
+            if isinstance(err, nats.errors.AuthorizationError) or "Authorization Violation" in str(err):
+                refused.append(err)
             log.warning("nats %s: %s", name, err or type(err).__name__)
 
         async def on_disconnected() -> None:
             if not nc.is_closed:  # a deliberate close() or drain() is not news
-                log.warning("nats %s: disconnected from %s; reconnecting", name, url)
+                log.warning("nats %s: disconnected from %s; reconnecting", name, where)
 
         async def on_reconnected() -> None:
-            log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+            log.info("nats %s: reconnected to %s", name, _server(nc))
 
         nc = NatsClient()
         try:
@@ -135,9 +141,15 @@ class Bus:
                 disconnected_cb=on_disconnected,
                 reconnected_cb=on_reconnected,
             )
+        except nats.errors.AuthorizationError as err:
+            raise BusUnavailable(f"NATS at {where} refused the credentials of {name!r}: {err}") from err
         except (TimeoutError, nats.errors.NoServersError, OSError) as err:
+            if refused:
+                raise BusUnavailable(
+                    f"NATS at {where} refused the credentials of {name!r}: {refused[-1]}"
+                ) from err
             raise BusUnavailable(
-                f"cannot reach NATS at {url} within {connect_timeout_s:g}s ({type(err).__name__}); "
+                f"cannot reach NATS at {where} within {connect_timeout_s:g}s ({type(err).__name__}); "
                 "is nats-server running with JetStream (-js)?"
             ) from err
         nc.options["max_reconnect_attempts"] = max_reconnect_attempts
@@ -190,7 +202,7 @@ class Bus:
                 await self._ensure_bucket(bucket, replicas)
         except nats.js.errors.ServiceUnavailableError as err:
             raise BusUnavailable(
-                f"NATS at {self.nc.connected_url.netloc if self.nc.connected_url else '?'} does not answer "
+                f"NATS at {_server(self.nc)} does not answer "
                 "JetStream requests; start nats-server with JetStream enabled (-js)"
             ) from err
 
@@ -573,3 +585,13 @@ class Delivery:
             links=links,
         ) as span:  # fmt: skip
             yield span
+
+
+def redact(url: str) -> str:
+    """The NATS URL(s) without user and password."""
+    return re.sub(r"//[^@/,]*@", "//", url)
+
+
+def _server(nc: NatsClient) -> str:
+    u = nc.connected_url
+    return f"{u.hostname}:{u.port}" if u else "?"

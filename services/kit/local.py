@@ -92,6 +92,7 @@ class NatsServer:
     state_dir: Path
     port: int = 4222
     proc: subprocess.Popen | None = None
+    config: str = ""  # nats-server configuration (users and permissions: kit/nats_auth.py); "" = none
 
     @property
     def url(self) -> str:
@@ -101,9 +102,15 @@ class NatsServer:
         require_free(self.port, "nats-server")
         store = self.state_dir / "jetstream"
         store.mkdir(parents=True, exist_ok=True)
+        args = [_bin("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(store)]
+        if self.config:
+            conf = self.state_dir / "nats-server.conf"
+            conf.touch(mode=0o600)  # it holds every service's password
+            conf.write_text(self.config)
+            args += ["-c", str(conf)]
         log = open(self.state_dir / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
-            [_bin("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(store)],
+            args,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
