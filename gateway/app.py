@@ -22,6 +22,7 @@ from looprl.packer.v1 import packer_pb2_grpc
 from looprl.reward.v1 import reward_pb2_grpc
 from services.kit import subjects
 from services.kit.bus import Bus
+from services.kit.config import bus_url
 from services.kit.local import free_port
 from services.kit.server import Service, open_channel
 from services.modeling.tokenizer import TokenizerCache
@@ -36,7 +37,7 @@ async def serve(config: GatewayConfig) -> None:
     service.add(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer)
 
     async def setup(svc: Service) -> None:
-        bus = await Bus.connect(config.nats_url, name="gateway")
+        bus = await Bus.connect(bus_url(config), name="gateway")
         await bus.ensure_streams()
         router = None
         if config.router_address:

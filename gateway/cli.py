@@ -115,10 +115,12 @@ def _recipe_env(recipe: str | None) -> dict[str, str]:
 
 def cmd_certs(args: argparse.Namespace) -> int:
     """A development CA and one certificate per service (for docker compose or a Kubernetes Secret)."""
-    from services.kit import tls
+    from services.kit import nats_auth, tls
 
     out = tls.generate_dev_pki(Path(args.out), hosts=args.host)
     print(f"CA and certificates for {', '.join(tls.IDENTITIES)} in {out}")
+    users = nats_auth.write_credentials(out, [i for i in tls.IDENTITIES if i != tls.OPERATOR])
+    print(f"NATS users {', '.join(users)}: nats-server.conf and nats-<user>.creds in {out}")
     return 0
 
 
@@ -230,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("service", help="service name as `looprl status` shows it")
     p.add_argument("--kill", action="store_true", help="SIGKILL it first, as a crash would")
     p.set_defaults(func=cmd_restart)
-    p = sub.add_parser("certs", help="write a development CA and per-service certificates into a directory")
+    p = sub.add_parser(
+        "certs", help="write a development CA, per-service certificates and NATS users into a directory"
+    )
     p.add_argument("out", help="directory (an existing ca.crt/ca.key there is reused)")
     p.add_argument("--host", action="append", default=[], help="extra DNS name or IP for every certificate")
     p.set_defaults(func=cmd_certs)

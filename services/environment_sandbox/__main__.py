@@ -10,6 +10,7 @@ import os
 import sys
 
 from services.environment_sandbox.config import EnvServiceConfig
+from services.kit.config import bus_url
 from services.kit.entrypoint import run_service
 
 log = logging.getLogger("looprl.environment_sandbox")
@@ -105,7 +106,7 @@ async def serve(cfg: EnvServiceConfig) -> None:
             from services.kit.bus import Bus
             from services.kit.run_errors import RunErrorReporter
 
-            bus = await Bus.connect(cfg.nats_url, name="environment-sandbox")
+            bus = await Bus.connect(bus_url(cfg), name="environment-sandbox")
             await bus.ensure_streams()
             worker = EpisodeWorker(
                 bus,

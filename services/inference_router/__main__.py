@@ -10,7 +10,7 @@ import logging
 import sys
 
 from services.inference_router.config import RouterConfig
-from services.kit.config import ConfigError, load_config
+from services.kit.config import ConfigError, bus_url, load_config
 
 log = logging.getLogger("looprl.inference_router")
 
@@ -59,7 +59,7 @@ async def serve(cfg: RouterConfig) -> None:
 
         async def follow() -> None:
             try:
-                await manager.follow_weight_events(cfg.nats_url)
+                await manager.follow_weight_events(bus_url(cfg))
             except Exception as exc:  # the bus is a hint; status polls still track versions
                 log.warning("not following weight events (%s); relying on status polls", exc)
 

@@ -14,6 +14,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -39,6 +40,11 @@ class ServiceConfig:
     grpc_port: int = field(default=0, metadata={"help": "gRPC port; 0 picks a free port (logged)."})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port; 0 picks a free port."})
     nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL."})
+    nats_credentials_file: str = field(
+        default="",
+        metadata={"help": "File holding this service's NATS `user:password` (a mounted secret); added to "
+                          "nats_url. Empty: the credentials, if any, are in nats_url."},
+    )  # fmt: skip
     ray_address: str = field(
         default="", metadata={"help": "Ray head address host:port; empty starts a private local Ray."}
     )
@@ -77,6 +83,22 @@ class ServiceConfig:
             "as a warning). Without it a service with no certificates refuses to start."
         },
     )
+
+
+def bus_url(config: ServiceConfig) -> str:
+    """nats_url with the credentials of nats_credentials_file, when one is configured."""
+    if not config.nats_credentials_file:
+        return config.nats_url
+    try:
+        user, sep, password = Path(config.nats_credentials_file).read_text().strip().partition(":")
+    except OSError as exc:
+        raise ConfigError(
+            f"nats_credentials_file: cannot read {config.nats_credentials_file}: {exc}"
+        ) from exc
+    if not sep or not user or not password:
+        raise ConfigError(f"nats_credentials_file: {config.nats_credentials_file} must hold user:password")
+    scheme, _, rest = config.nats_url.partition("://")
+    return f"{scheme}://{user}:{password}@{rest.rpartition('@')[2]}"
 
 
 def _env_flag(name: str) -> bool:

@@ -12,7 +12,9 @@ and acking is how they consume. Deleting or purging a stream is for the operator
 from __future__ import annotations
 
 import json
+import os
 import secrets
+from pathlib import Path
 
 from services.kit import subjects
 
@@ -59,3 +61,18 @@ def url_with_credentials(url: str, user: str, password: str) -> str:
     """nats://host:port -> nats://user:password@host:port (nats-py reads credentials from the URL)."""
     scheme, _, rest = url.partition("://")
     return f"{scheme}://{user}:{password}@{rest}"
+
+
+def write_credentials(directory: str | Path, services: list[str]) -> dict[str, str]:
+    """For compose or Kubernetes: nats-server.conf and one `nats-<user>.creds` (user:password) per
+    user in directory, every file 0600; returns the passwords."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    passwords = new_passwords(services)
+    files = {"nats-server.conf": server_config(passwords)}
+    files.update({f"nats-{user}.creds": f"{user}:{password}\n" for user, password in passwords.items()})
+    for name, text in files.items():
+        fd = os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    return passwords

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from services.kit import subjects
 from services.kit.bus import Bus
+from services.kit.config import bus_url
 from services.kit.recipe import RunRecord, load_recipe
 from services.rollout_packer.config import PackerConfig
 from services.rollout_packer.run_packer import RunPacker
@@ -46,7 +47,7 @@ class PackerApp:
         )
 
     async def start(self) -> None:
-        self.bus = await Bus.connect(self.cfg.nats_url, name="rollout-packer")
+        self.bus = await Bus.connect(bus_url(self.cfg), name="rollout-packer")
         await self.bus.ensure_streams(
             buckets=(*subjects.BUCKETS, subjects.BucketSpec(self.cfg.state_bucket, history=1,
                                                             description="packer step plans and acks")),

@@ -18,6 +18,7 @@ import grpc
 
 from looprl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.kit import subjects
+from services.kit.config import bus_url
 from services.kit.errors import FailedPrecondition
 from services.kit.recipe import RunRecord, load_recipe
 from services.trainer.config import TrainerConfig
@@ -43,7 +44,7 @@ class TrainerApp:
         if self.cfg.nats_url:
             from services.kit.bus import Bus
 
-            self.bus = await Bus.connect(self.cfg.nats_url, name="trainer")
+            self.bus = await Bus.connect(bus_url(self.cfg), name="trainer")
             await self.bus.ensure_streams()
         if self.cfg.run_ids:
             if not self.cfg.recipe:

@@ -16,6 +16,7 @@ import logging
 from looprl.events.v1 import events_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit import subjects
+from services.kit.config import bus_url
 from services.kit.server import Service
 from services.kit.weight_transfer import sweep_stale_segments
 
@@ -123,7 +124,7 @@ async def attach_state(
         return
     from services.kit.bus import Bus
 
-    bus = await Bus.connect(cfg.nats_url, name="weight-sync")
+    bus = await Bus.connect(bus_url(cfg), name="weight-sync")
     await bus.ensure_streams()
     state = StateStore(bus, await bus.kv(subjects.WEIGHTS_KV), cfg.run_id)
     if service is not None:

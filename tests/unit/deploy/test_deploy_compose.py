@@ -244,10 +244,14 @@ def test_secrets_are_required_and_never_committed_in_dotenv():
 
 
 @pytest.mark.parametrize("name", sorted(STACK))
-def test_each_service_mounts_its_own_certificate_where_its_tls_settings_point(name):
+def test_each_service_mounts_its_own_certificate_and_nats_user_where_its_settings_point(name):
     svc = COMPOSE_SERVICES[name]
     targets = {s["target"]: s["source"] for s in svc["secrets"]}
-    assert targets == {"ca.crt": "tls-ca", "tls.crt": f"tls-{name}-crt", "tls.key": f"tls-{name}-key"}
+    assert targets == {
+        "ca.crt": "tls-ca", "tls.crt": f"tls-{name}-crt", "tls.key": f"tls-{name}-key", "nats.creds": f"nats-{name}",
+    }  # fmt: skip
+    assert svc["environment"]["LOOPRL_NATS_CREDENTIALS_FILE"] == "/run/secrets/nats.creds"
+    assert COMPOSE["secrets"][f"nats-{name}"]["file"].endswith(f"/nats-{name}.creds")
     env = svc["environment"]
     for field, target in (("CA", "ca.crt"), ("CERT", "tls.crt"), ("KEY", "tls.key")):
         assert env[f"LOOPRL_TLS_{field}_FILE"] == f"/run/secrets/{target}"
@@ -277,3 +281,11 @@ def test_services_export_traces_to_the_collector():
     grpc_port = collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rsplit(":", 1)[-1]
     for name in STACK:
         assert COMPOSE_SERVICES[name]["environment"]["LOOPRL_OTLP_ENDPOINT"] == f"otel-collector:{grpc_port}"
+
+
+def test_nats_starts_with_the_users_looprl_certs_writes():
+    nats = COMPOSE["services"]["nats"]
+    config = nats["command"][nats["command"].index("-c") + 1]
+    assert {s["target"]: s["source"] for s in nats["secrets"]} == {"nats-server.conf": "nats-server-conf"}
+    assert config == "/run/secrets/nats-server.conf"
+    assert COMPOSE["secrets"]["nats-server-conf"]["file"].endswith("/nats-server.conf")

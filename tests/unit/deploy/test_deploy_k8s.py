@@ -207,6 +207,11 @@ def test_each_service_mounts_its_own_certificate_where_the_configmap_points(name
     data = of_kind("ConfigMap")["looprl-env"]["data"]
     for field, key in (("CA", "ca.crt"), ("CERT", "tls.crt"), ("KEY", "tls.key")):
         assert data[f"LOOPRL_TLS_{field}_FILE"] == f"{mount['mountPath']}/{key}"
+    assert volumes["nats"]["secret"]["secretName"] == f"looprl-nats-{name}"
+    nats = next(m for m in container(deployment)["volumeMounts"] if m["name"] == "nats")
+    assert (
+        nats["readOnly"] is True and data["LOOPRL_NATS_CREDENTIALS_FILE"] == f"{nats['mountPath']}/nats.creds"
+    )
 
 
 def test_no_secret_is_committed():
