@@ -13,7 +13,7 @@ from gateway.auth import TokenAuth
 from gateway.config import GatewayConfig
 from gateway.http import HttpApi
 from gateway.metrics import follow_runs
-from gateway.runs import RunStore
+from gateway.run_store import RunStore
 from gateway.service import GatewayServicer, RunManager
 from looprl.environment.v1 import environment_pb2_grpc
 from looprl.gateway.v1 import gateway_pb2_grpc

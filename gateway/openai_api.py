@@ -36,7 +36,7 @@ from gateway.openai_shapes import (
     sampling_value,
     stop_strings,
 )
-from gateway.runs import ACTIVE
+from gateway.run_store import ACTIVE
 from gateway.service import RunManager
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc

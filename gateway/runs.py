@@ -1,4 +1,4 @@
-"""Run control: run records in JetStream KV and the driver that feeds each run's episodes.
+"""Run control: the driver that feeds each run's episodes and keeps its record (gateway/run_store.py).
 
 A RunDriver releases the episodes of trainer step s only while the newest trained version is
 within the run's staleness bound (version >= s - max_staleness), so max_staleness = 0 is
@@ -22,20 +22,18 @@ import asyncio
 import contextvars
 import json
 import logging
-import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 
 from opentelemetry import trace
 
+from gateway.run_store import ACTIVE, FINAL, RunStore
 from gateway.stalls import STALLED_KEY, ProgressClock, follow_errors, watch_stalls
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import subjects, telemetry
 from services.kit.bus import Bus
-from services.kit.kv import KV, KVConflict
 from services.kit.recipe import Recipe, RunRecord, sampling_seed
 
 log = logging.getLogger("looprl.gateway.runs")
@@ -48,93 +46,6 @@ DUPLICATE_REASONS = frozenset({"duplicate", "already_trained"})
 RUN_TRACE_KEY = "trace"
 
 _tracer = trace.get_tracer("looprl.gateway.runs")
-
-ACTIVE = ("pending", "running")
-FINAL = ("completed", "failed", "stopped")
-
-
-def new_run_id(name: str) -> str:
-    slug = re.sub(r"[^a-zA-Z0-9_-]+", "-", name).strip("-")[:40] or "run"
-    return f"{slug}-{uuid.uuid4().hex[:6]}"
-
-
-# Steps per history chunk: a step rewrites one chunk, never the whole history.
-HISTORY_CHUNK = 100
-
-
-class RunStore:
-    """Run records in the "runs" KV bucket (key: run id), updated with compare-and-set. The per-step
-    history lives beside them in chunks (keys `<run id>.history.<n>`), so the record every service
-    watches stays small: with the history inside it, each step rewrote (and every watcher re-parsed)
-    a record growing by a line per step."""
-
-    def __init__(self, kv: KV) -> None:
-        self.kv = kv
-
-    async def create(self, record: RunRecord) -> None:
-        await self.kv.create(record.run_id, record.to_json())
-
-    async def get(self, run_id: str) -> RunRecord | None:
-        raw = await self.kv.get(run_id)
-        return None if raw is None else RunRecord.from_json(raw)
-
-    async def list(self) -> list[RunRecord]:
-        records = [await self.get(key) for key in await self.kv.keys() if "." not in key]
-        return sorted((r for r in records if r is not None), key=lambda r: r.created_at)
-
-    async def history(self, record: RunRecord) -> list[dict]:
-        """The run's per-step entries, in step order."""
-        out: list[dict] = []
-        for chunk in range(-(-max(record.step, 0) // HISTORY_CHUNK)):
-            raw = await self.kv.get(f"{record.run_id}.history.{chunk}")
-            out.extend(json.loads(raw) if raw else [])
-        return sorted(out, key=lambda h: h["step"])
-
-    async def add_history(self, run_id: str, entry: dict) -> None:
-        """Add one step's entry (idempotent: a redelivered step is not added twice). Only the run's
-        driver writes a run's history."""
-        key = f"{run_id}.history.{entry['step'] // HISTORY_CHUNK}"
-        raw = await self.kv.get(key)
-        entries = json.loads(raw) if raw else []
-        if any(h["step"] == entry["step"] for h in entries):
-            return
-        entries.append(entry)
-        await self.kv.put(key, json.dumps(entries).encode())
-
-    async def weight_syncs(self, record: RunRecord) -> list[dict]:
-        """Every version delivered to every deployment, in (version, deployment) order."""
-        newest = max((int(v) for v in record.extra.get("deployments", {}).values()), default=-1)
-        out: list[dict] = []
-        for chunk in range(newest // HISTORY_CHUNK + 1):
-            raw = await self.kv.get(f"{record.run_id}.syncs.{chunk}")
-            out.extend(json.loads(raw) if raw else [])
-        return sorted(out, key=lambda w: (w["version"], w["deployment"]))
-
-    async def add_weight_sync(self, run_id: str, entry: dict) -> None:
-        """Add one delivery (idempotent per deployment and version), in chunks by version beside the
-        record like the history. Only the run's driver writes them."""
-        key = f"{run_id}.syncs.{entry['version'] // HISTORY_CHUNK}"
-        raw = await self.kv.get(key)
-        entries = json.loads(raw) if raw else []
-        if any(w["version"] == entry["version"] and w["deployment"] == entry["deployment"] for w in entries):
-            return
-        entries.append(entry)
-        await self.kv.put(key, json.dumps(entries).encode())
-
-    async def update(self, run_id: str, change) -> RunRecord:
-        """Apply change(record) and write it back; retried on concurrent writes."""
-        for _ in range(20):
-            entry = await self.kv.entry(run_id)
-            if entry is None:
-                raise KeyError(run_id)
-            record = RunRecord.from_json(entry.value)
-            change(record)
-            try:
-                await self.kv.update(run_id, record.to_json(), entry.revision)
-                return record
-            except KVConflict:
-                await asyncio.sleep(0.01)
-        raise RuntimeError(f"run {run_id}: too many concurrent updates")
 
 
 def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[str, events_pb2.EpisodeTask]]:

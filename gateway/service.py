@@ -10,7 +10,8 @@ from pathlib import Path
 
 from gateway.admission import Peers, admit
 from gateway.auth import TokenAuth
-from gateway.runs import ACTIVE, FINAL, RUN_TRACE_KEY, RunDriver, RunStore, new_run_id
+from gateway.run_store import ACTIVE, FINAL, RunStore, new_run_id
+from gateway.runs import RUN_TRACE_KEY, RunDriver
 from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.kit import subjects, telemetry

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from gateway.runs import HISTORY_CHUNK, RunStore, _apply_step, history_entry
+from gateway.run_store import HISTORY_CHUNK, RunStore
+from gateway.runs import _apply_step, history_entry
 from looprl.events.v1 import events_pb2
 from services.kit.bus import Bus
 from services.kit.recipe import RunRecord
