@@ -49,6 +49,15 @@ class RecordingRouter(inference_pb2_grpc.InferenceRouterServiceServicer):
             completions=[completion] * max(1, request.sampling.n), deployment="recorder"
         )
 
+    def ListDeployments(self, request, context):
+        """The recipe's default deployment, with one replica (what the gateway admits a run against)."""
+        from services.kit.recipe import DeploymentSpec
+
+        info = inference_pb2.DeploymentInfo(
+            name=DeploymentSpec().name, replicas=[inference_pb2.ReplicaInfo()]
+        )
+        return inference_pb2.ListDeploymentsResponse(deployments=[info])
+
     def of_run(self, run_id: str) -> list[inference_pb2.GenerateRequest]:
         with self.lock:
             return [r for r in self.requests if r.session_id.startswith(f"{run_id}/")]

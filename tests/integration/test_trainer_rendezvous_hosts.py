@@ -4,6 +4,7 @@ namespace host the host name resolves elsewhere, so gloo's default would bind th
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -36,6 +37,8 @@ def test_two_ranks_on_two_hosts_all_reduce_over_the_bridge():
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                # an in-process trainer test of this session may have set it to "lo"
+                env={k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"},
             )
             for i in range(2)
         ]

@@ -122,6 +122,8 @@ def metric(name: str, **labels: str) -> float:
 
 
 async def test_canary_passes_a_training_step_and_rolls_back_scaled_weights():
+    rejected_before = metric("looprl_weight_sync_rejected_versions_total", deployment="canaried")
+    synced_before = metric("looprl_weight_sync_sync_seconds_count", deployment="canaried")
     servicer = make(WeightSyncConfig(use_bus=False, bucket_bytes=1 << 16, retry_backoff_s=0.05))
     ws_server = grpc.aio.server(interceptors=[ServerInterceptor("weight-sync", lambda: None)])
     weightsync_pb2_grpc.add_WeightSyncServiceServicer_to_server(servicer, ws_server)
@@ -174,9 +176,12 @@ async def test_canary_passes_a_training_step_and_rolls_back_scaled_weights():
         assert [r.engine.status().weight_version for r in replicas] == [3, 3]
         assert await answers(replicas[0]) == await answers(replicas[1])
         # The metrics say the same: one rejected version, v3 served, three deliveries timed.
-        assert metric("looprl_weight_sync_rejected_versions_total", deployment="canaried") == 1
+        # counters are per process and other tests in it use "canaried" too: this test's increments
+        assert (
+            metric("looprl_weight_sync_rejected_versions_total", deployment="canaried") == rejected_before + 1
+        )
         assert metric("looprl_weight_sync_deployment_version", deployment="canaried") == 3
-        assert metric("looprl_weight_sync_sync_seconds_count", deployment="canaried") == 3
+        assert metric("looprl_weight_sync_sync_seconds_count", deployment="canaried") == synced_before + 3
     finally:
         await servicer.deliverer.close()
         await channel.close()
