@@ -122,8 +122,8 @@ def metric(name: str, **labels: str) -> float:
 
 
 async def test_canary_passes_a_training_step_and_rolls_back_scaled_weights():
-    rejected_before = metric("looprl_weight_sync_rejected_versions_total", deployment="canaried")
-    synced_before = metric("looprl_weight_sync_sync_seconds_count", deployment="canaried")
+    rejected_before = metric("looprl_weight_sync_rejected_versions_total", deployment="canary-rollback")
+    synced_before = metric("looprl_weight_sync_sync_seconds_count", deployment="canary-rollback")
     servicer = make(WeightSyncConfig(use_bus=False, bucket_bytes=1 << 16, retry_backoff_s=0.05))
     ws_server = grpc.aio.server(interceptors=[ServerInterceptor("weight-sync", lambda: None)])
     weightsync_pb2_grpc.add_WeightSyncServiceServicer_to_server(servicer, ws_server)
@@ -140,7 +140,7 @@ async def test_canary_passes_a_training_step_and_rolls_back_scaled_weights():
             replica.channel = grpc.aio.insecure_channel(address)
             ranks.append(weightsync_pb2.TargetRank(rank=0, address=address, same_host=shm, replica=name))
         await stub.RegisterTarget(weightsync_pb2.RegisterTargetRequest(
-            deployment="canaried", ranks=ranks, canary=True, layout=weightsync_pb2.TargetLayout(tensor_parallel=1),
+            deployment="canary-rollback", ranks=ranks, canary=True, layout=weightsync_pb2.TargetLayout(tensor_parallel=1),
             canary_policy=weightsync_pb2.CanaryPolicy(
                 prompts=[weightsync_pb2.GoldenPrompt(token_ids=p) for p in PROMPTS], tokens_per_prompt=6,
                 max_logprob_drift=0.5,
@@ -176,12 +176,15 @@ async def test_canary_passes_a_training_step_and_rolls_back_scaled_weights():
         assert [r.engine.status().weight_version for r in replicas] == [3, 3]
         assert await answers(replicas[0]) == await answers(replicas[1])
         # The metrics say the same: one rejected version, v3 served, three deliveries timed.
-        # counters are per process and other tests in it use "canaried" too: this test's increments
+        # counters are per process and other tests in it may use the same deployment names: this test's increments
         assert (
-            metric("looprl_weight_sync_rejected_versions_total", deployment="canaried") == rejected_before + 1
+            metric("looprl_weight_sync_rejected_versions_total", deployment="canary-rollback")
+            == rejected_before + 1
         )
-        assert metric("looprl_weight_sync_deployment_version", deployment="canaried") == 3
-        assert metric("looprl_weight_sync_sync_seconds_count", deployment="canaried") == synced_before + 3
+        assert metric("looprl_weight_sync_deployment_version", deployment="canary-rollback") == 3
+        assert (
+            metric("looprl_weight_sync_sync_seconds_count", deployment="canary-rollback") == synced_before + 3
+        )
     finally:
         await servicer.deliverer.close()
         await channel.close()

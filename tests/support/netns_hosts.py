@@ -247,14 +247,21 @@ class NamespaceHosts:
         """Namespaces, root-namespace interfaces and processes of this harness that still exist."""
         namespaces = [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
         links = [line.split(":")[1].strip().split("@")[0] for line in _ip("-o", "link").stdout.splitlines()]
-        alive = []
-        for pid in sorted(self._pids):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().split(")")[-1].split()[0] != "Z":
-                        alive.append(str(pid))
-            except FileNotFoundError:
-                pass
+        # A SIGKILLed process that is not our child exits a moment later (and is reaped by its own
+        # parent): give stragglers a few seconds before calling them left over.
+        deadline = time.monotonic() + 5.0
+        while True:
+            alive = []
+            for pid in sorted(self._pids):
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        if f.read().split(")")[-1].split()[0] != "Z":
+                            alive.append(str(pid))
+                except FileNotFoundError:
+                    pass
+            if not alive or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         return {
             "namespaces": [n for n in namespaces if n.startswith(self.tag)],
             "interfaces": [link for link in links if link.startswith(self.tag)],
