@@ -17,7 +17,7 @@ from google.protobuf.json_format import MessageToDict
 
 from gateway.auth import TokenAuth
 from gateway.metrics import http_metrics, init_routes
-from gateway.openai_api import OpenAIEndpoints, OpenAIError
+from gateway.openai_api import OpenAIEndpoints, OpenAIError, json_body
 from gateway.service import RunManager, run_to_proto
 from looprl.inference.v1 import inference_pb2_grpc
 from services.kit.errors import InvalidArgument, ServiceError
@@ -120,19 +120,8 @@ class HttpApi:
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def _body(self, request: web.Request) -> dict:
-        try:
-            body = await request.json()
-        except web.HTTPRequestEntityTooLarge:
-            raise
-        except Exception as exc:
-            raise InvalidArgument(f"body: not valid JSON ({exc})") from exc
-        if not isinstance(body, dict):
-            raise InvalidArgument("body: must be a JSON object")
-        return body
-
     async def create_run(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await json_body(request)
         if not isinstance(body.get("recipe_toml"), str):
             raise InvalidArgument("recipe_toml: required string")
         record = await self.runs.create(body["recipe_toml"], str(body.get("run_id", "")))

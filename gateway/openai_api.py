@@ -186,7 +186,7 @@ class OpenAIEndpoints:
     # ---- completions ------------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
+        body = await json_body(request)
         model, tokenizer, deployment = await self._resolve(body)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
@@ -202,7 +202,7 @@ class OpenAIEndpoints:
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _body(request)
+        body = await json_body(request)
         model, tokenizer, deployment = await self._resolve(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -333,7 +333,8 @@ class OpenAIEndpoints:
         return response
 
 
-async def _body(request: web.Request) -> dict:
+async def json_body(request: web.Request) -> dict:
+    """The request's JSON object; INVALID_ARGUMENT naming `body` otherwise."""
     try:
         body = await request.json()
     except web.HTTPRequestEntityTooLarge:

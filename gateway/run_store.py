@@ -47,39 +47,41 @@ class RunStore:
 
     async def history(self, record: RunRecord) -> list[dict]:
         """The run's per-step entries, in step order."""
-        out: list[dict] = []
-        for chunk in range(-(-max(record.step, 0) // HISTORY_CHUNK)):
-            raw = await self.kv.get(f"{record.run_id}.history.{chunk}")
-            out.extend(json.loads(raw) if raw else [])
+        out = await self._read_chunks(record.run_id, "history", -(-max(record.step, 0) // HISTORY_CHUNK))
         return sorted(out, key=lambda h: h["step"])
 
     async def add_history(self, run_id: str, entry: dict) -> None:
         """Add one step's entry (idempotent: a redelivered step is not added twice). Only the run's
         driver writes a run's history."""
-        key = f"{run_id}.history.{entry['step'] // HISTORY_CHUNK}"
-        raw = await self.kv.get(key)
-        entries = json.loads(raw) if raw else []
-        if any(h["step"] == entry["step"] for h in entries):
-            return
-        entries.append(entry)
-        await self.kv.put(key, json.dumps(entries).encode())
+        await self._append_once(run_id, "history", entry["step"], entry, ("step",))
 
     async def weight_syncs(self, record: RunRecord) -> list[dict]:
         """Every version delivered to every deployment, in (version, deployment) order."""
         newest = max((int(v) for v in record.extra.get("deployments", {}).values()), default=-1)
-        out: list[dict] = []
-        for chunk in range(newest // HISTORY_CHUNK + 1):
-            raw = await self.kv.get(f"{record.run_id}.syncs.{chunk}")
-            out.extend(json.loads(raw) if raw else [])
+        out = await self._read_chunks(record.run_id, "syncs", newest // HISTORY_CHUNK + 1)
         return sorted(out, key=lambda w: (w["version"], w["deployment"]))
 
     async def add_weight_sync(self, run_id: str, entry: dict) -> None:
         """Add one delivery (idempotent per deployment and version), in chunks by version beside the
         record like the history. Only the run's driver writes them."""
-        key = f"{run_id}.syncs.{entry['version'] // HISTORY_CHUNK}"
+        await self._append_once(run_id, "syncs", entry["version"], entry, ("version", "deployment"))
+
+    async def _read_chunks(self, run_id: str, kind: str, chunks: int) -> list[dict]:
+        out: list[dict] = []
+        for chunk in range(chunks):
+            raw = await self.kv.get(f"{run_id}.{kind}.{chunk}")
+            out.extend(json.loads(raw) if raw else [])
+        return out
+
+    async def _append_once(
+        self, run_id: str, kind: str, index: int, entry: dict, identity: tuple[str, ...]
+    ) -> None:
+        """Append entry to chunk index // HISTORY_CHUNK unless an entry with the same identity
+        fields is already there."""
+        key = f"{run_id}.{kind}.{index // HISTORY_CHUNK}"
         raw = await self.kv.get(key)
         entries = json.loads(raw) if raw else []
-        if any(w["version"] == entry["version"] and w["deployment"] == entry["deployment"] for w in entries):
+        if any(all(e[f] == entry[f] for f in identity) for e in entries):
             return
         entries.append(entry)
         await self.kv.put(key, json.dumps(entries).encode())
