@@ -29,7 +29,11 @@ def progress_line(run: gateway_pb2.Run) -> str:
         parts.append(f"duplicates {run.duplicate_deliveries}")
     if run.stalled_reason:
         parts.append(f"stalled: {run.stalled_reason}")
-    elif run.last_error.component and run.state != gateway_pb2.RUN_STATE_COMPLETED:
+    elif (
+        run.last_error.component
+        and run.state != gateway_pb2.RUN_STATE_COMPLETED
+        and (last is None or run.last_error.unix_time >= last.unix_time)
+    ):  # an error the run has trained past is history, not news
         parts.append(f"last error {run.last_error.component}: {run.last_error.message[:200]}")
     if run.error:
         parts.append(f"error: {run.error}")

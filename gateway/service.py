@@ -71,6 +71,7 @@ def run_to_proto(
             entropy=h.get("entropy", 0.0),
             grad_norm=h.get("grad_norm", 0.0),
             mean_response_tokens=h.get("mean_response_tokens", 0.0),
+            unix_time=h.get("at", 0.0),
         )
     for w in weight_syncs:
         run.weight_syncs.add(

@@ -94,3 +94,18 @@ def test_an_error_older_than_the_last_progress_is_not_named_as_the_cause() -> No
     assert "last error trainer: old" in progress_line(run)
     down = stall_reason(record, 5.0, progressed_at=20.0, not_serving=["reward (DOWN: UNAVAILABLE)"])
     assert "(run.stall_seconds = 5); not serving: reward (DOWN: UNAVAILABLE); no component reported" in down
+
+
+def test_the_progress_line_names_an_error_only_until_the_run_trains_past_it() -> None:
+    record = RunRecord(run_id="r1", recipe_toml=RECIPE, state="running")
+    apply_error(
+        record, events_pb2.RunError(component="reward", message="timeout", occurrences=1, unix_time=100.0)
+    )
+    step = {k: 0.0 for k in ("reward_mean", "reward_std", "loss", "mean_staleness")}
+    step.update(step=0, train_tokens_per_second=0.0, num_rollouts=64, seconds=0.1)
+    before = progress_line(run_to_proto(record, history=[{**step, "at": 99.0}]))
+    assert "last error reward: timeout" in before
+    after = progress_line(run_to_proto(record, history=[{**step, "at": 101.0}]))
+    assert "last error" not in after
+    # GetRun still carries it: the line drops news that is old, the record keeps it.
+    assert run_to_proto(record, history=[{**step, "at": 101.0}]).last_error.message == "timeout"

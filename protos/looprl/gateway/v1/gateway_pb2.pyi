@@ -35,7 +35,7 @@ class DeploymentVersion(_message.Message):
     def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class StepSummary(_message.Message):
-    __slots__ = ("step", "reward_mean", "reward_std", "loss", "mean_staleness", "train_tokens_per_second", "generation_tokens_per_second", "num_rollouts", "seconds", "max_staleness", "clip_fraction", "kl", "entropy", "grad_norm", "mean_response_tokens")
+    __slots__ = ("step", "reward_mean", "reward_std", "loss", "mean_staleness", "train_tokens_per_second", "generation_tokens_per_second", "num_rollouts", "seconds", "max_staleness", "clip_fraction", "kl", "entropy", "grad_norm", "mean_response_tokens", "unix_time")
     STEP_FIELD_NUMBER: _ClassVar[int]
     REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
     REWARD_STD_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class StepSummary(_message.Message):
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     MEAN_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
     step: int
     reward_mean: float
     reward_std: float
@@ -66,7 +67,8 @@ class StepSummary(_message.Message):
     entropy: float
     grad_norm: float
     mean_response_tokens: float
-    def __init__(self, step: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., loss: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., train_tokens_per_second: _Optional[float] = ..., generation_tokens_per_second: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., mean_response_tokens: _Optional[float] = ...) -> None: ...
+    unix_time: float
+    def __init__(self, step: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., loss: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., train_tokens_per_second: _Optional[float] = ..., generation_tokens_per_second: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., mean_response_tokens: _Optional[float] = ..., unix_time: _Optional[float] = ...) -> None: ...
 
 class WeightSync(_message.Message):
     __slots__ = ("deployment", "version", "sync_seconds", "bytes")
