@@ -4,6 +4,7 @@ a Scorer (the service wires these; tests may pass their own callables)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import uuid
 from typing import Any
 
@@ -12,6 +13,10 @@ from opentelemetry import trace
 from services.environment_sandbox.model_io import ModelTurn, Score
 
 _tracer = trace.get_tracer("looprl.environment_sandbox.clients")
+
+# The run the current episode serves, set by the episode worker: the router reports the replica
+# failures a request meets to it, without every environment passing the run along.
+CURRENT_RUN: contextvars.ContextVar[str] = contextvars.ContextVar("looprl_current_run", default="")
 
 
 class RouterGenerator:
@@ -40,6 +45,7 @@ class RouterGenerator:
             session_id=session_id,
             min_weight_version=min_weight_version,
             request_id=uuid.uuid4().hex,
+            run_id=CURRENT_RUN.get(),
         )
         response = await self.stub.Generate(request, timeout=self.timeout_s)
         if len(response.completions) != n:

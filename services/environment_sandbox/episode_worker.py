@@ -18,6 +18,7 @@ from typing import Any
 
 from looprl.events.v1 import events_pb2
 from services.environment_sandbox.agent_loop import EpisodeRunner
+from services.environment_sandbox.clients import CURRENT_RUN
 from services.environment_sandbox.environments import EnvironmentError_
 from services.kit.run_errors import describe
 
@@ -124,6 +125,7 @@ class EpisodeWorker:
                         "looprl.environment": task.environment,
                     }
                 )
+            CURRENT_RUN.set(task.run_id)  # this handler's own context: one episode task
             rollouts = await self.runner.run_all(task)
         except (PoisonMessage, EnvironmentError_, json.JSONDecodeError) as exc:
             span.set_status(telemetry.error_status(exc))

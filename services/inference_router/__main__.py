@@ -58,10 +58,16 @@ async def serve(cfg: RouterConfig) -> None:
         router.start_polling()
 
         async def follow() -> None:
+            from services.kit.run_errors import RunErrorReporter
+
             try:
-                await manager.follow_weight_events(bus_url(cfg))
+                bus = await manager.follow_weight_events(bus_url(cfg))
             except Exception as exc:  # the bus is a hint; status polls still track versions
                 log.warning("not following weight events (%s); relying on status polls", exc)
+                return
+            reporter = RunErrorReporter(bus, "inference-router")
+            router.report_to_run = reporter.report
+            service.on_shutdown(reporter.close)
 
         # In the background: serving never waits on the bus.
         background.append(asyncio.get_running_loop().create_task(follow()))

@@ -338,8 +338,9 @@ class DeploymentManager:
         self.router.observe_status(replica, status)
         return True
 
-    async def follow_weight_events(self, nats_url: str) -> None:
-        """weights.published wakes the router (re-poll at once) and records the announced version."""
+    async def follow_weight_events(self, nats_url: str) -> Any:
+        """weights.published wakes the router (re-poll at once) and records the announced version;
+        returns the bus connection."""
         from services.kit import subjects
         from services.kit.bus import Bus
 
@@ -372,6 +373,7 @@ class DeploymentManager:
                 await self.router.poll_once()
 
         self._subscription = await self._bus.nc.subscribe(subject, cb=on_message)
+        return self._bus
 
     def describe(self) -> list[inference_pb2.DeploymentInfo]:
         out = []

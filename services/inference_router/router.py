@@ -77,6 +77,10 @@ class Router:
         self._latencies: deque[float] = deque(maxlen=256)
         self._changed = asyncio.Event()
         self._on_replica_restarted = on_replica_restarted
+        # Reports a replica failure to the run whose request met it (run id, message); the service
+        # sets it once the bus is up. Reports never delay or fail the request.
+        self.report_to_run: Callable[[str, str], Awaitable[None]] | None = None
+        self._reports: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
 
     # ---- membership -------------------------------------------------------------------------
@@ -176,7 +180,7 @@ class Router:
                     request, min(self.settings.request_timeout_s, max(0.01, deadline - loop.time()))
                 )
             except ReplicaFailure as exc:
-                self._replica_failed(replica, exc)
+                self._replica_failed(replica, exc, request.run_id)
                 exclude.add(replica.name)
                 last_failure = str(exc)
                 if attempt < self.settings.max_attempts:
@@ -239,7 +243,7 @@ class Router:
                     sent += 1
                     yield chunk
             except ReplicaFailure as exc:
-                self._replica_failed(replica, exc)
+                self._replica_failed(replica, exc, request.run_id)
                 if sent:
                     metrics.REQUESTS.labels(dep.name, replica.name, "failed").inc()
                     raise errors.Unavailable(
@@ -306,10 +310,16 @@ class Router:
 
     # ---- health and versions ------------------------------------------------------------------
 
-    def _replica_failed(self, replica: ReplicaState, exc: ReplicaFailure) -> None:
+    def _replica_failed(self, replica: ReplicaState, exc: ReplicaFailure, run_id: str = "") -> None:
         if exc.overloaded:
             return  # busy, not broken: only this request moves on
         log.warning("replica failed, retrying elsewhere: %s", exc)
+        if run_id and self.report_to_run is not None:
+            report = asyncio.ensure_future(
+                self.report_to_run(run_id, f"replica {replica.name} failed: {exc.why}")
+            )
+            self._reports.add(report)
+            report.add_done_callback(self._reports.discard)
         replica.healthy = False
         replica.last_error = exc.why
         if exc.crashed:

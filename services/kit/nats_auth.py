@@ -26,7 +26,9 @@ OWNERS: dict[str, frozenset[str]] = {
     subjects.all_runs(subjects.Kind.ROLLOUTS): frozenset({"environment-sandbox"}),
     subjects.all_runs(subjects.Kind.TRAIN): frozenset({"trainer"}),
     subjects.all_runs(subjects.Kind.WEIGHTS): frozenset({"weight-sync"}),
-    subjects.all_runs(subjects.Kind.EVENTS): frozenset({"environment-sandbox", "trainer"}),
+    subjects.all_runs(subjects.Kind.EVENTS): frozenset(
+        {"environment-sandbox", "inference-router", "trainer", "weight-sync"}
+    ),
     f"$KV.{subjects.RUNS}.>": frozenset({"gateway"}),
     f"$KV.{subjects.WEIGHTS_KV}.>": frozenset({"weight-sync"}),
     "$KV.packer.>": frozenset({"rollout-packer"}),

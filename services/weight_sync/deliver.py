@@ -66,7 +66,7 @@ class Deliverer:
         canary_tokens: int = 8,
         canary_max_drift: float = 0.5,
         on_published: PublishHook | None = None,
-        on_state: Callable[[Target], Awaitable[None]] | None = None,
+        on_failed: Callable[[Target], Awaitable[None]] | None = None,
         on_rejected: RejectHook | None = None,
         host_id: str = "",
     ) -> None:
@@ -87,7 +87,7 @@ class Deliverer:
         self.canary_tokens = canary_tokens
         self.canary_max_drift = canary_max_drift
         self.on_published = on_published
-        self.on_state = on_state
+        self.on_failed = on_failed  # a delivery to the target failed (its last_error says why)
         self.on_rejected = on_rejected
         self._tasks: set[asyncio.Task] = set()
         self._busy: dict[str, int] = {}  # deployment -> version being delivered
@@ -344,9 +344,9 @@ class Deliverer:
         t.state = "failed"
         metrics.FAILED.labels(t.deployment).inc()
         t.last_error = error
-        if self.on_state is not None:
+        if self.on_failed is not None:
             try:
-                await self.on_state(t)
+                await self.on_failed(t)
             except Exception:
                 pass
         if buf is None or not buf.complete:

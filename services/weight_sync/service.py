@@ -17,6 +17,7 @@ from looprl.events.v1 import events_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit import subjects
 from services.kit.config import bus_url
+from services.kit.run_errors import RunErrorReporter
 from services.kit.server import Service
 from services.kit.weight_transfer import sweep_stale_segments
 
@@ -40,6 +41,7 @@ class StateStore:
         # stack serves one run (the gateway refuses a second). Events go to that run's subject.
         self.current_run = default_run
         self.prefix = kv_key("run", default_run)  # one weight-sync per run: its keys live under it
+        self.reporter = RunErrorReporter(bus, "weight-sync")
 
     async def save_target(self, t: Target) -> None:
         if t.registration is not None:
@@ -81,6 +83,11 @@ class StateStore:
                 target.version, target.state = tv.version, "ready" if tv.version >= 0 else "registered"
             deliverer.targets[target.deployment] = target
         log.info("restored %d targets, latest version %s", len(deliverer.targets), store.latest_version)
+
+    async def failed(self, t: Target) -> None:
+        """A delivery failed: the run is told which deployment and why (the target is retried)."""
+        await self.save_state(t)
+        await self.reporter.report(t.run_id or self.current_run, f"deployment {t.deployment}: {t.last_error}")
 
     async def rejected(self, t: Target, version: int, drift: float, detail: str) -> None:
         run = t.run_id or self.current_run
@@ -129,9 +136,10 @@ async def attach_state(
     state = StateStore(bus, await bus.kv(subjects.WEIGHTS_KV), cfg.run_id)
     if service is not None:
         service.on_shutdown(bus.drain)
+        service.on_shutdown(state.reporter.close)
     servicer.state = state
     servicer.deliverer.on_published = state.published
-    servicer.deliverer.on_state = state.save_state
+    servicer.deliverer.on_failed = state.failed
     servicer.deliverer.on_rejected = state.rejected
     await state.load(servicer.store, servicer.deliverer)
 

@@ -77,6 +77,16 @@ async def weights_events(nats_url, run):
         await bus.close()
 
 
+async def run_errors(nats_url, run):
+    """The RunErrors components reported to a run."""
+    bus = await Bus.connect(nats_url, name="canary-test")
+    try:
+        consumer = await bus.pull_consumer(subjects.RUN_EVENTS, f"test-errors-{run}", subjects.events(run))
+        return [d.parse(events_pb2.RunError) for d in await consumer.fetch(batch=64, timeout=2.0)]
+    finally:
+        await bus.close()
+
+
 def nudged(state, seed, scale=1e-3):
     """What a training step does to weights: a small change everywhere."""
     g = torch.Generator().manual_seed(seed)
@@ -152,6 +162,9 @@ async def test_canary_deployment_of_real_replicas_rolls_back_bad_weights(ray_cli
         rejected = await weights_events(nats_url, run)
         assert [(e.version, e.deployment) for e in rejected] == [(2, "canaried")]
         assert rejected[0].drift == -1 or rejected[0].drift > 0.5
+        # ...and the run is told, so a run that stops progressing names weight-sync and why.
+        reported = [e for e in await run_errors(nats_url, run) if e.component == "weight-sync"]
+        assert reported and "deployment canaried: canary rejected version 2" in reported[-1].message
 
         # Had a status poll seen the canary at version 2, the step back to 1 looks like a restart;
         # the manager recognises the rollback and the replica stays routable, without a resync.

@@ -92,6 +92,23 @@ async def test_failed_replica_is_retried_elsewhere_and_marked_unhealthy():
     assert not router.replicas["d-0"].routable
 
 
+async def test_a_replica_failure_is_reported_to_the_run_whose_request_met_it():
+    router, fakes = _router()
+    reports: list[tuple[str, str]] = []
+
+    async def report(run_id: str, message: str) -> None:
+        reports.append((run_id, message))
+
+    router.report_to_run = report
+    await router.poll_once()
+    fakes[0].crash = True
+    served = [await router.generate(_request(run_id="run-7")) for _ in range(2)]
+    await router.generate(_request())  # traffic outside a run is not reported anywhere
+    await asyncio.sleep(0)
+    assert all(r.replica == "d-1" for r in served)
+    assert reports == [("run-7", "replica d-0 failed: actor died")]
+
+
 async def test_attempts_are_bounded():
     router, fakes = _router(settings=RouterSettings(max_attempts=2, unavailable_wait_s=0))
     await router.poll_once()

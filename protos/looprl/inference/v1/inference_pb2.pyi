@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "session_id", "deployment", "min_weight_version", "request_id", "expected_output_tokens")
+    __slots__ = ("prompt_token_ids", "sampling", "session_id", "deployment", "min_weight_version", "request_id", "expected_output_tokens", "run_id")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class GenerateRequest(_message.Message):
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     session_id: str
@@ -23,7 +24,8 @@ class GenerateRequest(_message.Message):
     min_weight_version: int
     request_id: str
     expected_output_tokens: int
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., deployment: _Optional[str] = ..., min_weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., expected_output_tokens: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., deployment: _Optional[str] = ..., min_weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., expected_output_tokens: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "weight_version")
