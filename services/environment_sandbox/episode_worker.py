@@ -158,9 +158,10 @@ class EpisodeWorker:
             )
         # Every rollout of the task (all branches of a forked episode) before the ack: a crash
         # in between re-runs the task, re-publishing the same ids, which the stream drops.
-        # Concurrently: one round trip for the group instead of one per rollout.
+        # One batch: the group's messages go out concurrently (one round trip, not one per
+        # rollout) under one producer span.
         subject = subjects.rollouts(task.run_id)
-        await asyncio.gather(*(self.bus.publish(subject, r, msg_id=r.rollout_id) for r in rollouts))
+        await self.bus.publish_batch(subject, [(r, r.rollout_id) for r in rollouts])
         self.published += len(rollouts)
         if self._crash_after_publish:
             os._exit(17)

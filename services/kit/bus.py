@@ -29,6 +29,7 @@ JetStream semantics this wrapper does not hide:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -281,40 +282,68 @@ class Bus:
         window is not stored again and its PubAck has duplicate=True. Raises BusError when no
         stream stores the subject.
         """
-        data = payload.SerializeToString() if isinstance(payload, Message) else bytes(payload)
-        hdrs: dict[str, str] = dict(headers or {})
-        if msg_id is not None:
-            if not msg_id:
+        return (await self.publish_batch(subject, [(payload, msg_id)], headers, timeout_s=timeout_s))[0]
+
+    async def publish_batch(
+        self,
+        subject: str,
+        messages: Sequence[tuple[bytes | Message, str | None]],
+        headers: Mapping[str, str] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> list[api.PubAck]:
+        """Publish (payload, msg_id) pairs concurrently under one PRODUCER span, as `publish` does
+        one: the messages of one piece of work (a group's rollouts) cost one span, not one each,
+        and every message carries that span's context."""
+        datas = [p.SerializeToString() if isinstance(p, Message) else bytes(p) for p, _ in messages]
+        for _, msg_id in messages:
+            if msg_id is not None and not msg_id:
                 raise ValueError("msg_id must be a non-empty string or None")
-            hdrs[MSG_ID_HEADER] = msg_id
         attributes: dict[str, Any] = {
             "messaging.system": "nats",
             "messaging.operation.type": "publish",
             "messaging.destination.name": subject,
-            "messaging.message.body.size": len(data),
+            "messaging.message.body.size": sum(len(d) for d in datas),
         }
-        if msg_id:
-            attributes["messaging.message.id"] = msg_id
+        ids = [m for _, m in messages if m]
+        if len(messages) > 1:
+            attributes["messaging.batch.message_count"] = len(messages)
+        if ids:
+            attributes["messaging.message.id"] = ids[0] if len(ids) == 1 else ",".join(ids)
         with self._tracer.start_as_current_span(
             f"{subject} publish", kind=SpanKind.PRODUCER, attributes=attributes
         ) as span:
-            propagate.inject(hdrs)
-            try:
-                ack = await self.js.publish(subject, data, timeout=timeout_s, headers=hdrs or None)
-            except nats.js.errors.NoStreamResponseError as err:
-                raise BusError(
-                    f"no JetStream stream stores subject {subject!r}; call Bus.ensure_streams() first"
-                ) from err
-            except nats.errors.MaxPayloadError as err:
-                raise BusError(
-                    f"message for {subject!r} is {len(data)} bytes, over the server's max_payload "
-                    f"({self.nc.max_payload} bytes)"
-                ) from err
-            span.set_attribute("messaging.nats.stream", ack.stream)
-            span.set_attribute("messaging.nats.stream_sequence", ack.seq)
-            if ack.duplicate:
+            base: dict[str, str] = dict(headers or {})
+            propagate.inject(base)
+            sends = [
+                self._send(subject, d, base, m, timeout_s) for d, (_, m) in zip(datas, messages, strict=True)
+            ]
+            acks = [await sends[0]] if len(sends) == 1 else list(await asyncio.gather(*sends))
+            if len(acks) == 1:
+                span.set_attribute("messaging.nats.stream", acks[0].stream)
+                span.set_attribute("messaging.nats.stream_sequence", acks[0].seq)
+            duplicates = sum(1 for a in acks if a.duplicate)
+            if duplicates:
                 span.set_attribute("messaging.nats.duplicate", True)
-        return ack
+                if len(acks) > 1:
+                    span.set_attribute("messaging.nats.duplicates", duplicates)
+        return acks
+
+    async def _send(
+        self, subject: str, data: bytes, headers: dict[str, str], msg_id: str | None, timeout_s: float | None
+    ) -> api.PubAck:
+        hdrs = {**headers, MSG_ID_HEADER: msg_id} if msg_id else headers
+        try:
+            return await self.js.publish(subject, data, timeout=timeout_s, headers=hdrs or None)
+        except nats.js.errors.NoStreamResponseError as err:
+            raise BusError(
+                f"no JetStream stream stores subject {subject!r}; call Bus.ensure_streams() first"
+            ) from err
+        except nats.errors.MaxPayloadError as err:
+            raise BusError(
+                f"message for {subject!r} is {len(data)} bytes, over the server's max_payload "
+                f"({self.nc.max_payload} bytes)"
+            ) from err
 
     # ----------------------------------------------------------------------------------------
     # consume
@@ -585,6 +614,40 @@ class Delivery:
             links=links,
         ) as span:  # fmt: skip
             yield span
+
+
+@contextmanager
+def batch_process_span(
+    deliveries: Sequence[Delivery], attributes: Mapping[str, Any] | None = None
+) -> Iterator[Span]:
+    """One CONSUMER span "<subject> process" for messages that came from one producer span (a
+    `publish_batch`): parented on it, so the consume stays in the producer's trace, at one span
+    per batch instead of one per message. All deliveries must share subject and producer."""
+    first = deliveries[0]
+    ids = [d.msg_id for d in deliveries if d.msg_id]
+    attrs: dict[str, Any] = {
+        "messaging.system": "nats",
+        "messaging.operation.type": "process",
+        "messaging.destination.name": first.subject,
+        "messaging.batch.message_count": len(deliveries),
+        "messaging.nats.num_delivered": max(d.num_delivered for d in deliveries),
+        **(attributes or {}),
+    }
+    if ids:
+        attrs["messaging.message.id"] = ",".join(ids)
+    with first._bus._tracer.start_as_current_span(
+        f"{first.subject} process", context=propagate.extract(first.headers), kind=SpanKind.CONSUMER,
+        attributes=attrs,
+    ) as span:  # fmt: skip
+        yield span
+
+
+def by_producer(deliveries: Sequence[Delivery]) -> list[list[Delivery]]:
+    """Deliveries grouped by the producer span that published them (first-seen order)."""
+    groups: dict[tuple[str, str], list[Delivery]] = {}
+    for d in deliveries:
+        groups.setdefault((d.subject, (d.headers or {}).get("traceparent", "")), []).append(d)
+    return list(groups.values())
 
 
 def redact(url: str) -> str:

@@ -28,7 +28,7 @@ from opentelemetry import trace
 
 from looprl.common.v1 import common_pb2
 from services.kit import subjects, telemetry
-from services.kit.bus import Bus, Consumer, Delivery, PoisonMessage
+from services.kit.bus import Bus, Consumer, Delivery, PoisonMessage, batch_process_span, by_producer
 from services.kit.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from services.kit.metric_names import observe
 from services.rollout_packer import metrics
@@ -160,14 +160,20 @@ class RunPacker:
                 log.warning("run %s: fetch failed: %s", self.run_id, exc)
                 await asyncio.sleep(0.5)
                 continue
-            for d in deliveries:
-                try:
-                    with d.process_span(attributes={telemetry.ATTR.RUN_ID: self.run_id}):
-                        await self._take(d)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("run %s: handling %r failed; it will be redelivered", self.run_id, d)
+            # One consumer span per producer span (a group's rollouts are published as a batch).
+            for batch in by_producer(deliveries):
+                with batch_process_span(batch, attributes={telemetry.ATTR.RUN_ID: self.run_id}) as span:
+                    if span.is_recording():
+                        span.set_attribute(telemetry.ATTR.ROLLOUT_ID, ",".join(d.msg_id or "" for d in batch))
+                    for d in batch:
+                        try:
+                            await self._take(d)
+                        except asyncio.CancelledError:
+                            raise
+                        except Exception:
+                            log.exception(
+                                "run %s: handling %r failed; it will be redelivered", self.run_id, d
+                            )
             if time.monotonic() >= next_expiry:
                 await self._expire_stragglers()
                 next_expiry = time.monotonic() + min(1.0, self.settings.straggler_timeout_s / 4)
@@ -191,9 +197,6 @@ class RunPacker:
             await self._drop(d, seq)
             return
         rid = seq.rollout_id
-        span = trace.get_current_span()
-        if span.is_recording():
-            span.set_attributes({telemetry.ATTR.ROLLOUT_ID: rid, telemetry.ATTR.TOKENS: seq.length})
         if rid in self.trained:
             step = self.trained[rid]
             await self._drop(d, Rejected(rid, DropReason.ALREADY_TRAINED, f"trained in step {step}"))

@@ -20,7 +20,16 @@ from opentelemetry.trace import SpanKind
 
 from looprl.events.v1 import events_pb2
 from services.kit import subjects
-from services.kit.bus import Bus, BusError, BusUnavailable, Delivery, KVConflict, PoisonMessage
+from services.kit.bus import (
+    Bus,
+    BusError,
+    BusUnavailable,
+    Delivery,
+    KVConflict,
+    PoisonMessage,
+    batch_process_span,
+    by_producer,
+)
 from services.kit.local import free_port
 
 
@@ -229,6 +238,48 @@ async def test_trace_context_survives_one_nats_hop(nats_url: str) -> None:
     assert consumer_span.context.trace_id == producer.context.trace_id == caller.context.trace_id
     assert consumer_span.parent.span_id == producer.context.span_id
     assert consumer_span.attributes["messaging.message.id"] == "s-1"
+
+
+async def test_a_batch_publish_is_one_span_and_its_consume_one_span_in_the_same_trace(nats_url: str) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    b = await Bus.connect(nats_url, name="traced", tracer_provider=provider)
+    try:
+        await b.ensure_streams()
+        run = new_run()
+        subject = subjects.rollouts(run)
+        with tracer.start_as_current_span("episode"):
+            acks = await b.publish_batch(subject, [(b"r0", "r-0"), (b"r1", "r-1"), (b"r2", "r-2")])
+            again = await b.publish_batch(subject, [(b"r1", "r-1")])  # ids deduplicate as with publish
+        assert len({a.seq for a in acks}) == 3 and again[0].duplicate
+        with tracer.start_as_current_span("other episode"):
+            await b.publish(subject, b"r3", msg_id="r-3")
+        consumer = await b.pull_consumer(subjects.ROLLOUTS, f"batch-{run}", subject)
+        deliveries = await consumer.fetch(10, timeout=2)
+        assert sorted(d.data for d in deliveries) == [b"r0", b"r1", b"r2", b"r3"]
+        batches = by_producer(deliveries)
+        assert [sorted(d.msg_id for d in batch) for batch in batches] == [["r-0", "r-1", "r-2"], ["r-3"]]
+        for batch in batches:
+            with batch_process_span(batch):
+                for d in batch:
+                    await d.ack()
+    finally:
+        await b.close()
+
+    spans = exporter.get_finished_spans()
+    publishes = [s for s in spans if s.name == f"{subject} publish"]
+    processes = [s for s in spans if s.name == f"{subject} process"]
+    assert len(publishes) == 3 and len(processes) == 2  # the duplicate publish is a span of its own
+    first = publishes[0]
+    assert first.attributes["messaging.batch.message_count"] == 3
+    assert first.attributes["messaging.message.id"] == "r-0,r-1,r-2"  # in the order given
+    assert publishes[1].attributes["messaging.nats.duplicate"] is True
+    for process, publish in zip(processes, (first, publishes[2]), strict=True):
+        assert process.parent.span_id == publish.context.span_id
+        assert process.context.trace_id == publish.context.trace_id
+    assert processes[0].attributes["messaging.batch.message_count"] == 3
 
 
 async def test_work_that_starts_its_own_trace_links_to_the_publish(nats_url: str) -> None:
