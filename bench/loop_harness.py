@@ -60,7 +60,9 @@ class RunResult:
 
 def _free_base() -> int:
     for _ in range(500):
-        base = random.randrange(40000, 45000)
+        base = random.randrange(
+            21000, 25800
+        )  # clear of client sockets (32768+) and Ray workers (10002-19999)
         if all(port_is_free(base + i) and port_is_free(base + 100 + i) for i in range(8)):
             return base
     raise RuntimeError("no free port range")
@@ -81,7 +83,7 @@ def local_stack(
         recipe_path = state_dir / "recipe.toml"
         recipe_path.write_text(recipe_text)
         ports = StackPorts(
-            nats=_free(14000, 15000), ray=_free(27000, 28000), base=_free_base(), http=_free(18000, 19000)
+            nats=_free(26200, 26600), ray=_free(27000, 28000), base=_free_base(), http=_free(26600, 27000)
         )
         state = up(
             state_dir,

@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, Tracer
 
 from looprl.events.v1 import events_pb2
 from services.kit import subjects
@@ -206,12 +206,20 @@ async def test_max_deliver_bounds_the_attempts(bus: Bus) -> None:
     assert await consumer.fetch(1, timeout=0.5) == []
 
 
-async def test_trace_context_survives_one_nats_hop(nats_url: str) -> None:
+async def traced_bus(nats_url: str) -> tuple[InMemorySpanExporter, Tracer, Bus]:
+    """A bus whose spans (and the test's own, from the tracer) are kept in memory."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracer = provider.get_tracer("test")
-    b = await Bus.connect(nats_url, name="traced", tracer_provider=provider)
+    return (
+        exporter,
+        provider.get_tracer("test"),
+        await Bus.connect(nats_url, name="traced", tracer_provider=provider),
+    )
+
+
+async def test_trace_context_survives_one_nats_hop(nats_url: str) -> None:
+    exporter, tracer, b = await traced_bus(nats_url)
     try:
         await b.ensure_streams()
         run = new_run()
@@ -241,11 +249,7 @@ async def test_trace_context_survives_one_nats_hop(nats_url: str) -> None:
 
 
 async def test_a_batch_publish_is_one_span_and_its_consume_one_span_in_the_same_trace(nats_url: str) -> None:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracer = provider.get_tracer("test")
-    b = await Bus.connect(nats_url, name="traced", tracer_provider=provider)
+    exporter, tracer, b = await traced_bus(nats_url)
     try:
         await b.ensure_streams()
         run = new_run()
@@ -283,15 +287,12 @@ async def test_a_batch_publish_is_one_span_and_its_consume_one_span_in_the_same_
 
 
 async def test_work_that_starts_its_own_trace_links_to_the_publish(nats_url: str) -> None:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    b = await Bus.connect(nats_url, name="traced", tracer_provider=provider)
+    exporter, tracer, b = await traced_bus(nats_url)
     try:
         await b.ensure_streams()
         run = new_run()
         subject = subjects.episodes(run)
-        with provider.get_tracer("test").start_as_current_span("feed"):
+        with tracer.start_as_current_span("feed"):
             await b.publish(subject, b"task", msg_id="t-1")
         consumer = await b.pull_consumer(subjects.EPISODES, f"ep-{run}", subject)
         [delivery] = await consumer.fetch(1, timeout=2)

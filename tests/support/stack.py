@@ -46,7 +46,7 @@ def looprl_cli(state_dir: Path, *args: str, timeout: float = 180) -> subprocess.
 def _free_base() -> int:
     rng = random.Random()
     for _ in range(500):
-        base = rng.randrange(40000, 45000)
+        base = rng.randrange(21000, 25800)  # clear of client sockets (32768+) and Ray workers (10002-19999)
         if all(port_is_free(base + i) and port_is_free(base + 100 + i) for i in range(8)):
             return base
     raise RuntimeError("no free port range for the stack")
@@ -67,10 +67,10 @@ def local_stack(state_dir: Path, recipe_text: str = DEFAULT_RECIPE) -> Iterator[
     recipe = state_dir / "recipe.toml"
     recipe.write_text(recipe_text)
     ports = [
-        "--nats-port", str(_free_port(14000, 15000)),
+        "--nats-port", str(_free_port(26200, 26600)),
         "--ray-port", str(_free_port(27000, 28000)),
         "--base-port", str(_free_base()),
-        "--http-port", str(_free_port(18000, 19000)),
+        "--http-port", str(_free_port(26600, 27000)),
     ]  # fmt: skip
     started = looprl_cli(state_dir, "up", "--recipe", str(recipe), *ports)
     assert started.returncode == 0, started.stdout + started.stderr
