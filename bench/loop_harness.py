@@ -83,7 +83,7 @@ def local_stack(
         recipe_path = state_dir / "recipe.toml"
         recipe_path.write_text(recipe_text)
         ports = StackPorts(
-            nats=_free(26200, 26600), ray=_free(27000, 28000), base=_free_base(), http=_free(26600, 27000)
+            nats=_free(26000, 26500), ray=_free(27000, 28000), base=_free_base(), http=_free(26500, 27000)
         )
         state = up(
             state_dir,

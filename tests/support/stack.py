@@ -67,10 +67,10 @@ def local_stack(state_dir: Path, recipe_text: str = DEFAULT_RECIPE) -> Iterator[
     recipe = state_dir / "recipe.toml"
     recipe.write_text(recipe_text)
     ports = [
-        "--nats-port", str(_free_port(26200, 26600)),
+        "--nats-port", str(_free_port(26000, 26500)),
         "--ray-port", str(_free_port(27000, 28000)),
         "--base-port", str(_free_base()),
-        "--http-port", str(_free_port(26600, 27000)),
+        "--http-port", str(_free_port(26500, 27000)),
     ]  # fmt: skip
     started = looprl_cli(state_dir, "up", "--recipe", str(recipe), *ports)
     assert started.returncode == 0, started.stdout + started.stderr
