@@ -17,6 +17,7 @@ BENCHES = (
     "sandbox_exec",
     "agent_loop",
     "weight_sync",
+    "multihost_delivery",
     "async_vs_sync",
     "tracing_cost",
     "loop_vs_single_process",

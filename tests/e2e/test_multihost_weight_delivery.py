@@ -8,16 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from looprl.common.v1 import common_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
@@ -27,55 +24,12 @@ from services.modeling.config import ModelConfig
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.weight_sync.synthetic import rank_requests
 from tests.support import netns_hosts
+from tests.support.multihost import PY, start_engine, wait_listening, wait_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-PY = sys.executable
 CONFIG = ModelConfig.tiny()
 NATS_PORT, WS_PORT, WS_METRICS = 4222, 50071, 50072
-
-
-def wait_listening(address: str, port: int, proc: subprocess.Popen, what: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"{what} exited with {proc.returncode}"
-        with socket.socket() as sock:
-            sock.settimeout(1)
-            if sock.connect_ex((address, port)) == 0:
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"{what} not listening on {address}:{port} after {timeout}s")
-
-
-def wait_serving(address: str, port: int, proc: subprocess.Popen, what: str, timeout: float = 90) -> None:
-    """Until the service's gRPC health check says SERVING (it listens before it is ready)."""
-    wait_listening(address, port, proc, what, timeout)
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(f"{address}:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"{what} exited with {proc.returncode}"
-            try:
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise AssertionError(f"{what} not serving on {address}:{port} after {timeout}s")
-
-
-def start_engine(hosts, host: int) -> tuple[subprocess.Popen, str, str]:
-    proc = hosts.popen(host, [PY, "-m", "tests.support.engine_process", "--host", hosts[host].address],
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       env={k: v for k, v in os.environ.items() if k != "LOOPRL_SHM_DIR"})  # fmt: skip
-    for line in proc.stdout:
-        if line.startswith("ADDRESS "):
-            _, address, host_id = line.split()
-            return proc, address, host_id
-    raise AssertionError(f"engine on host {host} exited before listening (code {proc.wait()})")
 
 
 def model_state(seed: int) -> dict[str, torch.Tensor]:
