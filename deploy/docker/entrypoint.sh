@@ -19,8 +19,13 @@ case "${LOOPRL_RAY_ADDRESS:-}" in
     ;;
 esac
 
+# Fixed node ports (6380-6385) and worker ports (10002-10999, this driver's own included): the
+# NetworkPolicies (deploy/k8s/base/networkpolicy.yaml) open exactly these between Ray nodes.
 ray start --address="$LOOPRL_RAY_ADDRESS" --num-cpus=0 --num-gpus=0 \
-  --object-store-memory="${LOOPRL_RAY_OBJECT_STORE_BYTES:-268435456}" --disable-usage-stats >&2
+  --object-store-memory="${LOOPRL_RAY_OBJECT_STORE_BYTES:-268435456}" --disable-usage-stats \
+  --node-manager-port=6380 --object-manager-port=6381 --dashboard-agent-grpc-port=6382 \
+  --dashboard-agent-listen-port=6383 --metrics-export-port=6384 --runtime-env-agent-port=6385 \
+  --min-worker-port=10002 --max-worker-port=10999 >&2
 
 python -m "$module" "$@" &
 child=$!

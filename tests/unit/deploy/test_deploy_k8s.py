@@ -349,3 +349,115 @@ def test_dataclass_fields_helper_is_real():
     from services.kit.config import ServiceConfig
 
     assert {f.name for f in dataclasses.fields(ServiceConfig)} >= {"grpc_port", "metrics_port", "host"}
+
+
+# NetworkPolicies against the authorization table: which pods each service's gRPC port admits.
+CALLEE_PODS = {
+    "looprl.weightsync.v1.WeightSyncService": "weight-sync",
+    "looprl.inference.v1.InferenceRouterService": "inference-router",
+    "looprl.environment.v1.EnvironmentSandboxService": "environment-sandbox",
+    "looprl.reward.v1.RewardService": "reward",
+    "looprl.packer.v1.RolloutPackerService": "rollout-packer",
+    "looprl.trainer.v1.TrainerService": "trainer",
+}
+RAY_PODS = "ray"  # app.kubernetes.io/component of every Ray pod: trainer ranks, replicas, the head
+NAME, COMPONENT = "app.kubernetes.io/name", "app.kubernetes.io/component"
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", expr
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def admitted(pod: dict[str, str], port: str | int) -> set[str]:
+    """The in-namespace pods (by name, or "ray") some policy lets reach `pod` on `port`."""
+    candidates = {name: {NAME: name, "app.kubernetes.io/part-of": "looprl"} for name in STACK}
+    candidates[RAY_PODS] = {COMPONENT: RAY_PODS, "app.kubernetes.io/part-of": "looprl"}
+    out: set[str] = set()
+    for policy in of_kind("NetworkPolicy").values():
+        if not selects(policy["spec"]["podSelector"], pod):
+            continue
+        for rule in policy["spec"].get("ingress", []):
+            if "ports" in rule and not any(
+                p["port"] == port
+                or (isinstance(port, int) and p["port"] <= port <= p.get("endPort", p["port"]))
+                for p in rule["ports"]
+                if isinstance(p["port"], int) or not isinstance(port, int)
+            ):
+                continue
+            if "from" not in rule:
+                out |= set(candidates) | {"anyone"}
+            for peer in rule.get("from", []):
+                if "namespaceSelector" in peer:
+                    continue  # other namespaces: only Prometheus, checked below
+                out |= {name for name, labels in candidates.items() if selects(peer["podSelector"], labels)}
+    return out
+
+
+def test_ingress_is_denied_unless_a_policy_admits_it():
+    deny = of_kind("NetworkPolicy")["default-deny-ingress"]["spec"]
+    assert deny == {"podSelector": {}, "policyTypes": ["Ingress"]}
+
+
+@pytest.mark.parametrize("grpc_service", sorted(CALLEE_PODS))
+def test_each_grpc_port_admits_exactly_the_callers_the_authorization_table_allows(grpc_service):
+    from services.kit.authz import POLICY
+    from services.kit.tls import OPERATOR
+
+    callers = set().union(*POLICY[grpc_service].values()) - {OPERATOR}  # the CLI comes by port-forward
+    if "trainer" in callers:
+        callers.add(RAY_PODS)  # trainer ranks call from their Ray actors
+    pod = CALLEE_PODS[grpc_service]
+    assert admitted({NAME: pod, "app.kubernetes.io/part-of": "looprl"}, "grpc") == callers
+
+
+def test_the_replicas_engine_ports_admit_their_callers_and_ray_is_closed_to_the_rest():
+    from services.kit.authz import POLICY
+
+    ray_pod = {COMPONENT: RAY_PODS, "app.kubernetes.io/part-of": "looprl"}
+    engine_callers = set().union(*POLICY["looprl.inference.v1.InferenceEngineService"].values())
+    ray_nodes = (set(STACK) - {"gateway"}) | {RAY_PODS}  # every service pod but the gateway joins Ray
+    allowed = admitted(ray_pod, 6379)
+    assert engine_callers - {"operator"} <= allowed == ray_nodes
+    for name in ray_nodes - {RAY_PODS}:
+        pod = {NAME: name, "app.kubernetes.io/part-of": "looprl"}
+        for port in (6380, 6385, 10002, 10999):  # the ports deploy/docker/entrypoint.sh fixes
+            assert admitted(pod, port) == ray_nodes, (name, port)
+        assert admitted(pod, 6386) == set() and admitted(pod, 11000) == set()
+    assert admitted({NAME: "gateway", "app.kubernetes.io/part-of": "looprl"}, 6380) == set()
+
+
+def test_only_the_gateway_is_public_and_metrics_only_admit_prometheus():
+    for name in STACK:
+        pod = {NAME: name, "app.kubernetes.io/part-of": "looprl"}
+        public = "anyone" in admitted(pod, "grpc")
+        assert public == (name == "gateway"), name
+    metrics = of_kind("NetworkPolicy")["metrics-from-prometheus"]["spec"]["ingress"]
+    assert [peer["podSelector"]["matchLabels"] for rule in metrics for peer in rule["from"]] == [
+        {NAME: "prometheus"}
+    ]
+    assert (
+        admitted({NAME: "reward", "app.kubernetes.io/part-of": "looprl"}, 9464) == set()
+    )  # no in-namespace pod
+
+
+def test_service_pods_start_their_ray_node_on_the_ports_the_policies_open():
+    entrypoint = (ROOT / "deploy/docker/entrypoint.sh").read_text()
+    for flag in ("--node-manager-port=6380", "--runtime-env-agent-port=6385", "--min-worker-port=10002",
+                 "--max-worker-port=10999"):  # fmt: skip
+        assert flag in entrypoint
+
+
+def test_ray_pods_carry_the_label_the_policies_select_them_by():
+    cluster = next(doc for doc in documents(K8S / "kuberay/raycluster.yaml") if doc["kind"] == "RayCluster")
+    templates = [cluster["spec"]["headGroupSpec"]["template"]]
+    templates += [group["template"] for group in cluster["spec"]["workerGroupSpecs"]]
+    gpu = yaml.safe_load((K8S / "overlays/gpu/raycluster-gpu-workers.yaml").read_text())
+    templates += [op["value"]["template"] for op in gpu]
+    for template in templates:
+        assert template["metadata"]["labels"][COMPONENT] == RAY_PODS
