@@ -131,6 +131,8 @@ def test_ray_head_runs_the_looprl_image_and_services_join_its_gcs():
         assert env["LOOPRL_RAY_ADDRESS"] == expected, name
         if expected:
             assert env["RAY_AUTH_TOKEN"] == ray["environment"]["RAY_AUTH_TOKEN"]
+        else:  # not a Ray node: no token
+            assert env["RAY_AUTH_TOKEN"] == ""
 
 
 @pytest.mark.parametrize("name", sorted(COMPOSE_SERVICES))
