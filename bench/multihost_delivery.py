@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import subprocess
-import time
 
 import grpc
 
@@ -29,7 +28,7 @@ from services.modeling.config import ModelConfig
 from services.modeling.layouts import hf_params
 from services.weight_sync.synthetic import rank_requests
 from tests.support import netns_hosts
-from tests.support.multihost import PY, start_engine, wait_serving
+from tests.support.multihost import PY, start_engine, wait_served, wait_serving
 
 WS_PORT = 50071
 # ~100 MB of float32 weights: large enough that bytes, not per-call overheads, decide.
@@ -72,15 +71,7 @@ async def deliveries(address: str, receivers: dict[str, tuple[str, str]], versio
                 rank_requests(state(version), version=version, rank=0, world=1, model_config_json=config_json)
             )
             await stub.PushShards(iter(reqs), timeout=120)
-            deadline = time.monotonic() + 120
-            while True:
-                reply = await stub.GetVersion(weightsync_pb2.GetVersionRequest(), timeout=10)
-                targets = {t.deployment: t for t in reply.targets}
-                if all(targets[n].version == version and targets[n].state == "ready" for n in due):
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"version {version} not delivered: {targets}")
-                await asyncio.sleep(0.02)
+            _, targets = await wait_served(stub, version, due, timeout=120)
             for name in due:
                 t = targets[name]
                 seen[name].append((version, t.last_sync_seconds, t.last_bytes, t.routes[0].transport))

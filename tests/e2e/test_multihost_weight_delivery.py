@@ -24,7 +24,7 @@ from services.modeling.config import ModelConfig
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.weight_sync.synthetic import rank_requests
 from tests.support import netns_hosts
-from tests.support.multihost import PY, start_engine, wait_listening, wait_serving
+from tests.support.multihost import PY, start_engine, wait_listening, wait_served, wait_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -51,14 +51,7 @@ async def deliver(ws_address: str, receivers: dict[str, tuple[str, str]], versio
             reqs = rank_requests(model_state(version), version=version, rank=0, world=1,
                                  max_message_bytes=1 << 16, model_config_json=config_json)  # fmt: skip
             await stub.PushShards(iter(list(reqs)), timeout=60)
-            deadline = time.monotonic() + 60
-            while True:
-                reply = await stub.GetVersion(weightsync_pb2.GetVersionRequest(), timeout=10)
-                states = {t.deployment: t for t in reply.targets}
-                if all(states[n].version == version and states[n].state == "ready" for n in receivers):
-                    break
-                assert time.monotonic() < deadline, f"version {version} not delivered: {states}"
-                await asyncio.sleep(0.1)
+            reply, states = await wait_served(stub, version, receivers)
         return reply, states
 
 

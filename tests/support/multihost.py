@@ -4,6 +4,7 @@ started on a chosen host."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from looprl.weightsync.v1 import weightsync_pb2
 from services.modeling.config import ModelConfig
 
 PY = sys.executable
@@ -64,3 +66,22 @@ def start_engine(hosts, host: int, config: ModelConfig | None = None) -> tuple[s
             _, address, host_id = line.split()
             return proc, address, host_id
     raise AssertionError(f"engine on host {host} exited before listening (code {proc.wait()})")
+
+
+async def wait_served(stub, version: int, deployments, timeout: float = 60.0):
+    """Until weight-sync (`stub`) reports every one of `deployments` ready at `version`; the last
+    GetVersion reply and its targets by deployment."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = await stub.GetVersion(weightsync_pb2.GetVersionRequest(), timeout=10)
+        targets = {t.deployment: t for t in reply.targets}
+        if all(
+            n in targets and targets[n].version == version and targets[n].state == "ready"
+            for n in deployments
+        ):
+            return reply, targets
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"version {version} not served by {list(deployments)} after {timeout}s: {targets}"
+            )
+        await asyncio.sleep(0.05)
