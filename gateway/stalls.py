@@ -6,7 +6,8 @@ step, feeds no step and receives no weight version for its recipe's `run.stall_s
 stalled (`extra["stalled"]`: why, naming the last error reported since it last progressed); the
 public state is then RUN_STATE_STALLED. The record's own state stays "running", since the trainer
 and packer follow it and a stalled run must keep every service working on it; the first progress
-clears the mark and the run reads RUNNING again.
+clears the mark and the run reads RUNNING again. A fatal RunError (the component gave up on the
+run, e.g. the trainer after its retries) fails the run with the component's message.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from gateway.run_store import ACTIVE
 from looprl.events.v1 import events_pb2
 from services.kit import subjects
 from services.kit.bus import Bus
@@ -49,6 +51,10 @@ def apply_error(record: RunRecord, event: events_pb2.RunError) -> None:
         )
         + max(1, event.occurrences),
     }
+    if event.fatal and record.state in ACTIVE:
+        record.state = "failed"
+        record.error = f"{event.component}: {event.message}"
+        record.extra.pop(STALLED_KEY, None)
 
 
 def stall_reason(

@@ -4,8 +4,9 @@ A service that fails work for a run (an episode, a weight push) calls `RunErrorR
 the RunError goes to `looprl.<run>.events`, where the gateway keeps the last one in the run record
 and names it when the run stops progressing. Failures come in bursts (every episode of a step
 fails the same way), so a reporter sends at most one message per run every `interval_s` and
-counts the occurrences in between into the next; a burst's last error is always sent. Reporting
-never raises: a bus that is down costs the report, never the work.
+counts the occurrences in between into the next; a burst's last error is always sent. A fatal
+report (the component gave up on the run) goes out at once, and the gateway fails the run with it.
+Reporting never raises: a bus that is down costs the report, never the work.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class _Pending:
     message: str
     occurrences: int
     unix_time: float
+    fatal: bool = False
 
 
 def describe(exc: BaseException) -> str:
@@ -52,16 +54,17 @@ class RunErrorReporter:
         self._flushes: dict[str, asyncio.Task] = {}
         self.sent = 0
 
-    async def report(self, run_id: str, message: str) -> None:
-        """Count one error of `run_id`; sent now, or with the next report at most interval_s later."""
+    async def report(self, run_id: str, message: str, fatal: bool = False) -> None:
+        """Count one error of `run_id`; sent now, or with the next report at most interval_s later.
+        fatal: this component gives up on the run; sent now, and the gateway fails the run."""
         if not run_id:
             return
         message = message if len(message) <= MAX_MESSAGE_CHARS else message[: MAX_MESSAGE_CHARS - 3] + "..."
         pending = self._pending.get(run_id)
         occurrences = pending.occurrences + 1 if pending else 1
-        self._pending[run_id] = _Pending(message, occurrences, time.time())
+        self._pending[run_id] = _Pending(message, occurrences, time.time(), fatal)
         wait = self._last_sent.get(run_id, float("-inf")) + self.interval_s - time.monotonic()
-        if wait <= 0:
+        if wait <= 0 or fatal:
             await self._send(run_id)
         elif run_id not in self._flushes:
             self._flushes[run_id] = asyncio.ensure_future(self._flush_later(run_id, wait))
@@ -84,6 +87,7 @@ class RunErrorReporter:
             message=pending.message,
             occurrences=pending.occurrences,
             unix_time=pending.unix_time,
+            fatal=pending.fatal,
         )
         try:
             await self.bus.publish(subjects.events(run_id), event, timeout_s=5.0)

@@ -60,14 +60,15 @@ def wait_for_run(
         time.sleep(0.1)
 
 
-def report(nats_url: str, run_id: str, component: str, messages: list[str]) -> int:
-    """Report `messages` as one component would (a burst: rate-limited); the RunErrors sent."""
+def report(nats_url: str, run_id: str, component: str, messages: list[str], fatal: bool = False) -> int:
+    """Report `messages` as one component would (a burst: rate-limited; with fatal, the last one is
+    the component giving up on the run); the RunErrors sent."""
 
     async def send() -> int:
         bus = await Bus.connect(nats_url, name=f"test-{component}")
         reporter = RunErrorReporter(bus, component, interval_s=1.0)
-        for message in messages:
-            await reporter.report(run_id, message)
+        for i, message in enumerate(messages):
+            await reporter.report(run_id, message, fatal=fatal and i == len(messages) - 1)
         await reporter.close()
         await bus.close()
         return reporter.sent
@@ -123,6 +124,29 @@ def test_a_run_without_progress_is_stalled_naming_the_reported_error_and_recover
     report(nats_url, run_id, "trainer", ["pushing version 2 to weight-sync failed: UNAVAILABLE"])
     run, _ = wait_for_run(gateway, run_id, lambda r: "trainer reported" in r.stalled_reason, timeout=10)
     assert "pushing version 2 to weight-sync failed" in run.stalled_reason
+
+
+def test_a_component_that_gives_up_fails_the_run_with_its_reason(
+    gateway: GatewayProcess, nats_url: str
+) -> None:
+    run_id = gateway.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE), metadata=AUTH
+    ).run.run_id
+    wait_for_run(gateway, run_id, lambda r: r.episodes_published > 0, timeout=10)
+    give_up = "training failed at step 0: RuntimeError: pushing version 1 to weight-sync failed 9 times"
+    report(
+        nats_url, run_id, "trainer", ["pushing version 1 failed, retrying: UNAVAILABLE", give_up], fatal=True
+    )
+    run, took = wait_for_run(gateway, run_id, lambda r: r.state == gateway_pb2.RUN_STATE_FAILED, timeout=10)
+    assert run.error == f"trainer: {give_up}"
+    assert took < 5, "a fatal report is sent at once, not held back by the rate limit"
+    # The run is over: its watch ends, and no more steps are fed.
+    updates = list(
+        gateway.stub.WatchRun(gateway_pb2.WatchRunRequest(run_id=run_id), metadata=AUTH, timeout=10)
+    )
+    assert updates[-1].run.state == gateway_pb2.RUN_STATE_FAILED
+    time.sleep(1.5)
+    assert get_run(gateway, run_id).episodes_published == run.episodes_published
 
 
 def test_a_stalled_run_names_the_service_that_is_not_serving(nats_url: str, tmp_path: Path) -> None:

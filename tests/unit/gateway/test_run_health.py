@@ -109,3 +109,26 @@ def test_the_progress_line_names_an_error_only_until_the_run_trains_past_it() ->
     assert "last error" not in after
     # GetRun still carries it: the line drops news that is old, the record keeps it.
     assert run_to_proto(record, history=[{**step, "at": 101.0}]).last_error.message == "timeout"
+
+
+def test_a_fatal_report_fails_the_run_with_the_components_message() -> None:
+    record = RunRecord(run_id="r1", recipe_toml=RECIPE, state="running", step=3)
+    record.extra[STALLED_KEY] = "no progress at step 3/5"
+    apply_error(
+        record,
+        events_pb2.RunError(component="trainer", message="training failed at step 3: boom", unix_time=1.0),
+    )
+    assert record.state == "running"  # an ordinary report names the error, the run goes on
+    apply_error(
+        record,
+        events_pb2.RunError(
+            component="trainer", message="training failed at step 3: boom", unix_time=2.0, fatal=True
+        ),
+    )
+    run = run_to_proto(record)
+    assert run.state == gateway_pb2.RUN_STATE_FAILED
+    assert run.error == "trainer: training failed at step 3: boom"
+    # A late fatal report does not rewrite a run that already ended.
+    record.state, record.error = "stopped", ""
+    apply_error(record, events_pb2.RunError(component="trainer", message="late", fatal=True))
+    assert (record.state, record.error) == ("stopped", "")

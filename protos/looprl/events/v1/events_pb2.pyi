@@ -110,15 +110,17 @@ class TrainStepRecord(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., loss: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., num_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., max_staleness: _Optional[int] = ..., response_tokens: _Optional[int] = ...) -> None: ...
 
 class RunError(_message.Message):
-    __slots__ = ("run_id", "component", "message", "occurrences", "unix_time")
+    __slots__ = ("run_id", "component", "message", "occurrences", "unix_time", "fatal")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     COMPONENT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     OCCURRENCES_FIELD_NUMBER: _ClassVar[int]
     UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    FATAL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     component: str
     message: str
     occurrences: int
     unix_time: float
-    def __init__(self, run_id: _Optional[str] = ..., component: _Optional[str] = ..., message: _Optional[str] = ..., occurrences: _Optional[int] = ..., unix_time: _Optional[float] = ...) -> None: ...
+    fatal: bool
+    def __init__(self, run_id: _Optional[str] = ..., component: _Optional[str] = ..., message: _Optional[str] = ..., occurrences: _Optional[int] = ..., unix_time: _Optional[float] = ..., fatal: _Optional[bool] = ...) -> None: ...
