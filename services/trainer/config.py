@@ -42,6 +42,20 @@ class TrainerConfig(ServiceConfig):
     next_batch_timeout_s: float = field(
         default=5.0, metadata={"help": "NextBatch wait per attempt; the trainer retries until stopped."}
     )
+    push_retry_s: float = field(
+        default=300.0,
+        metadata={
+            "help": "How long a failed weight push is retried (backoff 0.5 s doubling to 10 s) "
+            "before the run fails; covers a weight-sync restart."
+        },
+    )
+    rank_recoveries: int = field(
+        default=3,
+        metadata={
+            "help": "Times a run's ranks are recreated from its last checkpoint after one is lost "
+            "(its process killed, its node gone) before the run fails."
+        },
+    )
     num_cpus_per_rank: float = field(default=0.5, metadata={"help": "Ray CPUs reserved per rank."})
     threads_per_rank: int = field(default=1, metadata={"help": "torch threads per rank."})
     placement_strategy: str = field(default="PACK", metadata={"help": "Ray placement strategy of the ranks."})
@@ -57,3 +71,7 @@ class TrainerConfig(ServiceConfig):
             raise ConfigError(
                 f"LOOPRL_TRAINER_ACK_POLICY: must be 'checkpoint' or 'step', got {self.ack_policy!r}"
             )
+        if self.rank_recoveries < 0:
+            raise ConfigError(f"LOOPRL_TRAINER_RANK_RECOVERIES: must be >= 0, got {self.rank_recoveries}")
+        if self.push_retry_s <= 0:
+            raise ConfigError(f"LOOPRL_TRAINER_PUSH_RETRY_S: must be > 0, got {self.push_retry_s}")

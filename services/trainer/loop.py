@@ -33,9 +33,9 @@ from services.trainer import metrics
 from services.trainer.batch import BatchRejected
 from services.trainer.checkpoint import latest_checkpoint
 from services.trainer.config import TrainerConfig
-from services.trainer.ranks import RankGroup
+from services.trainer.ranks import RankGroup, RankLost
 from services.trainer.spec import TrainerSpec, spec_from_recipe
-from services.trainer.worker import StepAborted
+from services.trainer.worker import PushFailed, StepAborted
 
 log = logging.getLogger("looprl.trainer.loop")
 _tracer = trace.get_tracer("looprl.trainer.loop")
@@ -70,6 +70,7 @@ class RunTrainer:
         self.last_checkpoint = ""
         self.error = ""
         self.unacked: list[int] = []
+        self.recoveries = 0  # times the rank group was recreated after losing a rank
         self._lock = asyncio.Lock()
         self._stop = asyncio.Event()
         self._started = False
@@ -87,10 +88,13 @@ class RunTrainer:
         try:
             await self._prepare()
             while self.step < self.total_steps and not self._stop.is_set():
-                if not await self._train_one():
-                    continue
-                if self.checkpoint_every > 0 and self.step % self.checkpoint_every == 0:
-                    await self.checkpoint()
+                try:
+                    if not await self._train_one():
+                        continue
+                    if self.checkpoint_every > 0 and self.step % self.checkpoint_every == 0:
+                        await self.checkpoint()
+                except RankLost as exc:
+                    await self._recover(exc)
             finished = self.step >= self.total_steps
             await self.checkpoint(export_hf=finished and self.cfg.export_hf_at_end)
             self.state = "completed" if finished else "stopped"
@@ -114,6 +118,35 @@ class RunTrainer:
             log.info("run %s: resumed from %s at step %d", self.run_id, latest, self.step)
         await self._push(self.step)
         self.state = "training"
+
+    async def _recover(self, lost: RankLost) -> None:
+        """New ranks resume from the last checkpoint; the packer re-serves the steps since, which
+        were not acknowledged (ack_policy "checkpoint"), so nothing is lost or trained twice."""
+        self.recoveries += 1
+        if self.checkpoint_every <= 0 or self.cfg.ack_policy != "checkpoint":
+            raise RuntimeError(
+                f"a trainer rank was lost ({lost}) and the run cannot resume: it keeps no "
+                "checkpoints acknowledged with its steps (checkpoint_every, ack_policy)"
+            )
+        if self.recoveries > self.cfg.rank_recoveries:
+            raise RuntimeError(
+                f"trainer ranks lost {self.recoveries} times (trainer rank_recoveries = "
+                f"{self.cfg.rank_recoveries}): {lost}"
+            )
+        log.warning("run %s: rank lost at step %d (%s); recreating the ranks", self.run_id, self.step, lost)
+        if self.reporter is not None:
+            await self.reporter.report(
+                self.run_id,
+                f"trainer rank lost at step {self.step} ({lost}); resuming from the last checkpoint",
+            )
+        await self._ranks(self.group.shutdown)
+        self.step, self.unacked = 0, []
+        try:
+            await self._prepare()
+        except Exception as exc:
+            raise RuntimeError(
+                f"recreating the ranks after a lost rank ({lost}) failed: {describe(exc)}"
+            ) from exc
 
     async def _train_one(self) -> bool:
         with _tracer.start_as_current_span(
@@ -163,9 +196,8 @@ class RunTrainer:
         self.last_loss = result["loss"]
         metrics.record_step(self.run_id, result, time.perf_counter() - started)
         self.unacked.append(step)
-        refused = self._check_pushes(self.step, result.get("pushes", []))
-        if refused and self.reporter is not None:
-            await self.reporter.report(self.run_id, refused)
+        if self.cfg.weight_sync_address:
+            await self._push(self.step, result.get("pushes", []))
         if self.cfg.ack_policy == "step" or self.checkpoint_every <= 0:
             await self._ack_pending()
         await self._publish(result)
@@ -179,29 +211,70 @@ class RunTrainer:
         )
         return True
 
-    async def _push(self, version: int) -> None:
+    async def _push(self, version: int, results: list[dict[str, Any]] | None = None) -> None:
+        """Have every rank push `version` to weight-sync (results: a push already made with the step).
+
+        While weight-sync is unreachable (a restart, a network blip) the push is retried from every
+        rank, 0.5 s doubling to 10 s apart, for up to `push_retry_s`; ranks whose shards already
+        arrived are then refused as "already finished", which is success. The first failure and
+        the give-up are reported to the run.
+        """
         if not self.cfg.weight_sync_address:
             return
-        refused = self._check_pushes(
-            version, await self._ranks(self.group.push_weights, self.cfg.weight_sync_address, version)
-        )
-        if refused and self.reporter is not None:
-            await self.reporter.report(self.run_id, refused)
-
-    def _check_pushes(self, version: int, results: list[dict[str, Any]]) -> str | None:
-        """Raise on a failed push; the refusal to report when weight-sync skipped the version."""
-        errors = [r["error"] for r in results if r.get("error")]
-        if errors:
-            raise RuntimeError(f"pushing version {version} to weight-sync failed: {errors[0]}")
+        delay, deadline, attempt = 0.5, time.monotonic() + self.cfg.push_retry_s, 0
+        while True:
+            if results is None:
+                try:
+                    results = await self._ranks(
+                        self.group.push_weights, self.cfg.weight_sync_address, version
+                    )
+                except PushFailed as exc:
+                    results = [{"error": str(exc)}]
+            errors = [r["error"] for r in results if r.get("error")]
+            if not errors:
+                break
+            attempt += 1
+            if time.monotonic() + delay > deadline:
+                raise RuntimeError(
+                    f"pushing version {version} to weight-sync failed {attempt} times over "
+                    f"{self.cfg.push_retry_s:g}s (trainer push_retry_s): {errors[0]}"
+                )
+            log.warning(
+                "run %s: push of version %d failed (%s); retry %d in %.1fs",
+                self.run_id,
+                version,
+                errors[0],
+                attempt,
+                delay,
+            )
+            if attempt == 1 and self.reporter is not None:
+                await self.reporter.report(
+                    self.run_id, f"pushing version {version} failed, retrying: {errors[0]}"
+                )
+            if await self._stopped_within(delay):
+                return
+            delay, results = min(2 * delay, 10.0), None
         skipped = [r["skipped"] for r in results if r.get("skipped")]
-        if skipped:
+        if skipped and attempt == 0:  # after a retry, refusals are the earlier attempts' shards
             log.warning("run %s: weight-sync refused version %d: %s", self.run_id, version, skipped[0])
-            return f"weight-sync refused version {version}: {skipped[0]}"
-        return None
+            if self.reporter is not None:
+                await self.reporter.report(
+                    self.run_id, f"weight-sync refused version {version}: {skipped[0]}"
+                )
+        elif attempt:
+            log.info("run %s: version %d pushed after %d retries", self.run_id, version, attempt)
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
 
     async def _report(self, message: str) -> None:
+        """The run cannot go on here: tell the gateway, which fails it with this message."""
         if self.reporter is not None:
-            await self.reporter.report(self.run_id, message)
+            await self.reporter.report(self.run_id, message, fatal=True)
             await self.reporter.close()
 
     async def _ack_pending(self) -> None:

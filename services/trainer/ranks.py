@@ -19,6 +19,10 @@ from services.trainer.worker import TrainerWorker
 log = logging.getLogger("looprl.trainer.ranks")
 
 
+class RankLost(RuntimeError):
+    """A rank's actor died (its process was killed, its node lost): the group must be recreated."""
+
+
 class RankGroup:
     """Start with :meth:`start`; stop with :meth:`shutdown` (kills the actors, frees the bundles)."""
 
@@ -98,7 +102,13 @@ class RankGroup:
 
         try:
             return ray.get(refs, timeout=timeout)
+        except ray.exceptions.RayActorError as exc:  # the process or its node is gone
+            raise RankLost(f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
         except ray.exceptions.RayTaskError as exc:
+            # A rank's collective fails when its peer dies: the dead peer is the cause to report.
+            lost = _lost_rank(refs)
+            if lost is not None:
+                raise RankLost(lost) from None
             # Surface the rank's own exception (BatchRejected, StepAborted, ...) to the caller.
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             raise cause from None
@@ -160,6 +170,20 @@ class RankGroup:
             except Exception:
                 pass
             self.pg = None
+
+
+def _lost_rank(refs: list[Any]) -> str | None:
+    """Why a rank of this call died, if one did."""
+    import ray
+
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=10)
+        except ray.exceptions.RayActorError as exc:
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        except Exception:  # that rank failed otherwise; look at the next
+            continue
+    return None
 
 
 def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:

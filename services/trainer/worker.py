@@ -43,6 +43,10 @@ class StepAborted(RuntimeError):
     """A rank could not take part in the step (e.g. the packer did not answer); nothing was applied."""
 
 
+class PushFailed(RuntimeError):
+    """Weight-sync did not take this rank's shards (unreachable, or it failed the stream)."""
+
+
 class TrainerWorker:
     def __init__(
         self,
@@ -446,7 +450,7 @@ class TrainerWorker:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 self._forget_channel(address, limit)
                 # A gRPC error does not pickle: Ray would hand the caller its own error instead.
-                raise RuntimeError(
+                raise PushFailed(
                     f"PushShards to weight-sync at {address}: {exc.code().name}: {exc.details()}"
                 ) from None
             # e.g. after a resume, weight-sync already holds this version from before the crash.
