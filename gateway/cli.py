@@ -55,13 +55,13 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
-    from gateway.stack import StackState, restart
+    from gateway.stack import INFRASTRUCTURE, StackState, restart
 
     state = StackState.load(_state_dir(args).resolve())
     if state is None:
         print("no local stack is up (run `looprl up`)", file=sys.stderr)
         return 1
-    names = [s.name for s in state.services]
+    names = [s.name for s in state.services] + list(INFRASTRUCTURE)
     if args.service not in names:
         print(f"unknown service {args.service!r}; the stack runs: {', '.join(names)}", file=sys.stderr)
         return 2
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("down", help="stop everything `up` started").set_defaults(func=cmd_down)
     sub.add_parser("status", help="health, address and pid of every service").set_defaults(func=cmd_status)
     p = sub.add_parser("restart", help="restart one service of the local stack on the same ports")
-    p.add_argument("service", help="service name as `looprl status` shows it")
+    p.add_argument("service", help="service name as `looprl status` shows it (or nats-server, ray-head)")
     p.add_argument("--kill", action="store_true", help="SIGKILL it first, as a crash would")
     p.set_defaults(func=cmd_restart)
     p = sub.add_parser(

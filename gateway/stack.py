@@ -27,7 +27,9 @@ from services.kit.local import (
     NatsServer,
     RayHead,
     pid_alive,
+    port_is_free,
     require_free,
+    session_pids,
     stop_pid_group,
     stop_session,
 )
@@ -44,6 +46,10 @@ SERVICES: tuple[tuple[str, str], ...] = (
     ("trainer", "services.trainer"),
     ("gateway", "gateway"),
 )
+
+# Logical CPUs the local Ray head offers: at least 8, so a default recipe's ranks and replicas fit
+# on a small machine (they are mostly idle between steps).
+RAY_HEAD_CPUS = max(8, os.cpu_count() or 2)
 
 # Served without client certificates (users authenticate with bearer tokens).
 PUBLIC_SERVICES = frozenset({"gateway"})
@@ -183,7 +189,7 @@ def up(
         state_dir=state_dir, port=ports.nats, config=nats_auth.server_config(nats_passwords)
     ).start()
     log(f"nats-server   {nats.url} (pid {nats.proc.pid})")
-    ray = RayHead(state_dir=state_dir, port=ports.ray, num_cpus=max(8, os.cpu_count() or 2)).start()
+    ray = RayHead(state_dir=state_dir, port=ports.ray, num_cpus=RAY_HEAD_CPUS).start()
     log(f"ray head      {ray.address} (pid {ray.proc.pid})")
     state = StackState(
         state_dir=str(state_dir),
@@ -251,26 +257,67 @@ def _launch(state: StackState, svc: ServiceProcess) -> ServiceProcess:
     return svc
 
 
+# What `looprl restart` can restart besides the services: the stack's own nats-server and Ray head.
+INFRASTRUCTURE = ("nats-server", "ray-head")
+
+
 def restart(state_dir: Path, name: str, kill: bool = False, timeout: float = 120.0) -> ServiceProcess:
     """Stop one service (SIGKILL with kill=True, as a crash would; else SIGTERM and its grace period),
-    start it again on the same ports, and wait until it is SERVING."""
+    start it again on the same ports, and wait until it is SERVING. nats-server and the Ray head
+    restart on their port with the same credentials (JetStream keeps its store; Ray starts empty)."""
     state = StackState.load(state_dir.resolve())
     if state is None:
         raise RuntimeError("no stack is up")
+    if name in INFRASTRUCTURE:
+        return _restart_infrastructure(state, name, kill)
     svc = state.service(name)
-    if kill:
-        try:
-            os.killpg(svc.pid, 9)
-        except ProcessLookupError:
-            pass
-        while pid_alive(svc.pid):
-            time.sleep(0.05)
-    else:
-        stop_pid_group(svc.pid)
+    _stop(svc.pid, kill)
     _launch(state, svc)
     state.save()
     wait_serving(StackState(**{**asdict(state), "services": [svc]}), timeout)
     return svc
+
+
+def _stop(pid: int, kill: bool) -> None:
+    if kill:
+        try:
+            os.killpg(pid, 9)
+        except ProcessLookupError:
+            pass
+        while pid_alive(pid):
+            time.sleep(0.05)
+    else:
+        stop_pid_group(pid)
+
+
+def _wait_port_released(port: int, timeout: float = 30.0) -> None:
+    """A killed server's accepted connections hold its port for a moment while the kernel closes
+    them; the new one binds it once they are gone (its start says so if they never go)."""
+    deadline = time.monotonic() + timeout
+    while not port_is_free(port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _restart_infrastructure(state: StackState, name: str, kill: bool) -> ServiceProcess:
+    state_dir = Path(state.state_dir)
+    if name == "nats-server":
+        _stop(state.nats_pid, kill)
+        _wait_port_released(state.nats_port)
+        config = nats_auth.server_config(state.nats_passwords)
+        state.nats_pid = NatsServer(state_dir=state_dir, port=state.nats_port, config=config).start().proc.pid
+        port, pid = state.nats_port, state.nats_pid
+    else:
+        stop_session(state.ray_pid, 0.0 if kill else RAY_GRACE_S)
+        while any(pid_alive(p) for p in session_pids(state.ray_pid)):
+            time.sleep(0.05)
+        _wait_port_released(state.ray_port)
+        head = RayHead(
+            state_dir=state_dir, port=state.ray_port, num_cpus=RAY_HEAD_CPUS, token=state.ray_token
+        )
+        state.ray_pid = head.start().proc.pid
+        port, pid = state.ray_port, state.ray_pid
+    state.save()
+    return ServiceProcess(name, pid, port, 0, str(state_dir / f"{name}.log"))
 
 
 def wait_serving(state: StackState, timeout: float) -> None:

@@ -27,7 +27,12 @@ class EnvServiceConfig(ServiceConfig):
     consume_episodes: bool = field(default=True, metadata={"help": "Pull episode tasks from the bus."})
     concurrency: int = field(default=16, metadata={"help": "Episodes run at once by this process."})
     durable: str = field(default="environment-sandbox", metadata={"help": "Durable consumer name."})
-    ack_wait_s: float = field(default=30.0, metadata={"help": "Redelivery timer of an unacked task."})
+    ack_wait_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "Redelivery timer of an unacked task (a running episode heartbeats every third of it)."
+        },
+    )
     max_tokens: int = field(default=32, metadata={"help": "Per-turn max_tokens when a task sets none."})
     warm_workers: int = field(default=2, metadata={"help": "Sandbox workers kept started and waiting."})
     max_exec_concurrency: int = field(default=8, metadata={"help": "Sandbox executions at once."})

@@ -29,13 +29,14 @@ log = logging.getLogger("looprl.environment_sandbox.worker")
 class WorkerConfig:
     concurrency: int = 16
     durable: str = "environment-sandbox"
-    ack_wait_s: float = 30.0
+    ack_wait_s: float = 10.0
     # A failed episode (a dependency down or restarting: router, reward, weights not there yet) is
     # handed back with a delay doubling from retry_delay_s up to max_retry_delay_s, so it outlives
-    # restarts of tens of seconds: 200 attempts are over an hour of retrying.
-    max_deliver: int = 200
+    # restarts of tens of seconds (400 attempts are over an hour of retrying) and an outage costs
+    # at most max_retry_delay_s more than its length.
+    max_deliver: int = 400
     retry_delay_s: float = 0.5
-    max_retry_delay_s: float = 30.0
+    max_retry_delay_s: float = 10.0
 
     def retry_delay(self, attempt: int) -> float:
         """Delay before redelivering a task that failed on its `attempt`-th delivery (1-based)."""

@@ -1,0 +1,143 @@
+"""Chaos matrix: during one run, SIGKILL (as an OOM kill or a crash would) and restart each component
+the run depends on, one after the other, and take reward down for 30 s. After each fault the run
+must train on (the seconds until it has trained two more steps are its recovery time, printed as a
+table), and at the end it completes with every rollout trained exactly once or dropped for a reason.
+test_crash_mid_run.py covers the packer, the gateway and the trainer process the same way.
+
+Losing the Ray head is the one fault runs do not survive yet: the services' Ray clients are bound
+to the cluster that is gone. The run must then fail with that reason, not hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from gateway.stack import StackState
+from looprl.gateway.v1 import gateway_pb2
+from services.kit.local import session_pids
+from tests.support.runs import assert_accounting, with_overrides
+from tests.support.stack import DEFAULT_RECIPE
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+RECOVERY_STEPS = 2  # steps the run must train after a fault to count as recovered
+RECOVERY_LIMIT_S = 150.0  # longest any fault may hold the run (reward's outage is 30 s of it)
+
+
+def get_run(stack, run_id: str) -> gateway_pb2.Run:
+    while True:
+        try:
+            return stack.stub.GetRun(
+                gateway_pb2.GetRunRequest(run_id=run_id), metadata=stack.metadata, timeout=5
+            ).run
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            time.sleep(0.3)
+
+
+def wait_until(stack, run_id: str, done, timeout: float) -> gateway_pb2.Run:
+    deadline = time.monotonic() + timeout
+    while True:
+        run = get_run(stack, run_id)
+        if done(run):
+            return run
+        assert time.monotonic() < deadline, f"not met within {timeout:.0f}s: {run.state} {run.error}"
+        time.sleep(0.2)
+
+
+def ray_worker_pid(stack, title: str) -> int:
+    """A Ray worker process of this stack's Ray head (not another stack's) running `title`."""
+    for pid in session_pids(stack.state.ray_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().split(b"\0")[0].decode().startswith(title):
+                    return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no {title} process under the stack's Ray head")
+
+
+def restart(stack, name: str) -> None:
+    restarted = stack.looprl("restart", name, "--kill")
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+
+
+def reward_down_30s(stack) -> None:
+    reward = StackState.load(stack.state_dir.resolve()).service("reward")  # its pid after `restart`
+    os.killpg(reward.pid, signal.SIGKILL)
+    time.sleep(30)
+    restarted = stack.looprl("restart", "reward")
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+
+
+FAULTS = {
+    "inference-router": lambda stack: restart(stack, "inference-router"),
+    "replica actor": lambda stack: os.kill(ray_worker_pid(stack, "ray::ReplicaCore"), signal.SIGKILL),
+    "environment-sandbox": lambda stack: restart(stack, "environment-sandbox"),
+    "reward": lambda stack: restart(stack, "reward"),
+    "reward down 30 s": reward_down_30s,
+    "weight-sync": lambda stack: restart(stack, "weight-sync"),
+    "nats-server": lambda stack: restart(stack, "nats-server"),
+    "trainer rank": lambda stack: os.kill(ray_worker_pid(stack, "ray::TrainerWorker"), signal.SIGKILL),
+}
+
+
+def test_the_run_survives_every_component_crash_and_a_30s_reward_outage(fresh_stack, capsys) -> None:
+    stack = fresh_stack
+    run_id = "chaos-matrix"
+    # Enough steps that every fault lands mid-run (a fault costs ~3 steps of progress here).
+    recipe = with_overrides(DEFAULT_RECIPE, run={"steps": 80}, trainer={"checkpoint_every": 5})
+    stack.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id=run_id), metadata=stack.metadata
+    )
+    wait_until(stack, run_id, lambda r: r.step >= 3, timeout=240)
+    recovery: dict[str, float] = {}
+    for fault, inject in FAULTS.items():
+        at = get_run(stack, run_id).step
+        assert at < 80 - RECOVERY_STEPS, f"the run ended before the {fault} fault"
+        started = time.monotonic()
+        inject(stack)
+        run = wait_until(
+            stack,
+            run_id,
+            lambda r, at=at: r.step >= at + RECOVERY_STEPS or r.state != gateway_pb2.RUN_STATE_RUNNING,
+            timeout=RECOVERY_LIMIT_S,
+        )
+        assert run.state == gateway_pb2.RUN_STATE_RUNNING, f"after {fault}: {run.state} {run.error}"
+        recovery[fault] = time.monotonic() - started
+
+    final = None
+    for update in stack.stub.WatchRun(
+        gateway_pb2.WatchRunRequest(run_id=run_id), metadata=stack.metadata, timeout=600
+    ):
+        final = update.run
+    with capsys.disabled():
+        print("\nfault                  recovery (s, until 2 more steps trained)")
+        for fault, seconds in recovery.items():
+            print(f"{fault:<22} {seconds:6.1f}")
+    assert final is not None and final.state == gateway_pb2.RUN_STATE_COMPLETED, final
+    assert_accounting(final)
+    assert final.weight_version == 80
+    trainer_log = (stack.state_dir / "logs" / "trainer.log").read_text()
+    assert "recreating the ranks" in trainer_log and "retry 1" in trainer_log
+
+
+def test_losing_the_ray_head_fails_the_run_with_the_reason_instead_of_hanging(fresh_stack) -> None:
+    stack = fresh_stack
+    run_id = "ray-head-loss"
+    recipe = with_overrides(DEFAULT_RECIPE, run={"steps": 400}, trainer={"checkpoint_every": 5})
+    stack.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id=run_id), metadata=stack.metadata
+    )
+    wait_until(stack, run_id, lambda r: r.step >= 3, timeout=240)
+    restart(stack, "ray-head")
+    run = wait_until(stack, run_id, lambda r: r.state != gateway_pb2.RUN_STATE_RUNNING, timeout=180)
+    assert run.state == gateway_pb2.RUN_STATE_FAILED, run
+    assert run.error.startswith("trainer: "), run.error
+    assert run.step < 400
