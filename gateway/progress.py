@@ -27,6 +27,8 @@ def progress_line(run: gateway_pb2.Run) -> str:
         parts.append("dropped " + ",".join(f"{k}={v}" for k, v in run.rollouts_dropped.items()))
     if run.duplicate_deliveries:
         parts.append(f"duplicates {run.duplicate_deliveries}")
+    if run.step_records_ignored:
+        parts.append(f"ignored step records {run.step_records_ignored}")
     if run.stalled_reason:
         parts.append(f"stalled: {run.stalled_reason}")
     elif (

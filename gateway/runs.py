@@ -32,8 +32,9 @@ from gateway.stalls import STALLED_KEY, ProgressClock, follow_errors, watch_stal
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
-from services.kit import subjects, telemetry
+from services.kit import subjects, telemetry, trainer_epochs
 from services.kit.bus import Bus
+from services.kit.kv import KV
 from services.kit.recipe import Recipe, RunRecord, sampling_seed
 
 log = logging.getLogger("looprl.gateway.runs")
@@ -116,6 +117,7 @@ class RunDriver:
         self._trained_version = 0
         self._run_trace: dict[str, str] | None = None  # the run's trace context, from its record
         self.progress = ProgressClock()  # fed steps, trained steps and weight versions mark it
+        self._epochs_kv: KV | None = None
 
     def start(self) -> None:
         # A context of its own: the driver's spans are not children of the RPC that started it.
@@ -235,6 +237,17 @@ class RunDriver:
             for delivery in await consumer.fetch(batch=16, timeout=1.0):
                 with delivery.process_span():
                     step = delivery.parse(events_pb2.TrainStepRecord)
+                    if not await self._genuine(step):
+                        log.warning(
+                            "run %s: ignored the record of step %d of trainer epoch %r (not vouched for)",
+                            self.run_id,
+                            step.step,
+                            step.trainer_epoch,
+                        )
+                        await self.store.update(self.run_id, _ignored)
+                        await delivery.ack()
+                        self.changed.set()
+                        continue
                     self.progress.mark()
                     self._trained_version = max(self._trained_version, step.version)
                     self._version_seen.set()
@@ -246,6 +259,14 @@ class RunDriver:
                     await delivery.ack()
                     self._version_seen.set()
                     self.changed.set()
+
+    async def _genuine(self, step: events_pb2.TrainStepRecord) -> bool:
+        """Whether a trainer epoch vouches for the record, by the epochs as they are now (a cached
+        list would miss the epoch that made an older one stale)."""
+        if self._epochs_kv is None:
+            self._epochs_kv = await self.bus.kv(subjects.TRAINER_EPOCHS)
+        epochs = await trainer_epochs.read(self._epochs_kv, self.run_id)
+        return trainer_epochs.vouches(epochs, step.trainer_epoch, step.step)
 
     async def _dropped(self) -> dict[str, int] | None:
         """Rollouts the packer dropped for this run, by reason (None when it cannot be asked)."""
@@ -275,6 +296,10 @@ class RunDriver:
                     await self.store.update(self.run_id, lambda r, e=event: _apply_weights(r, e))
                 await delivery.ack()
                 self.changed.set()
+
+
+def _ignored(record: RunRecord) -> None:
+    record.extra["step_records_ignored"] = int(record.extra.get("step_records_ignored", 0)) + 1
 
 
 def _fed(record: RunRecord, fed_steps: int, per_step: int) -> None:

@@ -80,6 +80,7 @@ def run_to_proto(
     for reason, count in extra.get("dropped", {}).items():
         run.rollouts_dropped[reason] = int(count)
     run.duplicate_deliveries = int(extra.get("duplicate_deliveries", 0))
+    run.step_records_ignored = int(extra.get("step_records_ignored", 0))
     if record.state == "running" and extra.get(STALLED_KEY):
         run.state = gateway_pb2.RUN_STATE_STALLED
         run.stalled_reason = extra[STALLED_KEY]

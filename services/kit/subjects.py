@@ -186,11 +186,13 @@ STREAM_OF_KIND: dict[Kind, str] = {
 RUNS = "runs"
 DEPLOYMENTS = "deployments"
 WEIGHTS_KV = "weights"
+TRAINER_EPOCHS = "trainer-epochs"
 
 BUCKETS: tuple[BucketSpec, ...] = (
     BucketSpec(RUNS, history=5, description="run id -> run state (gateway)"),
     BucketSpec(DEPLOYMENTS, history=1, description="deployment id -> registration and heartbeat"),
     BucketSpec(WEIGHTS_KV, history=5, description="run id / version -> weight manifest"),
+    BucketSpec(TRAINER_EPOCHS, history=1, description="run id -> the trainer epochs that trained it"),
 )
 
 

@@ -25,7 +25,7 @@ from opentelemetry import trace
 
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
-from services.kit import subjects, telemetry, tls
+from services.kit import subjects, telemetry, tls, trainer_epochs
 from services.kit.interceptors import client_interceptors
 from services.kit.metric_names import observe
 from services.kit.run_errors import RunErrorReporter, describe
@@ -71,6 +71,7 @@ class RunTrainer:
         self.error = ""
         self.unacked: list[int] = []
         self.recoveries = 0  # times the rank group was recreated after losing a rank
+        self.epoch = ""  # this start of the ranks, vouching for the step records it publishes
         self._lock = asyncio.Lock()
         self._stop = asyncio.Event()
         self._started = False
@@ -116,6 +117,9 @@ class RunTrainer:
             self.step = int(restored["step"])
             self.last_checkpoint = str(latest)
             log.info("run %s: resumed from %s at step %d", self.run_id, latest, self.step)
+        if self.bus is not None:  # before any step record of these ranks goes out
+            kv = await self.bus.kv(subjects.TRAINER_EPOCHS)
+            self.epoch = await trainer_epochs.open_epoch(kv, self.run_id, self.step)
         await self._push(self.step)
         self.state = "training"
 
@@ -317,10 +321,14 @@ class RunTrainer:
             rollout_ids=m["rollout_ids"],
             reward_mean=m.get("reward_mean", 0.0),
             reward_std=m.get("reward_std", 0.0),
+            trainer_epoch=self.epoch,
         )
         try:
             await self.bus.publish(
-                subjects.train(self.run_id), record, msg_id=f"{self.run_id}-train-{m['step']}"
+                # Per epoch: a step retrained after a resume is a record of its own, not a duplicate.
+                subjects.train(self.run_id),
+                record,
+                msg_id=f"{self.run_id}-train-{m['step']}-{self.epoch}",
             )
         except Exception as exc:  # progress events must not stop training
             log.warning("run %s: could not publish step %d: %s", self.run_id, m["step"], exc)

@@ -18,9 +18,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gateway.progress import progress_line
 from looprl.events.v1 import events_pb2
 from looprl.gateway.v1 import gateway_pb2
-from services.kit import subjects
+from services.kit import subjects, trainer_epochs
 from services.kit.bus import Bus
 from tests.support.gateway import AUTH, TOKEN, GatewayProcess, http, openai_error
 
@@ -62,13 +63,30 @@ def episodes_of(nats_url: str, run_id: str) -> list[events_pb2.EpisodeTask]:
     return asyncio.run(read())
 
 
-def publish_train_step(nats_url: str, run_id: str, step: int) -> None:
+def open_trainer_epoch(nats_url: str, run_id: str, from_step: int) -> str:
+    """What a trainer does before training a run's steps from `from_step`: its epoch id."""
+
+    async def open_epoch() -> str:
+        bus = await Bus.connect(nats_url, name="test-trainer")
+        try:
+            return await trainer_epochs.open_epoch(await bus.kv(subjects.TRAINER_EPOCHS), run_id, from_step)
+        finally:
+            await bus.close()
+
+    return asyncio.run(open_epoch())
+
+
+def publish_train_step(nats_url: str, run_id: str, step: int, epoch: str | None = None) -> None:
+    """Publish the step record a trainer would; without `epoch`, as a trainer just started at `step`."""
+    epoch = open_trainer_epoch(nats_url, run_id, step) if epoch is None else epoch
+
     async def publish() -> None:
         bus = await Bus.connect(nats_url, name="test-trainer")
         record = events_pb2.TrainStepRecord(
-            run_id=run_id, step=step, version=step + 1, reward_mean=0.1 * step, num_rollouts=4
-        )
-        await bus.publish(subjects.train(run_id), record, msg_id=f"{run_id}-train-{step}")
+            run_id=run_id, step=step, version=step + 1, reward_mean=0.1 * step, num_rollouts=4,
+            trainer_epoch=epoch,
+        )  # fmt: skip
+        await bus.publish(subjects.train(run_id), record, msg_id=f"{run_id}-train-{step}-{epoch}")
         await bus.close()
 
     asyncio.run(publish())
@@ -225,6 +243,34 @@ def test_async_run_feeds_ahead_up_to_the_staleness_bound(gateway: GatewayProcess
     wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 6)
     steps = sorted({t.step for t in episodes_of(nats_url, run.run_id)})
     assert steps == [0, 1, 2]
+
+
+def test_step_records_of_an_unknown_or_stale_trainer_epoch_are_ignored_and_counted(
+    gateway: GatewayProcess, nats_url: str
+) -> None:
+    run = gateway.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="epoch-run"),
+        metadata=AUTH,
+    ).run
+
+    def current() -> gateway_pb2.Run:
+        return gateway.stub.GetRun(gateway_pb2.GetRunRequest(run_id=run.run_id), metadata=AUTH).run
+
+    first = open_trainer_epoch(nats_url, run.run_id, 0)
+    publish_train_step(nats_url, run.run_id, 0, epoch=first)
+    wait_until(lambda: current().step == 1)
+    # A record no trainer epoch vouches for (forged with the trainer's subject) changes nothing.
+    publish_train_step(nats_url, run.run_id, 1, epoch="0123456789abcdef")
+    wait_until(lambda: current().step_records_ignored == 1)
+    # The trainer restarts and resumes at step 1: a record of step 1 from the old epoch is stale.
+    second = open_trainer_epoch(nats_url, run.run_id, 1)
+    publish_train_step(nats_url, run.run_id, 1, epoch=first)
+    wait_until(lambda: current().step_records_ignored == 2)
+    assert current().step == 1 and [h.step for h in current().history] == [0]
+    publish_train_step(nats_url, run.run_id, 1, epoch=second)
+    final = wait_until(lambda: (r := current()).step == 2 and r)
+    assert [h.step for h in final.history] == [0, 1] and final.step_records_ignored == 2
+    assert "ignored step records 2" in progress_line(final)
 
 
 def test_restarted_gateway_continues_the_run(gateway: GatewayProcess, nats_url: str) -> None:

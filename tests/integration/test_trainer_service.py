@@ -98,11 +98,13 @@ async def packer(nats_url):
         await service.drain()
 
 
-async def _trainer(nats_url: str, packer_address: str, checkpoint_dir: str, weight_sync_address: str = ""):
+async def _trainer(
+    nats_url: str, packer_address: str, checkpoint_dir: str, weight_sync_address: str = "", **settings
+):
     cfg = TrainerConfig(
         nats_url=nats_url, grpc_port=free_port(), metrics_port=free_port(), packer_address=packer_address,
         watch_runs=False, checkpoint_dir=checkpoint_dir, next_batch_timeout_s=2.0, grace_seconds=60.0,
-        weight_sync_address=weight_sync_address,
+        weight_sync_address=weight_sync_address, **settings,
     )  # fmt: skip
     app = TrainerApp(cfg)
     service = Service("trainer", cfg)
@@ -175,25 +177,35 @@ async def test_trainer_service_trains_checkpoints_acks_and_resumes(
         await bus.close()
 
 
-async def test_a_failed_weight_push_is_reported_to_the_run(packer, nats_url, ray_client, tmp_path) -> None:
+async def test_a_weight_push_that_keeps_failing_is_retried_then_fails_the_run_with_the_reason(
+    packer, nats_url, ray_client, tmp_path
+) -> None:
     packer_app, packer_address = packer
     run_id = f"tr-{uuid.uuid4().hex[:8]}"
     recipe = parse_recipe(RECIPE.format(steps=2))
     await packer_app.add_run(run_id, packer_app.settings_for(recipe))
     bus = await Bus.connect(nats_url, name="test")
     sub = await bus.js.subscribe(subjects.events(run_id), ordered_consumer=True)
-    # Nothing listens at weight-sync's address: the first push (version 0, before any step) fails.
-    app, service = await _trainer(nats_url, packer_address, str(tmp_path), f"127.0.0.1:{free_port()}")
+    # Nothing listens at weight-sync's address: the first push (version 0, before any step) fails,
+    # and so does every retry within push_retry_s.
+    address = f"127.0.0.1:{free_port()}"
+    app, service = await _trainer(nats_url, packer_address, str(tmp_path), address, push_retry_s=3.0)
     try:
         app.begin(run_id, recipe)
         await asyncio.wait_for(app.wait(), timeout=120)
         assert app.run.state == "failed"
-        event = events_pb2.RunError.FromString((await sub.next_msg(timeout=30)).data)
-        assert (event.run_id, event.component, event.occurrences) == (run_id, "trainer", 1)
-        assert event.message.startswith(
-            "training failed at step 0: RuntimeError: PushShards to weight-sync at 127.0.0.1:"
+        retrying = events_pb2.RunError.FromString((await sub.next_msg(timeout=30)).data)
+        assert (retrying.run_id, retrying.component, retrying.fatal) == (run_id, "trainer", False)
+        assert retrying.message.startswith(
+            f"pushing version 0 failed, retrying: PushShards to weight-sync at {address}"
         )
-        assert ": UNAVAILABLE: failed to connect" in event.message
+        gave_up = events_pb2.RunError.FromString((await sub.next_msg(timeout=30)).data)
+        assert gave_up.fatal, "the give-up is fatal: the gateway fails the run with it"
+        assert gave_up.message.startswith(
+            "training failed at step 0: RuntimeError: pushing version 0 to weight-sync "
+        )
+        assert "times over 3s (trainer push_retry_s): PushShards" in gave_up.message
+        assert ": UNAVAILABLE: failed to connect" in gave_up.message
     finally:
         await sub.unsubscribe()
         await service.drain()

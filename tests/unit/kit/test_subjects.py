@@ -38,8 +38,9 @@ def test_streams_cover_every_runs_subjects() -> None:
 
 
 def test_bucket_names() -> None:
-    assert (subjects.RUNS, subjects.DEPLOYMENTS, subjects.WEIGHTS_KV) == ("runs", "deployments", "weights")
-    assert {b.name for b in subjects.BUCKETS} == {"runs", "deployments", "weights"}
+    names = (subjects.RUNS, subjects.DEPLOYMENTS, subjects.WEIGHTS_KV, subjects.TRAINER_EPOCHS)
+    assert names == ("runs", "deployments", "weights", "trainer-epochs")
+    assert {b.name for b in subjects.BUCKETS} == set(names)
 
 
 def test_run_of_reads_the_run_back() -> None:

@@ -70,7 +70,7 @@ class WeightsRejected(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., deployment: _Optional[str] = ..., drift: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class TrainStepRecord(_message.Message):
-    __slots__ = ("run_id", "step", "version", "loss", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_second", "mean_staleness", "reward_mean", "reward_std", "num_rollouts", "num_tokens", "step_seconds", "rollout_ids", "max_staleness", "response_tokens")
+    __slots__ = ("run_id", "step", "version", "loss", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_second", "mean_staleness", "reward_mean", "reward_std", "num_rollouts", "num_tokens", "step_seconds", "rollout_ids", "max_staleness", "response_tokens", "trainer_epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class TrainStepRecord(_message.Message):
     ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     version: int
@@ -107,7 +108,8 @@ class TrainStepRecord(_message.Message):
     rollout_ids: _containers.RepeatedScalarFieldContainer[str]
     max_staleness: int
     response_tokens: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., loss: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., num_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., max_staleness: _Optional[int] = ..., response_tokens: _Optional[int] = ...) -> None: ...
+    trainer_epoch: str
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., loss: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., num_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., max_staleness: _Optional[int] = ..., response_tokens: _Optional[int] = ..., trainer_epoch: _Optional[str] = ...) -> None: ...
 
 class RunError(_message.Message):
     __slots__ = ("run_id", "component", "message", "occurrences", "unix_time", "fatal")
