@@ -19,6 +19,8 @@ import pytest
 import yaml
 
 from gateway.stack import SERVICES
+from services.kit.config import load_config
+from services.kit.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy/k8s"
@@ -318,40 +320,79 @@ def test_overlay_renders_into_valid_resources_in_one_namespace(overlay):
             kubernetes_validate.validate(r, SCHEMA_VERSIONS[-1], strict=True)
 
 
-def test_gpu_overlay_puts_the_router_on_a_gpu_node_with_the_vllm_image():
+def container_env(deployment: dict, resources: list[dict]) -> dict[str, str]:
+    """Every variable the container gets: its ConfigMaps' data (envFrom), then its own env."""
+    maps = of_kind("ConfigMap", resources)
+    c = container(deployment)
+    env = {k: v for ref in c.get("envFrom", []) for k, v in maps[ref["configMapRef"]["name"]]["data"].items()}
+    env.update({e["name"]: e.get("value", "<from a secret>") for e in c.get("env", [])})
+    return env
+
+
+def router_deployments(resources: list[dict]):
+    """The inference-router's deployments as its own config parses them from its rendered env."""
+    from services.inference_router.deployments import replica_gpus
+
+    compose_checks = load_sibling("test_deploy_compose.py")
+    cls, prefix = compose_checks.service_config(STACK["inference-router"])
+    env = container_env(of_kind("Deployment", resources)["inference-router"], resources)
+    config = load_config(cls, prefix, env)
+    return config, [(spec, replica_gpus(spec)) for spec in config.deployment_specs()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"], ids=["overlay-cpu", "overlay-nvidia"])
+def test_every_variable_an_overlay_sets_is_a_setting_of_that_service_and_parses(overlay):
+    compose_checks = load_sibling("test_deploy_compose.py")
+    resources = render(overlay)
+    shared = set(of_kind("ConfigMap", resources)["looprl-env"]["data"])  # checked by the configmap test
+    for name, module in STACK.items():
+        cls, prefix = compose_checks.service_config(module)
+        fields = {f.name.upper() for f in dataclasses.fields(cls)}
+        env = container_env(of_kind("Deployment", resources)[name], resources)
+        own = {k for k in env if k not in shared and k not in compose_checks.NON_CONFIG_VARS}
+        unknown = [
+            k for k in own if k.removeprefix(f"LOOPRL_{prefix}_").removeprefix("LOOPRL_") not in fields
+        ]
+        assert not unknown, f"{overlay}/{name}: no setting of {cls.__name__} reads {unknown}"
+        load_config(cls, prefix, {k: v for k, v in env.items() if k.startswith("LOOPRL_")})  # values parse
+
+
+@pytest.mark.slow
+def test_gpu_overlay_puts_gpus_on_a_ray_worker_group_and_the_routers_replicas_ask_for_them():
     resources = render("gpu")
     router = of_kind("Deployment", resources)["inference-router"]
-    pod = router["spec"]["template"]["spec"]
     c = container(router)
-    assert c["image"].startswith("looprl/inference-router-gpu:")
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
-    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
-    # The strategic merge kept the base's probes, security and mounts.
-    assert is_health_probe(c["readinessProbe"], GRPC_PORT, "inference-router")
-    assert is_health_probe(c["startupProbe"], GRPC_PORT, "inference-router")
-    assert c["securityContext"]["readOnlyRootFilesystem"] is True
-    assert {"/tmp", "/dev/shm"} <= {m["mountPath"] for m in c["volumeMounts"]}
+    assert c["image"].startswith("looprl/inference-router-gpu:")  # the code its replica actors run
+    # The router pod routes: no GPU, no GPU node. Its replicas run on the Ray workers that have them.
+    assert "nvidia.com/gpu" not in yaml.safe_dump(router)
+    config, deployments = router_deployments(resources)
+    assert config.replica_host == "node"
+    assert deployments and all(spec.backend == "vllm" and gpus > 0 for spec, gpus in deployments)
     cluster = of_kind("RayCluster", resources)["looprl-ray"]
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
     assert {"cpu", "gpu"} <= set(groups)
     (gpu_worker,) = groups["gpu"]["template"]["spec"]["containers"]
     assert gpu_worker["image"].startswith("looprl/inference-router-gpu:")
-    assert "nvidia.com/gpu" in gpu_worker["resources"]["limits"]
-    others = [d for n, d in of_kind("Deployment", resources).items() if n != "inference-router"]
-    assert all("nvidia.com/gpu" not in container(d)["resources"]["limits"] for d in others)
+    offered = float(groups["gpu"]["rayStartParams"]["num-gpus"])
+    assert offered == float(gpu_worker["resources"]["limits"]["nvidia.com/gpu"])
+    assert max(gpus for _, gpus in deployments) <= offered
+    # Only Ray's GPU workers hold GPUs.
+    assert all("nvidia.com/gpu" not in yaml.safe_dump(d) for d in of_kind("Deployment", resources).values())
+    # The strategic merge kept the base's probes, security and mounts.
+    assert is_health_probe(c["readinessProbe"], GRPC_PORT, "inference-router")
+    assert is_health_probe(c["startupProbe"], GRPC_PORT, "inference-router")
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
 
 
-def test_cpu_overlay_requests_no_gpu():
+@pytest.mark.slow
+def test_cpu_overlay_requests_no_gpu_and_serves_the_default_recipes_deployments():
     resources = render("cpu")
     assert "nvidia.com/gpu" not in yaml.safe_dump(resources)
-
-
-def test_dataclass_fields_helper_is_real():
-    # guards config_fields against silently returning nothing
-    from services.kit.config import ServiceConfig
-
-    assert {f.name for f in dataclasses.fields(ServiceConfig)} >= {"grpc_port", "metrics_port", "host"}
+    config, deployments = router_deployments(resources)
+    recipe = load_recipe(ROOT / "configs" / "digits_grpo.toml")
+    assert {spec.name for spec, _ in deployments} == {d.name for d in recipe.deployments}
+    assert config.replica_host == "node" and all(gpus == 0 for _, gpus in deployments)
 
 
 # NetworkPolicies against the authorization table: which pods each service's gRPC port admits.
