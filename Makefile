@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 RECIPE ?= configs/digits_grpo.toml
 PYTEST_ARGS ?=
+# Where the local stack keeps its state and listens, e.g. make up STATE_DIR=/tmp/s PORTS="--base-port 52000"
+STATE_DIR ?=
+PORTS ?=
+STACK_ARGS := $(if $(STATE_DIR),--state-dir $(STATE_DIR))
 
 .PHONY: setup hf-model run test test-fast lint fmt protos check breaking up down status bench clean compose-up compose-down \
 	vllm-side gpu-check
@@ -23,7 +27,7 @@ hf-model: setup
 	$(PY) tools/build_hf_model.py --out models/tiny-bpe-qwen2 --sft-steps 200
 
 run: setup
-	$(VENV)/bin/looprl run $(RECIPE) --local
+	$(VENV)/bin/looprl run $(RECIPE) --local $(STACK_ARGS) $(PORTS)
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
@@ -52,13 +56,13 @@ breaking: setup
 	cd protos && ../$(VENV)/bin/buf breaking --against '../.git#branch=main,subdir=protos'
 
 up: setup
-	$(VENV)/bin/looprl up
+	$(VENV)/bin/looprl up $(STACK_ARGS) $(PORTS)
 
 down:
-	@test -x $(VENV)/bin/looprl && $(VENV)/bin/looprl down || true
+	@test -x $(VENV)/bin/looprl && $(VENV)/bin/looprl down $(STACK_ARGS) || true
 
 status: setup
-	$(VENV)/bin/looprl status
+	$(VENV)/bin/looprl status $(STACK_ARGS)
 
 # Benchmarks need the TRL peer (bench/peer_trl.py) beside the pinned torch and transformers.
 bench: setup

@@ -33,12 +33,18 @@ def _gateway(args: argparse.Namespace):
     return gateway_pb2_grpc.GatewayServiceStub(channel), (("authorization", f"Bearer {token}"),)
 
 
+def _ports(args: argparse.Namespace):
+    from gateway.stack import StackPorts
+
+    return StackPorts(nats=args.nats_port, ray=args.ray_port, base=args.base_port, http=args.http_port)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    from gateway.stack import StackPorts, status_rows, up
+    from gateway.stack import status_rows, up
 
     state = up(
         _state_dir(args),
-        StackPorts(nats=args.nats_port, ray=args.ray_port, base=args.base_port, http=args.http_port),
+        _ports(args),
         _recipe_env(args.recipe),
         keep_state=args.keep_state,
     )
@@ -127,7 +133,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import grpc
 
-    from gateway.stack import StackPorts, StackState, down, up
+    from gateway.stack import StackState, down, up
     from looprl.gateway.v1 import gateway_pb2
     from services.kit.limits import RecipeLimits
     from services.kit.recipe import RecipeError, load_recipe
@@ -141,7 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     started_here = False
     if args.local and StackState.load(_state_dir(args).resolve()) is None:
         print("bringing the local stack up ...")
-        up(_state_dir(args), StackPorts(), _recipe_env(args.recipe))
+        up(_state_dir(args), _ports(args), _recipe_env(args.recipe))
         started_here = True
     try:
         stub, metadata = _gateway(args)
@@ -200,56 +206,103 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    import grpc
+
     from gateway.progress import progress_line
     from looprl.gateway.v1 import gateway_pb2
 
     stub, metadata = _gateway(args)
-    print(progress_line(stub.StopRun(gateway_pb2.StopRunRequest(run_id=args.run_id), metadata=metadata).run))
+    try:
+        reply = stub.StopRun(
+            gateway_pb2.StopRunRequest(run_id=args.run_id), metadata=metadata, timeout=args.timeout
+        )
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise
+        print(
+            f"looprl stop: the gateway did not confirm within {args.timeout:g}s that run {args.run_id} "
+            "stopped; `looprl runs` shows its state",
+            file=sys.stderr,
+        )
+        return 1
+    print(progress_line(reply.run))
     return 0
+
+
+def _common_options(with_defaults: bool) -> argparse.ArgumentParser:
+    """--state-dir, --gateway and --token, before or after the subcommand; after it they carry no
+    defaults, so they only override what was given before it."""
+    common = argparse.ArgumentParser(add_help=False)
+    defaults = {"state_dir": None, "gateway": "", "token": ""}
+
+    def default(name: str) -> dict:
+        return {"default": defaults[name]} if with_defaults else {"default": argparse.SUPPRESS}
+
+    common.add_argument(
+        "--state-dir",
+        help="local state directory (default .looprl or $LOOPRL_STATE_DIR)",
+        **default("state_dir"),
+    )
+    common.add_argument(
+        "--gateway", help="gateway gRPC address (default: the local stack's)", **default("gateway")
+    )
+    common.add_argument(
+        "--token",
+        help="gateway bearer token (default: the local stack's, or $LOOPRL_TOKEN)",
+        **default("token"),
+    )
+    return common
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="looprl", description="RL post-training of language models as services."
+        prog="looprl",
+        description="RL post-training of language models as services.",
+        parents=[_common_options(with_defaults=True)],
     )
-    parser.add_argument("--state-dir", help="local state directory (default .looprl or $LOOPRL_STATE_DIR)")
-    parser.add_argument("--gateway", default="", help="gateway gRPC address (default: the local stack's)")
-    parser.add_argument(
-        "--token", default="", help="gateway bearer token (default: the local stack's, or $LOOPRL_TOKEN)"
+    commands = parser.add_subparsers(dest="command", required=True)
+    after = _common_options(with_defaults=False)
+
+    def add_command(name: str, parents: tuple = (after,), **kwargs) -> argparse.ArgumentParser:
+        return commands.add_parser(name, parents=list(parents), **kwargs)
+
+    ports = argparse.ArgumentParser(add_help=False)  # where a local stack listens (up, run --local)
+    ports.add_argument("--nats-port", type=int, default=4222)
+    ports.add_argument("--ray-port", type=int, default=26379)
+    ports.add_argument("--base-port", type=int, default=50050, help="first gRPC port; metrics at +100")
+    ports.add_argument("--http-port", type=int, default=8080)
+    p = add_command(
+        "up", help="start nats-server, a Ray head and every service locally", parents=[after, ports]
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("up", help="start nats-server, a Ray head and every service locally")
     p.add_argument("--recipe", help="configure deployments from this recipe")
-    p.add_argument("--nats-port", type=int, default=4222)
-    p.add_argument("--ray-port", type=int, default=26379)
-    p.add_argument("--base-port", type=int, default=50050, help="first gRPC port; metrics at +100")
-    p.add_argument("--http-port", type=int, default=8080)
     p.add_argument("--keep-state", action="store_true", help="keep the JetStream state of the last stack")
     p.set_defaults(func=cmd_up)
-    sub.add_parser("down", help="stop everything `up` started").set_defaults(func=cmd_down)
-    sub.add_parser("status", help="health, address and pid of every service").set_defaults(func=cmd_status)
-    p = sub.add_parser("restart", help="restart one service of the local stack on the same ports")
+    add_command("down", help="stop everything `up` started").set_defaults(func=cmd_down)
+    add_command("status", help="health, address and pid of every service").set_defaults(func=cmd_status)
+    p = add_command("restart", help="restart one service of the local stack on the same ports")
     p.add_argument("service", help="service name as `looprl status` shows it (or nats-server, ray-head)")
     p.add_argument("--kill", action="store_true", help="SIGKILL it first, as a crash would")
     p.set_defaults(func=cmd_restart)
-    p = sub.add_parser(
+    p = add_command(
         "certs", help="write a development CA, per-service certificates and NATS users into a directory"
     )
     p.add_argument("out", help="directory (an existing ca.crt/ca.key there is reused)")
     p.add_argument("--host", action="append", default=[], help="extra DNS name or IP for every certificate")
     p.set_defaults(func=cmd_certs)
-    p = sub.add_parser("run", help="submit a recipe and follow the run")
+    p = add_command("run", help="submit a recipe and follow the run", parents=[after, ports])
     p.add_argument("recipe")
     p.add_argument("--local", action="store_true", help="bring the local stack up (and down after) if needed")
     p.add_argument("--keep-up", action="store_true", help="with --local, leave the stack running")
     p.add_argument("--report-dir", default="reports")
     p.set_defaults(func=cmd_run)
-    sub.add_parser("runs", help="list runs").set_defaults(func=cmd_runs)
+    add_command("runs", help="list runs").set_defaults(func=cmd_runs)
     for name, func, text in (("watch", cmd_watch, "follow a run"), ("stop", cmd_stop, "stop a run")):
-        p = sub.add_parser(name, help=text)
+        p = add_command(name, help=text)
         p.add_argument("run_id")
         if name == "watch":
             p.add_argument("--report-dir", default="reports")
+        else:
+            p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the stop")
         p.set_defaults(func=func)
     return parser
 

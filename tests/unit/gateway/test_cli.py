@@ -1,7 +1,11 @@
-"""`looprl restart` with a name the stack does not run, or with no stack: a clear message, no traceback."""
+"""The CLI's rough edges: `looprl restart` with a name the stack does not run, or with no stack, is a
+clear message, not a traceback; the common options go before or after the subcommand; `looprl stop`
+returns within its deadline."""
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
 from gateway import cli
@@ -29,3 +33,30 @@ def test_restart_of_an_unknown_service_lists_the_services_and_fails(tmp_path: Pa
 def test_restart_without_a_stack_says_so(tmp_path: Path, capsys) -> None:
     assert cli.main(["--state-dir", str(tmp_path), "restart", "gateway"]) == 1
     assert "no local stack is up" in capsys.readouterr().err
+
+
+def test_the_common_options_work_after_the_subcommand_too(tmp_path: Path, capsys) -> None:
+    _saved_stack(tmp_path)
+    assert cli.main(["restart", "nope", "--state-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("unknown service 'nope'; the stack runs: weight-sync")
+    # Given on both sides, the one after the subcommand wins (the first names no stack: exit 1).
+    assert (
+        cli.main(["--state-dir", str(tmp_path / "none"), "restart", "nope", "--state-dir", str(tmp_path)])
+        == 2
+    )
+    assert cli.main(["--state-dir", str(tmp_path / "none"), "restart", "nope"]) == 1
+
+
+def test_stop_returns_within_its_deadline_when_the_gateway_does_not_answer(capsys) -> None:
+    # A gateway that accepts connections and never answers (hung): the stop must not hang with it.
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()
+        address = f"127.0.0.1:{hung.getsockname()[1]}"
+        started = time.monotonic()
+        code = cli.main(["stop", "run-1", "--gateway", address, "--token", "t", "--timeout", "1.5"])
+        took = time.monotonic() - started
+    assert code == 1 and took < 10
+    assert "did not confirm within 1.5s that run run-1 stopped; `looprl runs` shows its state" in (
+        capsys.readouterr().err
+    )
