@@ -7,12 +7,14 @@ field.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Any
 
 import grpc
 from aiohttp import web
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from gateway.auth import TokenAuth
@@ -79,8 +81,37 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return _error(500, "internal error (logged by the gateway)", "INTERNAL")
 
 
+_INT64 = {
+    FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64,
+}  # fmt: skip
+
+
 def _run_json(run) -> dict:
-    return MessageToDict(run, preserving_proto_field_name=True)
+    """The run as JSON: every field, zeros included, and every integer a JSON number (proto3's JSON
+    mapping omits zeros and writes 64-bit integers as strings, which no client of a run API expects)."""
+    out = MessageToDict(run, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    _integers_as_numbers(run.DESCRIPTOR, out)
+    return out
+
+
+def _integers_as_numbers(descriptor, value: dict) -> None:
+    for f in descriptor.fields:
+        if f.name not in value:
+            continue
+        repeated = f.is_repeated
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            entry = f.message_type.fields_by_name["value"]
+            if entry.type in _INT64:
+                value[f.name] = {k: int(v) for k, v in value[f.name].items()}
+            elif entry.message_type is not None:
+                for v in value[f.name].values():
+                    _integers_as_numbers(entry.message_type, v)
+        elif f.message_type is not None:
+            for v in value[f.name] if repeated else [value[f.name]]:
+                _integers_as_numbers(f.message_type, v)
+        elif f.type in _INT64:
+            value[f.name] = [int(v) for v in value[f.name]] if repeated else int(value[f.name])
 
 
 class HttpApi:
@@ -105,6 +136,7 @@ class HttpApi:
                 web.get("/v1/runs", self.list_runs),
                 web.get("/v1/runs/{run_id}", self.get_run),
                 web.post("/v1/runs/{run_id}/stop", self.stop_run),
+                web.get("/v1/runs/{run_id}/watch", self.watch_run),
                 *self.openai.routes(),
             ]
         )
@@ -135,6 +167,20 @@ class HttpApi:
         return web.json_response(
             _run_json(await self.runs.proto(await self.runs.get(request.match_info["run_id"])))
         )
+
+    async def watch_run(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: one `data: <run>` event now and on every change, until the run ends."""
+        runs = self.runs.watch(request.match_info["run_id"])
+        first = await anext(runs)  # NotFound / InvalidArgument still answer as plain errors
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        await response.write(f"data: {json.dumps(_run_json(first))}\n\n".encode())
+        async for run in runs:
+            await response.write(f"data: {json.dumps(_run_json(run))}\n\n".encode())
+        await response.write_eof()
+        return response
 
     async def stop_run(self, request: web.Request) -> web.Response:
         return web.json_response(

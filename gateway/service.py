@@ -22,6 +22,9 @@ from services.kit.recipe import RecipeError, RunRecord, parse_recipe
 
 log = logging.getLogger("looprl.gateway")
 
+# How long StopRun waits for the run's driver to end (the run is stopped in its record before).
+STOP_DRIVER_S = 10.0
+
 STATES = {
     "pending": gateway_pb2.RUN_STATE_PENDING,
     "running": gateway_pb2.RUN_STATE_RUNNING,
@@ -115,6 +118,20 @@ class RunManager:
     async def proto(self, record: RunRecord) -> gateway_pb2.Run:
         return run_to_proto(record, await self.store.history(record), await self.store.weight_syncs(record))
 
+    async def watch(self, run_id: str, period_s: float = 0.5) -> AsyncIterator[gateway_pb2.Run]:
+        """The run now, then each time it changes, until it has ended (NotFound for no such run)."""
+        record = await self.get(run_id)
+        last = None
+        while True:
+            snapshot = await self.proto(record)
+            if snapshot != last:
+                yield snapshot
+                last = snapshot
+            if record.state in FINAL:
+                return
+            await asyncio.sleep(period_s)
+            record = await self.get(run_id)
+
     async def resume(self) -> None:
         for record in await self.store.list():
             if record.state in ACTIVE:
@@ -178,10 +195,16 @@ class RunManager:
         record = await self.get(run_id)
         if record.state in FINAL:
             raise FailedPrecondition(f"run_id: run {run_id!r} already {record.state}")
+        # Stopped first: the trainer and packer follow the record, and StopRun answers even when
+        # the run's driver is stuck in a call; the driver then ends at its next look at the record.
+        stopped = await self.store.update(run_id, lambda r: setattr(r, "state", "stopped"))
         driver = self.drivers.pop(run_id, None)
         if driver is not None:
-            await driver.stop()
-        return await self.store.update(run_id, lambda r: setattr(r, "state", "stopped"))
+            try:
+                await asyncio.wait_for(driver.stop(), timeout=STOP_DRIVER_S)
+            except TimeoutError:
+                log.warning("run %s: its driver did not end within %.0fs of the stop", run_id, STOP_DRIVER_S)
+        return stopped
 
     async def close(self) -> None:
         for driver in self.drivers.values():
@@ -213,14 +236,5 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def WatchRun(self, request, context) -> AsyncIterator[gateway_pb2.WatchRunResponse]:
         self.auth.check_grpc(context)
-        record = await self.runs.get(request.run_id)
-        last = None
-        while True:
-            snapshot = await self.runs.proto(record)
-            if snapshot != last:
-                yield gateway_pb2.WatchRunResponse(run=snapshot)
-                last = snapshot
-            if record.state in FINAL:
-                return
-            await asyncio.sleep(0.5)
-            record = await self.runs.get(request.run_id)
+        async for run in self.runs.watch(request.run_id):
+            yield gateway_pb2.WatchRunResponse(run=run)

@@ -207,6 +207,34 @@ def test_http_answers_out_of_range_fields_with_openai_400s_and_keeps_serving(gat
     assert status == 201 and reply["run_id"] == "after-bad-input"
 
 
+def test_the_http_run_api_answers_json_numbers_and_streams_a_watch_until_the_run_ends(
+    gateway: GatewayProcess, nats_url: str
+) -> None:
+    status, created = http(
+        gateway, "/v1/runs", {"recipe_toml": RECIPE.format(staleness=0), "run_id": "http-watch"}
+    )
+    assert status == 201 and created["total_steps"] == 3 and isinstance(created["total_steps"], int)
+    request = urllib.request.Request(f"http://127.0.0.1:{gateway.http_port}/v1/runs/http-watch/watch")
+    request.add_header("Authorization", f"Bearer {TOKEN}")
+    with urllib.request.urlopen(request, timeout=60) as stream:
+        assert stream.headers["Content-Type"].startswith("text/event-stream")
+        events = []
+        for line in stream:
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[len(b"data: ") :]))
+                if len(events) == 1:
+                    for step in range(3):  # the run trains to its end while the stream is open
+                        publish_train_step(nats_url, "http-watch", step)
+    assert events[0]["run_id"] == "http-watch" and events[-1]["state"] == "RUN_STATE_COMPLETED"
+    final = events[-1]
+    assert (
+        final["step"] == 3 and final["weight_version"] == 3 and isinstance(final["episodes_published"], int)
+    )
+    assert [h["step"] for h in final["history"]] == [0, 1, 2]
+    assert all(isinstance(h["num_rollouts"], int) for h in final["history"])
+    assert http(gateway, "/v1/runs/nope/watch")[0] == 404
+
+
 def test_synchronous_run_feeds_one_step_per_trained_version(gateway: GatewayProcess, nats_url: str) -> None:
     run = gateway.stub.CreateRun(
         gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="sync-run"), metadata=AUTH
