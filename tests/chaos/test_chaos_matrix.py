@@ -51,6 +51,16 @@ def wait_until(stack, run_id: str, done, timeout: float) -> gateway_pb2.Run:
         time.sleep(0.2)
 
 
+def start_run(stack, run_id: str, steps: int) -> str:
+    """The default recipe for `steps` (a checkpoint every 5), once it has trained 3 steps."""
+    recipe = with_overrides(DEFAULT_RECIPE, run={"steps": steps}, trainer={"checkpoint_every": 5})
+    stack.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id=run_id), metadata=stack.metadata
+    )
+    wait_until(stack, run_id, lambda r: r.step >= 3, timeout=240)
+    return run_id
+
+
 def ray_worker_pid(stack, title: str) -> int:
     """A Ray worker process of this stack's Ray head (not another stack's) running `title`."""
     for pid in session_pids(stack.state.ray_pid):
@@ -90,13 +100,8 @@ FAULTS = {
 
 def test_the_run_survives_every_component_crash_and_a_30s_reward_outage(fresh_stack, capsys) -> None:
     stack = fresh_stack
-    run_id = "chaos-matrix"
     # Enough steps that every fault lands mid-run (a fault costs ~3 steps of progress here).
-    recipe = with_overrides(DEFAULT_RECIPE, run={"steps": 80}, trainer={"checkpoint_every": 5})
-    stack.stub.CreateRun(
-        gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id=run_id), metadata=stack.metadata
-    )
-    wait_until(stack, run_id, lambda r: r.step >= 3, timeout=240)
+    run_id = start_run(stack, "chaos-matrix", steps=80)
     recovery: dict[str, float] = {}
     for fault, inject in FAULTS.items():
         at = get_run(stack, run_id).step
@@ -130,12 +135,7 @@ def test_the_run_survives_every_component_crash_and_a_30s_reward_outage(fresh_st
 
 def test_losing_the_ray_head_fails_the_run_with_the_reason_instead_of_hanging(fresh_stack) -> None:
     stack = fresh_stack
-    run_id = "ray-head-loss"
-    recipe = with_overrides(DEFAULT_RECIPE, run={"steps": 400}, trainer={"checkpoint_every": 5})
-    stack.stub.CreateRun(
-        gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id=run_id), metadata=stack.metadata
-    )
-    wait_until(stack, run_id, lambda r: r.step >= 3, timeout=240)
+    run_id = start_run(stack, "ray-head-loss", steps=400)
     restart(stack, "ray-head")
     run = wait_until(stack, run_id, lambda r: r.state != gateway_pb2.RUN_STATE_RUNNING, timeout=180)
     assert run.state == gateway_pb2.RUN_STATE_FAILED, run
