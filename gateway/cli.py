@@ -233,24 +233,12 @@ def _common_options(with_defaults: bool) -> argparse.ArgumentParser:
     """--state-dir, --gateway and --token, before or after the subcommand; after it they carry no
     defaults, so they only override what was given before it."""
     common = argparse.ArgumentParser(add_help=False)
-    defaults = {"state_dir": None, "gateway": "", "token": ""}
-
-    def default(name: str) -> dict:
-        return {"default": defaults[name]} if with_defaults else {"default": argparse.SUPPRESS}
-
-    common.add_argument(
-        "--state-dir",
-        help="local state directory (default .looprl or $LOOPRL_STATE_DIR)",
-        **default("state_dir"),
-    )
-    common.add_argument(
-        "--gateway", help="gateway gRPC address (default: the local stack's)", **default("gateway")
-    )
-    common.add_argument(
-        "--token",
-        help="gateway bearer token (default: the local stack's, or $LOOPRL_TOKEN)",
-        **default("token"),
-    )
+    for flag, default, text in (
+        ("--state-dir", None, "local state directory (default .looprl or $LOOPRL_STATE_DIR)"),
+        ("--gateway", "", "gateway gRPC address (default: the local stack's)"),
+        ("--token", "", "gateway bearer token (default: the local stack's, or $LOOPRL_TOKEN)"),
+    ):
+        common.add_argument(flag, help=text, default=default if with_defaults else argparse.SUPPRESS)
     return common
 
 
