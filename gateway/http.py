@@ -82,9 +82,12 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 _INT64 = {
-    FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
-    FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64,
-}  # fmt: skip
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+}
 
 
 def _run_json(run) -> dict:
@@ -99,7 +102,6 @@ def _integers_as_numbers(descriptor, value: dict) -> None:
     for f in descriptor.fields:
         if f.name not in value:
             continue
-        repeated = f.is_repeated
         if f.message_type is not None and f.message_type.GetOptions().map_entry:
             entry = f.message_type.fields_by_name["value"]
             if entry.type in _INT64:
@@ -108,10 +110,10 @@ def _integers_as_numbers(descriptor, value: dict) -> None:
                 for v in value[f.name].values():
                     _integers_as_numbers(entry.message_type, v)
         elif f.message_type is not None:
-            for v in value[f.name] if repeated else [value[f.name]]:
+            for v in value[f.name] if f.is_repeated else [value[f.name]]:
                 _integers_as_numbers(f.message_type, v)
         elif f.type in _INT64:
-            value[f.name] = [int(v) for v in value[f.name]] if repeated else int(value[f.name])
+            value[f.name] = [int(v) for v in value[f.name]] if f.is_repeated else int(value[f.name])
 
 
 class HttpApi:

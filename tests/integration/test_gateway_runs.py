@@ -83,9 +83,13 @@ def publish_train_step(nats_url: str, run_id: str, step: int, epoch: str | None 
     async def publish() -> None:
         bus = await Bus.connect(nats_url, name="test-trainer")
         record = events_pb2.TrainStepRecord(
-            run_id=run_id, step=step, version=step + 1, reward_mean=0.1 * step, num_rollouts=4,
+            run_id=run_id,
+            step=step,
+            version=step + 1,
+            reward_mean=0.1 * step,
+            num_rollouts=4,
             trainer_epoch=epoch,
-        )  # fmt: skip
+        )
         await bus.publish(subjects.train(run_id), record, msg_id=f"{run_id}-train-{step}-{epoch}")
         await bus.close()
 
