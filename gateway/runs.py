@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from opentelemetry import trace
 
 from gateway.run_store import ACTIVE, FINAL, RunStore
-from gateway.stalls import STALLED_KEY, ProgressClock, follow_errors, watch_stalls
+from gateway.stalls import STALLED_KEY, ProgressClock, fail, follow_errors, watch_stalls
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
@@ -147,7 +147,7 @@ class RunDriver:
         except Exception as exc:
             log.exception("run %s failed", self.run_id)
             error = f"gateway: {exc!r}"
-            await self.store.update(self.run_id, lambda r: _fail(r, error))
+            await self.store.update(self.run_id, lambda r: fail(r, error))
             self._lifecycle("run failed", error=error)
         finally:
             for task in followers:
@@ -376,8 +376,3 @@ def _apply_rejection(record: RunRecord, event: events_pb2.WeightsRejected) -> No
 def _complete(record: RunRecord) -> None:
     record.state = "completed"
     record.extra["finished_at"] = time.time()
-
-
-def _fail(record: RunRecord, error: str) -> None:
-    record.state = "failed"
-    record.error = error

@@ -29,7 +29,6 @@ from services.kit.local import (
     pid_alive,
     port_is_free,
     require_free,
-    session_pids,
     stop_pid_group,
     stop_session,
 )
@@ -308,8 +307,6 @@ def _restart_infrastructure(state: StackState, name: str, kill: bool) -> Service
         port, pid = state.nats_port, state.nats_pid
     else:
         stop_session(state.ray_pid, 0.0 if kill else RAY_GRACE_S)
-        while any(pid_alive(p) for p in session_pids(state.ray_pid)):
-            time.sleep(0.05)
         _wait_port_released(state.ray_port)
         head = RayHead(
             state_dir=state_dir, port=state.ray_port, num_cpus=RAY_HEAD_CPUS, token=state.ray_token

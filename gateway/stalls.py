@@ -52,9 +52,14 @@ def apply_error(record: RunRecord, event: events_pb2.RunError) -> None:
         + max(1, event.occurrences),
     }
     if event.fatal and record.state in ACTIVE:
-        record.state = "failed"
-        record.error = f"{event.component}: {event.message}"
-        record.extra.pop(STALLED_KEY, None)
+        fail(record, f"{event.component}: {event.message}")
+
+
+def fail(record: RunRecord, error: str) -> None:
+    """The run ended failed, with why (a failed run is not also stalled)."""
+    record.state = "failed"
+    record.error = error
+    record.extra.pop(STALLED_KEY, None)
 
 
 def stall_reason(

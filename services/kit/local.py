@@ -201,7 +201,8 @@ def session_pids(sid: int) -> list[int]:
 
 
 def stop_session(sid: int, grace: float) -> None:
-    """SIGTERM the session's process group, then SIGKILL whatever of the session is left after grace."""
+    """SIGTERM the session's process group, SIGKILL whatever of the session is left after grace, and
+    wait (briefly) until it is gone."""
     try:
         os.killpg(sid, signal.SIGTERM)
     except ProcessLookupError:
@@ -214,6 +215,9 @@ def stop_session(sid: int, grace: float) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    gone_by = time.monotonic() + 5.0  # SIGKILL is not instant: return once the session is gone
+    while time.monotonic() < gone_by and any(pid_alive(p) for p in session_pids(sid)):
+        time.sleep(0.05)
 
 
 def pid_alive(pid: int) -> bool:

@@ -200,8 +200,7 @@ class RunTrainer:
         self.last_loss = result["loss"]
         metrics.record_step(self.run_id, result, time.perf_counter() - started)
         self.unacked.append(step)
-        if self.cfg.weight_sync_address:
-            await self._push(self.step, result.get("pushes", []))
+        await self._push(self.step, result.get("pushes", []))
         if self.cfg.ack_policy == "step" or self.checkpoint_every <= 0:
             await self._ack_pending()
         await self._publish(result)

@@ -103,7 +103,7 @@ class RankGroup:
         try:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.RayActorError as exc:  # the process or its node is gone
-            raise RankLost(f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+            raise RankLost(_died(exc)) from None
         except ray.exceptions.RayTaskError as exc:
             # A rank's collective fails when its peer dies: the dead peer is the cause to report.
             lost = _lost_rank(refs)
@@ -172,6 +172,10 @@ class RankGroup:
             self.pg = None
 
 
+def _died(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+
+
 def _lost_rank(refs: list[Any]) -> str | None:
     """Why a rank of this call died, if one did."""
     import ray
@@ -180,7 +184,7 @@ def _lost_rank(refs: list[Any]) -> str | None:
         try:
             ray.get(ref, timeout=10)
         except ray.exceptions.RayActorError as exc:
-            return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            return _died(exc)
         except Exception:  # that rank failed otherwise; look at the next
             continue
     return None
