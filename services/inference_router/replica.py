@@ -40,6 +40,7 @@ from opentelemetry import trace
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.engine.base import Engine, EngineRequest, SamplingParams
 from services.inference_router.engine.scheduler import SchedulerLimits
+from services.inference_router.weights import LocalWeights, RankStagedWeights, TPGroupWeights, WeightLifecycle
 from services.kit import errors, telemetry, tls
 from services.kit.hosts import host_identity
 from services.kit.interceptors import ServerInterceptor
@@ -48,7 +49,7 @@ from services.kit.weight_transfer.probe import read_probe
 from services.kit.weight_transfer.stager import WeightStager
 from services.kit.weight_transfer.wire import decode_stage_request
 from services.modeling.config import ModelConfig
-from services.modeling.layouts import Layout, rank_params, shard_state_dict
+from services.modeling.layouts import Layout, rank_params
 
 log = logging.getLogger("looprl.inference_router.replica")
 _tracer = trace.get_tracer("looprl.inference_router.replica")
@@ -153,17 +154,12 @@ class ReplicaCore:
             torch.set_num_threads(self.settings.num_threads)
         self.config: ModelConfig | None = None
         self.engine: Engine | None = None
-        self._stager: WeightStager | None = None  # rank 0's (tp=1: the only one)
-        self._rank_stagers: list[WeightStager] = []  # vLLM: one per TP rank, all in this process
+        self.weights: WeightLifecycle | None = None  # built with the engine
         self._server: grpc.aio.Server | None = None
         self._address = ""
         self._start_lock: asyncio.Lock | None = None
         self._build_lock: asyncio.Lock | None = None
         self._paused = False
-        # The state dict the engine serves, as the stager handed it over: returned to the stager
-        # when the next version retires it (the rollback point).
-        self._held: dict[str, torch.Tensor] = {}
-        self._held_ranks: list[dict[str, torch.Tensor]] = []  # vLLM: what each rank's worker serves
         self._weights_lock: asyncio.Lock | None = None  # commit and rollback never interleave
         self.rolled_back_version = -1  # the newest version a rollback undid (-1: none)
         self._stage_locks: dict[int, asyncio.Lock] = {}
@@ -244,10 +240,10 @@ class ReplicaCore:
                     )
                 engine = await VLLMEngine.create(config, s.model_path, s)
                 # Each TP rank's rectangles are staged here, then handed to its vLLM worker.
-                self._rank_stagers = [
+                stagers = [
                     WeightStager(rank_params(config, layout, r), rank=r) for r in range(s.tensor_parallel)
                 ]
-                self._stager = self._rank_stagers[0]
+                weights: WeightLifecycle = RankStagedWeights(engine, stagers, layout)
             elif s.tensor_parallel > 1:
                 from services.inference_router.engine.tp import TPEngine
 
@@ -258,7 +254,7 @@ class ReplicaCore:
                     max_model_len=s.max_model_len,
                     limits=limits,
                 )
-                self._stager = engine.rank0.stager
+                weights = TPGroupWeights(engine)
             else:
                 from services.inference_router.engine.cpu import CPUEngine
 
@@ -270,8 +266,8 @@ class ReplicaCore:
                     max_model_len=s.max_model_len,
                     limits=limits,
                 )
-                self._stager = WeightStager(rank_params(config, layout, 0))
-            self.config, self.engine = config, engine
+                weights = LocalWeights(engine, WeightStager(rank_params(config, layout, 0)))
+            self.config, self.engine, self.weights = config, engine, weights
             if self._paused:
                 engine.pause()
             return engine
@@ -292,29 +288,12 @@ class ReplicaCore:
         if config is None:
             raise errors.FailedPrecondition("config: this replica has no model yet; pass its config")
         engine = await self._ensure_engine(config)
+        assert self.weights is not None
         try:
-            if self._rank_stagers:  # vLLM: every rank's shard of the full HF state dict
-                layout = self.settings.layout
-                await engine.swap(  # type: ignore[attr-defined]
-                    version, [shard_state_dict(state_dict, config, layout, r) for r in range(layout.tp_size)]
-                )
-            else:
-                await engine.load_weights(version, state_dict)
+            await self.weights.install(version, state_dict, config)
         except ValueError as exc:
             raise errors.InvalidArgument(f"weights: {exc}") from None
-        for stager in self._rank_stagers[1:]:
-            stager.serving_version = max(stager.serving_version, version)
-        if self._stager is not None:
-            self._stager.serving_version = max(self._stager.serving_version, version)
-        self._held = self._engine_params(engine)
         return engine.status().weight_version
-
-    @staticmethod
-    def _engine_params(engine: Engine) -> dict[str, torch.Tensor]:
-        """The tensors a tp=1 CPU engine serves (they become the rollback point at the next commit)."""
-        executor = getattr(engine, "executor", None)
-        model = getattr(executor, "model", None)
-        return dict(model.params) if model is not None and hasattr(executor, "cache") else {}
 
     async def stage_weights(self, msg: inference_pb2.StageWeightsRequest | bytes) -> dict[str, Any]:
         """Stage one bucket (rank 0's locally, rank r's on TP worker r)."""
@@ -336,16 +315,9 @@ class ReplicaCore:
         # One bucket per rank at a time, each answered before the next is staged: the sender keeps
         # several buckets in flight and takes `complete` from the answer that reaches it last, so
         # answers must leave in staging order (staging is serialized by the stager's lock anyway).
+        assert self.weights is not None
         async with self._stage_locks.setdefault(msg.rank, asyncio.Lock()):
-            if msg.rank == 0 or self._rank_stagers:
-                stager = self._rank_stagers[msg.rank] if self._rank_stagers else self._stager
-                assert stager is not None
-                stager.serving_version = max(stager.serving_version, engine.status().weight_version)
-                p = await asyncio.to_thread(stager.stage, msg)
-                out = {"version": p.version, "bytes_received": p.bytes_received, "complete": p.complete}
-            else:
-                # The bytes as received (a decoded request keeps them): forwarding needs no re-encoding.
-                out = await engine.stage(msg.rank, msg.SerializeToString())  # type: ignore[attr-defined]
+            out = await self.weights.stage(msg)
         out["serving_version"] = engine.status().weight_version
         return out
 
@@ -358,63 +330,11 @@ class ReplicaCore:
         async with self._lock():
             if engine.status().weight_version == version:
                 return version  # a retried commit
-            if self._rank_stagers:
-                await self._commit_ranks(engine, version)
-            elif hasattr(engine, "commit"):  # a TP group: every rank commits (and keeps) its own shard
-                await engine.commit(version)
-            else:
-                assert self._stager is not None
-                state = self._stager.commit(version)
-                try:
-                    await engine.load_weights(version, state)
-                except Exception:
-                    self._stager.recycle(state)
-                    raise
-                retired, self._held = self._held, state
-                self._stager.give_back(retired)
+            assert self.weights is not None
+            await self.weights.commit(version)
         log.info("replica %s now serves weight version %d", self.name, version)
         self._annotate(weight_version=version)
         return engine.status().weight_version
-
-    async def _commit_ranks(self, engine: Engine, version: int) -> None:
-        """vLLM: every rank complete and verified, then one swap of all ranks; if the swap fails
-        the stagers go back to the version still served (the sender retries the whole version)."""
-        for stager in self._rank_stagers:
-            if not stager.is_complete(version):
-                stager.commit(version)  # raises IncompleteVersion naming what is missing
-        previous = [st.serving_version for st in self._rank_stagers]
-        states = [st.commit(version) for st in self._rank_stagers]
-        try:
-            await engine.swap(version, states)  # type: ignore[attr-defined]
-        except Exception:
-            for stager, served, state in zip(self._rank_stagers, previous, states, strict=True):
-                stager.serving_version = served
-                stager.recycle(state)
-            raise
-        retired = self._held_ranks or [{} for _ in states]
-        self._held_ranks = states
-        for stager, old in zip(self._rank_stagers, retired, strict=True):
-            stager.give_back(old)
-
-    async def _rollback_ranks(self, engine: Engine, version: int) -> int:
-        try:
-            back = [st.rollback(version) for st in self._rank_stagers]
-        except Exception as exc:
-            for stager in self._rank_stagers:
-                stager.serving_version = version
-            raise errors.FailedPrecondition(str(exc)) from None
-        previous = back[0][0]
-        try:
-            await engine.swap(previous, [state for _, state in back], allow_older=True)  # type: ignore[attr-defined]
-        except Exception:
-            for stager, (_, state) in zip(self._rank_stagers, back, strict=True):
-                stager.serving_version = version
-                stager.recycle(state)
-            raise
-        retired, self._held_ranks = self._held_ranks, [state for _, state in back]
-        for stager, old in zip(self._rank_stagers, retired, strict=True):
-            stager.recycle(old)
-        return previous
 
     async def rollback_weights(self, version: int) -> int:
         """Stop serving `version` (a canary weight-sync rejected): serve the version before it again,
@@ -426,27 +346,10 @@ class ReplicaCore:
                 f"version: this replica has no model, nothing to roll back ({version})"
             )
         async with self._lock():
-            serving = engine.status().weight_version
-            if serving < version and (self._stager is None or self._stager.serving_version < version):
-                return serving
-            if self._rank_stagers:
-                previous = await self._rollback_ranks(engine, version)
-            elif hasattr(engine, "rollback_weights"):  # a TP group: every rank swaps its own shard back
-                previous = await engine.rollback_weights(version)
-            else:
-                assert self._stager is not None
-                try:
-                    previous, state = self._stager.rollback(version)
-                except Exception as exc:
-                    raise errors.FailedPrecondition(str(exc)) from None
-                try:
-                    await engine.rollback(previous, state)
-                except Exception:
-                    self._stager.serving_version = version  # it still serves the rejected version
-                    self._stager.recycle(state)
-                    raise
-                retired, self._held = self._held, state
-                self._stager.recycle(retired)  # a rejected version is never served again
+            assert self.weights is not None
+            if not self.weights.holds(version):
+                return engine.status().weight_version
+            previous = await self.weights.rollback(version)
             self.rolled_back_version = max(self.rolled_back_version, version)
         log.warning("replica %s rolled back weight version %d, serves %d again", self.name, version, previous)
         return engine.status().weight_version
@@ -457,10 +360,8 @@ class ReplicaCore:
         return self._weights_lock
 
     async def abort_weights(self, version: int) -> None:
-        for stager in self._rank_stagers or ([self._stager] if self._stager is not None else []):
-            stager.abort(version)
-        if self.engine is not None and hasattr(self.engine, "abort_staged"):
-            await self.engine.abort_staged(version)
+        if self.weights is not None:
+            await self.weights.abort(version)
 
     # ------------------------------------------------------------------ generation
     def _serving_engine(self) -> Engine:
@@ -589,12 +490,9 @@ class ReplicaCore:
                 max_model_len=st.max_model_len,
                 **{k: v for k, v in st.extra.items() if isinstance(v, int | float | str)},
             )
-        if self._stager is not None and self._stager.staged_version is not None:
-            out["staged_version"] = self._stager.staged_version
-        # a TP group's ranks commit and roll back together: rank 0's stager speaks for them all
-        stager = self._stager or getattr(getattr(self.engine, "rank0", None), "stager", None)
-        if stager is not None and stager.rollback_version is not None:
-            out["rollback_version"] = stager.rollback_version
+        if self.weights is not None:
+            versions = self.weights.versions()
+            out.update(staged_version=versions.staged, rollback_version=versions.rollback)
         return out
 
     async def pause(self) -> None:
