@@ -132,9 +132,9 @@ class DeploymentManager:
             status = await handles[0].status(self.config.request_timeout_s)
         except Exception:  # a replica that fails now is handled by the poller
             return
-        state.vocab_size = int(status.get("vocab_size", 0) or 0)
-        state.layout = str(status.get("layout", state.layout))
-        state.dtype = str(status.get("dtype", state.dtype))
+        state.vocab_size = status.vocab_size
+        state.layout = status.layout or state.layout
+        state.dtype = status.dtype or state.dtype
 
     async def stop(self) -> None:
         import ray
@@ -290,12 +290,10 @@ class DeploymentManager:
             status = await handle.status(self.config.request_timeout_s)
         except Exception:
             return ([replica.address] if replica.address else []), ""
-        host_id = str(status.get("host_id") or "")
-        ranks = status.get("rank_addresses")
-        if ranks:
-            return [str(a) for a in ranks], host_id
-        address = str(status.get("address") or replica.address)
-        return ([address] if address else []), host_id
+        if status.rank_addresses:
+            return list(status.rank_addresses), status.host_id
+        address = status.address or replica.address
+        return ([address] if address else []), status.host_id
 
     async def request_sync(self, deployment: str, replica: str) -> None:
         """A restarted replica lacks the newest weights and listens on a new address: register it
@@ -329,7 +327,7 @@ class DeploymentManager:
             status = await self.router.handles[name].status(self.config.request_timeout_s)
         except Exception:
             return False
-        rolled_back = int(status.get("rolled_back_version", -1))
+        rolled_back = status.rolled_back_version
         if rolled_back < 0 or rolled_back < replica.resync_to_version:
             return False
         log.info("replica %s rolled back version %d (not a restart): routable again", name, rolled_back)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import grpc
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.inference_router.replica_status import ReplicaStatus
 from services.kit import errors, telemetry
 
 # Engine answers that say the request is at fault: passed through to the caller, never retried.
@@ -50,9 +51,7 @@ class ReplicaHandle(Protocol):
         self, request: inference_pb2.GenerateRequest, timeout_s: float
     ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]: ...
 
-    async def status(self, timeout_s: float) -> dict[str, Any]:
-        """weight_version, ready, outstanding_tokens, outstanding_requests, address (and extras)."""
-        ...
+    async def status(self, timeout_s: float) -> ReplicaStatus: ...
 
     async def close(self) -> None: ...
 
@@ -97,9 +96,9 @@ class RayReplicaHandle:
         except ray.exceptions.RayError as exc:
             raise self._failure(exc) from exc
 
-    async def status(self, timeout_s: float) -> dict[str, Any]:
-        status = dict(await self._call(self.actor.status.remote(), timeout_s))
-        address = str(status.get("address") or "")
+    async def status(self, timeout_s: float) -> ReplicaStatus:
+        status: ReplicaStatus = await self._call(self.actor.status.remote(), timeout_s)
+        address = status.address
         if self.direct_grpc and address and (self._direct is None or self._direct.address != address):
             old, self._direct = self._direct, GrpcReplicaHandle(self.name, address)
             if old is not None:
@@ -171,19 +170,12 @@ class GrpcReplicaHandle:
                 finish_reason=completion.finish_reason,
             )
 
-    async def status(self, timeout_s: float) -> dict[str, Any]:
+    async def status(self, timeout_s: float) -> ReplicaStatus:
         try:
             reply = await self._stub.Status(inference_pb2.StatusRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._failure(exc) from exc
-        return {
-            "weight_version": reply.weight_version,
-            "ready": not reply.paused and reply.weight_version >= 0,
-            "outstanding_tokens": reply.tokens_in_flight,
-            "outstanding_requests": reply.queued_requests,
-            "address": self.address,
-            "host_id": reply.host_id,
-        }
+        return ReplicaStatus.from_proto(reply, self.name, self.address)
 
     async def close(self) -> None:
         await self._channel.close()

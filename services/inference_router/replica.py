@@ -40,6 +40,7 @@ from opentelemetry import trace
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.engine.base import Engine, EngineRequest, SamplingParams
 from services.inference_router.engine.scheduler import SchedulerLimits
+from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.weights import LocalWeights, RankStagedWeights, TPGroupWeights, WeightLifecycle
 from services.kit import errors, telemetry, tls
 from services.kit.hosts import host_identity
@@ -451,48 +452,35 @@ class ReplicaCore:
         await self.start()
         return self.engine is not None and self.engine.status().ready
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> ReplicaStatus:
         await self.start()
         s = self.settings
-        out: dict[str, Any] = {
-            "replica": self.name,
-            "deployment": s.deployment,
-            "address": self._address,
+        out = ReplicaStatus(
+            replica=self.name,
+            deployment=s.deployment,
+            address=self._address,
             # Every TP rank receives through this one server; StageWeightsRequest.rank picks the rank.
-            "rank_addresses": [self._address] * self._receiving_ranks,
-            "host_id": host_identity(),
-            "backend": s.backend,
-            "tensor_parallel": s.tensor_parallel,
-            "layout": s.naming,
-            "dtype": s.dtype,
-            "max_model_len": s.max_model_len,
-            "vocab_size": self.config.vocab_size if self.config else 0,
-            "ready": False,
-            "paused": self._paused,
-            "weight_version": -1,
-            "staged_version": -1,
-            "rollback_version": -1,
-            "rolled_back_version": self.rolled_back_version,
-            "outstanding_requests": 0,
-            "outstanding_tokens": 0,
-            "queued_requests": 0,
-            "cache_usage": 0.0,
-        }
+            rank_addresses=[self._address] * self._receiving_ranks,
+            host_id=host_identity(),
+            backend=s.backend,
+            tensor_parallel=s.tensor_parallel,
+            layout=s.naming,
+            dtype=s.dtype,
+            max_model_len=s.max_model_len,
+            vocab_size=self.config.vocab_size if self.config else 0,
+            paused=self._paused,
+            rolled_back_version=self.rolled_back_version,
+        )
         if self.engine is not None:
             st = self.engine.status()
-            out.update(
-                ready=st.ready,
-                weight_version=st.weight_version,
-                outstanding_requests=st.queued_requests + st.running_sequences,
-                outstanding_tokens=st.tokens_in_flight,
-                queued_requests=st.queued_requests,
-                cache_usage=st.cache_usage,
-                max_model_len=st.max_model_len,
-                **{k: v for k, v in st.extra.items() if isinstance(v, int | float | str)},
-            )
+            out.ready, out.weight_version = st.ready, st.weight_version
+            out.outstanding_requests = st.queued_requests + st.running_sequences
+            out.outstanding_tokens, out.queued_requests = st.tokens_in_flight, st.queued_requests
+            out.cache_usage, out.max_model_len = st.cache_usage, st.max_model_len
+            out.engine = {k: v for k, v in st.extra.items() if isinstance(v, int | float | str)}
         if self.weights is not None:
             versions = self.weights.versions()
-            out.update(staged_version=versions.staged, rollback_version=versions.rollback)
+            out.staged_version, out.rollback_version = versions.staged, versions.rollback
         return out
 
     async def pause(self) -> None:
@@ -516,17 +504,7 @@ class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
         return await self.core.generate_proto(request)
 
     async def Status(self, request, context):
-        st = await self.core.status()
-        return inference_pb2.StatusResponse(
-            weight_version=st["weight_version"],
-            queued_requests=st["queued_requests"],
-            tokens_in_flight=st["outstanding_tokens"],
-            cache_usage=st["cache_usage"],
-            paused=st["paused"],
-            staged_version=st["staged_version"],
-            rollback_version=st["rollback_version"],
-            host_id=st["host_id"],
-        )
+        return (await self.core.status()).to_proto()
 
     async def Pause(self, request, context):
         await self.core.pause()

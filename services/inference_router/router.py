@@ -37,6 +37,7 @@ from services.inference_router.policies import (
     RoutingPolicy,
     VersionUnavailable,
 )
+from services.inference_router.replica_status import ReplicaStatus
 from services.kit import errors, telemetry
 from services.kit.metric_names import observe
 
@@ -337,21 +338,21 @@ class Router:
         dep = self.deployments[deployment]
         return max(dep.latest_version, self.announced.get(deployment, -1))
 
-    def observe_status(self, replica: ReplicaState, status: dict[str, Any] | None, error: str = "") -> None:
+    def observe_status(self, replica: ReplicaState, status: ReplicaStatus | None, error: str = "") -> None:
         """Fold one status poll (or its failure) into the replica's state."""
         was_routable = replica.routable
         if status is None:
             replica.healthy = False
             replica.last_error = error
         else:
-            version = int(status.get("weight_version", -1))
+            version = status.weight_version
             if version < replica.weight_version and replica.resync_to_version is None:
                 # Version went backwards: the process restarted and lost its weights.
                 log.warning(
                     "replica %s restarted (version %d -> %d)", replica.name, replica.weight_version, version
                 )
                 self._mark_restarting(replica)
-            address = str(status.get("address") or "")
+            address = status.address
             moved = bool(replica.address and address and address != replica.address)
             lacking = (
                 replica.resync_to_version is not None
@@ -364,9 +365,9 @@ class Router:
                 # It came back (on a new address, or without the newest weights): resync it once.
                 self._restarted(replica)
             replica.weight_version = version
-            replica.healthy = bool(status.get("ready", True))
-            replica.address = str(status.get("address", replica.address))
-            vocab = int(status.get("vocab_size", 0) or 0)
+            replica.healthy = status.ready
+            replica.address = status.address or replica.address
+            vocab = status.vocab_size
             if vocab > 0:
                 # Learned once weights (and so the model config) arrived; used by validation.
                 self.deployments[replica.deployment].vocab_size = vocab

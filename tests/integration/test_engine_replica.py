@@ -172,9 +172,9 @@ async def test_tp2_replica_actor_receives_per_rank_buckets_and_streams(ray_clien
     model = Qwen2ForCausalLM(CONFIG, seed=9).eval()
     try:
         status = await actor.status.remote()
-        assert status["ready"] is False and status["layout"] == "fused"
-        assert len(status["rank_addresses"]) == 2
-        channel = grpc.aio.insecure_channel(status["address"])
+        assert status.ready is False and status.layout == "fused"
+        assert len(status.rank_addresses) == 2
+        channel = grpc.aio.insecure_channel(status.address)
         stub = inference_pb2_grpc.InferenceEngineServiceStub(channel)
         layout = Layout(tp_size=2, naming="fused")
         # Rank 1's buckets first: the config rides in each rank's first bucket.
@@ -182,7 +182,7 @@ async def test_tp2_replica_actor_receives_per_rank_buckets_and_streams(ray_clien
             await stub.StageWeights(iter(buckets(model, layout, rank, 3)))
         await stub.CommitWeights(inference_pb2.CommitWeightsRequest(version=3))
         status = await actor.status.remote()
-        assert status["ready"] and status["weight_version"] == 3 and status["vocab_size"] == CONFIG.vocab_size
+        assert status.ready and status.weight_version == 3 and status.vocab_size == CONFIG.vocab_size
 
         raw = await actor.generate.remote(request([9, 8, 7], max_tokens=5).SerializeToString())
         resp = inference_pb2.GenerateResponse.FromString(raw)

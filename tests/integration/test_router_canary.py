@@ -9,6 +9,7 @@ A tp=2 replica rolls back across both of its ranks."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 import grpc
@@ -128,11 +129,11 @@ async def test_canary_deployment_of_real_replicas_rolls_back_bad_weights(ray_cli
 
         stubs = {}
         for name in names:
-            engine_channels.append(grpc.aio.insecure_channel((await status(name))["address"]))
+            engine_channels.append(grpc.aio.insecure_channel((await status(name)).address))
             stubs[name] = inference_pb2_grpc.InferenceEngineServiceStub(engine_channels[-1])
 
         async def versions():
-            return [(await status(n))["weight_version"] for n in names]
+            return [(await status(n)).weight_version for n in names]
 
         async def answers(name):
             return await canary.golden_answers(stubs[name], PROMPTS, 6)
@@ -155,8 +156,8 @@ async def test_canary_deployment_of_real_replicas_rolls_back_bad_weights(ray_cli
         assert target.version == 1 and "canary rejected version 2" in target.last_error
         assert await versions() == [1, 1]  # r0 rolled back, r1 never switched
         r0, r1 = await status("canaried-r0"), await status("canaried-r1")
-        assert r0["rolled_back_version"] == 2 and r1["rolled_back_version"] == -1
-        assert r1["staged_version"] == -1  # r1 dropped what it staged
+        assert r0.rolled_back_version == 2 and r1.rolled_back_version == -1
+        assert r1.staged_version == -1  # r1 dropped what it staged
         assert same(await answers("canaried-r0"), good)  # the canary answers exactly as v1 again
         assert router.announced["canaried"] == 1  # the router took the rejection for no new version
         rejected = await weights_events(nats_url, run)
@@ -169,7 +170,7 @@ async def test_canary_deployment_of_real_replicas_rolls_back_bad_weights(ray_cli
         # Had a status poll seen the canary at version 2, the step back to 1 looks like a restart;
         # the manager recognises the rollback and the replica stays routable, without a resync.
         replica = router.replicas["canaried-r0"]
-        router.observe_status(replica, {**r0, "weight_version": 2})
+        router.observe_status(replica, dataclasses.replace(r0, weight_version=2))
         router.observe_status(replica, r0)
         assert replica.resync_to_version == 2 and not replica.routable  # taken for a restart at first
         for _ in range(100):

@@ -220,7 +220,7 @@ def _assert_serving_like_trainer(trainer, replicas, version: int, previous: Qwen
 
     out = {}
     for name, actor in replicas.items():
-        assert ray.get(actor.status.remote(), timeout=60)["weight_version"] == version
+        assert ray.get(actor.status.remote(), timeout=60).weight_version == version
         comps = _answers(actor, seed=seed)
         assert all(c.weight_version == version and len(c.token_ids) == MAX_TOKENS for c in comps), comps
         seqs = _sequences(comps)
@@ -285,8 +285,8 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
         trainer.start(spec)
         statuses = dict(zip(replicas, ray.get(pending, timeout=180), strict=True))
         for name, st in statuses.items():
-            assert st["weight_version"] == 0 and st["ready"], st
-            assert len(st["rank_addresses"]) == deployments[name]
+            assert st.weight_version == 0 and st.ready, st
+            assert len(st.rank_addresses) == deployments[name]
         print(f"started in {time.monotonic() - started:.1f}s")
         # Version 0 is far from the trainer's weights. Scored by the full model in this process, not
         # the trainer's forward_logprobs: a forward without backward leaves the FSDP root's
@@ -305,7 +305,7 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
         # ---- version 1 over gRPC, each deployment behind a byte-counting proxy (every rank of a
         # replica receives on the replica's one server).
         for name, tp in deployments.items():
-            proxies[name] = ByteCountingProxy(statuses[name]["address"]).start()
+            proxies[name] = ByteCountingProxy(statuses[name].address).start()
             _register(ws, name, tp, [proxies[name].address] * tp, host_id="")
         t0 = time.monotonic()
         pushed = trainer.push_weights(address, 1)
@@ -328,7 +328,7 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
         # ---- one training step on those rollouts (rank r trains on deployment r's), then
         # version 2 over shared memory: the replicas are registered again at their own addresses.
         for name, tp in deployments.items():
-            _register(ws, name, tp, statuses[name]["rank_addresses"], host_id=statuses[name]["host_id"])
+            _register(ws, name, tp, statuses[name].rank_addresses, host_id=statuses[name].host_id)
         _wait_synced(ws, 1, set(deployments), 60, log_path)  # nothing to send: both already serve v1
         loss_tokens = sum(len(c.token_ids) for name in ("hf-tp1", "fused-tp2") for c in rollouts[name])
         batches = [

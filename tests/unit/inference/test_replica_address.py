@@ -20,6 +20,6 @@ async def test_a_replica_told_to_bind_its_node_address_serves_and_reports_it():
                 inference_pb2.StatusRequest(), timeout=10
             )
         assert status.host_id == host_identity() and status.weight_version == -1
-        assert (await core.status())["host_id"] == host_identity()
+        assert (await core.status()).host_id == host_identity()
     finally:
         await core.shutdown()

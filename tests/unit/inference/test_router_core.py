@@ -20,6 +20,7 @@ from services.inference_router.policies import (
     RoutingPolicy,
     SessionAffinity,
 )
+from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.router import Router, RouterSettings
 from services.kit import errors
 
@@ -59,7 +60,9 @@ class FakeReplica:
     async def status(self, timeout_s):
         if self.crash:
             raise ReplicaFailure(self.name, "actor died", crashed=True)
-        return {"weight_version": self.version, "ready": True, "address": f"fake:{self.name}"}
+        return ReplicaStatus(
+            replica=self.name, weight_version=self.version, ready=True, address=f"fake:{self.name}"
+        )
 
     async def close(self):
         pass

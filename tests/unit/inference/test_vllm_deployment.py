@@ -25,6 +25,7 @@ from services.inference_router.deployments import DeploymentManager, _spec_dict,
 from services.inference_router.engine import vllm_engine
 from services.inference_router.policies import DeploymentState, LengthProfile, ReplicaState
 from services.inference_router.replica import ReplicaCore
+from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.router import Router
 from services.kit.recipe import RecipeError, parse_recipe
 from services.kit.weight_transfer.wire import encode_stage_request
@@ -51,7 +52,7 @@ class _CoreHandle:
     def __init__(self, core: ReplicaCore) -> None:
         self.core, self.name = core, core.name
 
-    async def status(self, timeout_s: float) -> dict:
+    async def status(self, timeout_s: float) -> ReplicaStatus:
         return await self.core.status()
 
 
@@ -105,8 +106,8 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
             # the first bucket carries config.json: the replica builds its engine from it
             buf = push_all(state, world=2)
             status = await core.status()
-            assert status["rank_addresses"] == [status["address"]] * 2 and status["layout"] == "fused"
-            assert status["dtype"] == "bfloat16"
+            assert status.rank_addresses == [status.address] * 2 and status.layout == "fused"
+            assert status.dtype == "bfloat16"
 
             router = Router()
             dep = DeploymentState(name="long", profile=LengthProfile(), max_model_len=128,
@@ -116,11 +117,11 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
             manager = DeploymentManager(router, RouterConfig(weight_sync_address="recorded"))
             manager._weight_sync = _RecordingWeightSync()
             manager.specs["long"] = spec
-            dep.layout, dep.dtype = status["layout"], status["dtype"]
+            dep.layout, dep.dtype = status.layout, status.dtype
             await manager.register_with_weight_sync(dep, 1)
             [request] = manager._weight_sync.requests
             assert [(r.rank, r.address, r.replica) for r in request.ranks] == [
-                (0, status["address"], "long-r0"), (1, status["address"], "long-r0")]  # fmt: skip
+                (0, status.address, "long-r0"), (1, status.address, "long-r0")]  # fmt: skip
             assert request.layout.tensor_parallel == 2 and request.layout.naming == "fused"
             assert request.layout.dtype == common_pb2.D_TYPE_BFLOAT16
 
@@ -152,7 +153,7 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
             await deliver(buf, 1)
             assert await core.commit_weights(1) == 1
             assert_serves(state)
-            assert llm.weight_version == "1" and (await core.status())["weight_version"] == 1
+            assert llm.weight_version == "1" and (await core.status()).weight_version == 1
 
             # a canary's rollback: version 2 served, then every rank swapped back to version 1
             state2 = random_state(CONFIG, seed=4)
@@ -162,7 +163,7 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
             assert await core.rollback_weights(2) == 1
             assert_serves(state)
             status = await core.status()
-            assert llm.weight_version == "1" and status["rolled_back_version"] == 2
+            assert llm.weight_version == "1" and status.rolled_back_version == 2
         finally:
             await core.shutdown()
 
