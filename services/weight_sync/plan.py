@@ -294,6 +294,8 @@ class ArenaChanged(DeliveryError):
 class PlannedBucket:
     """A planned bucket bound to the chunk buffers of one version: fills itself from them."""
 
+    shareable = True
+
     def __init__(
         self,
         spec: PlannedBucketSpec,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -62,9 +62,22 @@ class Bucket(Protocol):
     count: int
     nbytes: int
     slices: list[SliceRef]
+    shareable: bool
+    """Whether `copy_to` can write it into shared copies (shared_copy.py)."""
 
     def fill(self, dest: memoryview) -> None:
         """Write the payload into dest[0:nbytes] and set every slice's hash64."""
+
+    def payload_parts(self, scratch: memoryview) -> list | None:
+        """Every slice's payload as a buffer, hash64 set, copying into scratch only what does not
+        already sit contiguous; None when the bucket has no cheaper way than `fill`."""
+
+    def shm_slices(self) -> list[inference_pb2.WeightSlice] | None:
+        """The slices as ranges of shared memory their receiver reads in place; None when the
+        bytes are not in shared memory."""
+
+    def copy_to(self, dests: Sequence[Any]) -> None:
+        """Copy slice i into dests[i] (uint8 tensors of its nbytes); only when `shareable`."""
 
 
 @dataclass
@@ -80,12 +93,23 @@ class BytesBucket:
     def __post_init__(self) -> None:
         self.nbytes = len(self.payload)
 
+    shareable = False
+
     def fill(self, dest: memoryview) -> None:
         out = np.frombuffer(dest, np.uint8, count=self.nbytes)
         src = np.frombuffer(self.payload, np.uint8)
         for s in self.slices:
             end = s.byte_start + s.nbytes
             s.hash64 = copy_and_hash64(out[s.byte_start : end], src[s.byte_start : end])
+
+    def payload_parts(self, scratch: memoryview) -> None:
+        return None
+
+    def shm_slices(self) -> None:
+        return None
+
+    def copy_to(self, dests: Sequence[Any]) -> None:
+        raise TypeError("a BytesBucket is not shareable: its payload is not laid out per slice")
 
 
 def set_checksums(slices: Sequence[SliceRef], payload: memoryview) -> None:

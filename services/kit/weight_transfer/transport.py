@@ -96,12 +96,9 @@ class GrpcTransport(Transport):
             if buf is None:
                 buf = np.empty(bucket.nbytes, np.uint8)
             view = memoryview(buf)[: bucket.nbytes]
-            payload_parts = getattr(bucket, "payload_parts", None)
-            if payload_parts is not None:  # slices that already sit contiguous are not copied twice
-                parts = payload_parts(view)
-            else:
+            parts = bucket.payload_parts(view)  # slices that already sit contiguous are not copied twice
+            if parts is None:
                 bucket.fill(view)
-                parts = None
             wire = {
                 r: encode_stage_request(
                     bucket,
@@ -213,7 +210,7 @@ class ShmTransport(Transport):
         if self.share_min_receivers and len(endpoints) >= self.share_min_receivers:
             first = await anext(buckets, None)
             buckets = _prepend(first, buckets)
-            if first is not None and hasattr(first, "copy_to"):
+            if first is not None and first.shareable:
                 in_use = await versions_in_use(self, endpoints)
                 copy = (
                     None
@@ -288,9 +285,8 @@ class ShmTransport(Transport):
                 if all(r.error is not None for r in results.values()):
                     break
                 seg = slices = None
-                in_place = getattr(bucket, "shm_slices", None) if self.in_place else None
-                if in_place is not None:
-                    slices = await loop.run_in_executor(self._executor, in_place)
+                if self.in_place:
+                    slices = await loop.run_in_executor(self._executor, bucket.shm_slices)
                     if slices is not None:
                         await stream_in_place(bucket, slices, model_config_json if first else "")
                         first = False

@@ -53,9 +53,20 @@ class Corrupting:
             bucket.slices,
         )
 
+    shareable = False
+
     def fill(self, dest):
         self._b.fill(dest)
         dest[self.nbytes // 2] = (dest[self.nbytes // 2] + 1) % 256
+
+    def payload_parts(self, scratch):
+        return None  # every byte through fill, so the corruption is sent
+
+    def shm_slices(self):
+        return None
+
+    def copy_to(self, dests):
+        raise TypeError("not shareable")
 
 
 async def start_receivers(layout, n):
