@@ -233,32 +233,35 @@ class RunDriver:
         consumer = await self.bus.pull_consumer(
             subjects.TRAIN, f"gateway-train-{self.run_id}", subjects.train(self.run_id), ack_wait=30
         )
-        while True:
-            for delivery in await consumer.fetch(batch=16, timeout=1.0):
-                with delivery.process_span():
-                    step = delivery.parse(events_pb2.TrainStepRecord)
-                    if not await self._genuine(step):
-                        log.warning(
-                            "run %s: ignored the record of step %d of trainer epoch %r (not vouched for)",
-                            self.run_id,
-                            step.step,
-                            step.trainer_epoch,
+        async with consumer:
+            while True:
+                for delivery in await consumer.fetch(batch=16, timeout=1.0):
+                    with delivery.process_span():
+                        step = delivery.parse(events_pb2.TrainStepRecord)
+                        if not await self._genuine(step):
+                            log.warning(
+                                "run %s: ignored the record of step %d of trainer epoch %r (not vouched for)",
+                                self.run_id,
+                                step.step,
+                                step.trainer_epoch,
+                            )
+                            await self.store.update(self.run_id, _ignored)
+                            await delivery.ack()
+                            self.changed.set()
+                            continue
+                        self.progress.mark()
+                        self._trained_version = max(self._trained_version, step.version)
+                        self._version_seen.set()
+                        dropped = await self._dropped()
+                        # History and counters are each idempotent, so a crash between the two writes
+                        # and the redelivery that follows leaves both right.
+                        await self.store.add_history(self.run_id, history_entry(step))
+                        await self.store.update(
+                            self.run_id, lambda r, s=step, d=dropped: _apply_step(r, s, d)
                         )
-                        await self.store.update(self.run_id, _ignored)
                         await delivery.ack()
+                        self._version_seen.set()
                         self.changed.set()
-                        continue
-                    self.progress.mark()
-                    self._trained_version = max(self._trained_version, step.version)
-                    self._version_seen.set()
-                    dropped = await self._dropped()
-                    # History and counters are each idempotent, so a crash between the two writes
-                    # and the redelivery that follows leaves both right.
-                    await self.store.add_history(self.run_id, history_entry(step))
-                    await self.store.update(self.run_id, lambda r, s=step, d=dropped: _apply_step(r, s, d))
-                    await delivery.ack()
-                    self._version_seen.set()
-                    self.changed.set()
 
     async def _genuine(self, step: events_pb2.TrainStepRecord) -> bool:
         """Whether a trainer epoch vouches for the record, by the epochs as they are now (a cached
@@ -283,19 +286,20 @@ class RunDriver:
         consumer = await self.bus.pull_consumer(
             subjects.WEIGHTS, f"gateway-weights-{self.run_id}", subjects.weights(self.run_id), ack_wait=30
         )
-        while True:
-            for delivery in await consumer.fetch(batch=16, timeout=1.0):
-                # WeightsRejected (a canary refused a version) shares the subject, told apart by header.
-                if (delivery.headers or {}).get(subjects.EVENT_HEADER) == subjects.WEIGHTS_REJECTED:
-                    rejected = delivery.parse(events_pb2.WeightsRejected)
-                    await self.store.update(self.run_id, lambda r, e=rejected: _apply_rejection(r, e))
-                else:
-                    event = delivery.parse(events_pb2.WeightsPublished)
-                    self.progress.mark()
-                    await self.store.add_weight_sync(self.run_id, weight_sync_entry(event))
-                    await self.store.update(self.run_id, lambda r, e=event: _apply_weights(r, e))
-                await delivery.ack()
-                self.changed.set()
+        async with consumer:
+            while True:
+                for delivery in await consumer.fetch(batch=16, timeout=1.0):
+                    # WeightsRejected (a canary refused a version) shares the subject, told apart by header.
+                    if (delivery.headers or {}).get(subjects.EVENT_HEADER) == subjects.WEIGHTS_REJECTED:
+                        rejected = delivery.parse(events_pb2.WeightsRejected)
+                        await self.store.update(self.run_id, lambda r, e=rejected: _apply_rejection(r, e))
+                    else:
+                        event = delivery.parse(events_pb2.WeightsPublished)
+                        self.progress.mark()
+                        await self.store.add_weight_sync(self.run_id, weight_sync_entry(event))
+                        await self.store.update(self.run_id, lambda r, e=event: _apply_weights(r, e))
+                    await delivery.ack()
+                    self.changed.set()
 
 
 def _ignored(record: RunRecord) -> None:

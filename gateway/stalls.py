@@ -85,12 +85,13 @@ async def follow_errors(bus: Bus, store, run_id: str, changed: asyncio.Event) ->
     consumer = await bus.pull_consumer(
         subjects.RUN_EVENTS, f"gateway-events-{run_id}", subjects.events(run_id), ack_wait=30
     )
-    while True:
-        for delivery in await consumer.fetch(batch=64, timeout=1.0):
-            event = delivery.parse(events_pb2.RunError)
-            await store.update(run_id, lambda r, e=event: apply_error(r, e))
-            await delivery.ack()
-            changed.set()
+    async with consumer:
+        while True:
+            for delivery in await consumer.fetch(batch=64, timeout=1.0):
+                event = delivery.parse(events_pb2.RunError)
+                await store.update(run_id, lambda r, e=event: apply_error(r, e))
+                await delivery.ack()
+                changed.set()
 
 
 async def watch_stalls(

@@ -473,6 +473,14 @@ class Consumer:
         except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
             pass
 
+    async def __aenter__(self) -> Consumer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        # A follower cancelled mid-fetch leaves its subscription behind, and draining the
+        # connection then waits on it until the drain timeout.
+        await self.close()
+
 
 # --------------------------------------------------------------------------------------------
 # deliveries

@@ -449,3 +449,26 @@ async def test_bad_consumer_settings_are_rejected(bus: Bus) -> None:
         )
     with pytest.raises(BusError, match="stream NOPE does not exist"):
         await bus.pull_consumer("NOPE", "ok", subjects.rollouts("r"))
+
+
+async def test_a_follower_cancelled_mid_fetch_does_not_hold_up_drain(nats_url: str) -> None:
+    """`looprl down` after a run waited out the gateway's whole grace period: its run followers,
+    cancelled in the middle of a fetch, left their subscriptions for the connection's drain to wait on."""
+    run = new_run()
+    bus = await Bus.connect(nats_url, name="test-drain")
+    await bus.ensure_streams()
+    await bus.publish(subjects.events(run), events_pb2.RunError(run_id=run, message="m"), msg_id=f"{run}-0")
+
+    async def follow() -> None:
+        async with await bus.pull_consumer(subjects.RUN_EVENTS, f"d-{run}", subjects.events(run)) as consumer:
+            while True:
+                await consumer.fetch(64, timeout=1.0)
+
+    follower = asyncio.create_task(follow())
+    await asyncio.sleep(1.5)  # past the first fetch, inside the next one
+    follower.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await follower
+    started = time.monotonic()
+    await asyncio.wait_for(bus.drain(), timeout=20)
+    assert time.monotonic() - started < 5, "the drain waited on the cancelled follower's subscription"
