@@ -19,6 +19,8 @@ weight-transfer API, engine/vllm_engine.py). The weights a commit retires go bac
 stager as the rollback point: RollbackWeights (a canary whose new version failed its check) swaps
 them back in, again between two steps, and the status says it was a rollback, not a restart
 (`rolled_back_version`). A replica with a model path loads version 0 from it at start.
+How each engine kind stages, commits, rolls back and aborts is its `WeightLifecycle` (weights.py),
+built together with the engine.
 
 `ReplicaCore` is the plain class (usable in-process); ray is imported lazily (module __getattr__)
 so importing this module never initialises Ray.
