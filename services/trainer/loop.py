@@ -37,6 +37,10 @@ from services.trainer.ranks import RankGroup, RankLost
 from services.trainer.spec import TrainerSpec, spec_from_recipe
 from services.trainer.worker import PushFailed, StepAborted
 
+# How long a step waits for its batch before the trainer pushes the version it serves again
+# (`_repush_while_waiting`); several NextBatch timeouts, so a slow environment does not cause it.
+REPUSH_AFTER_S = 15.0
+
 log = logging.getLogger("looprl.trainer.loop")
 _tracer = trace.get_tracer("looprl.trainer.loop")
 
@@ -73,6 +77,8 @@ class RunTrainer:
         self.recoveries = 0  # times the rank group was recreated after losing a rank
         self.epoch = ""  # this start of the ranks, vouching for the step records it publishes
         self._lock = asyncio.Lock()
+        self._not_ready_since: float | None = None  # when the current step first found no batch
+        self._repushed_at = 0.0
         self._stop = asyncio.Event()
         self._started = False
         metrics.init_run(self.run_id)
@@ -176,10 +182,12 @@ class RunTrainer:
         except StepAborted as exc:
             span.set_status(telemetry.error_status(exc))
             log.info("run %s: step %d not ready (%s); retrying", self.run_id, step, exc)
+            await self._repush_while_waiting()
             await asyncio.sleep(0.2)
             return False
         except BatchRejected as exc:
             raise RuntimeError(f"the packer served an invalid batch for step {step}: {exc}") from exc
+        self._not_ready_since = None
         if span.is_recording():
             links, dropped = telemetry.link_carriers(
                 [{"traceparent": t} for t in result.get("rollout_traceparents", [])],
@@ -213,6 +221,28 @@ class RunTrainer:
             result["tokens_per_second"],
         )
         return True
+
+    async def _repush_while_waiting(self) -> None:
+        """Push the served version again while a step has waited REPUSH_AFTER_S for its batch.
+
+        A weight-sync killed after a version completed but before its deployments received it
+        restarts knowing the version's number but not its bytes, and nothing else would send them:
+        the deployments keep serving the version before, and a synchronous run waits forever for
+        rollouts of the new one. Weight-sync refuses the push when it still holds the version."""
+        now = time.monotonic()
+        if self._not_ready_since is None:
+            self._not_ready_since = now
+        waited = now - max(self._not_ready_since, self._repushed_at)
+        if waited < REPUSH_AFTER_S or not self.cfg.weight_sync_address:
+            return
+        self._repushed_at = now
+        try:
+            results = await self._ranks(self.group.push_weights, self.cfg.weight_sync_address, self.step)
+        except PushFailed as exc:
+            log.info("run %s: pushing version %d again failed: %s", self.run_id, self.step, exc)
+            return
+        if not any(r.get("skipped") or r.get("error") for r in results):
+            log.warning("run %s: weight-sync had lost version %d; pushed it again", self.run_id, self.step)
 
     async def _push(self, version: int, results: list[dict[str, Any]] | None = None) -> None:
         """Have every rank push `version` to weight-sync (results: a push already made with the step).

@@ -225,7 +225,10 @@ class VersionStore:
         v = request.version
         if v < 0:
             raise InvalidArgument(f"version: must be >= 0, got {v}")
-        if v <= self.latest_version:
+        # A restart keeps the latest version's number (KV) but not its bytes: the trainer may push
+        # that version again, or targets that had not received it could never get it.
+        lost = v == self.latest_version and (self.latest is None or self.latest.version != v)
+        if v <= self.latest_version and not lost:
             raise FailedPrecondition(
                 f"version: {v} is not newer than the latest complete version {self.latest_version}"
             )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
 
 import grpc
@@ -247,3 +248,63 @@ async def test_sigterm_drain_finishes_the_step_and_writes_a_final_checkpoint(
     finally:
         await service.drain()
         await bus.close()
+
+
+async def test_a_version_weight_sync_lost_in_a_restart_is_pushed_again_while_the_step_waits(
+    packer, nats_url, ray_client, tmp_path, monkeypatch
+) -> None:
+    """weight-sync killed after a version completed restarts knowing its number but not its bytes.
+    A deployment still behind it can only get it from the trainer, which pushes it again while the
+    next step waits for its batch."""
+    from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
+    from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, serve_engine
+    from services.modeling.config import ModelConfig
+    from services.modeling.layouts import Layout, rank_params
+    from services.trainer import loop
+    from tests.integration.test_weightsync_kill import start_weight_sync, wait_for, wait_ready
+
+    monkeypatch.setattr(loop, "REPUSH_AFTER_S", 3.0)
+    packer_app, packer_address = packer
+    run_id = f"tr-{uuid.uuid4().hex[:8]}"
+    recipe = parse_recipe(RECIPE.format(steps=1))
+    await packer_app.add_run(run_id, packer_app.settings_for(recipe))
+    port = free_port()
+    env = dict(os.environ, LOOPRL_WEIGHTSYNC_GRPC_PORT=str(port), LOOPRL_WEIGHTSYNC_NATS_URL=nats_url,
+               LOOPRL_WEIGHTSYNC_RUN_ID=run_id, LOOPRL_WEIGHTSYNC_LOG_LEVEL="WARNING")  # fmt: skip
+    layout, config = Layout(1, "hf"), ModelConfig.tiny()
+    engines = [WeightOnlyEngine(WeightStager(rank_params(config, layout, 0), rank=0)) for _ in range(2)]
+    servers = [await serve_engine(e) for e in engines]
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    ws = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
+
+    async def register(name: str, address: str) -> None:
+        await ws.RegisterTarget(weightsync_pb2.RegisterTargetRequest(
+            deployment=name, layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf"),
+            ranks=[weightsync_pb2.TargetRank(rank=0, address=address)],
+        ))  # fmt: skip
+
+    proc = start_weight_sync(env)
+    app, service = await _trainer(nats_url, packer_address, str(tmp_path), f"127.0.0.1:{port}")
+    try:
+        await wait_ready(ws, proc)
+        await register("early", servers[0][1])
+        app.begin(run_id, recipe)  # pushes version 0, then waits for step 0's rollouts (none yet)
+        await wait_for(lambda: engines[0].version == 0, timeout=120)
+        proc.kill()
+        proc.wait(10)
+        proc = start_weight_sync(env)
+        assert (await wait_ready(ws, proc)).latest_version == 0  # the number survived, the bytes did not
+        await register("late", servers[1][1])
+        await wait_for(lambda: engines[1].version == 0, timeout=60)
+        bus = await Bus.connect(nats_url, name="test")
+        await _publish_steps(bus, run_id, 0, 1)
+        await bus.close()
+        await asyncio.wait_for(app.wait(), timeout=120)
+        assert app.run.state == "completed"
+    finally:
+        await channel.close()
+        await service.drain()
+        proc.kill()
+        proc.wait(10)
+        for server, _ in servers:
+            await server.stop(None)

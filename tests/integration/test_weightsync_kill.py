@@ -1,6 +1,7 @@
 """Killing weight-sync (SIGKILL) in the middle of a transfer: the deployment keeps serving the old
 version and drops the half-staged one; a restarted weight-sync restores its targets and latest
-version from NATS KV, and the next version is delivered completely."""
+version from NATS KV, takes the lost version when it is pushed again, and the next version is
+delivered completely."""
 
 from __future__ import annotations
 
@@ -106,6 +107,15 @@ async def test_kill_mid_transfer_keeps_old_version_and_restart_syncs_next(nats_u
         status = await wait_ready(stub, proc)
         assert status.latest_version == 1  # restored from KV
         assert [(t.deployment, t.version) for t in status.targets] == [("kill-d", 0)]
+        # The restart kept v1's number but not its bytes: the trainer pushes v1 again (it does so
+        # while a step waits for its batch, trainer/loop.py) and the deployment gets it...
+        await push(stub, v1, 1)
+        await wait_for(lambda: engine.version == 1)
+        assert torch.equal(engine.weights["model.norm.weight"], v1["model.norm.weight"])
+        # ...while a version weight-sync holds is not taken twice.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await push(stub, v1, 1)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         await push(stub, v2, 2)
         await wait_for(lambda: engine.version == 2)
         assert torch.equal(engine.weights["model.norm.weight"], v2["model.norm.weight"])
