@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,8 +96,7 @@ class WeightLifecycle(abc.ABC):
 
     def _stage_here(self, stager: WeightStager, msg: inference_pb2.StageWeightsRequest) -> dict[str, Any]:
         stager.serving_version = max(stager.serving_version, self.serving_version())
-        p = stager.stage(msg)
-        return {"version": p.version, "bytes_received": p.bytes_received, "complete": p.complete}
+        return asdict(stager.stage(msg))
 
 
 class LocalWeights(WeightLifecycle):

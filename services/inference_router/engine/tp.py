@@ -22,6 +22,7 @@ holds the version before, rank 0 broadcasts ROLLBACK(version) and every rank swa
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import threading
@@ -241,8 +242,7 @@ class TPWorker:
         return self.error
 
     def stage(self, request_bytes: bytes) -> dict[str, Any]:
-        p = self.rank.stager.stage(decode_stage_request(request_bytes))
-        return {"version": p.version, "bytes_received": p.bytes_received, "complete": p.complete}
+        return dataclasses.asdict(self.rank.stager.stage(decode_stage_request(request_bytes)))
 
     def stage_state(self, version: int, shard: dict[str, torch.Tensor]) -> bool:
         for name, t in shard.items():
@@ -315,9 +315,7 @@ class TPEngine(ContinuousBatchingEngine):
 
     # ---- weights: every rank stages its shard, then one LOAD switches the group between steps
     async def stage(self, rank: int, request_bytes: bytes) -> dict[str, Any]:
-        if rank == 0:
-            p = self.rank0.stager.stage(decode_stage_request(request_bytes))
-            return {"version": p.version, "bytes_received": p.bytes_received, "complete": p.complete}
+        """Stage a bucket of rank 1.. on its worker (rank 0 stages in the replica, weights.py)."""
         return await self.workers[rank - 1].stage.remote(request_bytes)
 
     async def all_complete(self, version: int) -> bool:
