@@ -130,7 +130,10 @@ def test_the_run_survives_every_component_crash_and_a_30s_reward_outage(fresh_st
     assert_accounting(final)
     assert final.weight_version == 80
     trainer_log = (stack.state_dir / "logs" / "trainer.log").read_text()
-    assert "recreating the ranks" in trainer_log and "retry 1" in trainer_log
+    assert "recreating the ranks" in trainer_log
+    # The weight-sync kill is survived one of two ways, by when it lands: a push it cut off is
+    # retried, or a version it had completed but not yet delivered is pushed again.
+    assert "retry 1" in trainer_log or "pushed it again" in trainer_log
 
 
 def test_losing_the_ray_head_fails_the_run_with_the_reason_instead_of_hanging(fresh_stack) -> None:
