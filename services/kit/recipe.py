@@ -155,6 +155,11 @@ class DeploymentSpec:
     min_output_tokens: int = _f(0, "Length profile: shortest expected output.")
     max_output_tokens: int = _f(1 << 30, "Length profile: longest expected output.")
     sync_every: int = _f(1, "Receive every k-th weight version.")
+    weight_transport: str = _f(
+        "auto",
+        "How weight-sync delivers weights to this deployment's replicas: auto (shared memory to "
+        "co-located replicas, gRPC to the others), grpc, shm, shared_copy, cuda_ipc or nccl.",
+    )
     canary: bool = _f(
         False,
         "Canary weight updates: a new version serves on the first replica only until its greedy "
@@ -438,6 +443,11 @@ def validate(recipe: Recipe, base_dir: Path | None = None, limits: RecipeLimits 
             d.pause_mode in ("keep", "abort"), f"{where}.pause_mode", f"keep or abort, got {d.pause_mode!r}"
         )
         _check(
+            d.weight_transport in WEIGHT_TRANSPORTS,
+            f"{where}.weight_transport",
+            f"unknown transport {d.weight_transport!r} ({', '.join(WEIGHT_TRANSPORTS)})",
+        )
+        _check(
             d.min_prompt_tokens <= d.max_prompt_tokens,
             f"{where}.max_prompt_tokens",
             "must be >= min_prompt_tokens",
@@ -456,6 +466,9 @@ def sampling_seed(run_seed: int, task_index: int, sample: int = 0) -> int:
     seeded s samples completion i with s + i (the engines' convention)."""
     return (run_seed * 1_000_003 + task_index * 1009 + sample) % (2**62) + 1
 
+
+# How weight-sync may reach a deployment's replicas (see DeploymentSpec.weight_transport).
+WEIGHT_TRANSPORTS = ("auto", "grpc", "shm", "shared_copy", "cuda_ipc", "nccl")
 
 # Names of the model configs a recipe can build without a download (see services/modeling).
 MODEL_PRESETS = ("tiny-qwen2", "small-qwen2")
