@@ -85,7 +85,7 @@ def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[st
                 min_weight_version=max(0, step - recipe.run.max_staleness),
                 reward=env.reward,
                 step=step,
-                environment_config_json=json.dumps(env.config),
+                environment_config_json=json.dumps({**env.config, "max_turns": env.max_turns}),
                 branches=per_task if per_task > 1 else 0,
                 branch_at_turn=0,
                 # The run's tokenizer travels with each task, so an environment serving several runs

@@ -63,6 +63,11 @@ class ModelSection:
 class EnvironmentSection:
     name: str = _f("digits", "Registered environment name (digits, guess, code).")
     reward: str = _f("", "Registered reward name; empty uses the environment's default.")
+    max_turns: int = _f(
+        1,
+        "Most model turns in one episode (multi-turn environments such as guess need more than 1); the "
+        "Dr. GRPO constant normaliser is sampling.max_tokens times this.",
+    )
     config: dict = _f({}, "Environment-specific settings (see the environment's config class).")
 
 
@@ -254,6 +259,7 @@ _BOUNDS: dict[str, tuple[float | _Above, float | str]] = {
     "run.max_staleness": (0, "max_staleness"),
     "run.stall_seconds": (1.0, 7 * 86_400.0),
     "model.init_std": (_Above(0.0), 10.0),
+    "environment.max_turns": (1, 1024),
     "sampling.temperature": (_Above(0.0), 100.0),
     "sampling.top_p": (_Above(0.0), 1.0),
     "sampling.top_k": (0, INT32_MAX),
@@ -364,6 +370,11 @@ def validate(recipe: Recipe, base_dir: Path | None = None, limits: RecipeLimits 
     _check_finite(r, "")
     _check_bounds(r, limits)
     _check(bool(r.run.name.strip()), "run.name", "must not be empty")
+    _check(
+        "max_turns" not in r.environment.config,
+        "environment.config.max_turns",
+        "set environment.max_turns instead (the trainer's Dr. GRPO normaliser reads it too)",
+    )
     if r.model.path:
         path = _local_dir(r.model.path, base_dir)
         _check(path.is_dir(), "model.path", f"directory {str(path)!r} does not exist")

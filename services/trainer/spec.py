@@ -57,7 +57,7 @@ def spec_from_recipe(recipe: Any, run_id: str) -> TrainerSpec:
         kl_coef=algo.kl_coef,
         entropy_coef=algo.entropy_coef,
         aggregation=_AGGREGATION_ALIASES.get(algo.loss_aggregation, algo.loss_aggregation),
-        max_tokens=recipe.sampling.max_tokens * max(int(getattr(recipe.environment, "max_turns", 1)), 1),
+        max_tokens=recipe.sampling.max_tokens * recipe.environment.max_turns,
     )
     loss.validate()
     return TrainerSpec(

@@ -101,7 +101,7 @@ path = "{hf_dir}"
 tokenizer = "{hf_dir}"
 [environment]
 name = "guess"
-config = {{ max_turns = 3 }}
+max_turns = 3
 [sampling]
 max_tokens = 4
 [batch]

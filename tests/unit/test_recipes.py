@@ -22,3 +22,19 @@ def test_shipped_recipes_are_valid(path: Path) -> None:
         raise
     assert recipe.batch.rollouts_per_step % recipe.batch.group_size == 0
     assert recipe.deployments
+
+
+def test_dr_grpo_normaliser_counts_every_turn_of_a_multi_turn_environment() -> None:
+    from services.kit.recipe import parse_recipe
+    from services.trainer.spec import spec_from_recipe
+
+    text = '[environment]\nname = "guess"\nmax_turns = 4\n[sampling]\nmax_tokens = 5\n'
+    spec = spec_from_recipe(parse_recipe(text + '[algorithm]\nloss_aggregation = "constant"\n'), "r")
+    assert spec.loss.max_tokens == 20
+
+
+def test_max_turns_inside_the_environment_table_points_at_its_field() -> None:
+    from services.kit.recipe import parse_recipe
+
+    with pytest.raises(RecipeError, match=r"^environment\.config\.max_turns: set environment\.max_turns"):
+        parse_recipe('[environment]\nname = "guess"\nconfig = { max_turns = 3 }\n')
