@@ -68,7 +68,7 @@ async def serve(config: GatewayConfig) -> None:
             Path(config.recipe_base_dir),
             packer,
             config.exclusive_runs,
-            config.limits(),
+            config.recipe_limits,
             peers,
         )
         servicer.runs = runs

@@ -1,88 +1,81 @@
 """Typed service configuration from environment variables (12-factor).
 
-Each service declares a dataclass deriving from ServiceConfig; every field has a default and a
-`help` string. `load_config(MyConfig, "PACKER")` reads LOOPRL_PACKER_<FIELD>, falling back to
-LOOPRL_<FIELD>, and converts by the field's type, naming the variable in any error.
-This module imports nothing heavy so entry points can parse config before importing torch.
+Each service declares a pydantic model deriving from ServiceConfig (services/kit/schema.py: each
+field's type, default, constraint and docstring together). `load_config(MyConfig, "PACKER")` reads
+LOOPRL_PACKER_<FIELD>, falling back to LOOPRL_<FIELD>; a table- or list-typed field is given as JSON.
+An error names the variable and what is allowed. This module imports nothing heavy so entry points
+can parse config before importing torch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
+import re
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Literal, TypeVar
 
-T = TypeVar("T")
+from pydantic import Field, ValidationError, field_validator
+
+from services.kit.schema import Schema, error_path, explain, field_rows
+
+T = TypeVar("T", bound="ServiceConfig")
 
 
 class ConfigError(ValueError):
     """A configuration value could not be parsed."""
 
 
-@dataclass
-class ServiceConfig:
+class ServiceConfig(Schema):
     """Settings every service has."""
 
-    host: str = field(
-        default="127.0.0.1",
-        metadata={"help": "Interface the gRPC and metrics servers bind (0.0.0.0: every interface)."},
-    )
-    advertise_host: str = field(
-        default="",
-        metadata={"help": "Address other hosts reach this service at (what it reports and registers); empty: "
-                          "`host`, or this machine's primary address when `host` is 0.0.0.0 or ::."},
-    )  # fmt: skip
-    grpc_port: int = field(default=0, metadata={"help": "gRPC port; 0 picks a free port (logged)."})
-    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port; 0 picks a free port."})
-    nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL."})
-    nats_credentials_file: str = field(
-        default="",
-        metadata={"help": "File holding this service's NATS `user:password` (a mounted secret); added to "
-                          "nats_url. Empty: the credentials, if any, are in nats_url."},
-    )  # fmt: skip
-    ray_address: str = field(
-        default="", metadata={"help": "Ray head address host:port; empty starts a private local Ray."}
-    )
-    state_dir: str = field(default=".looprl", metadata={"help": "Directory for local state and checkpoints."})
-    log_level: str = field(default="INFO", metadata={"help": "Python logging level."})
-    otlp_endpoint: str = field(
-        default="", metadata={"help": "OTLP/gRPC endpoint for traces (e.g. localhost:4317); empty disables."}
-    )
-    span_log: str = field(
-        default="", metadata={"help": "If set, finished spans are appended to this file as JSON lines."}
-    )
-    grace_seconds: float = field(
-        default=10.0, metadata={"help": "On SIGTERM, time allowed for in-flight work before exit."}
-    )
-    max_message_bytes: int = field(
-        default=64 * 1024 * 1024, metadata={"help": "Largest gRPC message accepted or sent."}
-    )
-    tls_dir: str = field(
-        default="",
-        metadata={
-            "help": "Directory with ca.crt and <service>.crt/.key (what `looprl up` writes); used when "
-            "the tls_*_file fields are empty."
-        },
-    )
-    tls_ca_file: str = field(
-        default="", metadata={"help": "PEM CA certificate(s) that sign every peer this service accepts."}
-    )
-    tls_cert_file: str = field(
-        default="", metadata={"help": "PEM certificate of this service; its common name is the identity."}
-    )
-    tls_key_file: str = field(default="", metadata={"help": "PEM private key of tls_cert_file."})
-    insecure_plaintext: bool = field(
-        default_factory=lambda: _env_flag("LOOPRL_INSECURE_PLAINTEXT"),
-        metadata={
-            "help": "Serve and call gRPC without TLS or caller checks (local development only; logged "
-            "as a warning). Without it a service with no certificates refuses to start."
-        },
-    )
+    host: str = "127.0.0.1"
+    """Interface the gRPC and metrics servers bind (0.0.0.0: every interface)."""
+    advertise_host: str = ""
+    """Address other hosts reach this service at (what it reports and registers); empty: `host`, or this
+    machine's primary address when `host` is 0.0.0.0 or ::."""
+    grpc_port: int = Field(0, ge=0, le=65535)
+    """gRPC port; 0 picks a free port (logged)."""
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Prometheus /metrics port; 0 picks a free port."""
+    nats_url: str = "nats://127.0.0.1:4222"
+    """NATS server URL."""
+    nats_credentials_file: str = ""
+    """File holding this service's NATS `user:password` (a mounted secret); added to nats_url. Empty: the
+    credentials, if any, are in nats_url."""
+    ray_address: str = ""
+    """Ray head address host:port; empty starts a private local Ray."""
+    state_dir: str = ".looprl"
+    """Directory for local state and checkpoints."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    """Python logging level."""
+    otlp_endpoint: str = ""
+    """OTLP/gRPC endpoint for traces (e.g. localhost:4317); empty disables."""
+    span_log: str = ""
+    """If set, finished spans are appended to this file as JSON lines."""
+    grace_seconds: float = Field(10.0, ge=0.0)
+    """On SIGTERM, time allowed for in-flight work before exit."""
+    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=2**31 - 1)
+    """Largest gRPC message accepted or sent."""
+    tls_dir: str = ""
+    """Directory with ca.crt and <service>.crt/.key (what `looprl up` writes); used when the tls_*_file fields
+    are empty."""
+    tls_ca_file: str = ""
+    """PEM CA certificate(s) that sign every peer this service accepts."""
+    tls_cert_file: str = ""
+    """PEM certificate of this service; its common name is the identity."""
+    tls_key_file: str = ""
+    """PEM private key of tls_cert_file."""
+    insecure_plaintext: bool = Field(default_factory=lambda: _env_flag("LOOPRL_INSECURE_PLAINTEXT"))
+    """Serve and call gRPC without TLS or caller checks (local development only; logged as a warning). Without
+    it a service with no certificates refuses to start."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_in_capitals(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
 
 
 def bus_url(config: ServiceConfig) -> str:
@@ -116,47 +109,65 @@ def advertised_host(config: ServiceConfig) -> str:
     return config.host
 
 
-def _convert(raw: str, tp: Any, var: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if raw == "" and len(args) < len(typing.get_args(tp)):
-            return None
-        return _convert(raw, args[0], var)
-    try:
-        if tp is bool:
-            lowered = raw.strip().lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(f"expected true/false, got {raw!r}")
-        if tp in (int, float, str):
-            return tp(raw)
-        if origin in (list, dict) or tp in (list, dict):
-            return json.loads(raw)
-    except (ValueError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{var}: cannot parse {raw!r} as {getattr(tp, '__name__', tp)}: {exc}") from exc
-    raise ConfigError(f"{var}: unsupported config type {tp}")
+def _is_plain(tp: object) -> bool:
+    """Whether an environment string is the value itself (str, int, float, bool, a Literal of
+    strings), not JSON."""
+    if typing.get_origin(tp) is Literal:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return all(_is_plain(a) for a in typing.get_args(tp) if a is not type(None))
+    return tp in (str, int, float, bool)
+
+
+def _read_field(env: typing.Mapping[str, str], var: str, tp: object) -> tuple[object, str] | None:
+    """The value of one field from `var` (plain, or JSON for tables and lists), or for a nested
+    settings group from `var__<SUBFIELD>` variables over `var`'s JSON; None when nothing is set."""
+    value: object = None
+    if var in env:
+        raw = env[var]
+        if _is_plain(tp):
+            return raw, var
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{var}: not valid JSON ({exc}): {raw!r}") from None
+    if isinstance(tp, type) and issubclass(tp, Schema):
+        nested = {}
+        for sub, info in tp.model_fields.items():
+            found = _read_field(env, f"{var}__{sub.upper()}", info.annotation)
+            if found is not None:
+                nested[sub] = found[0]
+        if nested:
+            return {**(value if isinstance(value, dict) else {}), **nested}, var
+    return (value, var) if var in env else None
 
 
 def load_config(cls: type[T], service: str, environ: typing.Mapping[str, str] | None = None) -> T:
     """Build `cls` from LOOPRL_<SERVICE>_<FIELD> or LOOPRL_<FIELD> environment variables."""
     env = os.environ if environ is None else environ
-    hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        for var in (f"LOOPRL_{service.upper()}_{f.name.upper()}", f"LOOPRL_{f.name.upper()}"):
-            if var in env:
-                values[f.name] = _convert(env[var], hints[f.name], var)
+    values: dict[str, object] = {}
+    source: dict[str, str] = {}
+    for name, info in cls.model_fields.items():
+        for prefix in (f"LOOPRL_{service.upper()}_{name.upper()}", f"LOOPRL_{name.upper()}"):
+            found = _read_field(env, prefix, info.annotation)
+            if found is not None:
+                values[name], source[name] = found
                 break
-    return cls(**values)
+    try:
+        return cls.model_validate(values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        path = error_path(tuple(error["loc"]), error.get("ctx"))
+        name = re.match(r"[^.\[]*", path).group(0)  # type: ignore[union-attr]
+        var = source.get(name, f"LOOPRL_{service.upper()}_{name.upper()}")
+        rest = path[len(name) :]
+        nested = re.match(r"\.(\w+)(.*)", rest)
+        if nested and f"{var}__{nested.group(1).upper()}" in env:
+            var, rest = f"{var}__{nested.group(1).upper()}", nested.group(2)
+        message = explain(exc, cls).partition(": ")[2]
+        raise ConfigError(f"{var}{rest}: {message}") from None
 
 
-def describe(cls: type) -> list[tuple[str, str, str]]:
+def describe(cls: type[ServiceConfig]) -> list[tuple[str, str, str]]:
     """(field, default, help) rows, for --help output and docs."""
-    rows = []
-    for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        rows.append((f.name, repr(default), f.metadata.get("help", "")))
-    return rows
+    return [(row.path, row.default, row.doc) for row in field_rows(cls)]

@@ -1,21 +1,22 @@
 """Typed env config, recipe validation and the tensor codec."""
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import pytest
 import torch
+from pydantic import Field
 
 from services.kit.codec import CodecError, tensor_from_proto, tensor_to_proto
 from services.kit.config import ConfigError, ServiceConfig, load_config
 from services.kit.recipe import RecipeError, parse_recipe
 
 
-@dataclass
 class DemoConfig(ServiceConfig):
-    workers: int = field(default=4, metadata={"help": "number of workers"})
-    ratio: float = field(default=0.5, metadata={"help": "a ratio"})
-    enabled: bool = field(default=False, metadata={"help": "a switch"})
+    workers: int = Field(4, ge=1)
+    """number of workers"""
+    ratio: float = 0.5
+    """a ratio"""
+    enabled: bool = False
+    """a switch"""
 
 
 def test_config_reads_service_then_global_variables() -> None:
@@ -30,8 +31,12 @@ def test_config_reads_service_then_global_variables() -> None:
 
 
 def test_config_error_names_the_variable() -> None:
-    with pytest.raises(ConfigError, match="LOOPRL_DEMO_RATIO"):
+    with pytest.raises(ConfigError, match=r"^LOOPRL_DEMO_RATIO: expected a number, got str 'lots'$"):
         load_config(DemoConfig, "demo", {"LOOPRL_DEMO_RATIO": "lots"})
+    with pytest.raises(ConfigError, match=r"^LOOPRL_WORKERS: must be >= 1, got 0$"):
+        load_config(DemoConfig, "demo", {"LOOPRL_WORKERS": "0"})
+    with pytest.raises(ConfigError, match=r"^LOOPRL_DEMO_LOG_LEVEL: must be one of 'DEBUG', .* got 'LOUD'$"):
+        load_config(DemoConfig, "demo", {"LOOPRL_DEMO_LOG_LEVEL": "loud"})
 
 
 @pytest.mark.parametrize(

@@ -3,19 +3,71 @@ set by the gateway's configuration), and an oversized recipe is refused before i
 
 from __future__ import annotations
 
-import dataclasses
 import typing
+from dataclasses import dataclass
 
 import pytest
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import BaseModel
 
 from gateway.config import GatewayConfig
 from services.kit.config import ConfigError, load_config
 from services.kit.limits import CEILINGS, INT32_MAX, INT64_MAX, RecipeLimits
-from services.kit.recipe import _BOUNDS, Recipe, RecipeError, RunRecord, _Above, parse_recipe
+from services.kit.recipe import AtMost, Recipe, RecipeError, RunRecord, parse_recipe
+
+
+@dataclass(frozen=True)
+class Bounds:
+    low: float | None = None
+    low_exclusive: bool = False
+    high: float | None = None
+    high_exclusive: bool = False
+    limit: str = ""  # the RecipeLimits field that is the upper bound
+
+    @property
+    def largest(self) -> float:
+        return getattr(RecipeLimits(), self.limit) if self.limit else self.high  # type: ignore[return-value]
+
+
+def _bounds_of(metadata: list) -> Bounds:
+    found: dict = {}
+    for item in metadata:
+        if isinstance(item, Ge | Gt):
+            found.update(
+                low=getattr(item, "ge", getattr(item, "gt", None)), low_exclusive=isinstance(item, Gt)
+            )
+        elif isinstance(item, Le | Lt):
+            found.update(
+                high=getattr(item, "le", getattr(item, "lt", None)), high_exclusive=isinstance(item, Lt)
+            )
+        elif isinstance(item, AtMost):
+            found.update(limit=item.limit)
+    return Bounds(**found)
+
+
+def _numbers(model: type[BaseModel], prefix: str = "") -> dict[str, tuple[type, Bounds]]:
+    """field path (`name[]`: each element of a list) -> (int or float, its bounds), from the schema."""
+    out: dict[str, tuple[type, Bounds]] = {}
+    for name, info in model.model_fields.items():
+        tp, path = info.annotation, f"{prefix}{name}"
+        element = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            out |= _numbers(tp, path + ".")
+        elif isinstance(element, type) and issubclass(element, BaseModel):
+            out |= _numbers(element, path + "[].")
+        elif tp in (int, float) and not isinstance(info.default, bool):
+            out[path] = (tp, _bounds_of(info.metadata))
+        elif typing.get_origin(element) is typing.Annotated:
+            base, *meta = typing.get_args(element)
+            out[path + "[]"] = (base, _bounds_of([m for f in meta for m in f.metadata]))
+    return out
+
+
+NUMBERS = _numbers(Recipe)
 
 
 def _toml(field_path: str, value: object) -> str:
-    """A recipe setting one field of the bounds table (`deployments[]`: in one deployment)."""
+    """A recipe setting one numeric field (`deployments[]`: in one deployment)."""
     literal = repr(value)
     section, name = field_path.split(".")
     if section == "deployments[]":
@@ -35,26 +87,26 @@ def _refusal(text: str, limits: RecipeLimits | None = None) -> str:
     return str(err.value)
 
 
-@pytest.mark.parametrize("field_path", sorted(_BOUNDS))
+@pytest.mark.parametrize("field_path", sorted(NUMBERS))
 def test_every_bounded_field_refuses_a_value_above_its_largest(field_path: str) -> None:
-    low, high = _BOUNDS[field_path]
-    largest = getattr(RecipeLimits(), high) if isinstance(high, str) else high
-    integer = isinstance(largest, int) and not isinstance(low, _Above) and isinstance(low, int)
-    too_big = largest + 1 if integer else largest * 2 + 1.0
+    kind, bounds = NUMBERS[field_path]
+    largest = bounds.largest
+    too_big = largest + 1 if kind is int else largest * 2 + 1.0
     message = _refusal(_toml(field_path, too_big))
-    assert message.startswith(f"{_path(field_path)}: must be <= {largest}"), message
-    if isinstance(high, str):
-        assert f"this cluster's {high}" in message
+    op = "<" if bounds.high_exclusive and not bounds.limit else "<="
+    assert message.startswith(f"{_path(field_path)}: must be {op} {largest}"), message
+    if bounds.limit:
+        assert f"this cluster's {bounds.limit}" in message
 
 
-@pytest.mark.parametrize("field_path", sorted(_BOUNDS))
+@pytest.mark.parametrize("field_path", sorted(NUMBERS))
 def test_every_bounded_field_refuses_a_value_below_its_smallest(field_path: str) -> None:
-    low, _ = _BOUNDS[field_path]
-    if isinstance(low, _Above):
-        below, expected = low.value, f"must be > {low.value}"
+    kind, bounds = NUMBERS[field_path]
+    if bounds.low_exclusive:
+        below, expected = bounds.low, f"must be > {bounds.low}"
     else:
-        below, expected = low - 1, f"must be >= {low}"
-    message = _refusal(_toml(field_path, below))
+        below, expected = bounds.low - 1, f"must be >= {bounds.low}"  # type: ignore[operator]
+    message = _refusal(_toml(field_path, kind(below)))
     assert message.startswith(f"{_path(field_path)}: {expected}"), message
 
 
@@ -111,7 +163,7 @@ def test_the_values_at_the_limits_are_accepted() -> None:
 
 def test_the_gateway_configuration_sets_the_cluster_limits() -> None:
     env = {"LOOPRL_GATEWAY_RECIPE_LIMITS": '{"max_rollouts_per_step": 128, "max_world_size": 4}'}
-    limits = load_config(GatewayConfig, "GATEWAY", env).limits()
+    limits = load_config(GatewayConfig, "GATEWAY", env).recipe_limits
     assert _refusal("[batch]\nrollouts_per_step = 256\n", limits).startswith(
         "batch.rollouts_per_step: must be <= 128 (this cluster's max_rollouts_per_step), got 256"
     )
@@ -127,10 +179,11 @@ def test_the_gateway_configuration_sets_the_cluster_limits() -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"max_rollout_per_step": 5}, "recipe limit max_rollout_per_step: unknown"),
-        ({"max_steps": 2**64}, f"recipe limit max_steps: must be an integer in [1, {CEILINGS['max_steps']}]"),
-        ({"max_group_size": 0}, "recipe limit max_group_size: must be an integer in [1, 256]"),
-        ({"max_world_size": "8"}, "recipe limit max_world_size: must be an integer"),
+        ({"max_rollout_per_step": 5}, "max_rollout_per_step: unknown field (known: max_batch_size, "),
+        ({"max_steps": 2**64}, f"max_steps: must be <= {CEILINGS['max_steps']}"),
+        ({"max_group_size": 0}, "max_group_size: must be >= 1"),
+        ({"max_group_size": 257}, "max_group_size: must be <= 256"),
+        ({"max_world_size": "8"}, "max_world_size: expected an integer"),
     ],
 )
 def test_limits_over_their_ceiling_or_unknown_are_configuration_errors(values: dict, message: str) -> None:
@@ -142,8 +195,8 @@ def test_limits_over_their_ceiling_or_unknown_are_configuration_errors(values: d
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ('{"max_steps": 0}', "recipe limit max_steps: must be an integer in [1, "),
-        ("[4096]", "recipe_limits: must be"),
+        ('{"max_steps": 0}', "LOOPRL_GATEWAY_RECIPE_LIMITS.max_steps: must be >= 1"),
+        ("[4096]", "LOOPRL_GATEWAY_RECIPE_LIMITS: expected a table"),
     ],
 )
 def test_a_bad_gateway_limit_is_a_configuration_error_at_start_up(raw: str, message: str) -> None:
@@ -153,29 +206,13 @@ def test_a_bad_gateway_limit_is_a_configuration_error_at_start_up(raw: str, mess
 
 
 def test_every_named_limit_exists_and_is_within_its_ceiling() -> None:
-    named = {high for _, high in _BOUNDS.values() if isinstance(high, str)}
+    named = {bounds.limit for _, bounds in NUMBERS.values() if bounds.limit}
     defaults = RecipeLimits()
-    assert named <= set(CEILINGS)
+    assert named and named <= set(CEILINGS)
     assert all(getattr(defaults, name) <= CEILINGS[name] for name in CEILINGS)
     assert RecipeLimits.ceilings().max_steps == CEILINGS["max_steps"]
 
 
-def _numeric_fields(cls: type, prefix: str = "") -> set[str]:
-    hints = typing.get_type_hints(cls)
-    found = set()
-    for f in dataclasses.fields(cls):
-        tp, path = hints[f.name], f"{prefix}{f.name}"
-        args = typing.get_args(tp)
-        if dataclasses.is_dataclass(tp):
-            found |= _numeric_fields(tp, path + ".")
-        elif typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
-            found |= _numeric_fields(args[0], path + "[].")
-        elif tp in (int, float):
-            found.add(path)
-        elif tp is list and all(isinstance(v, (int, float)) for v in getattr(cls(), f.name)):
-            found.add(path + "[]")
-    return found
-
-
 def test_every_number_in_a_recipe_has_bounds() -> None:
-    assert _numeric_fields(Recipe) == set(_BOUNDS)
+    unbounded = [path for path, (_, b) in NUMBERS.items() if b.low is None or b.largest is None]
+    assert len(NUMBERS) > 40 and not unbounded
