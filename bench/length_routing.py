@@ -78,11 +78,12 @@ def _router(states_and_handles, policy_name: str):
 async def main_async(quick: bool) -> None:
     import ray
 
-    from services.inference_router.config import RouterConfig, spec_from_table
+    from services.inference_router.config import RouterConfig
     from services.inference_router.deployments import DeploymentManager
     from services.inference_router.local_fleet import load_weights, tiny_checkpoint
     from services.inference_router.router import Router
     from services.kit.ray_utils import connect_ray
+    from services.kit.recipe import DeploymentSpec
 
     short_tokens, long_tokens = 4, 48
     n = 80 if quick else 240
@@ -98,7 +99,7 @@ async def main_async(quick: bool) -> None:
     try:
         config, weights = tiny_checkpoint(seed=0)
         for t in tables:
-            await manager.start(spec_from_table(t, t["name"]))
+            await manager.start(DeploymentSpec(**t))
         await asyncio.gather(*(load_weights(a, config, weights, 1) for a in manager.actors.values()))
         await holder.poll_once()
         pairs = [(d, [holder.handles[r.name] for r in d.replicas]) for d in holder.deployment_list()]

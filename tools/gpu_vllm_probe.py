@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from services.inference_router.engine.base import EngineRequest, SamplingParams
-from services.inference_router.replica import ReplicaSettings
+from services.kit.recipe import DeploymentSpec
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
 from services.modeling.logprobs import token_logprobs
@@ -67,13 +67,18 @@ def _trainer_logprobs(model: Qwen2ForCausalLM, prompt: list[int], tokens: list[i
 async def probe(tp: int, versions: int, batch: int, max_tokens: int) -> dict:
     from services.inference_router.engine.vllm_engine import VLLMEngine
 
-    settings = ReplicaSettings(backend="vllm", tensor_parallel=tp, dtype="bfloat16", max_model_len=512)
-    settings.gpu_memory_utilization = 0.12  # type: ignore[attr-defined]
-    settings.enforce_eager = True  # type: ignore[attr-defined]
+    spec = DeploymentSpec(
+        backend="vllm",
+        tensor_parallel=tp,
+        dtype="bfloat16",
+        max_model_len=512,
+        gpu_memory_utilization=0.12,
+        enforce_eager=True,
+    )
     trainer = Qwen2ForCausalLM(CONFIG, seed=0).eval()
     layout = Layout(tp, "fused", "bfloat16")
     started = time.perf_counter()
-    engine = await VLLMEngine.create(CONFIG, "", settings)
+    engine = await VLLMEngine.create(CONFIG, spec)
     rows = []
     try:
         print(f"tp={tp}: vLLM up in {time.perf_counter() - started:.1f}s", flush=True)

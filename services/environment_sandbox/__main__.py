@@ -21,49 +21,26 @@ async def serve(cfg: EnvServiceConfig) -> None:
     from looprl.environment.v1 import environment_pb2_grpc
     from services.environment_sandbox.agent_loop import (
         EpisodeRunner,
-        LoopConfig,
         RewardClient,
         RouterGenerator,
     )
     from services.environment_sandbox.environments import EnvContext
-    from services.environment_sandbox.episode_worker import EpisodeWorker, WorkerConfig
+    from services.environment_sandbox.episode_worker import EpisodeWorker
     from services.environment_sandbox.ratelimit import RateLimiter, rate_limiter_actor
-    from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool, SandboxUnavailable
+    from services.environment_sandbox.sandbox import SandboxPool, SandboxUnavailable
     from services.environment_sandbox.service import EnvironmentSandboxServicer
     from services.kit.ray_utils import connect_ray
     from services.kit.server import Service, open_channel
     from services.modeling.tokenizer import TokenizerCache
 
-    sandbox = SandboxConfig(
-        warm_workers=cfg.warm_workers,
-        max_concurrency=cfg.max_exec_concurrency,
-        timeout_s=cfg.exec_timeout_s,
-        max_timeout_s=cfg.exec_max_timeout_s,
-        memory_bytes=cfg.exec_memory_bytes,
-        max_output_bytes=cfg.exec_max_output_bytes,
-        uid_base=cfg.sandbox_uid_base,
-        isolation_level=cfg.sandbox_isolation_level,
-        pids=cfg.exec_pids,
-        cpu_quota=cfg.exec_cpu_quota,
-        workspace_bytes=cfg.exec_workspace_bytes,
-        readonly_paths=cfg.readonly_paths,
-    )
     if cfg.sandbox_backend == "ray" or cfg.rate_limiter == "ray":
         connect_ray(cfg.ray_address, RAY_NAMESPACE)
     if cfg.sandbox_backend == "ray":
-        from services.environment_sandbox.sandbox.fleet import FleetConfig, SandboxFleet
+        from services.environment_sandbox.sandbox.fleet import SandboxFleet
 
-        pool = SandboxFleet(
-            FleetConfig(
-                min_actors=cfg.sandbox_min_actors,
-                max_actors=cfg.sandbox_max_actors,
-                target_queue_per_actor=cfg.sandbox_queue_per_actor,
-                scale_down_after_s=cfg.sandbox_scale_down_after_s,
-            ),
-            sandbox,
-        )
+        pool = SandboxFleet(cfg.fleet, cfg.sandbox)
     else:
-        pool = SandboxPool(sandbox)
+        pool = SandboxPool(cfg.sandbox)
 
     def shared_limiter_actor():
         connect_ray(cfg.ray_address, RAY_NAMESPACE)
@@ -84,7 +61,7 @@ async def serve(cfg: EnvServiceConfig) -> None:
             scorer,
             tokenizers,
             EnvContext(executor=pool.run_code),
-            LoopConfig(default_max_tokens=cfg.max_tokens),
+            cfg.loop,
             limiter=limiter,
             rate_limits=cfg.parsed_rate_limits,
         )
@@ -111,7 +88,7 @@ async def serve(cfg: EnvServiceConfig) -> None:
             worker = EpisodeWorker(
                 bus,
                 runner,
-                WorkerConfig(cfg.concurrency, cfg.durable, cfg.ack_wait_s),
+                cfg.worker,
                 reporter=RunErrorReporter(bus, "environment-sandbox"),
             )
             state.update(bus=bus, worker=worker, task=asyncio.ensure_future(worker.run()))

@@ -38,6 +38,7 @@ from typing import Any
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from services.environment_sandbox.clients import RewardClient, RouterGenerator  # noqa: F401 - re-exported
+from services.environment_sandbox.config import LoopConfig
 from services.environment_sandbox.environments import (
     EnvContext,
     Environment,
@@ -71,12 +72,6 @@ def rollout_id_for(
     every redelivery."""
     key = f"{run_id}/{group_id}/{task_id}/{sample_index}" + ("" if branch is None else f"/b{branch}")
     return uuid.uuid5(_ROLLOUT_NS, key).hex
-
-
-@dataclass
-class LoopConfig:
-    default_max_tokens: int = 32
-    max_episode_tokens: int = 2048
 
 
 @dataclass

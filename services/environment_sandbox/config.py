@@ -1,131 +1,192 @@
-"""environment-sandbox service settings (LOOPRL_ENV_<FIELD> or LOOPRL_<FIELD>)."""
+"""environment-sandbox service settings (LOOPRL_ENV_<FIELD> or LOOPRL_<FIELD>) and the settings of
+its parts: the sandbox pool, the Ray sandbox fleet, the episode worker and the agent loop. A part's
+setting is LOOPRL_ENV_<PART>__<FIELD> (e.g. LOOPRL_ENV_SANDBOX__WARM_WORKERS=4) or the whole part as
+JSON. Imports nothing heavy."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import sys
+from typing import Literal
 
-from services.kit.config import ConfigError, ServiceConfig
+from pydantic import Field, field_validator, model_validator
 
-SANDBOX_BACKENDS = ("local", "ray")
-RATE_LIMITERS = ("auto", "local", "ray")
+from services.environment_sandbox.ratelimit import Limit, LimitError, parse_limits
+from services.kit.config import ServiceConfig
+from services.kit.schema import Schema, field_error
+
+IsolationMechanism = Literal[
+    "netns", "pidns", "mountns", "ipcns", "utsns", "cgroupns", "rootfs", "cgroup", "seccomp"
+]
+ALL_ISOLATION: tuple[str, ...] = IsolationMechanism.__args__  # type: ignore[attr-defined]
 
 
-@dataclass
+class SandboxConfig(Schema):
+    """Limits and pool sizes of sandboxed code execution; a request's timeout and memory may only
+    lower the ceilings here."""
+
+    warm_workers: int = Field(2, ge=0)
+    """Sandbox workers kept started and waiting."""
+    max_concurrency: int = Field(8, ge=1)
+    """Sandbox executions at once."""
+    timeout_s: float = Field(5.0, gt=0.0)
+    """Default wall-clock limit of one execution."""
+    max_timeout_s: float = Field(60.0, gt=0.0)
+    """Largest timeout a request may ask."""
+    memory_bytes: int = Field(512 * 1024 * 1024, ge=1 << 20)
+    """Address-space cap of one execution."""
+    max_output_bytes: int = Field(1024 * 1024, ge=1)
+    """stdout+stderr kept per execution."""
+    nproc: int = Field(32, ge=1)
+    """RLIMIT_NPROC of a sandbox's uid."""
+    fsize_bytes: int = Field(16 * 1024 * 1024, ge=0)
+    """Largest file a sandbox may write."""
+    nofile: int = Field(64, ge=8)
+    """Open files per sandbox process."""
+    uid_base: int = Field(600000, ge=1000)
+    """First uid of the per-worker uid range (RLIMIT_NPROC is per uid host-wide)."""
+    uid_count: int = Field(256, ge=1)
+    """Uids in that range."""
+    gid: int = Field(65534, ge=0)
+    """Group every sandbox runs as."""
+    python: str = sys.executable
+    """Interpreter the workers run."""
+    root_dir: str = ""
+    """Private root of the sandboxes; empty: a temporary directory."""
+    isolation: tuple[IsolationMechanism, ...] = ALL_ISOLATION  # type: ignore[assignment]
+    """Isolation mechanisms a sandbox applies."""
+    isolation_level: Literal["full", "degraded"] = "full"
+    """full: refuse to run code unless every mechanism in `isolation` applies (root with
+    CAP_SYS_ADMIN); degraded: run with whatever the host allows (an explicit opt-in, reported per
+    execution and in the service's status)."""
+    pids: int = Field(64, ge=1)
+    """Processes and threads in one sandbox, all together (cgroup)."""
+    cpu_quota: float = Field(1.0, ge=0.0)
+    """CPUs one sandbox may use (cgroup CPU quota); 0: unlimited."""
+    workspace_bytes: int = Field(64 * 1024 * 1024, ge=1 << 20)
+    """Size of a sandbox's private /tmp (in memory)."""
+    readonly_paths: tuple[str, ...] = ()
+    """Host paths shown read-only inside the sandbox besides the interpreter (absolute)."""
+    start_timeout_s: float = Field(15.0, gt=0.0)
+    """How long a worker may take to start."""
+
+    @field_validator("readonly_paths")
+    @classmethod
+    def _absolute(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
+        for i, path in enumerate(paths):
+            if not os.path.isabs(path):
+                raise field_error(f"[{i}]", f"{path!r} must be an absolute path")
+        return paths
+
+
+class FleetConfig(Schema):
+    """The Ray sandbox fleet (sandbox_backend=ray): actors scaled by queue depth."""
+
+    min_actors: int = Field(1, ge=0)
+    """Sandbox actors kept."""
+    max_actors: int = Field(4, ge=1)
+    """Most sandbox actors."""
+    target_queue_per_actor: float = Field(4.0, gt=0.0)
+    """Executions waiting and running per actor before scaling up."""
+    scale_interval_s: float = Field(0.2, gt=0.0)
+    """Period of the autoscaler's decisions."""
+    scale_down_after_s: float = Field(30.0, ge=0.0)
+    """Idle time before an actor is retired."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> FleetConfig:
+        if self.min_actors > self.max_actors:
+            raise field_error("max_actors", f"must be >= min_actors ({self.min_actors})")
+        return self
+
+
+class WorkerConfig(Schema):
+    """How episode tasks are pulled from the bus and retried."""
+
+    concurrency: int = Field(16, ge=1)
+    """Episodes run at once by this process."""
+    durable: str = "environment-sandbox"
+    """Durable consumer name."""
+    ack_wait_s: float = Field(10.0, gt=0.0)
+    """Redelivery timer of an unacked task (a running episode heartbeats every third of it)."""
+    max_deliver: int = Field(400, ge=1)
+    """Deliveries of one task before it is given up (400 is over an hour of retrying)."""
+    retry_delay_s: float = Field(0.5, ge=0.0)
+    """First delay before a failed episode (a dependency down or restarting) is handed back; it
+    doubles per attempt."""
+    max_retry_delay_s: float = Field(10.0, ge=0.0)
+    """Longest such delay: an outage costs at most this much more than its length."""
+
+    def retry_delay(self, attempt: int) -> float:
+        """Delay before redelivering a task that failed on its `attempt`-th delivery (1-based)."""
+        return min(self.max_retry_delay_s, self.retry_delay_s * 2 ** max(0, attempt - 1))
+
+
+class LoopConfig(Schema):
+    """The agent loop's bounds on one episode."""
+
+    default_max_tokens: int = Field(32, ge=1)
+    """Per-turn max_tokens when a task sets none."""
+    max_episode_tokens: int = Field(2048, ge=1)
+    """Most tokens (prompt and completions) of one episode."""
+
+
 class EnvServiceConfig(ServiceConfig):
-    router_address: str = field(default="", metadata={"help": "inference-router gRPC address (episodes)."})
-    reward_address: str = field(
-        default="", metadata={"help": "reward service gRPC address; empty: env reward."}
-    )
-    tokenizer: str = field(
-        default="char",
-        metadata={
-            "help": "Tokenizer of episodes whose task names none ('char' or a local directory); a run's "
-            "tasks name its recipe's model.tokenizer."
-        },
-    )
-    consume_episodes: bool = field(default=True, metadata={"help": "Pull episode tasks from the bus."})
-    concurrency: int = field(default=16, metadata={"help": "Episodes run at once by this process."})
-    durable: str = field(default="environment-sandbox", metadata={"help": "Durable consumer name."})
-    ack_wait_s: float = field(
-        default=10.0,
-        metadata={
-            "help": "Redelivery timer of an unacked task (a running episode heartbeats every third of it)."
-        },
-    )
-    max_tokens: int = field(default=32, metadata={"help": "Per-turn max_tokens when a task sets none."})
-    warm_workers: int = field(default=2, metadata={"help": "Sandbox workers kept started and waiting."})
-    max_exec_concurrency: int = field(default=8, metadata={"help": "Sandbox executions at once."})
-    exec_timeout_s: float = field(default=5.0, metadata={"help": "Default sandbox wall-clock limit."})
-    exec_max_timeout_s: float = field(default=60.0, metadata={"help": "Largest timeout a request may ask."})
-    exec_memory_bytes: int = field(default=512 * 1024 * 1024, metadata={"help": "Sandbox address-space cap."})
-    exec_max_output_bytes: int = field(default=1 << 20, metadata={"help": "stdout+stderr kept per run."})
-    exec_max_code_bytes: int = field(default=1 << 20, metadata={"help": "Largest code+files+stdin accepted."})
-    sandbox_uid_base: int = field(default=600000, metadata={"help": "First uid of the per-worker uid range."})
-    sandbox_isolation_level: str = field(
-        default="full",
-        metadata={
-            "help": "full: refuse to run code unless namespaces, private root, cgroup and seccomp all apply "
-            "(root with CAP_SYS_ADMIN); degraded: run with whatever the host allows (an explicit opt-in)."
-        },
-    )
-    exec_pids: int = field(default=64, metadata={"help": "Processes+threads per sandbox, all together."})
-    exec_cpu_quota: float = field(default=1.0, metadata={"help": "CPUs one sandbox may use; 0: unlimited."})
-    exec_workspace_bytes: int = field(
-        default=64 * 1024 * 1024, metadata={"help": "Size of a sandbox's private /tmp (in memory)."}
-    )
-    sandbox_readonly_paths: str = field(
-        default="", metadata={"help": "Comma-separated host paths shown read-only inside the sandbox."}
-    )
-    max_sessions: int = field(default=4096, metadata={"help": "Interactive Reset/Step sessions kept."})
-    sandbox_backend: str = field(
-        default="local",
-        metadata={
-            "help": "local: a warm sandbox pool in this process; ray: a fleet of sandbox actors on the "
-            "Ray cluster, scaled between sandbox_min_actors and sandbox_max_actors by queue depth."
-        },
-    )
-    sandbox_min_actors: int = field(default=1, metadata={"help": "ray backend: sandbox actors kept."})
-    sandbox_max_actors: int = field(default=4, metadata={"help": "ray backend: most sandbox actors."})
-    sandbox_queue_per_actor: float = field(
-        default=4.0, metadata={"help": "ray backend: executions waiting+running per actor before scaling up."}
-    )
-    sandbox_scale_down_after_s: float = field(
-        default=30.0, metadata={"help": "ray backend: idle time before an actor is retired."}
-    )
-    rate_limits: str = field(
-        default="",
-        metadata={
-            "help": 'JSON {"inference": {"requests_per_s": 50, "tokens_per_s": 5000}}: shared limits per '
-            "named resource (the agent loop reserves 'inference' before each model turn); they win over "
-            "an environment config's rate_limits for the same resource."
-        },
-    )
-    rate_limiter: str = field(
-        default="auto",
-        metadata={
-            "help": "Where bucket state lives: ray (one named actor every process shares), local (this "
-            "process only), auto (ray when a Ray address is configured, else local)."
-        },
-    )
-    rate_limit_actor: str = field(
-        default="looprl-rate-limits", metadata={"help": "Named Ray actor of the buckets."}
-    )
-    rate_limit_namespace: str = field(default="looprl", metadata={"help": "Ray namespace of that actor."})
+    router_address: str = ""
+    """inference-router gRPC address (episodes)."""
+    reward_address: str = ""
+    """reward service gRPC address; empty: env reward."""
+    tokenizer: str = "char"
+    """Tokenizer of episodes whose task names none ('char' or a local directory); a run's tasks name its
+    recipe's model.tokenizer."""
+    consume_episodes: bool = True
+    """Pull episode tasks from the bus."""
+    worker: WorkerConfig = WorkerConfig()
+    """How episode tasks are pulled and retried."""
+    loop: LoopConfig = LoopConfig()
+    """The agent loop's bounds."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """Sandboxed code execution (pool sizes, limits, isolation)."""
+    exec_max_code_bytes: int = Field(1 << 20, ge=1)
+    """Largest code+files+stdin accepted."""
+    max_sessions: int = Field(4096, ge=1)
+    """Interactive Reset/Step sessions kept."""
+    sandbox_backend: Literal["local", "ray"] = "local"
+    """local: a warm sandbox pool in this process; ray: a fleet of sandbox actors on the Ray cluster, scaled
+    between sandbox_min_actors and sandbox_max_actors by queue depth."""
+    fleet: FleetConfig = FleetConfig()
+    """The Ray sandbox fleet (sandbox_backend=ray)."""
+    rate_limits: str = ""
+    """JSON {"inference": {"requests_per_s": 50, "tokens_per_s": 5000}}: shared limits per named resource (the
+    agent loop reserves 'inference' before each model turn); they win over an environment config's
+    rate_limits for the same resource."""
+    rate_limiter: Literal["auto", "local", "ray"] = "auto"
+    """Where bucket state lives: ray (one named actor every process shares), local (this process only), auto
+    (ray when a Ray address is configured, else local)."""
+    rate_limit_actor: str = "looprl-rate-limits"
+    """Named Ray actor of the buckets."""
+    rate_limit_namespace: str = "looprl"
+    """Ray namespace of that actor."""
 
-    def __post_init__(self) -> None:
-        if self.tokenizer != "char" and not os.path.isdir(self.tokenizer):
-            raise ConfigError(
-                f"LOOPRL_ENV_TOKENIZER: must be 'char' or a local tokenizer directory, got {self.tokenizer!r}"
-            )
-        if self.sandbox_backend not in SANDBOX_BACKENDS:
-            raise ConfigError(
-                f"LOOPRL_ENV_SANDBOX_BACKEND: must be one of {', '.join(SANDBOX_BACKENDS)}, got {self.sandbox_backend!r}"
-            )
-        if self.sandbox_isolation_level not in ("full", "degraded"):
-            raise ConfigError(
-                "LOOPRL_ENV_SANDBOX_ISOLATION_LEVEL: must be full or degraded, "
-                f"got {self.sandbox_isolation_level!r}"
-            )
-        self.readonly_paths = tuple(p.strip() for p in self.sandbox_readonly_paths.split(",") if p.strip())
-        for path in self.readonly_paths:
-            if not path.startswith("/"):
-                raise ConfigError(f"LOOPRL_ENV_SANDBOX_READONLY_PATHS: {path!r} must be an absolute path")
-        if self.rate_limiter not in RATE_LIMITERS:
-            raise ConfigError(
-                f"LOOPRL_ENV_RATE_LIMITER: must be one of {', '.join(RATE_LIMITERS)}, got {self.rate_limiter!r}"
-            )
-        if not 0 <= self.sandbox_min_actors <= self.sandbox_max_actors or self.sandbox_max_actors < 1:
-            raise ConfigError(
-                "LOOPRL_ENV_SANDBOX_MIN_ACTORS/MAX_ACTORS: need 0 <= min <= max and max >= 1, got "
-                f"{self.sandbox_min_actors}/{self.sandbox_max_actors}"
-            )
-        from services.environment_sandbox.ratelimit import LimitError, parse_limits
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_exists(cls, value: str) -> str:
+        if value != "char" and not os.path.isdir(value):
+            raise ValueError(f"must be 'char' or a local tokenizer directory, got {value!r}")
+        return value
 
+    @field_validator("rate_limits")
+    @classmethod
+    def _limits_parse(cls, value: str) -> str:
         try:
-            self.parsed_rate_limits = parse_limits(self.rate_limits, "LOOPRL_ENV_RATE_LIMITS")
+            parse_limits(value, "")
         except LimitError as exc:
-            raise ConfigError(str(exc)) from None
+            raise ValueError(str(exc).lstrip(".: ")) from None
+        return value
+
+    @property
+    def parsed_rate_limits(self) -> dict[str, Limit]:
+        return parse_limits(self.rate_limits, "rate_limits")
 
     def shared_limits(self, address_from_env: str = "") -> bool:
         """Whether rate-limit state lives in the shared Ray actor (else in this process)."""

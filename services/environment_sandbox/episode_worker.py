@@ -13,34 +13,16 @@ import contextlib
 import json
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
 from looprl.events.v1 import events_pb2
 from services.environment_sandbox.agent_loop import EpisodeRunner
 from services.environment_sandbox.clients import CURRENT_RUN
+from services.environment_sandbox.config import WorkerConfig
 from services.environment_sandbox.environments import EnvironmentError_
 from services.kit.run_errors import describe
 
 log = logging.getLogger("looprl.environment_sandbox.worker")
-
-
-@dataclass
-class WorkerConfig:
-    concurrency: int = 16
-    durable: str = "environment-sandbox"
-    ack_wait_s: float = 10.0
-    # A failed episode (a dependency down or restarting: router, reward, weights not there yet) is
-    # handed back with a delay doubling from retry_delay_s up to max_retry_delay_s, so it outlives
-    # restarts of tens of seconds (400 attempts are over an hour of retrying) and an outage costs
-    # at most max_retry_delay_s more than its length.
-    max_deliver: int = 400
-    retry_delay_s: float = 0.5
-    max_retry_delay_s: float = 10.0
-
-    def retry_delay(self, attempt: int) -> float:
-        """Delay before redelivering a task that failed on its `attempt`-th delivery (1-based)."""
-        return min(self.max_retry_delay_s, self.retry_delay_s * 2 ** max(0, attempt - 1))
 
 
 class EpisodeWorker:

@@ -17,17 +17,9 @@ log = logging.getLogger("looprl.inference_router")
 
 def build_router(cfg: RouterConfig):
     from services.inference_router.policies import RoutingPolicy, SessionAffinity
-    from services.inference_router.router import Router, RouterSettings
+    from services.inference_router.router import Router
 
-    settings = RouterSettings(
-        max_attempts=cfg.max_attempts,
-        request_timeout_s=cfg.request_timeout_s,
-        version_wait_s=cfg.version_wait_s,
-        version_unavailable_code=cfg.version_unavailable_code,
-        unavailable_wait_s=cfg.unavailable_wait_s,
-        status_interval_s=cfg.status_interval_s,
-    )
-    return Router(RoutingPolicy(affinity=SessionAffinity(cfg.max_sessions)), settings)
+    return Router(RoutingPolicy(affinity=SessionAffinity(cfg.max_sessions)), cfg)
 
 
 async def serve(cfg: RouterConfig) -> None:
@@ -49,10 +41,9 @@ async def serve(cfg: RouterConfig) -> None:
     background: list[asyncio.Task] = []
 
     async def setup(_: Service) -> None:
-        specs = cfg.deployment_specs()
-        if specs:
+        if cfg.deployments:
             connect_ray(cfg.ray_address, cfg.namespace)
-        for spec in specs:
+        for spec in cfg.deployments:
             await manager.start(spec)
             log.info("deployment %s started with %d replica(s)", spec.name, spec.replicas)
         router.start_polling()
@@ -85,8 +76,7 @@ async def serve(cfg: RouterConfig) -> None:
 def main() -> int:
     try:
         cfg = load_config(RouterConfig, "INFERENCE_ROUTER")
-        cfg.deployment_specs()
-    except (ConfigError, ValueError) as exc:
+    except ConfigError as exc:
         print(f"inference-router: configuration error: {exc}", file=sys.stderr)
         return 2
     asyncio.run(serve(cfg))

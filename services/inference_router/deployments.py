@@ -21,7 +21,6 @@ deployments, keep weight-sync informed of every layout, and follow weight events
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
@@ -106,7 +105,8 @@ class DeploymentManager:
                 num_cpus=self.config.replica_num_cpus,
                 num_gpus=replica_gpus(spec),
             ).remote(
-                spec={**_spec_dict(spec), "host": self.config.replica_host},
+                spec=spec,
+                host=self.config.replica_host,
                 replica=name,
                 tracing=telemetry.exporter_settings(),
                 tls_credentials=tls.export(),
@@ -405,12 +405,6 @@ class DeploymentManager:
                 )
             )
         return out
-
-
-def _spec_dict(spec: DeploymentSpec) -> dict[str, Any]:
-    import dataclasses
-
-    return json.loads(json.dumps(dataclasses.asdict(spec)))
 
 
 async def _await_alive(handle: ReplicaHandle, timeout_s: float) -> None:

@@ -55,7 +55,7 @@ class RouterProcess:
                 "LOOPRL_INFERENCE_ROUTER_GRPC_PORT": str(self.port),
                 "LOOPRL_INFERENCE_ROUTER_METRICS_PORT": str(self.metrics_port),
                 "LOOPRL_INFERENCE_ROUTER_GRACE_SECONDS": str(settings.pop("grace_seconds", 3)),
-                "LOOPRL_INFERENCE_ROUTER_DEPLOYMENTS_JSON": json.dumps(deployments),
+                "LOOPRL_INFERENCE_ROUTER_DEPLOYMENTS": json.dumps(deployments),
                 "LOOPRL_INFERENCE_ROUTER_NAMESPACE": self.namespace,
                 "LOOPRL_INFERENCE_ROUTER_NATS_URL": settings.pop("nats_url", "nats://127.0.0.1:1"),
                 "PYTHONPATH": str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", ""),

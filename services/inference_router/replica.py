@@ -32,7 +32,6 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -47,6 +46,7 @@ from services.inference_router.weights import LocalWeights, RankStagedWeights, T
 from services.kit import errors, telemetry, tls
 from services.kit.hosts import host_identity
 from services.kit.interceptors import ServerInterceptor
+from services.kit.recipe import DeploymentSpec
 from services.kit.weight_transfer import add_engine_servicer
 from services.kit.weight_transfer.probe import read_probe
 from services.kit.weight_transfer.stager import WeightStager
@@ -58,51 +58,11 @@ log = logging.getLogger("looprl.inference_router.replica")
 _tracer = trace.get_tracer("looprl.inference_router.replica")
 
 
-@dataclass
-class ReplicaSettings:
-    """What a replica needs from its deployment spec (services.kit.recipe.DeploymentSpec as a dict)."""
-
-    deployment: str = "default"
-    backend: str = "cpu"
-    model_path: str = ""
-    tensor_parallel: int = 1
-    naming: str = ""  # "" -> "hf" at tp=1, "fused" at tp>1 and for vLLM (its own layout)
-    dtype: str = "float32"  # a vLLM deployment with no dtype serves bfloat16
-    pause_mode: str = "keep"  # vLLM: how in-flight requests wait out a swap ("keep" or "abort")
-    gpu_memory_utilization: float = 0.85  # vLLM: share of each GPU's memory
-    max_model_len: int = 512
-    max_batch_size: int = 32
-    max_queued_requests: int = 256
-    host: str = "127.0.0.1"  # "node": the address of the Ray node (or host) the replica runs on
-    num_threads: int = 0  # 0 leaves torch's default (Ray sets OMP_NUM_THREADS from num_cpus)
-    stop_token_ids: tuple[int, ...] = ()
-
-    @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> ReplicaSettings:
-        tp = int(spec.get("tensor_parallel", 1))
-        backend = str(spec.get("backend", "cpu"))
-        vllm = backend == "vllm"
-        naming = str(spec.get("layout") or spec.get("naming") or ("fused" if tp > 1 or vllm else "hf"))
-        return cls(
-            deployment=str(spec.get("name", spec.get("deployment", "default"))),
-            backend=backend,
-            model_path=str(spec.get("model_path", "")),
-            tensor_parallel=tp,
-            naming=naming,
-            dtype=str(spec.get("dtype") or ("bfloat16" if vllm else "float32")),
-            pause_mode=str(spec.get("pause_mode") or "keep"),
-            gpu_memory_utilization=float(spec.get("gpu_memory_utilization") or 0.85),
-            max_model_len=int(spec.get("max_model_len", 512)),
-            max_batch_size=int(spec.get("max_batch_size", 32)),
-            max_queued_requests=int(spec.get("max_queued_requests", 256)),
-            host=str(spec.get("host", "127.0.0.1")),
-            num_threads=int(spec.get("num_threads", 0)),
-            stop_token_ids=tuple(int(t) for t in spec.get("stop_token_ids", ())),
-        )
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(tp_size=self.tensor_parallel, naming=self.naming, dtype=self.dtype)
+def serving_layout(spec: DeploymentSpec) -> Layout:
+    """How a replica of `spec` holds its weights: HF names at tp=1 on CPU, fused names under TP and on
+    vLLM (its own layout)."""
+    naming = "fused" if spec.tensor_parallel > 1 or spec.backend == "vllm" else "hf"
+    return Layout(tp_size=spec.tensor_parallel, naming=naming, dtype=spec.serving_dtype)
 
 
 def _bind_host(host: str) -> str:
@@ -141,20 +101,29 @@ class ReplicaCore:
 
     def __init__(
         self,
-        spec: Mapping[str, Any] | None = None,
+        spec: DeploymentSpec | None = None,
         replica: str = "",
+        host: str = "127.0.0.1",
+        num_threads: int = 0,
+        stop_token_ids: tuple[int, ...] = (),
         tracing: Mapping[str, str] | None = None,
         tls_credentials: dict[str, Any] | None = None,
     ) -> None:
+        """`spec`: the deployment this replica serves, as the recipe declares it; `host`: the address
+        its gRPC server binds and reports ("node": the Ray node's); `num_threads`: torch threads (0
+        leaves torch's default, which Ray sets from num_cpus); `stop_token_ids`: the default stops."""
         # Spans of this replica (its gRPC server, generation over Ray) go where the router's go.
         telemetry.setup_from_settings("inference-replica", tracing)
         if tls_credentials is not None:
             # The router's identity (services/kit/tls.py): weight-sync and the router verify it.
             tls.adopt(tls_credentials)
-        self.settings = ReplicaSettings.from_spec(spec or {})
-        self.name = replica or f"{self.settings.deployment}-r0"
-        if self.settings.num_threads > 0:
-            torch.set_num_threads(self.settings.num_threads)
+        self.spec = spec or DeploymentSpec()
+        self.layout = serving_layout(self.spec)
+        self.host = host
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.name = replica or f"{self.spec.name}-r0"
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
         self.config: ModelConfig | None = None
         self.engine: Engine | None = None
         self.weights: WeightLifecycle | None = None  # built with the engine
@@ -175,10 +144,10 @@ class ReplicaCore:
         async with self._start_lock:
             if self._server is None:
                 await self._serve()
-                if self.settings.model_path and self.settings.backend == "vllm":
-                    await self._ensure_engine(_config_at(self.settings.model_path))  # vLLM reads the path
-                elif self.settings.model_path:
-                    await self._load_model_path(self.settings.model_path)
+                if self.spec.model_path and self.spec.backend == "vllm":
+                    await self._ensure_engine(_config_at(self.spec.model_path))  # vLLM reads the path
+                elif self.spec.model_path:
+                    await self._load_model_path(self.spec.model_path)
         return self._address
 
     async def _serve(self) -> None:
@@ -193,7 +162,7 @@ class ReplicaCore:
             ],
         )
         add_engine_servicer(server, _EngineServicer(self))
-        host = _bind_host(self.settings.host)
+        host = _bind_host(self.host)
         port = tls.add_port(server, f"{host}:0")
         await server.start()
         self._server = server
@@ -225,23 +194,18 @@ class ReplicaCore:
                         "model_config_json: differs from the model this replica serves"
                     )
                 return self.engine
-            s = self.settings
-            layout = s.layout
+            s, layout = self.spec, self.layout
             try:
                 layout.check(config)
             except ValueError as exc:
                 raise errors.InvalidArgument(f"model_config_json: {exc}") from None
             limits = SchedulerLimits(
-                max_waiting_requests=s.max_queued_requests, default_stop_token_ids=s.stop_token_ids
+                max_waiting_requests=s.max_queued_requests, default_stop_token_ids=self.stop_token_ids
             )
             if s.backend == "vllm":
                 from services.inference_router.engine.vllm_engine import VLLMEngine
 
-                if layout.naming != "fused":
-                    raise errors.InvalidArgument(
-                        f"deployments.naming: vLLM holds its weights in 'fused' names, got {layout.naming!r}"
-                    )
-                engine = await VLLMEngine.create(config, s.model_path, s)
+                engine = await VLLMEngine.create(config, s, self.stop_token_ids)
                 # Each TP rank's rectangles are staged here, then handed to its vLLM worker.
                 stagers = [
                     WeightStager(rank_params(config, layout, r), rank=r) for r in range(s.tensor_parallel)
@@ -278,7 +242,7 @@ class ReplicaCore:
     @property
     def _receiving_ranks(self) -> int:
         """Ranks weight-sync delivers to: every TP rank (a vLLM worker or a TP worker actor)."""
-        return self.settings.tensor_parallel
+        return self.spec.tensor_parallel
 
     # ------------------------------------------------------------------ weights
     async def load_state_dict(
@@ -376,7 +340,7 @@ class ReplicaCore:
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attributes(
-                {telemetry.ATTR.DEPLOYMENT: self.settings.deployment, telemetry.ATTR.REPLICA: self.name}
+                {telemetry.ATTR.DEPLOYMENT: self.spec.name, telemetry.ATTR.REPLICA: self.name}
                 | {getattr(telemetry.ATTR, k.upper()): v for k, v in attributes.items()}
             )
 
@@ -397,7 +361,7 @@ class ReplicaCore:
                 )
                 for c in result.completions
             ],
-            deployment=self.settings.deployment,
+            deployment=self.spec.name,
             replica=self.name,
             prompt_tokens=result.prompt_tokens,
         )
@@ -413,7 +377,7 @@ class ReplicaCore:
                 logprobs=chunk.logprobs,
                 weight_version=chunk.weight_version,
                 finish_reason=chunk.finish_reason,
-                deployment=self.settings.deployment,
+                deployment=self.spec.name,
                 replica=self.name,
             )
 
@@ -436,7 +400,7 @@ class ReplicaCore:
         # Not made current: an async generator resumes in its consumer's context at every chunk.
         span = _tracer.start_span(
             "replica generate_stream", context=telemetry.extract(trace_headers), kind=trace.SpanKind.SERVER,
-            attributes={telemetry.ATTR.DEPLOYMENT: self.settings.deployment, telemetry.ATTR.REPLICA: self.name},
+            attributes={telemetry.ATTR.DEPLOYMENT: self.spec.name, telemetry.ATTR.REPLICA: self.name},
         )  # fmt: skip
         tokens = 0
         try:
@@ -456,18 +420,18 @@ class ReplicaCore:
 
     async def status(self) -> ReplicaStatus:
         await self.start()
-        s = self.settings
+        s = self.spec
         out = ReplicaStatus(
             replica=self.name,
-            deployment=s.deployment,
+            deployment=s.name,
             address=self._address,
             # Every TP rank receives through this one server; StageWeightsRequest.rank picks the rank.
             rank_addresses=[self._address] * self._receiving_ranks,
             host_id=host_identity(),
             backend=s.backend,
             tensor_parallel=s.tensor_parallel,
-            layout=s.naming,
-            dtype=s.dtype,
+            layout=self.layout.naming,
+            dtype=self.layout.dtype,
             max_model_len=s.max_model_len,
             vocab_size=self.config.vocab_size if self.config else 0,
             paused=self._paused,

@@ -19,13 +19,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
 
 from looprl.inference.v1 import inference_pb2
 from services.inference_router import metrics
+from services.inference_router.config import RouterConfig
 from services.inference_router.handles import ReplicaFailure, ReplicaHandle
 from services.inference_router.policies import (
     DeploymentState,
@@ -44,31 +44,15 @@ from services.kit.metric_names import observe
 log = logging.getLogger("looprl.inference_router")
 
 
-@dataclass
-class RouterSettings:
-    max_attempts: int = 3
-    # Per attempt; the caller's gRPC deadline, when shorter, wins.
-    request_timeout_s: float = 120.0
-    # How long a request demanding an unavailable weight version waits for one (0: fail at once).
-    version_wait_s: float = 0.0
-    # Status when the version never arrives: "FAILED_PRECONDITION" or "UNAVAILABLE".
-    version_unavailable_code: str = "FAILED_PRECONDITION"
-    # How long a request waits for any healthy replica to come back before UNAVAILABLE.
-    unavailable_wait_s: float = 5.0
-    status_interval_s: float = 0.5
-    status_timeout_s: float = 5.0
-    min_retry_after_s: float = 0.05
-
-
 class Router:
     def __init__(
         self,
         policy: RoutingPolicy | None = None,
-        settings: RouterSettings | None = None,
+        config: RouterConfig | None = None,
         on_replica_restarted: Callable[[str, str], Awaitable[None]] | None = None,
     ) -> None:
         self.policy = policy or RoutingPolicy()
-        self.settings = settings or RouterSettings()
+        self.config = config or RouterConfig()
         self.deployments: dict[str, DeploymentState] = {}
         self.handles: dict[str, ReplicaHandle] = {}
         self.replicas: dict[str, ReplicaState] = {}
@@ -130,8 +114,8 @@ class Router:
             metrics.REJECTIONS.labels("unavailable").inc()
             raise errors.Unavailable("no deployments are registered yet", retry_after_s=1.0)
         loop = asyncio.get_running_loop()
-        version_deadline = loop.time() + self.settings.version_wait_s
-        health_deadline = loop.time() + self.settings.unavailable_wait_s
+        version_deadline = loop.time() + self.config.version_wait_s
+        health_deadline = loop.time() + self.config.unavailable_wait_s
         while True:
             changed = self._changed
             try:
@@ -147,13 +131,13 @@ class Router:
                 if not await _wait(changed, until - loop.time()):
                     metrics.REJECTIONS.labels("version").inc()
                     waited = (
-                        f" after waiting {self.settings.version_wait_s:.1f}s"
-                        if self.settings.version_wait_s
+                        f" after waiting {self.config.version_wait_s:.1f}s"
+                        if self.config.version_wait_s
                         else ""
                     )
                     kind = (
                         errors.Unavailable
-                        if self.settings.version_unavailable_code.upper() == "UNAVAILABLE"
+                        if self.config.version_unavailable_code == "UNAVAILABLE"
                         else errors.FailedPrecondition
                     )
                     raise kind(f"{exc}{waited}") from None
@@ -167,10 +151,10 @@ class Router:
         self, request: inference_pb2.GenerateRequest, timeout_s: float | None = None
     ) -> inference_pb2.GenerateResponse:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (timeout_s or self.settings.request_timeout_s)
+        deadline = loop.time() + (timeout_s or self.config.request_timeout_s)
         exclude: set[str] = set()
         last_failure = ""
-        for attempt in range(1, self.settings.max_attempts + 1):
+        for attempt in range(1, self.config.max_attempts + 1):
             decision = await self._choose(request, exclude, deadline)
             replica, dep = decision.replica, decision.deployment
             self._count_decision(decision)
@@ -178,13 +162,13 @@ class Router:
             start = time.perf_counter()
             try:
                 response = await self.handles[replica.name].generate(
-                    request, min(self.settings.request_timeout_s, max(0.01, deadline - loop.time()))
+                    request, min(self.config.request_timeout_s, max(0.01, deadline - loop.time()))
                 )
             except ReplicaFailure as exc:
                 self._replica_failed(replica, exc, request.run_id)
                 exclude.add(replica.name)
                 last_failure = str(exc)
-                if attempt < self.settings.max_attempts:
+                if attempt < self.config.max_attempts:
                     metrics.RETRIES.labels(dep.name, replica.name).inc()
                 continue
             except errors.ServiceError:
@@ -212,7 +196,7 @@ class Router:
             return response
         metrics.REJECTIONS.labels("attempts").inc()
         raise errors.Unavailable(
-            f"request failed on {self.settings.max_attempts} replicas; last error: {last_failure}",
+            f"request failed on {self.config.max_attempts} replicas; last error: {last_failure}",
             retry_after_s=self.retry_hint(),
         )
 
@@ -222,10 +206,10 @@ class Router:
         """Chunks as sampled. Failover is transparent only until the first chunk went out: after
         that a retry would duplicate tokens, so a mid-stream failure ends the call with UNAVAILABLE."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (timeout_s or self.settings.request_timeout_s)
+        deadline = loop.time() + (timeout_s or self.config.request_timeout_s)
         exclude: set[str] = set()
         last_failure = ""
-        for _attempt in range(self.settings.max_attempts):
+        for _attempt in range(self.config.max_attempts):
             decision = await self._choose(request, exclude, deadline)
             replica, dep = decision.replica, decision.deployment
             self._count_decision(decision)
@@ -235,7 +219,7 @@ class Router:
             tokens = 0
             try:
                 stream = self.handles[replica.name].generate_stream(
-                    request, min(self.settings.request_timeout_s, max(0.01, deadline - loop.time()))
+                    request, min(self.config.request_timeout_s, max(0.01, deadline - loop.time()))
                 )
                 async for chunk in stream:
                     chunk.deployment = dep.name
@@ -262,15 +246,15 @@ class Router:
             observe(metrics.LATENCY.labels(dep.name), time.perf_counter() - start)
             return
         raise errors.Unavailable(
-            f"request failed on {self.settings.max_attempts} replicas; last error: {last_failure}",
+            f"request failed on {self.config.max_attempts} replicas; last error: {last_failure}",
             retry_after_s=self.retry_hint(),
         )
 
     def retry_hint(self) -> float:
         if not self._latencies:
-            return max(self.settings.min_retry_after_s, 0.1)
+            return max(self.config.min_retry_after_s, 0.1)
         ordered = sorted(self._latencies)
-        return max(self.settings.min_retry_after_s, ordered[len(ordered) // 2])
+        return max(self.config.min_retry_after_s, ordered[len(ordered) // 2])
 
     def _count_decision(self, decision: Any) -> None:
         for reason in decision.reasons:
@@ -410,7 +394,7 @@ class Router:
         async def one(name: str) -> None:
             replica = self.replicas[name]
             try:
-                status = await self.handles[name].status(self.settings.status_timeout_s)
+                status = await self.handles[name].status(self.config.status_timeout_s)
             except (ReplicaFailure, errors.ServiceError) as exc:
                 crashed = getattr(exc, "crashed", False)
                 if crashed and replica.resync_to_version is None:
@@ -431,7 +415,7 @@ class Router:
                 await self.poll_once()
             except Exception:
                 log.exception("status poll failed")
-            await asyncio.sleep(self.settings.status_interval_s)
+            await asyncio.sleep(self.config.status_interval_s)
 
     async def close(self) -> None:
         if self._poller is not None:

@@ -26,17 +26,15 @@ async def serve(cfg: RewardConfig) -> None:
     async def setup(_: Service) -> None:
         if cfg.reward_models:
             from services.kit.ray_utils import connect_ray
-            from services.reward.reward_model import ModelPoolConfig, RewardModelPool
+            from services.reward.reward_model import RewardModelPool
 
             connect_ray(cfg.ray_address, cfg.namespace)
             for name, spec in cfg.reward_models.items():
-                pool = await RewardModelPool(ModelPoolConfig(**spec)).start()
+                pool = await RewardModelPool(spec).start()
                 pools.append(pool)
-                registry.add_verifier(
-                    name, pool.verifier(), f"reward model {spec.get('model', 'tiny')}", "model"
-                )
+                registry.add_verifier(name, pool.verifier(), f"reward model {spec.model}", "model")
         for name, parts in cfg.compositions.items():
-            registry.add_composite(name, [(str(p), float(w)) for p, w in parts])
+            registry.add_composite(name, parts)
 
     async def close_pools() -> None:
         for pool in pools:

@@ -14,15 +14,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from services.kit.autoscale import Autoscaler
+from services.reward.config import TINY, ModelPoolConfig
 from services.reward.verifiers import ScoreInput, Verifier
 
 log = logging.getLogger(__name__)
-
-TINY = "tiny"
 
 
 class SequenceClassifierScorer:
@@ -99,19 +97,6 @@ def replica_actor_class():
             return {"batches": self.batches, "batch_sizes": self.batch_sizes}
 
     return RewardModelReplica
-
-
-@dataclass
-class ModelPoolConfig:
-    model: str = TINY
-    min_replicas: int = 1
-    max_replicas: int = 2
-    max_batch: int = 16
-    max_wait_s: float = 0.01
-    target_queue_per_replica: float = 16.0
-    scale_interval_s: float = 0.2
-    scale_down_after_s: float = 10.0
-    transform: str = "sigmoid"
 
 
 class RewardModelPool:

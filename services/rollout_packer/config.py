@@ -8,52 +8,35 @@ gateway. Imports nothing heavy, so a bad setting fails before torch loads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from pydantic import Field
 
 from services.kit.config import ServiceConfig
 
 
-@dataclass
 class PackerConfig(ServiceConfig):
-    ack_wait_s: float = field(
-        default=30.0,
-        metadata={
-            "help": "JetStream ack_wait of held rollouts; held ones are kept alive with in_progress(). "
-            "After a crash, unacked rollouts are redelivered this long after their last heartbeat."
-        },
-    )
-    max_ack_pending: int = field(
-        default=65536, metadata={"help": "Most rollouts held unacked at once (queued + planned steps)."}
-    )
-    fetch_batch: int = field(default=256, metadata={"help": "Rollouts pulled per fetch from the bus."})
-    retire_grace_s: float = field(
-        default=600.0,
-        metadata={
-            "help": "After a run ends, how long to wait for the trainer's last AckSteps before dropping it."
-        },
-    )
-    keep_acked_steps: int = field(
-        default=8,
-        metadata={
-            "help": "Acked step records always kept in KV to recognise redelivered trained rollouts (older ones "
-            "stay while a redelivery is still possible)."
-        },
-    )
-    state_bucket: str = field(
-        default="packer", metadata={"help": "KV bucket holding step plans and acknowledgements."}
-    )
-    run_ids: str = field(
-        default="", metadata={"help": "Comma-separated run ids to serve with `recipe` (no gateway needed)."}
-    )
-    recipe: str = field(default="", metadata={"help": "Path to a run recipe (TOML) used for `run_ids`."})
-    watch_runs: bool = field(
-        default=True, metadata={"help": "Serve every active run recorded in the KV bucket 'runs'."}
-    )
-    attention_weight: float = field(
-        default=0.0,
-        metadata={"help": "Balance by tokens + w * tokens^2 (attention cost); 0 balances by tokens."},
-    )
-    min_group_size: int = field(
-        default=2, metadata={"help": "A straggling group with fewer samples than this is dropped."}
-    )
-    pad_token_id: int = field(default=0, metadata={"help": "Token id of padding micro-batches."})
+    ack_wait_s: float = Field(30.0, gt=0.0)
+    """JetStream ack_wait of held rollouts; held ones are kept alive with in_progress(). After a crash,
+    unacked rollouts are redelivered this long after their last heartbeat."""
+    max_ack_pending: int = Field(65536, ge=1)
+    """Most rollouts held unacked at once (queued + planned steps)."""
+    fetch_batch: int = Field(256, ge=1)
+    """Rollouts pulled per fetch from the bus."""
+    retire_grace_s: float = Field(600.0, ge=0.0)
+    """After a run ends, how long to wait for the trainer's last AckSteps before dropping it."""
+    keep_acked_steps: int = Field(8, ge=1)
+    """Acked step records always kept in KV to recognise redelivered trained rollouts (older ones stay while a
+    redelivery is still possible)."""
+    state_bucket: str = "packer"
+    """KV bucket holding step plans and acknowledgements."""
+    run_ids: str = ""
+    """Comma-separated run ids to serve with `recipe` (no gateway needed)."""
+    recipe: str = ""
+    """Path to a run recipe (TOML) used for `run_ids`."""
+    watch_runs: bool = True
+    """Serve every active run recorded in the KV bucket 'runs'."""
+    attention_weight: float = Field(0.0, ge=0.0)
+    """Balance by tokens + w * tokens^2 (attention cost); 0 balances by tokens."""
+    min_group_size: int = Field(2, ge=1)
+    """A straggling group with fewer samples than this is dropped."""
+    pad_token_id: int = Field(0, ge=0)
+    """Token id of padding micro-batches."""

@@ -131,7 +131,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.CheckpointResponse(path=path, step=step, hf_path=hf_path)
 
     async def GetConfig(self, request, context: grpc.aio.ServicerContext) -> trainer_pb2.GetConfigResponse:
-        data = {"service": dataclasses.asdict(self.app.cfg)}
+        data = {"service": self.app.cfg.model_dump()}
         if self.app.run is not None:
             data["run"] = {"run_id": self.app.run.run_id, "spec": self.app.run.spec.to_dict()}
         return trainer_pb2.GetConfigResponse(config_json=json.dumps(data, default=str))

@@ -185,7 +185,7 @@ async def test_router_replicas_on_two_ray_nodes_get_shm_on_weight_syncs_host_and
         router_env = {**env, **{f"LOOPRL_INFERENCE_ROUTER_{k}": v for k, v in {
             "HOST": h1, "GRPC_PORT": "50081", "METRICS_PORT": "50082", "RAY_ADDRESS": f"{h1}:6379",
             "NATS_URL": f"nats://{h1}:{NATS_PORT}", "WEIGHT_SYNC_ADDRESS": f"{h1}:{WS_PORT}",
-            "DEPLOYMENTS_JSON": json.dumps(deployments), "REPLICA_HOST": "node", "REPLICA_NUM_CPUS": "1",
+            "DEPLOYMENTS": json.dumps(deployments), "REPLICA_HOST": "node", "REPLICA_NUM_CPUS": "1",
             "STATUS_INTERVAL_S": "0.2", "GRACE_SECONDS": "3",
         }.items()}}  # fmt: skip
         router_log = open(tmp_path / "router.log", "w")  # noqa: SIM115

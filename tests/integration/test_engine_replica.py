@@ -14,6 +14,7 @@ from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.replica import ReplicaCore
 from services.kit.codec import TORCH_TO_PROTO, tensor_to_bytes
+from services.kit.recipe import DeploymentSpec
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
 from services.modeling.logprobs import token_logprobs
@@ -84,7 +85,7 @@ def assert_parity(model: Qwen2ForCausalLM, prompt: list[int], completion, temper
 
 
 async def test_replica_stages_commits_and_serves_over_grpc() -> None:
-    core = ReplicaCore({"name": "dep", "max_model_len": 48, "max_batch_size": 4}, replica="dep-r0")
+    core = ReplicaCore(DeploymentSpec(name="dep", max_model_len=48, max_batch_size=4), replica="dep-r0")
     address = await core.start()
     channel = grpc.aio.insecure_channel(address)
     stub = inference_pb2_grpc.InferenceEngineServiceStub(channel)
@@ -167,7 +168,7 @@ async def test_tp2_replica_actor_receives_per_rank_buckets_and_streams(ray_clien
 
     from services.inference_router.replica import InferenceReplica
 
-    spec = {"name": "tp2", "tensor_parallel": 2, "max_model_len": 48, "max_batch_size": 4}
+    spec = DeploymentSpec(name="tp2", tensor_parallel=2, max_model_len=48, max_batch_size=4)
     actor = InferenceReplica.options(num_cpus=1).remote(spec=spec, replica="tp2-r0")
     model = Qwen2ForCausalLM(CONFIG, seed=9).eval()
     try:

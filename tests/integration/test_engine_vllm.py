@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from services.inference_router.engine.base import EngineRequest, SamplingParams
-from services.inference_router.replica import ReplicaSettings
 from services.kit.errors import InvalidArgument
+from services.kit.recipe import DeploymentSpec
 from services.kit.weight_transfer.errors import ChecksumMismatch
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
@@ -58,11 +58,15 @@ def _shards(model: Qwen2ForCausalLM, tp: int) -> list[dict[str, torch.Tensor]]:
 async def _engine(tmp_path, tp: int):
     from services.inference_router.engine.vllm_engine import VLLMEngine
 
-    settings = ReplicaSettings(
-        backend="vllm", model_path=str(tmp_path), dtype="float32", max_model_len=192, tensor_parallel=tp
+    spec = DeploymentSpec(
+        backend="vllm",
+        model_path=str(tmp_path),
+        dtype="float32",
+        max_model_len=192,
+        tensor_parallel=tp,
+        gpu_memory_utilization=0.2,
     )
-    settings.gpu_memory_utilization = 0.2  # type: ignore[attr-defined]
-    return await VLLMEngine.create(CONFIG, str(tmp_path), settings)
+    return await VLLMEngine.create(CONFIG, spec)
 
 
 async def _check_matches(engine, model, version) -> None:

@@ -200,7 +200,7 @@ async def test_tp2_replica_rolls_back_on_every_rank(ray_client):
 
     from services.inference_router.replica import InferenceReplica
 
-    spec = {"name": "tp2", "tensor_parallel": 2, "max_model_len": 48, "max_batch_size": 4}
+    spec = DeploymentSpec(name="tp2", tensor_parallel=2, max_model_len=48, max_batch_size=4)
     actor = InferenceReplica.options(num_cpus=0.5).remote(spec=spec, replica="tp2-r0")
     try:
         address = await actor.address.remote()

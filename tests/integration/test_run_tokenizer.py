@@ -88,7 +88,7 @@ def test_the_environment_and_the_openai_endpoint_use_the_runs_tokenizer(hf_dir, 
         env = {
             "LOOPRL_NATS_URL": nats.url,
             "LOOPRL_ENV_ROUTER_ADDRESS": router_address,
-            "LOOPRL_ENV_WARM_WORKERS": "0",
+            "LOOPRL_ENV_SANDBOX__WARM_WORKERS": "0",
             "LOOPRL_STATE_DIR": str(tmp_path),
         }
         with service_process("services.environment_sandbox", env, 60):

@@ -300,7 +300,7 @@ def test_without_cap_sys_admin_the_pool_refuses_unless_degraded_is_chosen(tmp_pa
         stub = environment_pb2_grpc.EnvironmentSandboxServiceStub(channel)
         listed = stub.ListEnvironments(environment_pb2.ListEnvironmentsRequest(), timeout=30)
         assert "refusing to run code" in listed.sandbox.unavailable
-        assert "LOOPRL_ENV_SANDBOX_ISOLATION_LEVEL" in listed.sandbox.unavailable
+        assert "LOOPRL_ENV_SANDBOX__ISOLATION_LEVEL" in listed.sandbox.unavailable
         with pytest.raises(grpc.RpcError) as refused:
             stub.Exec(environment_pb2.ExecRequest(code="print(1)"), timeout=30)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -35,10 +35,10 @@ def ray_backend_service(ray_head):
     env = {
         "LOOPRL_ENV_CONSUME_EPISODES": "false",
         "LOOPRL_ENV_SANDBOX_BACKEND": "ray",
-        "LOOPRL_ENV_SANDBOX_MIN_ACTORS": "1",
-        "LOOPRL_ENV_SANDBOX_MAX_ACTORS": "2",
-        "LOOPRL_ENV_SANDBOX_QUEUE_PER_ACTOR": "2",
-        "LOOPRL_ENV_WARM_WORKERS": "1",
+        "LOOPRL_ENV_FLEET__MIN_ACTORS": "1",
+        "LOOPRL_ENV_FLEET__MAX_ACTORS": "2",
+        "LOOPRL_ENV_FLEET__TARGET_QUEUE_PER_ACTOR": "2",
+        "LOOPRL_ENV_SANDBOX__WARM_WORKERS": "1",
     }
     with service_process("services.environment_sandbox", env) as svc:
         yield svc.proc, svc.address, svc.metrics_url

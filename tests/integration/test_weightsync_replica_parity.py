@@ -33,6 +33,7 @@ import torch
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
+from services.kit.recipe import DeploymentSpec
 from services.modeling.config import ModelConfig
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
@@ -264,9 +265,10 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
     deployments = {"hf-tp1": 1, "fused-tp2": 2, "hf-tp1-b": 1}
     replicas = {
         name: InferenceReplica.options(num_cpus=0.25, max_restarts=0).remote(
-            spec={"name": name, "tensor_parallel": tp, "model_path": str(initial_dir), "max_model_len": 64,
-                  "max_batch_size": 4, "num_threads": 1},
+            spec=DeploymentSpec(name=name, tensor_parallel=tp, model_path=str(initial_dir), max_model_len=64,
+                                max_batch_size=4),
             replica=f"{name}-r0",
+            num_threads=1,
         )
         for name, tp in deployments.items()
     }  # fmt: skip

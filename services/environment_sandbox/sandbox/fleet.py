@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
+from services.environment_sandbox.config import FleetConfig
 from services.environment_sandbox.sandbox.job import (
     ExecJob,
     ExecResult,
@@ -36,7 +37,7 @@ def sandbox_actor_class():
     @ray.remote(num_cpus=0.25)
     class SandboxActor:
         def __init__(self, config: dict) -> None:
-            self.config = SandboxConfig(**config)
+            self.config = SandboxConfig.model_validate(config)
             self.pool = None
 
         async def execute(self, job: dict) -> dict:
@@ -56,15 +57,6 @@ def sandbox_actor_class():
     return SandboxActor
 
 
-@dataclass
-class FleetConfig:
-    min_actors: int = 1
-    max_actors: int = 4
-    target_queue_per_actor: float = 4.0
-    scale_interval_s: float = 0.2
-    scale_down_after_s: float = 10.0
-
-
 class SandboxFleet:
     def __init__(
         self,
@@ -77,7 +69,7 @@ class SandboxFleet:
         self.autoscaler = Autoscaler(
             config.min_actors, config.max_actors, config.target_queue_per_actor, config.scale_down_after_s
         )
-        self._make = make_actor or (lambda: sandbox_actor_class().remote(asdict(self.sandbox)))
+        self._make = make_actor or (lambda: sandbox_actor_class().remote(self.sandbox.model_dump()))
         self._actors: list[list[Any]] = []  # [handle, in flight]
         self._waiting = 0
         self._task: asyncio.Task | None = None

@@ -6,56 +6,16 @@ executions without importing the process machinery.
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass, field
 
-ALL_ISOLATION = ("netns", "pidns", "mountns", "ipcns", "utsns", "cgroupns", "rootfs", "cgroup", "seccomp")
-ISOLATION_LEVELS = ("full", "degraded")
+from services.environment_sandbox.config import ALL_ISOLATION, SandboxConfig
+
+__all__ = [
+    "ALL_ISOLATION",
+    "SandboxConfig",
+]  # the pool's configuration, with the rest of what an execution is
+
 MAX_FILE_KEY_CHARS = 255
-
-
-@dataclass
-class SandboxConfig:
-    """Limits and pool sizes; per-request timeout and memory may only lower the ceilings here."""
-
-    warm_workers: int = 2
-    max_concurrency: int = 8
-    timeout_s: float = 5.0
-    max_timeout_s: float = 60.0
-    memory_bytes: int = 512 * 1024 * 1024
-    max_output_bytes: int = 1024 * 1024
-    nproc: int = 32
-    fsize_bytes: int = 16 * 1024 * 1024
-    nofile: int = 64
-    uid_base: int = 600000
-    uid_count: int = 256
-    gid: int = 65534
-    python: str = sys.executable
-    root_dir: str = ""
-    isolation: tuple[str, ...] = ALL_ISOLATION
-    # "full": refuse to run unless every mechanism in `isolation` applies; "degraded": run with
-    # what the host allows (reported per execution and in status()). Only an operator sets it.
-    isolation_level: str = "full"
-    pids: int = 64  # processes and threads in one sandbox, all together (cgroup)
-    cpu_quota: float = 1.0  # CPUs one sandbox may use (cgroup CPU quota); 0: unlimited
-    workspace_bytes: int = 64 * 1024 * 1024  # size of the sandbox's private /tmp (tmpfs)
-    readonly_paths: tuple[str, ...] = ()  # host paths shown read-only besides the interpreter
-    start_timeout_s: float = 15.0
-
-    def __post_init__(self) -> None:
-        self.isolation = tuple(self.isolation)
-        self.readonly_paths = tuple(self.readonly_paths)
-        if self.isolation_level not in ISOLATION_LEVELS:
-            raise ValueError(
-                f"isolation_level: must be one of {', '.join(ISOLATION_LEVELS)}, got {self.isolation_level!r}"
-            )
-        unknown = set(self.isolation) - set(ALL_ISOLATION)
-        if unknown:
-            raise ValueError(f"isolation: unknown mechanisms {sorted(unknown)}")
-        for path in self.readonly_paths:
-            if not os.path.isabs(path):
-                raise ValueError(f"readonly_paths: {path!r} must be an absolute path")
 
 
 @dataclass

@@ -358,7 +358,7 @@ class SandboxPool:
             + "; ".join(worker.missing)
             + " (namespaces, mounts and cgroups need root with CAP_SYS_ADMIN; to run with weaker "
             "isolation an operator sets isolation_level = 'degraded', for the service "
-            "LOOPRL_ENV_SANDBOX_ISOLATION_LEVEL=degraded)"
+            "LOOPRL_ENV_SANDBOX__ISOLATION_LEVEL=degraded)"
         )
         log.error("%s", self.unavailable)
         raise SandboxUnavailable(self.unavailable)

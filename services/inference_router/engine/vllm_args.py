@@ -1,5 +1,5 @@
 """What the vLLM engine hands vLLM, apart from the engine itself: engine arguments from a replica's
-settings, the weight backend's init info, reading vLLM's per-token version spans, and recognising
+deployment spec, the weight backend's init info, reading vLLM's per-token version spans, and recognising
 a request vLLM refused as retryable. Pure Python: no vLLM import (the CPU tests check these values
 against vLLM's own serialization, tests/unit/inference/test_vllm_backend.py)."""
 
@@ -8,38 +8,40 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from services.kit.recipe import DeploymentSpec
+
 PAUSE_MODES = ("keep", "abort")
 TRANSFER_BACKEND = "looprl"
 WORKER_EXTENSION = "services.inference_router.engine.vllm_transfer.WorkerRegistration"
 STATUS_RPC = "looprl_weight_status"  # WorkerRegistration's method: each rank's verdict
 
 
-def engine_args(model_path: str, load_format: str, settings: Any) -> dict[str, Any]:
-    """AsyncEngineArgs keywords for a replica's settings (dtype and TP from its deployment spec)."""
+# vLLM's own default share of each GPU's memory, taken when a deployment asks for 0.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.85
+
+
+def engine_args(model_path: str, load_format: str, spec: DeploymentSpec) -> dict[str, Any]:
+    """AsyncEngineArgs keywords for a replica of the deployment `spec`."""
     return {
         "model": model_path,
         "skip_tokenizer_init": True,
-        "tensor_parallel_size": int(getattr(settings, "tensor_parallel", 1)),
-        "dtype": str(getattr(settings, "dtype", "bfloat16")),
-        "max_model_len": int(getattr(settings, "max_model_len", 2048)),
-        "max_num_seqs": int(getattr(settings, "max_batch_size", 256)),
-        "gpu_memory_utilization": float(getattr(settings, "gpu_memory_utilization", 0.85)),
+        "tensor_parallel_size": spec.tensor_parallel,
+        "dtype": spec.serving_dtype,
+        "max_model_len": spec.max_model_len,
+        "max_num_seqs": spec.max_batch_size,
+        "gpu_memory_utilization": spec.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         "load_format": load_format,
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": WORKER_EXTENSION,
         "weight_transfer_config": {"backend": TRANSFER_BACKEND},
         "enable_prefix_caching": True,
-        "enforce_eager": bool(getattr(settings, "enforce_eager", False)),  # no CUDA graphs: faster start
+        "enforce_eager": spec.enforce_eager,
     }
 
 
-def init_info_of(settings: Any) -> dict[str, Any]:
+def init_info_of(spec: DeploymentSpec) -> dict[str, Any]:
     """The backend's init info (LooprlInitInfo as a dict): the layout weight-sync plans for."""
-    return {
-        "tensor_parallel": int(getattr(settings, "tensor_parallel", 1)),
-        "naming": "fused",
-        "dtype": str(getattr(settings, "dtype", "bfloat16")),
-    }
+    return {"tensor_parallel": spec.tensor_parallel, "naming": "fused", "dtype": spec.serving_dtype}
 
 
 def token_versions_of(spans: Sequence[tuple[int, int, int]], count: int, fallback: int) -> list[int]:

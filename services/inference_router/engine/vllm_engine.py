@@ -71,6 +71,7 @@ from services.inference_router.engine.vllm_args import (
 )
 from services.inference_router.engine.vllm_handoff import RankHandoff, manifest_of
 from services.kit.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from services.kit.recipe import DeploymentSpec
 from services.kit.weight_transfer.errors import ChecksumMismatch, InvalidWeights
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout
@@ -132,34 +133,43 @@ class VLLMEngine(Engine):
         self.swap_seconds: dict[int, float] = {}
 
     @classmethod
-    async def create(cls, config: ModelConfig, model_path: str, settings: Any) -> VLLMEngine:
+    async def create(
+        cls,
+        config: ModelConfig,
+        spec: DeploymentSpec,
+        stop_token_ids: tuple[int, ...] = (),
+        allow_truncated_logprobs: bool = False,
+        retry_aborted: bool = True,
+    ) -> VLLMEngine:
+        """An AsyncLLM serving one replica of `spec` (its model_path, or `config` with dummy weights
+        until the first version arrives)."""
         from vllm import AsyncEngineArgs
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
         from vllm.v1.engine.async_llm import AsyncLLM
 
         tmp = None
-        load_format, version = "auto", 0
+        model_path, load_format, version = spec.model_path, "auto", 0
         if not model_path:
             # Architecture only: dummy weights until the first version arrives.
             tmp = tempfile.TemporaryDirectory(prefix="looprl-vllm-")
             (Path(tmp.name) / "config.json").write_text(json.dumps(config.to_hf_dict()))
             model_path, load_format, version = tmp.name, "dummy", -1
-        args = AsyncEngineArgs(**engine_args(model_path, load_format, settings))
+        args = AsyncEngineArgs(**engine_args(model_path, load_format, spec))
         llm = AsyncLLM.from_engine_args(args)
-        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info_of(settings)))
+        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info_of(spec)))
         if version >= 0:
             await llm.update_weight_version(str(version))
         engine = cls(
             llm,
             config,
             args.max_model_len,
-            int(getattr(settings, "max_queued_requests", 256)),
-            bool(getattr(settings, "allow_truncated_logprobs", False)),
+            spec.max_queued_requests,
+            allow_truncated_logprobs,
             version,
-            tuple(getattr(settings, "stop_token_ids", ())),
-            layout=Layout(int(getattr(settings, "tensor_parallel", 1)), "fused", args.dtype),
-            pause_mode=str(getattr(settings, "pause_mode", "keep")),
-            retry_aborted=bool(getattr(settings, "retry_aborted", True)),
+            stop_token_ids,
+            layout=Layout(spec.tensor_parallel, "fused", args.dtype),
+            pause_mode=spec.pause_mode,
+            retry_aborted=retry_aborted,
         )
         engine._tmp = tmp
         return engine

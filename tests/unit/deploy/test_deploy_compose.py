@@ -6,7 +6,6 @@ with settings the code reads. No docker needed: the file is checked as data.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib
 import importlib.util
 import re
@@ -97,7 +96,7 @@ def config_fields(module: str) -> tuple[set[str], str]:
     """(upper-case field names, env prefix) of the config the service loads."""
     cls, prefix = service_config(module)
     assert issubclass(cls, ServiceConfig), f"{cls.__name__} does not derive from ServiceConfig"
-    return {f.name.upper() for f in dataclasses.fields(cls)}, prefix
+    return {name.upper() for name in cls.model_fields}, prefix
 
 
 def test_compose_covers_every_stack_service_and_the_infrastructure():

@@ -8,7 +8,6 @@ installed (kustomize is built into it) and skipped otherwise.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import shutil
 import subprocess
@@ -337,7 +336,7 @@ def router_deployments(resources: list[dict]):
     cls, prefix = compose_checks.service_config(STACK["inference-router"])
     env = container_env(of_kind("Deployment", resources)["inference-router"], resources)
     config = load_config(cls, prefix, env)
-    return config, [(spec, replica_gpus(spec)) for spec in config.deployment_specs()]
+    return config, [(spec, replica_gpus(spec)) for spec in config.deployments]
 
 
 @pytest.mark.slow
@@ -348,7 +347,7 @@ def test_every_variable_an_overlay_sets_is_a_setting_of_that_service_and_parses(
     shared = set(of_kind("ConfigMap", resources)["looprl-env"]["data"])  # checked by the configmap test
     for name, module in STACK.items():
         cls, prefix = compose_checks.service_config(module)
-        fields = {f.name.upper() for f in dataclasses.fields(cls)}
+        fields = {name.upper() for name in cls.model_fields}
         env = container_env(of_kind("Deployment", resources)[name], resources)
         own = {k for k in env if k not in shared and k not in compose_checks.NON_CONFIG_VARS}
         unknown = [

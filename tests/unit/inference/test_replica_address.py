@@ -1,8 +1,9 @@
-"""A replica binds and reports an address other hosts reach (ReplicaSettings.host, RouterConfig.replica_host)."""
+"""A replica binds and reports an address other hosts reach (ReplicaCore's host, RouterConfig.replica_host)."""
 
 from __future__ import annotations
 
 from services.kit.hosts import host_identity, primary_address
+from services.kit.recipe import DeploymentSpec
 
 
 async def test_a_replica_told_to_bind_its_node_address_serves_and_reports_it():
@@ -11,7 +12,7 @@ async def test_a_replica_told_to_bind_its_node_address_serves_and_reports_it():
     from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
     from services.inference_router.replica import ReplicaCore
 
-    core = ReplicaCore(spec={"host": "node"}, replica="d-r0")
+    core = ReplicaCore(DeploymentSpec(name="d"), replica="d-r0", host="node")
     try:
         address = await core.start()
         assert address.rsplit(":", 1)[0] == primary_address()

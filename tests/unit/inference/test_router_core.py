@@ -12,6 +12,7 @@ import pytest
 
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
+from services.inference_router.config import RouterConfig
 from services.inference_router.handles import ReplicaFailure
 from services.inference_router.policies import (
     DeploymentState,
@@ -21,7 +22,7 @@ from services.inference_router.policies import (
     SessionAffinity,
 )
 from services.inference_router.replica_status import ReplicaStatus
-from services.inference_router.router import Router, RouterSettings
+from services.inference_router.router import Router
 from services.kit import errors
 
 
@@ -68,13 +69,18 @@ class FakeReplica:
         pass
 
 
+def _config(**settings) -> RouterConfig:
+    """The router's settings with no wait for a missing weight version unless a test asks for one."""
+    return RouterConfig(**{"version_wait_s": 0.0, **settings})
+
+
 def _router(replicas=2, settings=None, per_replica=8, hook=None):
     dep = DeploymentState(name="d", profile=LengthProfile(), max_model_len=512)
     fakes = [FakeReplica(f"d-{i}") for i in range(replicas)]
     dep.replicas = [
         ReplicaState(name=f.name, deployment="d", max_outstanding_requests=per_replica) for f in fakes
     ]
-    router = Router(RoutingPolicy(affinity=SessionAffinity()), settings or RouterSettings(), hook)
+    router = Router(RoutingPolicy(affinity=SessionAffinity()), settings or _config(), hook)
     router.add_deployment(dep, fakes)
     return router, fakes
 
@@ -113,7 +119,7 @@ async def test_a_replica_failure_is_reported_to_the_run_whose_request_met_it():
 
 
 async def test_attempts_are_bounded():
-    router, fakes = _router(settings=RouterSettings(max_attempts=2, unavailable_wait_s=0))
+    router, fakes = _router(settings=_config(max_attempts=2, unavailable_wait_s=0))
     await router.poll_once()
     for f in fakes:
         f.fail_next = 5
@@ -134,7 +140,7 @@ async def test_bad_request_is_not_retried():
 
 
 async def test_min_version_waits_for_an_update_then_serves():
-    router, fakes = _router(settings=RouterSettings(version_wait_s=5))
+    router, fakes = _router(settings=_config(version_wait_s=5))
     await router.poll_once()
 
     async def publish_later():
@@ -149,7 +155,7 @@ async def test_min_version_waits_for_an_update_then_serves():
 
 
 async def test_a_committed_version_event_releases_waiting_requests_without_a_poll():
-    router, fakes = _router(settings=RouterSettings(version_wait_s=5))
+    router, fakes = _router(settings=_config(version_wait_s=5))
     await router.poll_once()
 
     async def commit_later():
@@ -170,7 +176,7 @@ async def test_a_committed_version_event_releases_waiting_requests_without_a_pol
     "code,kind", [("FAILED_PRECONDITION", errors.FailedPrecondition), ("UNAVAILABLE", errors.Unavailable)]
 )
 async def test_min_version_fails_with_the_configured_status(code, kind):
-    router, _ = _router(settings=RouterSettings(version_wait_s=0.1, version_unavailable_code=code))
+    router, _ = _router(settings=_config(version_wait_s=0.1, version_unavailable_code=code))
     await router.poll_once()
     with pytest.raises(
         kind, match=r"min_weight_version: no replica serves weight version >= 9 \(newest available: 1\)"

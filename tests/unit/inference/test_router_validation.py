@@ -65,14 +65,26 @@ def test_config_reads_deployments_and_names_bad_fields():
         {"name": "long", "tensor_parallel": 2},
     ]
     cfg = load_config(
-        RouterConfig, "INFERENCE_ROUTER", {"LOOPRL_INFERENCE_ROUTER_DEPLOYMENTS_JSON": json.dumps(tables)}
+        RouterConfig, "INFERENCE_ROUTER", {"LOOPRL_INFERENCE_ROUTER_DEPLOYMENTS": json.dumps(tables)}
     )
-    specs = cfg.deployment_specs()
+    specs = cfg.deployments
     assert [(s.name, s.replicas, s.tensor_parallel) for s in specs] == [("short", 2, 1), ("long", 1, 2)]
-    bad = RouterConfig(deployments_json=json.dumps([{"name": "x", "replicaz": 1}]))
-    with pytest.raises(ConfigError, match=r"deployments\[0\]\.replicaz: unknown field"):
-        bad.deployment_specs()
-    with pytest.raises(ConfigError, match=r"deployments\[0\]\.replicas: expected int"):
-        RouterConfig(deployments_json=json.dumps([{"replicas": "2"}])).deployment_specs()
-    with pytest.raises(ConfigError, match="VERSION_UNAVAILABLE_CODE"):
-        RouterConfig(version_unavailable_code="NOPE")
+
+    def refusal(name: str, value: str) -> str:
+        with pytest.raises(ConfigError) as err:
+            load_config(RouterConfig, "INFERENCE_ROUTER", {f"LOOPRL_INFERENCE_ROUTER_{name}": value})
+        return str(err.value)
+
+    assert refusal("DEPLOYMENTS", json.dumps([{"name": "x", "replicaz": 1}])).startswith(
+        "LOOPRL_INFERENCE_ROUTER_DEPLOYMENTS[0].replicaz: unknown field (known: "
+    )
+    assert refusal("DEPLOYMENTS", json.dumps([{"replicas": "2"}])) == (
+        "LOOPRL_INFERENCE_ROUTER_DEPLOYMENTS[0].replicas: expected an integer, got str '2'"
+    )
+    assert refusal("DEPLOYMENTS", json.dumps([{"name": "a"}, {"name": "a"}])) == (
+        "LOOPRL_INFERENCE_ROUTER_DEPLOYMENTS[1].name: duplicate deployment name 'a'"
+    )
+    assert refusal("VERSION_UNAVAILABLE_CODE", "NOPE") == (
+        "LOOPRL_INFERENCE_ROUTER_VERSION_UNAVAILABLE_CODE: must be one of 'FAILED_PRECONDITION' or "
+        "'UNAVAILABLE', got 'NOPE'"
+    )

@@ -20,6 +20,7 @@ import torch
 
 from services.inference_router.engine.vllm_engine import VLLMEngine, init_info_of
 from services.inference_router.engine.vllm_handoff import manifest_of
+from services.kit.recipe import DeploymentSpec
 from services.kit.weight_transfer.errors import ChecksumMismatch, InvalidWeights
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
@@ -63,7 +64,7 @@ def test_every_argument_survives_vllms_own_msgpack_round_trip_with_its_types():
     handoffs = [manifest_of(3, s, {"model.embed_tokens.weight": 48 * r}) for r, s in enumerate(_states(TP2))]
     try:
         payloads = {
-            "init_info": init_info_of(SimpleNamespace(tensor_parallel=2, dtype="bfloat16")),
+            "init_info": init_info_of(DeploymentSpec(backend="vllm", tensor_parallel=2)),
             "update_info": [h.for_phase("verify") for h in handoffs],
         }
         assert any(p.get("row_start") == 48 for p in payloads["update_info"][1]["params"])
@@ -137,7 +138,7 @@ def test_each_worker_loads_its_own_rank_and_a_corrupt_version_touches_nothing():
 
     async def run():
         await llm.init_weight_transfer_engine(
-            SimpleNamespace(init_info=init_info_of(SimpleNamespace(tensor_parallel=2, dtype="bfloat16")))
+            SimpleNamespace(init_info=init_info_of(DeploymentSpec(backend="vllm", tensor_parallel=2)))
         )
         v1 = _states(TP2, seed=1)
         await engine.swap(1, v1)
@@ -176,7 +177,7 @@ def test_a_manifest_that_does_not_fit_the_worker_is_refused_before_loading():
     llm = RecordingAsyncLLM(CONFIG, TP2)
     worker = llm.workers[0]
     worker.init_transfer_engine(
-        worker.parse_init_info(init_info_of(SimpleNamespace(tensor_parallel=2, dtype="bfloat16")))
+        worker.parse_init_info(init_info_of(DeploymentSpec(backend="vllm", tensor_parallel=2)))
     )
     wrong = _states(Layout(2, "fused", "float32"))[0]
     handoff = manifest_of(1, wrong)
@@ -221,7 +222,7 @@ def test_swap_runs_vllms_sequence_in_order_and_checks_the_prefix_cache_reset(mod
 
     async def run():
         await llm.init_weight_transfer_engine(
-            SimpleNamespace(init_info=init_info_of(SimpleNamespace(tensor_parallel=2, dtype="bfloat16")))
+            SimpleNamespace(init_info=init_info_of(DeploymentSpec(backend="vllm", tensor_parallel=2)))
         )
         llm.calls.clear()
         await engine.swap(5, _states(TP2, seed=5))
@@ -265,7 +266,7 @@ def test_tokens_keep_the_version_that_sampled_them_across_a_swap_mid_request(mod
 
     async def run():
         await llm.init_weight_transfer_engine(
-            SimpleNamespace(init_info=init_info_of(SimpleNamespace(tensor_parallel=2, dtype="bfloat16")))
+            SimpleNamespace(init_info=init_info_of(DeploymentSpec(backend="vllm", tensor_parallel=2)))
         )
         request = EngineRequest([3, 4, 5], SamplingParams(temperature=1.0, max_tokens=30))
         task = asyncio.create_task(engine.generate([request]))
@@ -329,7 +330,7 @@ def test_engine_arguments_are_fields_of_vllms_engine_args():
         for node in cls.body
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
     }
-    ours = engine_args("/m", "dummy", SimpleNamespace(tensor_parallel=2, dtype="bfloat16"))
+    ours = engine_args("/m", "dummy", DeploymentSpec(backend="vllm", tensor_parallel=2))
     assert set(ours) <= fields, sorted(set(ours) - fields)
     wt_config = vllm_side.load("vllm.config.weight_transfer")
     assert wt_config.WeightTransferConfig(**ours["weight_transfer_config"]).backend == "looprl"

@@ -21,7 +21,7 @@ import torch
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
 from services.inference_router.config import RouterConfig
-from services.inference_router.deployments import DeploymentManager, _spec_dict, replica_gpus
+from services.inference_router.deployments import DeploymentManager, replica_gpus
 from services.inference_router.engine import vllm_engine
 from services.inference_router.policies import DeploymentState, LengthProfile, ReplicaState
 from services.inference_router.replica import ReplicaCore
@@ -91,15 +91,15 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
     layout = Layout(2, "fused", "bfloat16")
     llm = RecordingAsyncLLM(CONFIG, layout)
 
-    async def fake_create(cls, config, model_path, settings):
-        await llm.init_weight_transfer_engine(SimpleNamespace(init_info=vllm_engine.init_info_of(settings)))
-        return cls(llm, config, settings.max_model_len, 16, False, -1, (),
-                   layout=Layout(settings.tensor_parallel, "fused", settings.dtype))  # fmt: skip
+    async def fake_create(cls, config, spec, stop_token_ids=()):
+        await llm.init_weight_transfer_engine(SimpleNamespace(init_info=vllm_engine.init_info_of(spec)))
+        return cls(llm, config, spec.max_model_len, 16, False, -1, stop_token_ids,
+                   layout=Layout(spec.tensor_parallel, "fused", spec.serving_dtype))  # fmt: skip
 
     monkeypatch.setattr(vllm_engine.VLLMEngine, "create", classmethod(fake_create))
 
     async def run():
-        core = ReplicaCore(_spec_dict(spec), replica="long-r0")
+        core = ReplicaCore(spec, replica="long-r0")
         await core.start()
         try:
             state = random_state(CONFIG, seed=3)
