@@ -50,6 +50,7 @@ protos: setup
 # Fails when generated code is stale or anything is not lint-clean.
 check: setup lint
 	$(PY) tools/gen_protos.py --check
+	$(PY) tools/gen_config_docs.py --check
 
 # Breaking-change check of the contracts against main.
 breaking: setup

@@ -242,7 +242,16 @@ def _common_options(with_defaults: bool) -> argparse.ArgumentParser:
     return common
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _recipe_fields() -> str:
+    """The recipe schema's fields, for `looprl run --help` (imported only then: it loads pydantic)."""
+    from services.kit.recipe import Recipe
+    from services.kit.schema import help_text
+
+    return "recipe fields (TOML tables; docs/configuration.md):\n" + help_text(Recipe)
+
+
+def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
+    """`recipe_help`: list the recipe's fields under `looprl run --help`."""
     parser = argparse.ArgumentParser(
         prog="looprl",
         description="RL post-training of language models as services.",
@@ -277,7 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="directory (an existing ca.crt/ca.key there is reused)")
     p.add_argument("--host", action="append", default=[], help="extra DNS name or IP for every certificate")
     p.set_defaults(func=cmd_certs)
-    p = add_command("run", help="submit a recipe and follow the run", parents=[after, ports])
+    p = add_command(
+        "run",
+        help="submit a recipe and follow the run",
+        parents=[after, ports],
+        epilog=_recipe_fields() if recipe_help else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("recipe")
     p.add_argument("--local", action="store_true", help="bring the local stack up (and down after) if needed")
     p.add_argument("--keep-up", action="store_true", help="with --local, leave the stack running")
@@ -296,7 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    recipe_help = "run" in words and bool({"-h", "--help"} & set(words))
+    args = build_parser(recipe_help).parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:

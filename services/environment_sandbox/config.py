@@ -6,7 +6,6 @@ JSON. Imports nothing heavy."""
 from __future__ import annotations
 
 import os
-import sys
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -49,8 +48,8 @@ class SandboxConfig(Schema):
     """Uids in that range."""
     gid: int = Field(65534, ge=0)
     """Group every sandbox runs as."""
-    python: str = sys.executable
-    """Interpreter the workers run."""
+    python: str = ""
+    """Interpreter the workers run; empty: the service's own."""
     root_dir: str = ""
     """Private root of the sandboxes; empty: a temporary directory."""
     isolation: tuple[IsolationMechanism, ...] = ALL_ISOLATION  # type: ignore[assignment]
@@ -153,7 +152,7 @@ class EnvServiceConfig(ServiceConfig):
     """Interactive Reset/Step sessions kept."""
     sandbox_backend: Literal["local", "ray"] = "local"
     """local: a warm sandbox pool in this process; ray: a fleet of sandbox actors on the Ray cluster, scaled
-    between sandbox_min_actors and sandbox_max_actors by queue depth."""
+    between fleet.min_actors and fleet.max_actors by queue depth."""
     fleet: FleetConfig = FleetConfig()
     """The Ray sandbox fleet (sandbox_backend=ray)."""
     rate_limits: str = ""

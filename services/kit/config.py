@@ -68,7 +68,10 @@ class ServiceConfig(Schema):
     """PEM certificate of this service; its common name is the identity."""
     tls_key_file: str = ""
     """PEM private key of tls_cert_file."""
-    insecure_plaintext: bool = Field(default_factory=lambda: _env_flag("LOOPRL_INSECURE_PLAINTEXT"))
+    insecure_plaintext: bool = Field(
+        default_factory=lambda: _env_flag("LOOPRL_INSECURE_PLAINTEXT"),
+        json_schema_extra={"shown_default": "LOOPRL_INSECURE_PLAINTEXT, else False"},
+    )
     """Serve and call gRPC without TLS or caller checks (local development only; logged as a warning). Without
     it a service with no certificates refuses to start."""
 

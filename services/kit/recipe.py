@@ -77,6 +77,8 @@ class Section(Schema):
 
 
 class RunSection(Section):
+    """What the run is: its name, seed, length and how far sampling may run ahead of training."""
+
     name: str = "run"
     """Human-readable run name; the run id is derived from it when not given."""
     seed: int = Field(0, ge=0, le=INT64_MAX)
@@ -108,6 +110,8 @@ def _local_dir(value: str, base_dir: Path | None) -> Path:
 
 
 class ModelSection(Section):
+    """The policy: a local Hugging Face directory or a built-in preset, and its tokenizer."""
+
     path: str = ""
     """Local Hugging Face model directory; empty builds `preset` from a config."""
     preset: ModelPreset = "tiny-qwen2"
@@ -155,6 +159,8 @@ def _first_non_finite(node: Any, where: str) -> str | None:
 
 
 class EnvironmentSection(Section):
+    """Where episodes come from and how they are scored."""
+
     name: str = "digits"
     """Registered environment name (digits, guess, code, math)."""
     reward: str = ""
@@ -181,6 +187,8 @@ class EnvironmentSection(Section):
 
 
 class SamplingSection(Section):
+    """How the deployments sample completions for training."""
+
     temperature: float = Field(1.0, gt=0.0, le=100.0)
     """Sampling temperature (> 0 for RL)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -192,6 +200,8 @@ class SamplingSection(Section):
 
 
 class BatchSection(Section):
+    """What one trainer step trains on."""
+
     rollouts_per_step: Annotated[int, Field(ge=1), AtMost("max_rollouts_per_step")] = 64
     """Rollouts per trainer step (the global batch); a multiple of group_size."""
     group_size: Annotated[int, Field(ge=1), AtMost("max_group_size")] = 8
@@ -213,6 +223,8 @@ class BatchSection(Section):
 
 
 class AlgorithmSection(Section):
+    """The policy-gradient algorithm: advantages, the clipped loss and its regularisers."""
+
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     """Advantage estimator."""
     filter_equal_rewards: bool = False
@@ -236,6 +248,8 @@ class AlgorithmSection(Section):
 
 
 class OptimizerSection(Section):
+    """AdamW and its learning-rate schedule."""
+
     lr: float = Field(1e-3, gt=0.0, le=1.0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0.0, le=1e3)
@@ -253,6 +267,8 @@ class OptimizerSection(Section):
 
 
 class TrainerSection(Section):
+    """How the trainer ranks run."""
+
     world_size: Annotated[int, Field(ge=1), AtMost("max_world_size")] = 2
     """Data-parallel trainer ranks (Ray actors, FSDP2)."""
     checkpoint_every: Annotated[int, Field(ge=0), AtMost("max_steps")] = 10
@@ -263,6 +279,8 @@ class TrainerSection(Section):
 
 
 class DeploymentSpec(Section):
+    """One inference deployment ([[deployments]]): its engine, its replicas and the length profile it is tuned for."""
+
     name: str = "default"
     """Deployment name, unique in the run."""
     backend: Literal["cpu", "vllm"] = "cpu"

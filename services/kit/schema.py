@@ -9,6 +9,8 @@ Imports nothing heavy: entry points parse their config before torch or Ray load.
 
 from __future__ import annotations
 
+import re
+import textwrap
 import types
 import typing
 from dataclasses import dataclass
@@ -145,7 +147,7 @@ def type_name(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in typing.get_args(tp))
     if origin is not None:
-        args = ", ".join(type_name(a) for a in typing.get_args(tp))
+        args = ", ".join("..." if a is Ellipsis else type_name(a) for a in typing.get_args(tp))
         return f"{origin.__name__}[{args}]" if args else origin.__name__
     if tp is type(None):
         return "None"
@@ -175,7 +177,12 @@ def field_rows(model: type[BaseModel], prefix: str = "") -> list[FieldRow]:
             suffix = "[]." if typing.get_origin(tp) is list else "."
             rows.extend(field_rows(inner, path + suffix))
             continue
-        if info.default_factory is not None:
+        shown = (
+            info.json_schema_extra.get("shown_default") if isinstance(info.json_schema_extra, dict) else None
+        )
+        if shown is not None:
+            default = str(shown)  # a default read from the environment
+        elif info.default_factory is not None:
             default = repr(info.default_factory())  # type: ignore[call-arg]
         elif info.default is PydanticUndefined:
             default = "(required)"
@@ -192,3 +199,42 @@ def parse(model: type[BaseModel], data: Any, error: type[Exception], root: str, 
         return model.model_validate(data, context=context or None)
     except ValidationError as exc:
         raise error(explain(exc, model, root)) from None
+
+
+def env_variable(prefix: str, path: str) -> str:
+    """The environment variable that sets a service config's field (a nested group's field as
+    GROUP__FIELD; anything inside a list or table is part of its top field's JSON)."""
+    top = path.split("[")[0]
+    return f"LOOPRL_{prefix}_" + "__".join(part.upper() for part in top.split("."))
+
+
+def help_text(model: type[BaseModel], env_prefix: str = "") -> str:
+    """Every field of `model` with its type, default, bounds and docstring, as --help prints them;
+    with `env_prefix`, under the environment variable that sets it."""
+    lines = []
+    for row in field_rows(model):
+        name = env_variable(env_prefix, row.path) if env_prefix else row.path
+        if env_prefix and "[" in row.path:
+            name = f"{name} (JSON) {row.path}"
+        bounds = f"  ({row.bounds})" if row.bounds else ""
+        lines.append(f"  {name}: {row.type} = {row.default}{bounds}")
+        lines.extend(textwrap.wrap(row.doc, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    return "\n".join(lines)
+
+
+def markdown_table(
+    model: type[BaseModel], env_prefix: str = "", exclude: frozenset[str] = frozenset()
+) -> str:
+    """The fields of `model` (but the top-level ones in `exclude`) as a Markdown table
+    (docs/configuration.md)."""
+    head = "variable" if env_prefix else "field"
+    out = [f"| {head} | type | default | bounds | description |", "|---|---|---|---|---|"]
+    for row in field_rows(model):
+        if re.split(r"[.\[]", row.path)[0] in exclude:
+            continue
+        name = env_variable(env_prefix, row.path) if env_prefix else row.path
+        if env_prefix and "[" in row.path:
+            name = f"{name} `{row.path}`"
+        cells = [f"`{name}`", row.type, f"`{row.default}`", row.bounds, row.doc]
+        out.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(out)

@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -295,7 +296,7 @@ class SandboxPool:
         loop = asyncio.get_running_loop()
         try:
             proc = await asyncio.create_subprocess_exec(
-                cfg.python,
+                cfg.python or sys.executable,
                 "-I",
                 "-S",
                 WORKER_SCRIPT,

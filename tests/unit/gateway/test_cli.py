@@ -60,3 +60,21 @@ def test_stop_returns_within_its_deadline_when_the_gateway_does_not_answer(capsy
     assert "did not confirm within 1.5s that run run-1 stopped; `looprl runs` shows its state" in (
         capsys.readouterr().err
     )
+
+
+def test_run_help_lists_every_recipe_field_with_its_type_default_and_doc(capsys) -> None:
+    import pytest
+
+    from services.kit.recipe import Recipe
+    from services.kit.schema import field_rows
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert "  run.steps: int = 20  (>= 1, <= the cluster's max_steps)\n      Number of trainer steps" in out
+    assert all(f"  {row.path}: {row.type} = " in out for row in field_rows(Recipe))
+    # Other commands' help does not load the schema.
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--help"])
+    assert "recipe fields" not in capsys.readouterr().out
