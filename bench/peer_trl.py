@@ -53,7 +53,7 @@ from services.kit.recipe import Recipe, parse_recipe
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.tokenizer import IM_END, PAD, SPECIAL_TOKENS, CharTokenizer
 from services.trainer.optim import build_optimizer
-from services.trainer.spec import model_preset, spec_from_recipe
+from services.trainer.spec import model_preset
 
 BENCH = "peer_trl"
 ROOT = Path(__file__).resolve().parent.parent
@@ -207,7 +207,7 @@ def one_step_update_gap(recipe: Recipe) -> tuple[float, float]:
 
 def _optimizer(model: Any, recipe: Recipe) -> tuple[Any, Any]:
     """looprl's own AdamW and schedule, as the trainer builds them from the recipe."""
-    return build_optimizer(list(model.parameters()), spec_from_recipe(recipe, "peer").optimizer)
+    return build_optimizer(list(model.parameters()), recipe.optimizer, recipe.run.steps)
 
 
 def trl_trainer(recipe: Recipe, output_dir: str, callbacks: list[Any] = (), stream: int = 0) -> Any:

@@ -79,7 +79,7 @@ from services.environment_sandbox.environments.digits import DigitsEnv
 from services.inference_router.engine.base import EngineRequest, SamplingParams
 from services.inference_router.engine.cpu import CPUEngine
 from services.inference_router.engine.scheduler import SchedulerLimits
-from services.kit.recipe import sampling_seed
+from services.kit.recipe import AlgorithmSection, OptimizerSection, sampling_seed
 from services.modeling.config import ModelConfig
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
@@ -88,13 +88,11 @@ from services.rollout_packer.groups import Group
 from services.rollout_packer.sequences import Rejected, sequence_from_rollout
 from services.rollout_packer.step import PackerSettings, StepBatch, build_step, screen_group
 from services.trainer.batch import PackedMicroBatch, validate_rank_batches
-from services.trainer.loss import LossConfig
-from services.trainer.optim import OptimizerSpec, build_optimizer
+from services.trainer.optim import build_optimizer
 from services.trainer.step import StepSettings, accumulate, apply_gradients
 
 BENCH = "single_process_grpo"
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "digits_grpo.toml"
-_AGGREGATION_ALIASES = {"constant": "seq-mean-token-sum-norm"}
 
 
 @dataclass
@@ -121,7 +119,7 @@ class GRPOSettings:
     clip_high: float = 0.28
     tis_cap: float = 2.0
     kl_coef: float = 0.0
-    # Not a recipe field yet (LossConfig has it): a bonus that keeps sampling exploratory.
+    # A bonus that keeps sampling exploratory.
     entropy_coef: float = 0.0
     lr: float = 3e-3
     warmup_steps: int = 2
@@ -169,7 +167,7 @@ class GRPOSettings:
             max_tokens_per_microbatch=r.batch.max_tokens_per_microbatch,
             estimator=r.algorithm.advantage,
             filter_equal_rewards=r.algorithm.filter_equal_rewards,
-            aggregation=_AGGREGATION_ALIASES.get(r.algorithm.loss_aggregation, r.algorithm.loss_aggregation),
+            aggregation=r.algorithm.loss_aggregation,
             clip_low=r.algorithm.clip_low,
             clip_high=r.algorithm.clip_high,
             tis_cap=r.algorithm.tis_cap,
@@ -246,26 +244,26 @@ class SingleProcessGRPO:
             self.reference.requires_grad_(False).eval()
         self.optimizer, self.scheduler = build_optimizer(
             list(self.policy.parameters()),
-            OptimizerSpec(
+            OptimizerSection(
                 lr=settings.lr,
                 betas=list(settings.betas),
                 weight_decay=settings.weight_decay,
                 warmup_steps=settings.warmup_steps,
                 schedule=settings.schedule,
-                total_steps=settings.steps,
                 grad_clip=settings.grad_clip,
             ),
+            settings.steps,
         )
-        self.loss_cfg = LossConfig(
+        self.loss_cfg = AlgorithmSection(
+            advantage=settings.estimator,
+            filter_equal_rewards=settings.filter_equal_rewards,
+            loss_aggregation=settings.aggregation,
             clip_low=settings.clip_low,
             clip_high=settings.clip_high,
             tis_cap=settings.tis_cap,
             kl_coef=settings.kl_coef,
             entropy_coef=settings.entropy_coef,
-            aggregation=settings.aggregation,
-            max_tokens=settings.max_tokens,
         )
-        self.loss_cfg.validate()
         self.packer = PackerSettings(
             prompts_per_step=settings.groups_per_step,
             group_size=settings.group_size,
@@ -426,7 +424,11 @@ class SingleProcessGRPO:
         self.optimizer.zero_grad(set_to_none=True)
         # The trainer ranks' own step (services/trainer/step.py), without FSDP.
         step = accumulate(
-            self.policy, micro, StepSettings(self.loss_cfg, self.s.temperature), self.version, self.reference
+            self.policy,
+            micro,
+            StepSettings(self.loss_cfg, self.s.temperature, self.s.max_tokens),
+            self.version,
+            self.reference,
         )
         grad_norm, _, lr = apply_gradients(self.policy, self.optimizer, self.scheduler, self.s.grad_clip)
         self.version += 1
@@ -549,7 +551,7 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--clip-low", type=float)
     p.add_argument("--clip-high", type=float)
     p.add_argument("--estimator", choices=("grpo", "dr_grpo", "rloo"))
-    p.add_argument("--aggregation", choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    p.add_argument("--aggregation", choices=("token-mean", "seq-mean-token-mean", "constant"))
     p.add_argument("--filter-equal", action="store_true", dest="filter_equal_rewards", default=None)
     p.add_argument("--kl-coef", type=float)
     p.add_argument("--entropy-coef", type=float)

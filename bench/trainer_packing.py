@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import emit, median, parse_args, timed
+from services.kit.recipe import AlgorithmSection
 from services.modeling.config import ModelConfig
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM, apply_rope, rope_cos_sin
-from services.trainer.loss import LossConfig, StepNorm, policy_loss
+from services.trainer.loss import StepNorm, policy_loss
 
 BENCH = "trainer_packing"
 
@@ -65,7 +66,7 @@ def pack_first_fit(rollouts: list[dict], budget: int) -> list[list[dict]]:
     return bins
 
 
-def packed_step(model, bins: list[list[dict]], norm: StepNorm, cfg: LossConfig) -> float:
+def packed_step(model, bins: list[list[dict]], norm: StepNorm, cfg: AlgorithmSection) -> float:
     model.zero_grad(set_to_none=True)
     total = 0.0
     for seqs in bins:
@@ -102,7 +103,7 @@ def _batched_forward(model: Qwen2ForCausalLM, ids: torch.Tensor) -> torch.Tensor
     return model.lm_head(model.model.norm(x))
 
 
-def padded_step(model, batches: list[list[dict]], norm: StepNorm, cfg: LossConfig) -> float:
+def padded_step(model, batches: list[list[dict]], norm: StepNorm, cfg: AlgorithmSection) -> float:
     model.zero_grad(set_to_none=True)
     total = 0.0
     for seqs in batches:
@@ -148,7 +149,7 @@ def main() -> None:
     rollouts = make_rollouts(lengths, config.vocab_size, rng)
     real_tokens = sum(lengths)
     norm = StepNorm(int(sum(float(r["mask"].sum()) for r in rollouts)), len(rollouts))
-    cfg = LossConfig()
+    cfg = AlgorithmSection()
 
     bins = pack_first_fit(rollouts, budget)
     batches = [rollouts[i : i + batch_size] for i in range(0, n, batch_size)]

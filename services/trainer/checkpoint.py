@@ -182,7 +182,7 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
     full = worker.full_state_dict(rank0_only=True)
     if worker.rank == 0:
         spec = worker.spec
-        tokenizer = spec.tokenizer if spec is not None else "char"
+        tokenizer = spec.recipe.model.tokenizer if spec is not None else "char"
         config = worker.model.config
         with torch.device("meta"):
             model = Qwen2ForCausalLM(config, seed=None)
@@ -197,7 +197,9 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
             "weight version": worker.step,
             "parameters": f"{sum(p.numel() for p in model.parameters()):,}",
             "base model": (
-                spec.model_path if spec is not None and spec.model_path else "built from a config"
+                spec.recipe.model.path
+                if spec is not None and spec.recipe.model.path
+                else "built from a config"
             ),
             "tokenizer": tokenizer,
             "eos / pad / bos ids": f"{ids['eos_token_id']} / {ids['pad_token_id']} / {ids['bos_token_id']}",
@@ -207,7 +209,7 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
             directory,
             title=f"looprl policy {run_id or 'export'} at step {worker.step}",
             facts=facts,
-            recipe=spec.recipe if spec is not None else None,
+            recipe=spec.recipe.to_dict() if spec is not None else None,
             note="Trained with looprl (RL post-training). Load with transformers' AutoModelForCausalLM "
             "and AutoTokenizer; generation_config.json stops on the tokenizer's eos.",
         )

@@ -19,8 +19,13 @@ the step loss exactly.
 
 * ``token-mean``: sum of token losses / the step's ``global_loss_tokens``;
 * ``seq-mean-token-mean``: mean over the step's ``global_sequences`` of each sequence's mean token loss;
-* ``seq-mean-token-sum-norm`` (Dr. GRPO): sum of token losses / (``global_sequences * max_tokens``),
-  a constant normaliser that removes the length bias of per-sequence means.
+* ``constant`` (Dr. GRPO): sum of token losses / (``global_sequences * max_tokens``), a constant
+  normaliser that removes the length bias of per-sequence means.
+
+The knobs are the recipe's ``[algorithm]`` section (services/kit/recipe.py:AlgorithmSection), taken
+as is and validated there; the Dr. GRPO normaliser ``max_tokens`` is derived from the recipe
+(``sampling.max_tokens * environment.max_turns``, see TrainerSpec.loss_max_tokens) and travels in
+:class:`StepNorm`.
 
 Metrics are returned as *sums* with their counts so they can be all-reduced across micro-batches and
 ranks and divided once at the end (see :class:`LossMetrics`).
@@ -32,34 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-@dataclass
-class LossConfig:
-    """Knobs of the policy loss. Defaults are DAPO-like GRPO."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    # Cap of the importance weight of the unclipped term; <= 0 disables truncation.
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    aggregation: str = "token-mean"
-    # Dr. GRPO constant normaliser (tokens per sequence); used by seq-mean-token-sum-norm.
-    max_tokens: int = 1024
-
-    def validate(self) -> None:
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"algorithm.aggregation: {self.aggregation!r} is not one of {AGGREGATIONS}")
-        if not (0.0 <= self.clip_low < 1.0):
-            raise ValueError(f"algorithm.clip_low: must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0.0:
-            raise ValueError(f"algorithm.clip_high: must be >= 0, got {self.clip_high}")
-        if self.kl_coef < 0.0:
-            raise ValueError(f"algorithm.kl_coef: must be >= 0, got {self.kl_coef}")
-        if self.aggregation == "seq-mean-token-sum-norm" and self.max_tokens <= 0:
-            raise ValueError(f"algorithm.max_tokens: must be > 0 for Dr. GRPO, got {self.max_tokens}")
+from services.kit.recipe import AlgorithmSection
 
 
 @dataclass
@@ -68,6 +46,8 @@ class StepNorm:
 
     global_loss_tokens: int
     global_sequences: int
+    # Dr. GRPO's constant normaliser (tokens per sequence), read by the "constant" aggregation only.
+    max_tokens: int = 0
 
 
 # Metric sums carried per micro-batch; each is divided by the named count at the end of the step.
@@ -127,7 +107,7 @@ def policy_loss(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    cfg: LossConfig,
+    cfg: AlgorithmSection,
     norm: StepNorm,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
@@ -167,18 +147,22 @@ def policy_loss(
 
     seq_ids = _sequence_ids(cu_seqlens, logprobs.shape[0])
     num_seqs = cu_seqlens.numel() - 1
-    if cfg.aggregation == "token-mean":
+    aggregation = cfg.loss_aggregation
+    if aggregation == "token-mean":
         share = token_loss.sum() / max(norm.global_loss_tokens, 1)
-    else:
+    elif aggregation == "seq-mean-token-mean":
         per_seq = torch.zeros(num_seqs, dtype=token_loss.dtype, device=token_loss.device)
         per_seq = per_seq.index_add(0, seq_ids, token_loss)
-        if cfg.aggregation == "seq-mean-token-mean":
-            seq_tokens = torch.zeros(num_seqs, dtype=mask.dtype, device=mask.device).index_add(
-                0, seq_ids, mask
-            )
-            share = (per_seq / seq_tokens.clamp(min=1.0)).sum() / max(norm.global_sequences, 1)
-        else:
-            share = per_seq.sum() / (max(norm.global_sequences, 1) * cfg.max_tokens)
+        seq_tokens = torch.zeros(num_seqs, dtype=mask.dtype, device=mask.device).index_add(0, seq_ids, mask)
+        share = (per_seq / seq_tokens.clamp(min=1.0)).sum() / max(norm.global_sequences, 1)
+    elif aggregation == "constant":
+        if norm.max_tokens <= 0:
+            raise ValueError(f"StepNorm.max_tokens: Dr. GRPO needs its normaliser, got {norm.max_tokens}")
+        per_seq = torch.zeros(num_seqs, dtype=token_loss.dtype, device=token_loss.device)
+        per_seq = per_seq.index_add(0, seq_ids, token_loss)
+        share = per_seq.sum() / (max(norm.global_sequences, 1) * norm.max_tokens)
+    else:  # the recipe admits only the three above
+        raise ValueError(f"algorithm.loss_aggregation: unknown aggregation {aggregation!r}")
 
     with torch.no_grad():
         is_clipped = ((adv > 0) & (ratio > upper)) | ((adv < 0) & (ratio < lower))

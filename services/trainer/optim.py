@@ -1,42 +1,22 @@
-"""AdamW and the learning-rate schedule (linear warmup, then constant or cosine to min_lr_ratio)."""
+"""AdamW and the learning-rate schedule (linear warmup, then constant or cosine to 0), built from the
+recipe's [optimizer] section (services/kit/recipe.py:OptimizerSection, validated there) as is."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass
-class OptimizerSpec:
-    lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "constant"  # constant | cosine
-    total_steps: int = 1000
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0  # 0 disables clipping (the norm is still measured)
-
-    def validate(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optimizer.lr: must be > 0, got {self.lr}")
-        if self.schedule not in ("constant", "cosine"):
-            raise ValueError(f"optimizer.schedule: unknown schedule {self.schedule!r} (constant, cosine)")
-        if len(self.betas) != 2:
-            raise ValueError(f"optimizer.betas: must have two values, got {self.betas}")
+from services.kit.recipe import OptimizerSection
 
 
 class LrSchedule:
     """Multiplier of the base lr at a step; a picklable callable so scheduler state round-trips."""
 
-    def __init__(self, warmup_steps: int, schedule: str, total_steps: int, min_lr_ratio: float) -> None:
+    def __init__(self, warmup_steps: int, schedule: str, total_steps: int) -> None:
         self.warmup_steps = warmup_steps
         self.schedule = schedule
         self.total_steps = max(total_steps, 1)
-        self.min_lr_ratio = min_lr_ratio
 
     def __call__(self, step: int) -> float:
         if self.warmup_steps > 0 and step < self.warmup_steps:
@@ -45,20 +25,19 @@ class LrSchedule:
             return 1.0
         decay_steps = max(self.total_steps - self.warmup_steps, 1)
         progress = min(max(step - self.warmup_steps, 0) / decay_steps, 1.0)
-        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def build_optimizer(
-    params: list[torch.nn.Parameter], spec: OptimizerSpec
+    params: list[torch.nn.Parameter], opt: OptimizerSection, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    spec.validate()
+    """AdamW with `opt`'s settings and its schedule over `total_steps` (the run's steps)."""
     optimizer = torch.optim.AdamW(
         params,
-        lr=spec.lr,
-        betas=(spec.betas[0], spec.betas[1]),
-        eps=spec.eps,
-        weight_decay=spec.weight_decay,
+        lr=opt.lr,
+        betas=(opt.betas[0], opt.betas[1]),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
     )
-    schedule = LrSchedule(spec.warmup_steps, spec.schedule, spec.total_steps, spec.min_lr_ratio)
+    schedule = LrSchedule(opt.warmup_steps, opt.schedule, total_steps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

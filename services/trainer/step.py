@@ -20,17 +20,20 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from services.kit.recipe import AlgorithmSection
 from services.modeling.logprobs import rows_entropy, sampled_logprobs
 from services.trainer.batch import PackedMicroBatch
-from services.trainer.loss import LossConfig, LossMetrics, StepNorm, policy_loss
+from services.trainer.loss import LossMetrics, StepNorm, policy_loss
 
 
 @dataclass
 class StepSettings:
-    """What the step needs beyond the batches: the loss knobs and the sampling temperature."""
+    """What the step needs beyond the batches: the recipe's loss knobs, its sampling temperature and
+    Dr. GRPO's constant normaliser (TrainerSpec.loss_max_tokens; read by the "constant" aggregation)."""
 
-    loss: LossConfig
+    loss: AlgorithmSection
     temperature: float = 1.0
+    max_tokens: int = 0
 
 
 def _scatter(values: Tensor, positions: Tensor, total: int) -> Tensor:
@@ -76,7 +79,7 @@ def micro_batch_loss(
         mb.loss_mask,
         mb.cu_seqlens,
         settings.loss,
-        StepNorm(mb.global_loss_tokens, mb.global_sequences),
+        StepNorm(mb.global_loss_tokens, mb.global_sequences, settings.max_tokens),
         ref_logprobs=ref,
         entropy=_scatter(entropy, trained, total),
         versions=mb.versions,

@@ -142,15 +142,16 @@ class TrainerWorker:
 
     def setup(self, spec: TrainerSpec) -> dict[str, Any]:
         """(Re)build the policy, the optimizer and the schedule from the spec; step back to 0."""
-        spec.loss.validate()
         self.spec = spec
         self.model = self._build_model(spec)
         self.ref_model = None
-        if spec.loss.kl_coef > 0:
+        if spec.recipe.algorithm.kl_coef > 0:
             self.ref_model = self._build_model(spec)
             self.ref_model.requires_grad_(False)
             self.ref_model.eval()
-        self.optimizer, self.scheduler = build_optimizer(list(self.model.parameters()), spec.optimizer)
+        self.optimizer, self.scheduler = build_optimizer(
+            list(self.model.parameters()), spec.recipe.optimizer, spec.total_steps
+        )
         self.step = 0
         self.last_packer_step = -1
         params = sum(p.numel() for p in self.model.parameters())
@@ -159,15 +160,17 @@ class TrainerWorker:
     def _build_model(self, spec: TrainerSpec) -> Any:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if spec.model_path:
-            model = Qwen2ForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32)
+        model_section = spec.recipe.model
+        if model_section.path:
+            model = Qwen2ForCausalLM.from_pretrained(model_section.path, dtype=torch.float32)
         else:
             # Identical on every rank: the init draws from its own seeded generator.
             model = Qwen2ForCausalLM(spec.model_config(), seed=None)
-            model.init_weights(spec.seed, std=spec.init_std)
+            model.init_weights(spec.recipe.run.seed, std=model_section.init_std)
         model = model.to(self.device)
         kwargs: dict[str, Any] = {"mesh": self.mesh}
-        if self.device.type == "cuda" and spec.dtype == "bfloat16":
+        # model.dtype is the compute dtype (mixed precision on GPU); master weights stay float32.
+        if self.device.type == "cuda" and model_section.dtype == "bfloat16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         elif self.world_size == 1:
             # Nothing to shard: FSDP's hooks and DTensor dispatch would only slow every step down
@@ -255,7 +258,7 @@ class TrainerWorker:
             loss_scale=self.world_size,
         )
         grad_norm, skipped, lr = apply_gradients(
-            self.model, self.optimizer, self.scheduler, spec.optimizer.grad_clip
+            self.model, self.optimizer, self.scheduler, spec.recipe.optimizer.grad_clip
         )
         if skipped:
             log.warning("non-finite gradient norm; step %d skipped", expected)
@@ -287,7 +290,8 @@ class TrainerWorker:
         return result
 
     def _step_settings(self) -> StepSettings:
-        return StepSettings(self.spec.loss, self.spec.temperature)
+        recipe = self.spec.recipe
+        return StepSettings(recipe.algorithm, recipe.sampling.temperature, self.spec.loss_max_tokens)
 
     def pull_and_train(
         self,
@@ -365,7 +369,11 @@ class TrainerWorker:
         for mb in decoded:
             mb = mb.to(self.device)
             logits = self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
-            out.append(token_logprobs(logits, mb.input_ids, mb.cu_seqlens, self.spec.temperature).cpu())
+            out.append(
+                token_logprobs(
+                    logits, mb.input_ids, mb.cu_seqlens, self.spec.recipe.sampling.temperature
+                ).cpu()
+            )
         return out
 
     @torch.no_grad()

@@ -20,7 +20,6 @@ from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.tokenizer import CharTokenizer, load_tokenizer
 from services.modeling.tp_local import LocalTPGroup
-from services.trainer.optim import OptimizerSpec
 from services.trainer.spec import TrainerSpec
 from services.trainer.worker import TrainerWorker
 from tools.build_hf_model import build
@@ -93,14 +92,11 @@ def _train_and_export(spec: TrainerSpec, out: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kind", ["char", "bpe"])
 def test_export_loads_in_transformers_stops_at_eos_and_matches_engine_logprobs(kind, tmp_path, bpe_model):
     start, tokenizer = _start_model(kind, tmp_path, bpe_model)
-    recipe = parse_recipe(f'[run]\nname = "export-{kind}"\nsteps = 3\n[model]\ntokenizer = "{tokenizer}"\n')
-    spec = TrainerSpec(
-        model_path=str(start),
-        tokenizer=tokenizer,
-        recipe=recipe.to_dict(),
-        run_id=f"export-{kind}",
-        optimizer=OptimizerSpec(lr=1e-3, total_steps=3),
+    recipe = parse_recipe(
+        f'[run]\nname = "export-{kind}"\nsteps = 3\n[model]\npath = "{start}"\ntokenizer = "{tokenizer}"\n'
+        "[optimizer]\nlr = 1e-3\n"
     )
+    spec = TrainerSpec(recipe=recipe, run_id=f"export-{kind}")
     out = tmp_path / "export"
     trained = _train_and_export(spec, out)
 

@@ -33,12 +33,11 @@ import torch
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
-from services.kit.recipe import DeploymentSpec
+from services.kit.recipe import DeploymentSpec, ModelSection, OptimizerSection, Recipe, SamplingSection
 from services.modeling.config import ModelConfig
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.trainer.batch import PackedMicroBatch
-from services.trainer.optim import OptimizerSpec
 from services.trainer.ranks import RankGroup
 from services.trainer.spec import TrainerSpec
 from tests.support.byte_counting_proxy import ByteCountingProxy
@@ -274,9 +273,12 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
     }  # fmt: skip
     trainer = RankGroup(2, num_cpus_per_rank=0.25, ready_timeout_s=180)
     spec = TrainerSpec(
-        model_path=str(trainer_dir), temperature=1.0, push_max_bytes=48 << 10,
-        # A step large enough that version 2 scores far from version 1 (Adam's first step ~ lr*sign(g)).
-        optimizer=OptimizerSpec(lr=2e-2, eps=1e-6, grad_clip=0.0),
+        recipe=Recipe(
+            model=ModelSection(path=str(trainer_dir)), sampling=SamplingSection(temperature=1.0),
+            # A step large enough that version 2 scores far from version 1 (Adam's first step ~ lr*sign(g)).
+            optimizer=OptimizerSection(lr=2e-2, eps=1e-6, grad_clip=0.0),
+        ),
+        push_max_bytes=48 << 10,
     )  # fmt: skip
     proxies: dict[str, ByteCountingProxy] = {}
     try:

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 
+from services.kit.recipe import AlgorithmSection, OptimizerSection, Recipe, RunSection
 from services.modeling.config import ModelConfig
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.trainer.batch import PackedMicroBatch, to_proto
-from services.trainer.loss import LossConfig
-from services.trainer.optim import OptimizerSpec
 from services.trainer.spec import TrainerSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit" / "trainer"))
@@ -23,17 +22,17 @@ from trainer_reference import reference_step_loss
 MODEL = ModelConfig.tiny(hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8)
 
 
-def make_spec(**loss_overrides) -> TrainerSpec:
-    return TrainerSpec(
-        model=MODEL.to_dict(),
-        seed=3,
-        loss=LossConfig(**{"clip_low": 0.2, "clip_high": 0.28, "tis_cap": 2.0, **loss_overrides}),
+def make_spec(**algorithm_overrides) -> TrainerSpec:
+    recipe = Recipe(
+        run=RunSection(seed=3, steps=8),
+        algorithm=AlgorithmSection(
+            **{"clip_low": 0.2, "clip_high": 0.28, "tis_cap": 2.0, **algorithm_overrides}
+        ),
         # eps 1e-6: Adam's first step is ~lr*sign(g), so grads at float-noise level would make
         # reference comparisons flaky with a smaller eps.
-        optimizer=OptimizerSpec(
-            lr=1e-2, eps=1e-6, grad_clip=1.0, warmup_steps=1, schedule="cosine", total_steps=8
-        ),
+        optimizer=OptimizerSection(lr=1e-2, eps=1e-6, grad_clip=1.0, warmup_steps=1, schedule="cosine"),
     )
+    return TrainerSpec(recipe=recipe, architecture=MODEL.to_dict())
 
 
 @dataclass
@@ -118,8 +117,8 @@ class ReferenceTrainer:
 
     def __init__(self, spec: TrainerSpec) -> None:
         self.spec = spec
-        self.model = Qwen2ForCausalLM(spec.model_config(), seed=spec.seed)
-        opt = spec.optimizer
+        self.model = Qwen2ForCausalLM(spec.model_config(), seed=spec.recipe.run.seed)
+        opt = spec.recipe.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=opt.lr,
@@ -130,7 +129,7 @@ class ReferenceTrainer:
         from services.trainer.optim import LrSchedule
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, LrSchedule(opt.warmup_steps, opt.schedule, opt.total_steps, opt.min_lr_ratio)
+            self.optimizer, LrSchedule(opt.warmup_steps, opt.schedule, spec.total_steps)
         )
 
     def logprobs_alone(self, seq: Sequence) -> torch.Tensor:
@@ -139,7 +138,7 @@ class ReferenceTrainer:
         return token_logprobs(self.model(tokens, torch.arange(len(seq.tokens)), cu), tokens, cu)
 
     def loss(self, seqs: list[Sequence]) -> torch.Tensor:
-        c = self.spec.loss
+        c = self.spec.recipe.algorithm
         as_dicts = [{"mask": s.mask, "adv": s.adv, "behaviour": s.behaviour} for s in seqs]
         return reference_step_loss(
             as_dicts,
@@ -148,8 +147,8 @@ class ReferenceTrainer:
             c.tis_cap,
             c.kl_coef,
             c.entropy_coef,
-            c.aggregation,
-            c.max_tokens,
+            c.loss_aggregation,
+            self.spec.loss_max_tokens,
             logprob_fn=lambda i: self.logprobs_alone(seqs[i]),
         )
 
@@ -157,7 +156,7 @@ class ReferenceTrainer:
         self.optimizer.zero_grad()
         loss = self.loss(seqs)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.optimizer.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.recipe.optimizer.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         return float(loss.detach())

@@ -30,7 +30,7 @@ def test_dr_grpo_normaliser_counts_every_turn_of_a_multi_turn_environment() -> N
 
     text = '[environment]\nname = "guess"\nmax_turns = 4\n[sampling]\nmax_tokens = 5\n'
     spec = spec_from_recipe(parse_recipe(text + '[algorithm]\nloss_aggregation = "constant"\n'), "r")
-    assert spec.loss.max_tokens == 20
+    assert spec.loss_max_tokens == 20
 
 
 def test_max_turns_inside_the_environment_table_points_at_its_field() -> None:

@@ -147,7 +147,8 @@ def test_the_hf_math_recipe_names_the_directory_the_tool_builds(built, tmp_path,
     assert "tools/build_hf_model.py --out models/tiny-bpe-qwen2" in recipe_file.read_text()
     assert isinstance(load_tokenizer(recipe.model.tokenizer), HFTokenizer)
     spec = spec_from_recipe(recipe, "hf-math")
-    assert spec.model_path == spec.tokenizer == "models/tiny-bpe-qwen2" and spec.recipe["run"]["steps"] > 0
+    model = spec.recipe.model
+    assert model.path == model.tokenizer == "models/tiny-bpe-qwen2" and spec.recipe.run.steps > 0
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])

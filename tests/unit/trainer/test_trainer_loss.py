@@ -10,7 +10,8 @@ import pytest
 import torch
 from trainer_reference import reference_clip_fraction, reference_step_loss
 
-from services.trainer.loss import LossConfig, LossMetrics, StepNorm, policy_loss
+from services.kit.recipe import AlgorithmSection, RecipeError, parse_recipe
+from services.trainer.loss import LossMetrics, StepNorm, policy_loss
 
 
 def _make_step(seed: int, num_seqs: int = 6):
@@ -55,17 +56,21 @@ def _packed(sequences, params, lo: int, hi: int):
     }
 
 
+# The recipe's [algorithm] section as the loss takes it; Dr. GRPO's normaliser (max_tokens) goes in StepNorm.
+MAX_TOKENS = 16
 CONFIGS = [
-    LossConfig(aggregation="token-mean", kl_coef=0.0, tis_cap=2.0),
-    LossConfig(aggregation="token-mean", kl_coef=0.05, entropy_coef=0.01, tis_cap=1.5),
-    LossConfig(aggregation="seq-mean-token-mean", clip_low=0.1, clip_high=0.3, tis_cap=0.0, kl_coef=0.1),
-    LossConfig(aggregation="seq-mean-token-sum-norm", max_tokens=16, tis_cap=3.0),
+    AlgorithmSection(loss_aggregation="token-mean", kl_coef=0.0, tis_cap=2.0),
+    AlgorithmSection(loss_aggregation="token-mean", kl_coef=0.05, entropy_coef=0.01, tis_cap=1.5),
+    AlgorithmSection(
+        loss_aggregation="seq-mean-token-mean", clip_low=0.1, clip_high=0.3, tis_cap=0.0, kl_coef=0.1
+    ),
+    AlgorithmSection(loss_aggregation="constant", tis_cap=3.0),
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.aggregation}-kl{c.kl_coef}-tis{c.tis_cap}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss_aggregation}-kl{c.kl_coef}-tis{c.tis_cap}")
 @pytest.mark.parametrize("splits", [[0, 6], [0, 2, 6], [0, 1, 3, 4, 6]])
-def test_micro_batched_loss_and_grad_match_naive_reference(cfg: LossConfig, splits: list[int]) -> None:
+def test_micro_batched_loss_and_grad_match_naive_reference(cfg: AlgorithmSection, splits: list[int]) -> None:
     sequences, base = _make_step(seed=7)
     ref_params = [p.clone().requires_grad_(True) for p in base]
     ref_loss = reference_step_loss(
@@ -75,15 +80,17 @@ def test_micro_batched_loss_and_grad_match_naive_reference(cfg: LossConfig, spli
         cfg.tis_cap,
         cfg.kl_coef,
         cfg.entropy_coef,
-        cfg.aggregation,
-        cfg.max_tokens,
+        cfg.loss_aggregation,
+        MAX_TOKENS,
         logprob_fn=lambda i: ref_params[i],
     )
     ref_loss.backward()
 
     params = [p.clone().requires_grad_(True) for p in base]
     norm = StepNorm(
-        global_loss_tokens=sum(sum(s["mask"]) for s in sequences), global_sequences=len(sequences)
+        global_loss_tokens=sum(sum(s["mask"]) for s in sequences),
+        global_sequences=len(sequences),
+        max_tokens=MAX_TOKENS,
     )
     total = LossMetrics()
     for lo, hi in itertools.pairwise(splits):
@@ -137,7 +144,13 @@ def test_on_policy_ratio_is_one_and_gradient_is_advantage_weighted() -> None:
     adv = torch.tensor([0, 2.0, 2.0, 0, -1.0], dtype=torch.float64)
     cu = torch.tensor([0, 3, 5])
     share, metrics = policy_loss(
-        logp, logp.detach(), adv, mask, cu, LossConfig(), StepNorm(global_loss_tokens=3, global_sequences=2)
+        logp,
+        logp.detach(),
+        adv,
+        mask,
+        cu,
+        AlgorithmSection(),
+        StepNorm(global_loss_tokens=3, global_sequences=2),
     )
     share.backward()
     assert metrics["ratio"] == pytest.approx(3.0) and metrics["clip_fraction"] == 0
@@ -151,12 +164,13 @@ def test_stale_token_with_negative_advantage_has_bounded_gradient() -> None:
     adv = torch.tensor([0.0, -1.0], dtype=torch.float64)
     mask = torch.tensor([0.0, 1.0], dtype=torch.float64)
     share, _ = policy_loss(
-        logp, behaviour, adv, mask, torch.tensor([0, 2]), LossConfig(tis_cap=2.0), StepNorm(1, 1)
+        logp, behaviour, adv, mask, torch.tensor([0, 2]), AlgorithmSection(tis_cap=2.0), StepNorm(1, 1)
     )
     share.backward()
     assert float(logp.grad[1]) == pytest.approx(2.0)
 
 
 def test_bad_aggregation_is_named() -> None:
-    with pytest.raises(ValueError, match=r"algorithm\.aggregation"):
-        LossConfig(aggregation="mean").validate()
+    """The recipe rejects it (the loss takes the recipe's section as is)."""
+    with pytest.raises(RecipeError, match=r"algorithm\.loss_aggregation"):
+        parse_recipe('[algorithm]\nloss_aggregation = "mean"\n')

@@ -52,7 +52,7 @@ def reference_step_loss(
         return sum(s for s, _ in per_sequence) / num_loss_tokens
     if aggregation == "seq-mean-token-mean":
         return sum(s / max(n, 1) for s, n in per_sequence) / len(sequences)
-    if aggregation == "seq-mean-token-sum-norm":
+    if aggregation == "constant":
         return sum(s for s, _ in per_sequence) / (len(sequences) * max_tokens)
     raise ValueError(aggregation)
 
