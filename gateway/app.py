@@ -14,7 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.http import HttpApi
 from gateway.metrics import follow_runs
 from gateway.run_store import RunStore
-from gateway.service import GatewayServicer, RunManager
+from gateway.servicer import GatewayServicer, RunManager
 from looprl.environment.v1 import environment_pb2_grpc
 from looprl.gateway.v1 import gateway_pb2_grpc
 from looprl.inference.v1 import inference_pb2_grpc

@@ -29,7 +29,7 @@ async def serve(cfg: EnvServiceConfig) -> None:
     from services.environment_sandbox.episode_worker import EpisodeWorker, WorkerConfig
     from services.environment_sandbox.ratelimit import RateLimiter, rate_limiter_actor
     from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool, SandboxUnavailable
-    from services.environment_sandbox.service import EnvironmentSandboxServicer
+    from services.environment_sandbox.servicer import EnvironmentSandboxServicer
     from services.kit.ray_utils import connect_ray
     from services.kit.server import Service, open_channel
     from services.modeling.tokenizer import TokenizerCache

@@ -33,7 +33,7 @@ def build_router(cfg: RouterConfig):
 async def serve(cfg: RouterConfig) -> None:
     from looprl.inference.v1 import inference_pb2_grpc
     from services.inference_router.deployments import DeploymentManager
-    from services.inference_router.service import InferenceRouterServicer
+    from services.inference_router.servicer import InferenceRouterServicer
     from services.kit.ray_utils import connect_ray
     from services.kit.server import Service
 

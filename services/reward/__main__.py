@@ -15,7 +15,7 @@ async def serve(cfg: RewardConfig) -> None:
     from looprl.reward.v1 import reward_pb2_grpc
     from services.kit.server import Service, open_channel
     from services.reward.registry import default_registry
-    from services.reward.service import RewardServicer, SandboxExecutor
+    from services.reward.servicer import RewardServicer, SandboxExecutor
 
     executor = SandboxExecutor(open_channel(cfg.sandbox_address)) if cfg.sandbox_address else None
     registry = default_registry(executor, cfg.verifier_timeout_s, cfg.code_timeout_s)
