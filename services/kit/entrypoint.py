@@ -1,37 +1,59 @@
 """The thin `python -m <service>` entry point: parse typed config first (a bad setting fails in
-milliseconds, before torch or Ray are imported), then import the service and serve."""
+milliseconds, before torch or Ray are imported), then import the service and serve.
+
+Every service's __main__.py is `sys.exit(run_service("<name>"))`: what to load and run comes from
+its entry in services/kit/registry.py. `--help` lists the settings and exits before anything heavy
+is imported.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import sys
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Sequence
 
-from services.kit import tls
-from services.kit.config import ConfigError, ServiceConfig, load_config
+from services.kit.config import ConfigError, load_config
+from services.kit.config_help import settings_help
+from services.kit.registry import ServiceSpec, service
+
+HELP_FLAGS = ("-h", "--help")
 
 
-def run_service(
-    name: str,
-    config_cls: type[ServiceConfig],
-    env_prefix: str,
-    serve: str | Callable[[Any], Awaitable[None]],
-) -> int:
-    """Load config_cls from LOOPRL_<env_prefix>_* variables, then run `serve`: an async function
-    taking the config, or "module:function" to import it only after the config parsed. Returns the
-    process exit code (2 on a config error)."""
+def run_service(name: str, argv: Sequence[str] | None = None) -> int:
+    """Run registry service `name`: load its config from LOOPRL_<prefix>_* variables, run its config
+    check, then import and await its serve(config). Returns the process exit code (2 on a config
+    error or an unknown argument, 0 after --help)."""
+    spec = service(name)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(arg in HELP_FLAGS for arg in args):
+        print(settings_help(spec))
+        return 0
+    if args:
+        print(f"{name}: unexpected arguments {args}; settings are environment variables (see --help)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
-        config = load_config(config_cls, env_prefix)
-        # Before the service opens any channel: without certificates (and no explicit opt-out)
-        # the process stops here, with the variables to set.
-        tls.configure(name, config)
+        config = load(spec)
     except ConfigError as exc:
         print(f"{name}: configuration error: {exc}", file=sys.stderr)
         return 2
-    if isinstance(serve, str):
-        module, _, function = serve.partition(":")
-        serve = getattr(importlib.import_module(module), function)
-    asyncio.run(serve(config))
+    asyncio.run(spec.serve_function()(config))
     return 0
+
+
+def load(spec: ServiceSpec):
+    """The service's config from the environment, checked; ConfigError names what is wrong."""
+    from services.kit import tls  # grpc: not needed for --help
+
+    try:
+        config = load_config(spec.config_class(), spec.env_prefix)
+        if spec.check:
+            getattr(config, spec.check)()
+    except ConfigError:
+        raise
+    except ValueError as exc:  # a config's own validation (__post_init__ or its check)
+        raise ConfigError(str(exc)) from exc
+    # Before the service opens any channel: without certificates (and no explicit opt-out) the
+    # process stops here, with the variables to set.
+    tls.configure(spec.name, config)
+    return config

@@ -5,9 +5,7 @@ with settings the code reads. No docker needed: the file is checked as data.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import importlib
 import importlib.util
 import re
 from pathlib import Path
@@ -16,6 +14,7 @@ import pytest
 import yaml
 
 from gateway.stack import SERVICES
+from services.kit import registry
 from services.kit.config import ServiceConfig
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -70,27 +69,10 @@ def entrypoint_module(lines: list[str]) -> str | None:
 
 
 def service_config(module: str) -> tuple[type, str]:
-    """(config class, env prefix) from the `load_config(Cls, "PREFIX")` or
-    `run_service(name, Cls, "PREFIX", serve)` call in module/__main__.py."""
-    main = importlib.util.find_spec(f"{module}.__main__")
-    assert main is not None and main.origin, f"{module}/__main__.py does not exist"
-    tree = ast.parse(Path(main.origin).read_text())
-    imports = {
-        alias.asname or alias.name: node.module
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module
-        for alias in node.names
-    }
-    for node in ast.walk(tree):
-        name = getattr(node.func, "id", "") if isinstance(node, ast.Call) else ""
-        if name in ("load_config", "run_service"):
-            args = node.args if name == "load_config" else node.args[1:]
-            cls_name, prefix = args[0].id, args[1].value  # type: ignore[attr-defined]
-            home = imports.get(cls_name, f"{module}.__main__")
-            return getattr(importlib.import_module(home), cls_name), prefix
-    raise AssertionError(
-        f"{module}/__main__.py never calls load_config or run_service with (ConfigClass, PREFIX)"
-    )
+    """(config class, env prefix) of the registry service whose package is `module`."""
+    spec = next((s for s in registry.SERVICES if s.package == module), None)
+    assert spec is not None, f"{module} is not a service of services/kit/registry.py"
+    return spec.config_class(), spec.env_prefix
 
 
 def config_fields(module: str) -> tuple[set[str], str]:

@@ -1,0 +1,79 @@
+"""The inference-router wiring: the Router and its DeploymentManager, the servicer, the
+deployments the config names, and the weight events it follows."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from services.inference_router.config import RouterConfig
+from services.kit.config import bus_url
+
+log = logging.getLogger("looprl.inference_router")
+
+
+def build_router(cfg: RouterConfig):
+    from services.inference_router.policies import RoutingPolicy, SessionAffinity
+    from services.inference_router.router import Router, RouterSettings
+
+    settings = RouterSettings(
+        max_attempts=cfg.max_attempts,
+        request_timeout_s=cfg.request_timeout_s,
+        version_wait_s=cfg.version_wait_s,
+        version_unavailable_code=cfg.version_unavailable_code,
+        unavailable_wait_s=cfg.unavailable_wait_s,
+        status_interval_s=cfg.status_interval_s,
+    )
+    return Router(RoutingPolicy(affinity=SessionAffinity(cfg.max_sessions)), settings)
+
+
+async def serve(cfg: RouterConfig) -> None:
+    from looprl.inference.v1 import inference_pb2_grpc
+    from services.inference_router.deployments import DeploymentManager
+    from services.inference_router.servicer import InferenceRouterServicer
+    from services.kit.ray_utils import connect_ray
+    from services.kit.server import Service
+
+    router = build_router(cfg)
+    manager = DeploymentManager(router, cfg)
+    router._on_replica_restarted = manager.request_sync
+    service = Service("inference-router", cfg)
+    service.add(
+        inference_pb2_grpc.add_InferenceRouterServiceServicer_to_server,
+        InferenceRouterServicer(router, manager),
+    )
+
+    background: list[asyncio.Task] = []
+
+    async def setup(_: Service) -> None:
+        specs = cfg.deployment_specs()
+        if specs:
+            connect_ray(cfg.ray_address, cfg.namespace)
+        for spec in specs:
+            await manager.start(spec)
+            log.info("deployment %s started with %d replica(s)", spec.name, spec.replicas)
+        router.start_polling()
+
+        async def follow() -> None:
+            from services.kit.run_errors import RunErrorReporter
+
+            try:
+                bus = await manager.follow_weight_events(bus_url(cfg))
+            except Exception as exc:  # the bus is a hint; status polls still track versions
+                log.warning("not following weight events (%s); relying on status polls", exc)
+                return
+            reporter = RunErrorReporter(bus, "inference-router")
+            router.report_to_run = reporter.report
+            service.on_shutdown(reporter.close)
+
+        # In the background: serving never waits on the bus.
+        background.append(asyncio.get_running_loop().create_task(follow()))
+
+    async def shutdown() -> None:
+        for task in background:
+            task.cancel()
+        await router.close()
+        await manager.stop()
+
+    service.on_shutdown(shutdown)
+    await service.run(setup)
