@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.stack import SERVICES
 from services.kit import registry
 from services.kit.config import ServiceConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 COMPOSE_SERVICES: dict = COMPOSE["services"]
-STACK = {entry[0]: entry[1] for entry in SERVICES}
+STACK = {s.name: s.package for s in registry.SERVICES}  # name -> package
 INFRA = {"nats", "ray-head", "otel-collector", "tempo", "prometheus", "grafana"}
 CONDITIONS = {"service_healthy", "service_started", "service_completed_successfully"}
 SECRETS = {"RAY_AUTH_TOKEN", "LOOPRL_GATEWAY_TOKENS"}
@@ -182,6 +181,17 @@ def test_every_looprl_service_waits_for_a_healthy_bus_and_the_gateway_for_every_
         assert gateway_deps.get(peer, {}).get("condition") == "service_healthy", (
             f"gateway must wait for {peer}"
         )
+
+
+@pytest.mark.parametrize("name", sorted(STACK))
+def test_a_service_is_given_the_address_of_each_peer_the_registry_names_and_of_no_other(name):
+    env = COMPOSE_SERVICES[name]["environment"]
+    given = {k: v for k, v in env.items() if k.endswith("_ADDRESS") and k != "LOOPRL_RAY_ADDRESS"}
+    expected = {}
+    for peer in map(registry.service, registry.service(name).peers):
+        port = COMPOSE_SERVICES[peer.name]["environment"]["LOOPRL_GRPC_PORT"]
+        expected[f"LOOPRL_{peer.address_field.upper()}"] = f"{peer.name}:{port}"
+    assert given == expected, f"{name}: peer addresses differ from the registry's peers"
 
 
 @pytest.mark.parametrize("name", sorted(STACK))
