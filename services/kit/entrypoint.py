@@ -26,8 +26,7 @@ def run_service(name: str, argv: Sequence[str] | None = None) -> int:
     spec = service(name)
     args = list(sys.argv[1:] if argv is None else argv)
     if any(arg in HELP_FLAGS for arg in args):
-        print(settings_help(spec))
-        return 0
+        return _print_help(spec)
     if args:
         print(f"{name}: unexpected arguments {args}; settings are environment variables (see --help)",
               file=sys.stderr)  # fmt: skip
@@ -38,6 +37,16 @@ def run_service(name: str, argv: Sequence[str] | None = None) -> int:
         print(f"{name}: configuration error: {exc}", file=sys.stderr)
         return 2
     asyncio.run(spec.serve_function()(config))
+    return 0
+
+
+def _print_help(spec: ServiceSpec) -> int:
+    try:
+        print(settings_help(spec), flush=True)
+    except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     return 0
 
 
