@@ -26,9 +26,9 @@ from looprl.common.v1 import common_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import hf_params
-from services.weight_sync.synthetic import rank_requests
 from tests.support import netns_hosts
 from tests.support.multihost import PY, start_engine, wait_served, wait_serving
+from tests.support.synthetic_weights import rank_requests
 
 WS_PORT = 50071
 # ~100 MB of float32 weights: large enough that bytes, not per-call overheads, decide.

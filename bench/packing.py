@@ -13,7 +13,7 @@ import numpy as np
 from bench.common import emit, median, parse_args, timed
 from services.rollout_packer.groups import Group
 from services.rollout_packer.step import PackerSettings, build_step
-from services.rollout_packer.synthetic import lognormal_lengths, make_sequences
+from tests.support.synthetic_rollouts import lognormal_lengths, make_sequences
 
 BENCH = "packing"
 

@@ -72,13 +72,13 @@ def main() -> None:
 
     from looprl.common.v1 import common_pb2
     from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-    from services.inference_router.local_fleet import (
+    from services.kit.local import RayHead
+    from tests.support.local_fleet import (
         RouterProcess,
         load_weights,
         replica_actor,
         tiny_checkpoint,
     )
-    from services.kit.local import RayHead
 
     decisions = decision_times(20_000 if not args.quick else 5_000)
 

@@ -31,7 +31,7 @@ last-5 step mean; "format ceiling" = 0.1 length bonus + 0.9 * 1/10 chance per di
   teacher-forced model that reverses correctly (sampled reward 0.99), so the KV-cache path attends
   to the prompt like the packed forward; every packed sequence's advantage equals (r - mean)/std of
   its own group recomputed from its decoded tokens; no advantage or log-prob on prompt tokens; one
-  step raises the log-prob of above-average samples (test in tests/unit/loop/).
+  step raises the log-prob of above-average samples (test in tests/unit/bench/).
 * The collapse is an exploration failure: the policy settles on one fixed answer ("888") before
   the prompt-conditioned answer forms: entropy 4.6 -> 0 in ~75-100 steps, every sample of a group
   equal, advantages all 0, reward stuck at the ~0.19 ceiling. Seen with lr 1e-3/3e-3/1e-2, 256

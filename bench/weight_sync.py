@@ -58,8 +58,8 @@ from services.kit.weight_transfer.wire import decode_push_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, hf_params, rank_params
 from services.weight_sync.plan import PlanCache, PlannedBucket
-from services.weight_sync.synthetic import rank_requests
 from services.weight_sync.versions import VersionStore
+from tests.support.synthetic_weights import rank_requests
 
 BENCH = "weight_sync"
 SINK = "/bench.Sink/Stream"

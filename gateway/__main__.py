@@ -1,14 +1,8 @@
-"""`python -m gateway`: the gateway service process (config parsed before anything heavy)."""
+"""`python -m gateway`: the gateway service (see services/kit/registry.py; --help lists its settings)."""
 
 import sys
 
-from gateway.config import GatewayConfig
 from services.kit.entrypoint import run_service
 
-
-def main() -> int:
-    return run_service("gateway", GatewayConfig, "GATEWAY", "gateway.app:serve")
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_service("gateway"))

@@ -20,7 +20,7 @@ from google.protobuf.json_format import MessageToDict
 from gateway.auth import TokenAuth
 from gateway.metrics import http_metrics, init_routes
 from gateway.openai_api import OpenAIEndpoints, OpenAIError, json_body
-from gateway.service import RunManager, run_to_proto
+from gateway.servicer import RunManager, run_to_proto
 from looprl.inference.v1 import inference_pb2_grpc
 from services.kit.errors import InvalidArgument, ServiceError
 from services.modeling.tokenizer import TokenizerCache

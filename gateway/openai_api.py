@@ -37,7 +37,7 @@ from gateway.openai_shapes import (
     stop_strings,
 )
 from gateway.run_store import ACTIVE
-from gateway.service import RunManager
+from gateway.servicer import RunManager
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.kit.errors import FailedPrecondition, InvalidArgument, Unavailable

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.kit import nats_auth, tls
+from services.kit import nats_auth, registry, tls
 from services.kit.local import (
     RAY_GRACE_S,
     NatsServer,
@@ -35,17 +35,6 @@ from services.kit.local import (
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (name, module) in start order; the gateway last, since it is the front door.
-SERVICES: tuple[tuple[str, str], ...] = (
-    ("weight-sync", "services.weight_sync"),
-    ("inference-router", "services.inference_router"),
-    ("reward", "services.reward"),
-    ("environment-sandbox", "services.environment_sandbox"),
-    ("rollout-packer", "services.rollout_packer"),
-    ("trainer", "services.trainer"),
-    ("gateway", "gateway"),
-)
-
 # Logical CPUs the local Ray head offers: at least 8, so a default recipe's ranks and replicas fit
 # on a small machine (they are mostly idle between steps).
 RAY_HEAD_CPUS = max(8, os.cpu_count() or 2)
@@ -53,14 +42,8 @@ RAY_HEAD_CPUS = max(8, os.cpu_count() or 2)
 # Served without client certificates (users authenticate with bearer tokens).
 PUBLIC_SERVICES = frozenset({"gateway"})
 
-# Each service finds its peers through these variables.
-PEER_VARIABLES = {
-    "weight-sync": "LOOPRL_WEIGHT_SYNC_ADDRESS",
-    "inference-router": "LOOPRL_ROUTER_ADDRESS",
-    "reward": "LOOPRL_REWARD_ADDRESS",
-    "environment-sandbox": "LOOPRL_SANDBOX_ADDRESS",
-    "rollout-packer": "LOOPRL_PACKER_ADDRESS",
-}
+# Each service finds its peers through these variables: LOOPRL_<address field> of the callee.
+PEER_VARIABLES = {s.name: f"LOOPRL_{s.address_field.upper()}" for s in registry.SERVICES if s.address_field}
 
 
 @dataclass
@@ -177,13 +160,16 @@ def up(
         shutil.rmtree(state_dir / "jetstream", ignore_errors=True)
     logs = state_dir / "logs"
     logs.mkdir(exist_ok=True)
-    plan = [(name, module, ports.base + i, ports.base + 100 + i) for i, (name, module) in enumerate(SERVICES)]
+    # The registry's order: callees first, the gateway (the front door) last.
+    plan = [
+        (s.name, s.package, ports.base + i, ports.base + 100 + i) for i, s in enumerate(registry.SERVICES)
+    ]
     for name, _, grpc_port, metrics_port in plan:
         require_free(grpc_port, f"{name} gRPC")
         require_free(metrics_port, f"{name} metrics")
     require_free(ports.http, "gateway HTTP")
     started = time.monotonic()
-    nats_passwords = nats_auth.new_passwords([name for name, _ in SERVICES])
+    nats_passwords = nats_auth.new_passwords(list(registry.NAMES))
     nats = NatsServer(
         state_dir=state_dir, port=ports.nats, config=nats_auth.server_config(nats_passwords)
     ).start()
@@ -211,9 +197,9 @@ def up(
         "LOOPRL_NATS_URL": nats.url,
         "LOOPRL_RAY_ADDRESS": ray.address,
         "LOOPRL_STATE_DIR": str(state_dir),
-        "LOOPRL_GATEWAY_TOKENS": state.gateway_token,
-        "LOOPRL_GATEWAY_HTTP_PORT": str(ports.http),
-        "LOOPRL_GATEWAY_RECIPE_BASE_DIR": os.getcwd(),
+        registry.service("gateway").env_var("tokens"): state.gateway_token,
+        registry.service("gateway").env_var("http_port"): str(ports.http),
+        registry.service("gateway").env_var("recipe_base_dir"): os.getcwd(),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "PYTHONUNBUFFERED": "1",
         **(extra_env or {}),

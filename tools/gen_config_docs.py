@@ -8,23 +8,11 @@ cannot drift from the code. `--check` fails when the file differs from what the 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "configuration.md"
-
-# (service, config class, environment prefix)
-SERVICES = (
-    ("gateway", "gateway.config:GatewayConfig", "GATEWAY"),
-    ("inference-router", "services.inference_router.config:RouterConfig", "INFERENCE_ROUTER"),
-    ("environment-sandbox", "services.environment_sandbox.config:EnvServiceConfig", "ENV"),
-    ("reward", "services.reward.config:RewardConfig", "REWARD"),
-    ("rollout-packer", "services.rollout_packer.config:PackerConfig", "PACKER"),
-    ("trainer", "services.trainer.config:TrainerConfig", "TRAINER"),
-    ("weight-sync", "services.weight_sync.config:WeightSyncConfig", "WEIGHTSYNC"),
-)
 
 INTRO = """# Configuration
 
@@ -41,11 +29,6 @@ JSON). `python -m services.<name> --help` prints the same fields.
 """
 
 
-def _load(dotted: str) -> type:
-    module, _, name = dotted.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def render() -> str:
     from services.kit.recipe import Recipe
     from services.kit.schema import markdown_table
@@ -57,6 +40,7 @@ def render() -> str:
         title = f"[[{name}]]" if inner is not model else f"[{name}]"
         parts.append(f"### `{title}`\n\n{' '.join(inner.__doc__.split())}\n\n{markdown_table(inner)}\n")
     from services.kit.config import ServiceConfig
+    from services.kit.registry import SERVICES
 
     common = frozenset(ServiceConfig.model_fields)
     parts.append("## Services\n")
@@ -64,9 +48,9 @@ def render() -> str:
         "### Every service (`<PREFIX>`: the service's own, below)\n\n"
         f"{markdown_table(ServiceConfig, '<PREFIX>')}\n"
     )
-    for service, dotted, prefix in SERVICES:
-        table = markdown_table(_load(dotted), prefix, exclude=common)
-        parts.append(f"### {service} (`LOOPRL_{prefix}_*`)\n\n{table}\n")
+    for spec in sorted(SERVICES, key=lambda s: s.name):
+        table = markdown_table(spec.config_class(), spec.env_prefix, exclude=common)
+        parts.append(f"### {spec.name} (`LOOPRL_{spec.env_prefix}_*`)\n\n{table}\n")
     return "\n".join(parts)
 
 

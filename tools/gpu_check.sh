@@ -60,7 +60,7 @@ say "$("$VPY" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", t
 # ---- 2. gpu-marked tests ----------------------------------------------------------------------
 say "gpu-marked tests"
 if ! "$VPY" -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_engine_vllm.py \
-    tests/unit/weightsync/test_weightsync_gpu.py -s 2>&1 | tee "$OUT_DIR/gpu_tests.log"; then
+    tests/unit/weight_sync/test_weightsync_gpu.py -s 2>&1 | tee "$OUT_DIR/gpu_tests.log"; then
   say "FAILED: gpu-marked tests"; status=1
 fi
 

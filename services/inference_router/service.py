@@ -1,106 +1,70 @@
-"""The InferenceRouterService gRPC servicer: validates requests, hands them to the Router, and
-exposes deployments.
-
-Validation happens here, before any routing, so bad input is INVALID_ARGUMENT naming the field and
-never costs a replica a slot. Checks that depend on a deployment (vocabulary, model length, unknown
-name) use what the deployments reported about themselves.
-"""
+"""The inference-router wiring: the Router and its DeploymentManager, the servicer, the
+deployments the config names, and the weight events it follows."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import AsyncIterator
+import asyncio
+import logging
 
-import grpc
+from services.inference_router.config import RouterConfig
+from services.kit.config import bus_url
 
-from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.inference_router.deployments import DeploymentManager
-from services.inference_router.router import Router
-from services.kit.errors import InvalidArgument
-
-# Group sampling beyond this is almost certainly a mistake and would pin a replica for long.
-MAX_N = 256
+log = logging.getLogger("looprl.inference_router")
 
 
-class InferenceRouterServicer(inference_pb2_grpc.InferenceRouterServiceServicer):
-    def __init__(self, router: Router, deployments: DeploymentManager) -> None:
-        self.router = router
-        self.deployments = deployments
+def build_router(cfg: RouterConfig):
+    from services.inference_router.policies import RoutingPolicy, SessionAffinity
+    from services.inference_router.router import Router
 
-    async def Generate(
-        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> inference_pb2.GenerateResponse:
-        self.validate(request)
-        return await self.router.generate(request, _remaining(context))
-
-    async def GenerateStream(
-        self, request: inference_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
-        self.validate(request.request, prefix="request.")
-        async for chunk in self.router.generate_stream(request.request, _remaining(context)):
-            yield chunk
-
-    async def ListDeployments(
-        self, request: inference_pb2.ListDeploymentsRequest, context: grpc.aio.ServicerContext
-    ) -> inference_pb2.ListDeploymentsResponse:
-        return inference_pb2.ListDeploymentsResponse(deployments=self.deployments.describe())
-
-    async def RegisterDeployment(
-        self, request: inference_pb2.RegisterDeploymentRequest, context: grpc.aio.ServicerContext
-    ) -> inference_pb2.RegisterDeploymentResponse:
-        await self.deployments.register_external(request.deployment)
-        return inference_pb2.RegisterDeploymentResponse()
-
-    def validate(self, request: inference_pb2.GenerateRequest, prefix: str = "") -> None:
-        validate_request(request, self.router, prefix)
+    return Router(RoutingPolicy(affinity=SessionAffinity(cfg.max_sessions)), cfg)
 
 
-def validate_request(request: inference_pb2.GenerateRequest, router: Router, prefix: str = "") -> None:
-    """Raise InvalidArgument naming the first bad field (paths relative to `prefix`)."""
+async def serve(cfg: RouterConfig) -> None:
+    from looprl.inference.v1 import inference_pb2_grpc
+    from services.inference_router.deployments import DeploymentManager
+    from services.inference_router.servicer import InferenceRouterServicer
+    from services.kit.ray_utils import connect_ray
+    from services.kit.server import Service
 
-    def bad(field: str, what: str) -> InvalidArgument:
-        return InvalidArgument(f"{prefix}{field}: {what}")
+    router = build_router(cfg)
+    manager = DeploymentManager(router, cfg)
+    router._on_replica_restarted = manager.request_sync
+    service = Service("inference-router", cfg)
+    service.add(
+        inference_pb2_grpc.add_InferenceRouterServiceServicer_to_server,
+        InferenceRouterServicer(router, manager),
+    )
 
-    s = request.sampling
-    if not request.prompt_token_ids:
-        raise bad("prompt_token_ids", "must not be empty")
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise bad("sampling.temperature", f"must be >= 0 (0 is greedy), got {s.temperature}")
-    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
-        raise bad("sampling.top_p", f"must be in (0, 1] (0 reads as 1), got {s.top_p}")
-    if s.top_k < 0:
-        raise bad("sampling.top_k", f"must be >= 0 (0 disables), got {s.top_k}")
-    if s.max_tokens <= 0:
-        raise bad("sampling.max_tokens", f"must be > 0, got {s.max_tokens}")
-    if s.n < 0 or s.n > MAX_N:
-        raise bad("sampling.n", f"must be in [0, {MAX_N}] (0 reads as 1), got {s.n}")
-    if request.min_weight_version < 0:
-        raise bad("min_weight_version", f"must be >= 0, got {request.min_weight_version}")
-    if request.expected_output_tokens < 0:
-        raise bad("expected_output_tokens", f"must be >= 0, got {request.expected_output_tokens}")
-    if request.deployment and request.deployment not in router.deployments:
-        known = ", ".join(sorted(router.deployments)) or "none"
-        raise bad("deployment", f"unknown deployment {request.deployment!r} (known: {known})")
-    vocab = _vocab_size(router, request.deployment)
-    for field, ids in (
-        ("prompt_token_ids", request.prompt_token_ids),
-        ("sampling.stop_token_ids", s.stop_token_ids),
-    ):
-        for i, token in enumerate(ids):
-            if token < 0 or (vocab and token >= vocab):
-                limit = f"[0, {vocab})" if vocab else "non-negative ids"
-                raise bad(f"{field}[{i}]", f"token id {token} is outside the vocabulary {limit}")
-    # prompt + max_tokens against the model length is checked by routing (it knows which deployments
-    # could hold the request) and reported as sampling.max_tokens.
+    background: list[asyncio.Task] = []
 
+    async def setup(_: Service) -> None:
+        if cfg.deployments:
+            connect_ray(cfg.ray_address, cfg.namespace)
+        for spec in cfg.deployments:
+            await manager.start(spec)
+            log.info("deployment %s started with %d replica(s)", spec.name, spec.replicas)
+        router.start_polling()
 
-def _vocab_size(router: Router, deployment: str) -> int:
-    """The vocabulary every candidate deployment accepts (0 when none reported one)."""
-    deps = [router.deployments[deployment]] if deployment else router.deployment_list()
-    sizes = [d.vocab_size for d in deps if d.vocab_size > 0]
-    return min(sizes) if sizes else 0
+        async def follow() -> None:
+            from services.kit.run_errors import RunErrorReporter
 
+            try:
+                bus = await manager.follow_weight_events(bus_url(cfg))
+            except Exception as exc:  # the bus is a hint; status polls still track versions
+                log.warning("not following weight events (%s); relying on status polls", exc)
+                return
+            reporter = RunErrorReporter(bus, "inference-router")
+            router.report_to_run = reporter.report
+            service.on_shutdown(reporter.close)
 
-def _remaining(context: grpc.aio.ServicerContext) -> float | None:
-    remaining = context.time_remaining()
-    return remaining if remaining is not None and remaining < 1e6 else None
+        # In the background: serving never waits on the bus.
+        background.append(asyncio.get_running_loop().create_task(follow()))
+
+    async def shutdown() -> None:
+        for task in background:
+            task.cancel()
+        await router.close()
+        await manager.stop()
+
+    service.on_shutdown(shutdown)
+    await service.run(setup)

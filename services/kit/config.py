@@ -19,7 +19,7 @@ from typing import Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_validator
 
-from services.kit.schema import Schema, error_path, explain, field_rows
+from services.kit.schema import Schema, error_path, explain
 
 T = TypeVar("T", bound="ServiceConfig")
 
@@ -169,8 +169,3 @@ def load_config(cls: type[T], service: str, environ: typing.Mapping[str, str] | 
             var, rest = f"{var}__{nested.group(1).upper()}", nested.group(2)
         message = explain(exc, cls).partition(": ")[2]
         raise ConfigError(f"{var}{rest}: {message}") from None
-
-
-def describe(cls: type[ServiceConfig]) -> list[tuple[str, str, str]]:
-    """(field, default, help) rows, for --help output and docs."""
-    return [(row.path, row.default, row.doc) for row in field_rows(cls)]

@@ -167,14 +167,14 @@ def _bounds(metadata: list[Any]) -> str:
 
 
 def field_rows(model: type[BaseModel], prefix: str = "") -> list[FieldRow]:
-    """Every field of `model`, nested models expanded ("deployments[].name")."""
+    """Every field of `model`, nested models expanded ("deployments[].name", "reward_models.<key>.model")."""
     rows = []
     for name, info in model.model_fields.items():
         path = f"{prefix}{name}"
         tp = info.annotation
         inner = _inner_model(tp)
         if isinstance(inner, type) and issubclass(inner, BaseModel):
-            suffix = "[]." if typing.get_origin(tp) is list else "."
+            suffix = {list: "[].", dict: ".<key>."}.get(typing.get_origin(tp), ".")
             rows.extend(field_rows(inner, path + suffix))
             continue
         shown = (
@@ -204,7 +204,7 @@ def parse(model: type[BaseModel], data: Any, error: type[Exception], root: str, 
 def env_variable(prefix: str, path: str) -> str:
     """The environment variable that sets a service config's field (a nested group's field as
     GROUP__FIELD; anything inside a list or table is part of its top field's JSON)."""
-    top = path.split("[")[0]
+    top = re.split(r"\[|\.<", path)[0]
     return f"LOOPRL_{prefix}_" + "__".join(part.upper() for part in top.split("."))
 
 
@@ -214,7 +214,7 @@ def help_text(model: type[BaseModel], env_prefix: str = "") -> str:
     lines = []
     for row in field_rows(model):
         name = env_variable(env_prefix, row.path) if env_prefix else row.path
-        if env_prefix and "[" in row.path:
+        if env_prefix and ("[" in row.path or "<" in row.path):
             name = f"{name} (JSON) {row.path}"
         bounds = f"  ({row.bounds})" if row.bounds else ""
         lines.append(f"  {name}: {row.type} = {row.default}{bounds}")
@@ -233,7 +233,7 @@ def markdown_table(
         if re.split(r"[.\[]", row.path)[0] in exclude:
             continue
         name = env_variable(env_prefix, row.path) if env_prefix else row.path
-        if env_prefix and "[" in row.path:
+        if env_prefix and ("[" in row.path or "<" in row.path):
             name = f"{name} `{row.path}`"
         cells = [f"`{name}`", row.type, f"`{row.default}`", row.bounds, row.doc]
         out.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")

@@ -1,52 +1,8 @@
-"""`python -m services.reward`: the reward service process (config parsed before heavy imports)."""
+"""`python -m services.reward`: the reward service (see services/kit/registry.py; --help lists its settings)."""
 
-from __future__ import annotations
-
-import logging
 import sys
 
 from services.kit.entrypoint import run_service
-from services.reward.config import RewardConfig
-
-log = logging.getLogger("looprl.reward")
-
-
-async def serve(cfg: RewardConfig) -> None:
-    from looprl.reward.v1 import reward_pb2_grpc
-    from services.kit.server import Service, open_channel
-    from services.reward.registry import default_registry
-    from services.reward.service import RewardServicer, SandboxExecutor
-
-    executor = SandboxExecutor(open_channel(cfg.sandbox_address)) if cfg.sandbox_address else None
-    registry = default_registry(executor, cfg.verifier_timeout_s, cfg.code_timeout_s)
-    service = Service("reward", cfg)
-    service.add(reward_pb2_grpc.add_RewardServiceServicer_to_server, RewardServicer(registry))
-    pools = []
-
-    async def setup(_: Service) -> None:
-        if cfg.reward_models:
-            from services.kit.ray_utils import connect_ray
-            from services.reward.reward_model import RewardModelPool
-
-            connect_ray(cfg.ray_address, cfg.namespace)
-            for name, spec in cfg.reward_models.items():
-                pool = await RewardModelPool(spec).start()
-                pools.append(pool)
-                registry.add_verifier(name, pool.verifier(), f"reward model {spec.model}", "model")
-        for name, parts in cfg.compositions.items():
-            registry.add_composite(name, parts)
-
-    async def close_pools() -> None:
-        for pool in pools:
-            await pool.close()
-
-    service.on_shutdown(close_pools)
-    await service.run(setup)
-
-
-def main() -> int:
-    return run_service("reward", RewardConfig, "REWARD", serve)
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_service("reward"))

@@ -1,103 +1,43 @@
-"""RewardService over gRPC: Score and ScoreBatch (by reward name) and ListRewards."""
+"""The reward wiring: the verifier registry (with the sandbox for code rewards), reward-model
+pools and compositions from the config, and the servicer."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import math
-import time
-from typing import Any
+import logging
 
-from looprl.reward.v1 import reward_pb2, reward_pb2_grpc
-from services.kit.errors import InvalidArgument, NotFound
-from services.kit.metric_names import observe
-from services.reward import metrics
-from services.reward.registry import RewardRegistry, UnknownReward
-from services.reward.verifiers import ScoreInput
+from services.reward.config import RewardConfig
 
-MAX_COMPLETION_CHARS = 1 << 20
-MAX_BATCH = 1024
+log = logging.getLogger("looprl.reward")
 
 
-class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
-    def __init__(self, registry: RewardRegistry) -> None:
-        self.registry = registry
-        metrics.init_rewards(s.name for s in registry.specs())
+async def serve(cfg: RewardConfig) -> None:
+    from looprl.reward.v1 import reward_pb2_grpc
+    from services.kit.server import Service, open_channel
+    from services.reward.registry import default_registry
+    from services.reward.servicer import RewardServicer, SandboxExecutor
 
-    async def Score(self, request: reward_pb2.ScoreRequest, context: Any) -> reward_pb2.ScoreResponse:
-        return await self._score(*self._validated(request))
+    executor = SandboxExecutor(open_channel(cfg.sandbox_address)) if cfg.sandbox_address else None
+    registry = default_registry(executor, cfg.verifier_timeout_s, cfg.code_timeout_s)
+    service = Service("reward", cfg)
+    service.add(reward_pb2_grpc.add_RewardServiceServicer_to_server, RewardServicer(registry))
+    pools = []
 
-    async def ScoreBatch(
-        self, request: reward_pb2.ScoreBatchRequest, context: Any
-    ) -> reward_pb2.ScoreBatchResponse:
-        if len(request.requests) > MAX_BATCH:
-            raise InvalidArgument(f"requests: {len(request.requests)} requests, at most {MAX_BATCH} per call")
-        # All validated before any is scored: a bad request fails the call without side effects.
-        inputs = [self._validated(r, f"requests[{i}].") for i, r in enumerate(request.requests)]
-        responses = await asyncio.gather(*(self._score(name, item) for name, item in inputs))
-        return reward_pb2.ScoreBatchResponse(responses=responses)
+    async def setup(_: Service) -> None:
+        if cfg.reward_models:
+            from services.kit.ray_utils import connect_ray
+            from services.reward.reward_model import RewardModelPool
 
-    def _validated(self, request: reward_pb2.ScoreRequest, where: str = "") -> tuple[str, ScoreInput]:
-        if not request.reward:
-            raise InvalidArgument(f"{where}reward: required (name of a registered reward)")
-        try:
-            self.registry.get(request.reward)
-        except UnknownReward as exc:
-            raise NotFound(f"{where}{exc.args[0]}") from None
-        try:
-            task = json.loads(request.task_json) if request.task_json else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidArgument(f"{where}task_json: not valid JSON: {exc}") from None
-        if not isinstance(task, dict):
-            raise InvalidArgument(f"{where}task_json: must be a JSON object")
-        if len(request.completion) > MAX_COMPLETION_CHARS:
-            raise InvalidArgument(f"{where}completion: longer than {MAX_COMPLETION_CHARS} characters")
-        env_reward = request.environment_reward if request.HasField("environment_reward") else None
-        if env_reward is not None and not math.isfinite(env_reward):
-            raise InvalidArgument(f"{where}environment_reward: must be finite")
-        return request.reward, ScoreInput(
-            task, request.completion, request.transcript, env_reward, request.rollout_id
-        )
+            connect_ray(cfg.ray_address, cfg.namespace)
+            for name, spec in cfg.reward_models.items():
+                pool = await RewardModelPool(spec).start()
+                pools.append(pool)
+                registry.add_verifier(name, pool.verifier(), f"reward model {spec.model}", "model")
+        for name, parts in cfg.compositions.items():
+            registry.add_composite(name, parts)
 
-    async def _score(self, reward: str, item: ScoreInput) -> reward_pb2.ScoreResponse:
-        started = time.perf_counter()
-        outcome = await self.registry.score(reward, item)
-        observe(metrics.SECONDS.labels(reward), time.perf_counter() - started)
-        metrics.SCORES.labels(reward).observe(outcome.score)
-        return reward_pb2.ScoreResponse(
-            score=outcome.score,
-            ok=outcome.ok,
-            components=[
-                reward_pb2.ComponentScore(
-                    name=c.name, score=c.score, weight=c.weight, ok=c.ok, reason=c.reason
-                )
-                for c in outcome.components
-            ],
-        )
+    async def close_pools() -> None:
+        for pool in pools:
+            await pool.close()
 
-    async def ListRewards(
-        self, request: reward_pb2.ListRewardsRequest, context: Any
-    ) -> reward_pb2.ListRewardsResponse:
-        return reward_pb2.ListRewardsResponse(
-            rewards=[
-                reward_pb2.RewardInfo(name=s.name, kind=s.kind, description=s.description)
-                for s in self.registry.specs()
-            ]
-        )
-
-
-class SandboxExecutor:
-    """Code-test executor over EnvironmentSandboxService.Exec."""
-
-    def __init__(self, channel: Any) -> None:
-        from looprl.environment.v1 import environment_pb2_grpc
-
-        self.stub = environment_pb2_grpc.EnvironmentSandboxServiceStub(channel)
-
-    async def __call__(self, code: str, timeout_s: float = 0.0, stdin: str = "") -> Any:
-        from looprl.environment.v1 import environment_pb2
-
-        request = environment_pb2.ExecRequest(
-            language="python", code=code, stdin=stdin, timeout_seconds=timeout_s
-        )
-        return await self.stub.Exec(request, timeout=timeout_s + 30)
+    service.on_shutdown(close_pools)
+    await service.run(setup)

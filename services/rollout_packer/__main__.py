@@ -1,14 +1,8 @@
-"""`python -m services.rollout_packer`: the rollout-packer service process (config parsed before anything heavy)."""
+"""`python -m services.rollout_packer`: the rollout-packer service (see services/kit/registry.py; --help lists its settings)."""
 
 import sys
 
 from services.kit.entrypoint import run_service
-from services.rollout_packer.config import PackerConfig
-
-
-def main() -> int:
-    return run_service("rollout-packer", PackerConfig, "PACKER", "services.rollout_packer.service:serve")
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_service("rollout-packer"))

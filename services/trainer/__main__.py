@@ -1,14 +1,8 @@
-"""`python -m services.trainer`: the trainer service process (config parsed before anything heavy)."""
+"""`python -m services.trainer`: the trainer service (see services/kit/registry.py; --help lists its settings)."""
 
 import sys
 
 from services.kit.entrypoint import run_service
-from services.trainer.config import TrainerConfig
-
-
-def main() -> int:
-    return run_service("trainer", TrainerConfig, "TRAINER", "services.trainer.service:serve")
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_service("trainer"))

@@ -1,14 +1,8 @@
-"""`python -m services.weight_sync`: the weight-sync service process (config parsed before anything heavy)."""
+"""`python -m services.weight_sync`: the weight-sync service (see services/kit/registry.py; --help lists its settings)."""
 
 import sys
 
 from services.kit.entrypoint import run_service
-from services.weight_sync.config import WeightSyncConfig
-
-
-def main() -> int:
-    return run_service("weight-sync", WeightSyncConfig, "WEIGHTSYNC", "services.weight_sync.service:serve")
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_service("weight-sync"))

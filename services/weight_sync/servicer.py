@@ -28,7 +28,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
     def __init__(self, store: VersionStore, deliverer: Deliverer, state=None) -> None:
         self.store = store
         self.deliverer = deliverer
-        self.state = state  # optional KV persistence (service.StateStore)
+        self.state = state  # optional KV persistence (state.StateStore)
         self._completing = asyncio.Lock()
 
     async def PushShards(self, request_iterator, context):

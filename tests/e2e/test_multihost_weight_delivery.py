@@ -22,9 +22,9 @@ from services.kit import subjects
 from services.kit.local import _bin
 from services.modeling.config import ModelConfig
 from services.modeling.qwen2 import Qwen2ForCausalLM
-from services.weight_sync.synthetic import rank_requests
 from tests.support import netns_hosts
 from tests.support.multihost import PY, start_engine, wait_listening, wait_served, wait_serving
+from tests.support.synthetic_weights import rank_requests
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -26,12 +26,12 @@ from services.environment_sandbox.agent_loop import (
 from services.environment_sandbox.environments import EnvContext, generate_tasks
 from services.environment_sandbox.episode_worker import EpisodeWorker, WorkerConfig
 from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool
-from services.inference_router.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
 from services.kit import subjects
 from services.kit.bus import Bus
 from services.kit.local import NatsServer, free_port
 from services.kit.server import open_channel
 from services.modeling.tokenizer import CharTokenizer
+from tests.support.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
 
 pytestmark = [
     pytest.mark.slow,

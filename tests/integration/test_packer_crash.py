@@ -21,7 +21,7 @@ from services.kit import subjects
 from services.kit.bus import Bus
 from services.kit.local import free_port, stop_process_group
 from services.kit.recipe import RunRecord
-from services.rollout_packer.synthetic import make_rollout
+from tests.support.synthetic_rollouts import make_rollout
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2

@@ -16,10 +16,10 @@ from services.kit.bus import Bus
 from services.kit.local import free_port
 from services.kit.server import Service
 from services.rollout_packer.config import PackerConfig
-from services.rollout_packer.service import PackerApp
+from services.rollout_packer.runs import PackerApp
 from services.rollout_packer.servicer import RolloutPackerServicer
 from services.rollout_packer.step import PackerSettings
-from services.rollout_packer.synthetic import make_rollout
+from tests.support.synthetic_rollouts import make_rollout
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from services.modeling.config import ModelConfig
 from services.weight_sync import canary
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import attach_state, make
-from services.weight_sync.synthetic import push_version, random_state
+from tests.support.synthetic_weights import push_version, random_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -15,7 +15,7 @@ import pytest
 
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.inference_router.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
+from tests.support.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

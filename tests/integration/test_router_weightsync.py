@@ -14,7 +14,7 @@ import pytest
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
-from services.inference_router.local_fleet import RouterProcess, replica_actor, tiny_checkpoint
+from tests.support.local_fleet import RouterProcess, replica_actor, tiny_checkpoint
 from tests.support.weight_sync_process import weight_sync_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -27,7 +27,7 @@ def weight_sync(tmp_path_factory):
 
 
 def _push(stub, state, config, version):
-    from services.weight_sync.synthetic import rank_requests
+    from tests.support.synthetic_weights import rank_requests
 
     config_json = json.dumps(config.to_hf_dict())
     for rank in range(2):

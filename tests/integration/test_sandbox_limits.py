@@ -242,7 +242,7 @@ async def main():
         out["full"] = str(exc)
     # The service answers FAILED_PRECONDITION, and says why in its status.
     from looprl.environment.v1 import environment_pb2 as pb
-    from services.environment_sandbox.service import EnvironmentSandboxServicer
+    from services.environment_sandbox.servicer import EnvironmentSandboxServicer
     from services.kit.errors import FailedPrecondition
 
     servicer = EnvironmentSandboxServicer(refused, None)

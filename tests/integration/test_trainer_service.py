@@ -22,11 +22,12 @@ from services.kit.local import free_port
 from services.kit.recipe import parse_recipe
 from services.kit.server import Service
 from services.rollout_packer.config import PackerConfig
-from services.rollout_packer.service import PackerApp
+from services.rollout_packer.runs import PackerApp
 from services.rollout_packer.servicer import RolloutPackerServicer
 from services.trainer.checkpoint import list_checkpoints
 from services.trainer.config import TrainerConfig
-from services.trainer.service import TrainerApp, TrainerServicer
+from services.trainer.runs import TrainerApp
+from services.trainer.servicer import TrainerServicer
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from services.modeling.layouts import Layout, rank_params
 from services.weight_sync import canary
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import make
-from services.weight_sync.synthetic import push_version, random_state
+from tests.support.synthetic_weights import push_version, random_state
 
 CONFIG = ModelConfig.tiny()
 LAYOUT = Layout(1, "hf")

@@ -22,7 +22,7 @@ from services.kit.local import free_port
 from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, serve_engine
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
-from services.weight_sync.synthetic import random_state, rank_requests
+from tests.support.synthetic_weights import random_state, rank_requests
 
 CONFIG = ModelConfig.tiny()
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -29,7 +29,7 @@ from services.modeling.layouts import Layout, rank_params
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import make
-from services.weight_sync.synthetic import rank_requests
+from tests.support.synthetic_weights import rank_requests
 
 CONFIG = ModelConfig.tiny()
 REPO_ROOT = Path(__file__).resolve().parents[2]

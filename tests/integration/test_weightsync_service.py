@@ -25,7 +25,7 @@ from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.tp_local import LocalTPGroup
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import make
-from services.weight_sync.synthetic import rank_requests
+from tests.support.synthetic_weights import rank_requests
 
 CONFIG = ModelConfig.tiny()
 F32 = common_pb2.DType.D_TYPE_FLOAT32

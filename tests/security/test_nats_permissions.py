@@ -11,10 +11,10 @@ from pathlib import Path
 import nats
 import pytest
 
-from gateway.stack import SERVICES
 from services.kit import nats_auth, subjects
 from services.kit.bus import Bus, BusUnavailable
 from services.kit.local import NatsServer, free_port
+from services.kit.registry import NAMES
 
 # One concrete subject per owned pattern.
 EXAMPLES = {pattern: pattern.replace("*", "r1").replace(">", "k1") for pattern in nats_auth.OWNERS}
@@ -22,7 +22,7 @@ EXAMPLES = {pattern: pattern.replace("*", "r1").replace(">", "k1") for pattern i
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsServer, dict[str, str]]]:
-    passwords = nats_auth.new_passwords([name for name, _ in SERVICES])
+    passwords = nats_auth.new_passwords(list(NAMES))
     server = NatsServer(
         state_dir=Path(tmp_path_factory.mktemp("nats")),
         port=free_port(),
@@ -69,7 +69,7 @@ async def test_each_service_publishes_only_on_the_subjects_it_owns(secured) -> N
         await operator.close()
     cases = [
         (service, pattern, service in owners)
-        for service, _ in SERVICES
+        for service in NAMES
         for pattern, owners in nats_auth.OWNERS.items()
     ]
     results = await asyncio.gather(
@@ -83,7 +83,7 @@ async def test_each_service_publishes_only_on_the_subjects_it_owns(secured) -> N
     assert not wrong, wrong
     assert sum(results) == sum(len(owners) for owners in nats_auth.OWNERS.values())
     # and no service may delete a stream; the operator may
-    for service, _ in SERVICES:
+    for service in NAMES:
         nc = await nats.connect(_url(server, passwords, service), connect_timeout=5)
         try:
             with pytest.raises((TimeoutError, nats.errors.Error)):

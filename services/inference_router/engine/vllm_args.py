@@ -1,7 +1,7 @@
 """What the vLLM engine hands vLLM, apart from the engine itself: engine arguments from a replica's
 deployment spec, the weight backend's init info, reading vLLM's per-token version spans, and recognising
 a request vLLM refused as retryable. Pure Python: no vLLM import (the CPU tests check these values
-against vLLM's own serialization, tests/unit/inference/test_vllm_backend.py)."""
+against vLLM's own serialization, tests/unit/inference_router/test_vllm_backend.py)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,6 @@ with settings the code reads. No docker needed: the file is checked as data.
 
 from __future__ import annotations
 
-import ast
-import importlib
 import importlib.util
 import re
 from pathlib import Path
@@ -14,13 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.stack import SERVICES
+from services.kit import registry
 from services.kit.config import ServiceConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 COMPOSE_SERVICES: dict = COMPOSE["services"]
-STACK = {entry[0]: entry[1] for entry in SERVICES}
+STACK = {s.name: s.package for s in registry.SERVICES}  # name -> package
 INFRA = {"nats", "ray-head", "otel-collector", "tempo", "prometheus", "grafana"}
 CONDITIONS = {"service_healthy", "service_started", "service_completed_successfully"}
 SECRETS = {"RAY_AUTH_TOKEN", "LOOPRL_GATEWAY_TOKENS"}
@@ -69,27 +67,10 @@ def entrypoint_module(lines: list[str]) -> str | None:
 
 
 def service_config(module: str) -> tuple[type, str]:
-    """(config class, env prefix) from the `load_config(Cls, "PREFIX")` or
-    `run_service(name, Cls, "PREFIX", serve)` call in module/__main__.py."""
-    main = importlib.util.find_spec(f"{module}.__main__")
-    assert main is not None and main.origin, f"{module}/__main__.py does not exist"
-    tree = ast.parse(Path(main.origin).read_text())
-    imports = {
-        alias.asname or alias.name: node.module
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module
-        for alias in node.names
-    }
-    for node in ast.walk(tree):
-        name = getattr(node.func, "id", "") if isinstance(node, ast.Call) else ""
-        if name in ("load_config", "run_service"):
-            args = node.args if name == "load_config" else node.args[1:]
-            cls_name, prefix = args[0].id, args[1].value  # type: ignore[attr-defined]
-            home = imports.get(cls_name, f"{module}.__main__")
-            return getattr(importlib.import_module(home), cls_name), prefix
-    raise AssertionError(
-        f"{module}/__main__.py never calls load_config or run_service with (ConfigClass, PREFIX)"
-    )
+    """(config class, env prefix) of the registry service whose package is `module`."""
+    spec = next((s for s in registry.SERVICES if s.package == module), None)
+    assert spec is not None, f"{module} is not a service of services/kit/registry.py"
+    return spec.config_class(), spec.env_prefix
 
 
 def config_fields(module: str) -> tuple[set[str], str]:
@@ -199,6 +180,17 @@ def test_every_looprl_service_waits_for_a_healthy_bus_and_the_gateway_for_every_
         assert gateway_deps.get(peer, {}).get("condition") == "service_healthy", (
             f"gateway must wait for {peer}"
         )
+
+
+@pytest.mark.parametrize("name", sorted(STACK))
+def test_a_service_is_given_the_address_of_each_peer_the_registry_names_and_of_no_other(name):
+    env = COMPOSE_SERVICES[name]["environment"]
+    given = {k: v for k, v in env.items() if k.endswith("_ADDRESS") and k != "LOOPRL_RAY_ADDRESS"}
+    expected = {}
+    for peer in map(registry.service, registry.service(name).peers):
+        port = COMPOSE_SERVICES[peer.name]["environment"]["LOOPRL_GRPC_PORT"]
+        expected[f"LOOPRL_{peer.address_field.upper()}"] = f"{peer.name}:{port}"
+    assert given == expected, f"{name}: peer addresses differ from the registry's peers"
 
 
 @pytest.mark.parametrize("name", sorted(STACK))

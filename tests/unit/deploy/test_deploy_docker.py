@@ -20,13 +20,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gateway.stack import SERVICES
+from services.kit import registry
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCKERFILE = ROOT / "deploy/docker/Dockerfile"
 GPU_DOCKERFILE = ROOT / "deploy/docker/inference-router.gpu.Dockerfile"
 HEALTHCHECK = ROOT / "deploy/healthcheck.py"
-STACK = {entry[0]: entry[1] for entry in SERVICES}
+STACK = {s.name: s.package for s in registry.SERVICES}  # name -> package
 ROOT_ALLOWED = {"environment-sandbox"}  # per-worker uids and namespaces; see deploy/README.md
 
 

@@ -17,13 +17,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.stack import SERVICES
+from services.kit import registry
 from services.kit.config import load_config
 from services.kit.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy/k8s"
-STACK = {entry[0]: entry[1] for entry in SERVICES}
+STACK = {s.name: s.package for s in registry.SERVICES}  # name -> package
 GRPC_PORT, METRICS_PORT = 50051, 9464
 SCHEMA_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())  # oldest we support, newest
 CRD_GROUPS = ("ray.io/",)
@@ -238,6 +238,14 @@ def test_configmap_keys_are_settings_some_service_reads():
     assert data["LOOPRL_HOST"] == "0.0.0.0"
 
 
+def test_configmap_gives_every_service_the_address_of_each_service_it_calls():
+    data = of_kind("ConfigMap")["looprl-env"]["data"]
+    for spec in registry.SERVICES:
+        if spec.address_field:
+            assert data[f"LOOPRL_{spec.address_field.upper()}"] == f"{spec.name}:{GRPC_PORT}"
+    assert "gateway" not in CALLEE_PODS.values()  # public: its port is open, checked below
+
+
 def test_nats_is_a_jetstream_statefulset_with_its_own_volume():
     nats = of_kind("StatefulSet")["nats"]
     c = container(nats)
@@ -395,14 +403,7 @@ def test_cpu_overlay_requests_no_gpu_and_serves_the_default_recipes_deployments(
 
 
 # NetworkPolicies against the authorization table: which pods each service's gRPC port admits.
-CALLEE_PODS = {
-    "looprl.weightsync.v1.WeightSyncService": "weight-sync",
-    "looprl.inference.v1.InferenceRouterService": "inference-router",
-    "looprl.environment.v1.EnvironmentSandboxService": "environment-sandbox",
-    "looprl.reward.v1.RewardService": "reward",
-    "looprl.packer.v1.RolloutPackerService": "rollout-packer",
-    "looprl.trainer.v1.TrainerService": "trainer",
-}
+CALLEE_PODS = {s.grpc_service: s.name for s in registry.SERVICES if s.name != "gateway"}
 RAY_PODS = "ray"  # app.kubernetes.io/component of every Ray pod: trainer ranks, replicas, the head
 NAME, COMPONENT = "app.kubernetes.io/name", "app.kubernetes.io/component"
 

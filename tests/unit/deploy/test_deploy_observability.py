@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from gateway.stack import SERVICES
+from services.kit import registry
 from services.kit.metric_names import BY_NAME, CATALOG, SERIES, render_markdown
 from tests.support.dashboard_queries import (
     EXTERNAL_METRIC_PREFIXES,
@@ -28,7 +28,7 @@ from tests.support.dashboard_queries import (
 ROOT = Path(__file__).resolve().parents[3]
 OBS = ROOT / "observability"
 DASHBOARDS = sorted((OBS / "grafana/dashboards").glob("*.json"))
-STACK = {entry[0]: entry[1] for entry in SERVICES}
+STACK = {s.name: s.package for s in registry.SERVICES}  # name -> package
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 

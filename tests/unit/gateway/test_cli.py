@@ -9,13 +9,15 @@ import time
 from pathlib import Path
 
 from gateway import cli
-from gateway.stack import SERVICES, ServiceProcess, StackState
+from gateway.stack import ServiceProcess, StackState
+from services.kit import registry
 
 
 def _saved_stack(state_dir: Path) -> StackState:
     # pid 0 is never a service's: the command must refuse before it signals anything.
     services = [
-        ServiceProcess(name, 0, 1, 2, str(state_dir / f"{name}.log"), module) for name, module in SERVICES
+        ServiceProcess(s.name, 0, 1, 2, str(state_dir / f"{s.name}.log"), s.package)
+        for s in registry.SERVICES
     ]
     state = StackState(str(state_dir), 1, 0, 2, 0, "ray-token", "gateway-token", 3, services)
     state.save()
@@ -27,7 +29,7 @@ def test_restart_of_an_unknown_service_lists_the_services_and_fails(tmp_path: Pa
     assert cli.main(["--state-dir", str(tmp_path), "restart", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("unknown service 'nope'; the stack runs: weight-sync, inference-router, ")
-    assert all(name in err for name, _ in SERVICES)
+    assert all(name in err for name in registry.NAMES)
 
 
 def test_restart_without_a_stack_says_so(tmp_path: Path, capsys) -> None:

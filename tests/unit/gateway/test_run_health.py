@@ -11,7 +11,7 @@ import pytest
 
 from gateway.admission import check_vocabulary
 from gateway.progress import progress_line
-from gateway.service import run_to_proto
+from gateway.servicer import run_to_proto
 from gateway.stalls import STALLED_KEY, apply_error, stall_reason
 from looprl.events.v1 import events_pb2
 from looprl.gateway.v1 import gateway_pb2

@@ -8,7 +8,7 @@ import pytest
 from services.rollout_packer.advantages import group_advantages, has_signal, per_token_advantages
 from services.rollout_packer.groups import GroupCollector
 from services.rollout_packer.sequences import DropReason, sequence_from_rollout
-from services.rollout_packer.synthetic import make_rollout
+from tests.support.synthetic_rollouts import make_rollout
 
 
 def test_grpo_is_mean_centred_and_std_normalised() -> None:

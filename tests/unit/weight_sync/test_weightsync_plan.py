@@ -13,8 +13,8 @@ from services.kit.weight_transfer.wire import encode_stage_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, hf_params, rank_params, shard_state_dict
 from services.weight_sync.plan import PlanCache, PlannedBucket, build_deployment_plan
-from services.weight_sync.synthetic import random_state, rank_requests
 from services.weight_sync.versions import VersionStore
+from tests.support.synthetic_weights import random_state, rank_requests
 
 
 def push_all(state, world, version=0, max_message_bytes=4096):

@@ -1,6 +1,6 @@
 """Trainer-side pushes without a trainer: FSDP-style dim-0 shards of a state dict, as the trainer
-ranks send them (uneven rows like FSDP2's Shard(0), last ranks possibly empty). Used by tests,
-benchmarks and the local smoke path; the real trainer sends the same messages."""
+ranks send them (uneven rows like FSDP2's Shard(0), last ranks possibly empty). Used by tests
+and benchmarks (bench/); the real trainer sends the same messages."""
 
 from __future__ import annotations
 

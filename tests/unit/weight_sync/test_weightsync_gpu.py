@@ -10,8 +10,8 @@ from services.kit.weight_transfer.gpu import CudaIpcTransport
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params, shard_state_dict
 from services.weight_sync.plan import PlannedBucket, build_deployment_plan
-from services.weight_sync.synthetic import random_state, rank_requests
 from services.weight_sync.versions import VersionStore
+from tests.support.synthetic_weights import random_state, rank_requests
 
 
 @pytest.mark.gpu

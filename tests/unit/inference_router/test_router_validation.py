@@ -11,7 +11,7 @@ from looprl.inference.v1 import inference_pb2
 from services.inference_router.config import RouterConfig
 from services.inference_router.policies import DeploymentState
 from services.inference_router.router import Router
-from services.inference_router.service import validate_request
+from services.inference_router.servicer import validate_request
 from services.kit.config import ConfigError, load_config
 from services.kit.errors import InvalidArgument
 

@@ -24,8 +24,8 @@ from services.kit.recipe import DeploymentSpec
 from services.kit.weight_transfer.errors import ChecksumMismatch, InvalidWeights
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
-from services.weight_sync.synthetic import random_state
 from tests.support import vllm_side
+from tests.support.synthetic_weights import random_state
 from tests.support.vllm_double import RecordingAsyncLLM, async_llm_signatures, normalized
 
 CONFIG = ModelConfig.tiny(vocab_size=96, max_position_embeddings=128)

@@ -8,7 +8,7 @@ import pytest
 from services.rollout_packer.groups import Group
 from services.rollout_packer.sequences import DropReason, sequence_from_rollout
 from services.rollout_packer.step import PackerSettings, build_step, filter_stale, screen_group
-from services.rollout_packer.synthetic import make_rollout
+from tests.support.synthetic_rollouts import make_rollout
 
 
 def _group(gid: str, rewards: list[float], versions: list[int] | None = None) -> Group:

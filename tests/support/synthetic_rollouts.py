@@ -1,4 +1,4 @@
-"""Synthetic rollouts with realistic (heavy-tailed) lengths, for tests, benchmarks and smoke runs."""
+"""Synthetic rollouts with realistic (heavy-tailed) lengths, for tests and benchmarks (bench/)."""
 
 from __future__ import annotations
 

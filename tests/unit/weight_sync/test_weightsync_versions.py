@@ -7,8 +7,8 @@ import pytest
 
 from services.kit.errors import FailedPrecondition
 from services.modeling.config import ModelConfig
-from services.weight_sync.synthetic import random_state, rank_requests
 from services.weight_sync.versions import VersionStore
+from tests.support.synthetic_weights import random_state, rank_requests
 
 STATE = random_state(ModelConfig.tiny())
 

@@ -95,7 +95,7 @@ def test_decoded_corruption_and_malformed_bytes_are_rejected():
 def test_decoded_push_request_leaves_chunks_in_place_and_matches_protobuf():
     from services.kit.errors import InvalidArgument
     from services.kit.weight_transfer.wire import decode_push_request
-    from services.weight_sync.synthetic import rank_requests
+    from tests.support.synthetic_weights import rank_requests
 
     g = torch.Generator().manual_seed(1)
     state = {"a.weight": torch.randn(6, 4, generator=g), "b.bias": torch.randn(3, generator=g)}

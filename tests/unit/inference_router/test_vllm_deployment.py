@@ -32,9 +32,9 @@ from services.kit.weight_transfer.wire import encode_stage_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
 from services.weight_sync.plan import PlannedBucket, build_deployment_plan
-from services.weight_sync.synthetic import random_state
+from tests.support.synthetic_weights import random_state
 from tests.support.vllm_double import RecordingAsyncLLM
-from tests.unit.weightsync.test_weightsync_plan import push_all
+from tests.unit.weight_sync.test_weightsync_plan import push_all
 
 CONFIG = ModelConfig.tiny(vocab_size=96, max_position_embeddings=128)
 RECIPE = """

@@ -1,0 +1,240 @@
+"""GatewayService: create, inspect, watch and stop runs; the run manager behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+from gateway.admission import Peers, admit
+from gateway.auth import TokenAuth
+from gateway.run_store import ACTIVE, FINAL, RunStore, new_run_id
+from gateway.runs import RUN_TRACE_KEY, RunDriver
+from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
+from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.kit import subjects, telemetry
+from services.kit.bus import Bus
+from services.kit.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.kit.limits import RecipeLimits
+from services.kit.recipe import RecipeError, RunRecord, parse_recipe
+
+log = logging.getLogger("looprl.gateway")
+
+# How long StopRun waits for the run's driver to end (the run is stopped in its record before).
+STOP_DRIVER_S = 10.0
+
+STATES = {
+    "pending": gateway_pb2.RUN_STATE_PENDING,
+    "running": gateway_pb2.RUN_STATE_RUNNING,
+    "stopping": gateway_pb2.RUN_STATE_STOPPING,
+    "completed": gateway_pb2.RUN_STATE_COMPLETED,
+    "failed": gateway_pb2.RUN_STATE_FAILED,
+    "stopped": gateway_pb2.RUN_STATE_STOPPED,
+}
+
+
+def run_to_proto(
+    record: RunRecord, history: Sequence[dict] = (), weight_syncs: Sequence[dict] = ()
+) -> gateway_pb2.Run:
+    """The public Run: the record, plus its per-step history and weight deliveries when given
+    (RunManager.proto loads them)."""
+    extra = record.extra
+    run = gateway_pb2.Run(
+        run_id=record.run_id,
+        state=STATES.get(record.state, gateway_pb2.RUN_STATE_UNSPECIFIED),
+        recipe_toml=record.recipe_toml,
+        step=record.step,
+        weight_version=record.weight_version,
+        episodes_published=record.episodes_published,
+        rollouts_trained=int(extra.get("rollouts_trained", 0)),
+        error=record.error,
+    )
+    try:
+        run.total_steps = record.recipe().run.steps
+    except RecipeError:
+        pass
+    for name, version in sorted(extra.get("deployments", {}).items()):
+        run.deployments.add(deployment=name, version=int(version))
+    for h in history:
+        run.history.add(
+            step=h["step"],
+            reward_mean=h["reward_mean"],
+            reward_std=h["reward_std"],
+            loss=h["loss"],
+            mean_staleness=h["mean_staleness"],
+            train_tokens_per_second=h["train_tokens_per_second"],
+            num_rollouts=h["num_rollouts"],
+            seconds=h["seconds"],
+            max_staleness=h.get("max_staleness", 0),
+            # Entries written before these were recorded read as zeros.
+            clip_fraction=h.get("clip_fraction", 0.0),
+            kl=h.get("kl", 0.0),
+            entropy=h.get("entropy", 0.0),
+            grad_norm=h.get("grad_norm", 0.0),
+            mean_response_tokens=h.get("mean_response_tokens", 0.0),
+            unix_time=h.get("at", 0.0),
+        )
+    for w in weight_syncs:
+        run.weight_syncs.add(
+            deployment=w["deployment"], version=w["version"], sync_seconds=w["sync_seconds"], bytes=w["bytes"]
+        )
+    for reason, count in extra.get("dropped", {}).items():
+        run.rollouts_dropped[reason] = int(count)
+    run.duplicate_deliveries = int(extra.get("duplicate_deliveries", 0))
+    run.step_records_ignored = int(extra.get("step_records_ignored", 0))
+    if record.state == "running" and extra.get(STALLED_KEY):
+        run.state = gateway_pb2.RUN_STATE_STALLED
+        run.stalled_reason = extra[STALLED_KEY]
+    error = extra.get(LAST_ERROR_KEY)
+    if error:
+        run.last_error.component = error["component"]
+        run.last_error.message = error["message"]
+        run.last_error.occurrences = int(error.get("occurrences", 1))
+        run.last_error.unix_time = float(error.get("unix_time", 0.0))
+    return run
+
+
+class RunManager:
+    """Owns the RunDrivers of this gateway process; resumes active runs on start."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        store: RunStore,
+        recipe_base_dir: Path,
+        packer=None,
+        exclusive_runs: bool = True,
+        limits: RecipeLimits | None = None,
+        peers: Peers | None = None,
+    ) -> None:
+        self.bus, self.store, self.base_dir, self.packer = bus, store, recipe_base_dir, packer
+        self.exclusive_runs = exclusive_runs
+        self.limits = limits or RecipeLimits()
+        self.peers = peers or Peers()
+        self.drivers: dict[str, RunDriver] = {}
+
+    async def proto(self, record: RunRecord) -> gateway_pb2.Run:
+        return run_to_proto(record, await self.store.history(record), await self.store.weight_syncs(record))
+
+    async def watch(self, run_id: str, period_s: float = 0.5) -> AsyncIterator[gateway_pb2.Run]:
+        """The run now, then each time it changes, until it has ended (NotFound for no such run)."""
+        record = await self.get(run_id)
+        last = None
+        while True:
+            snapshot = await self.proto(record)
+            if snapshot != last:
+                yield snapshot
+                last = snapshot
+            if record.state in FINAL:
+                return
+            await asyncio.sleep(period_s)
+            record = await self.get(run_id)
+
+    async def resume(self) -> None:
+        for record in await self.store.list():
+            if record.state in ACTIVE:
+                log.info("resuming run %s at step %d", record.run_id, record.step)
+                self._drive(record.run_id)
+
+    def _drive(self, run_id: str) -> None:
+        driver = RunDriver(self.bus, self.store, run_id, self.packer, self.peers.not_serving)
+        self.drivers[run_id] = driver
+        driver.start()
+
+    async def create(self, recipe_toml: str, run_id: str = "") -> RunRecord:
+        """Admit a run: every check (recipe bounds included) passes before its record is written."""
+        try:
+            recipe = parse_recipe(recipe_toml, base_dir=self.base_dir, limits=self.limits)
+        except RecipeError as exc:
+            raise InvalidArgument(f"recipe_toml: {exc}") from exc
+        if run_id:
+            try:
+                subjects.validate_run_id(run_id)
+            except ValueError as exc:
+                raise InvalidArgument(f"run_id: {exc}") from exc
+        await admit(recipe, self.peers, self.base_dir)
+        existing = await self.store.list() if self.exclusive_runs else []
+        if existing:
+            # Deployments and weight-sync number weight versions per stack, not per run: a second
+            # run would be served the first run's weights. Refuse instead of training off-policy.
+            raise FailedPrecondition(
+                f"run_id: this stack already served run {existing[-1].run_id!r} ({existing[-1].state}); "
+                "one run per stack for now: `looprl down && looprl up` (or `looprl run --local`) for the next"
+            )
+        record = RunRecord(
+            run_id=run_id or new_run_id(recipe.run.name), recipe_toml=recipe_toml, created_at=time.time()
+        )
+        # The run's trace is the one CreateRun is in: its episodes, steps and lifecycle link to it.
+        carrier = telemetry.current_carrier()
+        if carrier:
+            record.extra[RUN_TRACE_KEY] = carrier
+        try:
+            await self.store.create(record)
+        except Exception as exc:
+            if await self.store.get(record.run_id) is not None:
+                raise AlreadyExists(f"run_id: run {record.run_id!r} already exists") from exc
+            raise
+        self._drive(record.run_id)
+        return record
+
+    async def get(self, run_id: str) -> RunRecord:
+        if not run_id:
+            raise InvalidArgument("run_id: must not be empty")
+        try:
+            subjects.validate_run_id(run_id)
+        except ValueError as exc:
+            raise InvalidArgument(f"run_id: {exc}") from exc
+        record = await self.store.get(run_id)
+        if record is None:
+            raise NotFound(f"run_id: no run {run_id!r}")
+        return record
+
+    async def stop(self, run_id: str) -> RunRecord:
+        record = await self.get(run_id)
+        if record.state in FINAL:
+            raise FailedPrecondition(f"run_id: run {run_id!r} already {record.state}")
+        # Stopped first: the trainer and packer follow the record, and StopRun answers even when
+        # the run's driver is stuck in a call; the driver then ends at its next look at the record.
+        stopped = await self.store.update(run_id, lambda r: setattr(r, "state", "stopped"))
+        driver = self.drivers.pop(run_id, None)
+        if driver is not None:
+            try:
+                await asyncio.wait_for(driver.stop(), timeout=STOP_DRIVER_S)
+            except TimeoutError:
+                log.warning("run %s: its driver did not end within %.0fs of the stop", run_id, STOP_DRIVER_S)
+        return stopped
+
+    async def close(self) -> None:
+        for driver in self.drivers.values():
+            await driver.stop()
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, runs: RunManager, auth: TokenAuth) -> None:
+        self.runs, self.auth = runs, auth
+
+    async def CreateRun(self, request, context):
+        self.auth.check_grpc(context)
+        record = await self.runs.create(request.recipe_toml, request.run_id)
+        return gateway_pb2.CreateRunResponse(run=run_to_proto(record))
+
+    async def GetRun(self, request, context):
+        self.auth.check_grpc(context)
+        return gateway_pb2.GetRunResponse(run=await self.runs.proto(await self.runs.get(request.run_id)))
+
+    async def ListRuns(self, request, context):
+        self.auth.check_grpc(context)
+        return gateway_pb2.ListRunsResponse(
+            runs=[await self.runs.proto(r) for r in await self.runs.store.list()]
+        )
+
+    async def StopRun(self, request, context):
+        self.auth.check_grpc(context)
+        return gateway_pb2.StopRunResponse(run=await self.runs.proto(await self.runs.stop(request.run_id)))
+
+    async def WatchRun(self, request, context) -> AsyncIterator[gateway_pb2.WatchRunResponse]:
+        self.auth.check_grpc(context)
+        async for run in self.runs.watch(request.run_id):
+            yield gateway_pb2.WatchRunResponse(run=run)
