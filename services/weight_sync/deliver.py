@@ -33,8 +33,9 @@ from opentelemetry import trace
 
 from looprl.inference.v1 import inference_pb2
 from services.kit import telemetry
-from services.kit.weight_transfer import DeliveryError, Endpoint, GrpcTransport, ShmTransport, StageResult
 from services.modeling.config import ModelConfig
+from services.weight_sync.transport import Endpoint, GrpcTransport, ShmTransport, StageResult
+from services.weights import DeliveryError
 
 from . import canary, metrics
 from .placement import Placement

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from services.kit.metric_names import counter, gauge, histogram, observe
-from services.kit.weight_transfer import Endpoint
+from services.weight_sync.transport import Endpoint
 
 LATEST_VERSION = gauge("looprl_weight_sync_latest_version")
 DEPLOYMENT_VERSION = gauge("looprl_weight_sync_deployment_version")

@@ -2,7 +2,7 @@
 
 A rank gets shared memory only when both hold: the host identity it registered equals weight-sync's
 own (services/kit/hosts.py), and it reads back a nonce weight-sync has just written into a probe
-segment (services/kit/weight_transfer/probe.py). Anything else (another host, no identity, a probe
+segment (services/weight_sync/transport/arena.py ProbeSegment). Anything else (another host, no identity, a probe
 that fails, times out or reads other bytes, an engine without the probe RPC) is gRPC, with the reason
 kept beside the route. A route is decided once per endpoint (address, rank, host identity): a
 replica that restarts registers a new address and is probed again.
@@ -24,8 +24,8 @@ from looprl.inference.v1 import inference_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2
 from services.kit.hosts import host_identity
 from services.kit.metric_names import counter
-from services.kit.weight_transfer import Endpoint
-from services.kit.weight_transfer.probe import ProbeSegment
+from services.weight_sync.transport import Endpoint
+from services.weight_sync.transport.arena import ProbeSegment
 
 log = logging.getLogger("looprl.weight_sync.placement")
 

@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from looprl.inference.v1 import inference_pb2
-from services.kit.weight_transfer import SliceRef, itemsize, proto_dtype
-from services.kit.weight_transfer.checksum import BLOCK_BYTES, MASK, Hasher64, hash64, sum64, sum64_rows
-from services.kit.weight_transfer.errors import DeliveryError
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, hf_params, rank_params
+from services.weights import SliceRef, itemsize, proto_dtype
+from services.weights.checksum import BLOCK_BYTES, MASK, Hasher64, hash64, sum64, sum64_rows
+from services.weights.errors import DeliveryError
 
 ChunkKey = tuple[str, int, int]  # (HF name, trainer rank, row_offset)
 
@@ -393,7 +393,7 @@ class PlannedBucket:
 
     def copy_to(self, dests: Sequence[torch.Tensor]) -> None:
         """Copy slice i into dests[i] (uint8, its nbytes), cast to the target dtype: how a shared
-        copy is written (shared_copy.py). No hash: receivers check sums from the landing record."""
+        copy is written (transport/shared_copy.py). No hash: receivers check sums from the landing record."""
         for op, ref, dest in zip(self.spec.ops, self.slices, dests, strict=True):
             if ref.nbytes:
                 src = self._chunks[op.chunk][op.row0 : op.row0 + op.rows, op.col0 : op.col0 + op.cols]

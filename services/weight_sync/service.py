@@ -19,7 +19,7 @@ from services.kit import subjects
 from services.kit.config import bus_url
 from services.kit.run_errors import RunErrorReporter
 from services.kit.server import Service
-from services.kit.weight_transfer import sweep_stale_segments
+from services.weight_sync.transport import sweep_stale_segments
 
 from .config import WeightSyncConfig
 from .deliver import Deliverer

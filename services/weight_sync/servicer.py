@@ -11,9 +11,9 @@ from opentelemetry import trace
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit import telemetry
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.kit.weight_transfer.wire import decode_push_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import hf_params
+from services.weights.wire import decode_push_request
 
 from . import metrics
 from .deliver import Deliverer

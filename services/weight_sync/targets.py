@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from looprl.common.v1 import common_pb2
 from looprl.weightsync.v1 import weightsync_pb2
 from services.kit.errors import InvalidArgument
-from services.kit.weight_transfer import Endpoint
 from services.modeling.layouts import Layout
+from services.weight_sync.transport import Endpoint
 
 _DTYPES = {
     common_pb2.DType.D_TYPE_FLOAT32: "float32",

@@ -25,10 +25,10 @@ import torch
 
 from looprl.weightsync.v1 import weightsync_pb2
 from services.kit.errors import FailedPrecondition, InvalidArgument
-from services.kit.weight_transfer import itemsize
-from services.kit.weight_transfer.checksum import copy_and_hash64, hash64, landing_sums
-from services.kit.weight_transfer.shm import ArenaPool, ChunkArena
-from services.kit.weight_transfer.specs import torch_dtype_of
+from services.weight_sync.transport.arena import ArenaPool, ChunkArena
+from services.weights import itemsize
+from services.weights.checksum import copy_and_hash64, hash64, landing_sums
+from services.weights.specs import torch_dtype_of
 
 from .plan import ChunkKey, ChunkMeta, SourceParam, TrainerLayout
 

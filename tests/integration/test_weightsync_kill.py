@@ -19,10 +19,10 @@ import torch
 
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit.local import free_port
-from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, serve_engine
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.weight_sync.synthetic import random_state, rank_requests
+from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 
 CONFIG = ModelConfig.tiny()
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

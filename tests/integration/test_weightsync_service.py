@@ -17,7 +17,6 @@ from looprl.common.v1 import common_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit.hosts import host_identity
 from services.kit.interceptors import ServerInterceptor
-from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, serve_engine
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.modeling.logprobs import token_logprobs
@@ -26,6 +25,7 @@ from services.modeling.tp_local import LocalTPGroup
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import make
 from services.weight_sync.synthetic import rank_requests
+from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 
 CONFIG = ModelConfig.tiny()
 F32 = common_pb2.DType.D_TYPE_FLOAT32

@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.kit.weight_transfer.checksum import hash64
-from services.kit.weight_transfer.errors import ChecksumMismatch, InvalidWeights
-from services.kit.weight_transfer.specs import dtype_name
+from services.weights.checksum import hash64
+from services.weights.errors import ChecksumMismatch, InvalidWeights
+from services.weights.specs import dtype_name
 
 UPDATE_FIELDS = ("version", "phase", "transport", "segment", "params", "handles")
 PHASES = ("verify", "load")

@@ -20,10 +20,10 @@ import torch
 
 from services.inference_router.engine.vllm_engine import VLLMEngine, init_info_of
 from services.inference_router.engine.vllm_handoff import manifest_of
-from services.kit.weight_transfer.errors import ChecksumMismatch, InvalidWeights
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
 from services.weight_sync.synthetic import random_state
+from services.weights.errors import ChecksumMismatch, InvalidWeights
 from tests.support import vllm_side
 from tests.support.vllm_double import RecordingAsyncLLM, async_llm_signatures, normalized
 

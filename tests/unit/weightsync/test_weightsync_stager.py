@@ -12,7 +12,8 @@ import torch
 
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
-from services.kit.weight_transfer import (
+from services.weight_sync.transport.arena import ShmPool
+from services.weights import (
     ChecksumMismatch,
     IncompleteVersion,
     InvalidWeights,
@@ -20,7 +21,6 @@ from services.kit.weight_transfer import (
     WeightStager,
     tensors_bucket,
 )
-from services.kit.weight_transfer.shm import ShmPool
 
 F32 = common_pb2.DType.D_TYPE_FLOAT32
 
@@ -170,7 +170,7 @@ def test_slices_from_shared_memory():
 
 def _adopt_request(version, seg_name, placed, split_at=None, sums=True):
     """Slices naming whole parameters already laid out in a segment (a shared copy)."""
-    from services.kit.weight_transfer.checksum import sum64
+    from services.weights.checksum import sum64
 
     slices = []
     for name, (offset, t) in placed.items():
@@ -312,7 +312,7 @@ def test_staging_a_newer_version_consumes_the_rollback_point():
 
 
 def test_shm_reader_keeps_mappings_until_their_segment_is_gone():
-    from services.kit.weight_transfer.shm import ShmReader
+    from services.weights.shm import ShmReader
 
     pool = ShmPool(1 << 12, count=1, tag="refresh")
     reader = ShmReader()

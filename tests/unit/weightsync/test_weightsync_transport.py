@@ -9,20 +9,14 @@ import os
 import pytest
 import torch
 
-from services.kit.weight_transfer import (
-    Endpoint,
-    GrpcTransport,
-    ShmTransport,
-    WeightOnlyEngine,
-    WeightStager,
-    serve_engine,
-)
-from services.kit.weight_transfer.shm import PREFIX, shm_dir
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params, shard_state_dict
 from services.weight_sync.plan import PlannedBucket, build_deployment_plan
 from services.weight_sync.synthetic import random_state, rank_requests
+from services.weight_sync.transport import Endpoint, GrpcTransport, ShmTransport
 from services.weight_sync.versions import VersionStore
+from services.weights import WeightOnlyEngine, WeightStager, serve_engine
+from services.weights.shm import PREFIX, shm_dir
 
 CONFIG = ModelConfig.tiny()
 

@@ -7,10 +7,9 @@
   with the receivers; the control message (slices, nccl_broadcast=True) goes over gRPC and the
   bucket bytes follow as one broadcast into each receiver's device buffer.
 
-Receivers call `stage_device_request(stager, request, nccl=None)` from their StageWeights
-handler (WeightReceiver does it automatically when the request carries a handle or announces a
-broadcast). Checksums are verified on the host copy of each slice when `verify=True` (a device
-hash would avoid that copy; not implemented). Only exercised on CUDA machines (gpu-marked test).
+The receiving side is services/weights/device.py (WeightReceiver hands it every request that
+carries a handle or announces a broadcast). Only exercised on CUDA machines (gpu-marked test);
+the factory (factory.py) refuses both on a host without CUDA.
 """
 
 from __future__ import annotations
@@ -18,17 +17,13 @@ from __future__ import annotations
 import asyncio
 import pickle
 import time
-import zlib
 
 import torch
 
 from looprl.inference.v1 import inference_pb2
+from services.weights.errors import DeliveryError
 
-from .checksum import hash64
-from .errors import ChecksumMismatch, InvalidWeights
-from .specs import torch_dtype_of
-from .stager import StageProgress, WeightStager
-from .transport_base import Endpoint, StageResult, Transport, aiter_buckets
+from .base import Endpoint, StageResult, Transport, aiter_buckets
 
 
 def _device_bucket(bucket, device: torch.device) -> torch.Tensor:
@@ -104,51 +99,6 @@ class NcclBroadcastTransport(Transport):
         return results
 
 
-def stage_device_request(
-    stager: WeightStager, request: inference_pb2.StageWeightsRequest, *, nccl_group=None,
-    device: str | torch.device = "cuda", verify: bool = True,
-) -> StageProgress:  # fmt: skip
-    """Receiver side of both GPU transports."""
-    total = max((s.shm_offset + s.nbytes for s in request.slices), default=0)
-    if request.device_handle:
-        fn, args = pickle.loads(request.device_handle)
-        buf = fn(*args)
-    elif request.nccl_broadcast:
-        import torch.distributed as dist
-
-        if nccl_group is None:
-            raise InvalidWeights("nccl_broadcast: this receiver has no NCCL weight group")
-        buf = torch.empty(total, dtype=torch.uint8, device=device)
-        dist.broadcast(buf, 0, nccl_group)
-    else:
-        raise InvalidWeights("StageWeightsRequest carries neither device_handle nor nccl_broadcast")
-    progress = None
-    for i, sl in enumerate(request.slices):
-        dtype = torch_dtype_of(sl.dtype)
-        if dtype is None:
-            raise InvalidWeights(f"slices[{i}].dtype: unsupported enum {sl.dtype}")
-        raw = buf[sl.shm_offset : sl.shm_offset + sl.nbytes]
-        if verify and sl.HasField("hash64"):
-            actual = hash64(raw.cpu().numpy())
-            if actual != sl.hash64:
-                stager.abort(request.version)
-                raise ChecksumMismatch(
-                    f"slices[{i}].hash64: {sl.name} has hash64 {actual:#018x}, sender said {sl.hash64:#018x}"
-                )
-        elif verify:
-            actual = zlib.crc32(raw.cpu().numpy())
-            if actual != sl.crc32:
-                stager.abort(request.version)
-                raise ChecksumMismatch(
-                    f"slices[{i}].crc32: {sl.name} has crc32 {actual:#010x}, sender said {sl.crc32:#010x}"
-                )
-        progress = stager.stage_tensor(request.version, sl.name, int(sl.offset), raw.view(dtype))
-    torch.cuda.synchronize()
-    return progress or StageProgress(
-        request.version, stager.bytes_staged, stager.is_complete(request.version)
-    )
-
-
 async def _send_all(transport: Transport, results, req, timeout_s, nbytes) -> None:
     async def one(ep: Endpoint) -> None:
         res = results[ep]
@@ -169,8 +119,6 @@ async def _send_all(transport: Transport, results, req, timeout_s, nbytes) -> No
 
 
 def _finish(results, start, version) -> None:
-    from .errors import DeliveryError
-
     for ep, res in results.items():
         res.seconds = time.perf_counter() - start
         if res.error is None and not res.complete:

@@ -63,7 +63,7 @@ class Bucket(Protocol):
     nbytes: int
     slices: list[SliceRef]
     shareable: bool
-    """Whether `copy_to` can write it into shared copies (shared_copy.py)."""
+    """Whether `copy_to` can write it into shared copies (services/weight_sync/transport/shared_copy.py)."""
 
     def fill(self, dest: memoryview) -> None:
         """Write the payload into dest[0:nbytes] and set every slice's hash64."""

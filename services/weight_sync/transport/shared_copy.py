@@ -33,12 +33,12 @@ import grpc
 import torch
 
 from looprl.inference.v1 import inference_pb2
+from services.weights.checksum import sum64
+from services.weights.errors import DeliveryError
+from services.weights.specs import itemsize, torch_dtype_of
 
-from .checksum import sum64
-from .errors import DeliveryError
-from .shm import ArenaPool, ChunkArena
-from .specs import itemsize, torch_dtype_of
-from .transport_base import Endpoint, StageResult, StageStreams, Transport
+from .arena import ArenaPool, ChunkArena
+from .base import Endpoint, StageResult, StageStreams, Transport
 
 log = logging.getLogger("looprl.weight_transfer")
 

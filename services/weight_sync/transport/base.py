@@ -19,9 +19,8 @@ import grpc
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.kit import tls
 from services.kit.interceptors import client_interceptors
-
-from .bucket import Bucket
-from .errors import DeliveryError
+from services.weights.bucket import Bucket
+from services.weights.errors import DeliveryError
 
 STAGE_METHOD = "/looprl.inference.v1.InferenceEngineService/StageWeights"
 

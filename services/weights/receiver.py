@@ -81,7 +81,7 @@ class WeightReceiver:
 
     def _stage(self, request, reader):
         if request.device_handle or request.nccl_broadcast:
-            from .gpu import stage_device_request
+            from .device import stage_device_request
 
             progress = stage_device_request(self.stager, request, nccl_group=self.nccl_group)
         else:
