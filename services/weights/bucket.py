@@ -31,7 +31,6 @@ class SliceRef:
     offset: int  # element offset into the flattened receiver parameter
     byte_start: int  # where its bytes start inside the bucket payload
     nbytes: int
-    crc32: int = 0  # legacy senders; receivers verify hash64 when it is set
     hash64: int | None = None
 
     def to_proto(
@@ -42,7 +41,6 @@ class SliceRef:
             dtype=self.dtype,
             shape=self.shape,
             offset=self.offset,
-            crc32=self.crc32,
             nbytes=self.nbytes,
         )
         if self.hash64 is not None:

@@ -9,14 +9,13 @@ CUDA machines (gpu-marked test).
 from __future__ import annotations
 
 import pickle
-import zlib
 
 import torch
 
 from looprl.inference.v1 import inference_pb2
 
-from .checksum import hash64
-from .errors import ChecksumMismatch, InvalidWeights
+from .checksum import SliceChecksum, verify_slice
+from .errors import InvalidWeights, WeightTransferError
 from .specs import torch_dtype_of
 from .stager import StageProgress, WeightStager
 
@@ -45,20 +44,14 @@ def stage_device_request(
         if dtype is None:
             raise InvalidWeights(f"slices[{i}].dtype: unsupported enum {sl.dtype}")
         raw = buf[sl.shm_offset : sl.shm_offset + sl.nbytes]
-        if verify and sl.HasField("hash64"):
-            actual = hash64(raw.cpu().numpy())
-            if actual != sl.hash64:
-                stager.abort(request.version)
-                raise ChecksumMismatch(
-                    f"slices[{i}].hash64: {sl.name} has hash64 {actual:#018x}, sender said {sl.hash64:#018x}"
+        if verify:  # on a host copy of the slice: no device hash yet
+            try:
+                verify_slice(
+                    SliceChecksum.of(sl), raw.cpu().numpy(), where=f"slices[{i}]", what=f"{sl.name} bytes"
                 )
-        elif verify:
-            actual = zlib.crc32(raw.cpu().numpy())
-            if actual != sl.crc32:
+            except WeightTransferError:
                 stager.abort(request.version)
-                raise ChecksumMismatch(
-                    f"slices[{i}].crc32: {sl.name} has crc32 {actual:#010x}, sender said {sl.crc32:#010x}"
-                )
+                raise
         progress = stager.stage_tensor(request.version, sl.name, int(sl.offset), raw.view(dtype))
     torch.cuda.synchronize()
     return progress or StageProgress(

@@ -30,7 +30,7 @@ class IncompleteVersion(FailedPrecondition, WeightTransferError):
 
 
 class ChecksumMismatch(InvalidWeights):
-    """The bytes of a slice do not match the CRC32 the sender computed: corrupted in transit."""
+    """The bytes of a slice do not match the checksum they came with (checksum.verify_slice)."""
 
     code = grpc.StatusCode.DATA_LOSS
 

@@ -33,8 +33,8 @@ import grpc
 import torch
 
 from looprl.inference.v1 import inference_pb2
-from services.weights.checksum import sum64
-from services.weights.errors import DeliveryError
+from services.weights.checksum import SliceChecksum, sum64, verify_slice
+from services.weights.errors import ChecksumMismatch, DeliveryError
 from services.weights.specs import itemsize, torch_dtype_of
 
 from .arena import ArenaPool, ChunkArena
@@ -208,9 +208,11 @@ async def stage_shared(
     if bad is None:  # shares of receivers that failed otherwise: weight-sync reads the same pages
         unverified = [s for ep, r in results.items() if r.error is not None for s in shares[ep]]
         for name, offset, want, dest in unverified:
-            if sum64(dest.numpy()) != want:
-                bad = DeliveryError(f"{name} elements from {offset} differ from what weight-sync verified",
-                                    code=grpc.StatusCode.DATA_LOSS)  # fmt: skip
+            try:
+                verify_slice(SliceChecksum("sum64", want), dest.numpy(), where=name,
+                             what=f"{name} elements from {offset} in the shared copy")  # fmt: skip
+            except ChecksumMismatch as exc:
+                bad = DeliveryError(str(exc), code=grpc.StatusCode.DATA_LOSS)
                 break
     for ep, res in results.items():
         res.seconds = time.perf_counter() - start

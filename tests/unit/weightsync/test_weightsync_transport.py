@@ -230,7 +230,7 @@ async def test_reshard_on_read_sends_no_bucket_bytes_and_delivers_exact_weights(
     ],
 )
 async def test_byte_changed_in_shared_memory_after_verification_is_caught(tp, naming, param, caught_by):
-    """Integrity on the in-place path: weight-sync verified each chunk's trainer CRC32 on the bytes
+    """Integrity on the in-place path: weight-sync verified each chunk's trainer hash64 on the bytes
     in its arena and recorded their row sums. A byte changed there afterwards is caught by the
     receiver's sum64 of what it copied (whole-row slices, expected sums derived from the landing
     record) or by weight-sync re-checking the rows of a column block before naming it; either way
