@@ -213,11 +213,7 @@ class Deliverer:
     async def _buckets(self, rank_plan: RankPlan, buf: VersionBuffer):
         for spec in rank_plan.buckets:
             if not buf.complete:
-                keys = getattr(spec, "_keys", None)
-                if keys is None:
-                    keys = {op.chunk for op in spec.ops}
-                    spec._keys = keys  # type: ignore[attr-defined]
-                await buf.wait_for(keys)
+                await buf.wait_for(spec.chunk_keys)
             yield PlannedBucket(spec, rank_plan.dtype, buf.chunks, buf.locations, buf.sums)
 
     async def _ranks_already_at(self, version: int, targets: list[Target]) -> set[Endpoint]:

@@ -23,6 +23,7 @@ model. Plans are cached by (trainer layout signature, model config, layout, rank
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -106,6 +107,11 @@ class PlannedBucketSpec:
     ops: list[CopyOp]
     slices: list[SliceRef]  # templates; checksums filled per delivery
     nbytes: int
+
+    @functools.cached_property
+    def chunk_keys(self) -> frozenset[ChunkKey]:
+        """The trainer chunks the bucket reads (a pipelined delivery waits for them)."""
+        return frozenset(op.chunk for op in self.ops)
 
 
 @dataclass
@@ -399,7 +405,7 @@ class PlannedBucket:
                 src = self._chunks[op.chunk][op.row0 : op.row0 + op.rows, op.col0 : op.col0 + op.cols]
                 dest.view(self.dtype).view(op.rows, op.cols).copy_(src)
 
-    def payload_parts(self, scratch: memoryview) -> list:
+    def payload_parts(self, scratch: memoryview) -> list[np.ndarray]:
         """The payload of every slice as a contiguous buffer, hash64 set, for a transport that
         copies the bytes anyway (gRPC joins them into the message): a slice that is a contiguous
         range of its chunk in the target dtype is the chunk's own bytes (hashed where they are, not

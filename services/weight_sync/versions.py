@@ -17,6 +17,7 @@ import asyncio
 import math
 import time
 import warnings
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -179,7 +180,7 @@ class VersionBuffer:
         async with cond:
             cond.notify_all()
 
-    async def wait_for(self, keys: set[ChunkKey]) -> None:
+    async def wait_for(self, keys: AbstractSet[ChunkKey]) -> None:
         """Until every key has arrived; raises if the version fails or completes without them."""
         cond = self._condition()
         async with cond:

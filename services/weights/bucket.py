@@ -66,7 +66,7 @@ class Bucket(Protocol):
     def fill(self, dest: memoryview) -> None:
         """Write the payload into dest[0:nbytes] and set every slice's hash64."""
 
-    def payload_parts(self, scratch: memoryview) -> list | None:
+    def payload_parts(self, scratch: memoryview) -> list[np.ndarray] | None:
         """Every slice's payload as a buffer, hash64 set, copying into scratch only what does not
         already sit contiguous; None when the bucket has no cheaper way than `fill`."""
 
@@ -76,6 +76,10 @@ class Bucket(Protocol):
 
     def copy_to(self, dests: Sequence[Any]) -> None:
         """Copy slice i into dests[i] (uint8 tensors of its nbytes); only when `shareable`."""
+
+    def expected_sums(self) -> list[int] | None:
+        """The sum64 each slice must have as it lands, from weight-sync's record of bytes it already
+        verified; None when there is no such record (then a shared copy is summed as written)."""
 
 
 @dataclass
@@ -108,6 +112,9 @@ class BytesBucket:
 
     def copy_to(self, dests: Sequence[Any]) -> None:
         raise TypeError("a BytesBucket is not shareable: its payload is not laid out per slice")
+
+    def expected_sums(self) -> None:
+        return None
 
 
 def set_checksums(slices: Sequence[SliceRef], payload: memoryview) -> None:

@@ -14,7 +14,9 @@ from services.kit.errors import FailedPrecondition, InvalidArgument
 
 
 class WeightTransferError(ValueError):
-    """Base of every staging error."""
+    """Base of every staging error; `code` is the status a servicer answers it with."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class InvalidWeights(InvalidArgument, WeightTransferError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import sys
 import threading
 
 import numpy as np
@@ -21,6 +22,8 @@ from services.kit.hosts import shm_dir
 from .errors import InvalidWeights
 
 PREFIX = "looprl-ws-"
+# MAP_POPULATE is Linux-only; elsewhere pages fault in on first read.
+_POPULATE: int = mmap.MAP_POPULATE if sys.platform == "linux" else 0
 _NAME = re.compile(r"^looprl-ws-(\d+)-[A-Za-z0-9_.-]+$")
 
 
@@ -85,7 +88,7 @@ class ShmReader:
             st = os.fstat(fd)
             # Populate the page tables in one go: faulting 4 KiB pages one by one on first read
             # costs more than the copy itself.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            flags = mmap.MAP_SHARED | _POPULATE
             mapped = mmap.mmap(fd, st.st_size, flags=flags, prot=mmap.PROT_READ)
         finally:
             os.close(fd)

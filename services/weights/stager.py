@@ -39,7 +39,7 @@ from .checksum import SliceChecksum, verify_slice
 from .coverage import Coverage
 from .errors import IncompleteVersion, InvalidWeights, StaleVersion
 from .shm import ShmReader
-from .specs import ParamSpec, as_param_specs, dtype_name, itemsize, torch_dtype_of
+from .specs import ParamLike, ParamSpec, as_param_specs, dtype_name, itemsize, torch_dtype_of
 from .wire import DecodedStageRequest
 
 
@@ -55,7 +55,7 @@ class WeightStager:
 
     def __init__(
         self,
-        params: Iterable[object] | Mapping[str, torch.Tensor],
+        params: Iterable[ParamLike] | Mapping[str, torch.Tensor],
         *,
         serving_version: int = -1,
         rank: int | None = None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -23,6 +23,8 @@ from services.weights.bucket import Bucket
 from services.weights.errors import DeliveryError
 
 STAGE_METHOD = "/looprl.inference.v1.InferenceEngineService/StageWeights"
+
+Buckets = Iterable[Bucket] | AsyncIterable[Bucket]
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-async def aiter_buckets(buckets: Iterable[Bucket] | AsyncIterable[Bucket]):
+async def aiter_buckets(buckets: Buckets) -> AsyncIterator[Bucket]:
     if isinstance(buckets, AsyncIterable):
         async for b in buckets:
             yield b
@@ -96,7 +98,7 @@ class Transport(ABC):
         self,
         version: int,
         endpoints: Sequence[Endpoint],
-        buckets: Iterable[Bucket] | AsyncIterable[Bucket],
+        buckets: Buckets,
         *,
         model_config_json: str = "",
         total_bytes: int = 0,

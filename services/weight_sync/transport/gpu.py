@@ -17,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import pickle
 import time
+from collections.abc import Sequence
 
 import torch
 
 from looprl.inference.v1 import inference_pb2
 from services.weights.errors import DeliveryError
 
-from .base import Endpoint, StageResult, Transport, aiter_buckets
+from .base import Buckets, Endpoint, StageResult, Transport, aiter_buckets
 
 
 def _device_bucket(bucket, device: torch.device) -> torch.Tensor:
@@ -40,8 +41,9 @@ class CudaIpcTransport(Transport):
         self.device = torch.device(device)
 
     async def stage(
-        self, version, endpoints, buckets, *, model_config_json="", total_bytes=0, timeout_s=600.0
-    ):
+        self, version: int, endpoints: Sequence[Endpoint], buckets: Buckets, *, model_config_json: str = "",
+        total_bytes: int = 0, timeout_s: float = 600.0,
+    ) -> dict[Endpoint, StageResult]:  # fmt: skip
         from torch.multiprocessing.reductions import reduce_tensor
 
         results = {ep: StageResult(ep) for ep in endpoints}
@@ -77,8 +79,9 @@ class NcclBroadcastTransport(Transport):
         self.device = torch.device(device)
 
     async def stage(
-        self, version, endpoints, buckets, *, model_config_json="", total_bytes=0, timeout_s=600.0
-    ):
+        self, version: int, endpoints: Sequence[Endpoint], buckets: Buckets, *, model_config_json: str = "",
+        total_bytes: int = 0, timeout_s: float = 600.0,
+    ) -> dict[Endpoint, StageResult]:  # fmt: skip
         import torch.distributed as dist
 
         results = {ep: StageResult(ep) for ep in endpoints}

@@ -23,7 +23,7 @@ from services.weights.errors import DeliveryError
 from services.weights.memory import retain_bucket_buffers
 from services.weights.wire import encode_stage_request
 
-from .base import STAGE_METHOD, Endpoint, StageResult, Transport, aiter_buckets, call_error, identity
+from .base import STAGE_METHOD, Buckets, Endpoint, StageResult, Transport, aiter_buckets, call_error, identity
 
 
 @dataclass
@@ -46,8 +46,9 @@ class GrpcTransport(Transport):
         retain_bucket_buffers()  # encoded buckets reuse heap pages instead of faulting (memory.py)
 
     async def stage(
-        self, version, endpoints, buckets, *, model_config_json="", total_bytes=0, timeout_s=600.0
-    ):
+        self, version: int, endpoints: Sequence[Endpoint], buckets: Buckets, *, model_config_json: str = "",
+        total_bytes: int = 0, timeout_s: float = 600.0,
+    ) -> dict[Endpoint, StageResult]:  # fmt: skip
         loop = asyncio.get_running_loop()
         streams: list[_Stream] = []
         for ep in endpoints:

@@ -33,6 +33,7 @@ import grpc
 import torch
 
 from looprl.inference.v1 import inference_pb2
+from services.weights.bucket import Bucket
 from services.weights.checksum import SliceChecksum, sum64, verify_slice
 from services.weights.errors import ChecksumMismatch, DeliveryError
 from services.weights.specs import itemsize, torch_dtype_of
@@ -120,7 +121,9 @@ async def versions_in_use(transport: Transport, endpoints: Sequence[Endpoint]) -
     return {v for s in statuses for v in (s.weight_version, s.rollback_version, s.staged_version) if v >= 0}
 
 
-def _materialize(copy: SharedCopy, bucket) -> list[tuple[inference_pb2.WeightSlice, int, torch.Tensor]]:
+def _materialize(
+    copy: SharedCopy, bucket: Bucket
+) -> list[tuple[inference_pb2.WeightSlice, int, torch.Tensor]]:
     """Copy the bucket's slices into the copy; (adopt slice, expected sum64, its bytes) each."""
     expected = bucket.expected_sums()  # from the landing record; None when chunks are not in shm
     dests, places = [], []
@@ -148,7 +151,7 @@ async def stage_shared(
     copy: SharedCopy,
     version: int,
     endpoints: Sequence[Endpoint],
-    buckets: AsyncIterator,
+    buckets: AsyncIterator[Bucket],
     *,
     model_config_json: str = "",
     total_bytes: int = 0,

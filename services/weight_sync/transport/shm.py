@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Sequence
 
 from looprl.inference.v1 import inference_pb2
 from services.weights.bucket import Bucket
 from services.weights.errors import DeliveryError
 
 from .arena import ShmPool
-from .base import Endpoint, StageResult, StageStreams, Transport, aiter_buckets
+from .base import Buckets, Endpoint, StageResult, StageStreams, Transport, aiter_buckets
 from .shared_copy import SharedCopies, stage_shared, versions_in_use
 
 
@@ -52,8 +53,9 @@ class ShmTransport(Transport):
         self.shared = SharedCopies(copies_per_group=shared_copies)
 
     async def stage(
-        self, version, endpoints, buckets, *, model_config_json="", total_bytes=0, timeout_s=600.0
-    ):
+        self, version: int, endpoints: Sequence[Endpoint], buckets: Buckets, *, model_config_json: str = "",
+        total_bytes: int = 0, timeout_s: float = 600.0,
+    ) -> dict[Endpoint, StageResult]:  # fmt: skip
         buckets = aiter_buckets(buckets)
         if self.share_min_receivers and len(endpoints) >= self.share_min_receivers:
             first = await anext(buckets, None)
@@ -72,7 +74,10 @@ class ShmTransport(Transport):
                     )  # fmt: skip
         return await self._stage_each(version, endpoints, buckets, model_config_json, total_bytes, timeout_s)
 
-    async def _stage_each(self, version, endpoints, buckets, model_config_json, total_bytes, timeout_s):
+    async def _stage_each(
+        self, version: int, endpoints: Sequence[Endpoint], buckets: AsyncIterator[Bucket], model_config_json: str,
+        total_bytes: int, timeout_s: float,
+    ) -> dict[Endpoint, StageResult]:  # fmt: skip
         """Every receiver copies its slices itself (from the chunks in place, or a pooled bucket)."""
         loop = asyncio.get_running_loop()
         results = {ep: StageResult(ep) for ep in endpoints}
