@@ -52,8 +52,8 @@ async def serve(cfg: RouterConfig) -> None:
         specs = cfg.deployment_specs()
         if specs:
             connect_ray(cfg.ray_address, cfg.namespace)
-        for spec in specs:
-            await manager.start(spec)
+        for i, spec in enumerate(specs):
+            await manager.start(spec, where=f"deployments[{i}]")
             log.info("deployment %s started with %d replica(s)", spec.name, spec.replicas)
         router.start_polling()
 

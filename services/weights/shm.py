@@ -77,6 +77,23 @@ class ShmReader:
         flat = np.frombuffer(self.view(name, offset, span), dtype=np.uint8)
         return np.lib.stride_tricks.as_strided(flat, (rows, row_bytes), (stride, 1), writeable=False)
 
+    def slice_bytes(self, i: int, sl) -> memoryview | bytes | np.ndarray:
+        """The bytes WeightSlice `i` names, without copying them: inline data, a range of a segment,
+        or a rectangle of one (reshard-on-read: rows of a trainer chunk)."""
+        if sl.shm_name and sl.shm_rows:
+            rows, nbytes = int(sl.shm_rows), int(sl.nbytes)
+            if nbytes % rows:
+                raise InvalidWeights(
+                    f"slices[{i}].shm_rows: {nbytes} bytes do not split into {rows} equal rows"
+                )
+            return self.rows(sl.shm_name, int(sl.shm_offset), rows, nbytes // rows, int(sl.shm_row_stride))
+        if sl.shm_name:
+            return self.view(sl.shm_name, int(sl.shm_offset), int(sl.nbytes))
+        data = sl.data  # once: each access of a protobuf bytes field copies it
+        if sl.nbytes and sl.nbytes != len(data):
+            raise InvalidWeights(f"slices[{i}].nbytes: {sl.nbytes} but data holds {len(data)} bytes")
+        return data
+
     @staticmethod
     def _map(name: str) -> tuple[mmap.mmap, memoryview, tuple[int, int]]:
         path = shm_dir() / name

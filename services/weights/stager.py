@@ -133,23 +133,7 @@ class WeightStager:
                     if sl.shm_adopt:
                         self._adopt_slice(i, sl, reader)
                         continue
-                    if sl.shm_name and sl.shm_rows:  # a rectangle of a trainer chunk (reshard-on-read)
-                        rows, nbytes = int(sl.shm_rows), int(sl.nbytes)
-                        if nbytes % rows:
-                            raise InvalidWeights(
-                                f"slices[{i}].shm_rows: {nbytes} bytes do not split into {rows} equal rows"
-                            )
-                        data = reader.rows(
-                            sl.shm_name, int(sl.shm_offset), rows, nbytes // rows, int(sl.shm_row_stride)
-                        )
-                    elif sl.shm_name:
-                        data = reader.view(sl.shm_name, int(sl.shm_offset), int(sl.nbytes))
-                    else:
-                        data = sl.data  # once: each access of a protobuf bytes field copies it
-                        if sl.nbytes and sl.nbytes != len(data):
-                            raise InvalidWeights(
-                                f"slices[{i}].nbytes: {sl.nbytes} but data holds {len(data)} bytes"
-                            )
+                    data = reader.slice_bytes(i, sl)
                     self._stage_slice(
                         i, sl.name, int(sl.dtype), tuple(sl.shape), int(sl.offset), data, SliceChecksum.of(sl)
                     )
