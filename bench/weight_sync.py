@@ -54,7 +54,8 @@ from bench.weight_sync_naive import NaiveLoader, add_bench_handlers, digests, na
 from looprl.weightsync.v1 import weightsync_pb2
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, hf_params, rank_params
-from services.weight_sync.plan import PlanCache, PlannedBucket
+from services.weight_sync.plan import PlanCache
+from services.weight_sync.planned_bucket import PlannedBucket
 from services.weight_sync.synthetic import rank_requests
 from services.weight_sync.transport import Endpoint, GrpcTransport, ShmTransport
 from services.weight_sync.versions import VersionStore

@@ -41,7 +41,8 @@ from services.weights import DeliveryError
 
 from . import canary, metrics
 from .placement import Placement
-from .plan import PlanCache, PlannedBucket, RankPlan, TrainerLayout
+from .plan import PlanCache, RankPlan, TrainerLayout
+from .planned_bucket import PlannedBucket
 from .targets import Target
 from .versions import VersionBuffer, VersionStore
 

@@ -1,11 +1,11 @@
-"""Sender-side buckets: a run of receiver slices whose bytes are assembled into one buffer.
+"""The Bucket contract: a run of receiver slices whose bytes a sender assembles into one buffer.
 
 A Bucket knows its slices (receiver name, dtype, full shape, element offset, where its bytes
 sit in the bucket, checksum) and how to fill a destination buffer with its bytes. Checksums are
-hash64 (checksum.py), computed block by block as the bytes land in the bucket. Transports
-decide where that buffer lives (a gRPC message, a shared-memory segment, a device buffer); the
-reshard plan decides what goes in it (services/weight_sync/plan.py assembles straight from the
-trainer's shard buffers, so no full copy of the model is ever made).
+hash64 (checksum.py), computed block by block as the bytes land in the bucket. Transports decide
+where that buffer lives (a gRPC message, a shared-memory segment, a device buffer); weight-sync's
+reshard plan decides what goes in it (services/weight_sync/planned_bucket.py assembles straight
+from the trainer's shard buffers, so no full copy of the model is ever made).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ from services.inference_router.router import Router
 from services.kit.recipe import RecipeError, parse_recipe
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
-from services.weight_sync.plan import PlannedBucket, build_deployment_plan
+from services.weight_sync.plan import build_deployment_plan
+from services.weight_sync.planned_bucket import PlannedBucket
 from services.weight_sync.synthetic import random_state
 from services.weights.wire import encode_stage_request
 from tests.support.vllm_double import RecordingAsyncLLM

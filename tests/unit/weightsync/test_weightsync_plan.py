@@ -10,7 +10,8 @@ from looprl.inference.v1 import inference_pb2
 from services.kit.errors import InvalidArgument
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, hf_params, rank_params, shard_state_dict
-from services.weight_sync.plan import PlanCache, PlannedBucket, build_deployment_plan
+from services.weight_sync.plan import PlanCache, build_deployment_plan
+from services.weight_sync.planned_bucket import PlannedBucket
 from services.weight_sync.synthetic import random_state, rank_requests
 from services.weight_sync.versions import VersionStore
 from services.weights import WeightStager

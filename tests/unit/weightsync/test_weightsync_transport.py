@@ -11,7 +11,8 @@ import torch
 
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params, shard_state_dict
-from services.weight_sync.plan import PlannedBucket, build_deployment_plan
+from services.weight_sync.plan import build_deployment_plan
+from services.weight_sync.planned_bucket import PlannedBucket
 from services.weight_sync.synthetic import random_state, rank_requests
 from services.weight_sync.transport import Endpoint, GrpcTransport, ShmTransport
 from services.weight_sync.versions import VersionStore
