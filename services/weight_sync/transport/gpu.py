@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import pickle
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 import torch
 
@@ -33,8 +34,10 @@ def _device_bucket(bucket, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-class CudaIpcTransport(Transport):
-    name = "cuda_ipc"
+class DeviceTransport(Transport):
+    """What both device transports share: each bucket is assembled once in pinned host memory and
+    copied to a device buffer; every receiver gets a control message over gRPC naming its slices by
+    byte offset in that buffer, and the subclass hands the buffer over (`_hand_over`)."""
 
     def __init__(self, device: str | torch.device = "cuda", **kw) -> None:
         super().__init__(**kw)
@@ -44,62 +47,65 @@ class CudaIpcTransport(Transport):
         self, version: int, endpoints: Sequence[Endpoint], buckets: Buckets, *, model_config_json: str = "",
         total_bytes: int = 0, timeout_s: float = 600.0,
     ) -> dict[Endpoint, StageResult]:  # fmt: skip
-        from torch.multiprocessing.reductions import reduce_tensor
-
         results = {ep: StageResult(ep) for ep in endpoints}
         start = time.perf_counter()
         first = True
         async for bucket in aiter_buckets(buckets):
             dev = await asyncio.to_thread(_device_bucket, bucket, self.device)
-            torch.cuda.current_stream(self.device).synchronize()
-            handle = pickle.dumps(reduce_tensor(dev))
             req = inference_pb2.StageWeightsRequest(
                 version=version, bucket_count=bucket.count, bucket_index=bucket.index, total_bytes=total_bytes,
-                model_config_json=model_config_json if first else "", device_handle=handle,
-                slices=[s.to_proto(shm_name="") for s in bucket.slices],
+                model_config_json=model_config_json if first else "", slices=[s.to_proto() for s in bucket.slices],
             )  # fmt: skip
             for sl, ref in zip(req.slices, bucket.slices, strict=True):
                 sl.shm_offset = ref.byte_start
             first = False
-            await _send_all(self, results, req, timeout_s, bucket.nbytes)
+            await self._hand_over(dev, req, _send_all(self, results, req, timeout_s, bucket.nbytes))
             del dev  # receivers answered: they copied out of it
         _finish(results, start, version)
         await asyncio.gather(*(self.abort(ep, version) for ep, r in results.items() if r.error is not None))
         return results
 
+    async def _hand_over(
+        self, dev: torch.Tensor, req: inference_pb2.StageWeightsRequest, send: Coroutine[Any, Any, None]
+    ) -> None:
+        """Make `dev` reachable by the receivers of `req` and run `send` (the control messages)."""
+        raise NotImplementedError
 
-class NcclBroadcastTransport(Transport):
+
+class CudaIpcTransport(DeviceTransport):
+    """Receivers on this GPU host map the bucket's device buffer through its CUDA IPC handle."""
+
+    name = "cuda_ipc"
+
+    async def _hand_over(
+        self, dev: torch.Tensor, req: inference_pb2.StageWeightsRequest, send: Coroutine[Any, Any, None]
+    ) -> None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        torch.cuda.current_stream(self.device).synchronize()
+        req.device_handle = pickle.dumps(reduce_tensor(dev))
+        await send
+
+
+class NcclBroadcastTransport(DeviceTransport):
     """Rank 0 of `group` (torch.distributed, NCCL) broadcasting buckets to receiver ranks."""
 
     name = "nccl"
 
-    def __init__(self, group, device: str | torch.device = "cuda", **kw) -> None:
-        super().__init__(**kw)
+    def __init__(self, group: Any, device: str | torch.device = "cuda", **kw) -> None:
+        super().__init__(device, **kw)
         self.group = group
-        self.device = torch.device(device)
 
-    async def stage(
-        self, version: int, endpoints: Sequence[Endpoint], buckets: Buckets, *, model_config_json: str = "",
-        total_bytes: int = 0, timeout_s: float = 600.0,
-    ) -> dict[Endpoint, StageResult]:  # fmt: skip
+    async def _hand_over(
+        self, dev: torch.Tensor, req: inference_pb2.StageWeightsRequest, send: Coroutine[Any, Any, None]
+    ) -> None:
         import torch.distributed as dist
 
-        results = {ep: StageResult(ep) for ep in endpoints}
-        start = time.perf_counter()
-        async for bucket in aiter_buckets(buckets):
-            dev = await asyncio.to_thread(_device_bucket, bucket, self.device)
-            req = inference_pb2.StageWeightsRequest(
-                version=version, bucket_count=bucket.count, bucket_index=bucket.index, total_bytes=total_bytes,
-                nccl_broadcast=True, slices=[s.to_proto() for s in bucket.slices],
-            )  # fmt: skip
-            for sl, ref in zip(req.slices, bucket.slices, strict=True):
-                sl.shm_offset = ref.byte_start
-            # Receivers enter the broadcast inside their StageWeights handler; the call returns after it.
-            send = asyncio.create_task(_send_all(self, results, req, timeout_s, bucket.nbytes))
-            await asyncio.to_thread(dist.broadcast, dev, 0, self.group)
-            await send
-        _finish(results, start, version)
-        return results
+        req.nccl_broadcast = True
+        # Receivers enter the broadcast inside their StageWeights handler; the call returns after it.
+        sending = asyncio.create_task(send)
+        await asyncio.to_thread(dist.broadcast, dev, 0, self.group)
+        await sending
 
 
 async def _send_all(transport: Transport, results, req, timeout_s, nbytes) -> None:
