@@ -133,9 +133,13 @@ class Transports:
     def resolve(self, kind: str, *, co_located: bool, why: str = "") -> str:
         """The concrete kind that delivers to one rank of a deployment whose weight_transport is
         `kind`; `co_located` is placement's verdict for that rank and `why` its reason. A kind that
-        needs the rank on this host and cannot have it fails the delivery (DeliveryError) rather
-        than sending the bytes another way."""
-        kind = self.check(kind)
+        needs the rank on this host and cannot have it, or that this host cannot run (a registration
+        restored after weight-sync moved), fails the delivery (DeliveryError) rather than sending
+        the bytes another way."""
+        try:
+            kind = self.check(kind)
+        except TransportUnavailable as exc:
+            raise DeliveryError(str(exc)) from None
         if kind == "auto":
             return "shm" if co_located else "grpc"
         if kind in CO_LOCATED_KINDS and not co_located:
