@@ -30,7 +30,7 @@ Figures:
   with protobuf, which copies every chunk on parse and again on access.
 - four_over_one_deployments: time to update 4 co-located deployments of one layout / time to
   update 1, commits included. One deployment reads its rectangles of the trainer chunks into its
-  own memory (reshard-on-read); four share one copy (kit/weight_transfer/shared_copy.py):
+  own memory (reshard-on-read); four share one copy (weight_sync/transport/shared_copy.py):
   weight-sync writes the version once, each deployment adopts it read-only and verifies a quarter
   of it. Printed beside it: processes that do nothing but copy the model out of shared memory (4 at
   once vs 1), what it would cost if every deployment kept its own copy of the weights.
@@ -52,13 +52,15 @@ import torch
 from bench.common import emit, parse_args
 from bench.weight_sync_naive import NaiveLoader, add_bench_handlers, digests, naive_full, naive_resharded
 from looprl.weightsync.v1 import weightsync_pb2
-from services.kit.weight_transfer import Endpoint, GrpcTransport, ShmTransport, proto_dtype
-from services.kit.weight_transfer.checksum import hash64
-from services.kit.weight_transfer.wire import decode_push_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, hf_params, rank_params
-from services.weight_sync.plan import PlanCache, PlannedBucket
+from services.weight_sync.plan import PlanCache
+from services.weight_sync.planned_bucket import PlannedBucket
+from services.weight_sync.transport import Endpoint, GrpcTransport, ShmTransport
 from services.weight_sync.versions import VersionStore
+from services.weights import proto_dtype
+from services.weights.checksum import hash64
+from services.weights.wire import decode_push_request
 from tests.support.synthetic_weights import rank_requests
 
 BENCH = "weight_sync"
@@ -77,7 +79,7 @@ def model_config(quick: bool) -> ModelConfig:
 
 # ----------------------------------------------------------------------------- receivers
 async def _serve_receivers(config_json: str, tp: int, naming: str) -> None:
-    from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, add_engine_servicer
+    from services.weights import WeightOnlyEngine, WeightStager, add_engine_servicer
 
     config = ModelConfig.from_hf_dict(json.loads(config_json))
     layout = Layout(tp, naming)
@@ -250,7 +252,7 @@ def cache_warm_memcpy_bandwidth(total: int, chunk: int, repeat: int = 3) -> floa
 def _memcpy_worker(regions_json: str) -> None:
     """One process that copies the version's chunks out of shared memory into its own buffer of the
     model's size each time the parent writes a line: a deployment's copy with nothing else."""
-    from services.kit.weight_transfer import ShmReader
+    from services.weights import ShmReader
 
     reader = ShmReader()
     sources = [np.frombuffer(reader.view(n, o, b), np.uint8) for n, o, b in json.loads(regions_json)]

@@ -12,7 +12,7 @@ full model once per rank. No checksums on this path (the frameworks it stands fo
 the baseline does not pay for verification the planned path does.
 
 With `lean=True` (a printed reference) the same calls use the kit's zero-copy wire codec
-(services/kit/weight_transfer/wire.py) the planned path uses, instead of plain protobuf.
+(services/weights/wire.py) the planned path uses, instead of plain protobuf.
 
 `naive_resharded` (a printed reference, not a figure): rank 0 gathers the full state dict, then
 builds each target rank's tensors itself and sends each rank only its own slices, one tensor per
@@ -35,17 +35,11 @@ import torch
 
 from looprl.inference.v1 import inference_pb2
 from services.kit.codec import PROTO_TO_TORCH, TORCH_TO_PROTO, tensor_from_bytes, tensor_to_bytes
-from services.kit.weight_transfer import (
-    BytesBucket,
-    Endpoint,
-    GrpcTransport,
-    SliceRef,
-    WeightOnlyEngine,
-    hash64,
-)
-from services.kit.weight_transfer.wire import DecodedStageRequest, decode_stage_request, encode_stage_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, Piece, rank_params
+from services.weight_sync.transport import Endpoint, GrpcTransport
+from services.weights import BytesBucket, SliceRef, WeightOnlyEngine, hash64
+from services.weights.wire import DecodedStageRequest, decode_stage_request, encode_stage_request
 
 LOAD = "/bench.Naive/Load"
 LOAD_LEAN = "/bench.Naive/LoadLean"
@@ -190,8 +184,8 @@ async def naive_resharded(
     version: int,
 ) -> int:
     """Gather on rank 0, build each target rank's tensors there, one tensor per call to its rank."""
-    from services.kit.weight_transfer import tensors_bucket
-    from services.kit.weight_transfer.specs import proto_dtype
+    from services.weights import tensors_bucket
+    from services.weights.specs import proto_dtype
 
     full = gather(buf)
     sent = 0

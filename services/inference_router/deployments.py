@@ -74,13 +74,17 @@ class DeploymentManager:
         self.actors: dict[str, Any] = {}
         self._weight_sync: Any = None
         self._every_k: dict[str, int] = {}
+        self._where: dict[str, str] = {}  # deployment -> its place in the recipe, for errors
         self._bus: Any = None
         self._subscription: Any = None
 
     # ---- embedded deployments ----------------------------------------------------------------
 
-    async def start(self, spec: DeploymentSpec, ready_timeout_s: float = 120.0) -> DeploymentState:
-        """Create the replica actors of one deployment and add it to the router."""
+    async def start(
+        self, spec: DeploymentSpec, ready_timeout_s: float = 120.0, where: str = ""
+    ) -> DeploymentState:
+        """Create the replica actors of one deployment and add it to the router; `where` is the
+        deployment's place in the recipe (deployments[i]), named by errors about its settings."""
         from services.inference_router.replica import InferenceReplica
 
         if spec.name in self.router.deployments:
@@ -121,9 +125,10 @@ class DeploymentManager:
         await asyncio.gather(*(_await_alive(h, ready_timeout_s) for h in handles))
         self.router.add_deployment(state, handles)
         self.specs[spec.name] = spec
+        self._where[spec.name] = where or f"deployments[{spec.name}]"
         await self.router.poll_once()
         await self._describe_from_status(state, handles)
-        await self.register_with_weight_sync(state, spec.sync_every)
+        await self.register_with_weight_sync(state, spec.sync_every, strict=True)
         return state
 
     async def _describe_from_status(self, state: DeploymentState, handles: list[ReplicaHandle]) -> None:
@@ -207,16 +212,20 @@ class DeploymentManager:
         """The weight-sync target a replica belongs to: its deployment when canaried, else itself."""
         return deployment if self._canary(deployment) else replica
 
-    async def register_with_weight_sync(self, state: DeploymentState, every_k: int) -> None:
+    async def register_with_weight_sync(
+        self, state: DeploymentState, every_k: int, strict: bool = False
+    ) -> None:
         """One weight-sync target per replica (a target is one TP group), named after the replica;
-        a canary deployment is one target of all its replicas, the first replica the canary."""
+        a canary deployment is one target of all its replicas, the first replica the canary. With
+        `strict`, a weight_transport weight-sync refuses raises InvalidArgument naming the recipe field
+        (the deployment cannot receive weights the way its recipe says)."""
         if not self.config.weight_sync_address:
             return
         self._every_k[state.name] = max(1, every_k)
         if self._canary(state.name):
-            await self._register(state, state.name, state.replicas)
+            await self._register(state, state.name, state.replicas, strict)
         else:
-            await asyncio.gather(*(self._register(state, r.name, [r]) for r in state.replicas))
+            await asyncio.gather(*(self._register(state, r.name, [r], strict) for r in state.replicas))
 
     async def register_replica(self, state: DeploymentState, replica: ReplicaState) -> None:
         """(Re-)register the target `replica` belongs to, at the replicas' current addresses."""
@@ -225,7 +234,9 @@ class DeploymentManager:
         else:
             await self._register(state, replica.name, [replica])
 
-    async def _register(self, state: DeploymentState, target: str, replicas: list[ReplicaState]) -> None:
+    async def _register(
+        self, state: DeploymentState, target: str, replicas: list[ReplicaState], strict: bool = False
+    ) -> None:
         from looprl.common.v1 import common_pb2
         from looprl.weightsync.v1 import weightsync_pb2
 
@@ -259,6 +270,8 @@ class DeploymentManager:
             run_id=self.config.run_id,
         )
         spec = self.specs.get(state.name)
+        if spec is not None:
+            request.weight_transport = spec.weight_transport
         if spec is not None and spec.canary:
             request.canary = True
             request.canary_policy.max_logprob_drift = spec.canary_max_logprob_drift
@@ -266,6 +279,13 @@ class DeploymentManager:
         try:
             reply = await self._weight_sync_stub().RegisterTarget(request, timeout=10)
         except Exception as exc:
+            refused = _refused_transport(exc)
+            if refused:
+                where = self._where.get(state.name, f"deployments[{state.name}]")
+                log.error("weight-sync refused %s: %s.%s", target, where, refused)
+                if strict:
+                    raise errors.InvalidArgument(f"{where}.{refused}") from None
+                return
             log.warning("weight-sync registration of %s failed: %s", target, exc)
             return
         if reply.current_version >= 0:
@@ -410,3 +430,14 @@ class DeploymentManager:
 async def _await_alive(handle: ReplicaHandle, timeout_s: float) -> None:
     """The actor's constructor finished (it may still lack weights: status says ready=False)."""
     await handle.status(timeout_s)
+
+
+def _refused_transport(exc: BaseException) -> str:
+    """Weight-sync's reason for refusing a registration's weight_transport ("" for any other error)."""
+    import grpc
+
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        details = exc.details() or ""
+        if details.startswith("weight_transport:"):
+            return details
+    return ""

@@ -47,12 +47,12 @@ from services.kit import errors, telemetry, tls
 from services.kit.hosts import host_identity
 from services.kit.interceptors import ServerInterceptor
 from services.kit.recipe import DeploymentSpec
-from services.kit.weight_transfer import add_engine_servicer
-from services.kit.weight_transfer.probe import read_probe
-from services.kit.weight_transfer.stager import WeightStager
-from services.kit.weight_transfer.wire import decode_stage_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
+from services.weights import add_engine_servicer
+from services.weights.probe import read_probe
+from services.weights.stager import WeightStager
+from services.weights.wire import decode_stage_request
 
 log = logging.getLogger("looprl.inference_router.replica")
 _tracer = trace.get_tracer("looprl.inference_router.replica")

@@ -40,8 +40,8 @@ async def serve(cfg: RouterConfig) -> None:
     async def setup(_: Service) -> None:
         if cfg.deployments:
             connect_ray(cfg.ray_address, cfg.namespace)
-        for spec in cfg.deployments:
-            await manager.start(spec)
+        for i, spec in enumerate(cfg.deployments):
+            await manager.start(spec, where=f"deployments[{i}]")
             log.info("deployment %s started with %d replica(s)", spec.name, spec.replicas)
         router.start_polling()
 

@@ -26,9 +26,9 @@ import torch
 
 from looprl.inference.v1 import inference_pb2
 from services.kit import errors
-from services.kit.weight_transfer.stager import WeightStager
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
+from services.weights.stager import WeightStager
 
 if TYPE_CHECKING:
     from services.inference_router.engine.base import Engine

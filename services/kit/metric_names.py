@@ -177,7 +177,8 @@ CATALOG: tuple[MetricSpec, ...] = (
         "looprl_weight_sync_sync_seconds",
         "seconds",
         ("deployment", "transport"),
-        "Time to deliver one version to a deployment (transport: shm | grpc | mixed)",
+        "Time to deliver one version to a deployment (transport: the weight_transport kind that reached its "
+        "ranks - shm, grpc, shared_copy, cuda_ipc, nccl - or mixed)",
         "weight-sync",
         LONG_SECONDS_BUCKETS,
     ),
@@ -185,7 +186,8 @@ CATALOG: tuple[MetricSpec, ...] = (
         "looprl_weight_sync_delivered_bytes_total",
         "bytes",
         ("transport", "host"),
-        "Weight payload bytes delivered, by transport (shm | grpc) and receiver host identity",
+        "Weight payload bytes delivered, by transport (shm, grpc, shared_copy, cuda_ipc or nccl) and "
+        "receiver host identity",
         "weight-sync",
     ),
     _c(

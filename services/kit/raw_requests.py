@@ -3,7 +3,7 @@
 Protobuf copies a bytes field when it parses a message and again on every access of the field. For
 methods whose messages carry large payloads (weight buckets, pushed weight shards) the handler gets
 the request bytes as received instead and decodes them itself, leaving the payloads in place
-(services/kit/weight_transfer/wire.py). Interceptors that parse requests themselves
+(services/weights/wire.py). Interceptors that parse requests themselves
 (services.kit.interceptors) pass raw bytes through unchanged.
 """
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from looprl.weightsync.v1 import weightsync_pb2
 from services.kit.codec import TORCH_TO_PROTO, tensor_from_bytes, tensor_to_bytes, torch_dtype
-from services.kit.weight_transfer.checksum import hash64
+from services.weights.checksum import hash64
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 

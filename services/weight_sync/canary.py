@@ -22,6 +22,7 @@ before they left.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ import grpc
 
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger("looprl.weight_sync.canary")
 
 Answer = tuple[list[int], list[float]]  # greedy tokens and their log-probs
 
@@ -111,3 +114,14 @@ async def check(
     passed = drift <= max_drift
     detail = f"log-prob drift {drift:.4g} over {compared} positions (bound {max_drift:g})"
     return CanaryVerdict(passed, drift, compared, detail)
+
+
+async def rollback(stub: inference_pb2_grpc.InferenceEngineServiceStub, ep: object, version: int) -> str:
+    """Roll a rejected version back on one rank: "" when it did, else why not (it still serves it)."""
+    try:
+        await stub.RollbackWeights(inference_pb2.RollbackWeightsRequest(version=version), timeout=60)
+    except grpc.aio.AioRpcError as exc:
+        log.error("%s: rollback of rejected version %s failed (%s: %s); it still serves it", ep, version,
+                  exc.code().name, exc.details())  # fmt: skip
+        return f"{ep}: {exc.code().name}: {exc.details()}"
+    return ""

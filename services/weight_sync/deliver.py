@@ -1,9 +1,10 @@
 """Delivering versions to targets: plan, stage on every rank, commit on every rank, publish.
 
-For a version, the due targets are grouped by layout; every (layout, rank) group gets ONE bucket
-stream, fanned out to the group's receivers (shared memory for receivers proven to be on this
-host, placement.py: the bucket is written once and read by all of them; gRPC otherwise, the same
-encoded bytes sent to each).
+For a version, the due targets are grouped by layout; every (layout, rank, transport) group gets ONE
+bucket stream, fanned out to the group's receivers. The transport of a rank is its target's
+weight_transport resolved by transport/factory.py against placement.py's verdict: with auto, shared
+memory for receivers proven to be on this host (the bucket is written once and read by all of them)
+and gRPC otherwise (the same encoded bytes sent to each).
 All ranks of all groups stage concurrently. A deployment commits only when every one of its ranks
 staged the version completely and verified; otherwise all its ranks abort, it keeps serving v-1,
 and the delivery is retried (or superseded by a newer version). After the commit:
@@ -33,12 +34,15 @@ from opentelemetry import trace
 
 from looprl.inference.v1 import inference_pb2
 from services.kit import telemetry
-from services.kit.weight_transfer import DeliveryError, Endpoint, GrpcTransport, ShmTransport, StageResult
 from services.modeling.config import ModelConfig
+from services.weight_sync.transport import Endpoint, StageResult
+from services.weight_sync.transport.factory import Transports, TransportSettings
+from services.weights import DeliveryError
 
 from . import canary, metrics
 from .placement import Placement
-from .plan import PlanCache, PlannedBucket, RankPlan, TrainerLayout
+from .plan import PlanCache, RankPlan, TrainerLayout
+from .planned_bucket import PlannedBucket
 from .targets import Target
 from .versions import VersionBuffer, VersionStore
 
@@ -74,11 +78,13 @@ class Deliverer:
         self.targets: dict[str, Target] = {}
         self.plans = PlanCache()
         self.bucket_bytes = bucket_bytes
-        self.grpc = GrpcTransport(prefetch=prefetch)
-        self.shm = ShmTransport(
-            segment_bytes=bucket_bytes, segments=shm_segments,
-            share_min_receivers=shared_copy_min_receivers, shared_copies=shared_copies,
+        self.transports = Transports(
+            TransportSettings(
+                bucket_bytes=bucket_bytes, shm_segments=shm_segments, prefetch=prefetch,
+                shared_copy_min_receivers=shared_copy_min_receivers, shared_copies=shared_copies,
+            )
         )  # fmt: skip
+        self.grpc = self.transports.control  # commit, abort, status and probes, whatever the transport
         self.placement = Placement(self.grpc.stub, host_id=host_id)
         self.retry_attempts = retry_attempts
         self.retry_backoff_s = retry_backoff_s
@@ -95,6 +101,25 @@ class Deliverer:
         self._last_layout: TrainerLayout | None = None
         self._config: ModelConfig | None = None
         self._config_json = ""
+
+    # --------------------------------------------------------- transports
+    def kind_for(self, t: Target, ep: Endpoint) -> str:
+        """The transport kind that reaches rank `ep` of target `t` (DeliveryError when its
+        weight_transport cannot reach it, e.g. shm for a rank on another host)."""
+        return self.transports.resolve(
+            t.transport, co_located=self.placement.uses_shm(ep), why=self.placement.reason(ep)
+        )
+
+    def shown_kind(self, t: Target, ep: Endpoint) -> str:
+        """`kind_for`, or the kind the target names when it cannot reach `ep` (status, metrics)."""
+        try:
+            return self.kind_for(t, ep)
+        except DeliveryError:
+            return t.transport
+
+    def reached_by(self, t: Target) -> str:
+        """How the target is reached, for metrics: a kind, or mixed."""
+        return metrics.transport(self.shown_kind(t, e) for e in t.endpoints)
 
     # ------------------------------------------------------------ events
     def model_config(self, buf: VersionBuffer | None = None) -> ModelConfig | None:
@@ -166,32 +191,39 @@ class Deliverer:
                 )
             start = time.perf_counter()
             await self.placement.place(e for t in targets for e in t.endpoints)
-            skip = await self._ranks_already_at(version, targets) if forced else set()
-            jobs, job_keys = [], []
-            by_layout: dict[object, list[Target]] = {}
+            kinds: dict[Endpoint, str] = {}
+            reachable: list[Target] = []
             for t in targets:
+                try:
+                    kinds.update({e: self.kind_for(t, e) for e in t.endpoints})
+                    reachable.append(t)
+                except DeliveryError as exc:  # this target only: its transport cannot reach a rank
+                    await self._failed(t, buf, f"{t.deployment}: {exc}")
+            skip = await self._ranks_already_at(version, reachable) if forced else set()
+            jobs = []
+            by_layout: dict[object, list[Target]] = {}
+            for t in reachable:
                 by_layout.setdefault(t.layout, []).append(t)
             for layout, group in by_layout.items():
                 plan = self.plans.get(trainer_layout, config, layout, self.bucket_bytes)
                 for rank_plan in plan.ranks:
-                    eps = [
-                        e for t in group for e in t.endpoints if e.rank == rank_plan.rank and e not in skip
-                    ]
-                    shm = [e for e in eps if self.placement.uses_shm(e)]
-                    for transport, subset in ((self.shm, shm), (self.grpc, [e for e in eps if e not in shm])):
-                        if subset:
-                            jobs.append(transport.stage(
-                                version, subset, self._buckets(rank_plan, buf),
-                                model_config_json=self._config_json, total_bytes=rank_plan.nbytes,
-                                timeout_s=self.stage_timeout_s,
-                            ))  # fmt: skip
-                            job_keys.append(subset)
+                    by_kind: dict[str, list[Endpoint]] = {}
+                    for t in group:
+                        for e in t.endpoints:
+                            if e.rank == rank_plan.rank and e not in skip:
+                                by_kind.setdefault(kinds[e], []).append(e)
+                    for kind, subset in by_kind.items():
+                        jobs.append(self.transports.get(kind).stage(
+                            version, subset, self._buckets(rank_plan, buf),
+                            model_config_json=self._config_json, total_bytes=rank_plan.nbytes,
+                            timeout_s=self.stage_timeout_s,
+                        ))  # fmt: skip
             results: dict[Endpoint, StageResult] = {}
             for res in await asyncio.gather(*jobs):
                 results.update(res)
             for ep, res in results.items():
-                self.placement.delivered(ep, res.bytes_sent)
-            await asyncio.gather(*(self._finish(t, version, results, skip, start) for t in targets))
+                self.placement.delivered(ep, res.bytes_sent, kinds[ep])
+            await asyncio.gather(*(self._finish(t, version, results, skip, start) for t in reachable))
         except asyncio.CancelledError:
             await asyncio.gather(*(self.grpc.abort(e, version) for t in targets for e in t.endpoints))
             for t in targets:
@@ -212,11 +244,7 @@ class Deliverer:
     async def _buckets(self, rank_plan: RankPlan, buf: VersionBuffer):
         for spec in rank_plan.buckets:
             if not buf.complete:
-                keys = getattr(spec, "_keys", None)
-                if keys is None:
-                    keys = {op.chunk for op in spec.ops}
-                    spec._keys = keys  # type: ignore[attr-defined]
-                await buf.wait_for(keys)
+                await buf.wait_for(spec.chunk_keys)
             yield PlannedBucket(spec, rank_plan.dtype, buf.chunks, buf.locations, buf.sums)
 
     async def _ranks_already_at(self, version: int, targets: list[Target]) -> set[Endpoint]:
@@ -260,7 +288,7 @@ class Deliverer:
         t.last_bytes = sum(results[e].bytes_sent for e in t.endpoints if e in results)
         t.last_sync_seconds = time.perf_counter() - start
         run_id = t.run_id or (buf.run_id if buf is not None else "")
-        reached_by = metrics.transport(t.endpoints, self.placement.uses_shm)
+        reached_by = self.reached_by(t)
         metrics.delivered(run_id, t.deployment, version, t.last_sync_seconds, reached_by)
         t.attempts.pop(version, None)
         log.info("deployment %s now serves version %s (%d bytes, %.3fs)", t.deployment, version, t.last_bytes,
@@ -288,18 +316,8 @@ class Deliverer:
             # without a check rather than never updating; say so.
             log.warning("canary of %s skipped for version %s: no reference answers (%s: %s)", t.deployment,
                         version, exc.code().name, exc.details())  # fmt: skip
-            try:  # the caller commits the other replicas only: this one switches here
-                await asyncio.gather(*(self.grpc.commit(e, version) for e in replica))
-            except DeliveryError as commit_exc:
-                await asyncio.gather(*(self.grpc.abort(e, version) for e in t.endpoints if e not in skip))
-                await self._failed(t, self._buffer(version), f"canary commit: {commit_exc}")
-                return False
-            return True
-        try:
-            await asyncio.gather(*(self.grpc.commit(e, version) for e in replica))
-        except DeliveryError as exc:
-            await asyncio.gather(*(self.grpc.abort(e, version) for e in t.endpoints if e not in skip))
-            await self._failed(t, self._buffer(version), f"canary commit: {exc}")
+            return await self._commit_canary(t, version, replica, skip)  # the caller commits the others
+        if not await self._commit_canary(t, version, replica, skip):
             return False
         verdict = await canary.check(stub, before, prompts, tokens, bound, tag=f"{tag}-after")
         t.canary_drift = verdict.drift if math.isfinite(verdict.drift) else -1.0
@@ -307,7 +325,9 @@ class Deliverer:
             log.info("canary of %s passed for version %s: %s", t.deployment, version, verdict.detail)
             return True
         log.warning("canary of %s REJECTED version %s: %s", t.deployment, version, verdict.detail)
-        errors = await asyncio.gather(*(self._rollback(e, version) for e in replica))
+        errors = await asyncio.gather(
+            *(canary.rollback(self.grpc.stub(e.address), e, version) for e in replica)
+        )
         await asyncio.gather(
             *(self.grpc.abort(e, version) for e in t.endpoints if e not in skip and e not in replica)
         )
@@ -325,16 +345,17 @@ class Deliverer:
                             exc)  # fmt: skip
         return False
 
-    async def _rollback(self, ep: Endpoint, version: int) -> str:
+    async def _commit_canary(
+        self, t: Target, version: int, replica: list[Endpoint], skip: set[Endpoint]
+    ) -> bool:
+        """Commit the canary replica alone; on failure every rank aborts and the target fails."""
         try:
-            await self.grpc.stub(ep.address).RollbackWeights(
-                inference_pb2.RollbackWeightsRequest(version=version), timeout=60
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.error("%s: rollback of rejected version %s failed (%s: %s); it still serves it", ep, version,
-                      exc.code().name, exc.details())  # fmt: skip
-            return f"{ep}: {exc.code().name}: {exc.details()}"
-        return ""
+            await asyncio.gather(*(self.grpc.commit(e, version) for e in replica))
+        except DeliveryError as exc:
+            await asyncio.gather(*(self.grpc.abort(e, version) for e in t.endpoints if e not in skip))
+            await self._failed(t, self._buffer(version), f"canary commit: {exc}")
+            return False
+        return True
 
     def _buffer(self, version: int) -> VersionBuffer | None:
         latest = self.store.latest
@@ -391,6 +412,5 @@ class Deliverer:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.grpc.close()
-        await self.shm.close()
+        await self.transports.close()
         self.store.close()

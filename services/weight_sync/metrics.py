@@ -4,10 +4,9 @@ transport and host are counted where routes are decided (placement.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from services.kit.metric_names import counter, gauge, histogram, observe
-from services.kit.weight_transfer import Endpoint
 
 LATEST_VERSION = gauge("looprl_weight_sync_latest_version")
 DEPLOYMENT_VERSION = gauge("looprl_weight_sync_deployment_version")
@@ -17,9 +16,9 @@ REJECTED = counter("looprl_weight_sync_rejected_versions_total")
 FAILED = counter("looprl_weight_sync_failed_syncs_total")
 
 
-def transport(endpoints: Iterable[Endpoint], uses_shm: Callable[[Endpoint], bool]) -> str:
-    """How a deployment is reached: shm, grpc, or mixed when its ranks are reached both ways."""
-    used = {"shm" if uses_shm(e) else "grpc" for e in endpoints}
+def transport(kinds: Iterable[str]) -> str:
+    """How a deployment is reached: the transport kind of its ranks, or mixed when they differ."""
+    used = set(kinds)
     return used.pop() if len(used) == 1 else "mixed"
 
 

@@ -2,7 +2,7 @@
 
 A rank gets shared memory only when both hold: the host identity it registered equals weight-sync's
 own (services/kit/hosts.py), and it reads back a nonce weight-sync has just written into a probe
-segment (services/kit/weight_transfer/probe.py). Anything else (another host, no identity, a probe
+segment (services/weight_sync/transport/arena.py ProbeSegment). Anything else (another host, no identity, a probe
 that fails, times out or reads other bytes, an engine without the probe RPC) is gRPC, with the reason
 kept beside the route. A route is decided once per endpoint (address, rank, host identity): a
 replica that restarts registers a new address and is probed again.
@@ -24,8 +24,8 @@ from looprl.inference.v1 import inference_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2
 from services.kit.hosts import host_identity
 from services.kit.metric_names import counter
-from services.kit.weight_transfer import Endpoint
-from services.kit.weight_transfer.probe import ProbeSegment
+from services.weight_sync.transport import Endpoint
+from services.weight_sync.transport.arena import ProbeSegment
 
 log = logging.getLogger("looprl.weight_sync.placement")
 
@@ -68,9 +68,13 @@ class Placement:
         route = self.routes.get(ep)
         return route is not None and route.transport == SHM
 
-    def delivered(self, ep: Endpoint, nbytes: int) -> None:
+    def reason(self, ep: Endpoint) -> str:
         route = self.routes.get(ep)
-        transport = route.transport if route is not None else GRPC
+        return route.reason if route is not None else "not placed yet"
+
+    def delivered(self, ep: Endpoint, nbytes: int, transport: str) -> None:
+        """Count bytes sent to `ep` over `transport` (the kind that reached it)."""
+        route = self.routes.get(ep)
         if route is not None:
             route.bytes_delivered += nbytes
         DELIVERED_BYTES.labels(transport, ep.host_id or "unknown").inc(nbytes)
@@ -81,11 +85,12 @@ class Placement:
         for ep in [e for e in self.routes if e not in kept]:
             del self.routes[ep]
 
-    def to_proto(self, ep: Endpoint) -> weightsync_pb2.DeliveryRoute:
+    def to_proto(self, ep: Endpoint, transport: str = "") -> weightsync_pb2.DeliveryRoute:
+        """The rank's route; `transport` is the kind that reaches it when the target names one."""
         route = self.routes.get(ep) or Route(GRPC, "not placed yet")
         return weightsync_pb2.DeliveryRoute(
             replica=ep.replica, rank=ep.rank, address=ep.address, host_id=ep.host_id,
-            transport=route.transport, reason=route.reason, bytes_delivered=route.bytes_delivered,
+            transport=transport or route.transport, reason=route.reason, bytes_delivered=route.bytes_delivered,
         )  # fmt: skip
 
     async def _decide(self, ep: Endpoint) -> Route:

@@ -17,7 +17,7 @@ from looprl.weightsync.v1 import weightsync_pb2_grpc
 from services.kit import subjects
 from services.kit.config import bus_url
 from services.kit.server import Service
-from services.kit.weight_transfer import sweep_stale_segments
+from services.weight_sync.transport import sweep_stale_segments
 
 from .config import WeightSyncConfig
 from .deliver import Deliverer

@@ -11,9 +11,9 @@ from opentelemetry import trace
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit import telemetry
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.kit.weight_transfer.wire import decode_push_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import hf_params
+from services.weights.wire import decode_push_request
 
 from . import metrics
 from .deliver import Deliverer
@@ -95,6 +95,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
 
     async def RegisterTarget(self, request, context):
         target = target_from_request(request)
+        self.deliverer.transports.check(target.transport)  # a kind this host cannot run is refused here
         config = self.deliverer.model_config()
         if request.model_config_json and config is None:
             config = ModelConfig.from_hf_dict(json.loads(request.model_config_json))
@@ -111,7 +112,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
         placement = self.deliverer.placement
         placement.forget_except(e for t in self.deliverer.targets.values() for e in t.endpoints)
         await placement.place(target.endpoints)
-        metrics.init_deployment(target.deployment, metrics.transport(target.endpoints, placement.uses_shm))
+        metrics.init_deployment(target.deployment, self.deliverer.reached_by(target))
         if self.state is not None:
             await self.state.save_target(target)
         latest = self.store.latest
@@ -124,7 +125,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
         targets = []
         for t in sorted(self.deliverer.targets.values(), key=lambda t: t.deployment):
             proto = t.to_proto()
-            proto.routes.extend(placement.to_proto(e) for e in t.endpoints)
+            proto.routes.extend(placement.to_proto(e, self.deliverer.shown_kind(t, e)) for e in t.endpoints)
             targets.append(proto)
         return weightsync_pb2.GetVersionResponse(
             latest_version=self.store.latest_version, targets=targets, host_id=placement.host_id

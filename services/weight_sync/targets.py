@@ -1,5 +1,5 @@
 """Registered targets (inference deployments): layout, replicas and their rank endpoints, policy
-(every k versions, canary) and sync state."""
+(every k versions, canary), the transport that reaches them (transport/factory.py) and sync state."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from looprl.common.v1 import common_pb2
 from looprl.weightsync.v1 import weightsync_pb2
 from services.kit.errors import InvalidArgument
-from services.kit.weight_transfer import Endpoint
 from services.modeling.layouts import Layout
+from services.weight_sync.transport import Endpoint
+from services.weight_sync.transport.factory import KINDS
 
 _DTYPES = {
     common_pb2.DType.D_TYPE_FLOAT32: "float32",
@@ -38,6 +39,7 @@ class Target:
     canary: bool = False
     canary_settings: CanarySettings = field(default_factory=CanarySettings)
     run_id: str = ""
+    transport: str = "auto"  # weight_transport: a kind of transport/factory.py
     registration: weightsync_pb2.RegisterTargetRequest | None = None
     version: int = -1
     state: str = "registered"  # registered | syncing | ready | failed
@@ -107,6 +109,9 @@ def target_from_request(req: weightsync_pb2.RegisterTargetRequest) -> Target:
             (Endpoint(r.address, r.rank, req.deployment, r.host_id, name) for r in ranks),
             key=lambda e: e.rank,
         )
+    transport = req.weight_transport or "auto"
+    if transport not in KINDS:
+        raise InvalidArgument(f"weight_transport: unknown transport {transport!r} ({', '.join(KINDS)})")
     if req.every_k_versions < 0:
         raise InvalidArgument(f"every_k_versions: must be >= 0, got {req.every_k_versions}")
     policy = req.canary_policy
@@ -125,6 +130,7 @@ def target_from_request(req: weightsync_pb2.RegisterTargetRequest) -> Target:
     return Target(
         deployment=req.deployment, layout=Layout(tp, naming, dtype), endpoints=endpoints,
         every_k=max(1, req.every_k_versions), canary=req.canary, run_id=req.run_id, registration=req,
+        transport=transport,
         canary_settings=CanarySettings(prompts, policy.tokens_per_prompt, float(policy.max_logprob_drift)),
     )  # fmt: skip
 

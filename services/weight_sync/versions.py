@@ -1,11 +1,11 @@
 """Incoming versions: trainer ranks push dim-0 chunks; we verify, keep and index them.
 
 A `VersionBuffer` collects the chunks of one version from every trainer rank. Each chunk is
-copied once into the version's shared-memory arena (shm.ChunkArena) and its trainer CRC32 is
-verified on the bytes as they sit there: from then on they are the single copy every delivery
+copied once into the version's shared-memory arena (transport/arena.py ChunkArena) and its
+trainer hash64 is verified on the bytes as they sit there (a chunk without one is refused): from then on they are the single copy every delivery
 reads (gRPC buckets are assembled from them; co-located receivers read their slices straight
 out of the arena, reshard-on-read). Without an arena (no shared memory wanted) the chunk stays in
-the received message's bytes, as before. It knows which chunks have arrived, so a delivery planned from the previous
+the received message's bytes. It knows which chunks have arrived, so a delivery planned from the previous
 version's layout can start sending a bucket as soon as its chunks are in (pipelining), and
 it is complete when every rank said `last`. Validation names the field that is wrong; any bad
 chunk drops the whole version (nothing of it is ever delivered).
@@ -17,7 +17,7 @@ import asyncio
 import math
 import time
 import warnings
-import zlib
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,20 +25,12 @@ import torch
 
 from looprl.weightsync.v1 import weightsync_pb2
 from services.kit.errors import FailedPrecondition, InvalidArgument
-from services.kit.weight_transfer import itemsize
-from services.kit.weight_transfer.checksum import copy_and_hash64, hash64, landing_sums
-from services.kit.weight_transfer.shm import ArenaPool, ChunkArena
-from services.kit.weight_transfer.specs import torch_dtype_of
+from services.weight_sync.transport.arena import ArenaPool, ChunkArena
+from services.weights import itemsize
+from services.weights.checksum import SliceChecksum, landing_sums, verify_slice
+from services.weights.specs import torch_dtype_of
 
 from .plan import ChunkKey, ChunkMeta, SourceParam, TrainerLayout
-
-
-class ChunkChecksumError(InvalidArgument):
-    """A pushed chunk's bytes do not match its checksum (hash64, or crc32 from older trainers)."""
-
-    import grpc as _grpc
-
-    code = _grpc.StatusCode.DATA_LOSS
 
 
 @dataclass
@@ -129,20 +121,12 @@ class VersionBuffer:
         stored = data
         if self.arena is not None and expected:
             segment, offset, view = self.arena.alloc(expected)
-            stored = view  # the trainer's checksum is verified on the bytes every delivery will read
-        if chunk.HasField("hash64"):  # hashed block by block as each lands in the arena: one pass
-            field_name, want, digits = "hash64", chunk.hash64, 18
-            actual = copy_and_hash64(stored, data) if stored is not data else hash64(data)
-        else:
-            field_name, want, digits = "crc32", chunk.crc32, 10
-            if stored is not data:
-                np.copyto(np.frombuffer(stored, np.uint8), np.frombuffer(data, np.uint8))
-            actual = zlib.crc32(stored)
-        if actual != want:
-            raise ChunkChecksumError(
-                f"{where}.{field_name}: {chunk.name} rows from {chunk.row_offset} have {field_name} "
-                f"{actual:#0{digits}x}, sender said {want:#0{digits}x}"
-            )
+            stored = view
+        # The trainer's hash64, checked on the bytes every delivery will read: hashed block by block as
+        # each lands in the arena, in the same pass as the copy.
+        checksum = SliceChecksum("hash64", int(chunk.hash64)) if chunk.HasField("hash64") else None
+        verify_slice(checksum, data, where=where, what=f"{chunk.name} rows from {chunk.row_offset}",
+                     into=None if stored is data else np.frombuffer(stored, np.uint8))  # fmt: skip
         self.params[chunk.name] = (shape, dtype)
         if chunk.rows == 0:
             return 0
@@ -196,7 +180,7 @@ class VersionBuffer:
         async with cond:
             cond.notify_all()
 
-    async def wait_for(self, keys: set[ChunkKey]) -> None:
+    async def wait_for(self, keys: AbstractSet[ChunkKey]) -> None:
         """Until every key has arrived; raises if the version fails or completes without them."""
         cond = self._condition()
         async with cond:

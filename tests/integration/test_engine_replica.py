@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import zlib
 
 import grpc
 import pytest
@@ -19,6 +18,7 @@ from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
+from services.weights.checksum import hash64
 
 CONFIG = ModelConfig.tiny(vocab_size=61, max_position_embeddings=64)
 
@@ -49,7 +49,7 @@ def buckets(
                         shape=list(t.shape),
                         offset=off,
                         data=data,
-                        crc32=zlib.crc32(data),
+                        hash64=hash64(data),
                     )
                 )
         if corrupt and b == n_buckets - 1:
@@ -120,7 +120,7 @@ async def test_replica_stages_commits_and_serves_over_grpc() -> None:
         # A corrupted byte is caught by the checksum; version 1 keeps serving.
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.StageWeights(iter(buckets(v2, layout, 0, 2, corrupt=True)))
-        assert "crc32" in err.value.details()
+        assert "hash64" in err.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.CommitWeights(inference_pb2.CommitWeightsRequest(version=2))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -20,11 +20,11 @@ import torch
 from services.inference_router.engine.base import EngineRequest, SamplingParams
 from services.kit.errors import InvalidArgument
 from services.kit.recipe import DeploymentSpec
-from services.kit.weight_transfer.errors import ChecksumMismatch
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
+from services.weights.errors import ChecksumMismatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

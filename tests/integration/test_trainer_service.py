@@ -258,10 +258,10 @@ async def test_a_version_weight_sync_lost_in_a_restart_is_pushed_again_while_the
     A deployment still behind it can only get it from the trainer, which pushes it again while the
     next step waits for its batch."""
     from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
-    from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, serve_engine
     from services.modeling.config import ModelConfig
     from services.modeling.layouts import Layout, rank_params
     from services.trainer import loop
+    from services.weights import WeightOnlyEngine, WeightStager, serve_engine
     from tests.integration.test_weightsync_kill import start_weight_sync, wait_for, wait_ready
 
     monkeypatch.setattr(loop, "REPUSH_AFTER_S", 3.0)

@@ -18,12 +18,12 @@ from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.inference_router.engine.cpu import CPUEngine
 from services.inference_router.replica import engine_request
 from services.kit.interceptors import ServerInterceptor
-from services.kit.weight_transfer import WeightReceiver, WeightStager, add_engine_servicer
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.weight_sync import canary
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import make
+from services.weights import WeightReceiver, WeightStager, add_engine_servicer
 from tests.support.synthetic_weights import push_version, random_state
 
 CONFIG = ModelConfig.tiny()

@@ -19,9 +19,9 @@ import torch
 
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit.local import free_port
-from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, serve_engine
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
+from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 from tests.support.synthetic_weights import random_state, rank_requests
 
 CONFIG = ModelConfig.tiny()

@@ -22,13 +22,13 @@ from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit.hosts import host_identity
 from services.kit.interceptors import ServerInterceptor
-from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, serve_engine
-from services.kit.weight_transfer.probe import ProbeSegment
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import make
+from services.weight_sync.transport.arena import ProbeSegment
+from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 from tests.support.synthetic_weights import rank_requests
 
 CONFIG = ModelConfig.tiny()

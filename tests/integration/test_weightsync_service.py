@@ -17,7 +17,6 @@ from looprl.common.v1 import common_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit.hosts import host_identity
 from services.kit.interceptors import ServerInterceptor
-from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, serve_engine
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.modeling.logprobs import token_logprobs
@@ -25,6 +24,7 @@ from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.tp_local import LocalTPGroup
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import make
+from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 from tests.support.synthetic_weights import rank_requests
 
 CONFIG = ModelConfig.tiny()
@@ -190,12 +190,11 @@ async def test_bad_pushes_are_rejected_and_nothing_is_swapped():
         await _push_expect(h, one(wrong_offset), code.INVALID_ARGUMENT, "shards[0].row_offset")
         await _push_expect(h, one(corrupt), code.DATA_LOSS, "shards[0].hash64")
 
-        def legacy_crc32_corrupted(c):  # an older trainer: CRC32 only, checked when hash64 is absent
+        def crc32_only(c):  # no hash64: nothing weight-sync verifies vouches for the bytes
             c.ClearField("hash64")
             c.crc32 = zlib.crc32(c.data)
-            corrupt(c)
 
-        await _push_expect(h, one(legacy_crc32_corrupted), code.DATA_LOSS, "shards[0].crc32")
+        await _push_expect(h, one(crc32_only), code.INVALID_ARGUMENT, "shards[0].hash64")
         await _push_expect(h, one(unknown), code.INVALID_ARGUMENT, "unknown parameter name")
         await _push_expect(
             h, one(version=0), code.FAILED_PRECONDITION, "not newer than the latest complete version 0"

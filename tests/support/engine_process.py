@@ -19,9 +19,9 @@ from pathlib import Path
 
 async def _serve(host: str, address_file: str, config_json: str) -> None:
     from services.kit.hosts import host_identity
-    from services.kit.weight_transfer import WeightOnlyEngine, WeightStager, serve_engine
     from services.modeling.config import ModelConfig
     from services.modeling.layouts import Layout, rank_params
+    from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 
     config = ModelConfig.from_dict(json.loads(config_json)) if config_json else ModelConfig.tiny()
     engine = WeightOnlyEngine(WeightStager(rank_params(config, Layout(1, "hf"), 0), rank=0))

@@ -10,8 +10,8 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from looprl.weightsync.v1 import weightsync_pb2
-from services.kit.weight_transfer import proto_dtype
-from services.kit.weight_transfer.checksum import hash64
+from services.weights import proto_dtype
+from services.weights.checksum import hash64
 
 
 def fsdp_rows(n: int, world: int, rank: int) -> tuple[int, int]:

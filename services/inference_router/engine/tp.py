@@ -34,11 +34,11 @@ import torch.distributed as dist
 
 from services.inference_router.engine.cpu import to_rank_shard
 from services.inference_router.engine.scheduler import ContinuousBatchingEngine, SchedulerLimits
-from services.kit.weight_transfer.stager import WeightStager
-from services.kit.weight_transfer.wire import decode_stage_request
 from services.modeling.config import ModelConfig
 from services.modeling.engine_model import EngineModel
 from services.modeling.layouts import Layout, rank_params
+from services.weights.stager import WeightStager
+from services.weights.wire import decode_stage_request
 
 log = logging.getLogger(__name__)
 

@@ -72,9 +72,9 @@ from services.inference_router.engine.vllm_args import (
 from services.inference_router.engine.vllm_handoff import RankHandoff, manifest_of
 from services.kit.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.kit.recipe import DeploymentSpec
-from services.kit.weight_transfer.errors import ChecksumMismatch, InvalidWeights
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout
+from services.weights.errors import ChecksumMismatch, InvalidWeights
 
 log = logging.getLogger("looprl.inference_router.vllm")
 

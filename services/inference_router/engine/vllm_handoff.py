@@ -1,7 +1,7 @@
 """Handing a committed weight version from a replica to its vLLM workers, one TP rank each.
 
 The replica stages every rank's resharded rectangles in its own `WeightStager`s (verified as they
-land, services/kit/weight_transfer/stager.py). Committing version v hands each rank's complete
+land, services/weights/stager.py). Committing version v hands each rank's complete
 state dict to that rank's vLLM worker through vLLM's weight-transfer API
 (`update_weights(update_info=[...])`, a list indexed by worker rank). What crosses vLLM's
 engine-core process must survive its msgpack utility-call encoding without type information
@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.kit.weight_transfer.checksum import hash64
-from services.kit.weight_transfer.errors import ChecksumMismatch, InvalidWeights
-from services.kit.weight_transfer.specs import dtype_name
+from services.weights.checksum import hash64
+from services.weights.errors import ChecksumMismatch, InvalidWeights
+from services.weights.specs import dtype_name
 
 UPDATE_FIELDS = ("version", "phase", "transport", "segment", "params", "handles")
 PHASES = ("verify", "load")

@@ -43,7 +43,7 @@ from services.inference_router.engine.vllm_handoff import (
     load_into,
     vocab_rows_start,
 )
-from services.kit.weight_transfer.errors import InvalidWeights
+from services.weights.errors import InvalidWeights
 
 BACKEND = "looprl"
 

@@ -21,9 +21,9 @@ import torch
 from services.inference_router.engine.vllm_engine import VLLMEngine, init_info_of
 from services.inference_router.engine.vllm_handoff import manifest_of
 from services.kit.recipe import DeploymentSpec
-from services.kit.weight_transfer.errors import ChecksumMismatch, InvalidWeights
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
+from services.weights.errors import ChecksumMismatch, InvalidWeights
 from tests.support import vllm_side
 from tests.support.synthetic_weights import random_state
 from tests.support.vllm_double import RecordingAsyncLLM, async_llm_signatures, normalized

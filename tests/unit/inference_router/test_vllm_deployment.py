@@ -28,10 +28,11 @@ from services.inference_router.replica import ReplicaCore
 from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.router import Router
 from services.kit.recipe import RecipeError, parse_recipe
-from services.kit.weight_transfer.wire import encode_stage_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
-from services.weight_sync.plan import PlannedBucket, build_deployment_plan
+from services.weight_sync.plan import build_deployment_plan
+from services.weight_sync.planned_bucket import PlannedBucket
+from services.weights.wire import encode_stage_request
 from tests.support.synthetic_weights import random_state
 from tests.support.vllm_double import RecordingAsyncLLM
 from tests.unit.weight_sync.test_weightsync_plan import push_all

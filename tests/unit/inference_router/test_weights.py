@@ -13,10 +13,10 @@ from services.inference_router.engine.base import EngineRequest, SamplingParams
 from services.inference_router.engine.cpu import CPUEngine
 from services.inference_router.weights import LocalWeights, WeightVersions
 from services.kit import errors
-from services.kit.weight_transfer import IncompleteVersion, WeightStager, tensors_bucket
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.modeling.qwen2 import Qwen2ForCausalLM
+from services.weights import IncompleteVersion, WeightStager, tensors_bucket
 
 CONFIG = ModelConfig.tiny()
 F32 = common_pb2.DType.D_TYPE_FLOAT32

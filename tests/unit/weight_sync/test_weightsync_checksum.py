@@ -10,9 +10,9 @@ import torch
 
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
-from services.kit.weight_transfer import InvalidWeights, WeightStager, copy_and_hash64, hash64, tensors_bucket
-from services.kit.weight_transfer.checksum import BLOCK_BYTES, Hasher64
-from services.kit.weight_transfer.wire import decode_stage_request, encode_stage_request
+from services.weights import InvalidWeights, WeightStager, copy_and_hash64, hash64, tensors_bucket
+from services.weights.checksum import BLOCK_BYTES, Hasher64
+from services.weights.wire import decode_stage_request, encode_stage_request
 
 F32 = common_pb2.DType.D_TYPE_FLOAT32
 
@@ -94,7 +94,7 @@ def test_decoded_corruption_and_malformed_bytes_are_rejected():
 
 def test_decoded_push_request_leaves_chunks_in_place_and_matches_protobuf():
     from services.kit.errors import InvalidArgument
-    from services.kit.weight_transfer.wire import decode_push_request
+    from services.weights.wire import decode_push_request
     from tests.support.synthetic_weights import rank_requests
 
     g = torch.Generator().manual_seed(1)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.kit.weight_transfer import Endpoint, WeightOnlyEngine, WeightStager, serve_engine
-from services.kit.weight_transfer.gpu import CudaIpcTransport
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params, shard_state_dict
-from services.weight_sync.plan import PlannedBucket, build_deployment_plan
+from services.weight_sync.plan import build_deployment_plan
+from services.weight_sync.planned_bucket import PlannedBucket
+from services.weight_sync.transport import Endpoint
+from services.weight_sync.transport.gpu import CudaIpcTransport
 from services.weight_sync.versions import VersionStore
+from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 from tests.support.synthetic_weights import random_state, rank_requests
 
 

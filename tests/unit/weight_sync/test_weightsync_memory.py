@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.kit.weight_transfer.memory import retain_bucket_buffers
+from services.weights.memory import retain_bucket_buffers
 
 BUCKET = 33 << 20  # above glibc's largest default mmap threshold (32 MiB)
 PAGES = BUCKET // 4096

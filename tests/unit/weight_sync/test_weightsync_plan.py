@@ -8,12 +8,13 @@ import torch
 
 from looprl.inference.v1 import inference_pb2
 from services.kit.errors import InvalidArgument
-from services.kit.weight_transfer import WeightStager
-from services.kit.weight_transfer.wire import encode_stage_request
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, hf_params, rank_params, shard_state_dict
-from services.weight_sync.plan import PlanCache, PlannedBucket, build_deployment_plan
+from services.weight_sync.plan import PlanCache, build_deployment_plan
+from services.weight_sync.planned_bucket import PlannedBucket
 from services.weight_sync.versions import VersionStore
+from services.weights import WeightStager
+from services.weights.wire import encode_stage_request
 from tests.support.synthetic_weights import random_state, rank_requests
 
 
@@ -117,7 +118,7 @@ def test_trainer_layout_rejects_gaps_between_rank_shards():
 def test_a_byte_flipped_after_hashing_slices_in_place_is_caught(layout):
     """Slices sent straight from the chunks are hashed where they sit; one byte changed on the way
     (here: in the encoded message) still fails verification and nothing is staged."""
-    from services.kit.weight_transfer.errors import ChecksumMismatch
+    from services.weights.errors import ChecksumMismatch
 
     config = ModelConfig.tiny(tie_word_embeddings=False, vocab_size=37)
     buf = push_all(random_state(config), 2)

@@ -4,7 +4,6 @@ ever swapped; only a complete, verified version commits."""
 from __future__ import annotations
 
 import itertools
-import zlib
 
 import grpc
 import pytest
@@ -12,7 +11,8 @@ import torch
 
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
-from services.kit.weight_transfer import (
+from services.weight_sync.transport.arena import ShmPool
+from services.weights import (
     ChecksumMismatch,
     IncompleteVersion,
     InvalidWeights,
@@ -20,7 +20,7 @@ from services.kit.weight_transfer import (
     WeightStager,
     tensors_bucket,
 )
-from services.kit.weight_transfer.shm import ShmPool
+from services.weights.checksum import hash64
 
 F32 = common_pb2.DType.D_TYPE_FLOAT32
 
@@ -40,9 +40,9 @@ def request(version, tensors, rank=0):
     )
 
 
-def one_slice(name="a.weight", shape=(4, 3), offset=0, data=None, dtype=F32, crc=None):
+def one_slice(name="a.weight", shape=(4, 3), offset=0, data=None, dtype=F32, checksum=None, sums=True):
     data = data if data is not None else torch.ones(3).numpy().tobytes()
-    return inference_pb2.StageWeightsRequest(
+    req = inference_pb2.StageWeightsRequest(
         version=1,
         slices=[
             inference_pb2.WeightSlice(
@@ -51,10 +51,12 @@ def one_slice(name="a.weight", shape=(4, 3), offset=0, data=None, dtype=F32, crc
                 shape=shape,
                 offset=offset,
                 data=data,
-                crc32=zlib.crc32(data) if crc is None else crc,
             )
         ],
     )
+    if sums:
+        req.slices[0].hash64 = hash64(data) if checksum is None else checksum
+    return req
 
 
 def test_complete_version_commits_and_becomes_serving():
@@ -86,7 +88,8 @@ def test_buckets_across_calls_and_in_any_order():
         (one_slice(offset=11), InvalidWeights, "slices[0].offset"),
         (one_slice(offset=-1), InvalidWeights, "slices[0].offset"),
         (one_slice(data=b"\x00" * 7), InvalidWeights, "slices[0].data"),
-        (one_slice(crc=12345), ChecksumMismatch, "slices[0].crc32"),
+        (one_slice(checksum=12345), ChecksumMismatch, "slices[0].hash64"),
+        (one_slice(sums=False), InvalidWeights, "slices[0].hash64"),
     ],
 )
 def test_bad_slices_are_rejected_and_drop_the_staged_version(bad, error, field):
@@ -170,7 +173,7 @@ def test_slices_from_shared_memory():
 
 def _adopt_request(version, seg_name, placed, split_at=None, sums=True):
     """Slices naming whole parameters already laid out in a segment (a shared copy)."""
-    from services.kit.weight_transfer.checksum import sum64
+    from services.weights.checksum import sum64
 
     slices = []
     for name, (offset, t) in placed.items():
@@ -312,7 +315,7 @@ def test_staging_a_newer_version_consumes_the_rollback_point():
 
 
 def test_shm_reader_keeps_mappings_until_their_segment_is_gone():
-    from services.kit.weight_transfer.shm import ShmReader
+    from services.weights.shm import ShmReader
 
     pool = ShmPool(1 << 12, count=1, tag="refresh")
     reader = ShmReader()

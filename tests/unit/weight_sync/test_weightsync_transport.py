@@ -9,19 +9,14 @@ import os
 import pytest
 import torch
 
-from services.kit.weight_transfer import (
-    Endpoint,
-    GrpcTransport,
-    ShmTransport,
-    WeightOnlyEngine,
-    WeightStager,
-    serve_engine,
-)
-from services.kit.weight_transfer.shm import PREFIX, shm_dir
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params, shard_state_dict
-from services.weight_sync.plan import PlannedBucket, build_deployment_plan
+from services.weight_sync.plan import build_deployment_plan
+from services.weight_sync.planned_bucket import PlannedBucket
+from services.weight_sync.transport import Endpoint, GrpcTransport, ShmTransport
 from services.weight_sync.versions import VersionStore
+from services.weights import WeightOnlyEngine, WeightStager, serve_engine
+from services.weights.shm import PREFIX, shm_dir
 from tests.support.synthetic_weights import random_state, rank_requests
 
 CONFIG = ModelConfig.tiny()
@@ -236,7 +231,7 @@ async def test_reshard_on_read_sends_no_bucket_bytes_and_delivers_exact_weights(
     ],
 )
 async def test_byte_changed_in_shared_memory_after_verification_is_caught(tp, naming, param, caught_by):
-    """Integrity on the in-place path: weight-sync verified each chunk's trainer CRC32 on the bytes
+    """Integrity on the in-place path: weight-sync verified each chunk's trainer hash64 on the bytes
     in its arena and recorded their row sums. A byte changed there afterwards is caught by the
     receiver's sum64 of what it copied (whole-row slices, expected sums derived from the landing
     record) or by weight-sync re-checking the rows of a column block before naming it; either way

@@ -33,12 +33,13 @@ import grpc
 import torch
 
 from looprl.inference.v1 import inference_pb2
+from services.weights.bucket import Bucket
+from services.weights.checksum import SliceChecksum, sum64, verify_slice
+from services.weights.errors import ChecksumMismatch, DeliveryError
+from services.weights.specs import itemsize, torch_dtype_of
 
-from .checksum import sum64
-from .errors import DeliveryError
-from .shm import ArenaPool, ChunkArena
-from .specs import itemsize, torch_dtype_of
-from .transport_base import Endpoint, StageResult, StageStreams, Transport
+from .arena import ArenaPool, ChunkArena
+from .base import Endpoint, StageResult, StageStreams, Transport
 
 log = logging.getLogger("looprl.weight_transfer")
 
@@ -120,7 +121,9 @@ async def versions_in_use(transport: Transport, endpoints: Sequence[Endpoint]) -
     return {v for s in statuses for v in (s.weight_version, s.rollback_version, s.staged_version) if v >= 0}
 
 
-def _materialize(copy: SharedCopy, bucket) -> list[tuple[inference_pb2.WeightSlice, int, torch.Tensor]]:
+def _materialize(
+    copy: SharedCopy, bucket: Bucket
+) -> list[tuple[inference_pb2.WeightSlice, int, torch.Tensor]]:
     """Copy the bucket's slices into the copy; (adopt slice, expected sum64, its bytes) each."""
     expected = bucket.expected_sums()  # from the landing record; None when chunks are not in shm
     dests, places = [], []
@@ -148,7 +151,7 @@ async def stage_shared(
     copy: SharedCopy,
     version: int,
     endpoints: Sequence[Endpoint],
-    buckets: AsyncIterator,
+    buckets: AsyncIterator[Bucket],
     *,
     model_config_json: str = "",
     total_bytes: int = 0,
@@ -208,9 +211,11 @@ async def stage_shared(
     if bad is None:  # shares of receivers that failed otherwise: weight-sync reads the same pages
         unverified = [s for ep, r in results.items() if r.error is not None for s in shares[ep]]
         for name, offset, want, dest in unverified:
-            if sum64(dest.numpy()) != want:
-                bad = DeliveryError(f"{name} elements from {offset} differ from what weight-sync verified",
-                                    code=grpc.StatusCode.DATA_LOSS)  # fmt: skip
+            try:
+                verify_slice(SliceChecksum("sum64", want), dest.numpy(), where=name,
+                             what=f"{name} elements from {offset} in the shared copy")  # fmt: skip
+            except ChecksumMismatch as exc:
+                bad = DeliveryError(str(exc), code=grpc.StatusCode.DATA_LOSS)
                 break
     for ep, res in results.items():
         res.seconds = time.perf_counter() - start

@@ -1,11 +1,11 @@
-"""Sender-side buckets: a run of receiver slices whose bytes are assembled into one buffer.
+"""The Bucket contract: a run of receiver slices whose bytes a sender assembles into one buffer.
 
 A Bucket knows its slices (receiver name, dtype, full shape, element offset, where its bytes
 sit in the bucket, checksum) and how to fill a destination buffer with its bytes. Checksums are
-hash64 (checksum.py), computed block by block as the bytes land in the bucket. Transports
-decide where that buffer lives (a gRPC message, a shared-memory segment, a device buffer); the
-reshard plan decides what goes in it (services/weight_sync/plan.py assembles straight from the
-trainer's shard buffers, so no full copy of the model is ever made).
+hash64 (checksum.py), computed block by block as the bytes land in the bucket. Transports decide
+where that buffer lives (a gRPC message, a shared-memory segment, a device buffer); weight-sync's
+reshard plan decides what goes in it (services/weight_sync/planned_bucket.py assembles straight
+from the trainer's shard buffers, so no full copy of the model is ever made).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ class SliceRef:
     offset: int  # element offset into the flattened receiver parameter
     byte_start: int  # where its bytes start inside the bucket payload
     nbytes: int
-    crc32: int = 0  # legacy senders; receivers verify hash64 when it is set
     hash64: int | None = None
 
     def to_proto(
@@ -42,7 +41,6 @@ class SliceRef:
             dtype=self.dtype,
             shape=self.shape,
             offset=self.offset,
-            crc32=self.crc32,
             nbytes=self.nbytes,
         )
         if self.hash64 is not None:
@@ -63,12 +61,12 @@ class Bucket(Protocol):
     nbytes: int
     slices: list[SliceRef]
     shareable: bool
-    """Whether `copy_to` can write it into shared copies (shared_copy.py)."""
+    """Whether `copy_to` can write it into shared copies (services/weight_sync/transport/shared_copy.py)."""
 
     def fill(self, dest: memoryview) -> None:
         """Write the payload into dest[0:nbytes] and set every slice's hash64."""
 
-    def payload_parts(self, scratch: memoryview) -> list | None:
+    def payload_parts(self, scratch: memoryview) -> list[np.ndarray] | None:
         """Every slice's payload as a buffer, hash64 set, copying into scratch only what does not
         already sit contiguous; None when the bucket has no cheaper way than `fill`."""
 
@@ -78,6 +76,10 @@ class Bucket(Protocol):
 
     def copy_to(self, dests: Sequence[Any]) -> None:
         """Copy slice i into dests[i] (uint8 tensors of its nbytes); only when `shareable`."""
+
+    def expected_sums(self) -> list[int] | None:
+        """The sum64 each slice must have as it lands, from weight-sync's record of bytes it already
+        verified; None when there is no such record (then a shared copy is summed as written)."""
 
 
 @dataclass
@@ -110,6 +112,9 @@ class BytesBucket:
 
     def copy_to(self, dests: Sequence[Any]) -> None:
         raise TypeError("a BytesBucket is not shareable: its payload is not laid out per slice")
+
+    def expected_sums(self) -> None:
+        return None
 
 
 def set_checksums(slices: Sequence[SliceRef], payload: memoryview) -> None:

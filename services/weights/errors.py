@@ -14,7 +14,9 @@ from services.kit.errors import FailedPrecondition, InvalidArgument
 
 
 class WeightTransferError(ValueError):
-    """Base of every staging error."""
+    """Base of every staging error; `code` is the status a servicer answers it with."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class InvalidWeights(InvalidArgument, WeightTransferError):
@@ -30,7 +32,7 @@ class IncompleteVersion(FailedPrecondition, WeightTransferError):
 
 
 class ChecksumMismatch(InvalidWeights):
-    """The bytes of a slice do not match the CRC32 the sender computed: corrupted in transit."""
+    """The bytes of a slice do not match the checksum they came with (checksum.verify_slice)."""
 
     code = grpc.StatusCode.DATA_LOSS
 

@@ -65,7 +65,7 @@ class WeightReceiver:
             # server already closed gets a generic INTERNAL from gRPC instead of this status.
             async for _ in request_iterator:
                 pass
-            await context.abort(getattr(exc, "code", grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+            await context.abort(exc.code, str(exc))
         finally:
             if not finished and version is not None and version != self.stager.serving_version:
                 # The stream broke (sender died, cancelled): never keep half a version around.
@@ -81,7 +81,7 @@ class WeightReceiver:
 
     def _stage(self, request, reader):
         if request.device_handle or request.nccl_broadcast:
-            from .gpu import stage_device_request
+            from .device import stage_device_request
 
             progress = stage_device_request(self.stager, request, nccl_group=self.nccl_group)
         else:
@@ -98,7 +98,7 @@ class WeightReceiver:
         try:
             state = self.stager.commit(request.version)
         except (ServiceError, WeightTransferError) as exc:
-            await context.abort(getattr(exc, "code", grpc.StatusCode.FAILED_PRECONDITION), str(exc))
+            await context.abort(exc.code, str(exc))
         if self.on_commit is not None:
             result = self.on_commit(request.version, state)
             if inspect.isawaitable(result):
@@ -115,7 +115,7 @@ class WeightReceiver:
         try:
             previous, state = self.stager.rollback(request.version)
         except (ServiceError, WeightTransferError) as exc:
-            await context.abort(getattr(exc, "code", grpc.StatusCode.FAILED_PRECONDITION), str(exc))
+            await context.abort(exc.code, str(exc))
         if self.on_commit is not None:
             result = self.on_commit(previous, state)
             if inspect.isawaitable(result):

@@ -1,50 +1,23 @@
-"""The shared-memory probe: proof, not assumption, that a receiver sees weight-sync's /dev/shm.
+"""The receiving side of the shared-memory probe: proof, not assumption, that a receiver sees
+weight-sync's /dev/shm.
 
-Weight-sync writes a fresh random nonce into a small segment of its own (`ProbeSegment`) and asks
-the receiver (InferenceEngineService.ProbeSharedMemory) to read it back; the receiver answers with
-`read_probe`. Only when the bytes come back equal does weight-sync send that receiver shared-memory
+Weight-sync writes a fresh random nonce into a small segment of its own (ProbeSegment,
+services/weight_sync/transport/arena.py) and asks the receiver
+(InferenceEngineService.ProbeSharedMemory) to read it back; the receiver answers with `read_probe`. Only when the bytes come back equal does weight-sync send that receiver shared-memory
 buckets. A receiver in another mount namespace, container or machine finds no such segment, or
 another one of the same name, and gets gRPC.
 """
 
 from __future__ import annotations
 
-import os
-import uuid
-
 from looprl.inference.v1 import inference_pb2
 from services.kit.errors import InvalidArgument, NotFound
 from services.kit.hosts import host_identity, shm_dir
 
-from .shm import PREFIX, ShmSegment, validate_segment_name
+from .shm import validate_segment_name
 
 NONCE_BYTES = 32
 MAX_PROBE_BYTES = 4096
-
-
-class ProbeSegment:
-    """A segment holding a random nonce; unlinked on close (use as a context manager)."""
-
-    def __init__(self) -> None:
-        self.nonce = os.urandom(NONCE_BYTES)
-        self.segment = ShmSegment(f"{PREFIX}{os.getpid()}-probe-{uuid.uuid4().hex[:12]}", NONCE_BYTES)
-        self.segment.buffer[:NONCE_BYTES] = self.nonce
-
-    @property
-    def name(self) -> str:
-        return self.segment.name
-
-    def request(self) -> inference_pb2.ProbeSharedMemoryRequest:
-        return inference_pb2.ProbeSharedMemoryRequest(segment=self.name, nbytes=NONCE_BYTES)
-
-    def close(self) -> None:
-        self.segment.close()
-
-    def __enter__(self) -> ProbeSegment:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def read_probe(request: inference_pb2.ProbeSharedMemoryRequest) -> inference_pb2.ProbeSharedMemoryResponse:

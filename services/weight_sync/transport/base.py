@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -19,11 +19,12 @@ import grpc
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.kit import tls
 from services.kit.interceptors import client_interceptors
-
-from .bucket import Bucket
-from .errors import DeliveryError
+from services.weights.bucket import Bucket
+from services.weights.errors import DeliveryError
 
 STAGE_METHOD = "/looprl.inference.v1.InferenceEngineService/StageWeights"
+
+Buckets = Iterable[Bucket] | AsyncIterable[Bucket]
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-async def aiter_buckets(buckets: Iterable[Bucket] | AsyncIterable[Bucket]):
+async def aiter_buckets(buckets: Buckets) -> AsyncIterator[Bucket]:
     if isinstance(buckets, AsyncIterable):
         async for b in buckets:
             yield b
@@ -97,7 +98,7 @@ class Transport(ABC):
         self,
         version: int,
         endpoints: Sequence[Endpoint],
-        buckets: Iterable[Bucket] | AsyncIterable[Bucket],
+        buckets: Buckets,
         *,
         model_config_json: str = "",
         total_bytes: int = 0,

@@ -1,179 +1,28 @@
-"""Transports: how a sequence of buckets reaches the receivers of one delivery group.
+"""ShmTransport: buckets for receivers on weight-sync's host, through shared memory.
 
-One small interface (`Transport.stage/commit/abort`) with two host implementations:
-
-- GrpcTransport: a client stream of StageWeights per receiver carrying large buckets inline.
-  Each bucket is assembled and encoded once (in a worker thread, `prefetch` buckets ahead of
-  the network, so resharding and sending overlap) and the same wire bytes go to every
-  receiver of the group.
-- ShmTransport: for receivers on this host. Several receivers of one layout share one copy
-  (shared_copy.py): weight-sync writes the version once, laid out as their tensors, and each
-  adopts it read-only and verifies a share of it. A single receiver: when the bucket's source
-  bytes already live in
-  shared memory (weight-sync keeps pushed trainer chunks in a ChunkArena), nothing is copied on
-  the sending side: every receiver gets one StageWeights stream whose messages name rectangles
-  of those chunks (reshard-on-read) with a sum64 each, and copies them into its staging tensors
-  itself.
-  Otherwise (a dtype cast on the way, chunks not in shared memory) each bucket is assembled ONCE
-  into a pooled segment that all receivers read; a segment is reused once all answered.
-
-The interface and the gRPC control plane are in transport_base.py; device transports (CUDA IPC,
-NCCL) live in gpu.py behind the same interface. A failing receiver never stops the others of its
-group: it is dropped, aborted and reported in the per-endpoint results.
+Several receivers of one layout share one copy (shared_copy.py): weight-sync writes the version
+once, laid out as their tensors, and each adopts it read-only and verifies a share of it. A single
+receiver: when the bucket's source bytes already live in shared memory (weight-sync keeps pushed
+trainer chunks in a ChunkArena), nothing is copied on the sending side: every receiver gets one
+StageWeights stream whose messages name rectangles of those chunks (reshard-on-read) with a sum64
+each, and copies them into its staging tensors itself. Otherwise (a dtype cast on the way, chunks
+not in shared memory) each bucket is assembled ONCE into a pooled segment that all receivers read;
+a segment is reused once all answered. A failing receiver never stops the others of its group.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-
-import grpc
-import numpy as np
+from collections.abc import AsyncIterator, Sequence
 
 from looprl.inference.v1 import inference_pb2
+from services.weights.bucket import Bucket
+from services.weights.errors import DeliveryError
 
-from .bucket import Bucket
-from .errors import DeliveryError
-from .memory import retain_bucket_buffers
+from .arena import ShmPool
+from .base import Buckets, Endpoint, StageResult, StageStreams, Transport, aiter_buckets
 from .shared_copy import SharedCopies, stage_shared, versions_in_use
-from .shm import ShmPool
-from .transport_base import (
-    STAGE_METHOD,
-    Endpoint,
-    StageResult,
-    StageStreams,
-    Transport,
-    aiter_buckets,
-    call_error,
-    identity,
-)
-from .wire import encode_stage_request
-
-__all__ = ["Endpoint", "GrpcTransport", "ShmTransport", "StageResult", "Transport"]
-
-
-@dataclass
-class _Stream:
-    endpoint: Endpoint
-    call: grpc.aio.StreamUnaryCall
-    result: StageResult
-    alive: bool = True
-    start: float = field(default_factory=time.perf_counter)
-
-
-class GrpcTransport(Transport):
-    """Buckets inline in a client stream of StageWeights, one stream per receiver."""
-
-    name = "grpc"
-
-    def __init__(self, *, prefetch: int = 2, **kw) -> None:
-        super().__init__(**kw)
-        self.prefetch = max(1, prefetch)
-        retain_bucket_buffers()  # encoded buckets reuse heap pages instead of faulting (memory.py)
-
-    async def stage(
-        self, version, endpoints, buckets, *, model_config_json="", total_bytes=0, timeout_s=600.0
-    ):
-        loop = asyncio.get_running_loop()
-        streams: list[_Stream] = []
-        for ep in endpoints:
-            method = self.channel(ep.address).stream_unary(
-                STAGE_METHOD,
-                request_serializer=identity,
-                response_deserializer=inference_pb2.StageWeightsResponse.FromString,
-            )
-            streams.append(_Stream(ep, method(timeout=timeout_s), StageResult(ep)))
-        ranks = sorted({s.endpoint.rank for s in streams})
-        buffers: collections.deque[np.ndarray] = collections.deque()
-        pending: collections.deque[asyncio.Future] = collections.deque()
-        first = True
-
-        def build(bucket: Bucket, config_json: str) -> tuple[Bucket, dict[int, bytes]]:
-            buf = buffers.popleft() if buffers and buffers[0].nbytes >= bucket.nbytes else None
-            if buf is None:
-                buf = np.empty(bucket.nbytes, np.uint8)
-            view = memoryview(buf)[: bucket.nbytes]
-            parts = bucket.payload_parts(view)  # slices that already sit contiguous are not copied twice
-            if parts is None:
-                bucket.fill(view)
-            wire = {
-                r: encode_stage_request(
-                    bucket,
-                    view,
-                    version=version,
-                    rank=r,
-                    model_config_json=config_json,
-                    total_bytes=total_bytes,
-                    slice_data=parts,
-                )
-                for r in ranks
-            }
-            buffers.append(buf)
-            return bucket, wire
-
-        async def send(item: tuple[Bucket, dict[int, bytes]]) -> None:
-            bucket, wire = item
-
-            async def one(s: _Stream) -> None:
-                try:
-                    await s.call.write(wire[s.endpoint.rank])
-                    s.result.bytes_sent += bucket.nbytes
-                    s.result.buckets += 1
-                except BaseException as exc:
-                    s.alive = False
-                    s.result.error = self._error(s.endpoint, await call_error(s.call, exc))
-
-            await asyncio.gather(*(one(s) for s in streams if s.alive))
-
-        try:
-            async for bucket in aiter_buckets(buckets):
-                if not any(s.alive for s in streams):
-                    break
-                pending.append(
-                    loop.run_in_executor(self._executor, build, bucket, model_config_json if first else "")
-                )
-                first = False
-                if len(pending) > self.prefetch:
-                    await send(await pending.popleft())
-            while pending:
-                await send(await pending.popleft())
-        except BaseException as exc:
-            for s in streams:
-                s.call.cancel()
-                if s.result.error is None:
-                    s.result.error = self._error(s.endpoint, exc)
-            for fut in pending:
-                fut.cancel()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return {s.endpoint: s.result for s in streams}
-        for s in streams:
-            if not s.alive:
-                s.call.cancel()
-                continue
-            try:
-                await s.call.done_writing()
-                resp = await s.call
-                s.result.complete = resp.complete
-                if not resp.complete:
-                    s.result.error = DeliveryError(
-                        f"{s.endpoint}: version {version} incomplete after last bucket",
-                        endpoint=str(s.endpoint),
-                    )
-            except BaseException as exc:
-                s.result.error = self._error(s.endpoint, await call_error(s.call, exc))
-            s.result.seconds = time.perf_counter() - s.start
-        await _abort_failed(self, version, streams)
-        return {s.endpoint: s.result for s in streams}
-
-
-async def _abort_failed(transport: Transport, version: int, streams: Sequence[_Stream]) -> None:
-    await asyncio.gather(
-        *(transport.abort(s.endpoint, version) for s in streams if s.result.error is not None)
-    )
 
 
 class ShmTransport(Transport):
@@ -204,8 +53,9 @@ class ShmTransport(Transport):
         self.shared = SharedCopies(copies_per_group=shared_copies)
 
     async def stage(
-        self, version, endpoints, buckets, *, model_config_json="", total_bytes=0, timeout_s=600.0
-    ):
+        self, version: int, endpoints: Sequence[Endpoint], buckets: Buckets, *, model_config_json: str = "",
+        total_bytes: int = 0, timeout_s: float = 600.0,
+    ) -> dict[Endpoint, StageResult]:  # fmt: skip
         buckets = aiter_buckets(buckets)
         if self.share_min_receivers and len(endpoints) >= self.share_min_receivers:
             first = await anext(buckets, None)
@@ -224,7 +74,10 @@ class ShmTransport(Transport):
                     )  # fmt: skip
         return await self._stage_each(version, endpoints, buckets, model_config_json, total_bytes, timeout_s)
 
-    async def _stage_each(self, version, endpoints, buckets, model_config_json, total_bytes, timeout_s):
+    async def _stage_each(
+        self, version: int, endpoints: Sequence[Endpoint], buckets: AsyncIterator[Bucket], model_config_json: str,
+        total_bytes: int, timeout_s: float,
+    ) -> dict[Endpoint, StageResult]:  # fmt: skip
         """Every receiver copies its slices itself (from the chunks in place, or a pooled bucket)."""
         loop = asyncio.get_running_loop()
         results = {ep: StageResult(ep) for ep in endpoints}

@@ -1,15 +1,18 @@
-"""Shared-memory buckets: written once by weight-sync, read by every co-located receiver.
+"""Shared-memory segments weight-sync writes: bucket pools, chunk arenas, the probe segment.
 
 A segment is a plain file under /dev/shm (tmpfs), mapped with mmap. We do not use
 multiprocessing.shared_memory: on Python 3.11 every process that attaches registers the
 segment with its resource tracker, which unlinks it when that process exits (and warns), so
 a receiver could delete a bucket under the sender.
 
-Cleanup is guaranteed three ways: a ShmPool unlinks its segments on close() (and at exit);
-segment names carry the creating pid, so `sweep_stale_segments()` (run by weight-sync at
-start) removes what a killed predecessor left behind; and receivers only ever map segments
-read-only, never own them. Unlinking a segment a receiver still maps is safe on Linux: the
-mapping stays valid until it is closed.
+Cleanup is guaranteed three ways: a pool unlinks its segments on close() (and at exit); segment
+names carry the creating pid, so `sweep_stale_segments()` (run by weight-sync at start) removes
+what a killed predecessor left behind; and receivers (services/weights/shm.py ShmReader) only
+ever map segments read-only, never own them.
+
+The probe segment is how weight-sync proves, rather than assumes, that a receiver sees its shm
+directory: it writes a fresh random nonce and asks the receiver (ProbeSharedMemory, answered by
+services/weights/probe.py) to read it back.
 """
 
 from __future__ import annotations
@@ -17,23 +20,38 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
-import re
 import threading
 import uuid
 
+from looprl.inference.v1 import inference_pb2
 from services.kit.hosts import shm_dir
-
-from .errors import InvalidWeights
-
-PREFIX = "looprl-ws-"
-_NAME = re.compile(r"^looprl-ws-(\d+)-[A-Za-z0-9_.-]+$")
+from services.weights.probe import NONCE_BYTES
+from services.weights.shm import PREFIX, segment_pid
 
 
-def validate_segment_name(name: str) -> str:
-    """Receivers only map names weight-sync could have made: no paths, no other files."""
-    if not _NAME.match(name):
-        raise InvalidWeights(f"slices.shm_name: {name!r} is not a weight-sync segment name")
-    return name
+class ProbeSegment:
+    """A segment holding a random nonce; unlinked on close (use as a context manager)."""
+
+    def __init__(self) -> None:
+        self.nonce = os.urandom(NONCE_BYTES)
+        self.segment = ShmSegment(f"{PREFIX}{os.getpid()}-probe-{uuid.uuid4().hex[:12]}", NONCE_BYTES)
+        self.segment.buffer[:NONCE_BYTES] = self.nonce
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    def request(self) -> inference_pb2.ProbeSharedMemoryRequest:
+        return inference_pb2.ProbeSharedMemoryRequest(segment=self.name, nbytes=NONCE_BYTES)
+
+    def close(self) -> None:
+        self.segment.close()
+
+    def __enter__(self) -> ProbeSegment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class ShmSegment:
@@ -123,103 +141,14 @@ class ShmPool:
             return [s.name for s in self._segments]
 
 
-class ShmReader:
-    """Maps segments read-only by name. A receiver keeps one for its lifetime: weight-sync reuses
-    its segments, and a mapping that stays open keeps its page tables, where a fresh mapping per
-    bucket page-faults on every 4 KiB of it (that alone cost more than the copy). `refresh()`
-    (at the start of each staging call) drops mappings whose file is gone or was replaced, so a
-    dead sender's segments are not kept alive by their mappings."""
-
-    def __init__(self) -> None:
-        self._maps: dict[str, tuple[mmap.mmap, memoryview, tuple[int, int]]] = {}
-        self._lock = threading.Lock()
-
-    def view(self, name: str, offset: int, nbytes: int) -> memoryview:
-        validate_segment_name(name)
-        with self._lock:
-            entry = self._maps.get(name)
-            if entry is None:
-                entry = self._map(name)
-                self._maps[name] = entry
-        mapped, view, _ = entry
-        if offset < 0 or nbytes < 0 or offset + nbytes > len(mapped):
-            raise InvalidWeights(
-                f"slices.shm_offset: range [{offset}, {offset + nbytes}) is outside segment {name!r} "
-                f"of {len(mapped)} bytes"
-            )
-        return view[offset : offset + nbytes]
-
-    def rows(self, name: str, offset: int, rows: int, row_bytes: int, stride: int):
-        """A read-only (rows, row_bytes) uint8 array over a rectangle of a segment: rows
-        `stride` bytes apart starting at `offset` (a column block of a trainer chunk)."""
-        import numpy as np
-
-        if rows <= 0 or row_bytes < 0 or stride < row_bytes:
-            raise InvalidWeights(
-                f"slices.shm_row_stride: {rows} rows of {row_bytes} bytes {stride} bytes apart is not a rectangle"
-            )
-        span = (rows - 1) * stride + row_bytes
-        flat = np.frombuffer(self.view(name, offset, span), dtype=np.uint8)
-        return np.lib.stride_tricks.as_strided(flat, (rows, row_bytes), (stride, 1), writeable=False)
-
-    @staticmethod
-    def _map(name: str) -> tuple[mmap.mmap, memoryview, tuple[int, int]]:
-        path = shm_dir() / name
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise InvalidWeights(f"slices.shm_name: segment {name!r} does not exist") from None
-        try:
-            st = os.fstat(fd)
-            # Populate the page tables in one go: faulting 4 KiB pages one by one on first read
-            # costs more than the copy itself.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapped = mmap.mmap(fd, st.st_size, flags=flags, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        return mapped, memoryview(mapped), (st.st_ino, st.st_size)
-
-    def refresh(self) -> None:
-        """Forget mappings of segments that were removed or replaced since they were mapped."""
-        with self._lock:
-            for name, (_, _, ident) in list(self._maps.items()):
-                try:
-                    st = os.stat(shm_dir() / name)
-                    current = (st.st_ino, st.st_size)
-                except FileNotFoundError:
-                    current = None
-                if current != ident:
-                    self._unmap(name)
-
-    def _unmap(self, name: str) -> None:
-        mapped, view, _ = self._maps.pop(name)
-        try:
-            view.release()
-            mapped.close()
-        except (BufferError, ValueError):
-            pass  # a slice of it is still being read; the mapping goes when that view does
-
-    def close(self) -> None:
-        with self._lock:
-            for name in list(self._maps):
-                self._unmap(name)
-
-    def __enter__(self) -> ShmReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 def sweep_stale_segments() -> list[str]:
     """Remove segments whose creating process is gone (a weight-sync killed with -9)."""
     removed = []
     directory = shm_dir()
     for path in directory.glob(f"{PREFIX}*"):
-        match = _NAME.match(path.name)
-        if not match:
+        pid = segment_pid(path.name)
+        if pid is None:
             continue
-        pid = int(match.group(1))
         if pid == os.getpid() or _alive(pid):
             continue
         try:

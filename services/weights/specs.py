@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -44,9 +45,31 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def as_param_specs(params: Iterable[object] | Mapping[str, torch.Tensor]) -> list[ParamSpec]:
-    """ParamSpecs from a state dict, from ParamSpecs, or from any objects with name/shape/dtype
-    (such as services.modeling.layouts TargetParam)."""
+class ParamLike(Protocol):
+    """Anything that names a parameter, its shape and dtype (a torch dtype or its name), such as
+    services.modeling.layouts TargetParam."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def shape(self) -> Sequence[int]: ...
+    @property
+    def dtype(self) -> torch.dtype | str: ...
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype called `name` ("float32", "bfloat16", ...)."""
+    dtype = _DTYPES_BY_NAME.get(name)
+    if dtype is None:
+        raise ValueError(f"dtype: unknown dtype {name!r} ({', '.join(sorted(_DTYPES_BY_NAME))})")
+    return dtype
+
+
+_DTYPES_BY_NAME = {dtype_name(d): d for d in TORCH_TO_PROTO}
+
+
+def as_param_specs(params: Iterable[ParamLike] | Mapping[str, torch.Tensor]) -> list[ParamSpec]:
+    """ParamSpecs from a state dict, from ParamSpecs, or from any ParamLike."""
     if isinstance(params, Mapping):
         return [ParamSpec(name, tuple(t.shape), t.dtype) for name, t in params.items()]
     specs = []
@@ -54,8 +77,6 @@ def as_param_specs(params: Iterable[object] | Mapping[str, torch.Tensor]) -> lis
         if isinstance(p, ParamSpec):
             specs.append(p)
             continue
-        dtype = p.dtype
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+        dtype = dtype_named(p.dtype) if isinstance(p.dtype, str) else p.dtype
         specs.append(ParamSpec(str(p.name), tuple(int(d) for d in p.shape), dtype))
     return specs

@@ -1,8 +1,12 @@
-"""Weight transfer: what weight-sync and every inference replica must agree on.
+"""The weight-transfer contract and its receiving side, shared by weight-sync and every replica.
 
-Receiver side (inside a replica): `WeightStager` (+ `WeightReceiver` for the gRPC methods).
-Sender side (weight-sync): `Bucket`/`SliceRef`, `Transport` with `GrpcTransport`,
-`ShmTransport`, and the device transports in `gpu`.
+Contract: parameter specs (specs.py), errors (errors.py), the Bucket protocol and slice refs
+(bucket.py), the StageWeights wire format (wire.py) and slice checksums (checksum.py, with
+`verify_slice`, the one check every receiver runs). Receiving side: `WeightStager` (stager.py)
+stages and verifies a version beside the serving one, `WeightReceiver` (receiver.py) answers the
+weight RPCs on top of it, `ShmReader` (shm.py) maps weight-sync's shared memory, probe.py answers
+its shared-memory probe and device.py stages buckets that arrive as device buffers. The sending
+side (transports, arenas) belongs to weight-sync: services/weight_sync/transport/.
 """
 
 from .bucket import Bucket, BytesBucket, SliceRef, set_checksums, tensors_bucket
@@ -16,29 +20,22 @@ from .errors import (
     WeightTransferError,
 )
 from .receiver import WeightOnlyEngine, WeightReceiver, add_engine_servicer, serve_engine
-from .shm import ShmPool, ShmReader, sweep_stale_segments
+from .shm import ShmReader
 from .specs import ParamSpec, as_param_specs, itemsize, proto_dtype
 from .stager import StageProgress, WeightStager
-from .transport import Endpoint, GrpcTransport, ShmTransport, StageResult, Transport
 
 __all__ = [
     "Bucket",
     "BytesBucket",
     "ChecksumMismatch",
     "DeliveryError",
-    "Endpoint",
-    "GrpcTransport",
     "IncompleteVersion",
     "InvalidWeights",
     "ParamSpec",
-    "ShmPool",
     "ShmReader",
-    "ShmTransport",
     "SliceRef",
     "StageProgress",
-    "StageResult",
     "StaleVersion",
-    "Transport",
     "WeightOnlyEngine",
     "WeightReceiver",
     "WeightStager",
@@ -51,6 +48,5 @@ __all__ = [
     "proto_dtype",
     "serve_engine",
     "set_checksums",
-    "sweep_stale_segments",
     "tensors_bucket",
 ]

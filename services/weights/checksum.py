@@ -1,21 +1,22 @@
-"""Slice checksums that cost less than the copy they protect: hash64 and sum64.
+"""Slice checksums that cost less than the copy they protect (hash64, sum64), and `verify_slice`,
+the one check every receiver runs on a slice's bytes.
 
-CRC32 (zlib) runs at 4-7 GB/s on our CPUs, a memcpy at 10-20 GB/s: on the shared-memory path
-a CRC per slice on each side was most of the time of a sync. hash64 is XXH3-64 (seed 0) of the
-slice's bytes: ~30 GB/s in one thread, without the GIL, and run block by block right after each
-block is copied (the block is still in cache, so hashing costs little more than the copy). Any
-corruption - a flipped byte, moved or swapped ranges, a wrong length - goes unnoticed with
-probability about 2**-64, and XXH3 is a fixed, portable function: every machine and language
-computes the same value. It is not a cryptographic MAC (neither is CRC32): it catches accidents
-(transport bugs, reused buffers, wrong offsets), not an adversary. (Until now hash64 was a
-multilinear hash in numpy, 12 GB/s: on the gRPC path the two hashes were a third of the CPU a sync
-costs beyond the raw byte stream.)
+hash64 is XXH3-64 (seed 0) of the slice's bytes: ~30 GB/s in one thread, without the GIL, run
+block by block right after each block is copied (the block is still in cache, so hashing costs
+little more than the copy). Any corruption - a flipped byte, moved or swapped ranges, a wrong
+length - goes unnoticed with probability about 2**-64, and XXH3 is a fixed, portable function:
+every machine and language computes the same value. It is not a cryptographic MAC: it catches
+accidents (transport bugs, reused buffers, wrong offsets), not an adversary.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import xxhash
+
+from .errors import ChecksumMismatch, InvalidWeights
 
 BLOCK_BYTES = 256 << 10  # copy a block, hash it while it is still in L2
 MASK = (1 << 64) - 1
@@ -149,3 +150,63 @@ def landing_sums(rows: np.ndarray) -> np.ndarray | int:
     if width % 8 == 0 and n and rows.flags.c_contiguous:
         return rows.view(np.uint64).sum(axis=1, dtype=np.uint64)
     return sum64(np.ascontiguousarray(rows).reshape(-1))
+
+
+# ------------------------------------------------------------------------------ verification
+# Who vouches for each kind of checksum, and what a mismatch means: hash64 is the sender's hash of
+# the bytes it sent; sum64 comes from weight-sync's record of bytes it had already verified once.
+_SOURCE = {
+    "hash64": ("sender", "corrupted in transit"),
+    "sum64": ("weight-sync", "changed after it was verified"),
+}
+
+
+@dataclass(frozen=True)
+class SliceChecksum:
+    """What a slice's bytes must hash to: a sum64 when weight-sync sent one, else a hash64."""
+
+    kind: str  # "hash64" | "sum64"
+    value: int
+
+    @classmethod
+    def of(cls, sl) -> SliceChecksum | None:
+        """The checksum a WeightSlice carries; None when it carries none."""
+        if sl.HasField("sum64"):
+            return cls("sum64", int(sl.sum64))
+        if sl.HasField("hash64"):
+            return cls("hash64", int(sl.hash64))
+        return None
+
+    def compute(self, data) -> int:
+        """This kind of checksum of data: bytes, a 1-D array, or 2-D rows of a rectangle."""
+        if self.kind == "sum64":
+            if isinstance(data, np.ndarray) and data.ndim == 2:
+                return sum64_rows(data)
+            return sum64(np.ascontiguousarray(_as_u8(data)))
+        return hash64(data)
+
+    def copy_and_compute(self, dest, src) -> int:
+        """Copy src into dest block by block and return the checksum of what landed in dest."""
+        if not isinstance(src, np.ndarray):
+            src = _as_u8(src)
+        if self.kind == "sum64":
+            return copy_and_sum64(dest, src)
+        if src.ndim != 1:
+            src = np.ascontiguousarray(src).reshape(-1)
+        return copy_and_hash64(dest, src)
+
+
+def verify_slice(expected: SliceChecksum | None, data, *, where: str, what: str, into=None) -> None:
+    """Check a slice's bytes against the checksum it came with; when `into` is given, copy data
+    there first and check what landed (the bytes that will be served, the copy included). Raises
+    ChecksumMismatch naming `where.<kind>` (e.g. slices[3].hash64) and `what` the bytes are, or
+    InvalidWeights when the slice carries no checksum at all (nothing would vouch for its bytes)."""
+    if expected is None:
+        raise InvalidWeights(f"{where}.hash64: {what} carry no checksum (hash64 or sum64)")
+    actual = expected.compute(data) if into is None else expected.copy_and_compute(into, data)
+    if actual != expected.value:
+        source, meaning = _SOURCE[expected.kind]
+        raise ChecksumMismatch(
+            f"{where}.{expected.kind}: {what} have {expected.kind} {actual:#018x}, {source} said "
+            f"{expected.value:#018x} ({meaning})"
+        )

@@ -5,8 +5,8 @@ and dtype of its layout and TP rank, e.g. `services.modeling.layouts.rank_params
 StageWeights request is handed to `stage()`: each slice is checked against the specs (name,
 dtype, full shape, element range, no overlap with bytes already staged), its bytes are
 copied into preallocated staging tensors and their checksum is verified on what landed there
-(hash64, computed block by block during the copy, so verification costs little more than the
-copy; slices from older senders carry only a CRC32, checked on the source). Slices marked shm_adopt
+(checksum.verify_slice: hash64 or sum64, computed block by block during the copy, so verification
+costs little more than the copy; a slice without a checksum is refused). Slices marked shm_adopt
 are not copied at all: the staged tensor becomes a read-only view of weight-sync's shared copy of
 the layout (several co-located deployments then serve from one copy of the weights), and only the
 slices that carry a sum64 are verified here, the others by the peers that share the copy. The
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -36,11 +35,11 @@ import torch
 
 from looprl.inference.v1 import inference_pb2
 
-from .checksum import copy_and_hash64, copy_and_sum64, hash64, sum64
+from .checksum import SliceChecksum, verify_slice
 from .coverage import Coverage
-from .errors import ChecksumMismatch, IncompleteVersion, InvalidWeights, StaleVersion
+from .errors import IncompleteVersion, InvalidWeights, StaleVersion
 from .shm import ShmReader
-from .specs import ParamSpec, as_param_specs, dtype_name, itemsize, torch_dtype_of
+from .specs import ParamLike, ParamSpec, as_param_specs, dtype_name, itemsize, torch_dtype_of
 from .wire import DecodedStageRequest
 
 
@@ -56,7 +55,7 @@ class WeightStager:
 
     def __init__(
         self,
-        params: Iterable[object] | Mapping[str, torch.Tensor],
+        params: Iterable[ParamLike] | Mapping[str, torch.Tensor],
         *,
         serving_version: int = -1,
         rank: int | None = None,
@@ -134,29 +133,10 @@ class WeightStager:
                     if sl.shm_adopt:
                         self._adopt_slice(i, sl, reader)
                         continue
-                    if sl.shm_name and sl.shm_rows:  # a rectangle of a trainer chunk (reshard-on-read)
-                        rows, nbytes = int(sl.shm_rows), int(sl.nbytes)
-                        if nbytes % rows:
-                            raise InvalidWeights(
-                                f"slices[{i}].shm_rows: {nbytes} bytes do not split into {rows} equal rows"
-                            )
-                        data = reader.rows(
-                            sl.shm_name, int(sl.shm_offset), rows, nbytes // rows, int(sl.shm_row_stride)
-                        )
-                    elif sl.shm_name:
-                        data = reader.view(sl.shm_name, int(sl.shm_offset), int(sl.nbytes))
-                    else:
-                        data = sl.data  # once: each access of a protobuf bytes field copies it
-                        if sl.nbytes and sl.nbytes != len(data):
-                            raise InvalidWeights(
-                                f"slices[{i}].nbytes: {sl.nbytes} but data holds {len(data)} bytes"
-                            )
-                    expected = int(sl.hash64) if sl.HasField("hash64") else None
-                    expected_sum = int(sl.sum64) if sl.HasField("sum64") else None
+                    data = reader.slice_bytes(i, sl)
                     self._stage_slice(
-                        i, sl.name, int(sl.dtype), tuple(sl.shape), int(sl.offset), data, sl.crc32, expected,
-                        expected_sum,
-                    )  # fmt: skip
+                        i, sl.name, int(sl.dtype), tuple(sl.shape), int(sl.offset), data, SliceChecksum.of(sl)
+                    )
             except Exception:
                 self._drop()
                 raise
@@ -344,8 +324,8 @@ class WeightStager:
         where = (sl.shm_name, base)
         if self.device.type != "cpu":  # a device engine copies the shared bytes to its device
             data = reader.view(sl.shm_name, int(sl.shm_offset), nbytes)
-            expected = int(sl.sum64) if sl.HasField("sum64") else None
-            self._stage_slice(i, name, int(sl.dtype), spec.shape, offset, data, 0, None, expected,
+            expected = SliceChecksum.of(sl)
+            self._stage_slice(i, name, int(sl.dtype), spec.shape, offset, data, expected,
                               verified_elsewhere=expected is None)  # fmt: skip
             return
         held = self._adopted.get(name)
@@ -368,14 +348,11 @@ class WeightStager:
             raise InvalidWeights(
                 f"slices[{i}].offset: {name} elements [{offset}, {offset + count}) already staged"
             )
-        if self.verify_checksums and sl.HasField("sum64"):
+        expected = SliceChecksum.of(sl)
+        if self.verify_checksums and expected is not None:  # without one a peer verifies this share
             region = self._flat[name].view(torch.uint8)[offset * size : (offset + count) * size]
-            actual = sum64(region.numpy())
-            if actual != int(sl.sum64):
-                raise ChecksumMismatch(
-                    f"slices[{i}].sum64: {name} elements [{offset}, {offset + count}) have sum64 "
-                    f"{actual:#018x} in shared copy {sl.shm_name!r}, weight-sync said {int(sl.sum64):#018x}"
-                )
+            verify_slice(expected, region.numpy(), where=f"slices[{i}]",
+                         what=f"{name} elements [{offset}, {offset + count}) in shared copy {sl.shm_name!r}")  # fmt: skip
         self._bytes += nbytes
 
     def _stage_slice(
@@ -386,9 +363,7 @@ class WeightStager:
         shape: tuple[int, ...],
         offset: int,
         data,
-        crc: int,
-        expected_hash: int | None,
-        expected_sum: int | None = None,
+        expected: SliceChecksum | None,
         verified_elsewhere: bool = False,
     ) -> None:
         spec = self._check_meta(i, name, dtype, shape)
@@ -404,52 +379,22 @@ class WeightStager:
         count = nbytes // size
         self._check_range(i, spec, offset, count)
         verify = self.verify_checksums and not verified_elsewhere
-        if verify and expected_hash is None and expected_sum is None:  # legacy sender: CRC32 of the source
-            actual = zlib.crc32(np.ascontiguousarray(src))
-            if actual != crc:
-                raise ChecksumMismatch(
-                    f"slices[{i}].crc32: {name} elements [{offset}, {offset + count}) have crc32 "
-                    f"{actual:#010x}, sender said {crc:#010x} (corrupted in transit)"
-                )
         if not self._coverage[name].add(offset, offset + count):
             raise InvalidWeights(
                 f"slices[{i}].offset: {name} elements [{offset}, {offset + count}) already staged"
             )
         target = self._flat[name].view(torch.uint8)[offset * size : (offset + count) * size]
-        if verify and expected_sum is not None:
-            # sum64 of what landed in the staging tensor (the bytes were verified against the
-            # trainer's checksum once, by weight-sync, when they arrived in shared memory).
-            if target.device.type == "cpu":
-                actual = copy_and_sum64(target.numpy(), src)
-            else:
-                flat = np.ascontiguousarray(src).reshape(-1)
-                actual = sum64(flat)
-                target.copy_(torch.from_numpy(flat.copy()), non_blocking=False)
-            if actual != expected_sum:
-                raise ChecksumMismatch(
-                    f"slices[{i}].sum64: {name} elements [{offset}, {offset + count}) have sum64 "
-                    f"{actual:#018x}, weight-sync said {expected_sum:#018x} (changed after it was verified)"
-                )
-            self._bytes += nbytes
-            return
-        if src.ndim != 1:
-            src = np.ascontiguousarray(src).reshape(-1)
-        check = verify and expected_hash is not None
-        actual = expected_hash
+        what = f"{name} elements [{offset}, {offset + count})"
         if target.device.type == "cpu":
-            if check:  # hash what landed in the staging tensor, block by block while it is hot
-                actual = copy_and_hash64(target.numpy(), src)
+            if verify:  # checked on what landed in the staging tensor, block by block while it is hot
+                verify_slice(expected, src, into=target.numpy(), where=f"slices[{i}]", what=what)
             else:
-                np.copyto(target.numpy(), src)
+                np.copyto(target.numpy(), src if src.ndim == 1 else np.ascontiguousarray(src).reshape(-1))
         else:
-            if check:
-                actual = hash64(src)
-            target.copy_(torch.from_numpy(src.copy()), non_blocking=False)
-        if check and actual != expected_hash:
-            raise ChecksumMismatch(
-                f"slices[{i}].hash64: {name} elements [{offset}, {offset + count}) have hash64 "
-                f"{actual:#018x}, sender said {expected_hash:#018x} (corrupted in transit)"
-            )
+            flat = np.ascontiguousarray(src).reshape(-1)
+            if verify:
+                verify_slice(expected, src, where=f"slices[{i}]", what=what)
+            target.copy_(torch.from_numpy(flat.copy()), non_blocking=False)
         self._bytes += nbytes
 
     def _drop(self) -> None:
