@@ -22,6 +22,8 @@ what is allowed.
 
 A **run recipe** is a TOML file (`configs/*.toml`): one table per section below, `[[deployments]]`
 once per deployment. Bounds written "the cluster's max_..." are the gateway's `recipe_limits`.
+`environment.config` holds the chosen environment's own settings (its `max_turns` is
+`environment.max_turns`).
 
 A **service** reads `LOOPRL_<PREFIX>_<FIELD>`, falling back to `LOOPRL_<FIELD>`; a table or list is
 JSON, and a field of a nested group is `LOOPRL_<PREFIX>_<GROUP>__<FIELD>` (or the whole group as
@@ -39,6 +41,14 @@ def render() -> str:
         inner = model.__args__[0] if getattr(model, "__origin__", None) is list else model  # type: ignore[union-attr]
         title = f"[[{name}]]" if inner is not model else f"[{name}]"
         parts.append(f"### `{title}`\n\n{' '.join(inner.__doc__.split())}\n\n{markdown_table(inner)}\n")
+    from services.environment_sandbox.environments import environment_class, environment_names
+
+    parts.append("### `[environment.config]`, per environment\n")
+    for env_name in environment_names():
+        config = environment_class(env_name).Config
+        doc = " ".join((config.__doc__ or "").split())
+        table = markdown_table(config, exclude=frozenset({"max_turns"}))
+        parts.append(f"#### {env_name}\n\n{doc}\n\n{table}\n")
     from services.kit.config import ServiceConfig
     from services.kit.registry import SERVICES
 

@@ -130,7 +130,7 @@ class EpisodeRunner:
         self.rate_limits = dict(rate_limits or {})  # the service's: they win over an environment's
 
     async def _limits_for(self, env: Any) -> dict[str, Limit]:
-        limits = {**getattr(env.config, "rate_limits", {}), **self.rate_limits}
+        limits = {**env.config.rate_limits, **self.rate_limits}
         if limits:
             await self.limiter.ensure(limits)
         env.context = self.env_context.with_limits(limits)

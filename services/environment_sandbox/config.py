@@ -180,7 +180,8 @@ class EnvServiceConfig(ServiceConfig):
         try:
             parse_limits(value, "")
         except LimitError as exc:
-            raise ValueError(str(exc).lstrip(".: ")) from None
+            path, _, message = str(exc).partition(": ")
+            raise field_error(path, message) from None
         return value
 
     @property

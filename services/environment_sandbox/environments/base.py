@@ -10,13 +10,17 @@ name so a typo in a recipe fails loudly instead of silently using a default.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from pydantic import ConfigDict, Field, ValidationError, field_validator
+
+from services.environment_sandbox.ratelimit import Limit, LimitError, parse_limits
+from services.kit.schema import Schema, explain, field_error
 
 Message = dict[str, str]
 # Runs code in the sandbox: (code, stdin, files, timeout_s) -> result with .stdout/.exit_code/...
@@ -60,16 +64,29 @@ class EnvContext:
         return EnvContext(self.executor, self.limiter, {**self.limits, **limits})
 
 
-@dataclass
-class EnvConfig:
-    """Settings every environment has."""
+class EnvConfig(Schema):
+    """Settings every environment has (the recipe's `environment.config`, plus `max_turns`, which the
+    gateway fills from `environment.max_turns`)."""
 
-    max_turns: int = 1
-    max_action_chars: int = 4096
-    # Rate-limited resources this environment uses, {"inference": {"requests_per_s": 50}}:
-    # parsed into ratelimit.Limit values; the agent loop reserves "inference" before each model
-    # turn, environments reserve their own resources through EnvContext.acquire.
-    rate_limits: dict = field(default_factory=dict)
+    model_config = ConfigDict(strict=True)
+
+    max_turns: int = Field(1, ge=1, le=1024)
+    """Most model turns in one episode."""
+    max_action_chars: int = Field(4096, ge=1)
+    """Longest model reply the environment reads."""
+    rate_limits: dict[str, Limit] = {}
+    """Rate-limited resources this environment uses, {"inference": {"requests_per_s": 50}}: the agent
+    loop reserves "inference" before each model turn, environments reserve their own resources
+    through EnvContext.acquire."""
+
+    @field_validator("rate_limits", mode="before")
+    @classmethod
+    def _limits(cls, value: Any) -> dict[str, Limit]:
+        try:
+            return parse_limits(value, "")
+        except LimitError as exc:
+            path, _, message = str(exc).partition(": ")
+            raise field_error(path, message) from None
 
 
 class Environment(ABC):
@@ -152,9 +169,10 @@ def environment_class(name: str) -> type[Environment]:
 
 
 def parse_config(cls: type[Environment], config_json: str | dict | None) -> EnvConfig:
-    """The environment's typed config from JSON; unknown keys and wrong types name the field."""
+    """The environment's typed config from JSON; unknown keys, wrong types and values out of bounds
+    name the field (environment_config.<field>)."""
     if not config_json:
-        raw: dict[str, Any] = {}
+        raw: Any = {}
     elif isinstance(config_json, dict):
         raw = config_json
     else:
@@ -164,31 +182,10 @@ def parse_config(cls: type[Environment], config_json: str | dict | None) -> EnvC
             raise EnvironmentError_(f"environment_config_json: not valid JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise EnvironmentError_("environment_config_json: must be a JSON object")
-    fields = {f.name: f for f in dataclasses.fields(cls.Config)}
-    values = {}
-    if "rate_limits" in raw:
-        from services.environment_sandbox.ratelimit import LimitError, parse_limits
-
-        raw = dict(raw)
-        try:
-            values["rate_limits"] = parse_limits(raw.pop("rate_limits"), "environment_config.rate_limits")
-        except LimitError as exc:
-            raise EnvironmentError_(str(exc)) from None
-    for key, value in raw.items():
-        if key not in fields:
-            raise EnvironmentError_(
-                f"environment_config.{key}: unknown setting for {cls.name!r}; known: {', '.join(sorted(fields))}"
-            )
-        default = fields[key].default
-        if default is not dataclasses.MISSING and default is not None:
-            expected = type(default)
-            ok = isinstance(value, expected) or (expected is float and isinstance(value, int))
-            if not ok or (expected is int and isinstance(value, bool)):
-                raise EnvironmentError_(
-                    f"environment_config.{key}: expected {expected.__name__}, got {type(value).__name__}"
-                )
-        values[key] = value
-    return cls.Config(**values)
+    try:
+        return cls.Config.model_validate(raw)
+    except ValidationError as exc:
+        raise EnvironmentError_(f"environment_config.{explain(exc, cls.Config, '')}") from None
 
 
 def make_environment(

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import Field
+
 from services.environment_sandbox.environments.base import (
     EnvConfig,
     Environment,
@@ -49,9 +51,14 @@ PROBLEMS: list[dict[str, Any]] = [
 
 @dataclass
 class CodeConfig(EnvConfig):
-    max_action_chars: int = 8192
-    num_tests: int = 4
-    timeout_s: float = 2.0
+    """Write a Python function that passes tests run in the sandbox."""
+
+    max_action_chars: int = Field(8192, ge=1)
+    """Longest program the environment runs."""
+    num_tests: int = Field(4, ge=1, le=64)
+    """Tests generated per task."""
+    timeout_s: float = Field(2.0, gt=0.0, le=60.0)
+    """Wall-clock limit of one run of the tests."""
 
 
 @register

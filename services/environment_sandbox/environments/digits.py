@@ -10,8 +10,10 @@ improvement (one more digit right, the right length) moves the reward: a dense l
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
 
 from services.environment_sandbox.environments.base import (
     EnvConfig,
@@ -21,6 +23,7 @@ from services.environment_sandbox.environments.base import (
     StepResult,
     register,
 )
+from services.kit.schema import field_error
 
 OPS = {"rev": lambda s: s[::-1], "copy": lambda s: s}
 LENGTH_BONUS = 0.1
@@ -37,9 +40,20 @@ def digits_score(answer: str, target: str) -> float:
 
 @dataclass
 class DigitsConfig(EnvConfig):
-    min_len: int = 2
-    max_len: int = 4
-    ops: list = field(default_factory=lambda: ["rev"])
+    """Digit strings to reverse or copy."""
+
+    min_len: int = Field(2, ge=1, le=64)
+    """Shortest digit string."""
+    max_len: int = Field(4, ge=1, le=64)
+    """Longest digit string."""
+    ops: list[Literal["rev", "copy"]] = Field(["rev"], min_length=1)
+    """What a task asks: reverse the string, or copy it."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DigitsConfig:
+        if self.min_len > self.max_len:
+            raise field_error("max_len", f"must be >= min_len ({self.min_len})")
+        return self
 
 
 @register

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import Field
+
 from services.environment_sandbox.environments.base import (
     EnvConfig,
     Environment,
@@ -26,8 +28,12 @@ _NUMBER = re.compile(r"-?\d+")
 
 @dataclass
 class GuessConfig(EnvConfig):
-    max_turns: int = 6
-    high: int = 16
+    """Guess a secret number in [1, high], told higher or lower after each guess."""
+
+    max_turns: int = Field(6, ge=1, le=1024)
+    """Guesses allowed."""
+    high: int = Field(16, ge=2, le=1_000_000)
+    """Largest secret."""
 
 
 def guess_reward(turns_used: int, max_turns: int) -> float:

@@ -26,9 +26,12 @@ from services.environment_sandbox.environments.datasets import load_tasks
 
 @dataclass
 class MathConfig(EnvConfig):
+    """Word problems with a numeric answer, from a dataset file or generated."""
+
     dataset: str = ""
     """Local JSONL/parquet file of {"question", "answer"}; empty generates arithmetic problems."""
     instruction: str = "Solve the problem. End with '#### <number>'."
+    """What the prompt asks of the model after the problem."""
 
 
 @functools.lru_cache(maxsize=8)

@@ -26,9 +26,14 @@ def test_registry_lists_the_builtins():
 def test_unknown_environment_and_bad_config_name_the_field():
     with pytest.raises(EnvironmentError_, match="environment: unknown environment 'nope'"):
         make_environment("nope")
-    with pytest.raises(EnvironmentError_, match=r"environment_config\.max_lenn: unknown setting"):
+    with pytest.raises(
+        EnvironmentError_,
+        match=r"environment_config\.max_lenn: unknown field \(known: max_action_chars, max_len, ",
+    ):
         make_environment("digits", '{"max_lenn": 3}')
-    with pytest.raises(EnvironmentError_, match=r"environment_config\.max_len: expected int"):
+    with pytest.raises(
+        EnvironmentError_, match=r"environment_config\.max_len: expected an integer, got str '3'"
+    ):
         make_environment("digits", {"max_len": "3"})
     with pytest.raises(EnvironmentError_, match="task_json: not valid JSON"):
         parse_task("{oops")
@@ -131,3 +136,18 @@ def test_jsonl_loader_names_the_bad_line(tmp_path):
     assert next(rows) == {"digits": "12"}
     with pytest.raises(EnvironmentError_, match=":3: each line must be a JSON object"):
         next(rows)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"ops": ["rot13"]}, "environment_config.ops[0]: must be one of 'rev' or 'copy', got 'rot13'"),
+        ({"min_len": 5, "max_len": 3}, "environment_config.max_len: must be >= min_len (5)"),
+        ({"max_len": 0}, "environment_config.max_len: must be >= 1, got 0"),
+        ({"max_len": 3.0}, "environment_config.max_len: expected an integer, got float 3.0"),
+    ],
+)
+def test_environment_settings_out_of_range_name_the_field_and_what_is_allowed(config, message):
+    with pytest.raises(EnvironmentError_) as err:
+        make_environment("digits", config)
+    assert str(err.value) == message
