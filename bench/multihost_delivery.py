@@ -33,9 +33,13 @@ from tests.support.synthetic_weights import rank_requests
 WS_PORT = 50071
 # ~100 MB of float32 weights: large enough that bytes, not per-call overheads, decide.
 CONFIG = ModelConfig.tiny(
-    hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
     head_dim=64,
-)  # fmt: skip
+)
 
 
 def state(version: int):
@@ -56,11 +60,21 @@ async def deliveries(address: str, receivers: dict[str, tuple[str, str]], versio
 
         async def register(name: str, every_k: int) -> None:
             endpoint, host_id = receivers[name]
-            await stub.RegisterTarget(weightsync_pb2.RegisterTargetRequest(
-                deployment=name, every_k_versions=every_k,
-                ranks=[weightsync_pb2.TargetRank(rank=0, address=endpoint, host_id=host_id, replica=f"{name}-r0")],
-                layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf", dtype=common_pb2.D_TYPE_FLOAT32),
-            ), timeout=30)  # fmt: skip
+            await stub.RegisterTarget(
+                weightsync_pb2.RegisterTargetRequest(
+                    deployment=name,
+                    every_k_versions=every_k,
+                    ranks=[
+                        weightsync_pb2.TargetRank(
+                            rank=0, address=endpoint, host_id=host_id, replica=f"{name}-r0"
+                        )
+                    ],
+                    layout=weightsync_pb2.TargetLayout(
+                        tensor_parallel=1, naming="hf", dtype=common_pb2.D_TYPE_FLOAT32
+                    ),
+                ),
+                timeout=30,
+            )
 
         config_json = json.dumps(CONFIG.to_hf_dict())
         for version in range(versions):
@@ -87,12 +101,21 @@ def main() -> None:
     with netns_hosts.namespace_hosts(2) as hosts:
         h1 = hosts[1].address
         env = {k: v for k, v in os.environ.items() if k != "LOOPRL_SHM_DIR"}
-        env.update({
-            "LOOPRL_WEIGHTSYNC_HOST": h1, "LOOPRL_WEIGHTSYNC_GRPC_PORT": str(WS_PORT),
-            "LOOPRL_WEIGHTSYNC_METRICS_PORT": str(WS_PORT + 1), "LOOPRL_WEIGHTSYNC_USE_BUS": "false",
-        })  # fmt: skip
-        ws = hosts.popen(1, [PY, "-m", "services.weight_sync"], env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)  # fmt: skip
+        env.update(
+            {
+                "LOOPRL_WEIGHTSYNC_HOST": h1,
+                "LOOPRL_WEIGHTSYNC_GRPC_PORT": str(WS_PORT),
+                "LOOPRL_WEIGHTSYNC_METRICS_PORT": str(WS_PORT + 1),
+                "LOOPRL_WEIGHTSYNC_USE_BUS": "false",
+            }
+        )
+        ws = hosts.popen(
+            1,
+            [PY, "-m", "services.weight_sync"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         engines = {"same-host": start_engine(hosts, 1, CONFIG), "other-host": start_engine(hosts, 2, CONFIG)}
         wait_serving(h1, WS_PORT, ws, "weight-sync")
         seen = asyncio.run(
@@ -102,8 +125,10 @@ def main() -> None:
     if any(left.values()):
         raise RuntimeError(f"namespace hosts left behind: {left}")
     for name, rows in seen.items():
-        print(f"{name:10s} " + "  ".join(f"v{v} {s * 1e3:6.1f} ms {b / s / 1e9:5.2f} GB/s {t}"
-                                       for v, s, b, t in rows))  # fmt: skip
+        print(
+            f"{name:10s} "
+            + "  ".join(f"v{v} {s * 1e3:6.1f} ms {b / s / 1e9:5.2f} GB/s {t}" for v, s, b, t in rows)
+        )
     transports = {name: {t for *_, t in rows} for name, rows in seen.items()}
     if transports != {"same-host": {"shm"}, "other-host": {"grpc"}}:
         raise RuntimeError(f"unexpected transports: {transports}")
@@ -113,8 +138,15 @@ def main() -> None:
     emit(
         "multihost_delivery", "veth_grpc_over_same_host_shm_seconds", far, near, far / near, "s", "reference"
     )
-    emit("multihost_delivery", "veth_grpc_gb_per_s", nbytes / far / 1e9, nbytes / near / 1e9, near / far, "GB/s",
-         "reference")  # fmt: skip
+    emit(
+        "multihost_delivery",
+        "veth_grpc_gb_per_s",
+        nbytes / far / 1e9,
+        nbytes / near / 1e9,
+        near / far,
+        "GB/s",
+        "reference",
+    )
 
 
 if __name__ == "__main__":

@@ -80,12 +80,18 @@ def main() -> None:
     base_pad = pad_to_longest_fraction(lengths, batch_size)
     base_imb = round_robin_imbalance(lengths.astype(np.float64), world)
     # the quadratic-attention cost model, for the table
-    attn = build_step(0, groups, 0, PackerSettings(max_tokens_per_microbatch=budget, world_size=world,
-                                                   attention_weight=1 / (6 * 896)))  # fmt: skip
+    attn = build_step(
+        0,
+        groups,
+        0,
+        PackerSettings(max_tokens_per_microbatch=budget, world_size=world, attention_weight=1 / (6 * 896)),
+    )
     attn_base = round_robin_imbalance(lengths + lengths.astype(np.float64) ** 2 / (6 * 896), world)
 
-    print(f"{n} rollouts, {int(lengths.sum())} tokens, lengths median {int(np.median(lengths))} "
-          f"max {int(lengths.max())}, DP={world}, budget {budget} tokens/micro-batch")  # fmt: skip
+    print(
+        f"{n} rollouts, {int(lengths.sum())} tokens, lengths median {int(np.median(lengths))} "
+        f"max {int(lengths.max())}, DP={world}, budget {budget} tokens/micro-batch"
+    )
     print(f"{'':34}{'packer':>12}{'baseline':>12}")
     print(
         f"{'padding fraction':34}{plan.padding_fraction:12.4f}{base_pad:12.4f}  (pad-to-longest, {batch_size}/batch)"
@@ -103,14 +109,29 @@ def main() -> None:
     print(f"{'materialise all micro-batches ms':34}{mat_s * 1e3:12.1f}")
 
     size = f"{n // 1000}k"
-    emit(BENCH, "padding_fraction", plan.padding_fraction, base_pad, plan.padding_fraction / base_pad,
-         "fraction", "<= 0.02")  # fmt: skip
+    emit(
+        BENCH,
+        "padding_fraction",
+        plan.padding_fraction,
+        base_pad,
+        plan.padding_fraction / base_pad,
+        "fraction",
+        "<= 0.02",
+    )
     emit(BENCH, "baseline_padding_fraction", base_pad, None, None, "fraction", "tens of percent")
-    emit(BENCH, "rank_imbalance", plan.rank_imbalance, base_imb, plan.rank_imbalance / base_imb,
-         "max/mean", "<= 1.02")  # fmt: skip
+    emit(
+        BENCH,
+        "rank_imbalance",
+        plan.rank_imbalance,
+        base_imb,
+        plan.rank_imbalance / base_imb,
+        "max/mean",
+        "<= 1.02",
+    )
     emit(BENCH, "baseline_rank_imbalance", base_imb, None, None, "max/mean", "round-robin")
-    emit(BENCH, f"pack_ms_{size}", pack_s * 1e3, baseline_pack_s * 1e3, pack_s / baseline_pack_s,
-         "ms", "< 200")  # fmt: skip
+    emit(
+        BENCH, f"pack_ms_{size}", pack_s * 1e3, baseline_pack_s * 1e3, pack_s / baseline_pack_s, "ms", "< 200"
+    )
     emit(BENCH, f"materialize_ms_{size}", mat_s * 1e3, None, None, "ms", "streamed per micro-batch")
 
 

@@ -415,8 +415,15 @@ class SingleProcessGRPO:
         if batch is None:  # every group was filtered out: the version still advances, like the trainer
             self.scheduler.step()
             self.version += 1
-            return {"loss": 0.0, "trained_tokens": 0, "loss_tokens": 0, "clip_fraction": 0.0,
-                    "entropy": 0.0, "grad_norm": 0.0, "lr": lr}  # fmt: skip
+            return {
+                "loss": 0.0,
+                "trained_tokens": 0,
+                "loss_tokens": 0,
+                "clip_fraction": 0.0,
+                "entropy": 0.0,
+                "grad_norm": 0.0,
+                "lr": lr,
+            }
         if batch.step != self.version:
             raise ValueError(f"batch.step: {batch.step} is not the trainer's next step {self.version}")
         micro = self.micro_batches(batch)
@@ -572,8 +579,10 @@ def main() -> None:
         overrides["steps"] = 8
     settings = GRPOSettings.from_recipe(args.recipe, **overrides)
     print(f"settings: {json.dumps(asdict(settings))}", flush=True)
-    print(f"{'step':>4} {'reward':>7} {'std':>6} {'loss':>8} {'clip':>5} {'ent':>5} {'gnorm':>6} {'tok/s':>8} "
-          f"{'gen s':>6} {'train s':>7}  sample")  # fmt: skip
+    print(
+        f"{'step':>4} {'reward':>7} {'std':>6} {'loss':>8} {'clip':>5} {'ent':>5} {'gnorm':>6} {'tok/s':>8} "
+        f"{'gen s':>6} {'train s':>7}  sample"
+    )
 
     def log(r: StepRecord) -> None:
         if not args.quiet:
@@ -597,8 +606,15 @@ def main() -> None:
     from bench.common import emit
 
     emit(BENCH, "trained_tokens_per_s", s["trained_tokens_per_s"], None, None, "tokens/s", "baseline")
-    emit(BENCH, "reward_gain", s["last_reward"] - s["first_reward"], None, None, "reward",
-         "last-3 minus first-3 step mean reward > 0.05")  # fmt: skip
+    emit(
+        BENCH,
+        "reward_gain",
+        s["last_reward"] - s["first_reward"],
+        None,
+        None,
+        "reward",
+        "last-3 minus first-3 step mean reward > 0.05",
+    )
 
 
 if __name__ == "__main__":

@@ -163,14 +163,18 @@ def main() -> None:
     padded_s = median(timed(lambda: padded_step(model, batches, norm, cfg), repeat=repeat, warmup=1))
     packed_tps, padded_tps = real_tokens / packed_s, real_tokens / padded_s
 
-    print(f"rollouts {n}, lengths median {int(np.median(lengths))} p99 {int(np.percentile(lengths, 99))} "
-          f"max {max(lengths)}; real tokens {real_tokens}")  # fmt: skip
+    print(
+        f"rollouts {n}, lengths median {int(np.median(lengths))} p99 {int(np.percentile(lengths, 99))} "
+        f"max {max(lengths)}; real tokens {real_tokens}"
+    )
     print(f"{'layout':<22}{'micro-batches':>14}{'computed tokens':>17}{'s/step':>9}{'tokens/s':>11}")
     print(
         f"{'packed (budget ' + str(budget) + ')':<22}{len(bins):>14}{real_tokens:>17}{packed_s:>9.3f}{packed_tps:>11.0f}"
     )
-    print(f"{'pad-to-longest (B=' + str(batch_size) + ')':<22}{len(batches):>14}{padded_tokens:>17}"
-          f"{padded_s:>9.3f}{padded_tps:>11.0f}")  # fmt: skip
+    print(
+        f"{'pad-to-longest (B=' + str(batch_size) + ')':<22}{len(batches):>14}{padded_tokens:>17}"
+        f"{padded_s:>9.3f}{padded_tps:>11.0f}"
+    )
     print(f"same loss: packed {loss_packed:.6f} padded {loss_padded:.6f}")
     emit(BENCH, "packed_tokens_per_s", packed_tps, padded_tps, packed_tps / padded_tps, "tokens/s", ">= 1.5x")
     emit(BENCH, "tokens_per_s_ratio", packed_tps / padded_tps, 1.0, packed_tps / padded_tps, "x", ">= 1.5")

@@ -70,11 +70,25 @@ MAX_MSG = 512 << 20
 
 def model_config(quick: bool) -> ModelConfig:
     if quick:  # ~100 MB fp32
-        return ModelConfig(vocab_size=8000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
-                           num_attention_heads=8, num_key_value_heads=2, head_dim=128)  # fmt: skip
+        return ModelConfig(
+            vocab_size=8000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=128,
+        )
     # ~1 GB fp32, Qwen2 shapes (hidden 2048, GQA 16/2 heads of 128).
-    return ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=4,
-                       num_attention_heads=16, num_key_value_heads=2, head_dim=128)  # fmt: skip
+    return ModelConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5504,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=128,
+    )
 
 
 # ----------------------------------------------------------------------------- receivers
@@ -96,8 +110,9 @@ async def _serve_receivers(config_json: str, tp: int, naming: str) -> None:
     addresses, servers = [], []
     for r in range(tp):
         engine = WeightOnlyEngine(WeightStager(rank_params(config, layout, r), rank=r), keep=False)
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MSG),
-                                          ("grpc.max_send_message_length", MAX_MSG)])  # fmt: skip
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", MAX_MSG), ("grpc.max_send_message_length", MAX_MSG)]
+        )
         add_engine_servicer(server, engine)
         server.add_generic_rpc_handlers((sink_handler,))
         add_bench_handlers(server, NaiveLoader(engine, config, layout, r))
@@ -114,10 +129,19 @@ class Receivers:
 
     def __init__(self, config: ModelConfig, layout: Layout, name: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.weight_sync", "--receiver", json.dumps(config.to_hf_dict()),
-             str(layout.tp_size), layout.naming],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "bench.weight_sync",
+                "--receiver",
+                json.dumps(config.to_hf_dict()),
+                str(layout.tp_size),
+                layout.naming,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         line = self.proc.stdout.readline().split()
         assert line and line[0] == "READY", f"receiver failed to start: {line}"
         self.endpoints = [Endpoint(a, r, name) for r, a in enumerate(line[1:])]
@@ -155,8 +179,15 @@ def push_messages(buf) -> list[bytes]:
         shape, dtype = buf.params[name]
         data = chunk.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         req = weightsync_pb2.PushShardsRequest(version=0, trainer_rank=rank, trainer_world_size=2)
-        req.shards.add(name=name, dtype=proto_dtype(dtype), global_shape=shape, row_offset=row0,
-                       rows=chunk.shape[0], data=data, hash64=hash64(data))  # fmt: skip
+        req.shards.add(
+            name=name,
+            dtype=proto_dtype(dtype),
+            global_shape=shape,
+            row_offset=row0,
+            rows=chunk.shape[0],
+            data=data,
+            hash64=hash64(data),
+        )
         out.append(req.SerializeToString())
     return out
 
@@ -198,8 +229,9 @@ async def planned(transport, plan, buf, endpoints_by_rank, version):
 
 
 async def raw_stream(transport, address, total, chunk):
-    method = transport.channel(address).stream_unary(SINK, request_serializer=lambda x: x,
-                                                     response_deserializer=lambda x: x)  # fmt: skip
+    method = transport.channel(address).stream_unary(
+        SINK, request_serializer=lambda x: x, response_deserializer=lambda x: x
+    )
     payload = np.random.default_rng(0).integers(0, 255, chunk, dtype=np.uint8).tobytes()
     n, rest = divmod(total, chunk)
     tail = payload[:rest]
@@ -335,8 +367,11 @@ async def main_async(quick: bool) -> None:
     t0 = time.perf_counter()
     buf = pushed_version(config)
     model_bytes = buf.bytes_received
-    print(f"model: {model_bytes / 1e6:.1f} MB fp32 in {len(buf.chunks)} chunks from 2 ranks "
-          f"(prepared in {time.perf_counter() - t0:.1f}s)", flush=True)  # fmt: skip
+    print(
+        f"model: {model_bytes / 1e6:.1f} MB fp32 in {len(buf.chunks)} chunks from 2 ranks "
+        f"(prepared in {time.perf_counter() - t0:.1f}s)",
+        flush=True,
+    )
     cache = PlanCache()
     version = iter(range(1, 10_000))
     grpc_t = GrpcTransport(prefetch=2, max_message_bytes=MAX_MSG)
@@ -376,16 +411,22 @@ async def main_async(quick: bool) -> None:
         finally:
             rec.close()
         check_identical(committed, config, tp2)
-        rows += [("tp2 planned gRPC", t_plan, b_plan), ("tp2 planned shm", t_plan_shm, b_plan),
-                 ("tp2 naive: gather, full tensor/call/rank", t_naive, b_naive),
-                 ("(ref.) same, kit's zero-copy wire codec", t_lean, b_lean),
-                 ("(ref.) tp2 naive resharded on rank 0", t_resh, b_resh)]  # fmt: skip
-        notes.append(f"tp2 updates committed byte-identical weights on every path ({', '.join(committed)}); "
-                     f"over planned gRPC, naive with the kit's wire codec: {t_lean / t_plan:.2f}x, "
-                     f"naive resharded on rank 0: {t_resh / t_plan:.2f}x")  # fmt: skip
+        rows += [
+            ("tp2 planned gRPC", t_plan, b_plan),
+            ("tp2 planned shm", t_plan_shm, b_plan),
+            ("tp2 naive: gather, full tensor/call/rank", t_naive, b_naive),
+            ("(ref.) same, kit's zero-copy wire codec", t_lean, b_lean),
+            ("(ref.) tp2 naive resharded on rank 0", t_resh, b_resh),
+        ]
+        notes.append(
+            f"tp2 updates committed byte-identical weights on every path ({', '.join(committed)}); "
+            f"over planned gRPC, naive with the kit's wire codec: {t_lean / t_plan:.2f}x, "
+            f"naive resharded on rank 0: {t_resh / t_plan:.2f}x"
+        )
         # The same job (update the tp=2 deployment to the version) on both paths: model bytes per second.
-        figures.append(("planned_over_naive", model_bytes / t_plan, model_bytes / t_naive, t_naive / t_plan,
-                        ">= 5x"))  # fmt: skip
+        figures.append(
+            ("planned_over_naive", model_bytes / t_plan, model_bytes / t_naive, t_naive / t_plan, ">= 5x")
+        )
 
         # (b), (c): tp=1 over shm and gRPC vs memcpy and a raw stream
         tp1 = Layout(1, "hf")
@@ -393,8 +434,9 @@ async def main_async(quick: bool) -> None:
         rec = Receivers(config, tp1, "tp1")
         try:
             ep = rec.endpoints[0]
-            t_grpc, b_grpc = await timed_async(lambda: planned(grpc_t, plan1, buf, {0: [ep]}, next(version)),
-                                               repeat + 1)  # fmt: skip
+            t_grpc, b_grpc = await timed_async(
+                lambda: planned(grpc_t, plan1, buf, {0: [ep]}, next(version)), repeat + 1
+            )
             t_raw, b_raw = await timed_async(
                 lambda: raw_stream(grpc_t, ep.address, b_grpc, bucket), repeat + 1
             )
@@ -404,18 +446,30 @@ async def main_async(quick: bool) -> None:
             )  # warm: the receiver maps the arena
             sources = [t.view(torch.uint8).numpy().reshape(-1) for t in buf.chunks.values()]
             memcpy = memcpy_bandwidth(sources, fast_repeat)
-            t_shm, b_shm = await timed_async(lambda: planned(shm_t, plan1, buf, {0: [shm_ep]}, next(version)),
-                                             fast_repeat)  # fmt: skip
+            t_shm, b_shm = await timed_async(
+                lambda: planned(shm_t, plan1, buf, {0: [shm_ep]}, next(version)), fast_repeat
+            )
             memcpy = max(memcpy, memcpy_bandwidth(sources, fast_repeat))  # right before and after
             warm = cache_warm_memcpy_bandwidth(b_shm, bucket, fast_repeat)
         finally:
             rec.close()
-        rows += [("tp1 planned gRPC", t_grpc, b_grpc), ("tp1 raw gRPC byte stream", t_raw, b_raw),
-                 ("tp1 planned shm", t_shm, b_shm), ("memcpy of the same bytes (1 thread)", b_shm / memcpy, b_shm),
-                 (f"(ref.) {bucket >> 20} MiB buffer reused, cache-warm", b_shm / warm, b_shm)]  # fmt: skip
+        rows += [
+            ("tp1 planned gRPC", t_grpc, b_grpc),
+            ("tp1 raw gRPC byte stream", t_raw, b_raw),
+            ("tp1 planned shm", t_shm, b_shm),
+            ("memcpy of the same bytes (1 thread)", b_shm / memcpy, b_shm),
+            (f"(ref.) {bucket >> 20} MiB buffer reused, cache-warm", b_shm / warm, b_shm),
+        ]
         figures.append(("shm_fraction_of_memcpy", b_shm / t_shm, memcpy, (b_shm / t_shm) / memcpy, ">= 0.5"))
-        figures.append(("grpc_fraction_of_raw_stream", b_grpc / t_grpc, b_raw / t_raw,
-                        (b_grpc / t_grpc) / (b_raw / t_raw), ">= 0.7"))  # fmt: skip
+        figures.append(
+            (
+                "grpc_fraction_of_raw_stream",
+                b_grpc / t_grpc,
+                b_raw / t_raw,
+                (b_grpc / t_grpc) / (b_raw / t_raw),
+                ">= 0.7",
+            )
+        )
 
         # (d) four co-located deployments vs one (shared copy vs reshard-on-read)
         recs = [Receivers(config, tp1, f"d{i}") for i in range(4)]
@@ -434,12 +488,17 @@ async def main_async(quick: bool) -> None:
                 r.close()
         floor_one = concurrent_memcpy_seconds(buf, 1, fast_repeat)
         floor_four = concurrent_memcpy_seconds(buf, 4, fast_repeat)
-        rows += [("1 deployment (shm)", t_one, b_one), ("4 deployments (one shared copy)", t_four, b_four),
-                 ("(ref.) memcpy only, 1 process", floor_one, b_one),
-                 ("(ref.) memcpy only, 4 processes at once", floor_four, 4 * b_one)]  # fmt: skip
+        rows += [
+            ("1 deployment (shm)", t_one, b_one),
+            ("4 deployments (one shared copy)", t_four, b_four),
+            ("(ref.) memcpy only, 1 process", floor_one, b_one),
+            ("(ref.) memcpy only, 4 processes at once", floor_four, 4 * b_one),
+        ]
         figures.append(("four_over_one_deployments", t_four, t_one, t_four / t_one, "<= 2x"))
-        notes.append(f"four_over_one for bare copies on this host (4 processes each copying the model "
-                     f"out of shared memory vs 1): {floor_four / floor_one:.2f}x")  # fmt: skip
+        notes.append(
+            f"four_over_one for bare copies on this host (4 processes each copying the model "
+            f"out of shared memory vs 1): {floor_four / floor_one:.2f}x"
+        )
     finally:
         await grpc_t.close()
         await shm_t.close()
@@ -450,22 +509,37 @@ async def main_async(quick: bool) -> None:
     t_place = push_landing_seconds(messages, decode_push_request, repeat)
     t_proto = push_landing_seconds(messages, weightsync_pb2.PushShardsRequest.FromString, repeat)
     del messages
-    rows += [("push landing, chunks decoded in place", t_place, pushed_bytes),
-             ("push landing, parsed by protobuf", t_proto, pushed_bytes)]  # fmt: skip
-    figures.append(("push_landing_in_place_over_protobuf", pushed_bytes / t_place, pushed_bytes / t_proto,
-                    t_proto / t_place, "reference"))  # fmt: skip
+    rows += [
+        ("push landing, chunks decoded in place", t_place, pushed_bytes),
+        ("push landing, parsed by protobuf", t_proto, pushed_bytes),
+    ]
+    figures.append(
+        (
+            "push_landing_in_place_over_protobuf",
+            pushed_bytes / t_place,
+            pushed_bytes / t_proto,
+            t_proto / t_place,
+            "reference",
+        )
+    )
 
     print(f"\n{'path':<44}{'seconds':>10}{'MB':>10}{'GB/s':>8}")
     for name, secs, nbytes in rows:
         print(f"{name:<44}{secs:>10.3f}{nbytes / 1e6:>10.1f}{nbytes / secs / 1e9:>8.2f}")
-    print(f"\ncpu cores: {os.cpu_count()}; bucket {bucket >> 20} MiB; best of {repeat}+ runs "
-          f"(shared memory and memcpy: best of {fast_repeat})")  # fmt: skip
+    print(
+        f"\ncpu cores: {os.cpu_count()}; bucket {bucket >> 20} MiB; best of {repeat}+ runs "
+        f"(shared memory and memcpy: best of {fast_repeat})"
+    )
     for note in notes:
         print(note)
     print()
-    units = {"planned_over_naive": "bytes/s", "shm_fraction_of_memcpy": "bytes/s",
-             "grpc_fraction_of_raw_stream": "bytes/s", "four_over_one_deployments": "s",
-             "push_landing_in_place_over_protobuf": "bytes/s"}  # fmt: skip
+    units = {
+        "planned_over_naive": "bytes/s",
+        "shm_fraction_of_memcpy": "bytes/s",
+        "grpc_fraction_of_raw_stream": "bytes/s",
+        "four_over_one_deployments": "s",
+        "push_landing_in_place_over_protobuf": "bytes/s",
+    }
     for fig, value, baseline, ratio, target in figures:
         emit(BENCH, fig, value, baseline, ratio, units[fig], target)
 

@@ -235,9 +235,13 @@ def _launch(state: StackState, svc: ServiceProcess) -> ServiceProcess:
     }
     with open(svc.log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", svc.module], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", svc.module],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
     svc.pid = proc.pid
     return svc
 

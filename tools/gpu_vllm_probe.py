@@ -109,12 +109,19 @@ async def probe(tp: int, versions: int, batch: int, max_tokens: int) -> dict:
                 ref = _trainer_logprobs(reference, prompt, comp.token_ids)
                 diffs.append((torch.tensor(comp.logprobs) - ref).abs())
             drift = float(torch.cat(diffs).mean())
-            row = {"tp": tp, "version": version, "swap_seconds": swap_s, "logprob_drift": drift,
-                   "tokens_per_second": tokens / gen_s}  # fmt: skip
+            row = {
+                "tp": tp,
+                "version": version,
+                "swap_seconds": swap_s,
+                "logprob_drift": drift,
+                "tokens_per_second": tokens / gen_s,
+            }
             rows.append(row)
-            print(f"tp={tp} version {version}: weight swap {swap_s:.3f}s, log-prob drift trainer vs vLLM "
-                  f"{drift:.4f} nats (canary bound {CANARY_BOUND}), {tokens / gen_s:.0f} generated tokens/s",
-                  flush=True)  # fmt: skip
+            print(
+                f"tp={tp} version {version}: weight swap {swap_s:.3f}s, log-prob drift trainer vs vLLM "
+                f"{drift:.4f} nats (canary bound {CANARY_BOUND}), {tokens / gen_s:.0f} generated tokens/s",
+                flush=True,
+            )
     finally:
         await engine.close()
     return {"tp": tp, "rows": rows}

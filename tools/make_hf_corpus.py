@@ -14,13 +14,53 @@ from collections.abc import Callable
 from pathlib import Path
 
 NAMES = [
-    "Ann", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "James", "Kofi", "Lena",
-    "Maria", "Nadia", "Oscar", "Priya", "Quentin", "Rosa", "Samir", "Tomas", "Uma", "Victor", "Wendy", "Yusuf",
-]  # fmt: skip
+    "Ann",
+    "Ben",
+    "Carla",
+    "David",
+    "Emma",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ines",
+    "James",
+    "Kofi",
+    "Lena",
+    "Maria",
+    "Nadia",
+    "Oscar",
+    "Priya",
+    "Quentin",
+    "Rosa",
+    "Samir",
+    "Tomas",
+    "Uma",
+    "Victor",
+    "Wendy",
+    "Yusuf",
+]
 ITEMS = [
-    "apples", "pencils", "books", "marbles", "cookies", "stickers", "cards", "shells", "coins", "eggs",
-    "oranges", "cupcakes", "balloons", "stamps", "crayons", "muffins", "bottles", "flowers", "toys", "bricks",
-]  # fmt: skip
+    "apples",
+    "pencils",
+    "books",
+    "marbles",
+    "cookies",
+    "stickers",
+    "cards",
+    "shells",
+    "coins",
+    "eggs",
+    "oranges",
+    "cupcakes",
+    "balloons",
+    "stamps",
+    "crayons",
+    "muffins",
+    "bottles",
+    "flowers",
+    "toys",
+    "bricks",
+]
 INSTRUCTION = "Solve the problem. End with '#### <number>'."
 
 ENGLISH = [

@@ -155,29 +155,55 @@ def mean_of(metric: str, by: str, selector: str = "") -> str:
 def run_row(g: Grid) -> list[dict[str, Any]]:
     return [
         row(g, "Run"),
-        timeseries(g, "Reward (mean of the step's rollouts)",
-                   targets((agg("max", "looprl_trainer_reward_mean", "run", RUN), "{{run}}")),
-                   service="trainer"),
-        timeseries(g, "Loss", targets((agg("max", "looprl_trainer_loss", "run", RUN), "{{run}}")),
-                   service="trainer"),
-        timeseries(g, "Trained tokens/s",
-                   targets((agg("max", "looprl_trainer_tokens_per_second", "run", RUN), "{{run}}"),
-                           (rate("looprl_trainer_tokens_total", "run", RUN), "rate {{run}}")),
-                   service="trainer"),
-        timeseries(g, "Staleness (policy lag, steps)",
-                   targets((agg("max", "looprl_trainer_staleness_steps", "run, stat", RUN), "{{stat}} {{run}}"),
-                           (agg("max", "looprl_packer_staleness_steps", "run", RUN), "packer {{run}}")),
-                   service="rollout-packer"),
-        timeseries(g, "Weight version per deployment",
-                   targets((agg("max", "looprl_weight_sync_deployment_version", "run, deployment", RUN),
-                            "{{deployment}}"),
-                           (agg("max", "looprl_trainer_weight_version", "run", RUN), "trained {{run}}")),
-                   service="weight-sync"),
-        timeseries(g, "Steps and runs",
-                   targets((agg("max", "looprl_gateway_run_step", "run", RUN), "step {{run}}"),
-                           ("sum by (state) (looprl_gateway_runs)", "runs {{state}}")),
-                   service="gateway"),
-    ]  # fmt: skip
+        timeseries(
+            g,
+            "Reward (mean of the step's rollouts)",
+            targets((agg("max", "looprl_trainer_reward_mean", "run", RUN), "{{run}}")),
+            service="trainer",
+        ),
+        timeseries(
+            g, "Loss", targets((agg("max", "looprl_trainer_loss", "run", RUN), "{{run}}")), service="trainer"
+        ),
+        timeseries(
+            g,
+            "Trained tokens/s",
+            targets(
+                (agg("max", "looprl_trainer_tokens_per_second", "run", RUN), "{{run}}"),
+                (rate("looprl_trainer_tokens_total", "run", RUN), "rate {{run}}"),
+            ),
+            service="trainer",
+        ),
+        timeseries(
+            g,
+            "Staleness (policy lag, steps)",
+            targets(
+                (agg("max", "looprl_trainer_staleness_steps", "run, stat", RUN), "{{stat}} {{run}}"),
+                (agg("max", "looprl_packer_staleness_steps", "run", RUN), "packer {{run}}"),
+            ),
+            service="rollout-packer",
+        ),
+        timeseries(
+            g,
+            "Weight version per deployment",
+            targets(
+                (
+                    agg("max", "looprl_weight_sync_deployment_version", "run, deployment", RUN),
+                    "{{deployment}}",
+                ),
+                (agg("max", "looprl_trainer_weight_version", "run", RUN), "trained {{run}}"),
+            ),
+            service="weight-sync",
+        ),
+        timeseries(
+            g,
+            "Steps and runs",
+            targets(
+                (agg("max", "looprl_gateway_run_step", "run", RUN), "step {{run}}"),
+                ("sum by (state) (looprl_gateway_runs)", "runs {{state}}"),
+            ),
+            service="gateway",
+        ),
+    ]
 
 
 def rpc_row(g: Grid) -> list[dict[str, Any]]:
@@ -185,102 +211,209 @@ def rpc_row(g: Grid) -> list[dict[str, Any]]:
     errors = rate(requests, "service", f'{SERVICE},code!="OK"')
     return [
         row(g, "RPCs (every service, from the kit interceptor)"),
-        timeseries(g, "Request rate by service", targets((rate(requests, "service", SERVICE), "{{service}}")),
-                   unit="reqps", trace_links=True),
+        timeseries(
+            g,
+            "Request rate by service",
+            targets((rate(requests, "service", SERVICE), "{{service}}")),
+            unit="reqps",
+            trace_links=True,
+        ),
         # `or ... * 0`: a service with no errors shows 0, not a gap.
-        timeseries(g, "Error ratio by service (code != OK)",
-                   targets((f"({errors} or {rate(requests, 'service', SERVICE)} * 0)"
-                            f" / {rate(requests, 'service', SERVICE)}", "{{service}}")),
-                   unit="percentunit", trace_links=True),
-        timeseries(g, "Latency p50 / p99 by service",
-                   targets((quantile(0.99, "looprl_rpc_duration_seconds", "service", SERVICE), "p99 {{service}}"),
-                           (quantile(0.5, "looprl_rpc_duration_seconds", "service", SERVICE), "p50 {{service}}")),
-                   unit="s", trace_links=True),
-        timeseries(g, "Requests by method and code",
-                   targets((rate(requests, "service, method, code", SERVICE), "{{service}} {{method}} {{code}}")),
-                   unit="reqps", width=12, trace_links=True),
-        timeseries(g, "In-flight RPCs",
-                   targets((f"sum by (service) (looprl_rpc_in_flight{{{SERVICE}}})", "{{service}}")), width=12),
-    ]  # fmt: skip
+        timeseries(
+            g,
+            "Error ratio by service (code != OK)",
+            targets(
+                (
+                    f"({errors} or {rate(requests, 'service', SERVICE)} * 0)"
+                    f" / {rate(requests, 'service', SERVICE)}",
+                    "{{service}}",
+                )
+            ),
+            unit="percentunit",
+            trace_links=True,
+        ),
+        timeseries(
+            g,
+            "Latency p50 / p99 by service",
+            targets(
+                (quantile(0.99, "looprl_rpc_duration_seconds", "service", SERVICE), "p99 {{service}}"),
+                (quantile(0.5, "looprl_rpc_duration_seconds", "service", SERVICE), "p50 {{service}}"),
+            ),
+            unit="s",
+            trace_links=True,
+        ),
+        timeseries(
+            g,
+            "Requests by method and code",
+            targets((rate(requests, "service, method, code", SERVICE), "{{service}} {{method}} {{code}}")),
+            unit="reqps",
+            width=12,
+            trace_links=True,
+        ),
+        timeseries(
+            g,
+            "In-flight RPCs",
+            targets((f"sum by (service) (looprl_rpc_in_flight{{{SERVICE}}})", "{{service}}")),
+            width=12,
+        ),
+    ]
 
 
 def gateway_row(g: Grid) -> list[dict[str, Any]]:
     svc = "gateway"
     return [
         row(g, "Gateway"),
-        timeseries(g, "HTTP requests by route and status",
-                   targets((rate("looprl_gateway_http_requests_total", "route, status"), "{{route}} {{status}}")),
-                   unit="reqps", service=svc),
-        timeseries(g, "HTTP latency p99 by route",
-                   targets((quantile(0.99, "looprl_gateway_http_request_seconds", "route"), "{{route}}")),
-                   unit="s", service=svc),
-        timeseries(g, "OpenAI-compatible requests and tokens/s",
-                   targets((rate("looprl_gateway_openai_requests_total", "endpoint, status"),
-                            "{{endpoint}} {{status}}"),
-                           (rate("looprl_gateway_openai_tokens_total", "endpoint, kind"), "tokens {{endpoint}} {{kind}}")),
-                   service=svc),
-    ]  # fmt: skip
+        timeseries(
+            g,
+            "HTTP requests by route and status",
+            targets((rate("looprl_gateway_http_requests_total", "route, status"), "{{route}} {{status}}")),
+            unit="reqps",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "HTTP latency p99 by route",
+            targets((quantile(0.99, "looprl_gateway_http_request_seconds", "route"), "{{route}}")),
+            unit="s",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "OpenAI-compatible requests and tokens/s",
+            targets(
+                (rate("looprl_gateway_openai_requests_total", "endpoint, status"), "{{endpoint}} {{status}}"),
+                (
+                    rate("looprl_gateway_openai_tokens_total", "endpoint, kind"),
+                    "tokens {{endpoint}} {{kind}}",
+                ),
+            ),
+            service=svc,
+        ),
+    ]
 
 
 def trainer_row(g: Grid) -> list[dict[str, Any]]:
     svc = "trainer"
     return [
         row(g, "Trainer"),
-        timeseries(g, "KL and entropy (nats)",
-                   targets((agg("max", "looprl_trainer_kl", "run", RUN), "kl {{run}}"),
-                           (agg("max", "looprl_trainer_entropy", "run", RUN), "entropy {{run}}")),
-                   service=svc),
-        timeseries(g, "Gradient norm and clip fraction",
-                   targets((agg("max", "looprl_trainer_grad_norm", "run", RUN), "grad norm {{run}}"),
-                           (agg("max", "looprl_trainer_clip_fraction", "run", RUN), "clipped {{run}}")),
-                   service=svc),
-        timeseries(g, "Step seconds by phase (mean)",
-                   targets((mean_of("looprl_trainer_step_seconds", "run, phase", RUN), "{{phase}} {{run}}")),
-                   unit="s", service=svc),
-        timeseries(g, "Steps/s", targets((rate("looprl_trainer_steps_total", "run", RUN), "{{run}}")),
-                   service=svc, width=12),
-        timeseries(g, "Checkpoint seconds (p99)",
-                   targets((quantile(0.99, "looprl_trainer_checkpoint_seconds", "run, kind", RUN), "{{kind}} {{run}}")),
-                   unit="s", service=svc, width=12),
-    ]  # fmt: skip
+        timeseries(
+            g,
+            "KL and entropy (nats)",
+            targets(
+                (agg("max", "looprl_trainer_kl", "run", RUN), "kl {{run}}"),
+                (agg("max", "looprl_trainer_entropy", "run", RUN), "entropy {{run}}"),
+            ),
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Gradient norm and clip fraction",
+            targets(
+                (agg("max", "looprl_trainer_grad_norm", "run", RUN), "grad norm {{run}}"),
+                (agg("max", "looprl_trainer_clip_fraction", "run", RUN), "clipped {{run}}"),
+            ),
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Step seconds by phase (mean)",
+            targets((mean_of("looprl_trainer_step_seconds", "run, phase", RUN), "{{phase}} {{run}}")),
+            unit="s",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Steps/s",
+            targets((rate("looprl_trainer_steps_total", "run", RUN), "{{run}}")),
+            service=svc,
+            width=12,
+        ),
+        timeseries(
+            g,
+            "Checkpoint seconds (p99)",
+            targets(
+                (quantile(0.99, "looprl_trainer_checkpoint_seconds", "run, kind", RUN), "{{kind}} {{run}}")
+            ),
+            unit="s",
+            service=svc,
+            width=12,
+        ),
+    ]
 
 
 def weight_sync_row(g: Grid) -> list[dict[str, Any]]:
     svc = "weight-sync"
     return [
         row(g, "Weight-sync"),
-        timeseries(g, "Sync seconds p99 by transport",
-                   targets((quantile(0.99, "looprl_weight_sync_sync_seconds", "deployment, transport"),
-                            "{{deployment}} {{transport}}")),
-                   unit="s", service=svc),
-        timeseries(g, "Bytes/s delivered by transport, pushed by the trainer",
-                   targets((rate("looprl_weight_sync_delivered_bytes_total", "transport, host"),
-                            "{{transport}} to {{host}}"),
-                           (rate("looprl_weight_sync_pushed_bytes_total", "run", RUN), "pushed {{run}}")),
-                   unit="Bps", service=svc),
-        timeseries(g, "Versions: latest pushed, rejected, failed deliveries",
-                   targets((agg("max", "looprl_weight_sync_latest_version", "run", RUN), "latest {{run}}"),
-                           (f"sum by (deployment) (increase(looprl_weight_sync_rejected_versions_total[{RATE}]))",
-                            "rejected {{deployment}}"),
-                           (f"sum by (deployment) (increase(looprl_weight_sync_failed_syncs_total[{RATE}]))",
-                            "failed {{deployment}}")),
-                   service=svc),
-    ]  # fmt: skip
+        timeseries(
+            g,
+            "Sync seconds p99 by transport",
+            targets(
+                (
+                    quantile(0.99, "looprl_weight_sync_sync_seconds", "deployment, transport"),
+                    "{{deployment}} {{transport}}",
+                )
+            ),
+            unit="s",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Bytes/s delivered by transport, pushed by the trainer",
+            targets(
+                (
+                    rate("looprl_weight_sync_delivered_bytes_total", "transport, host"),
+                    "{{transport}} to {{host}}",
+                ),
+                (rate("looprl_weight_sync_pushed_bytes_total", "run", RUN), "pushed {{run}}"),
+            ),
+            unit="Bps",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Versions: latest pushed, rejected, failed deliveries",
+            targets(
+                (agg("max", "looprl_weight_sync_latest_version", "run", RUN), "latest {{run}}"),
+                (
+                    f"sum by (deployment) (increase(looprl_weight_sync_rejected_versions_total[{RATE}]))",
+                    "rejected {{deployment}}",
+                ),
+                (
+                    f"sum by (deployment) (increase(looprl_weight_sync_failed_syncs_total[{RATE}]))",
+                    "failed {{deployment}}",
+                ),
+            ),
+            service=svc,
+        ),
+    ]
 
 
 def reward_row(g: Grid) -> list[dict[str, Any]]:
     svc = "reward"
     return [
         row(g, "Reward"),
-        timeseries(g, "Mean score by reward", targets((mean_of("looprl_reward_score", "reward"), "{{reward}}")),
-                   service=svc),
-        timeseries(g, "Scoring latency p99 by reward",
-                   targets((quantile(0.99, "looprl_reward_seconds", "reward"), "{{reward}}")), unit="s",
-                   service=svc),
-        timeseries(g, "Failed components by reason",
-                   targets((rate("looprl_reward_failures_total", "reward, reason"), "{{reward}} {{reason}}")),
-                   unit="ops", service=svc),
-    ]  # fmt: skip
+        timeseries(
+            g,
+            "Mean score by reward",
+            targets((mean_of("looprl_reward_score", "reward"), "{{reward}}")),
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Scoring latency p99 by reward",
+            targets((quantile(0.99, "looprl_reward_seconds", "reward"), "{{reward}}")),
+            unit="s",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Failed components by reason",
+            targets((rate("looprl_reward_failures_total", "reward, reason"), "{{reward}} {{reason}}")),
+            unit="ops",
+            service=svc,
+        ),
+    ]
 
 
 def router_row(g: Grid) -> list[dict[str, Any]]:
@@ -288,79 +421,161 @@ def router_row(g: Grid) -> list[dict[str, Any]]:
     per_replica = "{{deployment}}/{{replica}}"
     return [
         row(g, "Inference router (per deployment)"),
-        timeseries(g, "Generate requests by deployment and outcome",
-                   targets((rate("looprl_router_requests_total", "deployment, outcome"), "{{deployment}} {{outcome}}")),
-                   unit="reqps", service=svc),
-        timeseries(g, "Outstanding requests per replica",
-                   targets(("sum by (deployment, replica) (looprl_router_outstanding_requests)", per_replica)),
-                   description="Load the router sees on each replica; routing balances on this and on tokens.",
-                   service=svc),
-        timeseries(g, "Outstanding tokens per replica",
-                   targets(("sum by (deployment, replica) (looprl_router_outstanding_tokens)", per_replica)),
-                   service=svc),
-        timeseries(g, "Tokens/s by deployment",
-                   targets((rate("looprl_router_tokens_total", "deployment, kind"), "{{deployment}} {{kind}}")),
-                   service=svc),
-        timeseries(g, "Request latency p99 by deployment",
-                   targets((quantile(0.99, "looprl_router_request_seconds", "deployment"), "{{deployment}}")),
-                   unit="s", service=svc),
-        timeseries(g, "Routing decisions, retries, rejections",
-                   targets((rate("looprl_router_decisions_total", "deployment, reason"), "decide {{deployment}} {{reason}}"),
-                           (rate("looprl_router_retries_total", "deployment"), "retry {{deployment}}"),
-                           (rate("looprl_router_rejections_total", "reason"), "reject {{reason}}"),
-                           (quantile(0.99, "looprl_router_decision_seconds", "instance"), "decide p99 s")),
-                   unit="ops", service=svc),
-        timeseries(g, "Weight version served per replica",
-                   targets(("max by (deployment, replica) (looprl_router_replica_weight_version)", per_replica)),
-                   width=12, description="Every replica should step up together after each weights.published event.",
-                   service=svc),
-        timeseries(g, "Version spread per deployment (max - min), routable replicas",
-                   targets(("max by (deployment) (looprl_router_replica_weight_version)"
-                            " - min by (deployment) (looprl_router_replica_weight_version)", "{{deployment}}"),
-                           ("sum by (deployment) (looprl_router_replica_routable)", "routable {{deployment}}")),
-                   width=12, service=svc),
-    ]  # fmt: skip
+        timeseries(
+            g,
+            "Generate requests by deployment and outcome",
+            targets(
+                (rate("looprl_router_requests_total", "deployment, outcome"), "{{deployment}} {{outcome}}")
+            ),
+            unit="reqps",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Outstanding requests per replica",
+            targets(("sum by (deployment, replica) (looprl_router_outstanding_requests)", per_replica)),
+            description="Load the router sees on each replica; routing balances on this and on tokens.",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Outstanding tokens per replica",
+            targets(("sum by (deployment, replica) (looprl_router_outstanding_tokens)", per_replica)),
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Tokens/s by deployment",
+            targets((rate("looprl_router_tokens_total", "deployment, kind"), "{{deployment}} {{kind}}")),
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Request latency p99 by deployment",
+            targets((quantile(0.99, "looprl_router_request_seconds", "deployment"), "{{deployment}}")),
+            unit="s",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Routing decisions, retries, rejections",
+            targets(
+                (
+                    rate("looprl_router_decisions_total", "deployment, reason"),
+                    "decide {{deployment}} {{reason}}",
+                ),
+                (rate("looprl_router_retries_total", "deployment"), "retry {{deployment}}"),
+                (rate("looprl_router_rejections_total", "reason"), "reject {{reason}}"),
+                (quantile(0.99, "looprl_router_decision_seconds", "instance"), "decide p99 s"),
+            ),
+            unit="ops",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Weight version served per replica",
+            targets(("max by (deployment, replica) (looprl_router_replica_weight_version)", per_replica)),
+            width=12,
+            description="Every replica should step up together after each weights.published event.",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Version spread per deployment (max - min), routable replicas",
+            targets(
+                (
+                    "max by (deployment) (looprl_router_replica_weight_version)"
+                    " - min by (deployment) (looprl_router_replica_weight_version)",
+                    "{{deployment}}",
+                ),
+                ("sum by (deployment) (looprl_router_replica_routable)", "routable {{deployment}}"),
+            ),
+            width=12,
+            service=svc,
+        ),
+    ]
 
 
 def packer_row(g: Grid) -> list[dict[str, Any]]:
     svc = "rollout-packer"
     return [
         row(g, "Rollout packer"),
-        timeseries(g, "Padding fraction of the micro-batch budget",
-                   targets((agg("max", "looprl_packer_padding_fraction", "run", RUN), "{{run}}")),
-                   unit="percentunit", service=svc),
-        timeseries(g, "DP rank imbalance (max/mean) and sync idle",
-                   targets((agg("max", "looprl_packer_rank_imbalance", "run", RUN), "imbalance {{run}}"),
-                           (agg("max", "looprl_packer_sync_idle_fraction", "run", RUN), "idle {{run}}")),
-                   service=svc),
-        timeseries(g, "Lag: queued rollouts, pending groups, unacked steps",
-                   targets((agg("sum", "looprl_packer_queued_rollouts", "run", RUN), "queued {{run}}"),
-                           (agg("sum", "looprl_packer_pending_groups", "run", RUN), "pending groups {{run}}"),
-                           (agg("max", "looprl_packer_unacked_steps", "run", RUN), "unacked steps {{run}}")),
-                   service=svc),
-        timeseries(g, "Rollouts acked vs dropped (by reason)",
-                   targets((rate("looprl_packer_acked_rollouts_total", "run", RUN), "acked {{run}}"),
-                           (rate("looprl_packer_dropped_rollouts_total", "run, reason", RUN), "dropped {{run}} {{reason}}")),
-                   unit="ops", service=svc, width=12),
-        timeseries(g, "Steps planned and plan time p99",
-                   targets((rate("looprl_packer_steps_planned_total", "run", RUN), "steps/s {{run}}"),
-                           (quantile(0.99, "looprl_packer_plan_seconds", "run", RUN), "plan p99 s {{run}}")),
-                   service=svc, width=12),
-    ]  # fmt: skip
+        timeseries(
+            g,
+            "Padding fraction of the micro-batch budget",
+            targets((agg("max", "looprl_packer_padding_fraction", "run", RUN), "{{run}}")),
+            unit="percentunit",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "DP rank imbalance (max/mean) and sync idle",
+            targets(
+                (agg("max", "looprl_packer_rank_imbalance", "run", RUN), "imbalance {{run}}"),
+                (agg("max", "looprl_packer_sync_idle_fraction", "run", RUN), "idle {{run}}"),
+            ),
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Lag: queued rollouts, pending groups, unacked steps",
+            targets(
+                (agg("sum", "looprl_packer_queued_rollouts", "run", RUN), "queued {{run}}"),
+                (agg("sum", "looprl_packer_pending_groups", "run", RUN), "pending groups {{run}}"),
+                (agg("max", "looprl_packer_unacked_steps", "run", RUN), "unacked steps {{run}}"),
+            ),
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Rollouts acked vs dropped (by reason)",
+            targets(
+                (rate("looprl_packer_acked_rollouts_total", "run", RUN), "acked {{run}}"),
+                (
+                    rate("looprl_packer_dropped_rollouts_total", "run, reason", RUN),
+                    "dropped {{run}} {{reason}}",
+                ),
+            ),
+            unit="ops",
+            service=svc,
+            width=12,
+        ),
+        timeseries(
+            g,
+            "Steps planned and plan time p99",
+            targets(
+                (rate("looprl_packer_steps_planned_total", "run", RUN), "steps/s {{run}}"),
+                (quantile(0.99, "looprl_packer_plan_seconds", "run", RUN), "plan p99 s {{run}}"),
+            ),
+            service=svc,
+            width=12,
+        ),
+    ]
 
 
 def sandbox_row(g: Grid) -> list[dict[str, Any]]:
     svc = "environment-sandbox"
     return [
         row(g, "Environment sandbox"),
-        timeseries(g, "Sandbox actors (now, peak)",
-                   targets(("sum(looprl_sandbox_fleet_actors)", "actors"),
-                           ("max(looprl_sandbox_fleet_peak_actors)", "peak")),
-                   service=svc, width=12),
-        timeseries(g, "Sandbox executions/s",
-                   targets((f"sum(rate(looprl_sandbox_fleet_executions_total[{RATE}]))", "executions")),
-                   unit="ops", service=svc, width=12),
-    ]  # fmt: skip
+        timeseries(
+            g,
+            "Sandbox actors (now, peak)",
+            targets(
+                ("sum(looprl_sandbox_fleet_actors)", "actors"),
+                ("max(looprl_sandbox_fleet_peak_actors)", "peak"),
+            ),
+            service=svc,
+            width=12,
+        ),
+        timeseries(
+            g,
+            "Sandbox executions/s",
+            targets((f"sum(rate(looprl_sandbox_fleet_executions_total[{RATE}]))", "executions")),
+            unit="ops",
+            service=svc,
+            width=12,
+        ),
+    ]
 
 
 def traces_row(g: Grid) -> list[dict[str, Any]]:
@@ -387,12 +602,20 @@ def traces_row(g: Grid) -> list[dict[str, Any]]:
             "gridPos": g.place(12, 10),
             "targets": [{"datasource": TEMPO, "queryType": "serviceMap", "refId": "A"}],
         },
-        traceql("Recent error traces", '{ status = error && resource.service.name =~ "$service" }', 12,
-                "Click a trace id to open it in Tempo."),
+        traceql(
+            "Recent error traces",
+            '{ status = error && resource.service.name =~ "$service" }',
+            12,
+            "Click a trace id to open it in Tempo.",
+        ),
         traceql("Slowest traces (> 1 s)", '{ duration > 1s && resource.service.name =~ "$service" }', 12),
-        traceql("Recent trainer steps", '{ name = "trainer step" && span.looprl.run_id =~ "$run" }', 12,
-                "One trace per step, linked to the rollouts it trained."),
-    ]  # fmt: skip
+        traceql(
+            "Recent trainer steps",
+            '{ name = "trainer step" && span.looprl.run_id =~ "$run" }',
+            12,
+            "One trace per step, linked to the rollouts it trained.",
+        ),
+    ]
 
 
 def variable(name: str, query: str) -> dict[str, Any]:
@@ -415,8 +638,18 @@ def variable(name: str, query: str) -> dict[str, Any]:
 def build() -> dict[str, Any]:
     g = Grid()
     panels: list[dict[str, Any]] = []
-    for section in (run_row, rpc_row, gateway_row, trainer_row, weight_sync_row, reward_row, router_row,
-                    packer_row, sandbox_row, traces_row):  # fmt: skip
+    for section in (
+        run_row,
+        rpc_row,
+        gateway_row,
+        trainer_row,
+        weight_sync_row,
+        reward_row,
+        router_row,
+        packer_row,
+        sandbox_row,
+        traces_row,
+    ):
         panels.extend(section(g))
     return {
         "uid": "looprl-overview",

@@ -290,8 +290,12 @@ class DeploymentManager:
             return
         if reply.current_version >= 0:
             self.router.on_weights_published(state.name, reply.current_version)
-        log.info("registered %s with weight-sync (%d ranks%s)", target, len(ranks),
-                 ", canary" if request.canary else "")  # fmt: skip
+        log.info(
+            "registered %s with weight-sync (%d ranks%s)",
+            target,
+            len(ranks),
+            ", canary" if request.canary else "",
+        )
 
     def _weight_sync_stub(self) -> Any:
         if self._weight_sync is None:
@@ -369,8 +373,12 @@ class DeploymentManager:
             if (msg.headers or {}).get(subjects.EVENT_HEADER) == subjects.WEIGHTS_REJECTED:
                 try:
                     rejected = events_pb2.WeightsRejected.FromString(msg.data)
-                    log.warning("weight-sync rejected version %d for %s (log-prob drift %.4g)",
-                                rejected.version, rejected.deployment, rejected.drift)  # fmt: skip
+                    log.warning(
+                        "weight-sync rejected version %d for %s (log-prob drift %.4g)",
+                        rejected.version,
+                        rejected.deployment,
+                        rejected.drift,
+                    )
                 except Exception:
                     log.warning("ignoring a malformed weights-rejected event on %s", msg.subject)
                 return

@@ -399,9 +399,11 @@ class ReplicaCore:
         req = inference_pb2.GenerateRequest.FromString(request_bytes)
         # Not made current: an async generator resumes in its consumer's context at every chunk.
         span = _tracer.start_span(
-            "replica generate_stream", context=telemetry.extract(trace_headers), kind=trace.SpanKind.SERVER,
+            "replica generate_stream",
+            context=telemetry.extract(trace_headers),
+            kind=trace.SpanKind.SERVER,
             attributes={telemetry.ATTR.DEPLOYMENT: self.spec.name, telemetry.ATTR.REPLICA: self.name},
-        )  # fmt: skip
+        )
         tokens = 0
         try:
             async for chunk in self.stream_proto(req):

@@ -618,9 +618,12 @@ class Delivery:
         else:
             parent, links = propagate.extract(self.headers), []
         with self._bus._tracer.start_as_current_span(
-            name or f"{self.subject} process", context=parent, kind=SpanKind.CONSUMER, attributes=attrs,
+            name or f"{self.subject} process",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            attributes=attrs,
             links=links,
-        ) as span:  # fmt: skip
+        ) as span:
             yield span
 
 
@@ -644,9 +647,11 @@ def batch_process_span(
     if ids:
         attrs["messaging.message.id"] = ",".join(ids)
     with first._bus._tracer.start_as_current_span(
-        f"{first.subject} process", context=propagate.extract(first.headers), kind=SpanKind.CONSUMER,
+        f"{first.subject} process",
+        context=propagate.extract(first.headers),
+        kind=SpanKind.CONSUMER,
         attributes=attrs,
-    ) as span:  # fmt: skip
+    ) as span:
         yield span
 
 

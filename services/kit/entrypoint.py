@@ -27,8 +27,10 @@ def run_service(name: str, argv: Sequence[str] | None = None) -> int:
     if any(arg in HELP_FLAGS for arg in args):
         return _print_help(spec)
     if args:
-        print(f"{name}: unexpected arguments {args}; settings are environment variables (see --help)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"{name}: unexpected arguments {args}; settings are environment variables (see --help)",
+            file=sys.stderr,
+        )
         return 2
     try:
         config = load(spec)

@@ -23,6 +23,16 @@ def init_run(run_id: str) -> None:
     """Every series of a run, at zero (the gauges until its first step sets them)."""
     for reason in DropReason:
         DROPPED.labels(run_id, reason.value)
-    for metric in (PADDING_FRACTION, RANK_IMBALANCE, SYNC_IDLE, QUEUE_DEPTH, PENDING_GROUPS, STALENESS,
-                   UNACKED_STEPS, STEPS_PLANNED, ACKED, PLAN_SECONDS):  # fmt: skip
+    for metric in (
+        PADDING_FRACTION,
+        RANK_IMBALANCE,
+        SYNC_IDLE,
+        QUEUE_DEPTH,
+        PENDING_GROUPS,
+        STALENESS,
+        UNACKED_STEPS,
+        STEPS_PLANNED,
+        ACKED,
+        PLAN_SECONDS,
+    ):
         metric.labels(run_id)

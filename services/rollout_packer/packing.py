@@ -47,9 +47,14 @@ class PackedMicroBatch:
         import torch
 
         names = (
-            "input_ids", "position_ids", "cu_seqlens", "loss_mask",
-            "advantages", "behaviour_logprobs", "versions",
-        )  # fmt: skip
+            "input_ids",
+            "position_ids",
+            "cu_seqlens",
+            "loss_mask",
+            "advantages",
+            "behaviour_logprobs",
+            "versions",
+        )
         return {name: torch.from_numpy(getattr(self, name)) for name in names}
 
 
@@ -67,9 +72,13 @@ def build_micro_batch(
 ) -> PackedMicroBatch:
     """Concatenate `sequences` (with one advantage each) into one packed micro-batch."""
     meta = {
-        "step": step, "rank": rank, "index": index, "count": count,
-        "global_loss_tokens": global_loss_tokens, "global_sequences": global_sequences,
-    }  # fmt: skip
+        "step": step,
+        "rank": rank,
+        "index": index,
+        "count": count,
+        "global_loss_tokens": global_loss_tokens,
+        "global_sequences": global_sequences,
+    }
     if not sequences:
         return PackedMicroBatch(
             input_ids=np.array([pad_token_id], dtype=np.int32),

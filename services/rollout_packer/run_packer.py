@@ -42,11 +42,19 @@ _tracer = trace.get_tracer("looprl.rollout_packer")
 
 # Policy drops are acked (the message was fine, we chose not to train it); invalid rollouts are termed.
 _INVALID = {
-    DropReason.MALFORMED, DropReason.MISSING_ID, DropReason.RUN_MISMATCH, DropReason.INVALID_GROUP_SIZE,
-    DropReason.LOGPROB_LENGTH_MISMATCH, DropReason.INVALID_LOGPROB, DropReason.INVALID_TOKEN,
-    DropReason.NEGATIVE_VERSION, DropReason.EMPTY_COMPLETION, DropReason.TRAINABLE_FIRST_TOKEN,
-    DropReason.NON_FINITE_REWARD, DropReason.TOO_LONG,
-}  # fmt: skip
+    DropReason.MALFORMED,
+    DropReason.MISSING_ID,
+    DropReason.RUN_MISMATCH,
+    DropReason.INVALID_GROUP_SIZE,
+    DropReason.LOGPROB_LENGTH_MISMATCH,
+    DropReason.INVALID_LOGPROB,
+    DropReason.INVALID_TOKEN,
+    DropReason.NEGATIVE_VERSION,
+    DropReason.EMPTY_COMPLETION,
+    DropReason.TRAINABLE_FIRST_TOKEN,
+    DropReason.NON_FINITE_REWARD,
+    DropReason.TOO_LONG,
+}
 
 
 class RunPacker:

@@ -49,9 +49,13 @@ class PackerApp:
     async def start(self) -> None:
         self.bus = await Bus.connect(bus_url(self.cfg), name="rollout-packer")
         await self.bus.ensure_streams(
-            buckets=(*subjects.BUCKETS, subjects.BucketSpec(self.cfg.state_bucket, history=1,
-                                                            description="packer step plans and acks")),
-        )  # fmt: skip
+            buckets=(
+                *subjects.BUCKETS,
+                subjects.BucketSpec(
+                    self.cfg.state_bucket, history=1, description="packer step plans and acks"
+                ),
+            ),
+        )
         if self.cfg.run_ids:
             if not self.cfg.recipe:
                 raise ValueError("run_ids is set but recipe is empty: the packer needs the run's recipe")
@@ -71,15 +75,21 @@ class PackerApp:
             if run_id in self.runs:
                 return self.runs[run_id]
             store = StepStore(
-                await self.bus.kv(self.cfg.state_bucket), run_id, self.cfg.keep_acked_steps,
+                await self.bus.kv(self.cfg.state_bucket),
+                run_id,
+                self.cfg.keep_acked_steps,
                 # a bus ack lost in a crash shows up as a redelivery one ack wait later
                 settle_s=2 * self.cfg.ack_wait_s + 5,
-            )  # fmt: skip
+            )
             packer = RunPacker(
-                run_id, settings, self.bus, store,
-                ack_wait_s=self.cfg.ack_wait_s, max_ack_pending=self.cfg.max_ack_pending,
+                run_id,
+                settings,
+                self.bus,
+                store,
+                ack_wait_s=self.cfg.ack_wait_s,
+                max_ack_pending=self.cfg.max_ack_pending,
                 fetch_batch=self.cfg.fetch_batch,
-            )  # fmt: skip
+            )
             await packer.start()
             self.runs[run_id] = packer
             return packer

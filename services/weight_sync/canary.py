@@ -108,8 +108,12 @@ async def check(
     try:
         after = await golden_answers(stub, prompts, tokens, tag=tag)
     except grpc.aio.AioRpcError as exc:
-        return CanaryVerdict(False, math.inf, 0, f"the new version failed the golden prompts: {exc.code().name}: "
-                                                f"{exc.details()}")  # fmt: skip
+        return CanaryVerdict(
+            False,
+            math.inf,
+            0,
+            f"the new version failed the golden prompts: {exc.code().name}: {exc.details()}",
+        )
     drift, compared = logprob_drift(before, after)
     passed = drift <= max_drift
     detail = f"log-prob drift {drift:.4g} over {compared} positions (bound {max_drift:g})"
@@ -121,7 +125,12 @@ async def rollback(stub: inference_pb2_grpc.InferenceEngineServiceStub, ep: obje
     try:
         await stub.RollbackWeights(inference_pb2.RollbackWeightsRequest(version=version), timeout=60)
     except grpc.aio.AioRpcError as exc:
-        log.error("%s: rollback of rejected version %s failed (%s: %s); it still serves it", ep, version,
-                  exc.code().name, exc.details())  # fmt: skip
+        log.error(
+            "%s: rollback of rejected version %s failed (%s: %s); it still serves it",
+            ep,
+            version,
+            exc.code().name,
+            exc.details(),
+        )
         return f"{ep}: {exc.code().name}: {exc.details()}"
     return ""

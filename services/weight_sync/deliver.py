@@ -80,10 +80,13 @@ class Deliverer:
         self.bucket_bytes = bucket_bytes
         self.transports = Transports(
             TransportSettings(
-                bucket_bytes=bucket_bytes, shm_segments=shm_segments, prefetch=prefetch,
-                shared_copy_min_receivers=shared_copy_min_receivers, shared_copies=shared_copies,
+                bucket_bytes=bucket_bytes,
+                shm_segments=shm_segments,
+                prefetch=prefetch,
+                shared_copy_min_receivers=shared_copy_min_receivers,
+                shared_copies=shared_copies,
             )
-        )  # fmt: skip
+        )
         self.grpc = self.transports.control  # commit, abort, status and probes, whatever the transport
         self.placement = Placement(self.grpc.stub, host_id=host_id)
         self.retry_attempts = retry_attempts
@@ -151,15 +154,23 @@ class Deliverer:
         if force is not None:
             targets = [force] if self._busy.get(force.deployment) != buf.version else []
         else:
-            targets = [t for t in self.targets.values() if t.due(buf.version)
-                       and self._busy.get(t.deployment, -1) < buf.version]  # fmt: skip
+            targets = [
+                t
+                for t in self.targets.values()
+                if t.due(buf.version) and self._busy.get(t.deployment, -1) < buf.version
+            ]
         targets = [t for t in targets if t.deployment not in self._busy]
         if targets:
             self._spawn(self._deliver(buf, targets, None, forced=force is not None))
 
     # ---------------------------------------------------------- delivery
-    async def _deliver(self, buf: VersionBuffer, targets: list[Target], speculative: TrainerLayout | None,
-                       forced: bool = False) -> None:  # fmt: skip
+    async def _deliver(
+        self,
+        buf: VersionBuffer,
+        targets: list[Target],
+        speculative: TrainerLayout | None,
+        forced: bool = False,
+    ) -> None:
         """One delivery, its own trace: linked to the trainer's pushes of the version (its step)."""
         links, _ = telemetry.links(buf.pushes)
         with _tracer.start_as_current_span(
@@ -175,8 +186,9 @@ class Deliverer:
         ):
             await self._deliver_traced(buf, targets, speculative, forced)
 
-    async def _deliver_traced(self, buf: VersionBuffer, targets: list[Target], speculative: TrainerLayout | None,
-                              forced: bool) -> None:  # fmt: skip
+    async def _deliver_traced(
+        self, buf: VersionBuffer, targets: list[Target], speculative: TrainerLayout | None, forced: bool
+    ) -> None:
         version = buf.version
         for t in targets:
             self._busy[t.deployment] = version
@@ -213,11 +225,16 @@ class Deliverer:
                             if e.rank == rank_plan.rank and e not in skip:
                                 by_kind.setdefault(kinds[e], []).append(e)
                     for kind, subset in by_kind.items():
-                        jobs.append(self.transports.get(kind).stage(
-                            version, subset, self._buckets(rank_plan, buf),
-                            model_config_json=self._config_json, total_bytes=rank_plan.nbytes,
-                            timeout_s=self.stage_timeout_s,
-                        ))  # fmt: skip
+                        jobs.append(
+                            self.transports.get(kind).stage(
+                                version,
+                                subset,
+                                self._buckets(rank_plan, buf),
+                                model_config_json=self._config_json,
+                                total_bytes=rank_plan.nbytes,
+                                timeout_s=self.stage_timeout_s,
+                            )
+                        )
             results: dict[Endpoint, StageResult] = {}
             for res in await asyncio.gather(*jobs):
                 results.update(res)
@@ -260,8 +277,9 @@ class Deliverer:
         found = await asyncio.gather(*(at(e) for t in targets for e in t.endpoints))
         return {e for e in found if e is not None}
 
-    async def _finish(self, t: Target, version: int, results: dict[Endpoint, StageResult], skip: set[Endpoint],
-                      start: float) -> None:  # fmt: skip
+    async def _finish(
+        self, t: Target, version: int, results: dict[Endpoint, StageResult], skip: set[Endpoint], start: float
+    ) -> None:
         errors = [str(results[e].error) for e in t.endpoints if e in results and results[e].error is not None]
         buf = self.store.latest if self.store.latest and self.store.latest.version == version else None
         if errors:
@@ -291,8 +309,13 @@ class Deliverer:
         reached_by = self.reached_by(t)
         metrics.delivered(run_id, t.deployment, version, t.last_sync_seconds, reached_by)
         t.attempts.pop(version, None)
-        log.info("deployment %s now serves version %s (%d bytes, %.3fs)", t.deployment, version, t.last_bytes,
-                 t.last_sync_seconds)  # fmt: skip
+        log.info(
+            "deployment %s now serves version %s (%d bytes, %.3fs)",
+            t.deployment,
+            version,
+            t.last_bytes,
+            t.last_sync_seconds,
+        )
         if self.on_published is not None:
             try:
                 await self.on_published(t, version, t.last_bytes, t.last_sync_seconds)
@@ -314,8 +337,13 @@ class Deliverer:
         except grpc.aio.AioRpcError as exc:
             # No reference to compare with (the replica generates nothing, or is not ready): commit
             # without a check rather than never updating; say so.
-            log.warning("canary of %s skipped for version %s: no reference answers (%s: %s)", t.deployment,
-                        version, exc.code().name, exc.details())  # fmt: skip
+            log.warning(
+                "canary of %s skipped for version %s: no reference answers (%s: %s)",
+                t.deployment,
+                version,
+                exc.code().name,
+                exc.details(),
+            )
             return await self._commit_canary(t, version, replica, skip)  # the caller commits the others
         if not await self._commit_canary(t, version, replica, skip):
             return False
@@ -335,14 +363,19 @@ class Deliverer:
         metrics.REJECTED.labels(t.deployment).inc()
         t.attempts[version] = self.retry_attempts  # checksum-valid bytes: a retry would fail the same way
         problems = "; ".join(e for e in errors if e)
-        await self._failed(t, None, f"canary rejected version {version}: {verdict.detail}"
-                           + (f"; rollback failed: {problems}" if problems else ""))  # fmt: skip
+        await self._failed(
+            t,
+            None,
+            f"canary rejected version {version}: {verdict.detail}"
+            + (f"; rollback failed: {problems}" if problems else ""),
+        )
         if self.on_rejected is not None:
             try:
                 await self.on_rejected(t, version, t.canary_drift, verdict.detail)
             except Exception as exc:
-                log.warning("announcing the rejection of version %s for %s failed: %s", version, t.deployment,
-                            exc)  # fmt: skip
+                log.warning(
+                    "announcing the rejection of version %s for %s failed: %s", version, t.deployment, exc
+                )
         return False
 
     async def _commit_canary(
@@ -375,8 +408,13 @@ class Deliverer:
         attempt = t.attempts.get(buf.version, 0) + 1
         t.attempts[buf.version] = attempt
         if attempt >= self.retry_attempts:
-            log.warning("giving up on version %s for %s after %d attempts: %s", buf.version, t.deployment, attempt,
-                        error)  # fmt: skip
+            log.warning(
+                "giving up on version %s for %s after %d attempts: %s",
+                buf.version,
+                t.deployment,
+                attempt,
+                error,
+            )
             return
 
         async def retry() -> None:

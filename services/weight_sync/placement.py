@@ -61,8 +61,13 @@ class Placement:
             old = self.routes.get(ep)
             route.bytes_delivered = old.bytes_delivered if old is not None else 0
             self.routes[ep] = route
-            log.info("%s (host %s) receives weights over %s: %s", ep, ep.host_id or "?", route.transport,
-                     route.reason)  # fmt: skip
+            log.info(
+                "%s (host %s) receives weights over %s: %s",
+                ep,
+                ep.host_id or "?",
+                route.transport,
+                route.reason,
+            )
 
     def uses_shm(self, ep: Endpoint) -> bool:
         route = self.routes.get(ep)
@@ -89,9 +94,14 @@ class Placement:
         """The rank's route; `transport` is the kind that reaches it when the target names one."""
         route = self.routes.get(ep) or Route(GRPC, "not placed yet")
         return weightsync_pb2.DeliveryRoute(
-            replica=ep.replica, rank=ep.rank, address=ep.address, host_id=ep.host_id,
-            transport=transport or route.transport, reason=route.reason, bytes_delivered=route.bytes_delivered,
-        )  # fmt: skip
+            replica=ep.replica,
+            rank=ep.rank,
+            address=ep.address,
+            host_id=ep.host_id,
+            transport=transport or route.transport,
+            reason=route.reason,
+            bytes_delivered=route.bytes_delivered,
+        )
 
     async def _decide(self, ep: Endpoint) -> Route:
         if not ep.host_id:

@@ -32,12 +32,19 @@ def make(cfg: WeightSyncConfig) -> WeightSyncServicer:
     """Store, deliverer and servicer; events and KV are attached by `attach_state`."""
     store = VersionStore()
     deliverer = Deliverer(
-        store, bucket_bytes=cfg.bucket_bytes, shm_segments=cfg.shm_segments, prefetch=cfg.prefetch_buckets,
-        shared_copy_min_receivers=cfg.shared_copy_min_receivers, shared_copies=cfg.shared_copies,
-        retry_attempts=cfg.retry_attempts, retry_backoff_s=cfg.retry_backoff_s,
-        stage_timeout_s=cfg.stage_timeout_s, pipeline=cfg.pipeline, canary_tokens=cfg.canary_tokens,
+        store,
+        bucket_bytes=cfg.bucket_bytes,
+        shm_segments=cfg.shm_segments,
+        prefetch=cfg.prefetch_buckets,
+        shared_copy_min_receivers=cfg.shared_copy_min_receivers,
+        shared_copies=cfg.shared_copies,
+        retry_attempts=cfg.retry_attempts,
+        retry_backoff_s=cfg.retry_backoff_s,
+        stage_timeout_s=cfg.stage_timeout_s,
+        pipeline=cfg.pipeline,
+        canary_tokens=cfg.canary_tokens,
         canary_max_drift=cfg.canary_max_drift,
-    )  # fmt: skip
+    )
     return WeightSyncServicer(store, deliverer)
 
 

@@ -47,10 +47,16 @@ class StateStore:
         if buf.run_id:
             self.current_run = buf.run_id
         manifest = {
-            "version": buf.version, "run_id": buf.run_id, "bytes": buf.bytes_received,
-            "trainer_world_size": buf.world_size, "model_config_json": buf.model_config_json,
-            "params": {n: {"shape": list(s), "dtype": str(d).removeprefix("torch.")} for n, (s, d) in buf.params.items()},
-        }  # fmt: skip
+            "version": buf.version,
+            "run_id": buf.run_id,
+            "bytes": buf.bytes_received,
+            "trainer_world_size": buf.world_size,
+            "model_config_json": buf.model_config_json,
+            "params": {
+                n: {"shape": list(s), "dtype": str(d).removeprefix("torch.")}
+                for n, (s, d) in buf.params.items()
+            },
+        }
         await self.kv.put(f"{self.prefix}.latest", json.dumps(manifest).encode())
 
     async def load(self, store: VersionStore, deliverer: Deliverer) -> None:
@@ -82,8 +88,12 @@ class StateStore:
         event = events_pb2.WeightsRejected(
             run_id=run, version=version, deployment=t.deployment, drift=drift, detail=detail
         )
-        await self.bus.publish(subjects.weights(run), event, msg_id=f"weights-rejected-{run}-{t.deployment}-{version}",
-                               headers={subjects.EVENT_HEADER: subjects.WEIGHTS_REJECTED})  # fmt: skip
+        await self.bus.publish(
+            subjects.weights(run),
+            event,
+            msg_id=f"weights-rejected-{run}-{t.deployment}-{version}",
+            headers={subjects.EVENT_HEADER: subjects.WEIGHTS_REJECTED},
+        )
         await self.save_state(t)
 
     async def published(self, t: Target, version: int, nbytes: int, seconds: float) -> None:

@@ -64,10 +64,15 @@ class Target:
 
     def to_proto(self) -> weightsync_pb2.TargetVersion:
         return weightsync_pb2.TargetVersion(
-            deployment=self.deployment, version=self.version, state=self.state, last_error=self.last_error,
-            last_bytes=self.last_bytes, last_sync_seconds=self.last_sync_seconds,
-            canary_drift=self.canary_drift, canary_rejected_version=self.canary_rejected_version,
-        )  # fmt: skip
+            deployment=self.deployment,
+            version=self.version,
+            state=self.state,
+            last_error=self.last_error,
+            last_bytes=self.last_bytes,
+            last_sync_seconds=self.last_sync_seconds,
+            canary_drift=self.canary_drift,
+            canary_rejected_version=self.canary_rejected_version,
+        )
 
 
 def target_from_request(req: weightsync_pb2.RegisterTargetRequest) -> Target:
@@ -128,11 +133,16 @@ def target_from_request(req: weightsync_pb2.RegisterTargetRequest) -> Target:
             f"canary_policy.max_logprob_drift: must be >= 0, got {policy.max_logprob_drift}"
         )
     return Target(
-        deployment=req.deployment, layout=Layout(tp, naming, dtype), endpoints=endpoints,
-        every_k=max(1, req.every_k_versions), canary=req.canary, run_id=req.run_id, registration=req,
+        deployment=req.deployment,
+        layout=Layout(tp, naming, dtype),
+        endpoints=endpoints,
+        every_k=max(1, req.every_k_versions),
+        canary=req.canary,
+        run_id=req.run_id,
+        registration=req,
         transport=transport,
         canary_settings=CanarySettings(prompts, policy.tokens_per_prompt, float(policy.max_logprob_drift)),
-    )  # fmt: skip
+    )
 
 
 def kv_key(prefix: str, name: str) -> str:

@@ -125,8 +125,13 @@ class VersionBuffer:
         # The trainer's hash64, checked on the bytes every delivery will read: hashed block by block as
         # each lands in the arena, in the same pass as the copy.
         checksum = SliceChecksum("hash64", int(chunk.hash64)) if chunk.HasField("hash64") else None
-        verify_slice(checksum, data, where=where, what=f"{chunk.name} rows from {chunk.row_offset}",
-                     into=None if stored is data else np.frombuffer(stored, np.uint8))  # fmt: skip
+        verify_slice(
+            checksum,
+            data,
+            where=where,
+            what=f"{chunk.name} rows from {chunk.row_offset}",
+            into=None if stored is data else np.frombuffer(stored, np.uint8),
+        )
         self.params[chunk.name] = (shape, dtype)
         if chunk.rows == 0:
             return 0

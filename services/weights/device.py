@@ -21,9 +21,13 @@ from .stager import StageProgress, WeightStager
 
 
 def stage_device_request(
-    stager: WeightStager, request: inference_pb2.StageWeightsRequest, *, nccl_group=None,
-    device: str | torch.device = "cuda", verify: bool = True,
-) -> StageProgress:  # fmt: skip
+    stager: WeightStager,
+    request: inference_pb2.StageWeightsRequest,
+    *,
+    nccl_group=None,
+    device: str | torch.device = "cuda",
+    verify: bool = True,
+) -> StageProgress:
     """Receiver side of both GPU transports."""
     total = max((s.shm_offset + s.nbytes for s in request.slices), default=0)
     if request.device_handle:

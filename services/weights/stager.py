@@ -325,8 +325,16 @@ class WeightStager:
         if self.device.type != "cpu":  # a device engine copies the shared bytes to its device
             data = reader.view(sl.shm_name, int(sl.shm_offset), nbytes)
             expected = SliceChecksum.of(sl)
-            self._stage_slice(i, name, int(sl.dtype), spec.shape, offset, data, expected,
-                              verified_elsewhere=expected is None)  # fmt: skip
+            self._stage_slice(
+                i,
+                name,
+                int(sl.dtype),
+                spec.shape,
+                offset,
+                data,
+                expected,
+                verified_elsewhere=expected is None,
+            )
             return
         held = self._adopted.get(name)
         if held is None:
@@ -351,8 +359,12 @@ class WeightStager:
         expected = SliceChecksum.of(sl)
         if self.verify_checksums and expected is not None:  # without one a peer verifies this share
             region = self._flat[name].view(torch.uint8)[offset * size : (offset + count) * size]
-            verify_slice(expected, region.numpy(), where=f"slices[{i}]",
-                         what=f"{name} elements [{offset}, {offset + count}) in shared copy {sl.shm_name!r}")  # fmt: skip
+            verify_slice(
+                expected,
+                region.numpy(),
+                where=f"slices[{i}]",
+                what=f"{name} elements [{offset}, {offset + count}) in shared copy {sl.shm_name!r}",
+            )
         self._bytes += nbytes
 
     def _stage_slice(

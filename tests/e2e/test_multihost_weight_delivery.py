@@ -41,15 +41,31 @@ async def deliver(ws_address: str, receivers: dict[str, tuple[str, str]], versio
     async with grpc.aio.insecure_channel(ws_address) as channel:
         stub = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
         for name, (address, host_id) in receivers.items():
-            await stub.RegisterTarget(weightsync_pb2.RegisterTargetRequest(
-                deployment=name, every_k_versions=1,
-                ranks=[weightsync_pb2.TargetRank(rank=0, address=address, host_id=host_id, replica=f"{name}-r0")],
-                layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf", dtype=common_pb2.D_TYPE_FLOAT32),
-            ), timeout=30)  # fmt: skip
+            await stub.RegisterTarget(
+                weightsync_pb2.RegisterTargetRequest(
+                    deployment=name,
+                    every_k_versions=1,
+                    ranks=[
+                        weightsync_pb2.TargetRank(
+                            rank=0, address=address, host_id=host_id, replica=f"{name}-r0"
+                        )
+                    ],
+                    layout=weightsync_pb2.TargetLayout(
+                        tensor_parallel=1, naming="hf", dtype=common_pb2.D_TYPE_FLOAT32
+                    ),
+                ),
+                timeout=30,
+            )
         config_json = json.dumps(CONFIG.to_hf_dict())
         for version in range(versions):
-            reqs = rank_requests(model_state(version), version=version, rank=0, world=1,
-                                 max_message_bytes=1 << 16, model_config_json=config_json)  # fmt: skip
+            reqs = rank_requests(
+                model_state(version),
+                version=version,
+                rank=0,
+                world=1,
+                max_message_bytes=1 << 16,
+                model_config_json=config_json,
+            )
             await stub.PushShards(iter(list(reqs)), timeout=60)
             reply, states = await wait_served(stub, version, receivers)
         return reply, states
@@ -80,17 +96,31 @@ async def test_shared_memory_within_a_host_and_grpc_across_hosts():
     netns_hosts.require()
     with netns_hosts.namespace_hosts(2) as hosts:
         h1 = hosts[1].address
-        nats_proc = hosts.popen(1, [_bin("nats-server"), "-js", "-a", h1, "-p", str(NATS_PORT), "-sd", "/tmp/nats"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        nats_proc = hosts.popen(
+            1,
+            [_bin("nats-server"), "-js", "-a", h1, "-p", str(NATS_PORT), "-sd", "/tmp/nats"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_listening(h1, NATS_PORT, nats_proc, "nats-server")
         env = {k: v for k, v in os.environ.items() if k != "LOOPRL_SHM_DIR"}
-        env.update({
-            "LOOPRL_WEIGHTSYNC_HOST": h1, "LOOPRL_WEIGHTSYNC_GRPC_PORT": str(WS_PORT),
-            "LOOPRL_WEIGHTSYNC_METRICS_PORT": str(WS_METRICS), "LOOPRL_WEIGHTSYNC_NATS_URL": f"nats://{h1}:{NATS_PORT}",
-            "LOOPRL_WEIGHTSYNC_GRACE_SECONDS": "2", "LOOPRL_WEIGHTSYNC_BUCKET_BYTES": str(1 << 16),
-        })  # fmt: skip
-        ws_proc = hosts.popen(1, [PY, "-m", "services.weight_sync"], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)  # fmt: skip
+        env.update(
+            {
+                "LOOPRL_WEIGHTSYNC_HOST": h1,
+                "LOOPRL_WEIGHTSYNC_GRPC_PORT": str(WS_PORT),
+                "LOOPRL_WEIGHTSYNC_METRICS_PORT": str(WS_METRICS),
+                "LOOPRL_WEIGHTSYNC_NATS_URL": f"nats://{h1}:{NATS_PORT}",
+                "LOOPRL_WEIGHTSYNC_GRACE_SECONDS": "2",
+                "LOOPRL_WEIGHTSYNC_BUCKET_BYTES": str(1 << 16),
+            }
+        )
+        ws_proc = hosts.popen(
+            1,
+            [PY, "-m", "services.weight_sync"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         engines = {
             "near": start_engine(hosts, 1),
             "far": start_engine(hosts, 2),
@@ -145,12 +175,28 @@ async def test_shared_memory_within_a_host_and_grpc_across_hosts():
 def ray_node(hosts, host: int, env: dict[str, str]) -> subprocess.Popen:
     """A Ray head on host 1, a worker joined to it (`ray start --address`) elsewhere; 1 CPU each."""
     here = hosts[host].address
-    role = ["--head", "--port=6379", "--include-dashboard=false"] if host == 1 else [
-        f"--address={hosts[1].address}:6379"
-    ]  # fmt: skip
-    return hosts.popen(host, [_bin("ray"), "start", "--block", *role, "--num-cpus=1", f"--node-ip-address={here}",
-                              "--disable-usage-stats", "--temp-dir=/tmp/ray", "--object-store-memory=100000000"],
-                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    role = (
+        ["--head", "--port=6379", "--include-dashboard=false"]
+        if host == 1
+        else [f"--address={hosts[1].address}:6379"]
+    )
+    return hosts.popen(
+        host,
+        [
+            _bin("ray"),
+            "start",
+            "--block",
+            *role,
+            "--num-cpus=1",
+            f"--node-ip-address={here}",
+            "--disable-usage-stats",
+            "--temp-dir=/tmp/ray",
+            "--object-store-memory=100000000",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 async def test_router_replicas_on_two_ray_nodes_get_shm_on_weight_syncs_host_and_grpc_elsewhere(tmp_path):
@@ -170,27 +216,59 @@ async def test_router_replicas_on_two_ray_nodes_get_shm_on_weight_syncs_host_and
                 "RAY_USAGE_STATS_ENABLED": "0",
             }
         )
-        nats_proc = hosts.popen(1, [_bin("nats-server"), "-js", "-a", h1, "-p", str(NATS_PORT), "-sd", "/tmp/nats"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        nats_proc = hosts.popen(
+            1,
+            [_bin("nats-server"), "-js", "-a", h1, "-p", str(NATS_PORT), "-sd", "/tmp/nats"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         head = ray_node(hosts, 1, env)
         wait_listening(h1, 6379, head, "ray head")
         ray_node(hosts, 2, env)
         wait_listening(h1, NATS_PORT, nats_proc, "nats-server")
-        ws_env = {**env, "LOOPRL_WEIGHTSYNC_HOST": h1, "LOOPRL_WEIGHTSYNC_GRPC_PORT": str(WS_PORT),
-                  "LOOPRL_WEIGHTSYNC_METRICS_PORT": str(WS_METRICS), "LOOPRL_WEIGHTSYNC_USE_BUS": "false"}  # fmt: skip
-        ws_proc = hosts.popen(1, [PY, "-m", "services.weight_sync"], env=ws_env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)  # fmt: skip
+        ws_env = {
+            **env,
+            "LOOPRL_WEIGHTSYNC_HOST": h1,
+            "LOOPRL_WEIGHTSYNC_GRPC_PORT": str(WS_PORT),
+            "LOOPRL_WEIGHTSYNC_METRICS_PORT": str(WS_METRICS),
+            "LOOPRL_WEIGHTSYNC_USE_BUS": "false",
+        }
+        ws_proc = hosts.popen(
+            1,
+            [PY, "-m", "services.weight_sync"],
+            env=ws_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_serving(h1, WS_PORT, ws_proc, "weight-sync")
         deployments = [{"name": "d", "replicas": 2, "max_model_len": 64, "max_batch_size": 4}]
-        router_env = {**env, **{f"LOOPRL_INFERENCE_ROUTER_{k}": v for k, v in {
-            "HOST": h1, "GRPC_PORT": "50081", "METRICS_PORT": "50082", "RAY_ADDRESS": f"{h1}:6379",
-            "NATS_URL": f"nats://{h1}:{NATS_PORT}", "WEIGHT_SYNC_ADDRESS": f"{h1}:{WS_PORT}",
-            "DEPLOYMENTS": json.dumps(deployments), "REPLICA_HOST": "node", "REPLICA_NUM_CPUS": "1",
-            "STATUS_INTERVAL_S": "0.2", "GRACE_SECONDS": "3",
-        }.items()}}  # fmt: skip
+        router_env = {
+            **env,
+            **{
+                f"LOOPRL_INFERENCE_ROUTER_{k}": v
+                for k, v in {
+                    "HOST": h1,
+                    "GRPC_PORT": "50081",
+                    "METRICS_PORT": "50082",
+                    "RAY_ADDRESS": f"{h1}:6379",
+                    "NATS_URL": f"nats://{h1}:{NATS_PORT}",
+                    "WEIGHT_SYNC_ADDRESS": f"{h1}:{WS_PORT}",
+                    "DEPLOYMENTS": json.dumps(deployments),
+                    "REPLICA_HOST": "node",
+                    "REPLICA_NUM_CPUS": "1",
+                    "STATUS_INTERVAL_S": "0.2",
+                    "GRACE_SECONDS": "3",
+                }.items()
+            },
+        }
         router_log = open(tmp_path / "router.log", "w")  # noqa: SIM115
-        router = hosts.popen(1, [PY, "-m", "services.inference_router"], env=router_env, stdout=router_log,
-                             stderr=subprocess.STDOUT)  # fmt: skip
+        router = hosts.popen(
+            1,
+            [PY, "-m", "services.inference_router"],
+            env=router_env,
+            stdout=router_log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             wait_listening(h1, 50081, router, "router", timeout=180)
             async with grpc.aio.insecure_channel(f"{h1}:{WS_PORT}") as channel:
@@ -201,8 +279,14 @@ async def test_router_replicas_on_two_ray_nodes_get_shm_on_weight_syncs_host_and
                 ):
                     assert time.monotonic() < deadline and router.poll() is None, "replicas never registered"
                     await asyncio.sleep(0.5)
-                reqs = rank_requests(model_state(0), version=0, rank=0, world=1, max_message_bytes=1 << 16,
-                                     model_config_json=json.dumps(CONFIG.to_hf_dict()))  # fmt: skip
+                reqs = rank_requests(
+                    model_state(0),
+                    version=0,
+                    rank=0,
+                    world=1,
+                    max_message_bytes=1 << 16,
+                    model_config_json=json.dumps(CONFIG.to_hf_dict()),
+                )
                 await stub.PushShards(iter(list(reqs)), timeout=60)
                 while True:
                     reply = await stub.GetVersion(weightsync_pb2.GetVersionRequest(), timeout=10)
@@ -226,8 +310,11 @@ async def test_router_replicas_on_two_ray_nodes_get_shm_on_weight_syncs_host_and
                 router_stub = inference_pb2_grpc.InferenceRouterServiceStub(channel)
                 served = set()
                 for i in range(8):
-                    request = inference_pb2.GenerateRequest(prompt_token_ids=[4, 5, 6 + i], min_weight_version=0,
-                                                            sampling=common_pb2.SamplingParams(max_tokens=2))  # fmt: skip
+                    request = inference_pb2.GenerateRequest(
+                        prompt_token_ids=[4, 5, 6 + i],
+                        min_weight_version=0,
+                        sampling=common_pb2.SamplingParams(max_tokens=2),
+                    )
                     response = await router_stub.Generate(request, timeout=60)
                     assert response.completions[0].weight_version == 0
                     served.add(response.replica)

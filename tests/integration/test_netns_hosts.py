@@ -41,8 +41,9 @@ def hosts():
 
 
 def serve(hosts, host: int, bind: str, port: int, reply: str):
-    proc = hosts.popen(host, [PY, "-c", SERVE, bind, str(port), reply], stdout=netns_hosts.subprocess.PIPE,
-                       text=True)  # fmt: skip
+    proc = hosts.popen(
+        host, [PY, "-c", SERVE, bind, str(port), reply], stdout=netns_hosts.subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "listening"
     return proc
 
@@ -69,8 +70,9 @@ def test_each_host_has_its_own_shm_and_tmp_shared_by_its_processes(hosts):
         1, ["sh", "-c", "echo one > /dev/shm/looprl-harness-probe && echo one > /tmp/looprl-harness-probe"]
     )
     assert hosts.run(1, ["cat", "/dev/shm/looprl-harness-probe", "/tmp/looprl-harness-probe"]).split() == [
-        "one", "one",
-    ]  # fmt: skip
+        "one",
+        "one",
+    ]
     assert (
         hosts.run(2, ["sh", "-c", "ls /dev/shm /tmp | grep -c looprl-harness-probe || true"]).strip() == "0"
     )

@@ -17,10 +17,19 @@ def test_trainer_accepts_every_rank_of_a_packed_step() -> None:
     groups = []
     for g in range(3):
         members = [
-            sequence_from_rollout(make_rollout(f"g{g}-{i}", f"g{g}", group_size=2, sample_index=i,
-                                               reward=float(i), completion_len=5 + 9 * g + i, env_turn_len=3))
+            sequence_from_rollout(
+                make_rollout(
+                    f"g{g}-{i}",
+                    f"g{g}",
+                    group_size=2,
+                    sample_index=i,
+                    reward=float(i),
+                    completion_len=5 + 9 * g + i,
+                    env_turn_len=3,
+                )
+            )
             for i in range(2)
-        ]  # fmt: skip
+        ]
         groups.append(Group(f"g{g}", members))
     world = 4  # more micro-batch slots than sequences fit evenly: some ranks get padding micro-batches
     step = build_step(3, groups, 0, PackerSettings(max_tokens_per_microbatch=40), world_size=world)

@@ -54,9 +54,12 @@ class PackerProcess:
         }
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.rollout_packer"],
-            cwd=REPO, env=env, start_new_session=True,
-            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115 - owned by the child
-        )  # fmt: skip
+            cwd=REPO,
+            env=env,
+            start_new_session=True,
+            stdout=open(log_path, "ab"),  # noqa: SIM115 - owned by the child
+            stderr=subprocess.STDOUT,
+        )
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = packer_pb2_grpc.RolloutPackerServiceStub(self.channel)
 
@@ -123,9 +126,16 @@ async def test_kill_before_ack_then_restart_trains_every_rollout_exactly_once(na
         published = []
         for g in range(STEPS * GROUPS_PER_STEP):
             for i in range(GROUP_SIZE):
-                r = make_rollout(f"r{g:02d}-{i}", f"g{g:02d}", run_id=run_id, group_size=GROUP_SIZE,
-                                 sample_index=i, reward=float(i), completion_len=2 + (g * 7 + i * 5) % 20,
-                                 seed=g * 10 + i)  # fmt: skip
+                r = make_rollout(
+                    f"r{g:02d}-{i}",
+                    f"g{g:02d}",
+                    run_id=run_id,
+                    group_size=GROUP_SIZE,
+                    sample_index=i,
+                    reward=float(i),
+                    completion_len=2 + (g * 7 + i * 5) % 20,
+                    seed=g * 10 + i,
+                )
                 await bus.publish(subjects.rollouts(run_id), r, msg_id=r.rollout_id)
                 published.append(r.rollout_id)
 

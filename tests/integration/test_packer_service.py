@@ -25,9 +25,13 @@ from tests.support.synthetic_rollouts import make_rollout
 @pytest.fixture
 async def packer(nats_url):
     cfg = PackerConfig(
-        nats_url=nats_url, grpc_port=free_port(), metrics_port=free_port(), ack_wait_s=2.0,
-        watch_runs=False, grace_seconds=2.0,
-    )  # fmt: skip
+        nats_url=nats_url,
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        ack_wait_s=2.0,
+        watch_runs=False,
+        grace_seconds=2.0,
+    )
     app = PackerApp(cfg)
     service = Service("rollout-packer", cfg)
     service.add(packer_pb2_grpc.add_RolloutPackerServiceServicer_to_server, RolloutPackerServicer(app.lookup))
@@ -52,10 +56,20 @@ async def _publish(bus: Bus, run_id: str, rollouts) -> None:
 
 def _group(run_id: str, gid: str, size: int = 2, version: int = 0, **kw):
     return [
-        make_rollout(f"{gid}-{i}", gid, run_id=run_id, group_size=size, sample_index=i, reward=float(i % 2),
-                     version=version, seed=i, completion_len=3 + i, **kw)
+        make_rollout(
+            f"{gid}-{i}",
+            gid,
+            run_id=run_id,
+            group_size=size,
+            sample_index=i,
+            reward=float(i % 2),
+            version=version,
+            seed=i,
+            completion_len=3 + i,
+            **kw,
+        )
         for i in range(size)
-    ]  # fmt: skip
+    ]
 
 
 async def _fetch(stub, run_id, step, world=2, version=0, timeout=10.0):
@@ -76,8 +90,12 @@ async def _fetch(stub, run_id, step, world=2, version=0, timeout=10.0):
 async def test_bad_rollouts_are_termed_with_reasons_and_the_stream_keeps_flowing(packer, nats_url) -> None:
     app, stub = packer
     run_id = f"svc-{uuid.uuid4().hex[:8]}"
-    await app.add_run(run_id, PackerSettings(prompts_per_step=2, group_size=2, world_size=2,
-                                             max_tokens_per_microbatch=64, max_staleness=1))  # fmt: skip
+    await app.add_run(
+        run_id,
+        PackerSettings(
+            prompts_per_step=2, group_size=2, world_size=2, max_tokens_per_microbatch=64, max_staleness=1
+        ),
+    )
     bus = await Bus.connect(nats_url, name="test-publisher")
     try:
         nan = make_rollout("bad-nan", "gx", run_id=run_id, reward=math.nan)
@@ -109,9 +127,15 @@ async def test_bad_rollouts_are_termed_with_reasons_and_the_stream_keeps_flowing
 
         stats = await stub.Stats(packer_pb2.StatsRequest(run_id=run_id))
         assert dict(stats.dropped) == {
-            "malformed": 1, "non_finite_reward": 1, "logprob_length_mismatch": 1, "negative_version": 1,
-            "empty_completion": 1, "too_long": 1, "stale": 2, "duplicate": 1,
-        }  # fmt: skip
+            "malformed": 1,
+            "non_finite_reward": 1,
+            "logprob_length_mismatch": 1,
+            "negative_version": 1,
+            "empty_completion": 1,
+            "too_long": 1,
+            "stale": 2,
+            "duplicate": 1,
+        }
         assert stats.packed_steps == 1 and stats.acked_rollouts == 4 and stats.queued_rollouts == 0
         # nothing is left for redelivery: terms and acks settled every message
         consumer = await bus.js.consumer_info(subjects.ROLLOUTS, f"packer-{run_id}")

@@ -107,15 +107,24 @@ async def test_canary_deployment_of_real_replicas_rolls_back_bad_weights(ray_cli
     ws = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
 
     cfg = RouterConfig(
-        weight_sync_address=ws_address, namespace=run, replica_num_cpus=0.5, run_id=run, request_timeout_s=30,
-    )  # fmt: skip
+        weight_sync_address=ws_address,
+        namespace=run,
+        replica_num_cpus=0.5,
+        run_id=run,
+        request_timeout_s=30,
+    )
     router = Router()
     manager = DeploymentManager(router, cfg)
     router._on_replica_restarted = manager.request_sync
     spec = DeploymentSpec(
-        name="canaried", replicas=2, max_model_len=64, max_batch_size=4, canary=True,
-        canary_max_logprob_drift=0.5, canary_tokens_per_prompt=6,
-    )  # fmt: skip
+        name="canaried",
+        replicas=2,
+        max_model_len=64,
+        max_batch_size=4,
+        canary=True,
+        canary_max_logprob_drift=0.5,
+        canary_tokens_per_prompt=6,
+    )
     engine_channels: list[grpc.aio.Channel] = []
     try:
         await manager.start(spec, ready_timeout_s=60)

@@ -60,9 +60,13 @@ def test_replicas_receive_weights_through_weight_sync_and_a_restarted_one_resync
 
     deployments = [{"name": "d", "replicas": 2, "max_model_len": 128, "max_batch_size": 8}]
     router = RouterProcess(
-        deployments, tmp_path / "router.log", weight_sync_address=weight_sync, status_interval_s=0.2,
-        replica_num_cpus=0.5, version_wait_s=30,
-    )  # fmt: skip
+        deployments,
+        tmp_path / "router.log",
+        weight_sync_address=weight_sync,
+        status_interval_s=0.2,
+        replica_num_cpus=0.5,
+        version_wait_s=30,
+    )
     ws_channel = grpc.insecure_channel(weight_sync)
     ws = weightsync_pb2_grpc.WeightSyncServiceStub(ws_channel)
     try:
@@ -73,9 +77,10 @@ def test_replicas_receive_weights_through_weight_sync_and_a_restarted_one_resync
         assert targets == {"d-r0", "d-r1"}
 
         request = inference_pb2.GenerateRequest(
-            prompt_token_ids=[4, 5, 6], sampling=common_pb2.SamplingParams(max_tokens=4, temperature=1.0),
+            prompt_token_ids=[4, 5, 6],
+            sampling=common_pb2.SamplingParams(max_tokens=4, temperature=1.0),
             min_weight_version=1,
-        )  # fmt: skip
+        )
         waiting = stub.Generate.future(request, timeout=60)  # no replica has weights yet: it waits
         config, state = tiny_checkpoint(seed=1)
         _push(ws, state, config, version=1)

@@ -85,8 +85,13 @@ async def _publish_steps(bus: Bus, run_id: str, first: int, count: int) -> None:
 
 @pytest.fixture
 async def packer(nats_url):
-    cfg = PackerConfig(nats_url=nats_url, grpc_port=free_port(), metrics_port=free_port(), watch_runs=False,
-                       grace_seconds=2.0)  # fmt: skip
+    cfg = PackerConfig(
+        nats_url=nats_url,
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        watch_runs=False,
+        grace_seconds=2.0,
+    )
     app = PackerApp(cfg)
     service = Service("rollout-packer", cfg)
     service.add(packer_pb2_grpc.add_RolloutPackerServiceServicer_to_server, RolloutPackerServicer(app.lookup))
@@ -104,10 +109,17 @@ async def _trainer(
     nats_url: str, packer_address: str, checkpoint_dir: str, weight_sync_address: str = "", **settings
 ):
     cfg = TrainerConfig(
-        nats_url=nats_url, grpc_port=free_port(), metrics_port=free_port(), packer_address=packer_address,
-        watch_runs=False, checkpoint_dir=checkpoint_dir, next_batch_timeout_s=2.0, grace_seconds=60.0,
-        weight_sync_address=weight_sync_address, **settings,
-    )  # fmt: skip
+        nats_url=nats_url,
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        packer_address=packer_address,
+        watch_runs=False,
+        checkpoint_dir=checkpoint_dir,
+        next_batch_timeout_s=2.0,
+        grace_seconds=60.0,
+        weight_sync_address=weight_sync_address,
+        **settings,
+    )
     app = TrainerApp(cfg)
     service = Service("trainer", cfg)
     service.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(app))
@@ -270,8 +282,13 @@ async def test_a_version_weight_sync_lost_in_a_restart_is_pushed_again_while_the
     recipe = parse_recipe(RECIPE.format(steps=1))
     await packer_app.add_run(run_id, packer_app.settings_for(recipe))
     port = free_port()
-    env = dict(os.environ, LOOPRL_WEIGHTSYNC_GRPC_PORT=str(port), LOOPRL_WEIGHTSYNC_NATS_URL=nats_url,
-               LOOPRL_WEIGHTSYNC_RUN_ID=run_id, LOOPRL_WEIGHTSYNC_LOG_LEVEL="WARNING")  # fmt: skip
+    env = dict(
+        os.environ,
+        LOOPRL_WEIGHTSYNC_GRPC_PORT=str(port),
+        LOOPRL_WEIGHTSYNC_NATS_URL=nats_url,
+        LOOPRL_WEIGHTSYNC_RUN_ID=run_id,
+        LOOPRL_WEIGHTSYNC_LOG_LEVEL="WARNING",
+    )
     layout, config = Layout(1, "hf"), ModelConfig.tiny()
     engines = [WeightOnlyEngine(WeightStager(rank_params(config, layout, 0), rank=0)) for _ in range(2)]
     servers = [await serve_engine(e) for e in engines]
@@ -279,10 +296,13 @@ async def test_a_version_weight_sync_lost_in_a_restart_is_pushed_again_while_the
     ws = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
 
     async def register(name: str, address: str) -> None:
-        await ws.RegisterTarget(weightsync_pb2.RegisterTargetRequest(
-            deployment=name, layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf"),
-            ranks=[weightsync_pb2.TargetRank(rank=0, address=address)],
-        ))  # fmt: skip
+        await ws.RegisterTarget(
+            weightsync_pb2.RegisterTargetRequest(
+                deployment=name,
+                layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf"),
+                ranks=[weightsync_pb2.TargetRank(rank=0, address=address)],
+            )
+        )
 
     proc = start_weight_sync(env)
     app, service = await _trainer(nats_url, packer_address, str(tmp_path), f"127.0.0.1:{port}")

@@ -56,10 +56,14 @@ class CpuReplica(inference_pb2_grpc.InferenceEngineServiceServicer):
 
     async def Generate(self, request, context):
         [result] = await self.engine.generate([engine_request(request)])
-        return inference_pb2.GenerateResponse(completions=[
-            inference_pb2.Completion(token_ids=c.token_ids, logprobs=c.logprobs, weight_version=c.weight_version)
-            for c in result.completions
-        ])  # fmt: skip
+        return inference_pb2.GenerateResponse(
+            completions=[
+                inference_pb2.Completion(
+                    token_ids=c.token_ids, logprobs=c.logprobs, weight_version=c.weight_version
+                )
+                for c in result.completions
+            ]
+        )
 
     async def Status(self, request, context):
         return inference_pb2.StatusResponse(weight_version=self.engine.status().weight_version)
@@ -139,13 +143,19 @@ async def test_canary_passes_a_training_step_and_rolls_back_scaled_weights():
             servers.append(server)
             replica.channel = grpc.aio.insecure_channel(address)
             ranks.append(weightsync_pb2.TargetRank(rank=0, address=address, same_host=shm, replica=name))
-        await stub.RegisterTarget(weightsync_pb2.RegisterTargetRequest(
-            deployment="canary-rollback", ranks=ranks, canary=True, layout=weightsync_pb2.TargetLayout(tensor_parallel=1),
-            canary_policy=weightsync_pb2.CanaryPolicy(
-                prompts=[weightsync_pb2.GoldenPrompt(token_ids=p) for p in PROMPTS], tokens_per_prompt=6,
-                max_logprob_drift=0.5,
-            ),
-        ))  # fmt: skip
+        await stub.RegisterTarget(
+            weightsync_pb2.RegisterTargetRequest(
+                deployment="canary-rollback",
+                ranks=ranks,
+                canary=True,
+                layout=weightsync_pb2.TargetLayout(tensor_parallel=1),
+                canary_policy=weightsync_pb2.CanaryPolicy(
+                    prompts=[weightsync_pb2.GoldenPrompt(token_ids=p) for p in PROMPTS],
+                    tokens_per_prompt=6,
+                    max_logprob_drift=0.5,
+                ),
+            )
+        )
 
         v0 = random_state(CONFIG, seed=3)
         await push(stub, v0, 0)  # no previous version: nothing to compare, both replicas switch

@@ -29,8 +29,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def start_weight_sync(env):
-    return subprocess.Popen([sys.executable, "-m", "services.weight_sync"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.weight_sync"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 async def wait_ready(stub, proc, timeout=30.0):
@@ -61,9 +66,15 @@ async def push(stub, state, version):
 async def test_kill_mid_transfer_keeps_old_version_and_restart_syncs_next(nats_url):
     port = free_port()
     run = f"kill-{uuid.uuid4().hex[:8]}"
-    env = dict(os.environ, LOOPRL_WEIGHTSYNC_GRPC_PORT=str(port), LOOPRL_WEIGHTSYNC_NATS_URL=nats_url,
-               LOOPRL_WEIGHTSYNC_RUN_ID=run, LOOPRL_WEIGHTSYNC_BUCKET_BYTES="4096",
-               LOOPRL_WEIGHTSYNC_LOG_LEVEL="WARNING", LOOPRL_WEIGHTSYNC_GRACE_SECONDS="2")  # fmt: skip
+    env = dict(
+        os.environ,
+        LOOPRL_WEIGHTSYNC_GRPC_PORT=str(port),
+        LOOPRL_WEIGHTSYNC_NATS_URL=nats_url,
+        LOOPRL_WEIGHTSYNC_RUN_ID=run,
+        LOOPRL_WEIGHTSYNC_BUCKET_BYTES="4096",
+        LOOPRL_WEIGHTSYNC_LOG_LEVEL="WARNING",
+        LOOPRL_WEIGHTSYNC_GRACE_SECONDS="2",
+    )
     layout = Layout(1, "hf")
     engine = WeightOnlyEngine(WeightStager(rank_params(CONFIG, layout, 0), rank=0))
     stage = engine.receiver._stage
@@ -81,10 +92,13 @@ async def test_kill_mid_transfer_keeps_old_version_and_restart_syncs_next(nats_u
     proc = start_weight_sync(env)
     try:
         await wait_ready(stub, proc)
-        await stub.RegisterTarget(weightsync_pb2.RegisterTargetRequest(
-            deployment="kill-d", layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf"),
-            ranks=[weightsync_pb2.TargetRank(rank=0, address=address)],
-        ))  # fmt: skip
+        await stub.RegisterTarget(
+            weightsync_pb2.RegisterTargetRequest(
+                deployment="kill-d",
+                layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf"),
+                ranks=[weightsync_pb2.TargetRank(rank=0, address=address)],
+            )
+        )
         v0, v1, v2 = (random_state(CONFIG, seed=s) for s in (0, 1, 2))
         await push(stub, v0, 0)
         await wait_for(lambda: engine.version == 0)

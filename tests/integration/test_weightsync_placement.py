@@ -55,16 +55,22 @@ class WeightSync:
         return self
 
     async def register(self, name: str, address: str, host_id: str) -> None:
-        await self.stub.RegisterTarget(weightsync_pb2.RegisterTargetRequest(
-            deployment=name, every_k_versions=1,
-            ranks=[weightsync_pb2.TargetRank(rank=0, address=address, host_id=host_id)],
-            layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf", dtype=common_pb2.D_TYPE_FLOAT32),
-        ))  # fmt: skip
+        await self.stub.RegisterTarget(
+            weightsync_pb2.RegisterTargetRequest(
+                deployment=name,
+                every_k_versions=1,
+                ranks=[weightsync_pb2.TargetRank(rank=0, address=address, host_id=host_id)],
+                layout=weightsync_pb2.TargetLayout(
+                    tensor_parallel=1, naming="hf", dtype=common_pb2.D_TYPE_FLOAT32
+                ),
+            )
+        )
 
     async def push(self, state: dict[str, torch.Tensor], version: int) -> None:
         config_json = json.dumps(CONFIG.to_hf_dict())
-        reqs = rank_requests(state, version=version, rank=0, world=1, max_message_bytes=4096,
-                             model_config_json=config_json)  # fmt: skip
+        reqs = rank_requests(
+            state, version=version, rank=0, world=1, max_message_bytes=4096, model_config_json=config_json
+        )
         await self.stub.PushShards(iter(list(reqs)))
 
     async def wait_ready(self, version: int, names: list[str], timeout: float = 30.0):
@@ -111,8 +117,10 @@ async def test_a_receiver_reporting_another_host_gets_grpc_not_shared_memory():
         assert resp.host_id == host_identity()
         routes = {name: states[name].routes[0] for name in engines}
         for name, route in routes.items():
-            print(f"{name}: {route.transport} to host {route.host_id or '?'}: {route.bytes_delivered} bytes "
-                  f"({route.reason})")  # fmt: skip
+            print(
+                f"{name}: {route.transport} to host {route.host_id or '?'}: {route.bytes_delivered} bytes "
+                f"({route.reason})"
+            )
         assert routes["here"].transport == "shm" and routes["here"].reason == "same host, probe read back"
         assert routes["liar"].transport == "grpc" and "other host" in routes["liar"].reason
         assert routes["silent"].transport == "grpc" and "no host identity" in routes["silent"].reason
@@ -142,9 +150,13 @@ async def test_a_receiver_claiming_this_host_without_its_shared_memory_fails_the
     address_file = tmp_path / "address"
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.support.engine_process", "--address-file", str(address_file)],
-        cwd=REPO_ROOT, env={**os.environ, "LOOPRL_SHM_DIR": str(own_shm)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        cwd=REPO_ROOT,
+        env={**os.environ, "LOOPRL_SHM_DIR": str(own_shm)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     ws = await WeightSync().start()
     try:
         for _ in range(600):

@@ -141,9 +141,17 @@ def _microbatch(sequences: list[list[int]]) -> PackedMicroBatch:
     cu = torch.tensor([0, *torch.tensor([len(s) for s in sequences]).cumsum(0).tolist()], dtype=torch.long)
     zeros = torch.zeros(len(ids))
     return PackedMicroBatch(
-        step=0, input_ids=ids, position_ids=positions, cu_seqlens=cu, loss_mask=zeros, advantages=zeros,
-        behaviour_logprobs=zeros, versions=zeros.long(), global_loss_tokens=1, global_sequences=len(sequences),
-    )  # fmt: skip
+        step=0,
+        input_ids=ids,
+        position_ids=positions,
+        cu_seqlens=cu,
+        loss_mask=zeros,
+        advantages=zeros,
+        behaviour_logprobs=zeros,
+        versions=zeros.long(),
+        global_loss_tokens=1,
+        global_sequences=len(sequences),
+    )
 
 
 def _completion_logprobs(per_token: torch.Tensor, sequences: list[list[int]]) -> list[torch.Tensor]:
@@ -264,22 +272,24 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
     deployments = {"hf-tp1": 1, "fused-tp2": 2, "hf-tp1-b": 1}
     replicas = {
         name: InferenceReplica.options(num_cpus=0.25, max_restarts=0).remote(
-            spec=DeploymentSpec(name=name, tensor_parallel=tp, model_path=str(initial_dir), max_model_len=64,
-                                max_batch_size=4),
+            spec=DeploymentSpec(
+                name=name, tensor_parallel=tp, model_path=str(initial_dir), max_model_len=64, max_batch_size=4
+            ),
             replica=f"{name}-r0",
             num_threads=1,
         )
         for name, tp in deployments.items()
-    }  # fmt: skip
+    }
     trainer = RankGroup(2, num_cpus_per_rank=0.25, ready_timeout_s=180)
     spec = TrainerSpec(
         recipe=Recipe(
-            model=ModelSection(path=str(trainer_dir)), sampling=SamplingSection(temperature=1.0),
+            model=ModelSection(path=str(trainer_dir)),
+            sampling=SamplingSection(temperature=1.0),
             # A step large enough that version 2 scores far from version 1 (Adam's first step ~ lr*sign(g)).
             optimizer=OptimizerSection(lr=2e-2, eps=1e-6, grad_clip=0.0),
         ),
         push_max_bytes=48 << 10,
-    )  # fmt: skip
+    )
     proxies: dict[str, ByteCountingProxy] = {}
     try:
         started = time.monotonic()

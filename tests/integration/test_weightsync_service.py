@@ -56,18 +56,30 @@ class Harness:
             ranks.append(weightsync_pb2.TargetRank(rank=r, address=address, host_id=host_id))
         self.engines[name] = engines
         dtype = common_pb2.DType.D_TYPE_BFLOAT16 if layout.dtype == "bfloat16" else F32
-        await self.stub.RegisterTarget(weightsync_pb2.RegisterTargetRequest(
-            deployment=name, ranks=ranks, every_k_versions=1,
-            layout=weightsync_pb2.TargetLayout(tensor_parallel=layout.tp_size, naming=layout.naming, dtype=dtype),
-        ))  # fmt: skip
+        await self.stub.RegisterTarget(
+            weightsync_pb2.RegisterTargetRequest(
+                deployment=name,
+                ranks=ranks,
+                every_k_versions=1,
+                layout=weightsync_pb2.TargetLayout(
+                    tensor_parallel=layout.tp_size, naming=layout.naming, dtype=dtype
+                ),
+            )
+        )
         return engines
 
     async def push(self, state, version, world=2):
         config_json = json.dumps(CONFIG.to_hf_dict())
 
         async def rank(r):
-            reqs = rank_requests(state, version=version, rank=r, world=world, max_message_bytes=4096,
-                                 model_config_json=config_json)  # fmt: skip
+            reqs = rank_requests(
+                state,
+                version=version,
+                rank=r,
+                world=world,
+                max_message_bytes=4096,
+                model_config_json=config_json,
+            )
             return await self.stub.PushShards(iter(list(reqs)))
 
         return await asyncio.gather(*(rank(r) for r in range(world)))
@@ -201,10 +213,13 @@ async def test_bad_pushes_are_rejected_and_nothing_is_swapped():
         )
         await _push_expect(h, one(trainer_rank=3), code.INVALID_ARGUMENT, "trainer_rank")
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await h.stub.RegisterTarget(weightsync_pb2.RegisterTargetRequest(
-                deployment="x", layout=weightsync_pb2.TargetLayout(tensor_parallel=2, naming="fused"),
-                ranks=[weightsync_pb2.TargetRank(rank=0, address="127.0.0.1:1")],
-            ))  # fmt: skip
+            await h.stub.RegisterTarget(
+                weightsync_pb2.RegisterTargetRequest(
+                    deployment="x",
+                    layout=weightsync_pb2.TargetLayout(tensor_parallel=2, naming="fused"),
+                    ranks=[weightsync_pb2.TargetRank(rank=0, address="127.0.0.1:1")],
+                )
+            )
         assert info.value.code() == code.INVALID_ARGUMENT and "ranks" in info.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await h.stub.RequestSync(weightsync_pb2.RequestSyncRequest(deployment="nope"))

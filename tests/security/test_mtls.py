@@ -84,11 +84,12 @@ def test_callers_without_a_valid_certificate_never_get_a_connection(trainer_prob
         "plaintext": grpc.insecure_channel(trainer_probe),
         "no client certificate": grpc.secure_channel(trainer_probe, grpc.ssl_channel_credentials(ca)),
         "certificate from another CA": tls.sync_channel(
-            trainer_probe, creds=tls.Credentials(
+            trainer_probe,
+            creds=tls.Credentials(
                 "operator", ca, (rogue / "operator.crt").read_bytes(), (rogue / "operator.key").read_bytes()
-            )
+            ),
         ),
-    }  # fmt: skip
+    }
     for what, channel in channels.items():
         with channel:
             assert _code(lambda c=channel: _status(c)) == grpc.StatusCode.UNAVAILABLE, what

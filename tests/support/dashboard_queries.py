@@ -16,10 +16,36 @@ DASHBOARD = ROOT / "observability" / "grafana" / "dashboards" / "looprl.json"
 # Metrics produced outside looprl code that dashboards may use (Tempo's metrics generator).
 EXTERNAL_METRIC_PREFIXES = ("traces_",)
 PROMQL_WORDS = {
-    "sum", "by", "rate", "irate", "increase", "histogram_quantile", "max", "min", "avg", "count",
-    "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "topk", "bottomk",
-    "le", "label_values", "offset", "bool", "abs", "clamp_min", "clamp_max", "delta", "deriv",
-}  # fmt: skip
+    "sum",
+    "by",
+    "rate",
+    "irate",
+    "increase",
+    "histogram_quantile",
+    "max",
+    "min",
+    "avg",
+    "count",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "topk",
+    "bottomk",
+    "le",
+    "label_values",
+    "offset",
+    "bool",
+    "abs",
+    "clamp_min",
+    "clamp_max",
+    "delta",
+    "deriv",
+}
 # What Grafana substitutes for the dashboard's variables, for running its queries elsewhere.
 VARIABLES = {"$__rate_interval": "30s", "$service": ".*", "$run": ".*"}
 

@@ -59,8 +59,14 @@ def start_engine(hosts, host: int, config: ModelConfig | None = None) -> tuple[s
     argv = [PY, "-m", "tests.support.engine_process", "--host", hosts[host].address]
     if config is not None:
         argv += ["--config-json", json.dumps(config.to_dict())]
-    proc = hosts.popen(host, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       env={k: v for k, v in os.environ.items() if k != "LOOPRL_SHM_DIR"})  # fmt: skip
+    proc = hosts.popen(
+        host,
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "LOOPRL_SHM_DIR"},
+    )
     for line in proc.stdout:
         if line.startswith("ADDRESS "):
             _, address, host_id = line.split()

@@ -57,10 +57,23 @@ def unavailable() -> str | None:
         return f"cannot create a network namespace here: {made.stderr.strip()}"
     try:
         mount = subprocess.run(
-            ["ip", "netns", "exec", name, "unshare", "--mount", "--propagation", "private", "sh", "-c",
-             "mount -t tmpfs tmpfs /dev/shm"],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                "mount -t tmpfs tmpfs /dev/shm",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if mount.returncode != 0:
             return f"cannot mount a private /dev/shm in a mount namespace here: {mount.stderr.strip()}"
     finally:
@@ -155,10 +168,24 @@ class NamespaceHosts:
             _ip("link", "set", self.controller_link, "up")
         for host in self.hosts:
             host.holder = subprocess.Popen(
-                ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--propagation", "private",
-                 "sh", "-c", _HOLDER],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            )  # fmt: skip
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    host.netns,
+                    "unshare",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "sh",
+                    "-c",
+                    _HOLDER,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
             self._pids.add(host.holder.pid)
             line = host.holder.stdout.readline() if host.holder.stdout else ""
             if line.strip() != "ready":

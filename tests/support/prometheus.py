@@ -87,10 +87,16 @@ def running(
     port = free_port()
     with open(state_dir / "prometheus.log", "w") as log:
         process = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={state_dir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--enable-feature=exemplar-storage"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={state_dir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--enable-feature=exemplar-storage",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     prometheus = Prometheus(f"http://127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + 30

@@ -67,11 +67,15 @@ def local_stack(state_dir: Path, recipe_text: str = DEFAULT_RECIPE) -> Iterator[
     recipe = state_dir / "recipe.toml"
     recipe.write_text(recipe_text)
     ports = [
-        "--nats-port", str(_free_port(26000, 26500)),
-        "--ray-port", str(_free_port(27000, 28000)),
-        "--base-port", str(_free_base()),
-        "--http-port", str(_free_port(26500, 27000)),
-    ]  # fmt: skip
+        "--nats-port",
+        str(_free_port(26000, 26500)),
+        "--ray-port",
+        str(_free_port(27000, 28000)),
+        "--base-port",
+        str(_free_base()),
+        "--http-port",
+        str(_free_port(26500, 27000)),
+    ]
     started = looprl_cli(state_dir, "up", "--recipe", str(recipe), *ports)
     assert started.returncode == 0, started.stdout + started.stderr
     state = StackState.load(state_dir.resolve())

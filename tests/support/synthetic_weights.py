@@ -105,9 +105,13 @@ async def push_version(
 
     async def rank(r: int) -> weightsync_pb2.PushShardsResponse:
         requests = rank_requests(
-            state, version=version, rank=r, world=world, max_message_bytes=max_message_bytes,
+            state,
+            version=version,
+            rank=r,
+            world=world,
+            max_message_bytes=max_message_bytes,
             model_config_json=config_json,
-        )  # fmt: skip
+        )
         return await stub.PushShards(iter(list(requests)))
 
     return list(await asyncio.gather(*(rank(r) for r in range(world))))

@@ -106,16 +106,22 @@ class RecordingAsyncLLM:
         self.workers = []
         for rank in range(layout.tp_size):
             vllm_config = SimpleNamespace(
-                parallel_config=SimpleNamespace(tensor_parallel_size=layout.tp_size, rank=rank,
-                                                data_parallel_index=0, world_size=layout.tp_size),
+                parallel_config=SimpleNamespace(
+                    tensor_parallel_size=layout.tp_size,
+                    rank=rank,
+                    data_parallel_index=0,
+                    world_size=layout.tp_size,
+                ),
                 model_config=SimpleNamespace(dtype=layout.torch_dtype),
-            )  # fmt: skip
+            )
             self.workers.append(
                 factory.WeightTransferEngineFactory.create_engine(
-                    wt_config.WeightTransferConfig(backend="looprl"), vllm_config, torch.device("cpu"),
+                    wt_config.WeightTransferConfig(backend="looprl"),
+                    vllm_config,
+                    torch.device("cpu"),
                     FusedModel(config, layout, rank),
                 )
-            )  # fmt: skip
+            )
         self.reset_results = list(reset_results)
         self.weight_version: str | None = None
         self.fail_update: str = ""  # a phase whose update_weights raises on rank 0
@@ -193,8 +199,12 @@ class RecordingAsyncLLM:
                 starts.append((version, count))
             token, count = (len(ids) + count) % 50, count + 1
             done = count >= sampling_params.max_tokens
-            yield _output([token], [-(int(version) + 1.0)], "length" if done else None,
-                          _spans(starts, count) if done else None)  # fmt: skip
+            yield _output(
+                [token],
+                [-(int(version) + 1.0)],
+                "length" if done else None,
+                _spans(starts, count) if done else None,
+            )
             if done:
                 return
 

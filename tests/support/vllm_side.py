@@ -43,8 +43,19 @@ def side_dir() -> Path:
     stamp = SIDE / ".installed"
     if stamp.exists() and stamp.read_text() == pin:
         return SIDE
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", str(SIDE), pin,
-           *SIDE_DEPS]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--upgrade",
+        "--target",
+        str(SIDE),
+        pin,
+        *SIDE_DEPS,
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         pytest.skip(f"the pinned {pin} wheel could not be installed into {SIDE}: {result.stderr[-500:]}")
@@ -70,9 +81,16 @@ def _stub_modules() -> dict[str, types.ModuleType]:
     # vllm.multimodal.inputs drags in PIL/transformers-based multimodal processing; serial_utils
     # needs its classes only for isinstance checks that our plain dicts and lists never match.
     mm = types.ModuleType("vllm.multimodal.inputs")
-    for name in ("BaseMultiModalField", "MultiModalBatchedField", "MultiModalFieldConfig", "MultiModalFieldElem",
-                 "MultiModalFlatField", "MultiModalKwargsItem", "MultiModalKwargsItems",
-                 "MultiModalSharedField"):  # fmt: skip
+    for name in (
+        "BaseMultiModalField",
+        "MultiModalBatchedField",
+        "MultiModalFieldConfig",
+        "MultiModalFieldElem",
+        "MultiModalFlatField",
+        "MultiModalKwargsItem",
+        "MultiModalKwargsItems",
+        "MultiModalSharedField",
+    ):
         setattr(mm, name, type(name, (), {}))
     mm.NestedTensors = object
     out["vllm.multimodal.inputs"] = mm

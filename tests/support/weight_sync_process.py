@@ -29,9 +29,13 @@ def weight_sync_process(log_dir: Path, **settings: str) -> Iterator[tuple[str, s
     log_path = log_dir / "weight-sync.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.weight_sync"], cwd=REPO_ROOT, env=env, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [sys.executable, "-m", "services.weight_sync"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             wait_for_port(port, 90, proc, "weight-sync")
             yield f"127.0.0.1:{port}", str(log_path)

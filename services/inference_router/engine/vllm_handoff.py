@@ -123,8 +123,14 @@ def _shm_handoff(version: int, tensors: Mapping[str, torch.Tensor]) -> RankHando
         segment.close()
         segment.unlink()
         raise
-    info = {"version": int(version), "phase": "verify", "transport": "shm", "segment": segment.name,
-            "params": entries, "handles": []}  # fmt: skip
+    info = {
+        "version": int(version),
+        "phase": "verify",
+        "transport": "shm",
+        "segment": segment.name,
+        "params": entries,
+        "handles": [],
+    }
     return RankHandoff(info, segment=segment)
 
 
@@ -133,8 +139,14 @@ def _ipc_handoff(version: int, tensors: Mapping[str, torch.Tensor]) -> RankHando
 
     entries = [_entry(name, t, 0) for name, t in tensors.items()]
     handles = [pickle.dumps(reduce_tensor(t)) for t in tensors.values()]
-    info = {"version": int(version), "phase": "verify", "transport": "cuda_ipc", "segment": "",
-            "params": entries, "handles": handles}  # fmt: skip
+    info = {
+        "version": int(version),
+        "phase": "verify",
+        "transport": "cuda_ipc",
+        "segment": "",
+        "params": entries,
+        "handles": handles,
+    }
     return RankHandoff(info, keep=tuple(tensors.values()))
 
 

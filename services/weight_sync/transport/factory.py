@@ -58,9 +58,12 @@ def cuda_available() -> bool:
 
 
 def check_kind(
-    kind: str, *, where: str = "weight_transport", settings: TransportSettings | None = None,
+    kind: str,
+    *,
+    where: str = "weight_transport",
+    settings: TransportSettings | None = None,
     has_cuda: Callable[[], bool] = cuda_available,
-) -> str:  # fmt: skip
+) -> str:
     """The kind ("" means auto) if this host can run it; TransportUnavailable naming `where` if not."""
     kind = kind or "auto"
     if kind not in KINDS:
@@ -79,18 +82,23 @@ def check_kind(
 
 
 def make_transport(
-    kind: str, settings: TransportSettings = TransportSettings(), *, where: str = "weight_transport",
+    kind: str,
+    settings: TransportSettings = TransportSettings(),
+    *,
+    where: str = "weight_transport",
     has_cuda: Callable[[], bool] = cuda_available,
-) -> Transport:  # fmt: skip
+) -> Transport:
     """A new Transport of a concrete kind (auto is resolved per rank by `Transports.route`)."""
     kind = check_kind(kind, where=where, settings=settings, has_cuda=has_cuda)
     if kind == "grpc":
         return GrpcTransport(prefetch=settings.prefetch)
     if kind in ("shm", "shared_copy"):
         return ShmTransport(
-            segment_bytes=settings.bucket_bytes, segments=settings.shm_segments, shared_copies=settings.shared_copies,
+            segment_bytes=settings.bucket_bytes,
+            segments=settings.shm_segments,
+            shared_copies=settings.shared_copies,
             share_min_receivers=1 if kind == "shared_copy" else settings.shared_copy_min_receivers,
-        )  # fmt: skip
+        )
     from .gpu import CudaIpcTransport, NcclBroadcastTransport  # torch.cuda only where asked for
 
     if kind == "cuda_ipc":

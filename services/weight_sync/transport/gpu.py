@@ -44,18 +44,28 @@ class DeviceTransport(Transport):
         self.device = torch.device(device)
 
     async def stage(
-        self, version: int, endpoints: Sequence[Endpoint], buckets: Buckets, *, model_config_json: str = "",
-        total_bytes: int = 0, timeout_s: float = 600.0,
-    ) -> dict[Endpoint, StageResult]:  # fmt: skip
+        self,
+        version: int,
+        endpoints: Sequence[Endpoint],
+        buckets: Buckets,
+        *,
+        model_config_json: str = "",
+        total_bytes: int = 0,
+        timeout_s: float = 600.0,
+    ) -> dict[Endpoint, StageResult]:
         results = {ep: StageResult(ep) for ep in endpoints}
         start = time.perf_counter()
         first = True
         async for bucket in aiter_buckets(buckets):
             dev = await asyncio.to_thread(_device_bucket, bucket, self.device)
             req = inference_pb2.StageWeightsRequest(
-                version=version, bucket_count=bucket.count, bucket_index=bucket.index, total_bytes=total_bytes,
-                model_config_json=model_config_json if first else "", slices=[s.to_proto() for s in bucket.slices],
-            )  # fmt: skip
+                version=version,
+                bucket_count=bucket.count,
+                bucket_index=bucket.index,
+                total_bytes=total_bytes,
+                model_config_json=model_config_json if first else "",
+                slices=[s.to_proto() for s in bucket.slices],
+            )
             for sl, ref in zip(req.slices, bucket.slices, strict=True):
                 sl.shm_offset = ref.byte_start
             first = False

@@ -46,9 +46,15 @@ class GrpcTransport(Transport):
         retain_bucket_buffers()  # encoded buckets reuse heap pages instead of faulting (memory.py)
 
     async def stage(
-        self, version: int, endpoints: Sequence[Endpoint], buckets: Buckets, *, model_config_json: str = "",
-        total_bytes: int = 0, timeout_s: float = 600.0,
-    ) -> dict[Endpoint, StageResult]:  # fmt: skip
+        self,
+        version: int,
+        endpoints: Sequence[Endpoint],
+        buckets: Buckets,
+        *,
+        model_config_json: str = "",
+        total_bytes: int = 0,
+        timeout_s: float = 600.0,
+    ) -> dict[Endpoint, StageResult]:
         loop = asyncio.get_running_loop()
         streams: list[_Stream] = []
         for ep in endpoints:

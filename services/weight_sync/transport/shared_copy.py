@@ -131,16 +131,25 @@ def _materialize(
         size = itemsize(torch_dtype_of(ref.dtype))
         seg, base, view = copy.region(ref.name, math.prod(ref.shape) * size)
         start = ref.offset * size
-        dests.append(torch.frombuffer(view[start : start + ref.nbytes], dtype=torch.uint8) if ref.nbytes
-                     else torch.empty(0, dtype=torch.uint8))  # fmt: skip
+        dests.append(
+            torch.frombuffer(view[start : start + ref.nbytes], dtype=torch.uint8)
+            if ref.nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
         places.append((seg, base + start))
     bucket.copy_to(dests)
     out = []
     for i, (ref, dest, (seg, offset)) in enumerate(zip(bucket.slices, dests, places, strict=True)):
         msg = inference_pb2.WeightSlice(
-            name=ref.name, dtype=ref.dtype, shape=ref.shape, offset=ref.offset, nbytes=ref.nbytes,
-            shm_name=seg, shm_offset=offset, shm_adopt=True,
-        )  # fmt: skip
+            name=ref.name,
+            dtype=ref.dtype,
+            shape=ref.shape,
+            offset=ref.offset,
+            nbytes=ref.nbytes,
+            shm_name=seg,
+            shm_offset=offset,
+            shm_adopt=True,
+        )
         want = expected[i] if expected is not None else sum64(dest.numpy())
         out.append((msg, want, dest))
     return out
@@ -185,14 +194,25 @@ async def stage_shared(
                     per_ep[ep].append(one)
             config = model_config_json if first else ""
             first = False
-            await asyncio.gather(*(
-                streams.write(ep, inference_pb2.StageWeightsRequest(
-                    version=version, bucket_count=bucket.count, bucket_index=bucket.index, rank=ep.rank,
-                    deployment=ep.deployment, total_bytes=total_bytes, model_config_json=config,
-                    slices=per_ep[ep],
-                ), bucket.nbytes)
-                for ep in alive
-            ))  # fmt: skip
+            await asyncio.gather(
+                *(
+                    streams.write(
+                        ep,
+                        inference_pb2.StageWeightsRequest(
+                            version=version,
+                            bucket_count=bucket.count,
+                            bucket_index=bucket.index,
+                            rank=ep.rank,
+                            deployment=ep.deployment,
+                            total_bytes=total_bytes,
+                            model_config_json=config,
+                            slices=per_ep[ep],
+                        ),
+                        bucket.nbytes,
+                    )
+                    for ep in alive
+                )
+            )
         await streams.finish()
     except BaseException as exc:
         for ep, res in results.items():
@@ -207,13 +227,24 @@ async def stage_shared(
         transport.shared.release(copy, version)
 
     log.info("version %d: one shared copy for %s", version, ", ".join(map(str, endpoints)))
-    bad = next((r.error for r in results.values() if r.error is not None and r.error.code == grpc.StatusCode.DATA_LOSS), None)  # fmt: skip
+    bad = next(
+        (
+            r.error
+            for r in results.values()
+            if r.error is not None and r.error.code == grpc.StatusCode.DATA_LOSS
+        ),
+        None,
+    )
     if bad is None:  # shares of receivers that failed otherwise: weight-sync reads the same pages
         unverified = [s for ep, r in results.items() if r.error is not None for s in shares[ep]]
         for name, offset, want, dest in unverified:
             try:
-                verify_slice(SliceChecksum("sum64", want), dest.numpy(), where=name,
-                             what=f"{name} elements from {offset} in the shared copy")  # fmt: skip
+                verify_slice(
+                    SliceChecksum("sum64", want),
+                    dest.numpy(),
+                    where=name,
+                    what=f"{name} elements from {offset} in the shared copy",
+                )
             except ChecksumMismatch as exc:
                 bad = DeliveryError(str(exc), code=grpc.StatusCode.DATA_LOSS)
                 break

@@ -53,9 +53,15 @@ class ShmTransport(Transport):
         self.shared = SharedCopies(copies_per_group=shared_copies)
 
     async def stage(
-        self, version: int, endpoints: Sequence[Endpoint], buckets: Buckets, *, model_config_json: str = "",
-        total_bytes: int = 0, timeout_s: float = 600.0,
-    ) -> dict[Endpoint, StageResult]:  # fmt: skip
+        self,
+        version: int,
+        endpoints: Sequence[Endpoint],
+        buckets: Buckets,
+        *,
+        model_config_json: str = "",
+        total_bytes: int = 0,
+        timeout_s: float = 600.0,
+    ) -> dict[Endpoint, StageResult]:
         buckets = aiter_buckets(buckets)
         if self.share_min_receivers and len(endpoints) >= self.share_min_receivers:
             first = await anext(buckets, None)
@@ -69,15 +75,26 @@ class ShmTransport(Transport):
                 )
                 if copy is not None:
                     return await stage_shared(
-                        self, copy, version, endpoints, buckets,
-                        model_config_json=model_config_json, total_bytes=total_bytes, timeout_s=timeout_s,
-                    )  # fmt: skip
+                        self,
+                        copy,
+                        version,
+                        endpoints,
+                        buckets,
+                        model_config_json=model_config_json,
+                        total_bytes=total_bytes,
+                        timeout_s=timeout_s,
+                    )
         return await self._stage_each(version, endpoints, buckets, model_config_json, total_bytes, timeout_s)
 
     async def _stage_each(
-        self, version: int, endpoints: Sequence[Endpoint], buckets: AsyncIterator[Bucket], model_config_json: str,
-        total_bytes: int, timeout_s: float,
-    ) -> dict[Endpoint, StageResult]:  # fmt: skip
+        self,
+        version: int,
+        endpoints: Sequence[Endpoint],
+        buckets: AsyncIterator[Bucket],
+        model_config_json: str,
+        total_bytes: int,
+        timeout_s: float,
+    ) -> dict[Endpoint, StageResult]:
         """Every receiver copies its slices itself (from the chunks in place, or a pooled bucket)."""
         loop = asyncio.get_running_loop()
         results = {ep: StageResult(ep) for ep in endpoints}

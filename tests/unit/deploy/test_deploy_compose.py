@@ -241,8 +241,11 @@ def test_each_service_mounts_its_own_certificate_and_nats_user_where_its_setting
     svc = COMPOSE_SERVICES[name]
     targets = {s["target"]: s["source"] for s in svc["secrets"]}
     assert targets == {
-        "ca.crt": "tls-ca", "tls.crt": f"tls-{name}-crt", "tls.key": f"tls-{name}-key", "nats.creds": f"nats-{name}",
-    }  # fmt: skip
+        "ca.crt": "tls-ca",
+        "tls.crt": f"tls-{name}-crt",
+        "tls.key": f"tls-{name}-key",
+        "nats.creds": f"nats-{name}",
+    }
     assert svc["environment"]["LOOPRL_NATS_CREDENTIALS_FILE"] == "/run/secrets/nats.creds"
     assert COMPOSE["secrets"][f"nats-{name}"]["file"].endswith(f"/nats-{name}.creds")
     env = svc["environment"]

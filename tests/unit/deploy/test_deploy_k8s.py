@@ -492,8 +492,12 @@ def test_only_the_gateway_is_public_and_metrics_only_admit_prometheus():
 
 def test_service_pods_start_their_ray_node_on_the_ports_the_policies_open():
     entrypoint = (ROOT / "deploy/docker/entrypoint.sh").read_text()
-    for flag in ("--node-manager-port=6380", "--runtime-env-agent-port=6385", "--min-worker-port=10002",
-                 "--max-worker-port=10999"):  # fmt: skip
+    for flag in (
+        "--node-manager-port=6380",
+        "--runtime-env-agent-port=6385",
+        "--min-worker-port=10002",
+        "--max-worker-port=10999",
+    ):
         assert flag in entrypoint
 
 

@@ -119,8 +119,13 @@ def test_run_row_shows_reward_loss_throughput_staleness_and_versions():
     end = next(i for i, p in enumerate(top[1:], 1) if p["type"] == "row")
     run_panels = top[1:end]
     exprs = " ".join(t["expr"] for p in run_panels for t in p["targets"])
-    for metric in ("looprl_trainer_reward_mean", "looprl_trainer_loss", "looprl_trainer_tokens_per_second",
-                   "looprl_trainer_staleness_steps", "looprl_weight_sync_deployment_version"):  # fmt: skip
+    for metric in (
+        "looprl_trainer_reward_mean",
+        "looprl_trainer_loss",
+        "looprl_trainer_tokens_per_second",
+        "looprl_trainer_staleness_steps",
+        "looprl_weight_sync_deployment_version",
+    ):
         assert metric in exprs, f"the run row does not show {metric}"
 
 

@@ -114,8 +114,13 @@ def test_backend_satisfies_vllms_weight_transfer_engine_interface():
     abstract = {
         n for n, v in vars(base.WeightTransferEngine).items() if getattr(v, "__isabstractmethod__", False)
     }
-    assert abstract == {"init_transfer_engine", "start_weight_update", "finish_weight_update", "receive_weights",
-                        "shutdown"}, f"vLLM's abstract interface changed: {sorted(abstract)}"  # fmt: skip
+    assert abstract == {
+        "init_transfer_engine",
+        "start_weight_update",
+        "finish_weight_update",
+        "receive_weights",
+        "shutdown",
+    }, f"vLLM's abstract interface changed: {sorted(abstract)}"
     for name in abstract | {"__init__"}:
         ours = [(p.name, p.kind) for p in inspect.signature(getattr(cls, name)).parameters.values()]
         theirs = [
@@ -229,11 +234,17 @@ def test_swap_runs_vllms_sequence_in_order_and_checks_the_prefix_cache_reset(mod
 
     asyncio.run(run())
     assert llm.names() == [
-        "pause_generation", "rpc:start_weight_update", "rpc:update_weights", "rpc:looprl_weight_status",
+        "pause_generation",
+        "rpc:start_weight_update",
         "rpc:update_weights",
-        "rpc:finish_weight_update", "set_weight_version", "reset_prefix_cache",
-        *(["reset_prefix_cache"] if mode == "keep" else []), "resume_scheduler",
-    ]  # fmt: skip
+        "rpc:looprl_weight_status",
+        "rpc:update_weights",
+        "rpc:finish_weight_update",
+        "set_weight_version",
+        "reset_prefix_cache",
+        *(["reset_prefix_cache"] if mode == "keep" else []),
+        "resume_scheduler",
+    ]
     calls = dict(llm.calls[:1])
     assert calls["pause_generation"] == [mode, False]
     phases = [

@@ -94,8 +94,16 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
 
     async def fake_create(cls, config, spec, stop_token_ids=()):
         await llm.init_weight_transfer_engine(SimpleNamespace(init_info=vllm_engine.init_info_of(spec)))
-        return cls(llm, config, spec.max_model_len, 16, False, -1, stop_token_ids,
-                   layout=Layout(spec.tensor_parallel, "fused", spec.serving_dtype))  # fmt: skip
+        return cls(
+            llm,
+            config,
+            spec.max_model_len,
+            16,
+            False,
+            -1,
+            stop_token_ids,
+            layout=Layout(spec.tensor_parallel, "fused", spec.serving_dtype),
+        )
 
     monkeypatch.setattr(vllm_engine.VLLMEngine, "create", classmethod(fake_create))
 
@@ -111,8 +119,14 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
             assert status.dtype == "bfloat16"
 
             router = Router()
-            dep = DeploymentState(name="long", profile=LengthProfile(), max_model_len=128,
-                                  max_outstanding_requests=64, backend="vllm", tensor_parallel=2)  # fmt: skip
+            dep = DeploymentState(
+                name="long",
+                profile=LengthProfile(),
+                max_model_len=128,
+                max_outstanding_requests=64,
+                backend="vllm",
+                tensor_parallel=2,
+            )
             dep.replicas.append(ReplicaState(name="long-r0", deployment="long", max_outstanding_requests=16))
             router.add_deployment(dep, [_CoreHandle(core)])
             manager = DeploymentManager(router, RouterConfig(weight_sync_address="recorded"))
@@ -122,7 +136,9 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
             await manager.register_with_weight_sync(dep, 1)
             [request] = manager._weight_sync.requests
             assert [(r.rank, r.address, r.replica) for r in request.ranks] == [
-                (0, status.address, "long-r0"), (1, status.address, "long-r0")]  # fmt: skip
+                (0, status.address, "long-r0"),
+                (1, status.address, "long-r0"),
+            ]
             assert request.layout.tensor_parallel == 2 and request.layout.naming == "fused"
             assert request.layout.dtype == common_pb2.D_TYPE_BFLOAT16
 
@@ -137,8 +153,9 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
                         bucket = PlannedBucket(spec_, rank_plan.dtype, buf.chunks)
                         payload = memoryview(bytearray(bucket.nbytes))
                         slice_data = bucket.fill(payload)
-                        wire = encode_stage_request(bucket, payload, version=version, rank=rank_plan.rank,
-                                                    slice_data=slice_data)  # fmt: skip
+                        wire = encode_stage_request(
+                            bucket, payload, version=version, rank=rank_plan.rank, slice_data=slice_data
+                        )
                         msg = inference_pb2.StageWeightsRequest.FromString(wire)
                         msg.model_config_json = config_json
                         await core.stage_weights(msg)

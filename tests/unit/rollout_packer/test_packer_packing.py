@@ -101,12 +101,20 @@ def _group(
     members = [
         sequence_from_rollout(
             make_rollout(
-                f"{gid}-{i}", gid, prompt_len=3, completion_len=n, reward=rw, group_size=len(completion_lens),
-                sample_index=i, seed=hash((gid, i)) % 1000, version=version, env_turn_len=2 if i % 2 else 0,
+                f"{gid}-{i}",
+                gid,
+                prompt_len=3,
+                completion_len=n,
+                reward=rw,
+                group_size=len(completion_lens),
+                sample_index=i,
+                seed=hash((gid, i)) % 1000,
+                version=version,
+                env_turn_len=2 if i % 2 else 0,
             )
         )
         for i, (n, rw) in enumerate(zip(completion_lens, rewards, strict=True))
-    ]  # fmt: skip
+    ]
     return Group(gid, members)
 
 

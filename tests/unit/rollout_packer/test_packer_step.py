@@ -17,12 +17,20 @@ def _group(gid: str, rewards: list[float], versions: list[int] | None = None) ->
         gid,
         [
             sequence_from_rollout(
-                make_rollout(f"{gid}-{i}", gid, reward=r, version=v, group_size=len(rewards), sample_index=i,
-                             completion_len=3 + 7 * i, seed=i)
+                make_rollout(
+                    f"{gid}-{i}",
+                    gid,
+                    reward=r,
+                    version=v,
+                    group_size=len(rewards),
+                    sample_index=i,
+                    completion_len=3 + 7 * i,
+                    seed=i,
+                )
             )
             for i, (r, v) in enumerate(zip(rewards, versions, strict=True))
         ],
-    )  # fmt: skip
+    )
 
 
 def test_staleness_drops_old_samples_and_counts_them() -> None:
@@ -46,8 +54,10 @@ def test_a_group_left_too_small_is_dropped_whole() -> None:
     g, drops = filter_stale(_group("g", [1, 0, 1], versions=[2, 1, 1]), trainer_version=2, settings=s)
     assert g is None
     assert sorted((d.rollout_id, d.reason) for d in drops) == [
-        ("g-0", DropReason.GROUP_TOO_SMALL), ("g-1", DropReason.STALE), ("g-2", DropReason.STALE)
-    ]  # fmt: skip
+        ("g-0", DropReason.GROUP_TOO_SMALL),
+        ("g-1", DropReason.STALE),
+        ("g-2", DropReason.STALE),
+    ]
 
 
 def test_zero_variance_groups_are_filtered_only_when_configured() -> None:

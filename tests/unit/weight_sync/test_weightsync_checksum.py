@@ -104,8 +104,11 @@ def test_decoded_push_request_leaves_chunks_in_place_and_matches_protobuf():
     raw = req.SerializeToString()
     decoded = decode_push_request(raw)
     assert (decoded.version, decoded.trainer_rank, decoded.trainer_world_size, decoded.last) == (
-        req.version, req.trainer_rank, req.trainer_world_size, req.last,
-    )  # fmt: skip
+        req.version,
+        req.trainer_rank,
+        req.trainer_world_size,
+        req.last,
+    )
     assert decoded.model_config_json == '{"x": 1}' and len(decoded.shards) == len(req.shards) > 0
     for d, p in zip(decoded.shards, req.shards, strict=True):
         assert isinstance(d.data, memoryview) and bytes(d.data) == p.data  # not copied

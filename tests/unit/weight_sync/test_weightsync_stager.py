@@ -181,9 +181,15 @@ def _adopt_request(version, seg_name, placed, split_at=None, sums=True):
         cuts = [0, t.numel()] if split_at is None else [0, split_at, t.numel()]
         for lo, hi in itertools.pairwise(cuts):
             sl = inference_pb2.WeightSlice(
-                name=name, dtype=F32, shape=t.shape, offset=lo, nbytes=(hi - lo) * 4,
-                shm_name=seg_name, shm_offset=offset + lo * 4, shm_adopt=True,
-            )  # fmt: skip
+                name=name,
+                dtype=F32,
+                shape=t.shape,
+                offset=lo,
+                nbytes=(hi - lo) * 4,
+                shm_name=seg_name,
+                shm_offset=offset + lo * 4,
+                shm_adopt=True,
+            )
             if sums:
                 sl.sum64 = sum64(raw[lo * 4 : hi * 4])
             slices.append(sl)

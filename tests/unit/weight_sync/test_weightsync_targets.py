@@ -18,8 +18,12 @@ def request(ranks, tp=2, **kw):
 def test_ranks_group_into_replicas_in_order_or_by_name():
     t = target_from_request(request([ws.TargetRank(rank=r % 2, address=f"h:{r}") for r in range(4)]))
     assert [[e.address for e in rep] for rep in t.replicas] == [["h:0", "h:1"], ["h:2", "h:3"]]
-    named = [ws.TargetRank(rank=1, address="b1", replica="b"), ws.TargetRank(rank=0, address="a0", replica="a"),
-             ws.TargetRank(rank=0, address="b0", replica="b"), ws.TargetRank(rank=1, address="a1", replica="a")]  # fmt: skip
+    named = [
+        ws.TargetRank(rank=1, address="b1", replica="b"),
+        ws.TargetRank(rank=0, address="a0", replica="a"),
+        ws.TargetRank(rank=0, address="b0", replica="b"),
+        ws.TargetRank(rank=1, address="a1", replica="a"),
+    ]
     t = target_from_request(request(named, canary=True))
     assert [[(e.replica, e.rank) for e in rep] for rep in t.replicas] == [
         [("b", 0), ("b", 1)],
@@ -31,15 +35,33 @@ def test_ranks_group_into_replicas_in_order_or_by_name():
 @pytest.mark.parametrize(
     "req,field",
     [
-        (request([ws.TargetRank(rank=0, address="x")] * 3), "ranks: tensor_parallel=2 needs 2 ranks per replica"),
+        (
+            request([ws.TargetRank(rank=0, address="x")] * 3),
+            "ranks: tensor_parallel=2 needs 2 ranks per replica",
+        ),
         (request([ws.TargetRank(rank=0, address="x")] * 2), "ranks.rank: replica replica-0"),
-        (request([ws.TargetRank(rank=0, address="x", replica="a"), ws.TargetRank(rank=1, address="y")]), "ranks.replica"),
-        (request([ws.TargetRank(rank=0, address="x")], tp=1, canary_policy=ws.CanaryPolicy(prompts=[ws.GoldenPrompt()])),
-         "canary_policy.prompts[0].token_ids"),
-        (request([ws.TargetRank(rank=0, address="x")], tp=1, canary_policy=ws.CanaryPolicy(max_logprob_drift=-1)),
-         "canary_policy.max_logprob_drift"),
+        (
+            request([ws.TargetRank(rank=0, address="x", replica="a"), ws.TargetRank(rank=1, address="y")]),
+            "ranks.replica",
+        ),
+        (
+            request(
+                [ws.TargetRank(rank=0, address="x")],
+                tp=1,
+                canary_policy=ws.CanaryPolicy(prompts=[ws.GoldenPrompt()]),
+            ),
+            "canary_policy.prompts[0].token_ids",
+        ),
+        (
+            request(
+                [ws.TargetRank(rank=0, address="x")],
+                tp=1,
+                canary_policy=ws.CanaryPolicy(max_logprob_drift=-1),
+            ),
+            "canary_policy.max_logprob_drift",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_registrations_name_the_field(req, field):
     with pytest.raises(InvalidArgument) as info:
         target_from_request(req)
