@@ -8,7 +8,6 @@ is imported.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections.abc import Sequence
 
@@ -37,6 +36,8 @@ def run_service(name: str, argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"{name}: configuration error: {exc}", file=sys.stderr)
         return 2
+    import asyncio  # after --help and the config: neither needs it
+
     asyncio.run(spec.serve_function()(config))
     return 0
 
