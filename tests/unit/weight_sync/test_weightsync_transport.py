@@ -13,7 +13,7 @@ from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params, shard_state_dict
 from services.weight_sync.plan import build_deployment_plan
 from services.weight_sync.planned_bucket import PlannedBucket
-from services.weight_sync.transport import Endpoint, GrpcTransport, ShmTransport
+from services.weight_sync.transport import Delivery, Endpoint, GrpcTransport, ShmTransport
 from services.weight_sync.versions import VersionStore
 from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 from services.weights.shm import PREFIX, shm_dir
@@ -85,7 +85,7 @@ async def deliver(transport, plan, buf, endpoints, version, corrupt_rank=None):
         ]
         if corrupt_rank == rank_plan.rank:
             buckets[len(buckets) // 2] = Corrupting(buckets[len(buckets) // 2])
-        results.update(await transport.stage(version, eps, buckets, total_bytes=rank_plan.nbytes))
+        results.update(await transport.stage(Delivery(version, buckets, total_bytes=rank_plan.nbytes), eps))
     return results
 
 
@@ -371,7 +371,7 @@ async def test_a_corrupted_shared_copy_fails_every_deployment_and_the_old_versio
             for s in rank_plan.buckets
         ]
         buckets[1] = CorruptedCopy(buckets[1])
-        results = await transport.stage(1, endpoints, buckets, total_bytes=rank_plan.nbytes)
+        results = await transport.stage(Delivery(1, buckets, total_bytes=rank_plan.nbytes), endpoints)
         errors = [str(r.error) for r in results.values()]
         assert all(r.error is not None and r.error.code.name == "DATA_LOSS" for r in results.values()), errors
         (caught,) = [e for e in errors if "failed verification" not in e]  # verified once, by one receiver
