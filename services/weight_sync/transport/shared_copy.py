@@ -140,16 +140,7 @@ def _materialize(
     bucket.copy_to(dests)
     out = []
     for i, (ref, dest, (seg, offset)) in enumerate(zip(bucket.slices, dests, places, strict=True)):
-        msg = inference_pb2.WeightSlice(
-            name=ref.name,
-            dtype=ref.dtype,
-            shape=ref.shape,
-            offset=ref.offset,
-            nbytes=ref.nbytes,
-            shm_name=seg,
-            shm_offset=offset,
-            shm_adopt=True,
-        )
+        msg = ref.weight_slice(shm_name=seg, shm_offset=offset, shm_adopt=True)
         want = expected[i] if expected is not None else sum64(dest.numpy())
         out.append((msg, want, dest))
     return out
