@@ -36,8 +36,9 @@ def pushed(state, world=2, version=0, store=None):
     return buf
 
 
-class Corrupting:
-    """Fills correctly (checksums computed), then flips one byte: corruption in transit."""
+class Wrapping:
+    """A bucket standing for `bucket` (same index, count, size and slices); subclasses change how
+    its bytes arrive."""
 
     def __init__(self, bucket):
         self._b = bucket
@@ -47,6 +48,10 @@ class Corrupting:
             bucket.nbytes,
             bucket.slices,
         )
+
+
+class Corrupting(Wrapping):
+    """Fills correctly (checksums computed), then flips one byte: corruption in transit."""
 
     shareable = False
 
@@ -299,17 +304,8 @@ def _mapped_file(tensor: torch.Tensor) -> str:
     return ""
 
 
-class CorruptedCopy:
+class CorruptedCopy(Wrapping):
     """Writes the shared copy correctly, then one byte of it flips before receivers verify it."""
-
-    def __init__(self, bucket):
-        self._b = bucket
-        self.index, self.count, self.nbytes, self.slices = (
-            bucket.index,
-            bucket.count,
-            bucket.nbytes,
-            bucket.slices,
-        )
 
     def expected_sums(self):
         return self._b.expected_sums()
