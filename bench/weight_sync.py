@@ -56,7 +56,7 @@ from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, hf_params, rank_params
 from services.weight_sync.plan import PlanCache
 from services.weight_sync.planned_bucket import PlannedBucket
-from services.weight_sync.transport import Endpoint, GrpcTransport, ShmTransport
+from services.weight_sync.transport import Delivery, Endpoint, GrpcTransport, ShmTransport
 from services.weight_sync.versions import VersionStore
 from services.weights import proto_dtype
 from services.weights.checksum import hash64
@@ -218,7 +218,9 @@ async def planned(transport, plan, buf, endpoints_by_rank, version):
     jobs = []
     for rp in plan.ranks:
         buckets = (PlannedBucket(s, rp.dtype, buf.chunks, buf.locations, buf.sums) for s in rp.buckets)
-        jobs.append(transport.stage(version, endpoints_by_rank[rp.rank], buckets, total_bytes=rp.nbytes))
+        jobs.append(
+            transport.stage(Delivery(version, buckets, total_bytes=rp.nbytes), endpoints_by_rank[rp.rank])
+        )
     results = {}
     for r in await asyncio.gather(*jobs):
         results.update(r)

@@ -35,7 +35,7 @@ from opentelemetry import trace
 from looprl.inference.v1 import inference_pb2
 from services.kit import telemetry
 from services.modeling.config import ModelConfig
-from services.weight_sync.transport import Endpoint, StageResult
+from services.weight_sync.transport import Delivery, Endpoint, StageResult
 from services.weight_sync.transport.factory import Transports, TransportSettings
 from services.weights import DeliveryError
 
@@ -227,12 +227,14 @@ class Deliverer:
                     for kind, subset in by_kind.items():
                         jobs.append(
                             self.transports.get(kind).stage(
-                                version,
+                                Delivery(
+                                    version,
+                                    self._buckets(rank_plan, buf),
+                                    total_bytes=rank_plan.nbytes,
+                                    model_config_json=self._config_json,
+                                    timeout_s=self.stage_timeout_s,
+                                ),
                                 subset,
-                                self._buckets(rank_plan, buf),
-                                model_config_json=self._config_json,
-                                total_bytes=rank_plan.nbytes,
-                                timeout_s=self.stage_timeout_s,
                             )
                         )
             results: dict[Endpoint, StageResult] = {}

@@ -19,7 +19,7 @@ from .errors import (
     StaleVersion,
     WeightTransferError,
 )
-from .receiver import WeightOnlyEngine, WeightReceiver, add_engine_servicer, serve_engine
+from .receiver import WeightOnlyEngine, WeightReceiver, WeightServicer, add_engine_servicer, serve_engine
 from .shm import ShmReader
 from .specs import ParamSpec, as_param_specs, itemsize, proto_dtype
 from .stager import StageProgress, WeightStager
@@ -38,6 +38,7 @@ __all__ = [
     "StaleVersion",
     "WeightOnlyEngine",
     "WeightReceiver",
+    "WeightServicer",
     "WeightStager",
     "WeightTransferError",
     "add_engine_servicer",

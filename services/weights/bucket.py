@@ -33,16 +33,24 @@ class SliceRef:
     nbytes: int
     hash64: int | None = None
 
-    def to_proto(
-        self, *, data: bytes | None = None, shm_name: str = "", shm_base: int = 0
-    ) -> inference_pb2.WeightSlice:
-        msg = inference_pb2.WeightSlice(
+    def weight_slice(self, **fields: Any) -> inference_pb2.WeightSlice:
+        """The WeightSlice naming this element range (name, dtype, shape, offset, nbytes), with
+        `fields` set besides: no payload and no checksum unless given."""
+        return inference_pb2.WeightSlice(
             name=self.name,
             dtype=self.dtype,
             shape=self.shape,
             offset=self.offset,
             nbytes=self.nbytes,
+            **fields,
         )
+
+    def to_proto(
+        self, *, data: bytes | None = None, shm_name: str = "", shm_base: int = 0
+    ) -> inference_pb2.WeightSlice:
+        """The slice with its hash64, its payload inline (`data`) or where it sits in segment `shm_name`
+        (whose byte `shm_base` is the bucket's first)."""
+        msg = self.weight_slice()
         if self.hash64 is not None:
             msg.hash64 = self.hash64
         if data is not None:

@@ -2,9 +2,10 @@
 
 An inference replica delegates StageWeights / CommitWeights / AbortWeights here and gets
 verification, error statuses and abort-on-broken-stream for free; it only supplies what to do
-with a committed state dict (swap it in). `WeightOnlyEngine` is a complete InferenceEngineService
-that holds weights and serves nothing else: the receiver weight-sync tests and benchmarks talk
-to, and a reference for engine authors.
+with a committed state dict (swap it in). `WeightServicer` is the servicer half of that wiring, for
+an engine to subclass. `WeightOnlyEngine` is a complete InferenceEngineService that holds weights
+and serves nothing else: the receiver weight-sync tests and benchmarks talk to, and a reference
+for engine authors.
 """
 
 from __future__ import annotations
@@ -130,7 +131,29 @@ class WeightReceiver:
             await context.abort(exc.code, str(exc))
 
 
-class WeightOnlyEngine(inference_pb2_grpc.InferenceEngineServiceServicer):
+class WeightServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
+    """An InferenceEngineService whose weight RPCs `self.receiver` (a WeightReceiver) answers; an
+    engine subclasses it, sets `receiver` and adds what it serves (Generate, Status...)."""
+
+    receiver: WeightReceiver
+
+    async def StageWeights(self, request_iterator, context):
+        return await self.receiver.StageWeights(request_iterator, context)
+
+    async def CommitWeights(self, request, context):
+        return await self.receiver.CommitWeights(request, context)
+
+    async def AbortWeights(self, request, context):
+        return await self.receiver.AbortWeights(request, context)
+
+    async def RollbackWeights(self, request, context):
+        return await self.receiver.RollbackWeights(request, context)
+
+    async def ProbeSharedMemory(self, request, context):
+        return await self.receiver.ProbeSharedMemory(request, context)
+
+
+class WeightOnlyEngine(WeightServicer):
     """An InferenceEngineService that only holds weights (tests, benchmarks, reference)."""
 
     def __init__(self, stager: WeightStager, *, keep: bool = True) -> None:
@@ -154,21 +177,6 @@ class WeightOnlyEngine(inference_pb2_grpc.InferenceEngineServiceServicer):
             self.stager.give_back(old)  # the rollback point, then the next staging buffers
         else:
             self.stager.recycle(state)
-
-    async def StageWeights(self, request_iterator, context):
-        return await self.receiver.StageWeights(request_iterator, context)
-
-    async def CommitWeights(self, request, context):
-        return await self.receiver.CommitWeights(request, context)
-
-    async def AbortWeights(self, request, context):
-        return await self.receiver.AbortWeights(request, context)
-
-    async def RollbackWeights(self, request, context):
-        return await self.receiver.RollbackWeights(request, context)
-
-    async def ProbeSharedMemory(self, request, context):
-        return await self.receiver.ProbeSharedMemory(request, context)
 
     async def Status(self, request, context):
         staged, previous = self.stager.staged_version, self.stager.rollback_version

@@ -23,7 +23,7 @@ from services.modeling.layouts import Layout, rank_params
 from services.weight_sync import canary
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import make
-from services.weights import WeightReceiver, WeightStager, add_engine_servicer
+from services.weights import WeightReceiver, WeightServicer, WeightStager, add_engine_servicer
 from tests.support.synthetic_weights import push_version, random_state
 
 CONFIG = ModelConfig.tiny()
@@ -31,7 +31,7 @@ LAYOUT = Layout(1, "hf")
 PROMPTS = [[5, 9, 14, 3, 22], [40, 2, 7], [11, 11, 30, 8, 1, 19]]
 
 
-class CpuReplica(inference_pb2_grpc.InferenceEngineServiceServicer):
+class CpuReplica(WeightServicer):
     """A tp=1 replica: the continuous-batching CPU engine serves, a WeightReceiver stages, commits
     and rolls back (retired tensors go back to the stager as the rollback point)."""
 
@@ -67,18 +67,6 @@ class CpuReplica(inference_pb2_grpc.InferenceEngineServiceServicer):
 
     async def Status(self, request, context):
         return inference_pb2.StatusResponse(weight_version=self.engine.status().weight_version)
-
-    async def StageWeights(self, request_iterator, context):
-        return await self.receiver.StageWeights(request_iterator, context)
-
-    async def CommitWeights(self, request, context):
-        return await self.receiver.CommitWeights(request, context)
-
-    async def AbortWeights(self, request, context):
-        return await self.receiver.AbortWeights(request, context)
-
-    async def RollbackWeights(self, request, context):
-        return await self.receiver.RollbackWeights(request, context)
 
 
 async def serve(servicer):

@@ -1,7 +1,7 @@
 """The transport interface and what every transport shares: endpoints, results, the control plane.
 
-A Transport delivers the buckets of one version to a group of receivers that need the same
-buckets; `stage` never raises for one receiver's failure (it is reported in that receiver's
+A Transport delivers the buckets of one version (a Delivery) to a group of receivers that need the
+same buckets; `stage` never raises for one receiver's failure (it is reported in that receiver's
 StageResult). Commit and abort are gRPC for every transport: a receiver is always an
 InferenceEngineService.
 """
@@ -41,6 +41,41 @@ class Endpoint:
     def __str__(self) -> str:
         replica = f"/{self.replica}" if self.replica else ""
         return f"{self.deployment or '?'}{replica}/rank{self.rank}@{self.address}"
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a transport delivers to a group of receivers: the buckets of one version of one TP
+    rank's parameters, and what every StageWeights message of it says besides its slices."""
+
+    version: int
+    """The weight version the receivers stage (and later commit)."""
+    buckets: Buckets
+    """The rank's buckets, in order; read once (it may be a generator or an async iterator)."""
+    total_bytes: int = 0
+    """The payload bytes of all the buckets together, sent with each one; 0 when not known."""
+    model_config_json: str = ""
+    """The model config, sent with the first bucket only; empty when the receivers need none."""
+    timeout_s: float = 600.0
+    """The deadline of each StageWeights call, in seconds."""
+
+    def request(
+        self, bucket: Bucket, slices, *, model_config_json: str = "", endpoint: Endpoint | None = None
+    ) -> inference_pb2.StageWeightsRequest:
+        """The StageWeights message that carries `slices` of `bucket`, addressed to `endpoint`'s
+        rank and deployment (none: the caller addresses it)."""
+        request = inference_pb2.StageWeightsRequest(
+            version=self.version,
+            bucket_count=bucket.count,
+            bucket_index=bucket.index,
+            total_bytes=self.total_bytes,
+            model_config_json=model_config_json,
+            slices=slices,
+        )
+        if endpoint is not None:
+            request.rank = endpoint.rank
+            request.deployment = endpoint.deployment
+        return request
 
 
 @dataclass
@@ -94,17 +129,8 @@ class Transport(ABC):
         return inference_pb2_grpc.InferenceEngineServiceStub(self.channel(address))
 
     @abstractmethod
-    async def stage(
-        self,
-        version: int,
-        endpoints: Sequence[Endpoint],
-        buckets: Buckets,
-        *,
-        model_config_json: str = "",
-        total_bytes: int = 0,
-        timeout_s: float = 600.0,
-    ) -> dict[Endpoint, StageResult]:
-        """Stage every bucket on every endpoint; never raises for one receiver's failure."""
+    async def stage(self, delivery: Delivery, endpoints: Sequence[Endpoint]) -> dict[Endpoint, StageResult]:
+        """Stage every bucket of `delivery` on every endpoint; never raises for one receiver's failure."""
 
     async def commit(self, endpoint: Endpoint, version: int, timeout_s: float = 60.0) -> int:
         try:

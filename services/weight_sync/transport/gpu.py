@@ -25,7 +25,7 @@ import torch
 from looprl.inference.v1 import inference_pb2
 from services.weights.errors import DeliveryError
 
-from .base import Buckets, Endpoint, StageResult, Transport, aiter_buckets
+from .base import Delivery, Endpoint, StageResult, Transport, aiter_buckets
 
 
 def _device_bucket(bucket, device: torch.device) -> torch.Tensor:
@@ -43,36 +43,26 @@ class DeviceTransport(Transport):
         super().__init__(**kw)
         self.device = torch.device(device)
 
-    async def stage(
-        self,
-        version: int,
-        endpoints: Sequence[Endpoint],
-        buckets: Buckets,
-        *,
-        model_config_json: str = "",
-        total_bytes: int = 0,
-        timeout_s: float = 600.0,
-    ) -> dict[Endpoint, StageResult]:
+    async def stage(self, delivery: Delivery, endpoints: Sequence[Endpoint]) -> dict[Endpoint, StageResult]:
         results = {ep: StageResult(ep) for ep in endpoints}
         start = time.perf_counter()
         first = True
-        async for bucket in aiter_buckets(buckets):
+        async for bucket in aiter_buckets(delivery.buckets):
             dev = await asyncio.to_thread(_device_bucket, bucket, self.device)
-            req = inference_pb2.StageWeightsRequest(
-                version=version,
-                bucket_count=bucket.count,
-                bucket_index=bucket.index,
-                total_bytes=total_bytes,
-                model_config_json=model_config_json if first else "",
-                slices=[s.to_proto() for s in bucket.slices],
+            req = delivery.request(
+                bucket,
+                [s.to_proto() for s in bucket.slices],
+                model_config_json=delivery.model_config_json if first else "",
             )
             for sl, ref in zip(req.slices, bucket.slices, strict=True):
                 sl.shm_offset = ref.byte_start
             first = False
-            await self._hand_over(dev, req, _send_all(self, results, req, timeout_s, bucket.nbytes))
+            await self._hand_over(dev, req, _send_all(self, results, req, delivery.timeout_s, bucket.nbytes))
             del dev  # receivers answered: they copied out of it
-        _finish(results, start, version)
-        await asyncio.gather(*(self.abort(ep, version) for ep, r in results.items() if r.error is not None))
+        _finish(results, start, delivery.version)
+        await asyncio.gather(
+            *(self.abort(ep, delivery.version) for ep, r in results.items() if r.error is not None)
+        )
         return results
 
     async def _hand_over(

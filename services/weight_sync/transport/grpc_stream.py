@@ -23,7 +23,16 @@ from services.weights.errors import DeliveryError
 from services.weights.memory import retain_bucket_buffers
 from services.weights.wire import encode_stage_request
 
-from .base import STAGE_METHOD, Buckets, Endpoint, StageResult, Transport, aiter_buckets, call_error, identity
+from .base import (
+    STAGE_METHOD,
+    Delivery,
+    Endpoint,
+    StageResult,
+    Transport,
+    aiter_buckets,
+    call_error,
+    identity,
+)
 
 
 @dataclass
@@ -45,16 +54,8 @@ class GrpcTransport(Transport):
         self.prefetch = max(1, prefetch)
         retain_bucket_buffers()  # encoded buckets reuse heap pages instead of faulting (memory.py)
 
-    async def stage(
-        self,
-        version: int,
-        endpoints: Sequence[Endpoint],
-        buckets: Buckets,
-        *,
-        model_config_json: str = "",
-        total_bytes: int = 0,
-        timeout_s: float = 600.0,
-    ) -> dict[Endpoint, StageResult]:
+    async def stage(self, delivery: Delivery, endpoints: Sequence[Endpoint]) -> dict[Endpoint, StageResult]:
+        version, total_bytes = delivery.version, delivery.total_bytes
         loop = asyncio.get_running_loop()
         streams: list[_Stream] = []
         for ep in endpoints:
@@ -63,7 +64,7 @@ class GrpcTransport(Transport):
                 request_serializer=identity,
                 response_deserializer=inference_pb2.StageWeightsResponse.FromString,
             )
-            streams.append(_Stream(ep, method(timeout=timeout_s), StageResult(ep)))
+            streams.append(_Stream(ep, method(timeout=delivery.timeout_s), StageResult(ep)))
         ranks = sorted({s.endpoint.rank for s in streams})
         buffers: collections.deque[np.ndarray] = collections.deque()
         pending: collections.deque[asyncio.Future] = collections.deque()
@@ -107,11 +108,13 @@ class GrpcTransport(Transport):
             await asyncio.gather(*(one(s) for s in streams if s.alive))
 
         try:
-            async for bucket in aiter_buckets(buckets):
+            async for bucket in aiter_buckets(delivery.buckets):
                 if not any(s.alive for s in streams):
                     break
                 pending.append(
-                    loop.run_in_executor(self._executor, build, bucket, model_config_json if first else "")
+                    loop.run_in_executor(
+                        self._executor, build, bucket, delivery.model_config_json if first else ""
+                    )
                 )
                 first = False
                 if len(pending) > self.prefetch:

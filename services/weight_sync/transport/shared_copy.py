@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,7 +39,7 @@ from services.weights.errors import ChecksumMismatch, DeliveryError
 from services.weights.specs import itemsize, torch_dtype_of
 
 from .arena import ArenaPool, ChunkArena
-from .base import Endpoint, StageResult, StageStreams, Transport
+from .base import Delivery, Endpoint, StageResult, StageStreams, Transport, aiter_buckets
 
 log = logging.getLogger("looprl.weight_transfer")
 
@@ -140,34 +140,18 @@ def _materialize(
     bucket.copy_to(dests)
     out = []
     for i, (ref, dest, (seg, offset)) in enumerate(zip(bucket.slices, dests, places, strict=True)):
-        msg = inference_pb2.WeightSlice(
-            name=ref.name,
-            dtype=ref.dtype,
-            shape=ref.shape,
-            offset=ref.offset,
-            nbytes=ref.nbytes,
-            shm_name=seg,
-            shm_offset=offset,
-            shm_adopt=True,
-        )
+        msg = ref.weight_slice(shm_name=seg, shm_offset=offset, shm_adopt=True)
         want = expected[i] if expected is not None else sum64(dest.numpy())
         out.append((msg, want, dest))
     return out
 
 
 async def stage_shared(
-    transport: Transport,
-    copy: SharedCopy,
-    version: int,
-    endpoints: Sequence[Endpoint],
-    buckets: AsyncIterator[Bucket],
-    *,
-    model_config_json: str = "",
-    total_bytes: int = 0,
-    timeout_s: float = 600.0,
+    transport: Transport, copy: SharedCopy, delivery: Delivery, endpoints: Sequence[Endpoint]
 ) -> dict[Endpoint, StageResult]:
-    """Write every bucket once into `copy`; each receiver adopts it and verifies its share."""
+    """Write every bucket of `delivery` once into `copy`; each receiver adopts it and verifies its share."""
     loop = asyncio.get_running_loop()
+    version, timeout_s = delivery.version, delivery.timeout_s
     results = {ep: StageResult(ep) for ep in endpoints}
     streams = StageStreams(transport, results, timeout_s)
     verify_load = dict.fromkeys(endpoints, 0)
@@ -176,7 +160,7 @@ async def stage_shared(
     first = True
 
     try:
-        async for bucket in buckets:
+        async for bucket in aiter_buckets(delivery.buckets):
             alive = [ep for ep in endpoints if results[ep].error is None]
             if not alive:
                 break
@@ -192,22 +176,13 @@ async def stage_shared(
                     if ep == verifier:
                         one.sum64 = want
                     per_ep[ep].append(one)
-            config = model_config_json if first else ""
+            config = delivery.model_config_json if first else ""
             first = False
             await asyncio.gather(
                 *(
                     streams.write(
                         ep,
-                        inference_pb2.StageWeightsRequest(
-                            version=version,
-                            bucket_count=bucket.count,
-                            bucket_index=bucket.index,
-                            rank=ep.rank,
-                            deployment=ep.deployment,
-                            total_bytes=total_bytes,
-                            model_config_json=config,
-                            slices=per_ep[ep],
-                        ),
+                        delivery.request(bucket, per_ep[ep], model_config_json=config, endpoint=ep),
                         bucket.nbytes,
                     )
                     for ep in alive

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 
 from looprl.inference.v1 import inference_pb2
 from services.weights.bucket import Bucket
 from services.weights.errors import DeliveryError
 
 from .arena import ShmPool
-from .base import Buckets, Endpoint, StageResult, StageStreams, Transport, aiter_buckets
+from .base import Delivery, Endpoint, StageResult, StageStreams, Transport, aiter_buckets
 from .shared_copy import SharedCopies, stage_shared, versions_in_use
 
 
@@ -52,17 +53,8 @@ class ShmTransport(Transport):
         self.share_min_receivers = share_min_receivers  # 0 turns shared copies off
         self.shared = SharedCopies(copies_per_group=shared_copies)
 
-    async def stage(
-        self,
-        version: int,
-        endpoints: Sequence[Endpoint],
-        buckets: Buckets,
-        *,
-        model_config_json: str = "",
-        total_bytes: int = 0,
-        timeout_s: float = 600.0,
-    ) -> dict[Endpoint, StageResult]:
-        buckets = aiter_buckets(buckets)
+    async def stage(self, delivery: Delivery, endpoints: Sequence[Endpoint]) -> dict[Endpoint, StageResult]:
+        buckets = aiter_buckets(delivery.buckets)
         if self.share_min_receivers and len(endpoints) >= self.share_min_receivers:
             first = await anext(buckets, None)
             buckets = _prepend(first, buckets)
@@ -71,32 +63,18 @@ class ShmTransport(Transport):
                 copy = (
                     None
                     if in_use is None
-                    else self.shared.acquire((frozenset(endpoints), total_bytes), in_use)
+                    else self.shared.acquire((frozenset(endpoints), delivery.total_bytes), in_use)
                 )
                 if copy is not None:
-                    return await stage_shared(
-                        self,
-                        copy,
-                        version,
-                        endpoints,
-                        buckets,
-                        model_config_json=model_config_json,
-                        total_bytes=total_bytes,
-                        timeout_s=timeout_s,
-                    )
-        return await self._stage_each(version, endpoints, buckets, model_config_json, total_bytes, timeout_s)
+                    return await stage_shared(self, copy, replace(delivery, buckets=buckets), endpoints)
+        return await self._stage_each(replace(delivery, buckets=buckets), endpoints)
 
     async def _stage_each(
-        self,
-        version: int,
-        endpoints: Sequence[Endpoint],
-        buckets: AsyncIterator[Bucket],
-        model_config_json: str,
-        total_bytes: int,
-        timeout_s: float,
+        self, delivery: Delivery, endpoints: Sequence[Endpoint]
     ) -> dict[Endpoint, StageResult]:
         """Every receiver copies its slices itself (from the chunks in place, or a pooled bucket)."""
         loop = asyncio.get_running_loop()
+        version, timeout_s = delivery.version, delivery.timeout_s
         results = {ep: StageResult(ep) for ep in endpoints}
         starts = time.perf_counter()
         inflight: set[asyncio.Task] = set()
@@ -106,16 +84,7 @@ class ShmTransport(Transport):
         def request(
             ep: Endpoint, bucket: Bucket, slices, config_json: str
         ) -> inference_pb2.StageWeightsRequest:
-            return inference_pb2.StageWeightsRequest(
-                version=version,
-                bucket_count=bucket.count,
-                bucket_index=bucket.index,
-                rank=ep.rank,
-                deployment=ep.deployment,
-                total_bytes=total_bytes,
-                model_config_json=config_json,
-                slices=slices,
-            )
+            return delivery.request(bucket, slices, model_config_json=config_json, endpoint=ep)
 
         async def stream_in_place(bucket: Bucket, slices, config_json: str) -> None:
             """In-place buckets hold no segment, so they need no per-bucket answer: they go down
@@ -151,14 +120,14 @@ class ShmTransport(Transport):
                     self.pool.release(seg)
 
         try:
-            async for bucket in aiter_buckets(buckets):
+            async for bucket in aiter_buckets(delivery.buckets):
                 if all(r.error is not None for r in results.values()):
                     break
                 seg = slices = None
                 if self.in_place:
                     slices = await loop.run_in_executor(self._executor, bucket.shm_slices)
                     if slices is not None:
-                        await stream_in_place(bucket, slices, model_config_json if first else "")
+                        await stream_in_place(bucket, slices, delivery.model_config_json if first else "")
                         first = False
                         continue
                 while len(inflight) >= self.inflight_buckets:
@@ -170,7 +139,9 @@ class ShmTransport(Transport):
                     self.pool.release(seg)
                     raise
                 slices = [s.to_proto(shm_name=seg.name) for s in bucket.slices]
-                task = asyncio.create_task(deliver(bucket, seg, slices, model_config_json if first else ""))
+                task = asyncio.create_task(
+                    deliver(bucket, seg, slices, delivery.model_config_json if first else "")
+                )
                 first = False
                 inflight.add(task)
                 task.add_done_callback(inflight.discard)

@@ -9,7 +9,7 @@ from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params, shard_state_dict
 from services.weight_sync.plan import build_deployment_plan
 from services.weight_sync.planned_bucket import PlannedBucket
-from services.weight_sync.transport import Endpoint
+from services.weight_sync.transport import Delivery, Endpoint
 from services.weight_sync.transport.gpu import CudaIpcTransport
 from services.weight_sync.versions import VersionStore
 from services.weights import WeightOnlyEngine, WeightStager, serve_engine
@@ -39,7 +39,7 @@ async def test_cuda_ipc_delivery_matches_reference():
             servers.append(server)
             ep = Endpoint(address, rp.rank, "gpu")
             buckets = [PlannedBucket(s, rp.dtype, buf.chunks) for s in rp.buckets]
-            (res,) = (await transport.stage(0, [ep], buckets)).values()
+            (res,) = (await transport.stage(Delivery(0, buckets), [ep])).values()
             assert res.error is None and res.complete
             await transport.commit(ep, 0)
             want = shard_state_dict(state, config, layout, rp.rank)

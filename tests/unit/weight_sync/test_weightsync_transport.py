@@ -13,7 +13,7 @@ from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params, shard_state_dict
 from services.weight_sync.plan import build_deployment_plan
 from services.weight_sync.planned_bucket import PlannedBucket
-from services.weight_sync.transport import Endpoint, GrpcTransport, ShmTransport
+from services.weight_sync.transport import Delivery, Endpoint, GrpcTransport, ShmTransport
 from services.weight_sync.versions import VersionStore
 from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 from services.weights.shm import PREFIX, shm_dir
@@ -36,8 +36,9 @@ def pushed(state, world=2, version=0, store=None):
     return buf
 
 
-class Corrupting:
-    """Fills correctly (checksums computed), then flips one byte: corruption in transit."""
+class Wrapping:
+    """A bucket standing for `bucket` (same index, count, size and slices); subclasses change how
+    its bytes arrive."""
 
     def __init__(self, bucket):
         self._b = bucket
@@ -47,6 +48,10 @@ class Corrupting:
             bucket.nbytes,
             bucket.slices,
         )
+
+
+class Corrupting(Wrapping):
+    """Fills correctly (checksums computed), then flips one byte: corruption in transit."""
 
     shareable = False
 
@@ -85,7 +90,7 @@ async def deliver(transport, plan, buf, endpoints, version, corrupt_rank=None):
         ]
         if corrupt_rank == rank_plan.rank:
             buckets[len(buckets) // 2] = Corrupting(buckets[len(buckets) // 2])
-        results.update(await transport.stage(version, eps, buckets, total_bytes=rank_plan.nbytes))
+        results.update(await transport.stage(Delivery(version, buckets, total_bytes=rank_plan.nbytes), eps))
     return results
 
 
@@ -299,17 +304,8 @@ def _mapped_file(tensor: torch.Tensor) -> str:
     return ""
 
 
-class CorruptedCopy:
+class CorruptedCopy(Wrapping):
     """Writes the shared copy correctly, then one byte of it flips before receivers verify it."""
-
-    def __init__(self, bucket):
-        self._b = bucket
-        self.index, self.count, self.nbytes, self.slices = (
-            bucket.index,
-            bucket.count,
-            bucket.nbytes,
-            bucket.slices,
-        )
 
     def expected_sums(self):
         return self._b.expected_sums()
@@ -371,7 +367,7 @@ async def test_a_corrupted_shared_copy_fails_every_deployment_and_the_old_versio
             for s in rank_plan.buckets
         ]
         buckets[1] = CorruptedCopy(buckets[1])
-        results = await transport.stage(1, endpoints, buckets, total_bytes=rank_plan.nbytes)
+        results = await transport.stage(Delivery(1, buckets, total_bytes=rank_plan.nbytes), endpoints)
         errors = [str(r.error) for r in results.values()]
         assert all(r.error is not None and r.error.code.name == "DATA_LOSS" for r in results.values()), errors
         (caught,) = [e for e in errors if "failed verification" not in e]  # verified once, by one receiver
