@@ -144,13 +144,14 @@ class ModelSection(Section):
         return self
 
 
-def _first_non_finite(node: Any, where: str) -> str | None:
+def _first_non_finite(node: Any, where: str) -> tuple[str, float] | None:
+    """(path, value) of the first inf or nan anywhere in `node` (tables and arrays included)."""
     if isinstance(node, dict):
         node = {f".{key}": value for key, value in node.items()}
     elif isinstance(node, list):
         node = {f"[{i}]": value for i, value in enumerate(node)}
     else:
-        return where if isinstance(node, float) and not math.isfinite(node) else None
+        return (where, node) if isinstance(node, float) and not math.isfinite(node) else None
     for key, value in node.items():
         found = _first_non_finite(value, where + key)
         if found is not None:
@@ -177,7 +178,7 @@ class EnvironmentSection(Section):
         # TOML spells inf and nan, and one NaN hyper-parameter turns every weight into NaN.
         bad = _first_non_finite(value, "")
         if bad is not None:
-            raise field_error(bad, "must be a finite number")
+            raise field_error(bad[0], f"must be a finite number, got {bad[1]}")
         if "max_turns" in value:
             raise field_error(
                 "max_turns",
