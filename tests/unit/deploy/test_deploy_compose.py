@@ -1,19 +1,26 @@
 """docker-compose.yml and .env: every service is built from something that exists, starts a module
-that exists, is health-checked, starts only after what it needs is healthy, and is configured only
-with settings the code reads. No docker needed: the file is checked as data.
+that exists, is health-checked, starts only after what it needs is healthy, is configured only
+with settings the code reads, and shares a network only with the containers it is declared to
+call or be called by. No docker needed: the file is checked as data.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
+from collections.abc import Iterable
+from itertools import combinations
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
 from services.kit import registry
 from services.kit.config import ServiceConfig
+from tests.support import network_edges
+from tests.support.network_edges import Edge
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -285,3 +292,191 @@ def test_nats_starts_with_the_users_looprl_certs_writes():
     assert {s["target"]: s["source"] for s in nats["secrets"]} == {"nats-server.conf": "nats-server-conf"}
     assert config == "/run/secrets/nats-server.conf"
     assert COMPOSE["secrets"]["nats-server-conf"]["file"].endswith("/nats-server.conf")
+
+
+# --- network segmentation ------------------------------------------------------------------------
+# The edge table (tests/support/network_edges.py, also behind the Kubernetes NetworkPolicies) names
+# the nodes that run actors RAY; compose runs them as the Ray head.
+CONTAINER = {network_edges.RAY: "ray-head"}
+MESH = "ray-cluster"  # the one network not named for a callee: every Ray node calls every other
+
+
+def container(name: str) -> str:
+    return CONTAINER.get(name, name)
+
+
+def networks_of(svc: dict) -> list[str]:
+    """The networks a service joins (a list, or a mapping of per-network options); compose puts a
+    service that names none on `default`."""
+    return list(svc.get("networks") or ["default"])
+
+
+def network_members(compose: dict) -> dict[str, set[str]]:
+    members: dict[str, set[str]] = {}
+    for name, svc in compose["services"].items():
+        for network in networks_of(svc):
+            members.setdefault(network, set()).add(name)
+    return members
+
+
+def declared_pairs(edges: Iterable[Edge]) -> dict[frozenset[str], list[str]]:
+    """Container pairs with a declared edge (a network joins both ways) -> those edges, spelled out."""
+    pairs: dict[frozenset[str], list[str]] = {}
+    for e in edges:
+        caller, callee = container(e.caller), container(e.callee)
+        pairs.setdefault(frozenset((caller, callee)), []).append(f"{caller} -> {callee} ({e.what})")
+    return pairs
+
+
+def segmentation_errors(compose: dict, edges: Iterable[Edge] = network_edges.EDGES) -> list[str]:
+    """Where compose's networks differ from the declared edges: a container on the default network,
+    two containers sharing a network with no edge between them, an edge whose two ends share none."""
+    errors = []
+    declared = declared_pairs(edges)
+    shared: dict[frozenset[str], set[str]] = {}
+    for network, members in sorted(network_members(compose).items()):
+        if network == "default":
+            errors.append(f"{sorted(members)} on the default network, which every container may join")
+            continue
+        if network not in (compose.get("networks") or {}):
+            errors.append(f"{network} is joined by {sorted(members)} but not declared under networks")
+        for a, b in combinations(sorted(members), 2):
+            shared.setdefault(frozenset((a, b)), set()).add(network)
+    for pair, networks in sorted(shared.items(), key=lambda item: sorted(item[0])):
+        if pair not in declared:
+            errors.append(
+                f"{' and '.join(sorted(pair))} share {sorted(networks)}, yet neither calls the other"
+            )
+    for pair, why in sorted(declared.items(), key=lambda item: sorted(item[0])):
+        if pair not in shared:
+            errors.append(f"{' and '.join(sorted(pair))} share no network, yet {', '.join(sorted(why))}")
+    return errors
+
+
+def test_every_end_of_a_declared_edge_is_a_compose_container():
+    ends = {container(n) for e in network_edges.EDGES for n in (e.caller, e.callee)}
+    assert ends <= set(COMPOSE_SERVICES), f"not in docker-compose.yml: {sorted(ends - set(COMPOSE_SERVICES))}"
+
+
+def test_containers_share_a_network_exactly_where_one_is_declared_to_call_the_other():
+    assert segmentation_errors(COMPOSE) == []
+
+
+def _join(compose: dict, name: str, network: str) -> None:
+    compose["services"][name]["networks"].append(network)
+
+
+def _leave(compose: dict, name: str, network: str) -> None:
+    compose["services"][name]["networks"].remove(network)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        # The gateway faces users: it must not reach the Ray head (GCS, actors).
+        (lambda c: _join(c, "ray-head", "gateway-callers"), "gateway and ray-head share ['gateway-callers']"),
+        (lambda c: _leave(c, "otel-collector", "tempo-callers"), "otel-collector and tempo share no network"),
+        (lambda c: c["services"]["grafana"].pop("networks"), "['grafana'] on the default network"),
+        (lambda c: _join(c, "grafana", "extra"), "extra is joined by ['grafana'] but not declared"),
+    ],
+    ids=["undeclared-edge", "missing-edge", "default-network", "undeclared-network"],
+)
+def test_segmentation_check_fails_on_a_changed_copy(mutate, expected):
+    changed = copy.deepcopy(COMPOSE)
+    mutate(changed)
+    errors = segmentation_errors(changed)
+    assert any(expected in error for error in errors), errors
+
+
+def callee_of(network: str) -> str | None:
+    """`<callee>-callers` names the container the network is for; the Ray mesh has none."""
+    if network == MESH:
+        return None
+    callee = network.removesuffix("-callers")
+    assert network.endswith("-callers") and callee in COMPOSE_SERVICES, (
+        f"network {network}: name it <callee>-callers after the container its members call"
+    )
+    return callee
+
+
+@pytest.mark.parametrize("network", sorted(COMPOSE.get("networks") or {}))
+def test_a_callee_network_is_joined_only_by_its_callee_and_its_callers(network):
+    members = network_members(COMPOSE).get(network, set())
+    callee = callee_of(network)
+    if callee is None:  # every Ray node, and the collector every one of them exports traces to
+        allowed = {container(n) for n in network_edges.RAY_NODES} | {network_edges.COLLECTOR}
+    else:
+        allowed = {callee} | {
+            container(e.caller) for e in network_edges.EDGES if container(e.callee) == callee
+        }
+    assert callee is None or callee in members, f"{network}: {callee} is not on its own network"
+    assert members <= allowed, (
+        f"{network}: {sorted(members - allowed)} do not call {callee or 'every member'}"
+    )
+
+
+def publishes(name: str) -> bool:
+    return bool(COMPOSE_SERVICES[name].get("ports"))
+
+
+@pytest.mark.parametrize("network", sorted(COMPOSE.get("networks") or {}))
+def test_a_network_is_internal_unless_it_carries_its_callees_published_port(network):
+    internal = (COMPOSE["networks"][network] or {}).get("internal")
+    assert isinstance(internal, bool), f"{network}: say internal: true or false"
+    callee = callee_of(network)
+    # Docker publishes no port of a container that is on internal networks only (moby/moby#36174);
+    # any other route out is one nothing needs.
+    carries_a_port = callee is not None and publishes(callee)
+    why = f"it carries {callee}'s published port" if carries_a_port else "it carries no published port"
+    assert internal is not carries_a_port, f"{network}: internal must be {not carries_a_port}: {why}"
+
+
+def test_a_container_has_a_route_out_exactly_when_it_publishes_a_port():
+    for name, svc in COMPOSE_SERVICES.items():
+        routed = [n for n in networks_of(svc) if not (COMPOSE["networks"].get(n) or {}).get("internal")]
+        assert bool(routed) == publishes(name), (
+            f"{name}: published {svc.get('ports')}, networks with a route out {routed}"
+        )
+
+
+def host_of(address: str) -> str:
+    """The host of `host:port`, `scheme://host:port` or a URL."""
+    return urlsplit(address if "://" in address else f"//{address}").hostname or ""
+
+
+def configured_edges() -> set[tuple[str, str]]:
+    """(caller, callee) for every address a container is configured to connect to."""
+    edges = set()
+    for name in STACK:  # peer addresses, NATS, the Ray head, the collector
+        for key, value in COMPOSE_SERVICES[name]["environment"].items():
+            if value and key.endswith(("_ADDRESS", "_URL", "_ENDPOINT")):
+                edges.add((name, host_of(value)))
+    observability = ROOT / "observability"
+    scrape = yaml.safe_load((observability / "prometheus/prometheus.yml").read_text())
+    for job in scrape["scrape_configs"]:
+        for static in job["static_configs"]:
+            edges |= {(network_edges.PROMETHEUS, host_of(t)) for t in static["targets"]}
+    collector = yaml.safe_load((observability / "otel-collector/config.yaml").read_text())
+    edges |= {
+        (network_edges.COLLECTOR, host_of(e["endpoint"]))
+        for e in collector["exporters"].values()
+        if "endpoint" in e
+    }
+    tempo = yaml.safe_load((observability / "tempo/tempo.yaml").read_text())
+    writes = tempo["metrics_generator"]["storage"]["remote_write"]
+    edges |= {(network_edges.TEMPO, host_of(w["url"])) for w in writes}
+    grafana = yaml.safe_load(
+        (observability / "grafana/provisioning/datasources/datasources.yaml").read_text()
+    )
+    edges |= {(network_edges.GRAFANA, host_of(d["url"])) for d in grafana["datasources"]}
+    return {(caller, callee) for caller, callee in edges if callee not in ("127.0.0.1", "localhost")}
+
+
+def test_every_address_a_container_is_configured_with_is_a_declared_edge():
+    declared = {(container(e.caller), container(e.callee)) for e in network_edges.EDGES}
+    configured = configured_edges()
+    assert not configured - declared, f"configured but not declared: {sorted(configured - declared)}"
+    # The observability stack's edges are the table's own: it declares none its configs do not use.
+    stack = {network_edges.PROMETHEUS, network_edges.COLLECTOR, network_edges.TEMPO, network_edges.GRAFANA}
+    unused = {(caller, callee) for caller, callee in declared - configured if caller in stack}
+    assert not unused, f"declared but configured nowhere: {sorted(unused)}"

@@ -20,6 +20,7 @@ import yaml
 from services.kit import registry
 from services.kit.config import load_config
 from services.kit.recipe import load_recipe
+from tests.support import network_edges
 
 ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy/k8s"
@@ -404,7 +405,9 @@ def test_cpu_overlay_requests_no_gpu_and_serves_the_default_recipes_deployments(
 
 # NetworkPolicies against the authorization table: which pods each service's gRPC port admits.
 CALLEE_PODS = {s.grpc_service: s.name for s in registry.SERVICES if s.name != "gateway"}
-RAY_PODS = "ray"  # app.kubernetes.io/component of every Ray pod: trainer ranks, replicas, the head
+# app.kubernetes.io/component of every Ray pod (trainer ranks, replicas, the head): the edge table's
+# name for the nodes that run actors.
+RAY_PODS = network_edges.RAY
 NAME, COMPONENT = "app.kubernetes.io/name", "app.kubernetes.io/component"
 
 
@@ -450,24 +453,19 @@ def test_ingress_is_denied_unless_a_policy_admits_it():
 
 @pytest.mark.parametrize("grpc_service", sorted(CALLEE_PODS))
 def test_each_grpc_port_admits_exactly_the_callers_the_authorization_table_allows(grpc_service):
-    from services.kit.authz import POLICY
-    from services.kit.tls import OPERATOR
-
-    callers = set().union(*POLICY[grpc_service].values()) - {OPERATOR}  # the CLI comes by port-forward
-    if "trainer" in callers:
-        callers.add(RAY_PODS)  # trainer ranks call from their Ray actors
+    # The authorization table's callers, the CLI aside (it comes by port-forward), plus the Ray pods
+    # where a caller's actors call (trainer ranks): the edge table compose is checked against too.
     pod = CALLEE_PODS[grpc_service]
+    callers = network_edges.grpc_callers(pod)
     assert admitted({NAME: pod, "app.kubernetes.io/part-of": "looprl"}, "grpc") == callers
 
 
 def test_the_replicas_engine_ports_admit_their_callers_and_ray_is_closed_to_the_rest():
-    from services.kit.authz import POLICY
-
     ray_pod = {COMPONENT: RAY_PODS, "app.kubernetes.io/part-of": "looprl"}
-    engine_callers = set().union(*POLICY["looprl.inference.v1.InferenceEngineService"].values())
-    ray_nodes = (set(STACK) - {"gateway"}) | {RAY_PODS}  # every service pod but the gateway joins Ray
+    engine_callers = network_edges.grpc_callers(RAY_PODS)
+    ray_nodes = network_edges.RAY_NODES  # every service pod but the gateway joins Ray
     allowed = admitted(ray_pod, 6379)
-    assert engine_callers - {"operator"} <= allowed == ray_nodes
+    assert engine_callers <= allowed == ray_nodes
     for name in ray_nodes - {RAY_PODS}:
         pod = {NAME: name, "app.kubernetes.io/part-of": "looprl"}
         for port in (6380, 6385, 10002, 10999):  # the ports deploy/docker/entrypoint.sh fixes
