@@ -47,6 +47,9 @@ class ServiceConfig(Schema):
     credentials, if any, are in nats_url."""
     ray_address: str = ""
     """Ray head address host:port; empty starts a private local Ray."""
+    on_ray_head_loss: Literal["restart", "exit"] = "restart"
+    """When the joined Ray head is lost: restart this process in place once a new head is up, or exit
+    with status 75 for a supervisor that first rejoins the new cluster (the container entrypoint)."""
     state_dir: str = ".looprl"
     """Directory for local state and checkpoints."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"

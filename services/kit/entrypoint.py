@@ -8,6 +8,7 @@ is imported.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -38,6 +39,9 @@ def run_service(name: str, argv: Sequence[str] | None = None) -> int:
         return 2
     import asyncio  # after --help and the config: neither needs it
 
+    from services.kit import ray_head
+
+    ray_head.restart_on_loss(dict(os.environ), exit_instead=config.on_ray_head_loss == "exit")
     asyncio.run(spec.serve_function()(config))
     return 0
 

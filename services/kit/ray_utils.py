@@ -12,9 +12,12 @@ def connect_ray(address: str, namespace: str, num_cpus: int | None = None) -> No
     """ray.init once per process. An empty address starts a private local Ray (tests, laptops).
 
     Token auth (on by default in Ray 2.60) is taken from RAY_AUTH_MODE/RAY_AUTH_TOKEN in the
-    environment, which `looprl up` exports to every service it starts.
+    environment, which `looprl up` exports to every service it starts. A joined head is watched:
+    when it is lost the process restarts itself once a new one is up (services/kit/ray_head.py).
     """
     import ray
+
+    from services.kit import ray_head
 
     if ray.is_initialized():
         return
@@ -22,6 +25,7 @@ def connect_ray(address: str, namespace: str, num_cpus: int | None = None) -> No
     address = address or os.environ.get("RAY_ADDRESS", "")
     if address:
         ray.init(address=address, **kwargs)
+        ray_head.joined(address)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
     log.info("connected to ray", extra={"fields": {"address": address or "local", "namespace": namespace}})
@@ -30,5 +34,8 @@ def connect_ray(address: str, namespace: str, num_cpus: int | None = None) -> No
 def disconnect_ray() -> None:
     import ray
 
+    from services.kit import ray_head
+
     if ray.is_initialized():
         ray.shutdown()
+    ray_head.left()

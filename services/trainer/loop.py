@@ -25,7 +25,7 @@ from opentelemetry import trace
 
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
-from services.kit import subjects, telemetry, tls, trainer_epochs
+from services.kit import ray_head, subjects, telemetry, tls, trainer_epochs
 from services.kit.interceptors import client_interceptors
 from services.kit.metric_names import observe
 from services.kit.run_errors import RunErrorReporter, describe
@@ -106,6 +106,7 @@ class RunTrainer:
             await self.checkpoint(export_hf=finished and self.cfg.export_hf_at_end)
             self.state = "completed" if finished else "stopped"
         except Exception as exc:
+            await ray_head.park_if_lost(f"run {self.run_id}: training failed ({describe(exc)})", self._tell)
             self.state, self.error = "failed", str(exc)
             log.exception("run %s: training failed at step %d", self.run_id, self.step)
             await self._report(f"training failed at step {self.step}: {describe(exc)}")
@@ -132,6 +133,7 @@ class RunTrainer:
     async def _recover(self, lost: RankLost) -> None:
         """New ranks resume from the last checkpoint; the packer re-serves the steps since, which
         were not acknowledged (ack_policy "checkpoint"), so nothing is lost or trained twice."""
+        await ray_head.park_if_lost(f"run {self.run_id}: rank lost ({lost})", self._tell)
         self.recoveries += 1
         if self.checkpoint_every <= 0 or self.cfg.ack_policy != "checkpoint":
             raise RuntimeError(
@@ -303,6 +305,11 @@ class RunTrainer:
         except TimeoutError:
             return False
         return True
+
+    async def _tell(self, message: str) -> None:
+        """What the run should know while it goes on (not fatal)."""
+        if self.reporter is not None:
+            await self.reporter.report(self.run_id, f"trainer at step {self.step}: {message}")
 
     async def _report(self, message: str) -> None:
         """The run cannot go on here: tell the gateway, which fails it with this message."""
