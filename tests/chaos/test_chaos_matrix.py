@@ -4,8 +4,9 @@ must train on (the seconds until it has trained two more steps are its recovery 
 table), and at the end it completes with every rollout trained exactly once or dropped for a reason.
 test_crash_mid_run.py covers the packer, the gateway and the trainer process the same way.
 
-Losing the Ray head is the one fault runs do not survive yet: the services' Ray clients are bound
-to the cluster that is gone. The run must then fail with that reason, not hang.
+Losing the Ray head takes every actor of the run with it: the trainer and the router notice, wait
+for the new head and restart their processes into it (services/kit/ray_head.py); the trainer
+resumes from its last checkpoint, the router recreates its replicas at the latest weights.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ FAULTS = {
     "weight-sync": lambda stack: restart(stack, "weight-sync"),
     "nats-server": lambda stack: restart(stack, "nats-server"),
     "trainer rank": lambda stack: os.kill(ray_worker_pid(stack, "ray::TrainerWorker"), signal.SIGKILL),
+    # Last: its restart kills every actor of the run and restarts the trainer and router processes.
+    "Ray head": lambda stack: restart(stack, "ray-head"),
 }
 
 
@@ -108,6 +111,8 @@ def test_the_run_survives_every_component_crash_and_a_30s_reward_outage(fresh_st
         assert at < 80 - RECOVERY_STEPS, f"the run ended before the {fault} fault"
         started = time.monotonic()
         inject(stack)
+        # Steps already in flight when the fault hit do not count as recovered.
+        at = max(at, get_run(stack, run_id).step)
         run = wait_until(
             stack,
             run_id,
@@ -131,16 +136,9 @@ def test_the_run_survives_every_component_crash_and_a_30s_reward_outage(fresh_st
     assert final.weight_version == 80
     trainer_log = (stack.state_dir / "logs" / "trainer.log").read_text()
     assert "recreating the ranks" in trainer_log
+    # Both Ray drivers noticed the lost head and restarted into the new cluster.
+    for log in (trainer_log, (stack.state_dir / "logs" / "inference-router.log").read_text()):
+        assert "a new Ray head is up" in log
     # The weight-sync kill is survived one of two ways, by when it lands: a push it cut off is
     # retried, or a version it had completed but not yet delivered is pushed again.
     assert "retry 1" in trainer_log or "pushed it again" in trainer_log
-
-
-def test_losing_the_ray_head_fails_the_run_with_the_reason_instead_of_hanging(fresh_stack) -> None:
-    stack = fresh_stack
-    run_id = start_run(stack, "ray-head-loss", steps=400)
-    restart(stack, "ray-head")
-    run = wait_until(stack, run_id, lambda r: r.state != gateway_pb2.RUN_STATE_RUNNING, timeout=180)
-    assert run.state == gateway_pb2.RUN_STATE_FAILED, run
-    assert run.error.startswith("trainer: "), run.error
-    assert run.step < 400
