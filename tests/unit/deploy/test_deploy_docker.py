@@ -223,7 +223,11 @@ def test_healthcheck_reads_the_port_the_service_reads(health_server):
 ENTRYPOINT = ROOT / "deploy/docker/entrypoint.sh"
 SERVICE_STUB = """
 import os, signal, sys, time
-print("started", sys.argv[1:], flush=True)
+print("started", sys.argv[1:], os.environ.get("LOOPRL_ON_RAY_HEAD_LOSS"), flush=True)
+lost = os.environ.get("HEAD_LOST_ONCE")
+if lost and not os.path.exists(lost):  # the first run loses its Ray head
+    open(lost, "w").close()
+    sys.exit(75)
 def stop(*_):
     print("drained", flush=True)
     sys.exit(0)
@@ -268,11 +272,20 @@ def run_until_ready_then_sigterm(tmp_path: Path, env: dict[str, str]) -> tuple[i
 def test_entrypoint_joins_the_cluster_without_resources_forwards_sigterm_and_leaves(tmp_path):
     env = entrypoint_env(tmp_path, "ray-head:6379")
     code, out = run_until_ready_then_sigterm(tmp_path, env)
-    assert "started ['--flag']" in out and "drained" in out, out
+    assert "started ['--flag'] exit" in out and "drained" in out, out
     assert code == 0
     calls = (tmp_path / "ray-calls").read_text().splitlines()
     assert calls[0].startswith("start --address=ray-head:6379 --num-cpus=0 --num-gpus=0")
-    assert calls[-1] == "stop"
+    assert calls[-1] == "stop --force"
+
+
+def test_entrypoint_rejoins_the_cluster_and_restarts_a_service_that_lost_its_ray_head(tmp_path):
+    env = entrypoint_env(tmp_path, "ray-head:6379") | {"HEAD_LOST_ONCE": str(tmp_path / "lost")}
+    code, out = run_until_ready_then_sigterm(tmp_path, env)
+    assert out.count("started ['--flag'] exit") == 2 and "drained" in out, out
+    assert code == 0
+    calls = [c.split()[0] for c in (tmp_path / "ray-calls").read_text().splitlines()]
+    assert calls == ["start", "stop", "start", "stop"]
 
 
 @pytest.mark.parametrize("address", ["", "ray://head:10001"])
