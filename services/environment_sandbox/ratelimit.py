@@ -128,7 +128,9 @@ def rate_limiter_actor(name: str = "looprl-rate-limits", namespace: str | None =
     """The one named Ray actor holding the buckets (created on first use, then shared)."""
     import ray
 
-    @ray.remote(num_cpus=0)
+    # Restarted by Ray when it crashes; it then holds no limits, so `reserve` says which resource
+    # it does not know and the client configures it again (limits never lapse with the actor).
+    @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
     class RateLimiterActor:
         def __init__(self) -> None:
             self.state = TokenBuckets()
@@ -136,7 +138,9 @@ def rate_limiter_actor(name: str = "looprl-rate-limits", namespace: str | None =
         def configure(self, resource: str, limit: dict) -> None:
             self.state.configure(resource, Limit(**limit))
 
-        def reserve(self, resource: str, requests: float = 1.0, tokens: float = 0.0) -> float:
+        def reserve(self, resource: str, requests: float = 1.0, tokens: float = 0.0) -> float | None:
+            if resource not in self.state.limits:
+                return None
             return self.state.reserve(resource, requests, tokens)
 
     return RateLimiterActor.options(
@@ -206,6 +210,10 @@ class RateLimiter:
             wait = self._local.reserve(resource, requests, tokens)
         else:
             wait = await self.actor.reserve.remote(resource, requests, tokens)
+            if wait is None and resource in self._configured:  # a restarted actor
+                await self.configure(resource, self._configured[resource])
+                wait = await self.actor.reserve.remote(resource, requests, tokens)
+            wait = wait or 0.0
         if wait > 0:
             self.waited_s += wait
             await asyncio.sleep(wait)

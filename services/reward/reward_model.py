@@ -81,7 +81,9 @@ def replica_actor_class():
     """The Ray actor class, built lazily so importing this module does not import ray."""
     import ray
 
-    @ray.remote(num_cpus=0.5)
+    # A crashed replica is restarted by Ray (it reloads the model) and the batch in flight is
+    # scored again on it.
+    @ray.remote(num_cpus=0.5, max_restarts=-1, max_task_retries=1)
     class RewardModelReplica:
         def __init__(self, model: str, transform: str = "sigmoid", max_length: int = 512) -> None:
             self.scorer = SequenceClassifierScorer(model, transform, max_length)

@@ -61,6 +61,25 @@ def test_workers_in_separate_processes_share_one_limit(ray_client):
         ray.kill(actor)
 
 
+@pytest.mark.slow
+async def test_a_restarted_limiter_actor_enforces_the_limits_it_had(ray_client):
+    import ray
+
+    actor = rate_limiter_actor(name=f"rl-restart-{time.time_ns()}")
+    limiter = RateLimiter(actor)
+    await limiter.configure("api", Limit(requests_per_s=2.0, request_burst=1.0))
+    try:
+        assert await limiter.acquire("api") == 0.0
+        ray.kill(actor, no_restart=False)  # as a crash: Ray restarts it with no buckets
+        while ray.get(actor.reserve.remote("api", 0.0, 0.0)) is not None:  # until it has restarted
+            time.sleep(0.05)
+        await limiter.acquire("api")
+        # The restarted actor knows the limit again: the next use waits for the bucket.
+        assert await limiter.acquire("api") >= 0.4
+    finally:
+        ray.kill(actor)
+
+
 def test_client_wraps_the_actor_interface():
     assert RateLimiter(object()).actor is not None
 

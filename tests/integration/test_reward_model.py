@@ -50,3 +50,18 @@ async def test_reward_model_replicas_batch_and_autoscale(ray_client):
         assert out.ok and 0.8 <= out.score <= 1.0
     finally:
         await pool.close()
+
+
+async def test_a_crashed_reward_model_replica_is_restarted_and_its_batch_scored(ray_client):
+    import ray
+
+    config = ModelPoolConfig(min_replicas=1, max_replicas=1, max_batch=4, max_wait_s=0.01)
+    pool = await RewardModelPool(config).start()
+    try:
+        before = await pool.score("answer 1")
+        ray.kill(pool._replicas[0][0], no_restart=False)  # as a crash: Ray may restart it
+        after = await asyncio.gather(*(pool.score("answer 1") for _ in range(4)))
+        assert after == [before] * 4
+        assert pool.replicas == 1
+    finally:
+        await pool.close()

@@ -34,7 +34,9 @@ EXECUTIONS = counter("looprl_sandbox_fleet_executions_total")
 def sandbox_actor_class():
     import ray
 
-    @ray.remote(num_cpus=0.25)
+    # A crashed actor is restarted by Ray and the Exec in flight retried on it (an execution has no
+    # effect outside its sandbox).
+    @ray.remote(num_cpus=0.25, max_restarts=-1, max_task_retries=1)
     class SandboxActor:
         def __init__(self, config: dict) -> None:
             self.config = SandboxConfig.model_validate(config)
