@@ -2,7 +2,6 @@
 the run depends on, one after the other, and take reward down for 30 s. After each fault the run
 must train on (the seconds until it has trained two more steps are its recovery time, printed as a
 table), and at the end it completes with every rollout trained exactly once or dropped for a reason.
-test_crash_mid_run.py covers the packer, the gateway and the trainer process the same way.
 
 Losing the Ray head takes every actor of the run with it: the trainer and the router notice, wait
 for the new head and restart their processes into it (services/kit/ray_head.py); the trainer
@@ -26,6 +25,7 @@ from tests.support.stack import DEFAULT_RECIPE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
+STEPS = 100  # enough that every fault lands mid-run (a fault costs ~3-5 steps of progress)
 RECOVERY_STEPS = 2  # steps the run must train after a fault to count as recovered
 RECOVERY_LIMIT_S = 150.0  # longest any fault may hold the run (reward's outage is 30 s of it)
 
@@ -95,6 +95,9 @@ FAULTS = {
     "reward down 30 s": reward_down_30s,
     "weight-sync": lambda stack: restart(stack, "weight-sync"),
     "nats-server": lambda stack: restart(stack, "nats-server"),
+    "rollout-packer": lambda stack: restart(stack, "rollout-packer"),  # holding unacked rollouts
+    "gateway": lambda stack: restart(stack, "gateway"),  # driving the run
+    "trainer": lambda stack: restart(stack, "trainer"),  # between checkpoints
     "trainer rank": lambda stack: os.kill(ray_worker_pid(stack, "ray::TrainerWorker"), signal.SIGKILL),
     # Last: its restart kills every actor of the run and restarts the trainer and router processes.
     "Ray head": lambda stack: restart(stack, "ray-head"),
@@ -103,12 +106,11 @@ FAULTS = {
 
 def test_the_run_survives_every_component_crash_and_a_30s_reward_outage(fresh_stack, capsys) -> None:
     stack = fresh_stack
-    # Enough steps that every fault lands mid-run (a fault costs ~3 steps of progress here).
-    run_id = start_run(stack, "chaos-matrix", steps=80)
+    run_id = start_run(stack, "chaos-matrix", steps=STEPS)
     recovery: dict[str, float] = {}
     for fault, inject in FAULTS.items():
         at = get_run(stack, run_id).step
-        assert at < 80 - RECOVERY_STEPS, f"the run ended before the {fault} fault"
+        assert at < STEPS - RECOVERY_STEPS, f"the run ended before the {fault} fault"
         started = time.monotonic()
         inject(stack)
         # Steps already in flight when the fault hit do not count as recovered.
@@ -133,9 +135,10 @@ def test_the_run_survives_every_component_crash_and_a_30s_reward_outage(fresh_st
             print(f"{fault:<22} {seconds:6.1f}")
     assert final is not None and final.state == gateway_pb2.RUN_STATE_COMPLETED, final
     assert_accounting(final)
-    assert final.weight_version == 80
+    assert final.weight_version == STEPS
     trainer_log = (stack.state_dir / "logs" / "trainer.log").read_text()
     assert "recreating the ranks" in trainer_log
+    assert "resumed from" in trainer_log  # the restarted trainer resumed from its checkpoint
     # Both Ray drivers noticed the lost head and restarted into the new cluster.
     for log in (trainer_log, (stack.state_dir / "logs" / "inference-router.log").read_text()):
         assert "a new Ray head is up" in log
