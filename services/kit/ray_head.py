@@ -117,7 +117,7 @@ def head_lost() -> str:
 
 
 async def park_if_lost(what: str, report: Callable[[str], Awaitable[Any]] | None = None) -> None:
-    """Never return while the joined head is lost in a process that restarts on loss: `what` (a
+    """Do not return while the joined head is lost in a process that restarts on loss: `what` (a
     Ray failure about to be reported as fatal) is the head's loss, and the restart takes over.
     `report` tells the run why it pauses."""
     import asyncio
@@ -129,7 +129,10 @@ async def park_if_lost(what: str, report: Callable[[str], Awaitable[Any]] | None
         log.warning("%s: %s; the process restarts once a new head is up", what, reason)
         if report is not None:
             await report(f"{reason}; restarting into the new cluster once it is up")
-        await asyncio.Event().wait()
+        # The restart never lets this return; the same head answering again does (the failure
+        # was then not the head's, and the caller goes on to report it).
+        while await asyncio.to_thread(head_lost):
+            await asyncio.sleep(PROBE_INTERVAL_S)
 
 
 def _watch() -> None:
@@ -144,18 +147,27 @@ def _watch() -> None:
 
 
 def _rejoin() -> None:
-    if _joined.exit_instead:
-        log.warning("exiting with status %d so that the node rejoins the new cluster first", HEAD_LOST_EXIT)
-        _flush_logs()
-        os._exit(HEAD_LOST_EXIT)
+    """Wait for a head at the address: a new one restarts the process (never returns); the same
+    one answering again (a network blip: the driver outlives ~60 s without its GCS) returns."""
     deadline = time.monotonic() + REJOIN_TIMEOUT_S
     while time.monotonic() < deadline:
         new = _head_ready(_joined.address)
-        if new and new != _joined.cluster_id:
+        if new == _joined.cluster_id:
+            log.warning("the Ray head at %s answers again; going on", _joined.address)
+            _joined.lost = ""
+            return
+        if new:
+            if _joined.exit_instead:
+                log.warning(
+                    "a new Ray head is up; exiting %d for the node to rejoin it first", HEAD_LOST_EXIT
+                )
+                _flush_logs()
+                os._exit(HEAD_LOST_EXIT)
             log.warning("a new Ray head is up at %s; restarting the process", _joined.address)
             restart_process(_joined.environ or dict(os.environ))
         time.sleep(PROBE_INTERVAL_S)
-    log.error("no new Ray head at %s within %.0fs; exiting", _joined.address, REJOIN_TIMEOUT_S)
+    log.error("no Ray head at %s within %.0fs; exiting", _joined.address, REJOIN_TIMEOUT_S)
+    _flush_logs()
     os._exit(1)
 
 

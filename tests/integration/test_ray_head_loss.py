@@ -63,8 +63,10 @@ def test_a_service_restarts_into_the_new_cluster_when_its_ray_head_is_lost(tmp_p
         first = {mode: next_joined(out, 60) for mode, out in outs.items()}
         head.stop(grace=0.5)
         lost_at = time.monotonic()
-        assert drivers["exit"].wait(timeout=30) == 75  # the entrypoint's cue to rejoin the node
+        time.sleep(3)  # both notice the loss and wait for a head
+        assert drivers["exit"].poll() is None and drivers["restart"].poll() is None
         head = RayHead(state_dir=tmp_path / "ray", port=head.port, num_cpus=2, token=head.token).start()
+        assert drivers["exit"].wait(timeout=30) == 75  # the entrypoint's cue to rejoin the node
         pid, cluster = next_joined(outs["restart"], 90)
         print(f"rejoined {time.monotonic() - lost_at:.1f}s after the head was killed")
         assert pid == first["restart"][0] == drivers["restart"].pid  # restarted in place
@@ -83,9 +85,25 @@ def free_port_above_20000() -> int:
     return port
 
 
-def test_only_a_heads_address_is_watched():
+def test_the_same_head_answering_again_is_a_blip_not_a_loss(monkeypatch):
     from services.kit import ray_head
 
+    def no_restart(environ):
+        raise AssertionError("restarted for a head that came back")
+
+    monkeypatch.setattr(ray_head, "_joined", ray_head._Joined())
+    monkeypatch.setattr(ray_head, "_head_ready", lambda address: "c1")
+    monkeypatch.setattr(ray_head, "restart_process", no_restart)
+    ray_head._joined.address, ray_head._joined.cluster_id = "127.0.0.1:1", "c1"
+    ray_head._joined.environ, ray_head._joined.lost = {}, "the Ray head at 127.0.0.1:1 is unreachable"
+    ray_head._rejoin()
+    assert ray_head._joined.lost == ""
+
+
+def test_only_a_heads_address_is_watched(monkeypatch):
+    from services.kit import ray_head
+
+    monkeypatch.setattr(ray_head, "_joined", ray_head._Joined())
     for address in ("ray://head:10001", "auto", "head"):
         ray_head.joined(address)
         assert ray_head._joined.address == "" and ray_head.head_lost() == ""
