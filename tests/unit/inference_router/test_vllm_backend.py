@@ -137,9 +137,14 @@ def test_backend_satisfies_vllms_weight_transfer_engine_interface():
 
 
 def test_each_worker_loads_its_own_rank_and_a_corrupt_version_touches_nothing():
+    """Rank 1's copy of version 2 is corrupted in a tensor slice only rank 1 holds (its half of a
+    row-parallel projection), so rank 0's own copy checks out: rank 0 must still load nothing,
+    which holds only if every rank's verdict is read before any rank loads."""
     llm = RecordingAsyncLLM(CONFIG, TP2)
     engine = _engine(llm)
     import asyncio
+
+    corrupted = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: split by input column
 
     async def run():
         await llm.init_weight_transfer_engine(
@@ -150,27 +155,31 @@ def test_each_worker_loads_its_own_rank_and_a_corrupt_version_touches_nothing():
         for rank in range(2):
             for name, t in llm.served(rank).items():
                 assert torch.equal(t, v1[rank][name]), (rank, name)
-        # corrupt one byte of rank 1's segment between the replica writing it and the worker reading it
+        # corrupt one byte of rank 1's slice between the replica writing it and the worker reading it
         v2 = _states(TP2, seed=2)
-        real = manifest_of
+        assert not torch.equal(v2[0][corrupted], v2[1][corrupted])  # each rank holds its own slice
+        real, hit = manifest_of, []
 
         def corrupting(version, state, row_starts=None):
             h = real(version, state, row_starts)
-            if "model.norm.weight" in state and h.segment is not None and len(llm.calls) and version == 2:
-                h.segment.buf[h.update_info["params"][-1]["offset"]] ^= 0xFF
+            if version == 2 and state is v2[1]:
+                [param] = [p for p in h.update_info["params"] if p["name"] == corrupted]
+                h.segment.buf[param["offset"]] ^= 0xFF
+                hit.append(param["name"])
             return h
 
         import services.inference_router.engine.vllm_engine as mod
 
         mod.manifest_of, before = corrupting, [llm.served(r) for r in range(2)]
         try:
-            with pytest.raises(ChecksumMismatch, match="hash64"):
+            with pytest.raises(ChecksumMismatch, match=r"rank 1: .*hash64"):
                 await engine.swap(2, v2)
         finally:
             mod.manifest_of = real
-        for rank in range(2):
-            assert all(torch.equal(llm.served(rank)[n], before[rank][n]) for n in before[rank])
-        assert engine.version == 1 and llm.weight_version == "1"
+        assert hit == [corrupted]
+        for rank in range(2):  # rank 0, whose own copy was intact, loaded nothing either
+            assert all(torch.equal(llm.served(rank)[n], before[rank][n]) for n in before[rank]), rank
+        assert engine.version == 1 and llm.weight_version == "1" and engine.status().ready
         assert llm.names()[-2:] == ["rpc:finish_weight_update", "resume_scheduler"]
         await engine.swap(2, v2)  # the retried version goes through
         assert engine.version == 2 and llm.weight_version == "2"
