@@ -25,12 +25,15 @@ rank_states)` then runs, in order:
    a version that fails a check anywhere is never written), `finish_weight_update(weight_version=v)`.
 3. `reset_prefix_cache` while still paused, checked to return True (it returns False while
    requests hold KV blocks; with frozen requests it preempts them, so their KV is recomputed
-   under the new weights).
+   under the new weights, and raises where even that cannot free them).
 4. `resume_generation`.
 
-A failed transfer ends the weight-update session and resumes with the old version served;
-after the verify phase every worker's verdict is read back (`collective_rpc`), so a rank whose
-copy does not check out stops the version before any rank loads it.
+A failed transfer before the load phase ends the weight-update session and resumes with the old
+version served; after the verify phase every worker's verdict is read back (`collective_rpc`), so
+a rank whose copy does not check out stops the version before any rank loads it. A failure from
+the load phase on (a rank's load raising after others loaded, the finish, the prefix-cache
+reset) can leave ranks on different versions or KV from the old weights: the engine then takes
+itself out of service (not ready, never resumed, the reason in its status) and raises.
 Per-token versions: vLLM labels every step with the version set by `finish_weight_update` and
 reports the spans on a request's final output (`CompletionOutput.weight_versions`); completions
 take their token versions from those spans, streamed chunks the version served when they were
@@ -326,7 +329,7 @@ class VLLMEngine(Engine):
             ]
             self._gate.clear()
             self._swaps += 1
-            paused = loaded = False
+            paused = loading = loaded = False
             try:
                 await self.llm.pause_generation(mode=self.pause_mode, clear_cache=False)
                 paused = True
@@ -336,13 +339,20 @@ class VLLMEngine(Engine):
                         WeightTransferUpdateRequest(update_info=[h.for_phase("verify") for h in handoffs])
                     )
                     await self._check_verified(version)
+                    loading = True
                     await self.llm.update_weights(
                         WeightTransferUpdateRequest(update_info=[h.for_phase("load") for h in handoffs])
                     )
-                except BaseException:
+                except BaseException as exc:
                     await self._end_session()
+                    if loading:
+                        self._break(f"version {version} failed while loading ({exc})", exc)
                     raise
-                await self.llm.finish_weight_update(weight_version=str(version))
+                try:
+                    await self.llm.finish_weight_update(weight_version=str(version))
+                except BaseException as exc:
+                    # Every rank loaded, but vLLM's version label did not move with the weights.
+                    self._break(f"version {version} loaded but could not be finished ({exc})", exc)
                 loaded = True
                 await self._reset_prefix_cache(version)
             finally:
@@ -376,15 +386,28 @@ class VLLMEngine(Engine):
         except Exception as exc:
             log.info("closing the failed weight-update session: %s", exc)
 
+    def _break(self, why: str, cause: BaseException | None = None) -> None:
+        """Take the engine out of service and raise: its weights or KV cache may mix two versions,
+        which no request may see. It stays paused (no resume), reports not ready, so the router
+        routes around it, and says why in its status (`extra["broken"]`)."""
+        self._broken = f"{why}; this engine may hold mixed weights or stale KV and serves nothing"
+        log.error("vLLM engine out of service: %s", self._broken)
+        raise SwapError(self._broken) from cause
+
     async def _reset_prefix_cache(self, version: int) -> None:
         """Drop every KV block computed under the old weights, while generation is paused. Frozen
-        ("keep") requests hold blocks, so they are preempted and recompute under the new weights."""
-        ok = await self.llm.reset_prefix_cache(reset_running_requests=self.pause_mode == "keep")
+        ("keep") requests hold blocks, so they are preempted and recompute under the new weights.
+        With reset_running_requests=True vLLM 0.33 never returns False: a reset it cannot do raises
+        in the scheduler (scheduler.py, reset_prefix_cache) and reaches us as an Exception from
+        the utility call, so a raise counts as a failed reset too."""
+        try:
+            ok = await self.llm.reset_prefix_cache(reset_running_requests=self.pause_mode == "keep")
+            if not ok and self.pause_mode != "keep":
+                ok = await self.llm.reset_prefix_cache(reset_running_requests=True)
+        except Exception as exc:
+            self._break(f"the prefix cache could not be reset after loading version {version} ({exc})", exc)
         if not ok:
-            ok = await self.llm.reset_prefix_cache(reset_running_requests=True)
-        if not ok:
-            self._broken = f"the prefix cache could not be reset after loading version {version}"
-            raise SwapError(self._broken)
+            self._break(f"the prefix cache could not be reset after loading version {version}")
 
     # ---------------------------------------------------------------- control
     def pause(self) -> None:
@@ -406,6 +429,7 @@ class VLLMEngine(Engine):
             tokens_in_flight=sum(a["tokens"] for a in self._active.values()),
             cache_usage=0.0,
             max_model_len=self.max_model_len,
+            extra={"broken": self._broken} if self._broken else {},
         )
 
     async def close(self) -> None:
