@@ -50,6 +50,7 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -87,6 +88,20 @@ def vllm_sampling_params(**kwargs: Any) -> Any:
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     return SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+
+
+def vllm_api() -> Any:
+    """The three vLLM classes `create` builds on (a seam: CPU tests run `create` itself with the
+    recording double, so what a recipe sets is shown to reach vLLM and the engine)."""
+    from vllm import AsyncEngineArgs
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return SimpleNamespace(
+        AsyncEngineArgs=AsyncEngineArgs,
+        AsyncLLM=AsyncLLM,
+        WeightTransferInitRequest=WeightTransferInitRequest,
+    )
 
 
 def tokens_prompt(ids: list[int]) -> Any:
@@ -146,10 +161,7 @@ class VLLMEngine(Engine):
     ) -> VLLMEngine:
         """An AsyncLLM serving one replica of `spec` (its model_path, or `config` with dummy weights
         until the first version arrives)."""
-        from vllm import AsyncEngineArgs
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-        from vllm.v1.engine.async_llm import AsyncLLM
-
+        vllm = vllm_api()
         tmp = None
         model_path, load_format, version = spec.model_path, "auto", 0
         if not model_path:
@@ -157,9 +169,9 @@ class VLLMEngine(Engine):
             tmp = tempfile.TemporaryDirectory(prefix="looprl-vllm-")
             (Path(tmp.name) / "config.json").write_text(json.dumps(config.to_hf_dict()))
             model_path, load_format, version = tmp.name, "dummy", -1
-        args = AsyncEngineArgs(**engine_args(model_path, load_format, spec))
-        llm = AsyncLLM.from_engine_args(args)
-        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info_of(spec)))
+        args = vllm.AsyncEngineArgs(**engine_args(model_path, load_format, spec))
+        llm = vllm.AsyncLLM.from_engine_args(args)
+        await llm.init_weight_transfer_engine(vllm.WeightTransferInitRequest(init_info=init_info_of(spec)))
         if version >= 0:
             await llm.update_weight_version(str(version))
         engine = cls(

@@ -413,7 +413,18 @@ def test_engine_arguments_are_fields_of_vllms_engine_args():
         for node in cls.body
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
     }
-    ours = engine_args("/m", "dummy", DeploymentSpec(backend="vllm", tensor_parallel=2))
+    spec = DeploymentSpec(backend="vllm", tensor_parallel=2, max_model_len=256)
+    ours = engine_args("/m", "dummy", spec)
     assert set(ours) <= fields, sorted(set(ours) - fields)
+    # The values that decide how vLLM runs, with a recipe's defaults: bf16 (vLLM would otherwise
+    # take the checkpoint's, our dummy config's float32), vLLM's own memory share for 0, graphs on.
+    # test_vllm_deployment.py shows set values reaching AsyncEngineArgs through VLLMEngine.create.
+    assert {k: ours[k] for k in ("dtype", "tensor_parallel_size", "max_model_len", "enforce_eager")} == {
+        "dtype": "bfloat16",
+        "tensor_parallel_size": 2,
+        "max_model_len": 256,
+        "enforce_eager": False,
+    }
+    assert ours["gpu_memory_utilization"] == 0.85 and ours["logprobs_mode"] == "processed_logprobs"
     wt_config = vllm_side.load("vllm.config.weight_transfer")
     assert wt_config.WeightTransferConfig(**ours["weight_transfer_config"]).backend == "looprl"
