@@ -62,6 +62,19 @@ def replica_gpus(spec: DeploymentSpec) -> float:
     return spec.tensor_parallel
 
 
+def replica_actor_options(spec: DeploymentSpec, config: RouterConfig, index: int) -> dict[str, Any]:
+    """Ray options of replica `index` of `spec` (pure, so CPU tests can check the GPU request)."""
+    return {
+        "name": f"{spec.name}/{index}",
+        "namespace": config.namespace,
+        "max_restarts": -1,
+        "max_task_retries": 0,
+        "max_concurrency": 1000,
+        "num_cpus": config.replica_num_cpus,
+        "num_gpus": replica_gpus(spec),
+    }
+
+
 def replica_name(deployment: str, index: int) -> str:
     return f"{deployment}-r{index}"
 
@@ -100,15 +113,7 @@ class DeploymentManager:
         handles: list[ReplicaHandle] = []
         for index in range(spec.replicas):
             name = replica_name(spec.name, index)
-            actor = InferenceReplica.options(
-                name=f"{spec.name}/{index}",
-                namespace=self.config.namespace,
-                max_restarts=-1,
-                max_task_retries=0,
-                max_concurrency=1000,
-                num_cpus=self.config.replica_num_cpus,
-                num_gpus=replica_gpus(spec),
-            ).remote(
+            actor = InferenceReplica.options(**replica_actor_options(spec, self.config, index)).remote(
                 spec=spec,
                 host=self.config.replica_host,
                 replica=name,
