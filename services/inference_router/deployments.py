@@ -16,6 +16,9 @@ deployments, keep weight-sync informed of every layout, and follow weight events
   subject, header `looprl-event: weights-rejected`) is logged and otherwise ignored.
 - A replica whose version went backwards is normally a restarted one; a canary replica that rolled
   a rejected version back says so in its status (`rolled_back_version`) and is not resynced.
+- A replica whose engine reports itself broken (status engine["broken"]: a vLLM swap that failed
+  after a rank loaded, or a prefix-cache reset that failed) is killed with restart
+  (`recreate_replica`, asked by the router once per breakage), then resynced like any restart.
 """
 
 from __future__ import annotations
@@ -323,6 +326,22 @@ class DeploymentManager:
             return list(status.rank_addresses), status.host_id
         address = status.address or replica.address
         return ([address] if address else []), status.host_id
+
+    async def recreate_replica(self, deployment: str, replica: str, why: str) -> None:
+        """A replica whose engine took itself out of service (a weight swap that may have left its
+        ranks on different versions, or KV from old weights): kill its process so Ray restarts the
+        actor (max_restarts=-1); the router then sees a restart and weight-sync resyncs it.
+        External replicas are only routed around: their operator restarts them."""
+        actor = self.actors.get(replica)
+        if actor is None:
+            log.warning(
+                "replica %s of %s is out of service and not ours to recreate: %s", replica, deployment, why
+            )
+            return
+        import ray
+
+        log.warning("recreating replica %s of %s: %s", replica, deployment, why)
+        ray.kill(actor, no_restart=False)
 
     async def request_sync(self, deployment: str, replica: str) -> None:
         """A restarted replica lacks the newest weights and listens on a new address: register it

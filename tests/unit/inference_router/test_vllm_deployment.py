@@ -223,6 +223,23 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
             assert_serves(state)
             status = await core.status()
             assert llm.weight_version == "1" and status.rolled_back_version == 2
+
+            # a load that fails on rank 1 after rank 0 loaded: the replica says it is out of
+            # service, the router stops routing to it and has it recreated (its process killed
+            # with restart, so Ray brings it back without weights and weight-sync resyncs it)
+            llm.fail_update, llm.fail_rank = "load", 1
+            await deliver(push_all(random_state(CONFIG, seed=5), world=2, version=3), 3)
+            with pytest.raises(vllm_engine.SwapError, match="version 3 failed while loading"):
+                await core.commit_weights(3)
+            status = await core.status()
+            assert not status.ready and "mixed weights" in status.engine["broken"]
+            killed = []
+            router._on_replica_broken = manager.recreate_replica  # as service.py wires it
+            manager.actors["long-r0"] = actor = object()
+            monkeypatch.setattr("ray.kill", lambda a, no_restart=True: killed.append((a, no_restart)))
+            router.observe_status(dep.replicas[0], status)
+            await asyncio.sleep(0)
+            assert not dep.replicas[0].routable and killed == [(actor, False)]
         finally:
             await core.shutdown()
 
