@@ -51,7 +51,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -225,6 +225,8 @@ class VLLMEngine(Engine):
             prompt, produced = list(request.prompt_token_ids), 0
             while True:
                 await self._gate.wait()
+                if self._broken:  # woken by _break, not by a resume
+                    raise Unavailable(f"engine is out of service: {self._broken}")
                 swaps_at_start = self._swaps
                 params = self._sampling(request, s.n, s.seed, s.max_tokens - produced)
                 retry, sampled = False, []
@@ -398,12 +400,15 @@ class VLLMEngine(Engine):
         except Exception as exc:
             log.info("closing the failed weight-update session: %s", exc)
 
-    def _break(self, why: str, cause: BaseException | None = None) -> None:
+    def _break(self, why: str, cause: BaseException | None = None) -> NoReturn:
         """Take the engine out of service and raise: its weights or KV cache may mix two versions,
-        which no request may see. It stays paused (no resume), reports not ready, so the router
-        routes around it, and says why in its status (`extra["broken"]`)."""
+        which no request may see. vLLM stays paused (no resume), the engine reports not ready, so
+        the router routes around it and has the replica recreated, and says why in its status
+        (`extra["broken"]`). Requests waiting at the gate are woken to fail UNAVAILABLE (the router
+        retries them elsewhere) rather than wait for a resume that never comes."""
         self._broken = f"{why}; this engine may hold mixed weights or stale KV and serves nothing"
         log.error("vLLM engine out of service: %s", self._broken)
+        self._gate.set()
         raise SwapError(self._broken) from cause
 
     async def _reset_prefix_cache(self, version: int) -> None:
@@ -435,7 +440,7 @@ class VLLMEngine(Engine):
         return EngineStatus(
             weight_version=self.version,
             ready=self.version >= 0 and not self._broken,
-            paused=not self._gate.is_set(),
+            paused=not self._gate.is_set() or bool(self._broken),
             queued_requests=len(self._active),
             running_sequences=len(self._active),
             tokens_in_flight=sum(a["tokens"] for a in self._active.values()),

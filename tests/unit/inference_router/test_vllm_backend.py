@@ -205,8 +205,13 @@ def test_a_load_that_fails_on_one_rank_after_another_loaded_takes_the_engine_out
         await engine.swap(1, v1)
         llm.fail_update, llm.fail_rank = "load", 1
         llm.calls.clear()
+        engine.pause()  # a request waiting at the engine's gate through the failed swap
+        waiting = asyncio.create_task(engine.generate([EngineRequest([1, 2], SamplingParams(max_tokens=2))]))
+        await asyncio.sleep(0.01)
         with pytest.raises(SwapError, match=r"version 2 failed while loading.*rank 1 failed"):
             await engine.swap(2, v2)
+        with pytest.raises(Unavailable, match="out of service"):  # woken to fail, not left hanging
+            await asyncio.wait_for(waiting, 5)
         # mixed weights on the workers: the reason the engine must stop
         assert all(torch.equal(llm.served(0)[n], t) for n, t in v2[0].items())
         assert all(torch.equal(llm.served(1)[n], t) for n, t in v1[1].items())
