@@ -16,6 +16,9 @@ deployments, keep weight-sync informed of every layout, and follow weight events
   subject, header `looprl-event: weights-rejected`) is logged and otherwise ignored.
 - A replica whose version went backwards is normally a restarted one; a canary replica that rolled
   a rejected version back says so in its status (`rolled_back_version`) and is not resynced.
+- A replica whose engine reports itself broken (status engine["broken"]: a vLLM swap that failed
+  after a rank loaded, or a prefix-cache reset that failed) is killed with restart
+  (`recreate_replica`, asked by the router once per breakage), then resynced like any restart.
 """
 
 from __future__ import annotations
@@ -62,6 +65,19 @@ def replica_gpus(spec: DeploymentSpec) -> float:
     return spec.tensor_parallel
 
 
+def replica_actor_options(spec: DeploymentSpec, config: RouterConfig, index: int) -> dict[str, Any]:
+    """Ray options of replica `index` of `spec` (pure, so CPU tests can check the GPU request)."""
+    return {
+        "name": f"{spec.name}/{index}",
+        "namespace": config.namespace,
+        "max_restarts": -1,
+        "max_task_retries": 0,
+        "max_concurrency": 1000,
+        "num_cpus": config.replica_num_cpus,
+        "num_gpus": replica_gpus(spec),
+    }
+
+
 def replica_name(deployment: str, index: int) -> str:
     return f"{deployment}-r{index}"
 
@@ -100,15 +116,7 @@ class DeploymentManager:
         handles: list[ReplicaHandle] = []
         for index in range(spec.replicas):
             name = replica_name(spec.name, index)
-            actor = InferenceReplica.options(
-                name=f"{spec.name}/{index}",
-                namespace=self.config.namespace,
-                max_restarts=-1,
-                max_task_retries=0,
-                max_concurrency=1000,
-                num_cpus=self.config.replica_num_cpus,
-                num_gpus=replica_gpus(spec),
-            ).remote(
+            actor = InferenceReplica.options(**replica_actor_options(spec, self.config, index)).remote(
                 spec=spec,
                 host=self.config.replica_host,
                 replica=name,
@@ -318,6 +326,22 @@ class DeploymentManager:
             return list(status.rank_addresses), status.host_id
         address = status.address or replica.address
         return ([address] if address else []), status.host_id
+
+    async def recreate_replica(self, deployment: str, replica: str, why: str) -> None:
+        """A replica whose engine took itself out of service (a weight swap that may have left its
+        ranks on different versions, or KV from old weights): kill its process so Ray restarts the
+        actor (max_restarts=-1); the router then sees a restart and weight-sync resyncs it.
+        External replicas are only routed around: their operator restarts them."""
+        actor = self.actors.get(replica)
+        if actor is None:
+            log.warning(
+                "replica %s of %s is out of service and not ours to recreate: %s", replica, deployment, why
+            )
+            return
+        import ray
+
+        log.warning("recreating replica %s of %s: %s", replica, deployment, why)
+        ray.kill(actor, no_restart=False)
 
     async def request_sync(self, deployment: str, replica: str) -> None:
         """A restarted replica lacks the newest weights and listens on a new address: register it

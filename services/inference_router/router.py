@@ -62,6 +62,10 @@ class Router:
         self._latencies: deque[float] = deque(maxlen=256)
         self._changed = asyncio.Event()
         self._on_replica_restarted = on_replica_restarted
+        # Recreates a replica whose engine took itself out of service (deployment, replica, why);
+        # the service sets it (DeploymentManager.recreate_replica). Asked once per breakage.
+        self._on_replica_broken: Callable[[str, str, str], Awaitable[None]] | None = None
+        self._recreating: set[str] = set()
         # Reports a replica failure to the run whose request met it (run id, message); the service
         # sets it once the bus is up. Reports never delay or fail the request.
         self.report_to_run: Callable[[str, str], Awaitable[None]] | None = None
@@ -351,6 +355,17 @@ class Router:
             replica.weight_version = version
             replica.healthy = status.ready
             replica.address = status.address or replica.address
+            broken = str((status.engine or {}).get("broken", ""))
+            if broken:
+                # Its engine may hold mixed weights or stale KV (vllm_engine.py): never route to it,
+                # and have it recreated; the new process comes back without weights and is resynced.
+                replica.healthy = False
+                replica.last_error = broken
+                if replica.name not in self._recreating:
+                    self._recreating.add(replica.name)
+                    self._broken(replica, broken)
+            else:
+                self._recreating.discard(replica.name)
             vocab = status.vocab_size
             if vocab > 0:
                 # Learned once weights (and so the model config) arrived; used by validation.
@@ -363,6 +378,14 @@ class Router:
         self._export_health(replica)
         if replica.routable != was_routable or status is not None:
             self._notify()
+
+    def _broken(self, replica: ReplicaState, why: str) -> None:
+        log.warning("replica %s is out of service, recreating it: %s", replica.name, why)
+        if self._on_replica_broken is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._on_replica_broken(replica.deployment, replica.name, why)
+            )
+            task.add_done_callback(_log_failure)
 
     def _restarted(self, replica: ReplicaState) -> None:
         if self._on_replica_restarted is not None:

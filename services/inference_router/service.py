@@ -29,6 +29,7 @@ async def serve(cfg: RouterConfig) -> None:
     router = build_router(cfg)
     manager = DeploymentManager(router, cfg)
     router._on_replica_restarted = manager.request_sync
+    router._on_replica_broken = manager.recreate_replica
     service = Service("inference-router", cfg)
     service.add(
         inference_pb2_grpc.add_InferenceRouterServiceServicer_to_server,

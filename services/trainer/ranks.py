@@ -52,9 +52,7 @@ class RankGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle: dict[str, float] = {"CPU": self.num_cpus_per_rank}
-        if self.num_gpus_per_rank:
-            bundle["GPU"] = self.num_gpus_per_rank
+        bundle = self.bundle()
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=self.strategy)
         try:
             ray.get(self.pg.ready(), timeout=self.ready_timeout_s)
@@ -67,12 +65,10 @@ class RankGroup:
         remote_cls = ray.remote(TrainerWorker)
         self.actors = [
             remote_cls.options(
-                num_cpus=self.num_cpus_per_rank,
-                num_gpus=self.num_gpus_per_rank,
+                **self.worker_options(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=rank
                 ),
-                max_concurrency=1,
             ).remote(
                 rank, self.world_size, self.threads_per_rank, telemetry.exporter_settings(), tls.export()
             )
@@ -81,6 +77,17 @@ class RankGroup:
         host, port = ray.get(self.actors[0].rendezvous_address.remote(), timeout=self.ready_timeout_s)
         self.call("init_process_group", host, port)
         return self.call("setup", spec)
+
+    def bundle(self) -> dict[str, float]:
+        """One rank's placement-group bundle (pure, so CPU tests can check the GPU request)."""
+        bundle: dict[str, float] = {"CPU": self.num_cpus_per_rank}
+        if self.num_gpus_per_rank:
+            bundle["GPU"] = self.num_gpus_per_rank
+        return bundle
+
+    def worker_options(self) -> dict[str, Any]:
+        """A rank actor's Ray options, apart from its bundle index: what it takes of its bundle."""
+        return {"num_cpus": self.num_cpus_per_rank, "num_gpus": self.num_gpus_per_rank, "max_concurrency": 1}
 
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """The same call on every rank at once; results in rank order."""

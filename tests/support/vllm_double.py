@@ -8,7 +8,7 @@ weight-transfer calls reach one real looprl backend per TP rank (built by vLLM's
 a small module holding vLLM's fused parameter names), each given its own entry of the per-rank
 update list as vLLM's worker picks it. Scheduling, KV cache and generation are not simulated:
 `reset_prefix_cache` answers what the scheduler would (False while requests hold KV unless told
-to preempt them).
+to preempt them, and a raise where even preempting them cannot free the cache).
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ class RecordingAsyncLLM:
             )
         self.reset_results = list(reset_results)
         self.weight_version: str | None = None
-        self.fail_update: str = ""  # a phase whose update_weights raises on rank 0
+        self.fail_update: str = ""  # a phase whose update_weights raises on rank `fail_rank`
+        self.fail_rank = 0
         self.prompts: list[list[int]] = []
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -216,12 +217,18 @@ class RecordingAsyncLLM:
     async def update_weights(self, request) -> None:
         kwargs = self._collective("update_weights", {"update_info": request.update_info})
         infos = kwargs["update_info"]
+        failed = ""
+        # collective_rpc runs on every worker at once: a rank that raises does not stop the others
+        # (they load their shards), and the client sees the failure after all of them returned.
         for rank, w in enumerate(self.workers):
             info = infos[rank] if isinstance(infos, list) else infos  # as gpu_worker.update_weights picks
-            if self.fail_update and info["phase"] == self.fail_update and rank == 0:
+            if self.fail_update and info["phase"] == self.fail_update and rank == self.fail_rank:
                 w.active = False  # vLLM closes a worker's session when its update raises
-                raise RuntimeError(f"rank 0 failed in phase {info['phase']}")
+                failed = f"rank {rank} failed in phase {info['phase']}"
+                continue
             w.update_weights(info)
+        if failed:
+            raise RuntimeError(failed)
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         """Only looprl's worker extension method: each rank's report, as vLLM returns a utility
@@ -252,8 +259,18 @@ class RecordingAsyncLLM:
         self.weight_version = version
 
     async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False) -> bool:
+        """The next scripted result (True once the script runs out). A False that preempting
+        running requests could not avoid is raised, as vLLM 0.33's scheduler does
+        (scheduler.py reset_prefix_cache), and reaches the client as the plain Exception
+        core_client makes of a failed utility call."""
         self._utility("reset_prefix_cache", reset_running_requests, reset_connector)
-        return self.reset_results.pop(0) if self.reset_results else True
+        ok = self.reset_results.pop(0) if self.reset_results else True
+        if not ok and reset_running_requests:
+            raise Exception(
+                "Call to reset_prefix_cache method failed: Failed to reset KV cache even when all "
+                "the running requests are preempted and moved to the waiting queue."
+            )
+        return ok
 
     def shutdown(self, timeout=None) -> None:
         self.calls.append(("shutdown", ()))

@@ -25,12 +25,15 @@ rank_states)` then runs, in order:
    a version that fails a check anywhere is never written), `finish_weight_update(weight_version=v)`.
 3. `reset_prefix_cache` while still paused, checked to return True (it returns False while
    requests hold KV blocks; with frozen requests it preempts them, so their KV is recomputed
-   under the new weights).
+   under the new weights, and raises where even that cannot free them).
 4. `resume_generation`.
 
-A failed transfer ends the weight-update session and resumes with the old version served;
-after the verify phase every worker's verdict is read back (`collective_rpc`), so a rank whose
-copy does not check out stops the version before any rank loads it.
+A failed transfer before the load phase ends the weight-update session and resumes with the old
+version served; after the verify phase every worker's verdict is read back (`collective_rpc`), so
+a rank whose copy does not check out stops the version before any rank loads it. A failure from
+the load phase on (a rank's load raising after others loaded, the finish, the prefix-cache
+reset) can leave ranks on different versions or KV from the old weights: the engine then takes
+itself out of service (not ready, never resumed, the reason in its status) and raises.
 Per-token versions: vLLM labels every step with the version set by `finish_weight_update` and
 reports the spans on a request's final output (`CompletionOutput.weight_versions`); completions
 take their token versions from those spans, streamed chunks the version served when they were
@@ -47,7 +50,8 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, NoReturn
 
 import torch
 
@@ -84,6 +88,20 @@ def vllm_sampling_params(**kwargs: Any) -> Any:
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     return SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+
+
+def vllm_api() -> Any:
+    """The three vLLM classes `create` builds on (a seam: CPU tests run `create` itself with the
+    recording double, so what a recipe sets is shown to reach vLLM and the engine)."""
+    from vllm import AsyncEngineArgs
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return SimpleNamespace(
+        AsyncEngineArgs=AsyncEngineArgs,
+        AsyncLLM=AsyncLLM,
+        WeightTransferInitRequest=WeightTransferInitRequest,
+    )
 
 
 def tokens_prompt(ids: list[int]) -> Any:
@@ -143,10 +161,7 @@ class VLLMEngine(Engine):
     ) -> VLLMEngine:
         """An AsyncLLM serving one replica of `spec` (its model_path, or `config` with dummy weights
         until the first version arrives)."""
-        from vllm import AsyncEngineArgs
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-        from vllm.v1.engine.async_llm import AsyncLLM
-
+        vllm = vllm_api()
         tmp = None
         model_path, load_format, version = spec.model_path, "auto", 0
         if not model_path:
@@ -154,9 +169,9 @@ class VLLMEngine(Engine):
             tmp = tempfile.TemporaryDirectory(prefix="looprl-vllm-")
             (Path(tmp.name) / "config.json").write_text(json.dumps(config.to_hf_dict()))
             model_path, load_format, version = tmp.name, "dummy", -1
-        args = AsyncEngineArgs(**engine_args(model_path, load_format, spec))
-        llm = AsyncLLM.from_engine_args(args)
-        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info_of(spec)))
+        args = vllm.AsyncEngineArgs(**engine_args(model_path, load_format, spec))
+        llm = vllm.AsyncLLM.from_engine_args(args)
+        await llm.init_weight_transfer_engine(vllm.WeightTransferInitRequest(init_info=init_info_of(spec)))
         if version >= 0:
             await llm.update_weight_version(str(version))
         engine = cls(
@@ -210,6 +225,8 @@ class VLLMEngine(Engine):
             prompt, produced = list(request.prompt_token_ids), 0
             while True:
                 await self._gate.wait()
+                if self._broken:  # woken by _break, not by a resume
+                    raise Unavailable(f"engine is out of service: {self._broken}")
                 swaps_at_start = self._swaps
                 params = self._sampling(request, s.n, s.seed, s.max_tokens - produced)
                 retry, sampled = False, []
@@ -326,7 +343,7 @@ class VLLMEngine(Engine):
             ]
             self._gate.clear()
             self._swaps += 1
-            paused = loaded = False
+            paused = loading = loaded = False
             try:
                 await self.llm.pause_generation(mode=self.pause_mode, clear_cache=False)
                 paused = True
@@ -336,13 +353,20 @@ class VLLMEngine(Engine):
                         WeightTransferUpdateRequest(update_info=[h.for_phase("verify") for h in handoffs])
                     )
                     await self._check_verified(version)
+                    loading = True
                     await self.llm.update_weights(
                         WeightTransferUpdateRequest(update_info=[h.for_phase("load") for h in handoffs])
                     )
-                except BaseException:
+                except BaseException as exc:
                     await self._end_session()
+                    if loading:
+                        self._break(f"version {version} failed while loading ({exc})", exc)
                     raise
-                await self.llm.finish_weight_update(weight_version=str(version))
+                try:
+                    await self.llm.finish_weight_update(weight_version=str(version))
+                except BaseException as exc:
+                    # Every rank loaded, but vLLM's version label did not move with the weights.
+                    self._break(f"version {version} loaded but could not be finished ({exc})", exc)
                 loaded = True
                 await self._reset_prefix_cache(version)
             finally:
@@ -376,15 +400,31 @@ class VLLMEngine(Engine):
         except Exception as exc:
             log.info("closing the failed weight-update session: %s", exc)
 
+    def _break(self, why: str, cause: BaseException | None = None) -> NoReturn:
+        """Take the engine out of service and raise: its weights or KV cache may mix two versions,
+        which no request may see. vLLM stays paused (no resume), the engine reports not ready, so
+        the router routes around it and has the replica recreated, and says why in its status
+        (`extra["broken"]`). Requests waiting at the gate are woken to fail UNAVAILABLE (the router
+        retries them elsewhere) rather than wait for a resume that never comes."""
+        self._broken = f"{why}; this engine may hold mixed weights or stale KV and serves nothing"
+        log.error("vLLM engine out of service: %s", self._broken)
+        self._gate.set()
+        raise SwapError(self._broken) from cause
+
     async def _reset_prefix_cache(self, version: int) -> None:
         """Drop every KV block computed under the old weights, while generation is paused. Frozen
-        ("keep") requests hold blocks, so they are preempted and recompute under the new weights."""
-        ok = await self.llm.reset_prefix_cache(reset_running_requests=self.pause_mode == "keep")
+        ("keep") requests hold blocks, so they are preempted and recompute under the new weights.
+        With reset_running_requests=True vLLM 0.33 never returns False: a reset it cannot do raises
+        in the scheduler (scheduler.py, reset_prefix_cache) and reaches us as an Exception from
+        the utility call, so a raise counts as a failed reset too."""
+        try:
+            ok = await self.llm.reset_prefix_cache(reset_running_requests=self.pause_mode == "keep")
+            if not ok and self.pause_mode != "keep":
+                ok = await self.llm.reset_prefix_cache(reset_running_requests=True)
+        except Exception as exc:
+            self._break(f"the prefix cache could not be reset after loading version {version} ({exc})", exc)
         if not ok:
-            ok = await self.llm.reset_prefix_cache(reset_running_requests=True)
-        if not ok:
-            self._broken = f"the prefix cache could not be reset after loading version {version}"
-            raise SwapError(self._broken)
+            self._break(f"the prefix cache could not be reset after loading version {version}")
 
     # ---------------------------------------------------------------- control
     def pause(self) -> None:
@@ -400,12 +440,13 @@ class VLLMEngine(Engine):
         return EngineStatus(
             weight_version=self.version,
             ready=self.version >= 0 and not self._broken,
-            paused=not self._gate.is_set(),
+            paused=not self._gate.is_set() or bool(self._broken),
             queued_requests=len(self._active),
             running_sequences=len(self._active),
             tokens_in_flight=sum(a["tokens"] for a in self._active.values()),
             cache_usage=0.0,
             max_model_len=self.max_model_len,
+            extra={"broken": self._broken} if self._broken else {},
         )
 
     async def close(self) -> None:

@@ -33,6 +33,7 @@ class FakeReplica:
         self.delay = delay
         self.fail_next = 0
         self.crash = False
+        self.broken = ""  # what its engine's status says when it took itself out of service
         self.calls = 0
 
     async def generate(self, request, timeout_s):
@@ -62,7 +63,11 @@ class FakeReplica:
         if self.crash:
             raise ReplicaFailure(self.name, "actor died", crashed=True)
         return ReplicaStatus(
-            replica=self.name, weight_version=self.version, ready=True, address=f"fake:{self.name}"
+            replica=self.name,
+            weight_version=self.version,
+            ready=not self.broken,
+            address=f"fake:{self.name}",
+            engine={"broken": self.broken} if self.broken else {},
         )
 
     async def close(self):
@@ -214,6 +219,38 @@ async def test_restarted_replica_waits_for_the_newest_version_and_asks_for_it():
     assert asked == [("d", "d-0")]
     assert not router.replicas["d-0"].routable
     assert {(await router.generate(_request())).replica for _ in range(4)} == {"d-1"}
+    fakes[0].version = 3
+    await router.poll_once()
+    assert router.replicas["d-0"].routable
+
+
+async def test_a_broken_replica_is_routed_around_recreated_once_and_resynced():
+    """A replica whose engine took itself out of service (mixed weights after a failed swap) is
+    recreated (once, however many polls see it) and, back without weights, resynced like a restart."""
+    recreate, resync = [], []
+
+    async def restarted(deployment, replica):
+        resync.append((deployment, replica))
+
+    async def broken(deployment, replica, why):
+        recreate.append((deployment, replica, why))
+
+    router, fakes = _router(hook=restarted)
+    router._on_replica_broken = broken
+    for f in fakes:
+        f.version = 3
+    await router.poll_once()
+    fakes[0].broken = "version 4 failed while loading"
+    for _ in range(3):
+        await router.poll_once()
+    await asyncio.sleep(0)
+    assert recreate == [("d", "d-0", "version 4 failed while loading")]
+    assert not router.replicas["d-0"].routable and "failed while loading" in router.replicas["d-0"].last_error
+    assert {(await router.generate(_request())).replica for _ in range(4)} == {"d-1"}
+    fakes[0].broken, fakes[0].version = "", -1  # the recreated process, without weights
+    await router.poll_once()
+    await asyncio.sleep(0)
+    assert resync == [("d", "d-0")] and not router.replicas["d-0"].routable
     fakes[0].version = 3
     await router.poll_once()
     assert router.replicas["d-0"].routable

@@ -18,8 +18,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.inference_router.engine.vllm_engine import VLLMEngine, init_info_of
+from services.inference_router.engine.base import EngineRequest, SamplingParams
+from services.inference_router.engine.vllm_engine import SwapError, VLLMEngine, init_info_of
 from services.inference_router.engine.vllm_handoff import manifest_of
+from services.kit.errors import Unavailable
 from services.kit.recipe import DeploymentSpec
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
@@ -137,9 +139,14 @@ def test_backend_satisfies_vllms_weight_transfer_engine_interface():
 
 
 def test_each_worker_loads_its_own_rank_and_a_corrupt_version_touches_nothing():
+    """Rank 1's copy of version 2 is corrupted in a tensor slice only rank 1 holds (its half of a
+    row-parallel projection), so rank 0's own copy checks out: rank 0 must still load nothing,
+    which holds only if every rank's verdict is read before any rank loads."""
     llm = RecordingAsyncLLM(CONFIG, TP2)
     engine = _engine(llm)
     import asyncio
+
+    corrupted = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: split by input column
 
     async def run():
         await llm.init_weight_transfer_engine(
@@ -150,32 +157,100 @@ def test_each_worker_loads_its_own_rank_and_a_corrupt_version_touches_nothing():
         for rank in range(2):
             for name, t in llm.served(rank).items():
                 assert torch.equal(t, v1[rank][name]), (rank, name)
-        # corrupt one byte of rank 1's segment between the replica writing it and the worker reading it
+        # corrupt one byte of rank 1's slice between the replica writing it and the worker reading it
         v2 = _states(TP2, seed=2)
-        real = manifest_of
+        assert not torch.equal(v2[0][corrupted], v2[1][corrupted])  # each rank holds its own slice
+        real, hit = manifest_of, []
 
         def corrupting(version, state, row_starts=None):
             h = real(version, state, row_starts)
-            if "model.norm.weight" in state and h.segment is not None and len(llm.calls) and version == 2:
-                h.segment.buf[h.update_info["params"][-1]["offset"]] ^= 0xFF
+            if version == 2 and state is v2[1]:
+                [param] = [p for p in h.update_info["params"] if p["name"] == corrupted]
+                h.segment.buf[param["offset"]] ^= 0xFF
+                hit.append(param["name"])
             return h
 
         import services.inference_router.engine.vllm_engine as mod
 
         mod.manifest_of, before = corrupting, [llm.served(r) for r in range(2)]
         try:
-            with pytest.raises(ChecksumMismatch, match="hash64"):
+            with pytest.raises(ChecksumMismatch, match=r"rank 1: .*hash64"):
                 await engine.swap(2, v2)
         finally:
             mod.manifest_of = real
-        for rank in range(2):
-            assert all(torch.equal(llm.served(rank)[n], before[rank][n]) for n in before[rank])
-        assert engine.version == 1 and llm.weight_version == "1"
+        assert hit == [corrupted]
+        for rank in range(2):  # rank 0, whose own copy was intact, loaded nothing either
+            assert all(torch.equal(llm.served(rank)[n], before[rank][n]) for n in before[rank]), rank
+        assert engine.version == 1 and llm.weight_version == "1" and engine.status().ready
         assert llm.names()[-2:] == ["rpc:finish_weight_update", "resume_scheduler"]
         await engine.swap(2, v2)  # the retried version goes through
         assert engine.version == 2 and llm.weight_version == "2"
 
     asyncio.run(run())
+
+
+def test_a_load_that_fails_on_one_rank_after_another_loaded_takes_the_engine_out_of_service():
+    """Both ranks verified version 2, then rank 1's load raised while rank 0 loaded its shard:
+    the workers now hold two versions. The engine must not resume on them as version 1."""
+    import asyncio
+
+    llm = RecordingAsyncLLM(CONFIG, TP2)
+    engine = _engine(llm)
+
+    async def run():
+        await llm.init_weight_transfer_engine(
+            SimpleNamespace(init_info=init_info_of(DeploymentSpec(backend="vllm", tensor_parallel=2)))
+        )
+        v1, v2 = _states(TP2, seed=1), _states(TP2, seed=2)
+        await engine.swap(1, v1)
+        llm.fail_update, llm.fail_rank = "load", 1
+        llm.calls.clear()
+        engine.pause()  # a request waiting at the engine's gate through the failed swap
+        waiting = asyncio.create_task(engine.generate([EngineRequest([1, 2], SamplingParams(max_tokens=2))]))
+        await asyncio.sleep(0.01)
+        with pytest.raises(SwapError, match=r"version 2 failed while loading.*rank 1 failed"):
+            await engine.swap(2, v2)
+        with pytest.raises(Unavailable, match="out of service"):  # woken to fail, not left hanging
+            await asyncio.wait_for(waiting, 5)
+        # mixed weights on the workers: the reason the engine must stop
+        assert all(torch.equal(llm.served(0)[n], t) for n, t in v2[0].items())
+        assert all(torch.equal(llm.served(1)[n], t) for n, t in v1[1].items())
+        status = engine.status()
+        assert not status.ready and status.paused and "mixed weights" in status.extra["broken"]
+        assert "pause_generation" in llm.names() and "resume_scheduler" not in llm.names()
+        assert engine.version == 1 and llm.weight_version == "1"
+        engine.resume()  # a user's resume does not reopen a broken engine
+        assert engine.status().paused
+        with pytest.raises(Unavailable, match="out of service"):
+            async for _ in engine._run(EngineRequest([1, 2], SamplingParams(max_tokens=2))):
+                pass
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_a_prefix_cache_reset_vllm_cannot_do_takes_the_engine_out_of_service(mode):
+    """vLLM 0.33 raises (rather than returns False) when even preempting the running requests
+    cannot free the cache: the new weights are in, but KV from the old ones may be reused, so the
+    engine must neither resume nor report itself ready."""
+    import asyncio
+
+    # keep: the one reset preempts and raises; abort: the plain reset says False, the fallback raises
+    llm = RecordingAsyncLLM(CONFIG, TP2, reset_results=(False,) if mode == "keep" else (False, False))
+    engine = _engine(llm, pause_mode=mode)
+
+    async def run():
+        await llm.init_weight_transfer_engine(
+            SimpleNamespace(init_info=init_info_of(DeploymentSpec(backend="vllm", tensor_parallel=2)))
+        )
+        llm.calls.clear()
+        with pytest.raises(SwapError, match="prefix cache could not be reset after loading version 3"):
+            await engine.swap(3, _states(TP2, seed=3))
+
+    asyncio.run(run())
+    assert llm.names()[-1] == "reset_prefix_cache" and "resume_scheduler" not in llm.names()
+    status = engine.status()
+    assert not status.ready and status.paused and "stale KV" in status.extra["broken"]
 
 
 def test_a_manifest_that_does_not_fit_the_worker_is_refused_before_loading():
@@ -222,7 +297,9 @@ def test_recording_double_has_async_llms_exact_signatures():
 def test_swap_runs_vllms_sequence_in_order_and_checks_the_prefix_cache_reset(mode):
     import asyncio
 
-    llm = RecordingAsyncLLM(CONFIG, TP2, reset_results=(False, True) if mode == "keep" else ())
+    # abort: the plain reset may find KV still held (False) and falls back to preempting; keep
+    # preempts at once (vLLM raises rather than return False there, see the double)
+    llm = RecordingAsyncLLM(CONFIG, TP2, reset_results=(False, True) if mode == "abort" else ())
     engine = _engine(llm, pause_mode=mode)
 
     async def run():
@@ -242,7 +319,7 @@ def test_swap_runs_vllms_sequence_in_order_and_checks_the_prefix_cache_reset(mod
         "rpc:finish_weight_update",
         "set_weight_version",
         "reset_prefix_cache",
-        *(["reset_prefix_cache"] if mode == "keep" else []),
+        *(["reset_prefix_cache"] if mode == "abort" else []),
         "resume_scheduler",
     ]
     calls = dict(llm.calls[:1])
@@ -255,7 +332,7 @@ def test_swap_runs_vllms_sequence_in_order_and_checks_the_prefix_cache_reset(mod
     ]
     assert phases == ["verify", "verify", "load", "load"]
     resets = [args for m, args in llm.calls if m == "reset_prefix_cache"]
-    assert resets[0][0] is (mode == "keep") and (mode == "abort" or resets[-1][0] is True)
+    assert resets[0][0] is (mode == "keep") and resets[-1][0] is True
     assert engine.version == 5 and llm.weight_version == "5" and engine.status().ready
 
 
@@ -341,7 +418,18 @@ def test_engine_arguments_are_fields_of_vllms_engine_args():
         for node in cls.body
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
     }
-    ours = engine_args("/m", "dummy", DeploymentSpec(backend="vllm", tensor_parallel=2))
+    spec = DeploymentSpec(backend="vllm", tensor_parallel=2, max_model_len=256)
+    ours = engine_args("/m", "dummy", spec)
     assert set(ours) <= fields, sorted(set(ours) - fields)
+    # The values that decide how vLLM runs, with a recipe's defaults: bf16 (vLLM would otherwise
+    # take the checkpoint's, our dummy config's float32), vLLM's own memory share for 0, graphs on.
+    # test_vllm_deployment.py shows set values reaching AsyncEngineArgs through VLLMEngine.create.
+    assert {k: ours[k] for k in ("dtype", "tensor_parallel_size", "max_model_len", "enforce_eager")} == {
+        "dtype": "bfloat16",
+        "tensor_parallel_size": 2,
+        "max_model_len": 256,
+        "enforce_eager": False,
+    }
+    assert ours["gpu_memory_utilization"] == 0.85 and ours["logprobs_mode"] == "processed_logprobs"
     wt_config = vllm_side.load("vllm.config.weight_transfer")
     assert wt_config.WeightTransferConfig(**ours["weight_transfer_config"]).backend == "looprl"

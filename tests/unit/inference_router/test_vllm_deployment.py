@@ -66,6 +66,60 @@ class _RecordingWeightSync:
         return SimpleNamespace(current_version=-1)
 
 
+def _double_behind_create(monkeypatch, llm: RecordingAsyncLLM, engine_args: list[dict]) -> None:
+    """VLLMEngine.create runs for real, with the recording double where vLLM's AsyncLLM would
+    start; every AsyncEngineArgs keyword set it builds is appended to `engine_args`."""
+
+    def args_of(**kwargs):
+        engine_args.append(kwargs)
+        return SimpleNamespace(**kwargs)
+
+    def from_engine_args(args):
+        # the double's workers were built for the layout these arguments ask vLLM for
+        dtype = next(llm.workers[0].model.parameters()).dtype
+        assert (args.tensor_parallel_size, f"torch.{args.dtype}") == (len(llm.workers), str(dtype))
+        return llm
+
+    api = SimpleNamespace(
+        AsyncEngineArgs=args_of,
+        AsyncLLM=SimpleNamespace(from_engine_args=from_engine_args),
+        WeightTransferInitRequest=lambda init_info: SimpleNamespace(init_info=init_info),
+    )
+    monkeypatch.setattr(vllm_engine, "vllm_api", lambda: api)
+
+
+def test_the_recipes_engine_settings_reach_vllm_and_the_engine(monkeypatch):
+    """What a recipe sets for a vllm deployment is what VLLMEngine.create hands vLLM and what the
+    engine swaps with: dtype (bf16 when unset), tensor parallelism, eager mode, memory share,
+    context length, and the pause mode of every swap."""
+    [spec] = parse_recipe(
+        RECIPE + 'pause_mode = "abort"\nenforce_eager = true\ngpu_memory_utilization = 0.5\n'
+    ).deployments
+    llm, passed = RecordingAsyncLLM(CONFIG, Layout(2, "fused", "bfloat16")), []
+    _double_behind_create(monkeypatch, llm, passed)
+
+    async def run():
+        engine = await vllm_engine.VLLMEngine.create(CONFIG, spec)
+        try:
+            assert engine.pause_mode == "abort" and engine.max_model_len == 128
+            assert engine.layout == Layout(2, "fused", "bfloat16")
+            state = random_state(CONFIG, seed=1)
+            await engine.swap(1, [shard_state_dict(state, CONFIG, engine.layout, r) for r in range(2)])
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+    [args] = passed
+    assert {k: args[k] for k in ("dtype", "tensor_parallel_size", "enforce_eager")} == {
+        "dtype": "bfloat16",
+        "tensor_parallel_size": 2,
+        "enforce_eager": True,
+    }
+    assert (args["gpu_memory_utilization"], args["max_model_len"], args["load_format"]) == (0.5, 128, "dummy")
+    [pause] = [a for m, a in llm.calls if m == "pause_generation"]
+    assert pause == ["abort", False]
+
+
 def test_recipe_rejects_a_bad_dtype_or_pause_mode_naming_the_field():
     with pytest.raises(RecipeError, match=r"deployments\[0\]\.dtype"):
         parse_recipe(RECIPE + 'dtype = "fp8"\n')
@@ -92,20 +146,7 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
     layout = Layout(2, "fused", "bfloat16")
     llm = RecordingAsyncLLM(CONFIG, layout)
 
-    async def fake_create(cls, config, spec, stop_token_ids=()):
-        await llm.init_weight_transfer_engine(SimpleNamespace(init_info=vllm_engine.init_info_of(spec)))
-        return cls(
-            llm,
-            config,
-            spec.max_model_len,
-            16,
-            False,
-            -1,
-            stop_token_ids,
-            layout=Layout(spec.tensor_parallel, "fused", spec.serving_dtype),
-        )
-
-    monkeypatch.setattr(vllm_engine.VLLMEngine, "create", classmethod(fake_create))
+    _double_behind_create(monkeypatch, llm, [])
 
     async def run():
         core = ReplicaCore(spec, replica="long-r0")
@@ -182,6 +223,23 @@ def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its
             assert_serves(state)
             status = await core.status()
             assert llm.weight_version == "1" and status.rolled_back_version == 2
+
+            # a load that fails on rank 1 after rank 0 loaded: the replica says it is out of
+            # service, the router stops routing to it and has it recreated (its process killed
+            # with restart, so Ray brings it back without weights and weight-sync resyncs it)
+            llm.fail_update, llm.fail_rank = "load", 1
+            await deliver(push_all(random_state(CONFIG, seed=5), world=2, version=3), 3)
+            with pytest.raises(vllm_engine.SwapError, match="version 3 failed while loading"):
+                await core.commit_weights(3)
+            status = await core.status()
+            assert not status.ready and "mixed weights" in status.engine["broken"]
+            killed = []
+            router._on_replica_broken = manager.recreate_replica  # as service.py wires it
+            manager.actors["long-r0"] = actor = object()
+            monkeypatch.setattr("ray.kill", lambda a, no_restart=True: killed.append((a, no_restart)))
+            router.observe_status(dep.replicas[0], status)
+            await asyncio.sleep(0)
+            assert not dep.replicas[0].routable and killed == [(actor, False)]
         finally:
             await core.shutdown()
 
