@@ -76,7 +76,9 @@ def test_a_run_over_the_quota_only_in_total_is_refused_with_its_parts() -> None:
 def test_a_run_within_the_quota_is_admitted() -> None:
     demand = run_demand(parse_recipe(GPU_RUN.format(world=1)), 0.5, 1.0)
     check_quota(demand, team(max_gpus=6.5, max_cpus=6.5))
-    check_quota(run_demand(parse_recipe(""), 0.5, 1.0), team(max_gpus=0, max_cpus=2))  # default recipe: 2 CPUs
+    check_quota(
+        run_demand(parse_recipe(""), 0.5, 1.0), team(max_gpus=0, max_cpus=2)
+    )  # default recipe: 2 CPUs
 
 
 def test_a_tenant_at_its_concurrent_runs_is_refused() -> None:

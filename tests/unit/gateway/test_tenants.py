@@ -71,12 +71,27 @@ def test_tenants_see_only_their_own_runs_and_admins_every_run() -> None:
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"tenants": json.dumps([{**tenant_json("a", "t"), "token_sha256": "t"}])}, "LOOPRL_GATEWAY_TENANTS[0].token_sha256"),
+        (
+            {"tenants": json.dumps([{**tenant_json("a", "t"), "token_sha256": "t"}])},
+            "LOOPRL_GATEWAY_TENANTS[0].token_sha256",
+        ),
         ({"tenants": json.dumps([tenant_json("a", "t", max_gpus=-1)])}, "max_gpus: must be >= 0.0"),
-        ({"tenants": json.dumps([{k: v for k, v in tenant_json("a", "t").items() if k != "max_cpus"}])}, "max_cpus: is required"),
-        ({"tenants": json.dumps([tenant_json("a", "t"), tenant_json("a", "u")])}, "tenant name 'a' is given twice"),
-        ({"tenants": json.dumps([tenant_json("a", "t"), tenant_json("b", "t")])}, "token_sha256 is another tenant's"),
-        ({"tenants": json.dumps([tenant_json("admin", "t")]), "tokens": "x"}, "the tenant of the tokens list"),
+        (
+            {"tenants": json.dumps([{k: v for k, v in tenant_json("a", "t").items() if k != "max_cpus"}])},
+            "max_cpus: is required",
+        ),
+        (
+            {"tenants": json.dumps([tenant_json("a", "t"), tenant_json("a", "u")])},
+            "tenant name 'a' is given twice",
+        ),
+        (
+            {"tenants": json.dumps([tenant_json("a", "t"), tenant_json("b", "t")])},
+            "token_sha256 is another tenant's",
+        ),
+        (
+            {"tenants": json.dumps([tenant_json("admin", "t")]), "tokens": "x"},
+            "the tenant of the tokens list",
+        ),
         ({"tenants_file": "/no/such/tenants.toml"}, "LOOPRL_GATEWAY_TENANTS_FILE: cannot read"),
     ],
     ids=["plain-token", "negative-quota", "missing-quota", "dup-name", "dup-token", "admin-name", "no-file"],
