@@ -52,8 +52,8 @@ class Tenant(Schema):
     """Most GPUs one run of this tenant may ask for (trainer ranks + vLLM replicas); more is
     RESOURCE_EXHAUSTED."""
     priority: int = Field(0, ge=-1000, le=1000)
-    """Higher first when runs wait for resources (recorded on each run; the gateway does not queue runs yet: a
-    run that does not fit is refused)."""
+    """Higher first when runs wait for resources (for the run queue, not built yet: today a run that does not
+    fit is refused)."""
 
     @field_validator("token_sha256")
     @classmethod
