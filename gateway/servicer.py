@@ -182,9 +182,14 @@ class RunManager:
         if existing:
             # Deployments and weight-sync number weight versions per stack, not per run: a second
             # run would be served the first run's weights. Refuse instead of training off-policy.
+            last = existing[-1]
+            # Another tenant's run is not named: its id and state are not the caller's to see.
+            served = (
+                f"run {last.run_id!r} ({last.state})" if tenant.sees(last.tenant) else "another tenant's run"
+            )
             raise FailedPrecondition(
-                f"run_id: this stack already served run {existing[-1].run_id!r} ({existing[-1].state}); "
-                "one run per stack for now: `looprl down && looprl up` (or `looprl run --local`) for the next"
+                f"run_id: this stack already served {served}; one run per stack for now: "
+                "`looprl down && looprl up` (or `looprl run --local`) for the next"
             )
         record = RunRecord(
             run_id=run_id or new_run_id(recipe.run.name),
