@@ -1,5 +1,9 @@
 """Admission of a run's prerequisites: what must exist on this stack before a run record is written.
 
+A run's demand on the cluster (`run_demand`: its trainer ranks' and inference replicas' Ray CPUs and
+GPUs) is held against its tenant's quota (`check_quota`, `check_concurrency`): over it, CreateRun is
+RESOURCE_EXHAUSTED naming the resource and the numbers, before the run exists.
+
 A recipe can be valid on its own and still be unable to make progress here: no deployment of the
 inference-router serves it, the environment-sandbox does not know its environment, the reward
 service does not know its reward, or its tokenizer's vocabulary does not fit the model's. Each
@@ -18,10 +22,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.config import Tenant
 from looprl.environment.v1 import environment_pb2, environment_pb2_grpc
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from looprl.reward.v1 import reward_pb2, reward_pb2_grpc
-from services.kit.errors import FailedPrecondition
+from services.kit.errors import FailedPrecondition, ResourceExhausted
 from services.kit.recipe import Recipe
 
 log = logging.getLogger("looprl.gateway.admission")
@@ -56,6 +61,101 @@ class Peers:
             if status != "SERVING":
                 out.append(f"{name} ({status})")
         return out
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one part of a run asks Ray for, and how that follows from the recipe (for messages)."""
+
+    name: str  # "trainer", "deployments[0] 'default'"
+    cpus: float
+    gpus: float
+    cpus_how: str
+    gpus_how: str
+
+
+@dataclass(frozen=True)
+class Demand:
+    """A run's Ray resources: its trainer ranks and every deployment's replicas."""
+
+    parts: tuple[Part, ...]
+
+    @property
+    def cpus(self) -> float:
+        return sum(p.cpus for p in self.parts)
+
+    @property
+    def gpus(self) -> float:
+        return sum(p.gpus for p in self.parts)
+
+
+def _n(value: float) -> str:
+    """A count as people write it: 8, 0.5, 1.25."""
+    return f"{value:g}"
+
+
+def run_demand(recipe: Recipe, num_cpus_per_rank: float, replica_num_cpus: float) -> Demand:
+    """The CPUs and GPUs `recipe` asks Ray for: world_size trainer ranks of num_cpus_per_rank CPUs (the
+    trainer's setting) and trainer.num_gpus_per_rank GPUs each, and per deployment `replicas` replicas of
+    DeploymentSpec.cpus_per_replica / gpus_per_replica (what the inference-router's replica actors ask)."""
+    t = recipe.trainer
+    parts = [
+        Part(
+            "trainer",
+            t.world_size * num_cpus_per_rank,
+            t.world_size * t.num_gpus_per_rank,
+            f"world_size {t.world_size} x num_cpus_per_rank {num_cpus_per_rank!r}",
+            f"world_size {t.world_size} x num_gpus_per_rank {t.num_gpus_per_rank!r}",
+        )
+    ]
+    for i, d in enumerate(recipe.deployments):
+        per_cpus, per_gpus = d.cpus_per_replica(replica_num_cpus), d.gpus_per_replica
+        cpus_how = f"replicas {d.replicas} x {_n(per_cpus)} CPUs (replica_num_cpus {replica_num_cpus!r}"
+        cpus_how += (
+            f" + {d.tensor_parallel - 1} tensor-parallel workers)" if per_cpus != replica_num_cpus else ")"
+        )
+        if d.backend == "vllm" and d.tensor_parallel == 1 and d.gpu_memory_utilization > 0:
+            gpus_how = f"replicas {d.replicas} x gpu_memory_utilization {d.gpu_memory_utilization!r}, vllm"
+        else:
+            gpus_how = f"replicas {d.replicas} x tensor_parallel {d.tensor_parallel}, {d.backend}"
+        parts.append(
+            Part(
+                f"deployments[{i}] {d.name!r}",
+                d.replicas * per_cpus,
+                d.replicas * per_gpus,
+                cpus_how,
+                gpus_how,
+            )
+        )
+    return Demand(tuple(parts))
+
+
+def check_quota(demand: Demand, tenant: Tenant) -> None:
+    """ResourceExhausted when the run asks for more GPUs or CPUs than the tenant's quota allows: naming
+    the part that alone exceeds it, else the whole run with its parts."""
+    for resource, unit, limit in (("gpus", "GPUs", tenant.max_gpus), ("cpus", "CPUs", tenant.max_cpus)):
+        total = getattr(demand, resource)
+        if total <= limit + 1e-9:
+            continue
+        quota = f"exceed tenant {tenant.name!r} quota max_{resource}={_n(limit)}"
+        for part in demand.parts:
+            amount = getattr(part, resource)
+            if amount > limit + 1e-9:
+                how = getattr(part, f"{resource}_how")
+                raise ResourceExhausted(f"{part.name}: {_n(amount)} {unit} ({how}) {quota}")
+        parts = " + ".join(
+            f"{p.name} {_n(getattr(p, resource))}" for p in demand.parts if getattr(p, resource)
+        )
+        raise ResourceExhausted(f"run: {_n(total)} {unit} ({parts}) {quota}")
+
+
+def check_concurrency(tenant: Tenant, active_runs: int) -> None:
+    """ResourceExhausted when the tenant already has max_concurrent_runs active runs."""
+    if active_runs >= tenant.max_concurrent_runs:
+        raise ResourceExhausted(
+            f"run: tenant {tenant.name!r} already has {active_runs} active runs, its quota "
+            f"max_concurrent_runs={tenant.max_concurrent_runs} (stop one or wait for it to end)"
+        )
 
 
 async def admit(recipe: Recipe, peers: Peers, base_dir: Path) -> None:

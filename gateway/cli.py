@@ -196,7 +196,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
     stub, metadata = _gateway(args)
     for run in stub.ListRuns(gateway_pb2.ListRunsRequest(), metadata=metadata).runs:
-        print(f"{run.run_id:<32} {progress_line(run)}")
+        print(f"{run.run_id:<32} {run.tenant or '-':<12} {progress_line(run)}")
     return 0
 
 

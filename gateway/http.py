@@ -1,6 +1,7 @@
 """HTTP/JSON API: the run routes, and the OpenAI-compatible routes of gateway/openai_api.py.
 
-Every route but /healthz needs a bearer token. Errors use OpenAI's {"error": {"message", "type",
+Every route but /healthz needs a bearer token; its tenant (gateway/config.py) sees only its own runs
+(another tenant's run is a 404, as if it did not exist) unless it is an admin. Errors use OpenAI's {"error": {"message", "type",
 "param", "code"}} shape with the HTTP status that matches the gRPC one; `param` names the offending
 field.
 """
@@ -19,7 +20,7 @@ from google.protobuf.json_format import MessageToDict
 
 from gateway.auth import TokenAuth
 from gateway.metrics import http_metrics, init_routes
-from gateway.openai_api import OpenAIEndpoints, OpenAIError, json_body
+from gateway.openai_api import TENANT, OpenAIEndpoints, OpenAIError, json_body
 from gateway.servicer import RunManager, run_to_proto
 from looprl.inference.v1 import inference_pb2_grpc
 from services.kit.errors import InvalidArgument, ServiceError
@@ -148,7 +149,7 @@ class HttpApi:
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path != "/healthz":
-            self.auth.check(request.headers.get("Authorization"))
+            request[TENANT] = self.auth.check(request.headers.get("Authorization"))
         return await handler(request)
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -158,21 +159,20 @@ class HttpApi:
         body = await json_body(request)
         if not isinstance(body.get("recipe_toml"), str):
             raise InvalidArgument("recipe_toml: required string")
-        record = await self.runs.create(body["recipe_toml"], str(body.get("run_id", "")))
+        record = await self.runs.create(body["recipe_toml"], str(body.get("run_id", "")), request[TENANT])
         return web.json_response(_run_json(run_to_proto(record)), status=201)
 
     async def list_runs(self, request: web.Request) -> web.Response:
-        runs = [_run_json(await self.runs.proto(r)) for r in await self.runs.store.list()]
+        runs = [_run_json(await self.runs.proto(r)) for r in await self.runs.list(request[TENANT])]
         return web.json_response({"runs": runs})
 
     async def get_run(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            _run_json(await self.runs.proto(await self.runs.get(request.match_info["run_id"])))
-        )
+        record = await self.runs.get(request.match_info["run_id"], request[TENANT])
+        return web.json_response(_run_json(await self.runs.proto(record)))
 
     async def watch_run(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: one `data: <run>` event now and on every change, until the run ends."""
-        runs = self.runs.watch(request.match_info["run_id"])
+        runs = self.runs.watch(request.match_info["run_id"], request[TENANT])
         first = await anext(runs)  # NotFound / InvalidArgument still answer as plain errors
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -185,6 +185,5 @@ class HttpApi:
         return response
 
     async def stop_run(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            _run_json(await self.runs.proto(await self.runs.stop(request.match_info["run_id"])))
-        )
+        record = await self.runs.stop(request.match_info["run_id"], request[TENANT])
+        return web.json_response(_run_json(await self.runs.proto(record)))

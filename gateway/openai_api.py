@@ -1,8 +1,10 @@
 """OpenAI-compatible /v1/models, /v1/completions and /v1/chat/completions over the inference-router.
 
 Agent frameworks and evaluators use the policy being trained through the official `openai` client.
-`/v1/models` lists the policies a caller may use: each active run (by run id; the newest run while
-none is active) and each deployment the router serves (by name). `model` picks one: a run id means
+`/v1/models` lists the policies a caller may use: each active run of the caller's tenant (by run id;
+the newest run while none is active; an admin's: every tenant's) and each deployment the router
+serves (by name) while the run it serves is one the caller may see. Another tenant's run is an
+unknown model, as if it did not exist. `model` picks one: a run id means
 that run's tokenizer and chat template, a deployment name also pins the request to that deployment;
 an unknown model is OpenAI's 404 `model_not_found`. The endpoints tokenize, call the router's
 Generate (GenerateStream for `stream: true`, sent as server-sent events) and decode. `stop` strings
@@ -23,6 +25,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from gateway.config import Tenant
 from gateway.metrics import count_openai_tokens
 from gateway.openai_shapes import (
     OPENAI_FIELDS,
@@ -46,6 +49,8 @@ from services.kit.recipe import RecipeError
 from services.modeling.tokenizer import Tokenizer, TokenizerCache
 
 DEPLOYMENTS_TTL_S = 5.0
+# Key of the caller's tenant in an aiohttp request (set by the HTTP API's authentication).
+TENANT = "looprl.tenant"
 
 
 class OpenAIError(Exception):
@@ -77,11 +82,15 @@ class OpenAIEndpoints:
 
     # ---- models -----------------------------------------------------------------------------------
 
-    async def _policies(self) -> tuple[list[Any], list[str]]:
-        """(run records a caller may sample from, deployment names the router serves)."""
+    async def _policies(self, tenant: Tenant) -> tuple[list[Any], list[str], bool]:
+        """(run records `tenant` may sample from, deployment names it may use, whether the policy the
+        deployments serve is one it may use). The deployments serve the newest active run's policy
+        (the newest run's while none is active): a tenant that may not see that run may not use them."""
         records = await self.runs.store.list()
-        runs = [r for r in records if r.state in ACTIVE] or records[-1:]
-        return runs, await self._deployment_names()
+        serving = [r for r in records if r.state in ACTIVE] or records[-1:]
+        runs = [r for r in serving if tenant.sees(r.tenant)]
+        usable = not serving or tenant.sees(serving[-1].tenant)
+        return runs, await self._deployment_names() if usable else [], usable
 
     async def _deployment_names(self) -> list[str]:
         at, names = self._deployments
@@ -96,14 +105,14 @@ class OpenAIEndpoints:
         return names
 
     async def list_models(self, request: web.Request) -> web.Response:
-        runs, deployments = await self._policies()
+        runs, deployments, _ = await self._policies(request[TENANT])
         data = [model_entry(r.run_id, r.created_at, f"run {r.state}") for r in reversed(runs)]
         data += [model_entry(name, 0, "deployment") for name in deployments]
         return web.json_response({"object": "list", "data": data})
 
     async def get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        runs, deployments = await self._policies()
+        runs, deployments, _ = await self._policies(request[TENANT])
         for r in runs:
             if r.run_id == name:
                 return web.json_response(model_entry(r.run_id, r.created_at, f"run {r.state}"))
@@ -111,15 +120,23 @@ class OpenAIEndpoints:
             return web.json_response(model_entry(name, 0, "deployment"))
         raise _not_found(name)
 
-    async def _resolve(self, body: dict) -> tuple[str, Tokenizer, str]:
+    async def _resolve(self, body: dict, tenant: Tenant) -> tuple[str, Tokenizer, str]:
         """(model id, its tokenizer, the deployment to pin or "") for the request's `model`."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidArgument(f"model: must be a string, got {model!r}")
-        runs, deployments = await self._policies()
+        runs, deployments, usable = await self._policies(tenant)
         run = next((r for r in runs if r.run_id == model), None)
         if model and run is None and model not in deployments:
             raise _not_found(model)
+        if not model and not usable:
+            # The default is what the deployments serve: another tenant's policy.
+            raise OpenAIError(
+                404,
+                "model: no model you may use is the default (see GET /v1/models)",
+                "model_not_found",
+                "model",
+            )
         pinned = model if run is None and model in deployments else ""
         if run is None and runs:
             run = runs[-1]  # a deployment serves the newest run's policy
@@ -187,7 +204,7 @@ class OpenAIEndpoints:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
-        model, tokenizer, deployment = await self._resolve(body)
+        model, tokenizer, deployment = await self._resolve(body, request[TENANT])
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             ids = tokenizer.encode(prompt)
@@ -203,7 +220,7 @@ class OpenAIEndpoints:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
-        model, tokenizer, deployment = await self._resolve(body)
+        model, tokenizer, deployment = await self._resolve(body, request[TENANT])
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidArgument("messages: must be a non-empty list")

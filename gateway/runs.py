@@ -201,7 +201,8 @@ class RunDriver:
         self._run_trace = record.extra.get(RUN_TRACE_KEY) or None
         fed = int(record.extra.get("fed_steps", 0))
         if record.state == "pending":
-            record = await self.store.update(self.run_id, lambda r: setattr(r, "state", "running"))
+            # Only a pending run starts: a StopRun that landed since the read above stays stopped.
+            record = await self.store.update(self.run_id, _start)
             self._lifecycle("run started", steps=recipe.run.steps)
         else:
             self._lifecycle("run resumed", fed_steps=fed)
@@ -300,6 +301,11 @@ class RunDriver:
                         await self.store.update(self.run_id, lambda r, e=event: _apply_weights(r, e))
                     await delivery.ack()
                     self.changed.set()
+
+
+def _start(record: RunRecord) -> None:
+    if record.state == "pending":
+        record.state = "running"
 
 
 def _ignored(record: RunRecord) -> None:

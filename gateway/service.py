@@ -30,7 +30,7 @@ from services.modeling.tokenizer import TokenizerCache
 
 async def serve(config: GatewayConfig) -> None:
     service = Service("gateway", config, public=True)
-    auth = TokenAuth.from_config(config.tokens)
+    auth = TokenAuth.from_config(config)
     # Servicer first (handlers must be registered before the port opens); its run manager needs
     # the bus, connected in setup. The kit refuses RPCs with UNAVAILABLE until setup finished.
     servicer = GatewayServicer(None, auth)  # type: ignore[arg-type]
@@ -70,6 +70,8 @@ async def serve(config: GatewayConfig) -> None:
             config.exclusive_runs,
             config.recipe_limits,
             peers,
+            num_cpus_per_rank=config.num_cpus_per_rank,
+            replica_num_cpus=config.replica_num_cpus,
         )
         servicer.runs = runs
         tokenizers = TokenizerCache(config.tokenizer)

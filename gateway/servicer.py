@@ -8,8 +8,9 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from gateway.admission import Peers, admit
+from gateway.admission import Peers, admit, check_concurrency, check_quota, run_demand
 from gateway.auth import TokenAuth
+from gateway.config import GatewayConfig, Tenant
 from gateway.run_store import ACTIVE, FINAL, RunStore, new_run_id
 from gateway.runs import RUN_TRACE_KEY, RunDriver
 from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
@@ -50,6 +51,7 @@ def run_to_proto(
         episodes_published=record.episodes_published,
         rollouts_trained=int(extra.get("rollouts_trained", 0)),
         error=record.error,
+        tenant=record.tenant,
     )
     try:
         run.total_steps = record.recipe().run.steps
@@ -108,19 +110,28 @@ class RunManager:
         exclusive_runs: bool = True,
         limits: RecipeLimits | None = None,
         peers: Peers | None = None,
+        num_cpus_per_rank: float = GatewayConfig.model_fields["num_cpus_per_rank"].default,
+        replica_num_cpus: float = GatewayConfig.model_fields["replica_num_cpus"].default,
     ) -> None:
         self.bus, self.store, self.base_dir, self.packer = bus, store, recipe_base_dir, packer
         self.exclusive_runs = exclusive_runs
         self.limits = limits or RecipeLimits()
         self.peers = peers or Peers()
+        self.num_cpus_per_rank, self.replica_num_cpus = num_cpus_per_rank, replica_num_cpus
         self.drivers: dict[str, RunDriver] = {}
+        # Quota checks and the record they admit are one step: two CreateRuns of a tenant at its last
+        # free slot must not both pass.
+        self._admission = asyncio.Lock()
 
     async def proto(self, record: RunRecord) -> gateway_pb2.Run:
         return run_to_proto(record, await self.store.history(record), await self.store.weight_syncs(record))
 
-    async def watch(self, run_id: str, period_s: float = 0.5) -> AsyncIterator[gateway_pb2.Run]:
-        """The run now, then each time it changes, until it has ended (NotFound for no such run)."""
-        record = await self.get(run_id)
+    async def watch(
+        self, run_id: str, tenant: Tenant, period_s: float = 0.5
+    ) -> AsyncIterator[gateway_pb2.Run]:
+        """The run now, then each time it changes, until it has ended (NotFound for no such run, or
+        one the tenant may not see)."""
+        record = await self.get(run_id, tenant)
         last = None
         while True:
             snapshot = await self.proto(record)
@@ -130,7 +141,7 @@ class RunManager:
             if record.state in FINAL:
                 return
             await asyncio.sleep(period_s)
-            record = await self.get(run_id)
+            record = await self.get(run_id, tenant)
 
     async def resume(self) -> None:
         for record in await self.store.list():
@@ -143,8 +154,13 @@ class RunManager:
         self.drivers[run_id] = driver
         driver.start()
 
-    async def create(self, recipe_toml: str, run_id: str = "") -> RunRecord:
-        """Admit a run: every check (recipe bounds included) passes before its record is written."""
+    async def list(self, tenant: Tenant) -> list[RunRecord]:
+        """The runs the tenant may see (every run for an admin), oldest first."""
+        return [r for r in await self.store.list() if tenant.sees(r.tenant)]
+
+    async def create(self, recipe_toml: str, run_id: str, tenant: Tenant) -> RunRecord:
+        """Admit a run of `tenant`: every check (recipe bounds, the tenant's quota, the services'
+        prerequisites) passes before its record is written."""
         try:
             recipe = parse_recipe(recipe_toml, base_dir=self.base_dir, limits=self.limits)
         except RecipeError as exc:
@@ -154,17 +170,32 @@ class RunManager:
                 subjects.validate_run_id(run_id)
             except ValueError as exc:
                 raise InvalidArgument(f"run_id: {exc}") from exc
+        check_quota(run_demand(recipe, self.num_cpus_per_rank, self.replica_num_cpus), tenant)
         await admit(recipe, self.peers, self.base_dir)
-        existing = await self.store.list() if self.exclusive_runs else []
+        async with self._admission:
+            return await self._create(recipe_toml, recipe, run_id, tenant)
+
+    async def _create(self, recipe_toml: str, recipe, run_id: str, tenant: Tenant) -> RunRecord:
+        records = await self.store.list()
+        check_concurrency(tenant, sum(r.state in ACTIVE and r.tenant == tenant.name for r in records))
+        existing = records if self.exclusive_runs else []
         if existing:
             # Deployments and weight-sync number weight versions per stack, not per run: a second
             # run would be served the first run's weights. Refuse instead of training off-policy.
+            last = existing[-1]
+            # Another tenant's run is not named: its id and state are not the caller's to see.
+            served = (
+                f"run {last.run_id!r} ({last.state})" if tenant.sees(last.tenant) else "another tenant's run"
+            )
             raise FailedPrecondition(
-                f"run_id: this stack already served run {existing[-1].run_id!r} ({existing[-1].state}); "
-                "one run per stack for now: `looprl down && looprl up` (or `looprl run --local`) for the next"
+                f"run_id: this stack already served {served}; one run per stack for now: "
+                "`looprl down && looprl up` (or `looprl run --local`) for the next"
             )
         record = RunRecord(
-            run_id=run_id or new_run_id(recipe.run.name), recipe_toml=recipe_toml, created_at=time.time()
+            run_id=run_id or new_run_id(recipe.run.name),
+            recipe_toml=recipe_toml,
+            created_at=time.time(),
+            tenant=tenant.name,
         )
         # The run's trace is the one CreateRun is in: its episodes, steps and lifecycle link to it.
         carrier = telemetry.current_carrier()
@@ -173,13 +204,18 @@ class RunManager:
         try:
             await self.store.create(record)
         except Exception as exc:
-            if await self.store.get(record.run_id) is not None:
+            other = await self.store.get(record.run_id)
+            if other is not None:
+                if not tenant.sees(other.tenant):
+                    # Said without telling whose: the id is taken, the run stays invisible.
+                    raise AlreadyExists(f"run_id: {record.run_id!r} is taken; choose another") from exc
                 raise AlreadyExists(f"run_id: run {record.run_id!r} already exists") from exc
             raise
         self._drive(record.run_id)
         return record
 
-    async def get(self, run_id: str) -> RunRecord:
+    async def get(self, run_id: str, tenant: Tenant) -> RunRecord:
+        """The run, if `tenant` may see it: another tenant's run is NotFound, as if it did not exist."""
         if not run_id:
             raise InvalidArgument("run_id: must not be empty")
         try:
@@ -187,12 +223,12 @@ class RunManager:
         except ValueError as exc:
             raise InvalidArgument(f"run_id: {exc}") from exc
         record = await self.store.get(run_id)
-        if record is None:
+        if record is None or not tenant.sees(record.tenant):
             raise NotFound(f"run_id: no run {run_id!r}")
         return record
 
-    async def stop(self, run_id: str) -> RunRecord:
-        record = await self.get(run_id)
+    async def stop(self, run_id: str, tenant: Tenant) -> RunRecord:
+        record = await self.get(run_id, tenant)
         if record.state in FINAL:
             raise FailedPrecondition(f"run_id: run {run_id!r} already {record.state}")
         # Stopped first: the trainer and packer follow the record, and StopRun answers even when
@@ -216,25 +252,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.runs, self.auth = runs, auth
 
     async def CreateRun(self, request, context):
-        self.auth.check_grpc(context)
-        record = await self.runs.create(request.recipe_toml, request.run_id)
+        tenant = self.auth.check_grpc(context)
+        record = await self.runs.create(request.recipe_toml, request.run_id, tenant)
         return gateway_pb2.CreateRunResponse(run=run_to_proto(record))
 
     async def GetRun(self, request, context):
-        self.auth.check_grpc(context)
-        return gateway_pb2.GetRunResponse(run=await self.runs.proto(await self.runs.get(request.run_id)))
+        tenant = self.auth.check_grpc(context)
+        record = await self.runs.get(request.run_id, tenant)
+        return gateway_pb2.GetRunResponse(run=await self.runs.proto(record))
 
     async def ListRuns(self, request, context):
-        self.auth.check_grpc(context)
+        tenant = self.auth.check_grpc(context)
         return gateway_pb2.ListRunsResponse(
-            runs=[await self.runs.proto(r) for r in await self.runs.store.list()]
+            runs=[await self.runs.proto(r) for r in await self.runs.list(tenant)]
         )
 
     async def StopRun(self, request, context):
-        self.auth.check_grpc(context)
-        return gateway_pb2.StopRunResponse(run=await self.runs.proto(await self.runs.stop(request.run_id)))
+        tenant = self.auth.check_grpc(context)
+        record = await self.runs.stop(request.run_id, tenant)
+        return gateway_pb2.StopRunResponse(run=await self.runs.proto(record))
 
     async def WatchRun(self, request, context) -> AsyncIterator[gateway_pb2.WatchRunResponse]:
-        self.auth.check_grpc(context)
-        async for run in self.runs.watch(request.run_id):
+        tenant = self.auth.check_grpc(context)
+        async for run in self.runs.watch(request.run_id, tenant):
             yield gateway_pb2.WatchRunResponse(run=run)

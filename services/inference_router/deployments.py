@@ -56,13 +56,8 @@ def profile_of(spec: DeploymentSpec) -> LengthProfile:
 
 
 def replica_gpus(spec: DeploymentSpec) -> float:
-    """GPUs a replica asks Ray for: a vLLM replica holds one per TP rank (its workers run on them);
-    a tp=1 replica given a memory share below 1 asks for that fraction, so replicas can share a GPU."""
-    if spec.backend != "vllm":
-        return 0
-    if spec.tensor_parallel == 1 and spec.gpu_memory_utilization > 0:
-        return spec.gpu_memory_utilization
-    return spec.tensor_parallel
+    """GPUs a replica asks Ray for (DeploymentSpec.gpus_per_replica: the gateway's admission counts the same)."""
+    return spec.gpus_per_replica
 
 
 def replica_actor_options(spec: DeploymentSpec, config: RouterConfig, index: int) -> dict[str, Any]:

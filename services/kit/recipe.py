@@ -62,6 +62,8 @@ Seconds = Annotated[float, Field(gt=0.0, le=7 * 86_400.0)]
 # How weight-sync may reach a deployment's replicas (see DeploymentSpec.weight_transport).
 WeightTransport = Literal["auto", "grpc", "shm", "shared_copy", "cuda_ipc", "nccl"]
 WEIGHT_TRANSPORTS: tuple[str, ...] = WeightTransport.__args__  # type: ignore[attr-defined]
+# Ray CPUs of each tensor-parallel worker of a cpu replica (ranks 1..tp-1; rank 0 is the replica).
+TP_WORKER_CPUS = 1.0
 # Names of the model configs a recipe can build without a download (see services/modeling).
 ModelPreset = Literal["tiny-qwen2", "small-qwen2"]
 MODEL_PRESETS: tuple[str, ...] = ModelPreset.__args__  # type: ignore[attr-defined]
@@ -332,6 +334,23 @@ class DeploymentSpec(Section):
     """Greedy tokens per golden prompt in the canary check; 0: default."""
 
     @property
+    def gpus_per_replica(self) -> float:
+        """GPUs a replica asks Ray for: a vLLM replica holds one per TP rank (its workers run on them);
+        a tp=1 replica given a memory share below 1 asks for that fraction, so replicas can share a GPU;
+        a cpu replica none."""
+        if self.backend != "vllm":
+            return 0.0
+        if self.tensor_parallel == 1 and self.gpu_memory_utilization > 0:
+            return self.gpu_memory_utilization
+        return float(self.tensor_parallel)
+
+    def cpus_per_replica(self, replica_num_cpus: float) -> float:
+        """CPUs a replica asks Ray for: its actor's `replica_num_cpus` (the inference-router's setting), and
+        on the cpu backend TP_WORKER_CPUS for each tensor-parallel rank past the first (its TP workers)."""
+        workers = self.tensor_parallel - 1 if self.backend == "cpu" else 0
+        return replica_num_cpus + workers * TP_WORKER_CPUS
+
+    @property
     def serving_dtype(self) -> str:
         """`dtype`, or the backend's default when empty (bfloat16 on vLLM, float32 on CPU)."""
         return self.dtype or ("bfloat16" if self.backend == "vllm" else "float32")
@@ -429,6 +448,7 @@ class RunRecord:
     weight_version: int = 0
     error: str = ""
     episodes_published: int = 0
+    tenant: str = ""  # the gateway tenant that created it; only it (and admins) may see it
     extra: dict = field(default_factory=dict)
 
     def recipe(self) -> Recipe:

@@ -33,7 +33,8 @@ class GatewayProcess:
             "LOOPRL_GATEWAY_EXCLUSIVE_RUNS": "false",
             "LOOPRL_NATS_URL": nats_url,
             "LOOPRL_STATE_DIR": str(tmp),
-            "PYTHONPATH": str(ROOT),
+            # protos/ too: a git worktree's generated code, not the editable install's checkout.
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos")]),
         }
         if router_address:
             self.env["LOOPRL_GATEWAY_ROUTER_ADDRESS"] = router_address

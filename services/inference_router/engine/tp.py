@@ -301,7 +301,9 @@ class TPEngine(ContinuousBatchingEngine):
         max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         port, name = free_port(), f"tp-{uuid.uuid4().hex[:8]}"
-        opts = {"num_cpus": 1, **(worker_options or {})}
+        from services.kit.recipe import TP_WORKER_CPUS
+
+        opts = {"num_cpus": TP_WORKER_CPUS, **(worker_options or {})}
         workers = [
             ray.remote(TPWorker)
             .options(**opts)
