@@ -108,6 +108,8 @@ class DeploymentManager:
                 max_concurrency=1000,
                 num_cpus=self.config.replica_num_cpus,
                 num_gpus=replica_gpus(spec),
+                # Custom resources pin the replicas to the nodes that offer them (recipe).
+                resources=dict(spec.ray_resources) or None,
             ).remote(
                 spec=spec,
                 host=self.config.replica_host,

@@ -66,6 +66,7 @@ class RunTrainer:
             num_cpus_per_rank=cfg.num_cpus_per_rank,
             num_gpus_per_rank=recipe.trainer.num_gpus_per_rank,
             strategy=cfg.placement_strategy,
+            resources_per_rank=recipe.trainer.ray_resources_per_rank,
             threads_per_rank=cfg.threads_per_rank,
         )
         self.state = "idle"

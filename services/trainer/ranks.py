@@ -32,6 +32,7 @@ class RankGroup:
         num_cpus_per_rank: float = 0.5,
         num_gpus_per_rank: float = 0.0,
         strategy: str = "PACK",
+        resources_per_rank: dict[str, float] | None = None,
         threads_per_rank: int = 1,
         ready_timeout_s: float = 120.0,
     ) -> None:
@@ -41,6 +42,7 @@ class RankGroup:
         self.num_cpus_per_rank = num_cpus_per_rank
         self.num_gpus_per_rank = num_gpus_per_rank
         self.strategy = strategy
+        self.resources_per_rank = dict(resources_per_rank or {})
         self.threads_per_rank = threads_per_rank
         self.ready_timeout_s = ready_timeout_s
         self.actors: list[Any] = []
@@ -55,6 +57,9 @@ class RankGroup:
         bundle: dict[str, float] = {"CPU": self.num_cpus_per_rank}
         if self.num_gpus_per_rank:
             bundle["GPU"] = self.num_gpus_per_rank
+        # Custom resources (trainer.ray_resources_per_rank) in the bundle: a bundle is reserved only on a
+        # node that offers them, so the recipe decides which nodes may hold ranks.
+        bundle.update(self.resources_per_rank)
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=self.strategy)
         try:
             ray.get(self.pg.ready(), timeout=self.ready_timeout_s)
