@@ -50,6 +50,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         keep_state=args.keep_state,
         host=args.host,
         ray_resources=json.loads(args.ray_resources) if args.ray_resources else None,
+        cert_hosts=tuple(args.cert_host),
     )
     _print_rows(status_rows(state))
     print(f"gateway token: {state.gateway_token}  (HTTP on {state.host}:{state.http_port})")
@@ -280,6 +281,12 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
         "--host",
         default="127.0.0.1",
         help="address every process listens on; this host's own address makes it the head of several hosts",
+    )
+    p.add_argument(
+        "--cert-host",
+        action="append",
+        default=[],
+        help="address of another host (whose Ray node runs replicas or ranks) every certificate names",
     )
     p.add_argument(
         "--ray-resources",

@@ -152,6 +152,7 @@ def up(
     keep_state: bool = False,
     host: str = "127.0.0.1",
     ray_resources: dict[str, float] | None = None,
+    cert_hosts: tuple[str, ...] = (),
 ) -> StackState:
     """Start everything and wait until every service reports SERVING.
 
@@ -160,7 +161,9 @@ def up(
     than loopback makes the stack the head of several hosts: Ray workers elsewhere join its head
     (`ray start --address`), the certificates name it, and replicas bind their own node's address.
     `ray_resources`: custom resources the head node offers (the recipe's ray_resources fields place
-    replicas and trainer ranks by them).
+    replicas and trainer ranks by them). `cert_hosts`: the addresses of the other hosts, which every
+    certificate names too (replicas there serve with the router's certificate, ranks call with the
+    trainer's, and their peers verify the address they dial).
     """
     state_dir = state_dir.resolve()
     existing = StackState.load(state_dir)
@@ -204,7 +207,7 @@ def up(
         ray_resources=dict(ray_resources or {}),
     )
     state.save()
-    tls.generate_dev_pki(state.tls_dir, hosts=[] if _loopback(host) else [host])
+    tls.generate_dev_pki(state.tls_dir, hosts=[*([] if _loopback(host) else [host]), *cert_hosts])
     env = {
         **ray.env(),
         "LOOPRL_TLS_DIR": str(state.tls_dir),
