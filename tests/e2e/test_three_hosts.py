@@ -44,13 +44,10 @@ RESOURCES = {
     2: {"host2": 1, "trainer_node": 1},
     3: {"host3": 1},
 }
-# Faster node-death detection than Ray's default (~30 s), to keep the test short; what the run does
-# once the node is declared dead is the same.
-RAY_HEALTH = {
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "3",
-}
+# The slowest step after the loss may take the router's status timeout (5 s) and a poll to notice
+# (measured 6.3 s; 121 s before a failed poll released the requests in flight), far below the
+# request timeout (120 s) that held them before.
+MAX_RECOVERY_S = 30.0
 
 
 def recipe() -> str:
@@ -111,7 +108,7 @@ def test_three_hosts_learn_deliver_by_host_and_survive_losing_one():
 
 def _run_on_three_hosts(state_dir: Path, started: float) -> None:
     with netns_hosts.namespace_hosts(3) as hosts:
-        with stack_on_hosts(hosts, state_dir, recipe(), RESOURCES, extra_env=RAY_HEALTH) as stack:
+        with stack_on_hosts(hosts, state_dir, recipe(), RESOURCES) as stack:
             print(f"stack up on 3 hosts in {time.monotonic() - started:.1f}s")
             host_of_ip = {hosts[i].address: f"host{i}" for i in (1, 2, 3)}
             run_id = "three-hosts"
@@ -177,11 +174,10 @@ def _run_on_three_hosts(state_dir: Path, started: float) -> None:
         gaps = {k: step_times[k] - step_times[k - 1] for k in sorted(step_times) if k - 1 in step_times}
         before = sorted(v for k, v in gaps.items() if 1 < k <= step_at_kill)
         after = [v for k, v in gaps.items() if k > step_at_kill]
-        if before and after:
-            print(
-                f"recovery: slowest step after the loss {max(after):.1f}s, "
-                f"median step before it {before[len(before) // 2]:.1f}s"
-            )
+        print(
+            f"recovery: slowest step after the loss {max(after):.1f}s, "
+            f"median step before it {before[len(before) // 2]:.1f}s"
+        )
         print(f"test runtime {elapsed:.0f}s")
 
         assert final.state == gateway_pb2.RUN_STATE_COMPLETED, f"run ended {final.state}: {final.error}"
@@ -212,5 +208,6 @@ def _run_on_three_hosts(state_dir: Path, started: float) -> None:
         assert gone_after is not None and not after_run["far-r0"].healthy, after_run
         assert after_run["near-r0"].healthy and after_run["mid-r0"].healthy, after_run
         assert resumed_after is not None, "no step completed after host 3 was killed"
+        assert max(after) < MAX_RECOVERY_S, f"a step took {max(after):.1f}s after host 3 was lost"
     left = hosts.leftovers()
     assert left == {"namespaces": [], "interfaces": [], "processes": []}, left
