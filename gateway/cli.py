@@ -6,6 +6,7 @@ Argument parsing happens before any heavy import, so `looprl --help` is instant.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -47,9 +48,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         _ports(args),
         _recipe_env(args.recipe),
         keep_state=args.keep_state,
+        host=args.host,
+        ray_resources=json.loads(args.ray_resources) if args.ray_resources else None,
+        cert_hosts=tuple(args.cert_host),
     )
     _print_rows(status_rows(state))
-    print(f"gateway token: {state.gateway_token}  (HTTP on 127.0.0.1:{state.http_port})")
+    print(f"gateway token: {state.gateway_token}  (HTTP on {state.host}:{state.http_port})")
     return 0
 
 
@@ -273,6 +277,22 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
     )
     p.add_argument("--recipe", help="configure deployments from this recipe")
     p.add_argument("--keep-state", action="store_true", help="keep the JetStream state of the last stack")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address every process listens on; this host's own address makes it the head of several hosts",
+    )
+    p.add_argument(
+        "--cert-host",
+        action="append",
+        default=[],
+        help="address of another host (whose Ray node runs replicas or ranks) every certificate names",
+    )
+    p.add_argument(
+        "--ray-resources",
+        default="",
+        help="custom resources of the Ray head as JSON, e.g. '{\"trainer_node\": 1}' (recipes place by them)",
+    )
     p.set_defaults(func=cmd_up)
     add_command("down", help="stop everything `up` started").set_defaults(func=cmd_down)
     add_command("status", help="health, address and pid of every service").set_defaults(func=cmd_status)

@@ -54,10 +54,11 @@ class ServiceProcess:
     metrics_port: int
     log: str
     module: str = ""
+    host: str = "127.0.0.1"
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
 
 @dataclass
@@ -75,10 +76,14 @@ class StackState:
     """What `up` adds to the environment of every service (so a restart gets the same)."""
     nats_passwords: dict[str, str] = field(default_factory=dict)
     """Each service's NATS password (and the operator's), from kit/nats_auth.py."""
+    host: str = "127.0.0.1"
+    """The address every process of the stack listens on (see `up`)."""
+    ray_resources: dict[str, float] = field(default_factory=dict)
+    """Custom resources of the Ray head (see `up`), offered again after a restart."""
 
     @property
     def nats_url(self) -> str:
-        return f"nats://127.0.0.1:{self.nats_port}"
+        return f"nats://{self.host}:{self.nats_port}"
 
     def nats_url_for(self, user: str = nats_auth.OPERATOR) -> str:
         """The NATS URL with `user`'s credentials (the plain URL on a stack without NATS users)."""
@@ -145,10 +150,20 @@ def up(
     timeout: float = 120.0,
     log=print,
     keep_state: bool = False,
+    host: str = "127.0.0.1",
+    ray_resources: dict[str, float] | None = None,
+    cert_hosts: tuple[str, ...] = (),
 ) -> StackState:
     """Start everything and wait until every service reports SERVING.
 
     Unless keep_state, the previous stack's JetStream state in state_dir is discarded first.
+    `host`: the address nats-server, the Ray head and every service listen on and advertise; another
+    than loopback makes the stack the head of several hosts: Ray workers elsewhere join its head
+    (`ray start --address`), the certificates name it, and replicas bind their own node's address.
+    `ray_resources`: custom resources the head node offers (the recipe's ray_resources fields place
+    replicas and trainer ranks by them). `cert_hosts`: the addresses of the other hosts, which every
+    certificate names too (replicas there serve with the router's certificate, ranks call with the
+    trainer's, and their peers verify the address they dial).
     """
     state_dir = state_dir.resolve()
     existing = StackState.load(state_dir)
@@ -165,16 +180,18 @@ def up(
         (s.name, s.package, ports.base + i, ports.base + 100 + i) for i, s in enumerate(registry.SERVICES)
     ]
     for name, _, grpc_port, metrics_port in plan:
-        require_free(grpc_port, f"{name} gRPC")
-        require_free(metrics_port, f"{name} metrics")
-    require_free(ports.http, "gateway HTTP")
+        require_free(grpc_port, f"{name} gRPC", host)
+        require_free(metrics_port, f"{name} metrics", host)
+    require_free(ports.http, "gateway HTTP", host)
     started = time.monotonic()
     nats_passwords = nats_auth.new_passwords(list(registry.NAMES))
     nats = NatsServer(
-        state_dir=state_dir, port=ports.nats, config=nats_auth.server_config(nats_passwords)
+        state_dir=state_dir, port=ports.nats, config=nats_auth.server_config(nats_passwords), host=host
     ).start()
     log(f"nats-server   {nats.url} (pid {nats.proc.pid})")
-    ray = RayHead(state_dir=state_dir, port=ports.ray, num_cpus=RAY_HEAD_CPUS).start()
+    ray = RayHead(
+        state_dir=state_dir, port=ports.ray, num_cpus=RAY_HEAD_CPUS, host=host, resources=ray_resources or {}
+    ).start()
     log(f"ray head      {ray.address} (pid {ray.proc.pid})")
     state = StackState(
         state_dir=str(state_dir),
@@ -186,9 +203,11 @@ def up(
         gateway_token=secrets.token_urlsafe(24),
         http_port=ports.http,
         nats_passwords=nats_passwords,
+        host=host,
+        ray_resources=dict(ray_resources or {}),
     )
     state.save()
-    tls.generate_dev_pki(state.tls_dir)
+    tls.generate_dev_pki(state.tls_dir, hosts=[*([] if _loopback(host) else [host]), *cert_hosts])
     env = {
         **ray.env(),
         "LOOPRL_TLS_DIR": str(state.tls_dir),
@@ -197,22 +216,26 @@ def up(
         "LOOPRL_NATS_URL": nats.url,
         "LOOPRL_RAY_ADDRESS": ray.address,
         "LOOPRL_STATE_DIR": str(state_dir),
+        "LOOPRL_HOST": host,
         registry.service("gateway").env_var("tokens"): state.gateway_token,
         registry.service("gateway").env_var("http_port"): str(ports.http),
         registry.service("gateway").env_var("recipe_base_dir"): os.getcwd(),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "PYTHONUNBUFFERED": "1",
+        # Replicas on other Ray nodes must be reachable from this host: each binds its node's address.
+        **({} if _loopback(host) else {registry.service("inference-router").env_var("replica_host"): "node"}),
         **(extra_env or {}),
     }
     for name, _, grpc_port, _ in plan:
         if name in PEER_VARIABLES:
-            env[PEER_VARIABLES[name]] = f"127.0.0.1:{grpc_port}"
+            env[PEER_VARIABLES[name]] = f"{host}:{grpc_port}"
     state.service_env = env
     try:
         for name, module, grpc_port, metrics_port in plan:
             state.services.append(
                 _launch(
-                    state, ServiceProcess(name, 0, grpc_port, metrics_port, str(logs / f"{name}.log"), module)
+                    state,
+                    ServiceProcess(name, 0, grpc_port, metrics_port, str(logs / f"{name}.log"), module, host),
                 )
             )
             state.save()
@@ -222,6 +245,10 @@ def up(
         raise
     log(f"all {len(state.services)} services SERVING in {time.monotonic() - started:.1f}s")
     return state
+
+
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1")
 
 
 def _launch(state: StackState, svc: ServiceProcess) -> ServiceProcess:
@@ -279,11 +306,11 @@ def _stop(pid: int, kill: bool) -> None:
         stop_pid_group(pid)
 
 
-def _wait_port_released(port: int, timeout: float = 30.0) -> None:
+def _wait_port_released(port: int, host: str = "127.0.0.1", timeout: float = 30.0) -> None:
     """A killed server's accepted connections hold its port for a moment while the kernel closes
     them; the new one binds it once they are gone (its start says so if they never go)."""
     deadline = time.monotonic() + timeout
-    while not port_is_free(port) and time.monotonic() < deadline:
+    while not port_is_free(port, host) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 
@@ -291,15 +318,24 @@ def _restart_infrastructure(state: StackState, name: str, kill: bool) -> Service
     state_dir = Path(state.state_dir)
     if name == "nats-server":
         _stop(state.nats_pid, kill)
-        _wait_port_released(state.nats_port)
+        _wait_port_released(state.nats_port, state.host)
         config = nats_auth.server_config(state.nats_passwords)
-        state.nats_pid = NatsServer(state_dir=state_dir, port=state.nats_port, config=config).start().proc.pid
+        state.nats_pid = (
+            NatsServer(state_dir=state_dir, port=state.nats_port, config=config, host=state.host)
+            .start()
+            .proc.pid
+        )
         port, pid = state.nats_port, state.nats_pid
     else:
         stop_session(state.ray_pid, 0.0 if kill else RAY_GRACE_S)
-        _wait_port_released(state.ray_port)
+        _wait_port_released(state.ray_port, state.host)
         head = RayHead(
-            state_dir=state_dir, port=state.ray_port, num_cpus=RAY_HEAD_CPUS, token=state.ray_token
+            state_dir=state_dir,
+            port=state.ray_port,
+            num_cpus=RAY_HEAD_CPUS,
+            token=state.ray_token,
+            host=state.host,
+            resources=state.ray_resources,
         )
         state.ray_pid = head.start().proc.pid
         port, pid = state.ray_port, state.ray_pid
@@ -355,7 +391,7 @@ def status_rows(state: StackState) -> list[dict[str, str]]:
         {
             "name": "ray-head",
             "health": "UP" if pid_alive(state.ray_pid) else "DOWN",
-            "address": f"127.0.0.1:{state.ray_port}",
+            "address": f"{state.host}:{state.ray_port}",
             "pid": str(state.ray_pid),
         },
     ]

@@ -70,6 +70,8 @@ def replica_actor_options(spec: DeploymentSpec, config: RouterConfig, index: int
         "max_concurrency": 1000,
         "num_cpus": config.replica_num_cpus,
         "num_gpus": replica_gpus(spec),
+        # Custom resources pin the replicas to the nodes that offer them (recipe).
+        "resources": dict(spec.ray_resources) or None,
     }
 
 

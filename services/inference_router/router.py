@@ -8,7 +8,9 @@ dispatches to the replica, and handles what can go wrong.
 - backpressure: no queue in the router at all; full replica/deployment bounds answer
   RESOURCE_EXHAUSTED with a retry hint (the recent median latency) in trailing metadata;
 - health: a status poll per replica (and weights.published events) updates versions and health; a
-  replica that restarted is kept out of routing until it serves the newest version of its
+  replica whose poll fails also gives up the requests in flight there, which move to another
+  replica (a host that vanished never answers them, and Ray may not declare its node dead before
+  request_timeout_s); a replica that restarted is kept out of routing until it serves the newest version of its
   deployment, and its sessions are forgotten (their cache is gone).
 """
 
@@ -71,6 +73,8 @@ class Router:
         self.report_to_run: Callable[[str, str], Awaitable[None]] | None = None
         self._reports: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
+        # Set when a replica's status poll fails: its in-flight requests stop waiting for it.
+        self._unreachable: dict[str, asyncio.Event] = {}
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -165,8 +169,11 @@ class Router:
             reserved = self._reserve(replica, request)
             start = time.perf_counter()
             try:
-                response = await self.handles[replica.name].generate(
-                    request, min(self.config.request_timeout_s, max(0.01, deadline - loop.time()))
+                response = await self._unless_unreachable(
+                    replica.name,
+                    self.handles[replica.name].generate(
+                        request, min(self.config.request_timeout_s, max(0.01, deadline - loop.time()))
+                    ),
                 )
             except ReplicaFailure as exc:
                 self._replica_failed(replica, exc, request.run_id)
@@ -297,6 +304,22 @@ class Router:
         )
         observe(metrics.LATENCY.labels(dep.name), seconds)
 
+    async def _unless_unreachable(self, name: str, call: Awaitable[Any]) -> Any:
+        """`call`'s result, or ReplicaFailure once the replica's status poll fails meanwhile (the
+        call is abandoned: the request is retried elsewhere like any failed attempt)."""
+        lost = self._unreachable.setdefault(name, asyncio.Event())
+        task = asyncio.ensure_future(call)
+        waiter = asyncio.ensure_future(lost.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            raise ReplicaFailure(name, "stopped answering its status polls; the request moved elsewhere")
+        finally:
+            waiter.cancel()
+            if not task.done():
+                task.cancel()
+
     # ---- health and versions ------------------------------------------------------------------
 
     def _replica_failed(self, replica: ReplicaState, exc: ReplicaFailure, run_id: str = "") -> None:
@@ -423,7 +446,11 @@ class Router:
                 if crashed and replica.resync_to_version is None:
                     self._mark_restarting(replica)
                 self.observe_status(replica, None, str(exc))
+                self._unreachable.setdefault(name, asyncio.Event()).set()
                 return
+            lost = self._unreachable.get(name)
+            if lost is not None and lost.is_set():
+                del self._unreachable[name]  # answering again: new requests wait for it again
             self.observe_status(replica, status)
 
         await asyncio.gather(*(one(name) for name in list(self.replicas)))

@@ -7,6 +7,7 @@ Used by `looprl up`, by `make run` and by the test suite's session fixtures.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -40,18 +41,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def require_free(port: int, what: str) -> None:
-    if not port_is_free(port):
+def require_free(port: int, what: str, host: str = "127.0.0.1") -> None:
+    if not port_is_free(port, host):
         raise PortInUseError(f"{what}: port {port} is already in use; choose another with its port setting")
 
 
-def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None, what: str = "") -> None:
+def wait_for_port(
+    port: int, timeout: float, proc: subprocess.Popen | None = None, what: str = "", host: str = "127.0.0.1"
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{what} exited with code {proc.returncode} before listening on {port}")
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
+            if sock.connect_ex((host, port)) == 0:
                 return
         time.sleep(0.05)
     raise TimeoutError(f"{what} did not listen on port {port} within {timeout:.0f}s")
@@ -93,16 +96,18 @@ class NatsServer:
     port: int = 4222
     proc: subprocess.Popen | None = None
     config: str = ""  # nats-server configuration (users and permissions: kit/nats_auth.py); "" = none
+    host: str = "127.0.0.1"
+    """The address it listens on (a host's own address when other hosts connect)."""
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 20.0) -> NatsServer:
-        require_free(self.port, "nats-server")
+        require_free(self.port, "nats-server", self.host)
         store = self.state_dir / "jetstream"
         store.mkdir(parents=True, exist_ok=True)
-        args = [_bin("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(store)]
+        args = [_bin("nats-server"), "-js", "-a", self.host, "-p", str(self.port), "-sd", str(store)]
         if self.config:
             conf = self.state_dir / "nats-server.conf"
             conf.touch(mode=0o600)  # it holds every service's password
@@ -115,7 +120,7 @@ class NatsServer:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        wait_for_port(self.port, timeout, self.proc, "nats-server")
+        wait_for_port(self.port, timeout, self.proc, "nats-server", self.host)
         return self
 
     def stop(self, grace: float = 10.0) -> None:
@@ -138,10 +143,14 @@ class RayHead:
     num_cpus: int = 8
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     proc: subprocess.Popen | None = None
+    host: str = "127.0.0.1"
+    """The node's address: where Ray workers on other hosts join (`ray start --address`)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom resources the head node offers (what recipes' ray_resources fields ask for)."""
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def env(self) -> dict[str, str]:
         """Environment a client needs to connect to this head."""
@@ -150,7 +159,7 @@ class RayHead:
     def start(self, timeout: float = 60.0) -> RayHead:
         if self.port != 6379 and self.port <= 20000:
             raise ValueError(f"Ray head port must be 6379 or above 20000, got {self.port}")
-        require_free(self.port, "ray head")
+        require_free(self.port, "ray head", self.host)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         # Ray's temp dir ends up inside socket paths, which must stay short (108 bytes).
         temp_dir = Path("/tmp") / f"looprl-ray-{self.port}"
@@ -172,15 +181,16 @@ class RayHead:
                 "--include-log-monitor=false",
                 f"--num-cpus={self.num_cpus}",
                 "--disable-usage-stats",
-                "--node-ip-address=127.0.0.1",
+                f"--node-ip-address={self.host}",
                 f"--temp-dir={temp_dir}",
+                *([f"--resources={json.dumps(self.resources)}"] if self.resources else []),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
         )
-        wait_for_port(self.port, timeout, self.proc, "ray head")
+        wait_for_port(self.port, timeout, self.proc, "ray head", self.host)
         return self
 
     def stop(self, grace: float = RAY_GRACE_S) -> None:

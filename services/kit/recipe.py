@@ -67,6 +67,22 @@ TP_WORKER_CPUS = 1.0
 # Names of the model configs a recipe can build without a download (see services/modeling).
 ModelPreset = Literal["tiny-qwen2", "small-qwen2"]
 MODEL_PRESETS: tuple[str, ...] = ModelPreset.__args__  # type: ignore[attr-defined]
+# Resources Ray schedules by on its own (recipe fields num_gpus_per_rank, tensor_parallel, ...):
+# a custom-resource table must not ask for them a second time.
+_RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+# A custom Ray resource name: what `ray start --resources '{"<name>": n}'` gave some nodes.
+RayResourceName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/-]+$")]
+# Amounts of custom resources: Ray accepts fractions (down to 1e-4) and whole numbers.
+RayResources = dict[RayResourceName, Annotated[float, Field(ge=1e-4, le=1e6)]]
+
+
+def _custom_resources(value: dict[str, float]) -> dict[str, float]:
+    builtin = sorted(_RAY_BUILTIN_RESOURCES & set(value))
+    if builtin:
+        raise ValueError(f"{', '.join(builtin)}: set by their own fields, not as custom resources")
+    return value
+
+
 # A tokenizer directory holds one of these: a Hugging Face tokenizer, or the char tokenizer's marker.
 TOKENIZER_FILES = ("tokenizer.json", "looprl_tokenizer.json")
 
@@ -279,6 +295,12 @@ class TrainerSection(Section):
     num_gpus_per_rank: float = Field(0.0, ge=0.0, le=64.0)
     """GPUs each rank asks Ray for (1 on GPU nodes: the ranks then train with NCCL); 0 trains on
     CPU."""
+    ray_resources_per_rank: RayResources = Field({}, max_length=16)
+    """Custom Ray resources each rank asks for, e.g. { trainer_node = 1 }: the ranks then run only on
+    nodes started with `ray start --resources '{"trainer_node": 1}'` (one rank per node with 1 each);
+    empty places them anywhere. At most 16 names; amounts 1e-4 to 1e6; CPU and GPU are not custom."""
+
+    _builtin = field_validator("ray_resources_per_rank")(_custom_resources)
 
 
 class DeploymentSpec(Section):
@@ -320,6 +342,10 @@ class DeploymentSpec(Section):
     """Receive every k-th weight version."""
     enforce_eager: bool = False
     """vllm: run without CUDA graphs (starts faster, decodes slower)."""
+    ray_resources: RayResources = Field({}, max_length=16)
+    """Custom Ray resources each replica asks for, e.g. { zone_b = 1 }: its replicas then run only on
+    nodes started with `ray start --resources '{"zone_b": ...}'`; empty places them anywhere. At most
+    16 names; amounts 1e-4 to 1e6; CPU and GPU are not custom."""
     weight_transport: WeightTransport = "auto"
     """How weight-sync delivers weights to this deployment's replicas: auto (shared memory to
     co-located replicas, gRPC to the others), grpc, shm, shared_copy, cuda_ipc or nccl."""
@@ -332,6 +358,8 @@ class DeploymentSpec(Section):
     default."""
     canary_tokens_per_prompt: Annotated[int, Field(ge=0), AtMost("max_tokens")] = 0
     """Greedy tokens per golden prompt in the canary check; 0: default."""
+
+    _builtin = field_validator("ray_resources")(_custom_resources)
 
     @property
     def gpus_per_replica(self) -> float:

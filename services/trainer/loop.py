@@ -66,6 +66,7 @@ class RunTrainer:
             num_cpus_per_rank=cfg.num_cpus_per_rank,
             num_gpus_per_rank=recipe.trainer.num_gpus_per_rank,
             strategy=cfg.placement_strategy,
+            resources_per_rank=recipe.trainer.ray_resources_per_rank,
             threads_per_rank=cfg.threads_per_rank,
         )
         self.state = "idle"
@@ -117,7 +118,13 @@ class RunTrainer:
         self.state = "starting"
         info = await self._ranks(self.group.start, self.spec)
         self._started = True
-        log.info("run %s: %d ranks up, %d parameters", self.run_id, self.world_size, info[0]["parameters"])
+        log.info(
+            "run %s: %d ranks up, %d parameters, on nodes %s",
+            self.run_id,
+            self.world_size,
+            info[0]["parameters"],
+            ", ".join(self.group.nodes) or "?",
+        )
         latest = latest_checkpoint(self.checkpoint_root)
         if latest is not None:
             restored = await self._ranks(self.group.load_checkpoint, str(latest))

@@ -32,6 +32,7 @@ class RankGroup:
         num_cpus_per_rank: float = 0.5,
         num_gpus_per_rank: float = 0.0,
         strategy: str = "PACK",
+        resources_per_rank: dict[str, float] | None = None,
         threads_per_rank: int = 1,
         ready_timeout_s: float = 120.0,
     ) -> None:
@@ -41,10 +42,13 @@ class RankGroup:
         self.num_cpus_per_rank = num_cpus_per_rank
         self.num_gpus_per_rank = num_gpus_per_rank
         self.strategy = strategy
+        self.resources_per_rank = dict(resources_per_rank or {})
         self.threads_per_rank = threads_per_rank
         self.ready_timeout_s = ready_timeout_s
         self.actors: list[Any] = []
         self.pg: Any = None
+        self.nodes: list[str] = []
+        """The address of the Ray node each rank's bundle was reserved on, in rank order."""
 
     def start(self, spec: TrainerSpec) -> list[dict[str, Any]]:
         # Ray is imported late: it reads its auth settings from the environment at import time.
@@ -62,6 +66,7 @@ class RankGroup:
                 f"trainer placement group of {self.world_size} x {bundle} not placed within "
                 f"{self.ready_timeout_s:.0f}s; the Ray cluster lacks resources"
             ) from None
+        self.nodes = _bundle_nodes(self.pg)
         remote_cls = ray.remote(TrainerWorker)
         self.actors = [
             remote_cls.options(
@@ -83,6 +88,9 @@ class RankGroup:
         bundle: dict[str, float] = {"CPU": self.num_cpus_per_rank}
         if self.num_gpus_per_rank:
             bundle["GPU"] = self.num_gpus_per_rank
+        # Custom resources (trainer.ray_resources_per_rank) in the bundle: a bundle is reserved only on a
+        # node that offers them, so the recipe decides which nodes may hold ranks.
+        bundle.update(self.resources_per_rank)
         return bundle
 
     def worker_options(self) -> dict[str, Any]:
@@ -177,6 +185,21 @@ class RankGroup:
             except Exception:
                 pass
             self.pg = None
+
+
+def _bundle_nodes(pg: Any) -> list[str]:
+    """Where each bundle of `pg` is reserved (node addresses, bundle order): what says on which hosts
+    the ranks run when the recipe places them (trainer.ray_resources_per_rank)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    try:
+        by_bundle = placement_group_table(pg)["bundles_to_node_id"]
+        address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        return [address.get(by_bundle[i], "?") for i in sorted(by_bundle)]
+    except Exception as exc:  # only for the log: never fail a start over it
+        log.warning("could not tell where the trainer ranks run: %s", exc)
+        return []
 
 
 def _died(exc: Exception) -> str:

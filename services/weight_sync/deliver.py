@@ -5,7 +5,10 @@ bucket stream, fanned out to the group's receivers. The transport of a rank is i
 weight_transport resolved by transport/factory.py against placement.py's verdict: with auto, shared
 memory for receivers proven to be on this host (the bucket is written once and read by all of them)
 and gRPC otherwise (the same encoded bytes sent to each).
-All ranks of all groups stage concurrently. A deployment commits only when every one of its ranks
+All ranks of all groups stage concurrently. Targets on different hosts (by the host identities
+their ranks report) are separate deliveries: a host that disappears mid-stream (its link down, no
+connection refused, only silence until stage_timeout_s) stalls the delivery to its own targets,
+never the commit of a version on the other hosts. A deployment commits only when every one of its ranks
 staged the version completely and verified; otherwise all its ranks abort, it keeps serving v-1,
 and the delivery is retried (or superseded by a newer version). After the commit:
 WeightsPublished{version, deployment} on the bus and the target's state in KV.
@@ -51,6 +54,15 @@ _tracer = trace.get_tracer("looprl.weight_sync.deliver")
 
 PublishHook = Callable[[Target, int, int, float], Awaitable[None]]
 RejectHook = Callable[[Target, int, float, str], Awaitable[None]]  # target, version, drift, detail
+
+
+def _by_host(targets: list[Target]) -> list[list[Target]]:
+    """`targets` grouped by the hosts their ranks are on, each group one delivery: targets on one
+    host share its shared-memory buckets and its fate."""
+    groups: dict[frozenset[str], list[Target]] = {}
+    for t in targets:
+        groups.setdefault(frozenset(e.host_id for e in t.endpoints), []).append(t)
+    return list(groups.values())
 
 
 class Deliverer:
@@ -100,7 +112,7 @@ class Deliverer:
         self.on_rejected = on_rejected
         self._tasks: set[asyncio.Task] = set()
         self._busy: dict[str, int] = {}  # deployment -> version being delivered
-        self._speculative: dict[int, tuple[str, asyncio.Task]] = {}
+        self._speculative: dict[int, tuple[str, list[asyncio.Task]]] = {}
         self._last_layout: TrainerLayout | None = None
         self._config: ModelConfig | None = None
         self._config_json = ""
@@ -138,15 +150,16 @@ class Deliverer:
         due = [t for t in self.targets.values() if t.due(buf.version) and t.deployment not in self._busy]
         if due:
             layout = self._last_layout
-            task = self._spawn(self._deliver(buf, due, layout))
-            self._speculative[buf.version] = (layout.signature, task)
+            tasks = [self._spawn(self._deliver(buf, group, layout)) for group in _by_host(due)]
+            self._speculative[buf.version] = (layout.signature, tasks)
 
     def version_completed(self, buf: VersionBuffer, layout: TrainerLayout) -> None:
         self.model_config(buf)
         self._last_layout = layout
         spec = self._speculative.pop(buf.version, None)
         if spec is not None and spec[0] != layout.signature:
-            spec[1].cancel()  # planned from a different layout: redo below
+            for task in spec[1]:
+                task.cancel()  # planned from a different layout: redo below
         self.schedule(buf)
 
     def schedule(self, buf: VersionBuffer, force: Target | None = None) -> None:
@@ -160,8 +173,8 @@ class Deliverer:
                 if t.due(buf.version) and self._busy.get(t.deployment, -1) < buf.version
             ]
         targets = [t for t in targets if t.deployment not in self._busy]
-        if targets:
-            self._spawn(self._deliver(buf, targets, None, forced=force is not None))
+        for group in _by_host(targets):
+            self._spawn(self._deliver(buf, group, None, forced=force is not None))
 
     # ---------------------------------------------------------- delivery
     async def _deliver(
@@ -257,8 +270,19 @@ class Deliverer:
             for t in targets:
                 if self._busy.get(t.deployment) == version:
                     del self._busy[t.deployment]
-            self._speculative.pop(version, None)
+            self._forget_speculative(version)
             self._after(targets)
+
+    def _forget_speculative(self, version: int) -> None:
+        """This delivery is over: the others of the version (other hosts) may still be cancelled."""
+        spec = self._speculative.get(version)
+        if spec is None:
+            return
+        others = [task for task in spec[1] if task is not asyncio.current_task()]
+        if others:
+            self._speculative[version] = (spec[0], others)
+        else:
+            del self._speculative[version]
 
     async def _buckets(self, rank_plan: RankPlan, buf: VersionBuffer):
         for spec in rank_plan.buckets:

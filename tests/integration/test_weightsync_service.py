@@ -256,3 +256,43 @@ async def test_restarted_replica_requests_the_latest_version_and_every_k_policy(
         assert torch.equal(every[0].weights["model.norm.weight"], s0["model.norm.weight"])
     finally:
         await h.stop()
+
+
+async def test_a_silent_host_does_not_hold_back_the_other_hosts():
+    """A replica on a host that went silent (its link down: connections never answered, nothing
+    refused) must not delay the commit on another host: each host is a delivery of its own."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # the kernel completes the TCP handshake; nothing ever answers
+    h = await Harness().start(stage_timeout_s=30.0)
+    try:
+        await h.add_deployment("live", Layout(1, "hf"), same_host=False)
+        await h.stub.RegisterTarget(
+            weightsync_pb2.RegisterTargetRequest(
+                deployment="lost",
+                ranks=[
+                    weightsync_pb2.TargetRank(
+                        rank=0, address=f"127.0.0.1:{silent.getsockname()[1]}", host_id="a-lost-host"
+                    )
+                ],
+                every_k_versions=1,
+                layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf", dtype=F32),
+            )
+        )
+        _, s0 = trainer_model(0)
+        await h.push(s0, 0)
+        started = asyncio.get_running_loop().time()
+        states = await h.wait_version(0, ["live"], timeout=10.0)
+        print(f"live served version 0 after {asyncio.get_running_loop().time() - started:.2f}s")
+        assert states["lost"].state == "syncing" and states["lost"].version == -1, states["lost"]
+        # The host comes back refusing: its delivery fails at once and stops retrying.
+        silent.close()
+        for _ in range(200):
+            if not h.servicer.deliverer._tasks:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        silent.close()
+        await h.stop()

@@ -233,6 +233,18 @@ class NamespaceHosts:
             raise RuntimeError(f"{target.name}: {list(argv)} exited {done.returncode}: {done.stderr}")
         return done.stdout
 
+    def kill_host(self, host: int) -> None:
+        """Lose a host as a machine is lost: its link to the bridge goes down (peers see silence,
+        not a closed connection), then every process in it is SIGKILLed (the holder of its mount
+        namespace too: its /dev/shm and /tmp go with it)."""
+        _ip("-n", self.switch, "link", "set", f"{self.tag}p{host}", "down")
+        for pid in self._netns_pids(self[host].netns):
+            self._pids.add(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     # ------------------------------------------------------------------ tear down
     def close(self, grace: float = 5.0) -> None:
         for proc in self._procs:

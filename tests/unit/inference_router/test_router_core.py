@@ -34,10 +34,13 @@ class FakeReplica:
         self.fail_next = 0
         self.crash = False
         self.broken = ""  # what its engine's status says when it took itself out of service
+        self.silent = False  # its host vanished: nothing it is asked ever answers
         self.calls = 0
 
     async def generate(self, request, timeout_s):
         self.calls += 1
+        if self.silent:
+            await asyncio.Event().wait()
         await asyncio.sleep(self.delay)
         if self.crash:
             raise ReplicaFailure(self.name, "actor died", crashed=True)
@@ -60,6 +63,8 @@ class FakeReplica:
         yield inference_pb2.GenerateStreamResponse(index=0, finish_reason="length")
 
     async def status(self, timeout_s):
+        if self.silent:
+            raise ReplicaFailure(self.name, f"status: no answer within {timeout_s}s")
         if self.crash:
             raise ReplicaFailure(self.name, "actor died", crashed=True)
         return ReplicaStatus(
@@ -274,3 +279,25 @@ async def test_stream_fails_over_before_the_first_chunk():
     chunks = [c async for c in router.generate_stream(_request(max_tokens=3))]
     assert [t for c in chunks for t in c.token_ids] == [0, 1, 2]
     assert chunks[-1].finish_reason == "length"
+
+
+async def test_requests_in_flight_on_a_replica_that_stops_answering_move_elsewhere():
+    """A replica whose host vanished holds its requests until request_timeout_s unless the failed
+    status poll releases them: they must finish on another replica long before that."""
+    router, fakes = _router(settings=_config(request_timeout_s=60.0))
+    await router.poll_once()
+    fakes[0].silent = True
+    started = asyncio.get_running_loop().time()
+    pending = [asyncio.ensure_future(router.generate(_request())) for _ in range(4)]
+    await asyncio.sleep(0.05)
+    assert fakes[0].calls > 0, "no request went to the replica that will go silent"
+    await router.poll_once()
+    results = await asyncio.wait_for(asyncio.gather(*pending), timeout=5)
+    assert all(r.replica == "d-1" for r in results)
+    assert asyncio.get_running_loop().time() - started < 5
+    assert not router.replicas["d-0"].routable
+    # Answering again: it is polled back into routing and its requests no longer give up at once.
+    fakes[0].silent = False
+    await router.poll_once()
+    assert router.replicas["d-0"].routable
+    assert "d-0" not in router._unreachable

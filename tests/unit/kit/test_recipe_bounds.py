@@ -216,3 +216,21 @@ def test_every_named_limit_exists_and_is_within_its_ceiling() -> None:
 def test_every_number_in_a_recipe_has_bounds() -> None:
     unbounded = [path for path, (_, b) in NUMBERS.items() if b.low is None or b.largest is None]
     assert len(NUMBERS) > 40 and not unbounded
+
+
+def test_ray_resources_place_replicas_and_ranks_within_bounds() -> None:
+    recipe = parse_recipe(
+        "[trainer]\nray_resources_per_rank = { trainer_node = 1 }\n"
+        "[[deployments]]\nray_resources = { host2 = 0.5 }\n"
+    )
+    assert recipe.trainer.ray_resources_per_rank == {"trainer_node": 1.0}
+    assert recipe.deployments[0].ray_resources == {"host2": 0.5}
+    assert _refusal("[trainer]\nray_resources_per_rank = { GPU = 1 }\n").startswith(
+        "trainer.ray_resources_per_rank: GPU: set by their own fields"
+    )
+    assert "must be >= 0.0001" in _refusal("[[deployments]]\nray_resources = { host2 = 0 }\n")
+    assert "must be <= 1000000" in _refusal("[[deployments]]\nray_resources = { host2 = 1e7 }\n")
+    many = ", ".join(f"r{i} = 1" for i in range(17))
+    assert _refusal(f"[[deployments]]\nray_resources = {{ {many} }}\n").startswith(
+        "deployments[0].ray_resources"
+    )
