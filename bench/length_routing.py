@@ -89,7 +89,7 @@ async def main_async(quick: bool) -> None:
     n = 80 if quick else 240
     batch = 4
     connect_ray("", "bench-length-routing", num_cpus=4)
-    cfg = RouterConfig(replica_num_cpus=1)
+    cfg = RouterConfig()
     holder = Router()
     manager = DeploymentManager(holder, cfg)
     tables = [

@@ -94,26 +94,24 @@ def _n(value: float) -> str:
     return f"{value:g}"
 
 
-def run_demand(recipe: Recipe, num_cpus_per_rank: float, replica_num_cpus: float) -> Demand:
-    """The CPUs and GPUs `recipe` asks Ray for: world_size trainer ranks of num_cpus_per_rank CPUs (the
-    trainer's setting) and trainer.num_gpus_per_rank GPUs each, and per deployment `replicas` replicas of
+def run_demand(recipe: Recipe) -> Demand:
+    """The CPUs and GPUs `recipe` asks Ray for: world_size trainer ranks of trainer.num_cpus_per_rank CPUs
+    and trainer.num_gpus_per_rank GPUs each, and per deployment `replicas` replicas of
     DeploymentSpec.cpus_per_replica / gpus_per_replica (what the inference-router's replica actors ask)."""
     t = recipe.trainer
     parts = [
         Part(
             "trainer",
-            t.world_size * num_cpus_per_rank,
+            t.world_size * t.num_cpus_per_rank,
             t.world_size * t.num_gpus_per_rank,
-            f"world_size {t.world_size} x num_cpus_per_rank {num_cpus_per_rank!r}",
+            f"world_size {t.world_size} x num_cpus_per_rank {t.num_cpus_per_rank!r}",
             f"world_size {t.world_size} x num_gpus_per_rank {t.num_gpus_per_rank!r}",
         )
     ]
     for i, d in enumerate(recipe.deployments):
-        per_cpus, per_gpus = d.cpus_per_replica(replica_num_cpus), d.gpus_per_replica
-        cpus_how = f"replicas {d.replicas} x {_n(per_cpus)} CPUs (replica_num_cpus {replica_num_cpus!r}"
-        cpus_how += (
-            f" + {d.tensor_parallel - 1} tensor-parallel workers)" if per_cpus != replica_num_cpus else ")"
-        )
+        per_cpus, per_gpus = d.cpus_per_replica, d.gpus_per_replica
+        cpus_how = f"replicas {d.replicas} x {_n(per_cpus)} CPUs (num_cpus {d.num_cpus!r}"
+        cpus_how += f" + {d.tensor_parallel - 1} tensor-parallel workers)" if per_cpus != d.num_cpus else ")"
         if d.backend == "vllm" and d.tensor_parallel == 1 and d.gpu_memory_utilization > 0:
             gpus_how = f"replicas {d.replicas} x gpu_memory_utilization {d.gpu_memory_utilization!r}, vllm"
         else:

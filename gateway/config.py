@@ -133,12 +133,6 @@ class GatewayConfig(ServiceConfig):
     """What a recipe may ask of this cluster, as JSON overriding the defaults of services.kit.limits.RecipeLimits (e.g.
     {"max_rollouts_per_step": 4096, "max_world_size": 8, "max_replicas": 16}); a recipe over a limit is
     refused with INVALID_ARGUMENT before its run exists."""
-    num_cpus_per_rank: float = Field(0.5, ge=0.0)
-    """Ray CPUs each trainer rank reserves, for a run's CPU demand: the trainer's own setting of the same
-    name (LOOPRL_NUM_CPUS_PER_RANK sets both)."""
-    replica_num_cpus: float = Field(1.0, ge=0.0)
-    """Ray CPUs each inference replica reserves, for a run's CPU demand: the inference-router's own setting of
-    the same name (LOOPRL_REPLICA_NUM_CPUS sets both)."""
 
     _table: list[Tenant] = PrivateAttr(default_factory=list)
 

@@ -70,8 +70,6 @@ async def serve(config: GatewayConfig) -> None:
             config.exclusive_runs,
             config.recipe_limits,
             peers,
-            num_cpus_per_rank=config.num_cpus_per_rank,
-            replica_num_cpus=config.replica_num_cpus,
         )
         servicer.runs = runs
         tokenizers = TokenizerCache(config.tokenizer)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from gateway.admission import Peers, admit, check_concurrency, check_quota, run_demand
 from gateway.auth import TokenAuth
-from gateway.config import GatewayConfig, Tenant
+from gateway.config import Tenant
 from gateway.run_store import ACTIVE, FINAL, RunStore, new_run_id
 from gateway.runs import RUN_TRACE_KEY, RunDriver
 from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
@@ -110,14 +110,11 @@ class RunManager:
         exclusive_runs: bool = True,
         limits: RecipeLimits | None = None,
         peers: Peers | None = None,
-        num_cpus_per_rank: float = GatewayConfig.model_fields["num_cpus_per_rank"].default,
-        replica_num_cpus: float = GatewayConfig.model_fields["replica_num_cpus"].default,
     ) -> None:
         self.bus, self.store, self.base_dir, self.packer = bus, store, recipe_base_dir, packer
         self.exclusive_runs = exclusive_runs
         self.limits = limits or RecipeLimits()
         self.peers = peers or Peers()
-        self.num_cpus_per_rank, self.replica_num_cpus = num_cpus_per_rank, replica_num_cpus
         self.drivers: dict[str, RunDriver] = {}
         # Quota checks and the record they admit are one step: two CreateRuns of a tenant at its last
         # free slot must not both pass.
@@ -170,7 +167,7 @@ class RunManager:
                 subjects.validate_run_id(run_id)
             except ValueError as exc:
                 raise InvalidArgument(f"run_id: {exc}") from exc
-        check_quota(run_demand(recipe, self.num_cpus_per_rank, self.replica_num_cpus), tenant)
+        check_quota(run_demand(recipe), tenant)
         await admit(recipe, self.peers, self.base_dir)
         async with self._admission:
             return await self._create(recipe_toml, recipe, run_id, tenant)

@@ -46,8 +46,6 @@ class RouterConfig(ServiceConfig):
     """Session-affinity map size (LRU)."""
     deployment_max_outstanding: int = Field(0, ge=0)
     """Requests in flight per deployment (0: only per-replica bounds)."""
-    replica_num_cpus: float = Field(1.0, ge=0.0)
-    """Ray CPUs reserved per replica rank."""
     replica_host: str = "127.0.0.1"
     """Address each replica's InferenceEngineService binds and reports: 127.0.0.1 (every replica on this
     host), 'node' (the address of the Ray node it runs on: several hosts), or an explicit address."""

@@ -68,7 +68,7 @@ def replica_actor_options(spec: DeploymentSpec, config: RouterConfig, index: int
         "max_restarts": -1,
         "max_task_retries": 0,
         "max_concurrency": 1000,
-        "num_cpus": config.replica_num_cpus,
+        "num_cpus": spec.num_cpus,
         "num_gpus": replica_gpus(spec),
         # Custom resources pin the replicas to the nodes that offer them (recipe).
         "resources": dict(spec.ray_resources) or None,

@@ -292,6 +292,8 @@ class TrainerSection(Section):
     """Data-parallel trainer ranks (Ray actors, FSDP2)."""
     checkpoint_every: Annotated[int, Field(ge=0), AtMost("max_steps")] = 10
     """Write a checkpoint every k steps (and on stop); 0 only on stop."""
+    num_cpus_per_rank: float = Field(0.5, ge=0.0, le=1024.0)
+    """Ray CPUs each rank reserves (its bundle in the trainer's placement group)."""
     num_gpus_per_rank: float = Field(0.0, ge=0.0, le=64.0)
     """GPUs each rank asks Ray for (1 on GPU nodes: the ranks then train with NCCL); 0 trains on
     CPU."""
@@ -324,6 +326,9 @@ class DeploymentSpec(Section):
     abort (aborted, each completion then continues as a new request)."""
     replicas: Annotated[int, Field(ge=1), AtMost("max_replicas")] = 1
     """Number of replicas."""
+    num_cpus: float = Field(1.0, ge=0.0, le=1024.0)
+    """Ray CPUs each replica's actor reserves (on the cpu backend each extra tensor-parallel worker
+    reserves its own)."""
     max_model_len: Annotated[int, Field(ge=1), AtMost("max_model_len")] = 512
     """Longest prompt + completion a replica accepts."""
     max_batch_size: Annotated[int, Field(ge=1), AtMost("max_batch_size")] = 32
@@ -372,11 +377,12 @@ class DeploymentSpec(Section):
             return self.gpu_memory_utilization
         return float(self.tensor_parallel)
 
-    def cpus_per_replica(self, replica_num_cpus: float) -> float:
-        """CPUs a replica asks Ray for: its actor's `replica_num_cpus` (the inference-router's setting), and
-        on the cpu backend TP_WORKER_CPUS for each tensor-parallel rank past the first (its TP workers)."""
+    @property
+    def cpus_per_replica(self) -> float:
+        """CPUs a replica asks Ray for: its actor's `num_cpus`, and on the cpu backend TP_WORKER_CPUS for
+        each tensor-parallel rank past the first (its TP workers)."""
         workers = self.tensor_parallel - 1 if self.backend == "cpu" else 0
-        return replica_num_cpus + workers * TP_WORKER_CPUS
+        return self.num_cpus + workers * TP_WORKER_CPUS
 
     @property
     def serving_dtype(self) -> str:

@@ -41,8 +41,6 @@ class TrainerConfig(ServiceConfig):
     rank_recoveries: int = Field(3, ge=0)
     """Times a run's ranks are recreated from its last checkpoint after one is lost (its process killed, its
     node gone) before the run fails."""
-    num_cpus_per_rank: float = Field(0.5, ge=0.0)
-    """Ray CPUs reserved per rank."""
     threads_per_rank: int = Field(1, ge=1)
     """torch threads per rank."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"

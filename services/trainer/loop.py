@@ -63,7 +63,7 @@ class RunTrainer:
         self.checkpoint_root = root / run_id
         self.group = RankGroup(
             self.world_size,
-            num_cpus_per_rank=cfg.num_cpus_per_rank,
+            num_cpus_per_rank=recipe.trainer.num_cpus_per_rank,
             num_gpus_per_rank=recipe.trainer.num_gpus_per_rank,
             strategy=cfg.placement_strategy,
             resources_per_rank=recipe.trainer.ray_resources_per_rank,

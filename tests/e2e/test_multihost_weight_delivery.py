@@ -255,7 +255,6 @@ async def test_router_replicas_on_two_ray_nodes_get_shm_on_weight_syncs_host_and
                     "WEIGHT_SYNC_ADDRESS": f"{h1}:{WS_PORT}",
                     "DEPLOYMENTS": json.dumps(deployments),
                     "REPLICA_HOST": "node",
-                    "REPLICA_NUM_CPUS": "1",
                     "STATUS_INTERVAL_S": "0.2",
                     "GRACE_SECONDS": "3",
                 }.items()

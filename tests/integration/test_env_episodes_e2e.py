@@ -46,13 +46,19 @@ def router(ray_client, tmp_path_factory):
     import ray
 
     deployments = [
-        {"name": "main", "replicas": 1, "tensor_parallel": 1, "max_model_len": 512, "max_batch_size": 16}
+        {
+            "name": "main",
+            "num_cpus": 0.5,
+            "replicas": 1,
+            "tensor_parallel": 1,
+            "max_model_len": 512,
+            "max_batch_size": 16,
+        }
     ]
     proc = RouterProcess(
         deployments,
         tmp_path_factory.mktemp("router") / "router.log",
         status_interval_s=0.2,
-        replica_num_cpus=0.5,
     )
     try:
         proc.wait_serving(timeout=150)

@@ -14,7 +14,14 @@ from tests.support.local_fleet import RouterProcess, load_weights, replica_actor
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-DEPLOYMENT = {"name": "d", "replicas": 1, "tensor_parallel": 1, "max_model_len": 64, "max_batch_size": 4}
+DEPLOYMENT = {
+    "name": "d",
+    "num_cpus": 0.5,
+    "replicas": 1,
+    "tensor_parallel": 1,
+    "max_model_len": 64,
+    "max_batch_size": 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +29,7 @@ def served(ray_client, nats_url: str, tmp_path_factory: pytest.TempPathFactory):
     import ray
 
     tmp = tmp_path_factory.mktemp("openai")
-    router = RouterProcess([DEPLOYMENT], tmp / "router.log", status_interval_s=0.2, replica_num_cpus=0.5)
+    router = RouterProcess([DEPLOYMENT], tmp / "router.log", status_interval_s=0.2)
     gateway = None
     try:
         router.wait_serving(timeout=150)

@@ -109,7 +109,6 @@ async def test_canary_deployment_of_real_replicas_rolls_back_bad_weights(ray_cli
     cfg = RouterConfig(
         weight_sync_address=ws_address,
         namespace=run,
-        replica_num_cpus=0.5,
         run_id=run,
         request_timeout_s=30,
     )
@@ -118,6 +117,7 @@ async def test_canary_deployment_of_real_replicas_rolls_back_bad_weights(ray_cli
     router._on_replica_restarted = manager.request_sync
     spec = DeploymentSpec(
         name="canaried",
+        num_cpus=0.5,
         replicas=2,
         max_model_len=64,
         max_batch_size=4,
@@ -209,7 +209,7 @@ async def test_tp2_replica_rolls_back_on_every_rank(ray_client):
 
     from services.inference_router.replica import InferenceReplica
 
-    spec = DeploymentSpec(name="tp2", tensor_parallel=2, max_model_len=48, max_batch_size=4)
+    spec = DeploymentSpec(name="tp2", num_cpus=0.5, tensor_parallel=2, max_model_len=48, max_batch_size=4)
     actor = InferenceReplica.options(num_cpus=0.5).remote(spec=spec, replica="tp2-r0")
     try:
         address = await actor.address.remote()

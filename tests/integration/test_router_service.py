@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 DEPLOYMENTS = [
     {
         "name": "short",
+        "num_cpus": 0.5,
         "replicas": 2,
         "tensor_parallel": 1,
         "max_output_tokens": 16,
@@ -30,6 +31,7 @@ DEPLOYMENTS = [
     },
     {
         "name": "long",
+        "num_cpus": 0.5,
         "replicas": 1,
         "tensor_parallel": 2,
         "min_output_tokens": 17,
@@ -50,7 +52,6 @@ def fleet(ray_client, tmp_path_factory):
         version_wait_s=VERSION_WAIT_S,
         version_unavailable_code="UNAVAILABLE",
         status_interval_s=0.2,
-        replica_num_cpus=0.5,
     )
     try:
         router.wait_serving(timeout=150)

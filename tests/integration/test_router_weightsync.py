@@ -58,13 +58,12 @@ def test_replicas_receive_weights_through_weight_sync_and_a_restarted_one_resync
 ):
     import ray
 
-    deployments = [{"name": "d", "replicas": 2, "max_model_len": 128, "max_batch_size": 8}]
+    deployments = [{"name": "d", "num_cpus": 0.5, "replicas": 2, "max_model_len": 128, "max_batch_size": 8}]
     router = RouterProcess(
         deployments,
         tmp_path / "router.log",
         weight_sync_address=weight_sync,
         status_interval_s=0.2,
-        replica_num_cpus=0.5,
         version_wait_s=30,
     )
     ws_channel = grpc.insecure_channel(weight_sync)

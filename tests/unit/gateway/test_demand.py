@@ -39,21 +39,24 @@ gpu_memory_utilization = 0.5
 
 
 def test_demand_counts_trainer_ranks_and_every_replica_as_the_services_ask_ray() -> None:
-    demand = run_demand(parse_recipe(GPU_RUN.format(world=2)), num_cpus_per_rank=0.5, replica_num_cpus=1.0)
+    demand = run_demand(parse_recipe(GPU_RUN.format(world=2)))
     assert [(p.name, p.cpus, p.gpus) for p in demand.parts] == [
         ("trainer", 1.0, 2.0),
         ("deployments[0] 'fast'", 2.0, 4.0),  # 2 replicas x tp 2, one GPU per TP rank
         ("deployments[1] 'shared'", 3.0, 1.5),  # 3 replicas x a 0.5 share of one GPU
     ]
     assert (demand.cpus, demand.gpus) == (6.0, 7.5)
-    cpu_tp = parse_recipe("[trainer]\nworld_size = 4\n[[deployments]]\nreplicas = 2\ntensor_parallel = 3\n")
-    demand = run_demand(cpu_tp, num_cpus_per_rank=0.25, replica_num_cpus=0.5)
+    cpu_tp = parse_recipe(
+        "[trainer]\nworld_size = 4\nnum_cpus_per_rank = 0.25\n"
+        "[[deployments]]\nreplicas = 2\ntensor_parallel = 3\nnum_cpus = 0.5\n"
+    )
+    demand = run_demand(cpu_tp)
     # cpu backend: each replica's actor plus one CPU per TP worker (ranks 1..tp-1), no GPU.
     assert (demand.cpus, demand.gpus) == (4 * 0.25 + 2 * (0.5 + 2), 0.0)
 
 
 def test_a_part_over_the_gpu_quota_is_refused_naming_it_and_the_numbers() -> None:
-    demand = run_demand(parse_recipe(GPU_RUN.format(world=8)), 0.5, 1.0)
+    demand = run_demand(parse_recipe(GPU_RUN.format(world=8)))
     with pytest.raises(ResourceExhausted) as err:
         check_quota(demand, team(max_gpus=4))
     assert err.value.message == (
@@ -62,7 +65,7 @@ def test_a_part_over_the_gpu_quota_is_refused_naming_it_and_the_numbers() -> Non
 
 
 def test_a_run_over_the_quota_only_in_total_is_refused_with_its_parts() -> None:
-    demand = run_demand(parse_recipe(GPU_RUN.format(world=1)), 0.5, 1.0)
+    demand = run_demand(parse_recipe(GPU_RUN.format(world=1)))
     with pytest.raises(ResourceExhausted) as err:
         check_quota(demand, team(max_gpus=4))
     assert err.value.message == (
@@ -70,15 +73,13 @@ def test_a_run_over_the_quota_only_in_total_is_refused_with_its_parts() -> None:
         "tenant 'team-a' quota max_gpus=4"
     )
     with pytest.raises(ResourceExhausted, match=r"^deployments\[0\] 'default': 3 CPUs \(replicas 3 x 1 CPUs"):
-        check_quota(run_demand(parse_recipe("[[deployments]]\nreplicas = 3\n"), 0.5, 1.0), team(max_cpus=2))
+        check_quota(run_demand(parse_recipe("[[deployments]]\nreplicas = 3\n")), team(max_cpus=2))
 
 
 def test_a_run_within_the_quota_is_admitted() -> None:
-    demand = run_demand(parse_recipe(GPU_RUN.format(world=1)), 0.5, 1.0)
+    demand = run_demand(parse_recipe(GPU_RUN.format(world=1)))
     check_quota(demand, team(max_gpus=6.5, max_cpus=6.5))
-    check_quota(
-        run_demand(parse_recipe(""), 0.5, 1.0), team(max_gpus=0, max_cpus=2)
-    )  # default recipe: 2 CPUs
+    check_quota(run_demand(parse_recipe("")), team(max_gpus=0, max_cpus=2))  # default recipe: 2 CPUs
 
 
 def test_a_tenant_at_its_concurrent_runs_is_refused() -> None:
