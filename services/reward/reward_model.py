@@ -81,9 +81,9 @@ def replica_actor_class():
     """The Ray actor class, built lazily so importing this module does not import ray."""
     import ray
 
-    # A crashed replica is restarted by Ray (it reloads the model) and the batch in flight is
-    # scored again on it.
-    @ray.remote(num_cpus=0.5, max_restarts=-1, max_task_retries=1)
+    # A crashed replica is restarted by Ray (it reloads the model); the pool scores the batch it lost
+    # once more (`_score`), not through Ray's task retries, which can race the pool retiring it.
+    @ray.remote(num_cpus=0.5, max_restarts=-1)
     class RewardModelReplica:
         def __init__(self, model: str, transform: str = "sigmoid", max_length: int = 512) -> None:
             self.scorer = SequenceClassifierScorer(model, transform, max_length)
@@ -190,7 +190,7 @@ class RewardModelPool:
         self._inflight_items += len(batch)
         self.batches_sent += 1
         try:
-            scores = await slot[0].score.remote([text for text, _ in batch])
+            scores = await self._score(slot[0], [text for text, _ in batch])
         except Exception as exc:  # the verifier wrapper reports it as a failed component
             for _, fut in batch:
                 if not fut.done():
@@ -202,6 +202,15 @@ class RewardModelPool:
         for (_, fut), value in zip(batch, scores, strict=True):
             if not fut.done():
                 fut.set_result(float(value))
+
+    async def _score(self, replica: Any, texts: list[str]) -> list[float]:
+        """Scores from `replica`, once more if it crashed under the batch (Ray restarts it)."""
+        import ray
+
+        try:
+            return await replica.score.remote(texts)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+            return await replica.score.remote(texts)
 
     async def _scale_loop(self) -> None:
         while True:

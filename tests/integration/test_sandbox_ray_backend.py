@@ -88,7 +88,7 @@ async def test_exec_runs_on_ray_sandbox_actors(ray_backend_service, ray_head):
         assert step.done and step.reward == 1.0
         assert metric(metrics, "looprl_sandbox_fleet_executions_total") == 10
 
-        # Crashed sandbox actors are restarted by Ray; Execs go on (one in flight is retried).
+        # Crashed sandbox actors are restarted by Ray and the next Execs run on them.
         killed = sandbox_actor_pids(ray_head)
         assert killed
         for pid in killed:
