@@ -33,7 +33,7 @@ from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import subjects, telemetry, trainer_epochs
-from services.kit.bus import Bus
+from services.kit.bus import BUS_UNAVAILABLE, Bus
 from services.kit.kv import KV
 from services.kit.recipe import Recipe, RunRecord, sampling_seed
 
@@ -140,15 +140,28 @@ class RunDriver:
             asyncio.create_task(follow_errors(self.bus, self.store, self.run_id, self.changed)),
             asyncio.create_task(self._watch_stalls()),
         ]
+        delay = 0.5
         try:
-            await self._feed()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.exception("run %s failed", self.run_id)
-            error = f"gateway: {exc!r}"
-            await self.store.update(self.run_id, lambda r: fail(r, error))
-            self._lifecycle("run failed", error=error)
+            while True:
+                try:
+                    await self._feed()
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except BUS_UNAVAILABLE as exc:
+                    # nats-server restarting: feeding resumes from the record (fed_steps), and a step
+                    # published again is a JetStream duplicate of the same message ids.
+                    log.warning(
+                        "run %s: the bus did not answer (%r); feeding again in %.1fs", self.run_id, exc, delay
+                    )
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 10.0)
+                except Exception as exc:
+                    log.exception("run %s failed", self.run_id)
+                    error = f"gateway: {exc!r}"
+                    await self.store.update(self.run_id, lambda r, e=error: fail(r, e))
+                    self._lifecycle("run failed", error=error)
+                    return
         finally:
             for task in followers:
                 task.cancel()

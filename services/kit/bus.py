@@ -73,6 +73,17 @@ DEFAULT_DUPLICATE_WINDOW_S = 120.0
 M = TypeVar("M", bound=Message)
 
 
+# What a NATS call raises while the server restarts or JetStream is not back yet: worth retrying.
+BUS_UNAVAILABLE: tuple[type[Exception], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.js.errors.ServiceUnavailableError,
+)
+
+
 class Bus:
     """One NATS connection with its JetStream context. Create with `await Bus.connect(...)`."""
 
