@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import urllib.request
 
 import grpc
@@ -45,21 +44,7 @@ def ray_backend_service(ray_head):
         yield svc.proc, svc.address, svc.metrics_url
 
 
-def sandbox_actor_pids(ray_head) -> list[int]:
-    from services.kit.local import session_pids
-
-    pids = []
-    for pid in session_pids(ray_head.proc.pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().startswith(b"ray::SandboxActor"):
-                    pids.append(pid)
-        except OSError:
-            continue
-    return pids
-
-
-async def test_exec_runs_on_ray_sandbox_actors(ray_backend_service, ray_head):
+async def test_exec_runs_on_ray_sandbox_actors(ray_backend_service):
     proc, address, metrics = ray_backend_service
     channel = grpc.aio.insecure_channel(address)
     stub = env_grpc.EnvironmentSandboxServiceStub(channel)
@@ -87,15 +72,6 @@ async def test_exec_runs_on_ray_sandbox_actors(ray_backend_service, ray_head):
         )
         assert step.done and step.reward == 1.0
         assert metric(metrics, "looprl_sandbox_fleet_executions_total") == 10
-
-        # Crashed sandbox actors are restarted by Ray and the next Execs run on them.
-        killed = sandbox_actor_pids(ray_head)
-        assert killed
-        for pid in killed:
-            os.kill(pid, signal.SIGKILL)
-        outs = await asyncio.gather(*(stub.Exec(env_pb.ExecRequest(code="print(6 * 7)")) for _ in range(4)))
-        assert [o.stdout.strip() for o in outs] == ["42"] * 4, outs
-        assert not set(sandbox_actor_pids(ray_head)) & set(killed)
 
         # Containment and validation behave as with the local pool.
         loop = await stub.Exec(env_pb.ExecRequest(code="while True: pass", timeout_seconds=1.0))

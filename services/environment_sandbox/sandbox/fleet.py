@@ -34,9 +34,7 @@ EXECUTIONS = counter("looprl_sandbox_fleet_executions_total")
 def sandbox_actor_class():
     import ray
 
-    # A crashed actor is restarted by Ray; the fleet runs the Exec it lost once more (`_run`). Not
-    # Ray's own task retries: a resubmitted task raced with the fleet retiring that actor and hung.
-    @ray.remote(num_cpus=0.25, max_restarts=-1)
+    @ray.remote(num_cpus=0.25)
     class SandboxActor:
         def __init__(self, config: dict) -> None:
             self.config = SandboxConfig.model_validate(config)
@@ -125,7 +123,7 @@ class SandboxFleet:
         finally:
             self._waiting -= 1
         try:
-            result = ExecResult(**await self._run(slot[0], job))
+            result = ExecResult(**await slot[0].execute.remote(asdict(job)))
         except Exception as exc:
             # Ray wraps the actor's exception; the original is its cause.
             cause = exc if isinstance(exc, SandboxUnavailable) else getattr(exc, "cause", None)
@@ -139,16 +137,6 @@ class SandboxFleet:
             return result
         finally:
             slot[1] -= 1
-
-    async def _run(self, actor: Any, job: ExecJob) -> dict:
-        """The job on `actor`, once more if the actor crashed under it (Ray restarts it; an
-        execution has no effect outside its sandbox)."""
-        import ray
-
-        try:
-            return await actor.execute.remote(asdict(job))
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
-            return await actor.execute.remote(asdict(job))
 
     async def run_code(self, code: str, stdin: str = "", files: dict | None = None, timeout_s: float = 0.0):
         return await self.execute(ExecJob(code, stdin, dict(files or {}), timeout_s))
