@@ -23,6 +23,9 @@ from services.reward.verifiers import ScoreInput, Verifier
 log = logging.getLogger(__name__)
 
 
+RESTART_WAIT_S = 60.0  # how long a batch waits for a crashed replica Ray is restarting (model load)
+
+
 class SequenceClassifierScorer:
     """Loads the model (a local directory, or TINY: a tiny Qwen2 classifier built from a config)."""
 
@@ -204,13 +207,17 @@ class RewardModelPool:
                 fut.set_result(float(value))
 
     async def _score(self, replica: Any, texts: list[str]) -> list[float]:
-        """Scores from `replica`, once more if it crashed under the batch (Ray restarts it)."""
+        """Scores from `replica`, asked again while Ray restarts it after a crash (RESTART_WAIT_S)."""
         import ray
 
-        try:
-            return await replica.score.remote(texts)
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
-            return await replica.score.remote(texts)
+        deadline = asyncio.get_running_loop().time() + RESTART_WAIT_S
+        while True:
+            try:
+                return await replica.score.remote(texts)
+            except ray.exceptions.ActorUnavailableError:  # restarting: ask again until it is back
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
 
     async def _scale_loop(self) -> None:
         while True:
