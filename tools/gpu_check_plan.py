@@ -3,7 +3,7 @@ functions (tests/unit/deploy/test_gpu_check.py checks them without GPUs).
 
 Sizing: the run needs the trainer (one rank) and two vLLM deployments of one replica each, tp=1
 and tp=2 where the GPUs allow it, else two tp=1. Ray counts GPUs logically: a replica asks for
-`replica_gpus(spec)` (tp whole GPUs, or its memory share when tp=1 with gpu_memory_utilization
+`DeploymentSpec.gpus_per_replica` (tp whole GPUs, or its memory share when tp=1 with gpu_memory_utilization
 set), a trainer rank for `num_gpus_per_rank`. A request Ray cannot place waits forever, so every
 size below is one whose requests fit the machine whatever order Ray sees them in (whole-GPU
 requests take free GPUs, fractional ones the best-fitting GPU, as Ray's resource_instance_set.cc
@@ -74,14 +74,13 @@ def sized_recipe(recipe: dict[str, Any], gpus: int, steps: int) -> dict[str, Any
 def ray_gpu_requests(recipe: Any) -> list[float]:
     """Every GPU request the parsed recipe makes of Ray, computed by the functions that make them
     (the trainer's rank bundles, each replica's actor options)."""
-    from services.inference_router.deployments import replica_gpus
     from services.trainer.ranks import RankGroup
 
     t = recipe.trainer
     bundle = RankGroup(t.world_size, num_gpus_per_rank=t.num_gpus_per_rank).bundle()
     out = [bundle.get("GPU", 0.0)] * t.world_size
     for spec in recipe.deployments:
-        out += [replica_gpus(spec)] * spec.replicas
+        out += [spec.gpus_per_replica] * spec.replicas
     return [g for g in out if g]
 
 

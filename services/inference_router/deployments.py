@@ -55,11 +55,6 @@ def profile_of(spec: DeploymentSpec) -> LengthProfile:
     )
 
 
-def replica_gpus(spec: DeploymentSpec) -> float:
-    """GPUs a replica asks Ray for (DeploymentSpec.gpus_per_replica: the gateway's admission counts the same)."""
-    return spec.gpus_per_replica
-
-
 def replica_actor_options(spec: DeploymentSpec, config: RouterConfig, index: int) -> dict[str, Any]:
     """Ray options of replica `index` of `spec` (pure, so CPU tests can check the GPU request)."""
     return {
@@ -69,7 +64,7 @@ def replica_actor_options(spec: DeploymentSpec, config: RouterConfig, index: int
         "max_task_retries": 0,
         "max_concurrency": 1000,
         "num_cpus": spec.num_cpus,
-        "num_gpus": replica_gpus(spec),
+        "num_gpus": spec.gpus_per_replica,  # the gateway's admission counts the same
         # Custom resources pin the replicas to the nodes that offer them (recipe).
         "resources": dict(spec.ray_resources) or None,
     }

@@ -73,17 +73,17 @@ def cluster_id(address: str) -> str:
 
 def _head_ready(address: str) -> str:
     """The new head's cluster id once it answers and its own node is alive (ray.init needs both)."""
-    new = cluster_id(address)
-    if not new:
+    if not _port_open(address):
         return ""
     from ray._raylet import GcsClient
     from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
     try:
-        nodes = GcsClient(address=address).get_all_node_info(timeout=5)
+        client = GcsClient(address=address)
+        alive = any(info.state == GcsNodeInfo.ALIVE for info in client.get_all_node_info(timeout=5).values())
+        return client.cluster_id.hex() if alive else ""
     except Exception:
         return ""
-    return new if any(info.state == GcsNodeInfo.ALIVE for info in nodes.values()) else ""
 
 
 def joined(address: str) -> None:

@@ -339,13 +339,12 @@ def container_env(deployment: dict, resources: list[dict]) -> dict[str, str]:
 
 def router_deployments(resources: list[dict]):
     """The inference-router's deployments as its own config parses them from its rendered env."""
-    from services.inference_router.deployments import replica_gpus
 
     compose_checks = load_sibling("test_deploy_compose.py")
     cls, prefix = compose_checks.service_config(STACK["inference-router"])
     env = container_env(of_kind("Deployment", resources)["inference-router"], resources)
     config = load_config(cls, prefix, env)
-    return config, [(spec, replica_gpus(spec)) for spec in config.deployments]
+    return config, [(spec, spec.gpus_per_replica) for spec in config.deployments]
 
 
 @pytest.mark.slow

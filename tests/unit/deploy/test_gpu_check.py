@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from services.inference_router.deployments import replica_gpus
 from services.kit.recipe import parse_recipe
 from tools import gpu_check_plan as plan
 
@@ -38,7 +37,7 @@ def test_every_gpu_request_of_the_sized_run_fits_the_machine_in_any_order(gpus):
     assert recipe.run.steps == 20 and recipe.trainer.world_size == 1
     # vLLM's memory shares of processes on one GPU add up to at most the GPU: each fractional
     # replica's share is its Ray request, and the trainer's Ray share leaves the rest to it
-    assert all(d.gpu_memory_utilization in (0.0, replica_gpus(d)) for d in recipe.deployments)
+    assert all(d.gpu_memory_utilization in (0.0, d.gpus_per_replica) for d in recipe.deployments)
     assert sum(requests) <= gpus + 1e-9
 
 

@@ -21,7 +21,7 @@ import torch
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
 from services.inference_router.config import RouterConfig
-from services.inference_router.deployments import DeploymentManager, replica_gpus
+from services.inference_router.deployments import DeploymentManager
 from services.inference_router.engine import vllm_engine
 from services.inference_router.policies import DeploymentState, LengthProfile, ReplicaState
 from services.inference_router.replica import ReplicaCore
@@ -137,12 +137,12 @@ def test_gpu_requests_follow_the_deployment_spec():
     one = RECIPE.replace("tensor_parallel = 2", "tensor_parallel = 1")
     [shared] = parse_recipe(one + "gpu_memory_utilization = 0.4\n").deployments
     [cpu] = parse_recipe('[[deployments]]\nname = "c"\nbackend = "cpu"\n').deployments
-    assert (replica_gpus(tp2), replica_gpus(shared), replica_gpus(cpu)) == (2, 0.4, 0)
+    assert (tp2.gpus_per_replica, shared.gpus_per_replica, cpu.gpus_per_replica) == (2, 0.4, 0)
 
 
 def test_tp2_vllm_deployment_registers_both_fused_ranks_and_each_worker_gets_its_own(monkeypatch):
     [spec] = parse_recipe(RECIPE).deployments
-    assert replica_gpus(spec) == 2  # the replica's Ray actor asks for one GPU per TP rank
+    assert spec.gpus_per_replica == 2  # the replica's Ray actor asks for one GPU per TP rank
     layout = Layout(2, "fused", "bfloat16")
     llm = RecordingAsyncLLM(CONFIG, layout)
 
