@@ -18,6 +18,7 @@ POLICY: dict[str, dict[str, frozenset[str]]] = {
         "PushShards": frozenset({"trainer"}),
         "RegisterTarget": frozenset({"inference-router"}),
         "RequestSync": frozenset({"inference-router"}),
+        "UnregisterTarget": frozenset({"inference-router"}),
         "GetVersion": frozenset({"trainer", "inference-router", "gateway", OPERATOR}),
     },
     # Engine replicas (and external deployments): weights come only from weight-sync.

@@ -305,6 +305,12 @@ class TrainerSection(Section):
     _builtin = field_validator("ray_resources_per_rank")(_custom_resources)
 
 
+def run_deployment_name(run_id: str, name: str) -> str:
+    """A run's deployment as the router and weight-sync know it: `<run id>/<name>`. Recipe names are
+    unique within a run; this makes them unique across the runs one stack serves at once."""
+    return f"{run_id}/{name}"
+
+
 class DeploymentSpec(Section):
     """One inference deployment ([[deployments]]): its engine, its replicas and the length profile it is tuned for."""
 

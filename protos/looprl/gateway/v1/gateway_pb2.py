@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1flooprl/gateway/v1/gateway.proto\x12\x11looprl.gateway.v1\"8\n\x11\x44\x65ploymentVersion\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xe7\x02\n\x0bStepSummary\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0breward_mean\x18\x02 \x01(\x01\x12\x12\n\nreward_std\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x16\n\x0emean_staleness\x18\x05 \x01(\x01\x12\x1f\n\x17train_tokens_per_second\x18\x06 \x01(\x01\x12$\n\x1cgeneration_tokens_per_second\x18\x07 \x01(\x01\x12\x14\n\x0cnum_rollouts\x18\x08 \x01(\x03\x12\x0f\n\x07seconds\x18\t \x01(\x01\x12\x15\n\rmax_staleness\x18\n \x01(\x03\x12\x15\n\rclip_fraction\x18\x0b \x01(\x01\x12\n\n\x02kl\x18\x0c \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\r \x01(\x01\x12\x11\n\tgrad_norm\x18\x0e \x01(\x01\x12\x1c\n\x14mean_response_tokens\x18\x0f \x01(\x01\x12\x11\n\tunix_time\x18\x10 \x01(\x01\"V\n\nWeightSync\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0csync_seconds\x18\x03 \x01(\x01\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\"\xaa\x05\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.looprl.gateway.v1.RunState\x12\x13\n\x0brecipe_toml\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x03\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x39\n\x0b\x64\x65ployments\x18\x07 \x03(\x0b\x32$.looprl.gateway.v1.DeploymentVersion\x12/\n\x07history\x18\x08 \x03(\x0b\x32\x1e.looprl.gateway.v1.StepSummary\x12\x1a\n\x12\x65pisodes_published\x18\t \x01(\x03\x12\x18\n\x10rollouts_trained\x18\n \x01(\x03\x12\x45\n\x10rollouts_dropped\x18\x0b \x03(\x0b\x32+.looprl.gateway.v1.Run.RolloutsDroppedEntry\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x17\n\x0fqueued_episodes\x18\r \x01(\x03\x12\x1c\n\x14\x64uplicate_deliveries\x18\x0e \x01(\x03\x12\x33\n\x0cweight_syncs\x18\x0f \x03(\x0b\x32\x1d.looprl.gateway.v1.WeightSync\x12\x35\n\nlast_error\x18\x10 \x01(\x0b\x32!.looprl.gateway.v1.ComponentError\x12\x16\n\x0estalled_reason\x18\x11 \x01(\t\x12\x1c\n\x14step_records_ignored\x18\x12 \x01(\x03\x12\x0e\n\x06tenant\x18\x13 \x01(\t\x1a\x36\n\x14RolloutsDroppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\\\n\x0e\x43omponentError\x12\x11\n\tcomponent\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0boccurrences\x18\x03 \x01(\x03\x12\x11\n\tunix_time\x18\x04 \x01(\x01\"7\n\x10\x43reateRunRequest\x12\x13\n\x0brecipe_toml\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"8\n\x11\x43reateRunResponse\x12#\n\x03run\x18\x01 \x01(\x0b\x32\x16.looprl.gateway.v1.Run\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"5\n\x0eGetRunResponse\x12#\n\x03run\x18\x01 \x01(\x0b\x32\x16.looprl.gateway.v1.Run\"\x11\n\x0fListRunsRequest\"8\n\x10ListRunsResponse\x12$\n\x04runs\x18\x01 \x03(\x0b\x32\x16.looprl.gateway.v1.Run\" \n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"6\n\x0fStopRunResponse\x12#\n\x03run\x18\x01 \x01(\x0b\x32\x16.looprl.gateway.v1.Run\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"7\n\x10WatchRunResponse\x12#\n\x03run\x18\x01 \x01(\x0b\x32\x16.looprl.gateway.v1.Run*\xc8\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_PENDING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_STOPPING\x10\x03\x12\x17\n\x13RUN_STATE_COMPLETED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x12\x15\n\x11RUN_STATE_STOPPED\x10\x06\x12\x15\n\x11RUN_STATE_STALLED\x10\x07\x32\xb5\x03\n\x0eGatewayService\x12V\n\tCreateRun\x12#.looprl.gateway.v1.CreateRunRequest\x1a$.looprl.gateway.v1.CreateRunResponse\x12M\n\x06GetRun\x12 .looprl.gateway.v1.GetRunRequest\x1a!.looprl.gateway.v1.GetRunResponse\x12S\n\x08ListRuns\x12\".looprl.gateway.v1.ListRunsRequest\x1a#.looprl.gateway.v1.ListRunsResponse\x12P\n\x07StopRun\x12!.looprl.gateway.v1.StopRunRequest\x1a\".looprl.gateway.v1.StopRunResponse\x12U\n\x08WatchRun\x12\".looprl.gateway.v1.WatchRunRequest\x1a#.looprl.gateway.v1.WatchRunResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1flooprl/gateway/v1/gateway.proto\x12\x11looprl.gateway.v1\"8\n\x11\x44\x65ploymentVersion\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xe7\x02\n\x0bStepSummary\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0breward_mean\x18\x02 \x01(\x01\x12\x12\n\nreward_std\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x16\n\x0emean_staleness\x18\x05 \x01(\x01\x12\x1f\n\x17train_tokens_per_second\x18\x06 \x01(\x01\x12$\n\x1cgeneration_tokens_per_second\x18\x07 \x01(\x01\x12\x14\n\x0cnum_rollouts\x18\x08 \x01(\x03\x12\x0f\n\x07seconds\x18\t \x01(\x01\x12\x15\n\rmax_staleness\x18\n \x01(\x03\x12\x15\n\rclip_fraction\x18\x0b \x01(\x01\x12\n\n\x02kl\x18\x0c \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\r \x01(\x01\x12\x11\n\tgrad_norm\x18\x0e \x01(\x01\x12\x1c\n\x14mean_response_tokens\x18\x0f \x01(\x01\x12\x11\n\tunix_time\x18\x10 \x01(\x01\"V\n\nWeightSync\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0csync_seconds\x18\x03 \x01(\x01\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\"\xd9\x05\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.looprl.gateway.v1.RunState\x12\x13\n\x0brecipe_toml\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x03\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x39\n\x0b\x64\x65ployments\x18\x07 \x03(\x0b\x32$.looprl.gateway.v1.DeploymentVersion\x12/\n\x07history\x18\x08 \x03(\x0b\x32\x1e.looprl.gateway.v1.StepSummary\x12\x1a\n\x12\x65pisodes_published\x18\t \x01(\x03\x12\x18\n\x10rollouts_trained\x18\n \x01(\x03\x12\x45\n\x10rollouts_dropped\x18\x0b \x03(\x0b\x32+.looprl.gateway.v1.Run.RolloutsDroppedEntry\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x17\n\x0fqueued_episodes\x18\r \x01(\x03\x12\x1c\n\x14\x64uplicate_deliveries\x18\x0e \x01(\x03\x12\x33\n\x0cweight_syncs\x18\x0f \x03(\x0b\x32\x1d.looprl.gateway.v1.WeightSync\x12\x35\n\nlast_error\x18\x10 \x01(\x0b\x32!.looprl.gateway.v1.ComponentError\x12\x16\n\x0estalled_reason\x18\x11 \x01(\t\x12\x1c\n\x14step_records_ignored\x18\x12 \x01(\x03\x12\x0e\n\x06tenant\x18\x13 \x01(\t\x12\x16\n\x0equeue_position\x18\x14 \x01(\x05\x12\x15\n\rqueued_reason\x18\x15 \x01(\t\x1a\x36\n\x14RolloutsDroppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\\\n\x0e\x43omponentError\x12\x11\n\tcomponent\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0boccurrences\x18\x03 \x01(\x03\x12\x11\n\tunix_time\x18\x04 \x01(\x01\"7\n\x10\x43reateRunRequest\x12\x13\n\x0brecipe_toml\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"8\n\x11\x43reateRunResponse\x12#\n\x03run\x18\x01 \x01(\x0b\x32\x16.looprl.gateway.v1.Run\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"5\n\x0eGetRunResponse\x12#\n\x03run\x18\x01 \x01(\x0b\x32\x16.looprl.gateway.v1.Run\"\x11\n\x0fListRunsRequest\"8\n\x10ListRunsResponse\x12$\n\x04runs\x18\x01 \x03(\x0b\x32\x16.looprl.gateway.v1.Run\" \n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"6\n\x0fStopRunResponse\x12#\n\x03run\x18\x01 \x01(\x0b\x32\x16.looprl.gateway.v1.Run\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"7\n\x10WatchRunResponse\x12#\n\x03run\x18\x01 \x01(\x0b\x32\x16.looprl.gateway.v1.Run*\xde\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_PENDING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_STOPPING\x10\x03\x12\x17\n\x13RUN_STATE_COMPLETED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x12\x15\n\x11RUN_STATE_STOPPED\x10\x06\x12\x15\n\x11RUN_STATE_STALLED\x10\x07\x12\x14\n\x10RUN_STATE_QUEUED\x10\x08\x32\xb5\x03\n\x0eGatewayService\x12V\n\tCreateRun\x12#.looprl.gateway.v1.CreateRunRequest\x1a$.looprl.gateway.v1.CreateRunResponse\x12M\n\x06GetRun\x12 .looprl.gateway.v1.GetRunRequest\x1a!.looprl.gateway.v1.GetRunResponse\x12S\n\x08ListRuns\x12\".looprl.gateway.v1.ListRunsRequest\x1a#.looprl.gateway.v1.ListRunsResponse\x12P\n\x07StopRun\x12!.looprl.gateway.v1.StopRunRequest\x1a\".looprl.gateway.v1.StopRunResponse\x12U\n\x08WatchRun\x12\".looprl.gateway.v1.WatchRunRequest\x1a#.looprl.gateway.v1.WatchRunResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RUN_ROLLOUTSDROPPEDENTRY']._loaded_options = None
   _globals['_RUN_ROLLOUTSDROPPEDENTRY']._serialized_options = b'8\001'
-  _globals['_RUNSTATE']._serialized_start=1804
-  _globals['_RUNSTATE']._serialized_end=2004
+  _globals['_RUNSTATE']._serialized_start=1851
+  _globals['_RUNSTATE']._serialized_end=2073
   _globals['_DEPLOYMENTVERSION']._serialized_start=54
   _globals['_DEPLOYMENTVERSION']._serialized_end=110
   _globals['_STEPSUMMARY']._serialized_start=113
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WEIGHTSYNC']._serialized_start=474
   _globals['_WEIGHTSYNC']._serialized_end=560
   _globals['_RUN']._serialized_start=563
-  _globals['_RUN']._serialized_end=1245
-  _globals['_RUN_ROLLOUTSDROPPEDENTRY']._serialized_start=1191
-  _globals['_RUN_ROLLOUTSDROPPEDENTRY']._serialized_end=1245
-  _globals['_COMPONENTERROR']._serialized_start=1247
-  _globals['_COMPONENTERROR']._serialized_end=1339
-  _globals['_CREATERUNREQUEST']._serialized_start=1341
-  _globals['_CREATERUNREQUEST']._serialized_end=1396
-  _globals['_CREATERUNRESPONSE']._serialized_start=1398
-  _globals['_CREATERUNRESPONSE']._serialized_end=1454
-  _globals['_GETRUNREQUEST']._serialized_start=1456
-  _globals['_GETRUNREQUEST']._serialized_end=1487
-  _globals['_GETRUNRESPONSE']._serialized_start=1489
-  _globals['_GETRUNRESPONSE']._serialized_end=1542
-  _globals['_LISTRUNSREQUEST']._serialized_start=1544
-  _globals['_LISTRUNSREQUEST']._serialized_end=1561
-  _globals['_LISTRUNSRESPONSE']._serialized_start=1563
-  _globals['_LISTRUNSRESPONSE']._serialized_end=1619
-  _globals['_STOPRUNREQUEST']._serialized_start=1621
-  _globals['_STOPRUNREQUEST']._serialized_end=1653
-  _globals['_STOPRUNRESPONSE']._serialized_start=1655
-  _globals['_STOPRUNRESPONSE']._serialized_end=1709
-  _globals['_WATCHRUNREQUEST']._serialized_start=1711
-  _globals['_WATCHRUNREQUEST']._serialized_end=1744
-  _globals['_WATCHRUNRESPONSE']._serialized_start=1746
-  _globals['_WATCHRUNRESPONSE']._serialized_end=1801
-  _globals['_GATEWAYSERVICE']._serialized_start=2007
-  _globals['_GATEWAYSERVICE']._serialized_end=2444
+  _globals['_RUN']._serialized_end=1292
+  _globals['_RUN_ROLLOUTSDROPPEDENTRY']._serialized_start=1238
+  _globals['_RUN_ROLLOUTSDROPPEDENTRY']._serialized_end=1292
+  _globals['_COMPONENTERROR']._serialized_start=1294
+  _globals['_COMPONENTERROR']._serialized_end=1386
+  _globals['_CREATERUNREQUEST']._serialized_start=1388
+  _globals['_CREATERUNREQUEST']._serialized_end=1443
+  _globals['_CREATERUNRESPONSE']._serialized_start=1445
+  _globals['_CREATERUNRESPONSE']._serialized_end=1501
+  _globals['_GETRUNREQUEST']._serialized_start=1503
+  _globals['_GETRUNREQUEST']._serialized_end=1534
+  _globals['_GETRUNRESPONSE']._serialized_start=1536
+  _globals['_GETRUNRESPONSE']._serialized_end=1589
+  _globals['_LISTRUNSREQUEST']._serialized_start=1591
+  _globals['_LISTRUNSREQUEST']._serialized_end=1608
+  _globals['_LISTRUNSRESPONSE']._serialized_start=1610
+  _globals['_LISTRUNSRESPONSE']._serialized_end=1666
+  _globals['_STOPRUNREQUEST']._serialized_start=1668
+  _globals['_STOPRUNREQUEST']._serialized_end=1700
+  _globals['_STOPRUNRESPONSE']._serialized_start=1702
+  _globals['_STOPRUNRESPONSE']._serialized_end=1756
+  _globals['_WATCHRUNREQUEST']._serialized_start=1758
+  _globals['_WATCHRUNREQUEST']._serialized_end=1791
+  _globals['_WATCHRUNRESPONSE']._serialized_start=1793
+  _globals['_WATCHRUNRESPONSE']._serialized_end=1848
+  _globals['_GATEWAYSERVICE']._serialized_start=2076
+  _globals['_GATEWAYSERVICE']._serialized_end=2513
 # @@protoc_insertion_point(module_scope)

@@ -17,6 +17,7 @@ class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATE_FAILED: _ClassVar[RunState]
     RUN_STATE_STOPPED: _ClassVar[RunState]
     RUN_STATE_STALLED: _ClassVar[RunState]
+    RUN_STATE_QUEUED: _ClassVar[RunState]
 RUN_STATE_UNSPECIFIED: RunState
 RUN_STATE_PENDING: RunState
 RUN_STATE_RUNNING: RunState
@@ -25,6 +26,7 @@ RUN_STATE_COMPLETED: RunState
 RUN_STATE_FAILED: RunState
 RUN_STATE_STOPPED: RunState
 RUN_STATE_STALLED: RunState
+RUN_STATE_QUEUED: RunState
 
 class DeploymentVersion(_message.Message):
     __slots__ = ("deployment", "version")
@@ -83,7 +85,7 @@ class WeightSync(_message.Message):
     def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "state", "recipe_toml", "step", "total_steps", "weight_version", "deployments", "history", "episodes_published", "rollouts_trained", "rollouts_dropped", "error", "queued_episodes", "duplicate_deliveries", "weight_syncs", "last_error", "stalled_reason", "step_records_ignored", "tenant")
+    __slots__ = ("run_id", "state", "recipe_toml", "step", "total_steps", "weight_version", "deployments", "history", "episodes_published", "rollouts_trained", "rollouts_dropped", "error", "queued_episodes", "duplicate_deliveries", "weight_syncs", "last_error", "stalled_reason", "step_records_ignored", "tenant", "queue_position", "queued_reason")
     class RolloutsDroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +112,8 @@ class Run(_message.Message):
     STALLED_REASON_FIELD_NUMBER: _ClassVar[int]
     STEP_RECORDS_IGNORED_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REASON_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     recipe_toml: str
@@ -129,7 +133,9 @@ class Run(_message.Message):
     stalled_reason: str
     step_records_ignored: int
     tenant: str
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., recipe_toml: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., deployments: _Optional[_Iterable[_Union[DeploymentVersion, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., episodes_published: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., rollouts_dropped: _Optional[_Mapping[str, int]] = ..., error: _Optional[str] = ..., queued_episodes: _Optional[int] = ..., duplicate_deliveries: _Optional[int] = ..., weight_syncs: _Optional[_Iterable[_Union[WeightSync, _Mapping]]] = ..., last_error: _Optional[_Union[ComponentError, _Mapping]] = ..., stalled_reason: _Optional[str] = ..., step_records_ignored: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    queue_position: int
+    queued_reason: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., recipe_toml: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., deployments: _Optional[_Iterable[_Union[DeploymentVersion, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., episodes_published: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., rollouts_dropped: _Optional[_Mapping[str, int]] = ..., error: _Optional[str] = ..., queued_episodes: _Optional[int] = ..., duplicate_deliveries: _Optional[int] = ..., weight_syncs: _Optional[_Iterable[_Union[WeightSync, _Mapping]]] = ..., last_error: _Optional[_Union[ComponentError, _Mapping]] = ..., stalled_reason: _Optional[str] = ..., step_records_ignored: _Optional[int] = ..., tenant: _Optional[str] = ..., queue_position: _Optional[int] = ..., queued_reason: _Optional[str] = ...) -> None: ...
 
 class ComponentError(_message.Message):
     __slots__ = ("component", "message", "occurrences", "unix_time")

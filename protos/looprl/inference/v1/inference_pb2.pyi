@@ -104,7 +104,7 @@ class ReplicaInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., healthy: _Optional[bool] = ..., weight_version: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., outstanding_requests: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class DeploymentInfo(_message.Message):
-    __slots__ = ("name", "backend", "tensor_parallel", "profile", "replicas", "max_model_len", "layout", "dtype")
+    __slots__ = ("name", "backend", "tensor_parallel", "profile", "replicas", "max_model_len", "layout", "dtype", "run_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class DeploymentInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     backend: str
     tensor_parallel: int
@@ -121,7 +122,8 @@ class DeploymentInfo(_message.Message):
     max_model_len: int
     layout: str
     dtype: str
-    def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., profile: _Optional[_Union[LengthProfile, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., profile: _Optional[_Union[LengthProfile, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class ListDeploymentsRequest(_message.Message):
     __slots__ = ()

@@ -124,11 +124,13 @@ class RegisterTargetResponse(_message.Message):
     def __init__(self, current_version: _Optional[int] = ...) -> None: ...
 
 class GetVersionRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class TargetVersion(_message.Message):
-    __slots__ = ("deployment", "version", "state", "last_error", "last_bytes", "last_sync_seconds", "canary_drift", "canary_rejected_version", "routes")
+    __slots__ = ("deployment", "version", "state", "last_error", "last_bytes", "last_sync_seconds", "canary_drift", "canary_rejected_version", "routes", "run_id")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +140,7 @@ class TargetVersion(_message.Message):
     CANARY_DRIFT_FIELD_NUMBER: _ClassVar[int]
     CANARY_REJECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     version: int
     state: str
@@ -147,7 +150,8 @@ class TargetVersion(_message.Message):
     canary_drift: float
     canary_rejected_version: int
     routes: _containers.RepeatedCompositeFieldContainer[DeliveryRoute]
-    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_bytes: _Optional[int] = ..., last_sync_seconds: _Optional[float] = ..., canary_drift: _Optional[float] = ..., canary_rejected_version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[DeliveryRoute, _Mapping]]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., last_bytes: _Optional[int] = ..., last_sync_seconds: _Optional[float] = ..., canary_drift: _Optional[float] = ..., canary_rejected_version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[DeliveryRoute, _Mapping]]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class DeliveryRoute(_message.Message):
     __slots__ = ("replica", "rank", "address", "host_id", "transport", "reason", "bytes_delivered")
@@ -188,3 +192,13 @@ class RequestSyncResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class UnregisterTargetRequest(_message.Message):
+    __slots__ = ("deployment",)
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    def __init__(self, deployment: _Optional[str] = ...) -> None: ...
+
+class UnregisterTargetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -54,6 +54,11 @@ class WeightSyncServiceStub:
                 request_serializer=looprl_dot_weightsync_dot_v1_dot_weightsync__pb2.RequestSyncRequest.SerializeToString,
                 response_deserializer=looprl_dot_weightsync_dot_v1_dot_weightsync__pb2.RequestSyncResponse.FromString,
                 _registered_method=True)
+        self.UnregisterTarget = channel.unary_unary(
+                '/looprl.weightsync.v1.WeightSyncService/UnregisterTarget',
+                request_serializer=looprl_dot_weightsync_dot_v1_dot_weightsync__pb2.UnregisterTargetRequest.SerializeToString,
+                response_deserializer=looprl_dot_weightsync_dot_v1_dot_weightsync__pb2.UnregisterTargetResponse.FromString,
+                _registered_method=True)
 
 
 class WeightSyncServiceServicer:
@@ -87,6 +92,13 @@ class WeightSyncServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UnregisterTarget(self, request, context):
+        """Forget a deployment (its run ended, its replicas are gone): no version is delivered to it again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightSyncServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
                     servicer.RequestSync,
                     request_deserializer=looprl_dot_weightsync_dot_v1_dot_weightsync__pb2.RequestSyncRequest.FromString,
                     response_serializer=looprl_dot_weightsync_dot_v1_dot_weightsync__pb2.RequestSyncResponse.SerializeToString,
+            ),
+            'UnregisterTarget': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterTarget,
+                    request_deserializer=looprl_dot_weightsync_dot_v1_dot_weightsync__pb2.UnregisterTargetRequest.FromString,
+                    response_serializer=looprl_dot_weightsync_dot_v1_dot_weightsync__pb2.UnregisterTargetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +236,33 @@ class WeightSyncService:
             '/looprl.weightsync.v1.WeightSyncService/RequestSync',
             looprl_dot_weightsync_dot_v1_dot_weightsync__pb2.RequestSyncRequest.SerializeToString,
             looprl_dot_weightsync_dot_v1_dot_weightsync__pb2.RequestSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterTarget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/looprl.weightsync.v1.WeightSyncService/UnregisterTarget',
+            looprl_dot_weightsync_dot_v1_dot_weightsync__pb2.UnregisterTargetRequest.SerializeToString,
+            looprl_dot_weightsync_dot_v1_dot_weightsync__pb2.UnregisterTargetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,8 @@ class WeightSyncServiceStub:
     """Latest complete version, overall and per target."""
     RequestSync: _grpc.UnaryUnaryMultiCallable[_weightsync_pb2.RequestSyncRequest, _weightsync_pb2.RequestSyncResponse]
     """Ask for the latest version to be delivered to one target (a restarted replica does this)."""
+    UnregisterTarget: _grpc.UnaryUnaryMultiCallable[_weightsync_pb2.UnregisterTargetRequest, _weightsync_pb2.UnregisterTargetResponse]
+    """Forget a deployment (its run ended, its replicas are gone): no version is delivered to it again."""
 
 @_typing.type_check_only
 class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
@@ -51,6 +53,8 @@ class WeightSyncServiceAsyncStub(WeightSyncServiceStub):
     """Latest complete version, overall and per target."""
     RequestSync: _aio.UnaryUnaryMultiCallable[_weightsync_pb2.RequestSyncRequest, _weightsync_pb2.RequestSyncResponse]  # type: ignore[assignment]
     """Ask for the latest version to be delivered to one target (a restarted replica does this)."""
+    UnregisterTarget: _aio.UnaryUnaryMultiCallable[_weightsync_pb2.UnregisterTargetRequest, _weightsync_pb2.UnregisterTargetResponse]  # type: ignore[assignment]
+    """Forget a deployment (its run ended, its replicas are gone): no version is delivered to it again."""
 
 class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -84,5 +88,13 @@ class WeightSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_weightsync_pb2.RequestSyncResponse, _abc.Awaitable[_weightsync_pb2.RequestSyncResponse]]:
         """Ask for the latest version to be delivered to one target (a restarted replica does this)."""
+
+    @_abc_1.abstractmethod
+    def UnregisterTarget(
+        self,
+        request: _weightsync_pb2.UnregisterTargetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_weightsync_pb2.UnregisterTargetResponse, _abc.Awaitable[_weightsync_pb2.UnregisterTargetResponse]]:
+        """Forget a deployment (its run ended, its replicas are gone): no version is delivered to it again."""
 
 def add_WeightSyncServiceServicer_to_server(servicer: WeightSyncServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
