@@ -317,6 +317,7 @@ class EpisodeRunner:
                 trainable=True,
                 weight_version=model.weight_version,
                 text=tokenizer.decode(model.token_ids),
+                deployment=model.deployment,
             )
         )
         episode.context.extend(model.token_ids)

@@ -51,7 +51,9 @@ class RouterGenerator:
         if len(response.completions) != n:
             raise RuntimeError(f"router answered {len(response.completions)} completions, asked for {n}")
         return [
-            ModelTurn(list(c.token_ids), list(c.logprobs), c.finish_reason, c.weight_version)
+            ModelTurn(
+                list(c.token_ids), list(c.logprobs), c.finish_reason, c.weight_version, response.deployment
+            )
             for c in response.completions
         ]
 

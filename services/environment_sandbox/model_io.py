@@ -19,6 +19,7 @@ class ModelTurn:
     logprobs: list[float]
     finish_reason: str
     weight_version: int
+    deployment: str = ""
 
 
 class Generator(Protocol):

@@ -27,7 +27,7 @@ class ScriptedPolicy:
         i = len(self.calls)
         self.calls.append((list(prompt_ids), session_id, sampling.seed))
         ids = [*TOK.encode(self.replies[i]), TOK.eos_token_id]
-        return ModelTurn(ids, [-0.25] * len(ids), "stop", self.versions[i])
+        return ModelTurn(ids, [-0.25] * len(ids), "stop", self.versions[i], "r1/short")
 
 
 async def registry_scorer(reward, task_json, completion, rollout_id, transcript, env_reward):
@@ -57,6 +57,7 @@ async def test_single_turn_digits_rollout_layout_and_reward():
     assert prompt.role == common_pb2.ROLE_USER and not prompt.trainable and not prompt.logprobs
     assert TOK.decode(prompt.token_ids) == render_chatml([{"role": "user", "content": "rev 1234"}])
     assert answer.trainable and answer.weight_version == 5
+    assert answer.deployment == "r1/short" and not prompt.deployment  # who sampled each model turn
     assert len(answer.logprobs) == len(answer.token_ids) and answer.token_ids[-1] == TOK.eos_token_id
     assert rollout.reward == pytest.approx(0.9 * 3 / 4 + 0.1)
     assert rollout.rollout_id == rollout_id_for("r1", "t1", "g1", 2)
