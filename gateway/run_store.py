@@ -12,6 +12,7 @@ import uuid
 from services.kit.kv import KV, KVConflict
 from services.kit.recipe import RunRecord
 
+# Started and not ended: a driver feeds them. A "queued" run (gateway/queue.py) is neither.
 ACTIVE = ("pending", "running")
 FINAL = ("completed", "failed", "stopped")
 
