@@ -65,7 +65,8 @@ class ClusterResources:
 
 def read_cluster_total(address: str) -> dict[str, float] | None:
     """Every alive node's resources summed, from the GCS at `address` (host:port); None for an address
-    that is not a GCS host:port (ray://, auto) or a GCS that does not answer."""
+    that is not a GCS host:port (ray://, auto), a GCS that does not answer, or a cluster with no alive
+    node yet (a head just started registers its own node seconds later)."""
     host, _, port = address.rpartition(":")
     if "://" in address or not host or not port.isdigit():
         return None
@@ -79,12 +80,15 @@ def read_cluster_total(address: str) -> dict[str, float] | None:
     from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
     total: dict[str, float] = {}
-    for info in GcsClient(address=address).get_all_node_info(timeout=5).values():
-        if info.state != GcsNodeInfo.ALIVE:
-            continue
+    alive = [
+        i
+        for i in GcsClient(address=address).get_all_node_info(timeout=5).values()
+        if i.state == GcsNodeInfo.ALIVE
+    ]
+    for info in alive:
         for name, amount in info.resources_total.items():
             total[name] = total.get(name, 0.0) + amount
-    return total
+    return total if alive else None
 
 
 def _n(value: float) -> str:
