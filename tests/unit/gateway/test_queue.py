@@ -10,7 +10,9 @@ import pytest
 
 from gateway.admission import run_demand
 from gateway.config import Tenant, token_sha256
+from gateway.progress import progress_line
 from gateway.queue import Waiting, plan, queue_order
+from gateway.runs import RunDriver
 from gateway.servicer import RunManager
 from looprl.gateway.v1 import gateway_pb2
 from services.kit.errors import ResourceExhausted
@@ -160,3 +162,43 @@ def test_a_run_that_can_never_fit_the_cluster_is_refused_and_creates_nothing() -
         assert await runs.store.list() == [] and driven == []
 
     asyncio.run(check())
+
+
+def test_a_run_that_ends_starts_the_next_queued_run() -> None:
+    runs, driven = manager([team("a")], {"CPU": 2})
+
+    async def check() -> None:
+        await runs.create(RECIPE.format(name="first"), "first", team("a"))
+        assert (await runs.create(RECIPE.format(name="next"), "next", team("a"))).state == "queued"
+        await runs.store.update("first", lambda r: setattr(r, "state", "completed"))
+        runs._ended("first")  # what the first run's driver calls as it ends
+        await asyncio.gather(*runs._admitting)
+        assert (await runs.get("next", team("a"))).state == "pending" and driven == ["first", "next"]
+
+    asyncio.run(check())
+
+
+def test_a_driver_reports_the_end_of_its_run_but_not_its_stop() -> None:
+    async def check() -> list[str]:
+        ended: list[str] = []
+        for run_id, main in (("ends", lambda: asyncio.sleep(0)), ("stopped", lambda: asyncio.sleep(30))):
+            driver = RunDriver(None, None, run_id)  # type: ignore[arg-type]
+            driver._main = main  # type: ignore[method-assign]
+            driver.on_end = ended.append
+            driver.start()
+            if run_id == "stopped":
+                await asyncio.sleep(0.01)
+                await driver.stop()
+            else:
+                await driver._task
+            await asyncio.sleep(0)
+        return ended
+
+    assert asyncio.run(check()) == ["ends"]
+
+
+def test_the_progress_line_of_a_queued_run_says_its_place_and_what_it_waits_for() -> None:
+    run = gateway_pb2.Run(
+        run_id="r", state=gateway_pb2.RUN_STATE_QUEUED, queue_position=2, queued_reason="cluster GPU: needs 2"
+    )
+    assert progress_line(run).endswith("| queue position 2: waits for cluster GPU: needs 2")
