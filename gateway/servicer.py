@@ -18,7 +18,13 @@ from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.kit import subjects, telemetry
 from services.kit.bus import Bus
-from services.kit.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.kit.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from services.kit.limits import RecipeLimits
 from services.kit.recipe import RecipeError, RunRecord, parse_recipe
 
@@ -259,6 +265,8 @@ class RunManager:
                 raise InvalidArgument(f"run_id: {exc}") from exc
         demand = run_demand(recipe)
         check_quota(demand, tenant)
+        if tenant.max_concurrent_runs == 0:  # it would wait forever
+            raise ResourceExhausted(f"run: tenant {tenant.name!r} has the quota max_concurrent_runs=0")
         total = await self.cluster.total()
         if total is not None:
             check_cluster(demand, total)

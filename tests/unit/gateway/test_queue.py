@@ -11,11 +11,12 @@ import pytest
 from gateway.admission import run_demand
 from gateway.config import Tenant, token_sha256
 from gateway.progress import progress_line
-from gateway.queue import Waiting, plan, queue_order
+from gateway.queue import ClusterResources, Waiting, plan, queue_order, read_cluster_total
 from gateway.runs import RunDriver
 from gateway.servicer import RunManager
 from looprl.gateway.v1 import gateway_pb2
 from services.kit.errors import ResourceExhausted
+from services.kit.local import free_port
 from services.kit.recipe import RunRecord
 
 RECIPE = '[run]\nname = "{name}"\n'  # the default run: 2 CPUs (trainer 1, one replica 1)
@@ -202,3 +203,16 @@ def test_the_progress_line_of_a_queued_run_says_its_place_and_what_it_waits_for(
         run_id="r", state=gateway_pb2.RUN_STATE_QUEUED, queue_position=2, queued_reason="cluster GPU: needs 2"
     )
     assert progress_line(run).endswith("| queue position 2: waits for cluster GPU: needs 2")
+
+
+def test_a_tenant_allowed_no_runs_is_refused_rather_than_queued_forever() -> None:
+    runs, driven = manager([], {"CPU": 8})
+    with pytest.raises(ResourceExhausted, match="max_concurrent_runs=0"):
+        asyncio.run(runs.create(RECIPE.format(name="x"), "x", team("none", runs=0)))
+    assert driven == []
+
+
+def test_without_a_readable_ray_head_only_the_quotas_apply() -> None:
+    assert asyncio.run(ClusterResources("").total()) is None
+    assert read_cluster_total("ray://head:10001") is None  # a Ray client address has no GCS to read
+    assert asyncio.run(ClusterResources(f"127.0.0.1:{free_port()}").total()) is None  # nothing listens
