@@ -184,7 +184,7 @@ class RunManager:
     def _ended(self, run_id: str) -> None:
         """A driver ended with its run: its resources are free for the queue."""
         self.drivers.pop(run_id, None)
-        task = asyncio.create_task(self.admit_queued(), name=f"admit-after-{run_id}")
+        task = asyncio.create_task(self._admit_logged(), name=f"admit-after-{run_id}")
         self._admitting.add(task)
         task.add_done_callback(self._admitting.discard)
 
@@ -239,16 +239,19 @@ class RunManager:
             log.info("run %s leaves the queue", run_id)
             self._drive(run_id)
 
+    async def _admit_logged(self) -> None:
+        """admit_queued where a failure must not fail the caller (a StopRun that already stopped its
+        run, a driver's end): the periodic pass retries."""
+        try:
+            await self.admit_queued()
+        except Exception:
+            log.exception("queued runs not admitted")
+
     async def admit_forever(self, period_s: float = 5.0) -> None:
         """Re-plan the queue periodically: the cluster may grow, or a run end outside this process."""
         while True:
             await asyncio.sleep(period_s)
-            try:
-                await self.admit_queued()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("queued runs not admitted")
+            await self._admit_logged()
 
     async def create(self, recipe_toml: str, run_id: str, tenant: Tenant) -> RunRecord:
         """Admit a run of `tenant`: every check (recipe bounds, the tenant's per-run quota, the cluster's
@@ -342,7 +345,7 @@ class RunManager:
                 await asyncio.wait_for(driver.stop(), timeout=STOP_DRIVER_S)
             except TimeoutError:
                 log.warning("run %s: its driver did not end within %.0fs of the stop", run_id, STOP_DRIVER_S)
-        await self.admit_queued()
+        await self._admit_logged()
         return stopped
 
     async def close(self) -> None:
