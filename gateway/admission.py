@@ -1,8 +1,11 @@
 """Admission of a run's prerequisites: what must exist on this stack before a run record is written.
 
-A run's demand on the cluster (`run_demand`: its trainer ranks' and inference replicas' Ray CPUs and
-GPUs) is held against its tenant's quota (`check_quota`, `check_concurrency`): over it, CreateRun is
-RESOURCE_EXHAUSTED naming the resource and the numbers, before the run exists.
+A run's demand on the cluster (`run_demand`: its trainer ranks' and inference replicas' Ray CPUs,
+GPUs and custom resources) is held against its tenant's per-run quota (`check_quota`) and the
+cluster's total resources (`check_cluster`): over either, the run can never fit and CreateRun is
+RESOURCE_EXHAUSTED naming the resource and the numbers, before the run exists. A run that fits
+but not now (its tenant at max_concurrent_runs, `concurrency_reason`, or too few free resources)
+waits in the run queue (gateway/queue.py).
 
 A recipe can be valid on its own and still be unable to make progress here: no deployment of the
 inference-router serves it, the environment-sandbox does not know its environment, the reward
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +76,15 @@ class Part:
     gpus: float
     cpus_how: str
     gpus_how: str
+    custom: Mapping[str, float] = field(default_factory=dict)  # custom Ray resources, by name
+
+    def amount(self, resource: str) -> float:
+        """What this part asks of one Ray resource ("CPU", "GPU" or a custom one)."""
+        if resource == "CPU":
+            return self.cpus
+        if resource == "GPU":
+            return self.gpus
+        return self.custom.get(resource, 0.0)
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,12 @@ class Demand:
     """A run's Ray resources: its trainer ranks and every deployment's replicas."""
 
     parts: tuple[Part, ...]
+
+    def resources(self) -> dict[str, float]:
+        """Every Ray resource the run asks for, by Ray's name ("CPU", "GPU", custom ones), amounts > 0."""
+        names = ["CPU", "GPU", *sorted({n for p in self.parts for n in p.custom})]
+        out = {n: sum(p.amount(n) for p in self.parts) for n in names}
+        return {n: v for n, v in out.items() if v > 0}
 
     @property
     def cpus(self) -> float:
@@ -106,6 +125,7 @@ def run_demand(recipe: Recipe) -> Demand:
             t.world_size * t.num_gpus_per_rank,
             f"world_size {t.world_size} x num_cpus_per_rank {t.num_cpus_per_rank!r}",
             f"world_size {t.world_size} x num_gpus_per_rank {t.num_gpus_per_rank!r}",
+            {name: t.world_size * amount for name, amount in t.ray_resources_per_rank.items()},
         )
     ]
     for i, d in enumerate(recipe.deployments):
@@ -123,6 +143,7 @@ def run_demand(recipe: Recipe) -> Demand:
                 d.replicas * per_gpus,
                 cpus_how,
                 gpus_how,
+                {name: d.replicas * amount for name, amount in d.ray_resources.items()},
             )
         )
     return Demand(tuple(parts))
@@ -147,13 +168,28 @@ def check_quota(demand: Demand, tenant: Tenant) -> None:
         raise ResourceExhausted(f"run: {_n(total)} {unit} ({parts}) {quota}")
 
 
-def check_concurrency(tenant: Tenant, active_runs: int) -> None:
-    """ResourceExhausted when the tenant already has max_concurrent_runs active runs."""
-    if active_runs >= tenant.max_concurrent_runs:
+def check_cluster(demand: Demand, total: Mapping[str, float]) -> None:
+    """ResourceExhausted when the run asks for more of a Ray resource than the whole cluster has
+    (`total`: every alive node's resources): it could never start."""
+    for resource, amount in demand.resources().items():
+        have = total.get(resource, 0.0)
+        if amount <= have + 1e-9:
+            continue
+        parts = " + ".join(f"{p.name} {_n(p.amount(resource))}" for p in demand.parts if p.amount(resource))
         raise ResourceExhausted(
-            f"run: tenant {tenant.name!r} already has {active_runs} active runs, its quota "
-            f"max_concurrent_runs={tenant.max_concurrent_runs} (stop one or wait for it to end)"
+            f"run: needs {_n(amount)} {resource} ({parts}), more than the cluster's total "
+            f"{resource}={_n(have)}: it could never start"
         )
+
+
+def concurrency_reason(tenant: Tenant, active_runs: int) -> str:
+    """Why a run of `tenant` must wait for one of its `active_runs` to end, or "" when it need not."""
+    if active_runs < tenant.max_concurrent_runs:
+        return ""
+    return (
+        f"max_concurrent_runs: tenant {tenant.name!r} has {active_runs} active runs, its quota "
+        f"max_concurrent_runs={tenant.max_concurrent_runs}"
+    )
 
 
 async def admit(recipe: Recipe, peers: Peers, base_dir: Path) -> None:

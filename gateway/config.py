@@ -44,7 +44,7 @@ class Tenant(Schema):
     admin: bool = False
     """An admin sees, watches, stops and samples every tenant's runs; others only their own."""
     max_concurrent_runs: int = Field(ge=0, le=UNLIMITED_RUNS)
-    """Most runs of this tenant active (pending or running) at once; CreateRun beyond it is RESOURCE_EXHAUSTED."""
+    """Most runs of this tenant active (pending or running) at once; a run beyond it is queued until one ends."""
     max_cpus: float = Field(ge=0.0, le=UNLIMITED_RESOURCES)
     """Most Ray CPUs one run of this tenant may ask for (trainer ranks + inference replicas); more is
     RESOURCE_EXHAUSTED."""
@@ -52,8 +52,8 @@ class Tenant(Schema):
     """Most GPUs one run of this tenant may ask for (trainer ranks + vLLM replicas); more is
     RESOURCE_EXHAUSTED."""
     priority: int = Field(0, ge=-1000, le=1000)
-    """Higher first when runs wait for resources (for the run queue, not built yet: today a run that does not
-    fit is refused)."""
+    """Order of the run queue: a queued run of a higher-priority tenant starts before older runs of
+    lower-priority tenants."""
 
     @field_validator("token_sha256")
     @classmethod
@@ -124,9 +124,10 @@ class GatewayConfig(ServiceConfig):
     tokenizer: str = "char"
     """Tokenizer of the OpenAI-compatible endpoint while the stack has no run ('char' or a local directory);
     with a run it is the run's model.tokenizer."""
-    exclusive_runs: bool = True
-    """Refuse a new run once the stack served another: deployments and weight-sync number versions per stack,
-    so a second run would sample from the first run's weights."""
+    ray_address: str = ""
+    """Ray head GCS address host:port (as `looprl up` sets LOOPRL_RAY_ADDRESS): CreateRun reads the cluster's
+    total resources there, refuses a run that could never fit and queues one that does not fit now. Empty
+    (or not host:port): only the tenants' quotas apply. The gateway never joins the cluster."""
     recipe_base_dir: str = "."
     """Relative model paths in recipes resolve here."""
     recipe_limits: RecipeLimits = RecipeLimits()

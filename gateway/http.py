@@ -21,7 +21,7 @@ from google.protobuf.json_format import MessageToDict
 from gateway.auth import TokenAuth
 from gateway.metrics import http_metrics, init_routes
 from gateway.openai_api import TENANT, OpenAIEndpoints, OpenAIError, json_body
-from gateway.servicer import RunManager, run_to_proto
+from gateway.servicer import RunManager
 from looprl.inference.v1 import inference_pb2_grpc
 from services.kit.errors import InvalidArgument, ServiceError
 from services.modeling.tokenizer import TokenizerCache
@@ -160,10 +160,11 @@ class HttpApi:
         if not isinstance(body.get("recipe_toml"), str):
             raise InvalidArgument("recipe_toml: required string")
         record = await self.runs.create(body["recipe_toml"], str(body.get("run_id", "")), request[TENANT])
-        return web.json_response(_run_json(run_to_proto(record)), status=201)
+        return web.json_response(_run_json(await self.runs.proto(record)), status=201)
 
     async def list_runs(self, request: web.Request) -> web.Response:
-        runs = [_run_json(await self.runs.proto(r)) for r in await self.runs.list(request[TENANT])]
+        queue = await self.runs.queue()
+        runs = [_run_json(await self.runs.proto(r, queue)) for r in await self.runs.list(request[TENANT])]
         return web.json_response({"runs": runs})
 
     async def get_run(self, request: web.Request) -> web.Response:

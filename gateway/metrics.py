@@ -29,7 +29,7 @@ OPENAI_REQUESTS = counter("looprl_gateway_openai_requests_total")
 OPENAI_TOKENS = counter("looprl_gateway_openai_tokens_total")
 
 # As GetRun shows them: a running run that stopped making progress counts as stalled.
-RUN_STATES = ("pending", "running", "stalled", "stopping", "completed", "failed", "stopped")
+RUN_STATES = ("queued", "pending", "running", "stalled", "stopping", "completed", "failed", "stopped")
 # OpenAI-compatible routes, by the endpoint label their metrics carry.
 OPENAI_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 OPENAI_OBJECTS = {"text_completion": "completions", "chat.completion": "chat_completions"}

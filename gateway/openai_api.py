@@ -3,10 +3,12 @@
 Agent frameworks and evaluators use the policy being trained through the official `openai` client.
 `/v1/models` lists the policies a caller may use: each active run of the caller's tenant (by run id;
 the newest run while none is active; an admin's: every tenant's) and each deployment the router
-serves (by name) while the run it serves is one the caller may see. Another tenant's run is an
-unknown model, as if it did not exist. `model` picks one: a run id means
-that run's tokenizer and chat template, a deployment name also pins the request to that deployment;
-an unknown model is OpenAI's 404 `model_not_found`. The endpoints tokenize, call the router's
+serves (by name) while the run it serves is one the caller may see: a run's own deployment
+(DeploymentInfo.run_id) that run's, a deployment of the stack (no run_id) the newest active run's.
+Another tenant's run is an unknown model, as if it did not exist. `model` picks one: a run id means
+that run's tokenizer and chat template, and the router is asked for that run's own deployments
+(GenerateRequest.run_id); a deployment name also pins the request to that deployment; an unknown
+model is OpenAI's 404 `model_not_found`. The endpoints tokenize, call the router's
 Generate (GenerateStream for `stream: true`, sent as server-sent events) and decode. `stop` strings
 end a choice at their first occurrence (finish_reason "stop"); `logprobs` report the sampled tokens'
 log-probs (the engine returns no alternatives, so `top_logprobs` above 0 is refused). Every field is
@@ -70,7 +72,8 @@ class OpenAIEndpoints:
     ) -> None:
         self.runs, self.router, self.tokenizers = runs, router, tokenizers
         self._run_tokenizers: dict[str, str] = {}  # run id -> its recipe's model.tokenizer (fixed)
-        self._deployments: tuple[float, list[str]] = (0.0, [])
+        # When listed, and (name, run id or "" for the stack's) of each deployment the router serves.
+        self._deployments: tuple[float, list[tuple[str, str]]] = (0.0, [])
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -82,17 +85,27 @@ class OpenAIEndpoints:
 
     # ---- models -----------------------------------------------------------------------------------
 
-    async def _policies(self, tenant: Tenant) -> tuple[list[Any], list[str], bool]:
-        """(run records `tenant` may sample from, deployment names it may use, whether the policy the
-        deployments serve is one it may use). The deployments serve the newest active run's policy
-        (the newest run's while none is active): a tenant that may not see that run may not use them."""
+    async def _policies(self, tenant: Tenant) -> tuple[list[Any], dict[str, Any], bool]:
+        """(run records `tenant` may sample from; the deployments it may use, by name, each with the run
+        it serves or None for the stack's; whether the policy the stack's deployments serve is one it
+        may use). The stack's deployments serve the newest active run's policy (the newest run's while
+        none is active): a tenant that may not see that run may not use them. A run's own deployment
+        serves that run only."""
         records = await self.runs.store.list()
         serving = [r for r in records if r.state in ACTIVE] or records[-1:]
         runs = [r for r in serving if tenant.sees(r.tenant)]
         usable = not serving or tenant.sees(serving[-1].tenant)
-        return runs, await self._deployment_names() if usable else [], usable
+        by_id = {r.run_id: r for r in records}
+        deployments: dict[str, Any] = {}
+        for name, run_id in await self._deployment_names():
+            if not run_id:
+                if usable:
+                    deployments[name] = None
+            elif run_id in by_id and tenant.sees(by_id[run_id].tenant):
+                deployments[name] = by_id[run_id]
+        return runs, deployments, usable
 
-    async def _deployment_names(self) -> list[str]:
+    async def _deployment_names(self) -> list[tuple[str, str]]:
         at, names = self._deployments
         if self.router is None or time.monotonic() - at < DEPLOYMENTS_TTL_S:
             return names
@@ -100,7 +113,7 @@ class OpenAIEndpoints:
             reply = await self.router.ListDeployments(inference_pb2.ListDeploymentsRequest(), timeout=10)
         except grpc.aio.AioRpcError as exc:
             raise Unavailable(f"inference-router: cannot list deployments ({exc.details()})") from exc
-        names = [d.name for d in reply.deployments]
+        names = [(d.name, d.run_id) for d in reply.deployments]
         self._deployments = (time.monotonic(), names)
         return names
 
@@ -120,8 +133,9 @@ class OpenAIEndpoints:
             return web.json_response(model_entry(name, 0, "deployment"))
         raise _not_found(name)
 
-    async def _resolve(self, body: dict, tenant: Tenant) -> tuple[str, Tokenizer, str]:
-        """(model id, its tokenizer, the deployment to pin or "") for the request's `model`."""
+    async def _resolve(self, body: dict, tenant: Tenant) -> tuple[str, Tokenizer, str, str]:
+        """(model id, its tokenizer, the deployment to pin or "", the run whose deployments serve it or
+        "" for the stack's) for the request's `model`."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidArgument(f"model: must be a string, got {model!r}")
@@ -138,10 +152,16 @@ class OpenAIEndpoints:
                 "model",
             )
         pinned = model if run is None and model in deployments else ""
+        # The router serves a run the request names from that run's own deployments; a run's own
+        # deployment is that run's policy.
+        run_id = run.run_id if run is not None else ""
+        if pinned and deployments[pinned] is not None:
+            run = deployments[pinned]
+            run_id = run.run_id
         if run is None and runs:
             run = runs[-1]  # a deployment serves the newest run's policy
         if run is None:
-            return model or "default", await self.tokenizers.aget(), pinned
+            return model or "default", await self.tokenizers.aget(), pinned, run_id
         spec = self._run_tokenizers.get(run.run_id)
         try:
             if spec is None:
@@ -151,18 +171,22 @@ class OpenAIEndpoints:
             raise FailedPrecondition(
                 f"model: the tokenizer of run {run.run_id!r} does not load: {exc}"
             ) from exc
-        return model or run.run_id, tokenizer, pinned
+        return model or run.run_id, tokenizer, pinned, run_id
 
     # ---- requests ---------------------------------------------------------------------------------
 
     def _request(
-        self, body: dict, ids: list[int], tokenizer: Tokenizer, deployment: str
+        self, body: dict, ids: list[int], tokenizer: Tokenizer, deployment: str, run_id: str
     ) -> inference_pb2.GenerateRequest:
         check_unsupported(body)
         values = {name: sampling_value(body, name, self.runs.limits) for name in OPENAI_FIELDS}
         sampling = common_pb2.SamplingParams(**values, stop_token_ids=[tokenizer.eos_token_id])
         return inference_pb2.GenerateRequest(
-            prompt_token_ids=ids, sampling=sampling, request_id=uuid.uuid4().hex, deployment=deployment
+            prompt_token_ids=ids,
+            sampling=sampling,
+            request_id=uuid.uuid4().hex,
+            deployment=deployment,
+            run_id=run_id,
         )
 
     def _check_ids(self, field: str, ids: list[int]) -> None:
@@ -204,7 +228,7 @@ class OpenAIEndpoints:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
-        model, tokenizer, deployment = await self._resolve(body, request[TENANT])
+        model, tokenizer, deployment, run_id = await self._resolve(body, request[TENANT])
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             ids = tokenizer.encode(prompt)
@@ -215,12 +239,12 @@ class OpenAIEndpoints:
         self._check_ids("prompt", ids)
         logprobs = int_field(body, "logprobs", 0, 0)
         return await self._serve(
-            request, body, "text_completion", model, tokenizer, deployment, ids, "prompt", logprobs
+            request, body, "text_completion", model, tokenizer, (deployment, run_id), ids, "prompt", logprobs
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
-        model, tokenizer, deployment = await self._resolve(body, request[TENANT])
+        model, tokenizer, deployment, run_id = await self._resolve(body, request[TENANT])
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidArgument("messages: must be a non-empty list")
@@ -246,7 +270,7 @@ class OpenAIEndpoints:
             "chat.completion",
             model,
             tokenizer,
-            deployment,
+            (deployment, run_id),
             ids,
             "messages",
             0 if want else None,
@@ -259,13 +283,14 @@ class OpenAIEndpoints:
         kind: str,
         model: str,
         tokenizer: Tokenizer,
-        deployment: str,
+        target: tuple[str, str],
         ids: list[int],
         field: str,
         logprobs: int | None,
     ) -> web.StreamResponse:
+        """Answer the request from the router: `target` is (deployment to pin or "", run id or "")."""
         stops = stop_strings(body)
-        request = self._request(body, ids, tokenizer, deployment)
+        request = self._request(body, ids, tokenizer, *target)
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise InvalidArgument(f"stream: must be a boolean, got {stream!r}")

@@ -10,9 +10,13 @@ STATE_NAMES = {v: k.removeprefix("RUN_STATE_").lower() for k, v in gateway_pb2.R
 
 
 def progress_line(run: gateway_pb2.Run) -> str:
-    """One line per update: step, reward, throughput, staleness, versions, queues."""
+    """One line per update: step, reward, throughput, staleness, versions, queues; for a queued run
+    its place in the run queue and what it waits for."""
     last = run.history[-1] if run.history else None
     parts = [f"[{STATE_NAMES.get(run.state, '?'):>9}] step {run.step:>3}/{run.total_steps}"]
+    if run.state == gateway_pb2.RUN_STATE_QUEUED:
+        parts.append(f"queue position {run.queue_position}: waits for {run.queued_reason}")
+        return " | ".join(parts)
     if last is not None:
         parts += [
             f"reward {last.reward_mean:6.3f} ±{last.reward_std:5.3f}",

@@ -12,6 +12,7 @@ import uuid
 from services.kit.kv import KV, KVConflict
 from services.kit.recipe import RunRecord
 
+# Started and not ended: a driver feeds them. A "queued" run (gateway/queue.py) is neither.
 ACTIVE = ("pending", "running")
 FINAL = ("completed", "failed", "stopped")
 
@@ -42,7 +43,10 @@ class RunStore:
         return None if raw is None else RunRecord.from_json(raw)
 
     async def list(self) -> list[RunRecord]:
-        records = [await self.get(key) for key in await self.kv.keys() if "." not in key]
+        # A key written while the bucket is listed can be listed twice: a run counted twice would
+        # take two of its tenant's slots in the run queue.
+        keys = dict.fromkeys(key for key in await self.kv.keys() if "." not in key)
+        records = [await self.get(key) for key in keys]
         return sorted((r for r in records if r is not None), key=lambda r: r.created_at)
 
     async def history(self, record: RunRecord) -> list[dict]:

@@ -118,12 +118,20 @@ class RunDriver:
         self._run_trace: dict[str, str] | None = None  # the run's trace context, from its record
         self.progress = ProgressClock()  # fed steps, trained steps and weight versions mark it
         self._epochs_kv: KV | None = None
+        # Called with the run id when the driver ends with its run (completed, failed, or found
+        # ended), not when it is stopped: the run manager then starts queued runs.
+        self.on_end: Callable[[str], None] | None = None
 
     def start(self) -> None:
         # A context of its own: the driver's spans are not children of the RPC that started it.
         self._task = asyncio.create_task(
             self._main(), name=f"run-{self.run_id}", context=contextvars.Context()
         )
+        self._task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and self.on_end is not None:
+            self.on_end(self.run_id)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -13,6 +13,7 @@ from gateway.auth import TokenAuth
 from gateway.config import GatewayConfig
 from gateway.http import HttpApi
 from gateway.metrics import follow_runs
+from gateway.queue import ClusterResources
 from gateway.run_store import RunStore
 from gateway.servicer import GatewayServicer, RunManager
 from looprl.environment.v1 import environment_pb2_grpc
@@ -67,9 +68,10 @@ async def serve(config: GatewayConfig) -> None:
             RunStore(await bus.kv(subjects.RUNS)),
             Path(config.recipe_base_dir),
             packer,
-            config.exclusive_runs,
             config.recipe_limits,
             peers,
+            {tenant.name: tenant for _, tenant in config.tenant_table()},
+            ClusterResources(config.ray_address),
         )
         servicer.runs = runs
         tokenizers = TokenizerCache(config.tokenizer)
@@ -81,9 +83,11 @@ async def serve(config: GatewayConfig) -> None:
         await web.TCPSite(runner, config.host, port).start()
         await runs.resume()
         run_gauges = asyncio.create_task(follow_runs(runs.store), name="run-metrics")
+        admitting = asyncio.create_task(runs.admit_forever(), name="run-queue")
 
         async def shutdown() -> None:
             run_gauges.cancel()
+            admitting.cancel()
             await runs.close()
             await runner.cleanup()
             await bus.drain()

@@ -8,16 +8,23 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from gateway.admission import Peers, admit, check_concurrency, check_quota, run_demand
+from gateway.admission import Demand, Peers, admit, check_cluster, check_quota, run_demand
 from gateway.auth import TokenAuth
-from gateway.config import Tenant
+from gateway.config import Tenant, tokens_tenant
+from gateway.queue import QUEUED, STARTED, ClusterResources, Waiting, plan
 from gateway.run_store import ACTIVE, FINAL, RunStore, new_run_id
 from gateway.runs import RUN_TRACE_KEY, RunDriver
 from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.kit import subjects, telemetry
 from services.kit.bus import Bus
-from services.kit.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.kit.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from services.kit.limits import RecipeLimits
 from services.kit.recipe import RecipeError, RunRecord, parse_recipe
 
@@ -27,6 +34,7 @@ log = logging.getLogger("looprl.gateway")
 STOP_DRIVER_S = 10.0
 
 STATES = {
+    "queued": gateway_pb2.RUN_STATE_QUEUED,
     "pending": gateway_pb2.RUN_STATE_PENDING,
     "running": gateway_pb2.RUN_STATE_RUNNING,
     "stopping": gateway_pb2.RUN_STATE_STOPPING,
@@ -37,10 +45,13 @@ STATES = {
 
 
 def run_to_proto(
-    record: RunRecord, history: Sequence[dict] = (), weight_syncs: Sequence[dict] = ()
+    record: RunRecord,
+    history: Sequence[dict] = (),
+    weight_syncs: Sequence[dict] = (),
+    queued: tuple[int, str] = (0, ""),
 ) -> gateway_pb2.Run:
-    """The public Run: the record, plus its per-step history and weight deliveries when given
-    (RunManager.proto loads them)."""
+    """The public Run: the record, plus its per-step history, weight deliveries and (queue position,
+    why it waits) when given (RunManager.proto finds them)."""
     extra = record.extra
     run = gateway_pb2.Run(
         run_id=record.run_id,
@@ -53,6 +64,8 @@ def run_to_proto(
         error=record.error,
         tenant=record.tenant,
     )
+    if record.state == QUEUED:
+        run.queue_position, run.queued_reason = queued
     try:
         run.total_steps = record.recipe().run.steps
     except RecipeError:
@@ -99,7 +112,8 @@ def run_to_proto(
 
 
 class RunManager:
-    """Owns the RunDrivers of this gateway process; resumes active runs on start."""
+    """Owns the RunDrivers of this gateway process and the run queue (gateway/queue.py); resumes active
+    runs and the queue on start."""
 
     def __init__(
         self,
@@ -107,21 +121,34 @@ class RunManager:
         store: RunStore,
         recipe_base_dir: Path,
         packer=None,
-        exclusive_runs: bool = True,
         limits: RecipeLimits | None = None,
         peers: Peers | None = None,
+        tenants: dict[str, Tenant] | None = None,
+        cluster: ClusterResources | None = None,
     ) -> None:
         self.bus, self.store, self.base_dir, self.packer = bus, store, recipe_base_dir, packer
-        self.exclusive_runs = exclusive_runs
         self.limits = limits or RecipeLimits()
         self.peers = peers or Peers()
+        self.tenants = tenants or {}  # by name: the quota and priority of a queued run's tenant
+        self.cluster = cluster or ClusterResources("")
         self.drivers: dict[str, RunDriver] = {}
-        # Quota checks and the record they admit are one step: two CreateRuns of a tenant at its last
-        # free slot must not both pass.
+        self._demands: dict[str, Demand] = {}  # by run id (a run's recipe never changes)
+        self._admitting: set[asyncio.Task] = set()
+        # Admission decisions and the records they write are one step: two CreateRuns of a tenant at
+        # its last free slot must not both start, nor a queued run start twice.
         self._admission = asyncio.Lock()
 
-    async def proto(self, record: RunRecord) -> gateway_pb2.Run:
-        return run_to_proto(record, await self.store.history(record), await self.store.weight_syncs(record))
+    async def proto(
+        self, record: RunRecord, queue: dict[str, tuple[int, str]] | None = None
+    ) -> gateway_pb2.Run:
+        if record.state == QUEUED and queue is None:
+            queue = await self.queue()
+        return run_to_proto(
+            record,
+            await self.store.history(record),
+            await self.store.weight_syncs(record),
+            (queue or {}).get(record.run_id, (0, "")),
+        )
 
     async def watch(
         self, run_id: str, tenant: Tenant, period_s: float = 0.5
@@ -141,23 +168,95 @@ class RunManager:
             record = await self.get(run_id, tenant)
 
     async def resume(self) -> None:
+        """Drive the runs a previous gateway process started, then start the queued runs that fit."""
         for record in await self.store.list():
             if record.state in ACTIVE:
                 log.info("resuming run %s at step %d", record.run_id, record.step)
                 self._drive(record.run_id)
+        await self.admit_queued()
 
     def _drive(self, run_id: str) -> None:
         driver = RunDriver(self.bus, self.store, run_id, self.packer, self.peers.not_serving)
+        driver.on_end = self._ended
         self.drivers[run_id] = driver
         driver.start()
+
+    def _ended(self, run_id: str) -> None:
+        """A driver ended with its run: its resources are free for the queue."""
+        self.drivers.pop(run_id, None)
+        task = asyncio.create_task(self._admit_logged(), name=f"admit-after-{run_id}")
+        self._admitting.add(task)
+        task.add_done_callback(self._admitting.discard)
 
     async def list(self, tenant: Tenant) -> list[RunRecord]:
         """The runs the tenant may see (every run for an admin), oldest first."""
         return [r for r in await self.store.list() if tenant.sees(r.tenant)]
 
+    def _demand(self, record: RunRecord) -> Demand:
+        demand = self._demands.get(record.run_id)
+        if demand is None:
+            try:
+                demand = run_demand(record.recipe())
+            except RecipeError:
+                demand = Demand(())  # not a recipe this gateway admitted: it holds nothing it can name
+            self._demands[record.run_id] = demand
+        return demand
+
+    def _tenant(self, name: str) -> Tenant:
+        """The configured tenant; one no longer configured keeps no quota and the default priority."""
+        return self.tenants.get(name) or tokens_tenant().model_copy(update={"name": name, "priority": 0})
+
+    async def _plan(
+        self, records: list[RunRecord], caller: Tenant | None = None
+    ) -> list[tuple[Waiting, str]]:
+        def tenant_of(name: str) -> Tenant:
+            return caller if caller is not None and caller.name == name else self._tenant(name)
+
+        waiting = [Waiting(r, tenant_of(r.tenant), self._demand(r)) for r in records if r.state == QUEUED]
+        started = [r for r in records if r.state in STARTED]
+        return plan(waiting, started, self._demand, await self.cluster.total())
+
+    async def queue(self) -> dict[str, tuple[int, str]]:
+        """(position, 1 = next; why it waits) of every queued run, by run id."""
+        out = {}
+        for position, (w, reason) in enumerate(await self._plan(await self.store.list()), start=1):
+            out[w.record.run_id] = (position, reason or "starting: it fits now")
+        return out
+
+    async def admit_queued(self) -> None:
+        """Start the queued runs that fit now, in queue order."""
+        async with self._admission:
+            for w, reason in await self._plan(await self.store.list()):
+                if not reason:
+                    await self._start_queued(w.record.run_id)
+
+    async def _start_queued(self, run_id: str) -> None:
+        def start(record: RunRecord) -> None:
+            if record.state == QUEUED:  # a StopRun since the plan keeps it stopped
+                record.state = "pending"
+
+        if (await self.store.update(run_id, start)).state == "pending" and run_id not in self.drivers:
+            log.info("run %s leaves the queue", run_id)
+            self._drive(run_id)
+
+    async def _admit_logged(self) -> None:
+        """admit_queued where a failure must not fail the caller (a StopRun that already stopped its
+        run, a driver's end): the periodic pass retries."""
+        try:
+            await self.admit_queued()
+        except Exception:
+            log.exception("queued runs not admitted")
+
+    async def admit_forever(self, period_s: float = 5.0) -> None:
+        """Re-plan the queue periodically: the cluster may grow, or a run end outside this process."""
+        while True:
+            await asyncio.sleep(period_s)
+            await self._admit_logged()
+
     async def create(self, recipe_toml: str, run_id: str, tenant: Tenant) -> RunRecord:
-        """Admit a run of `tenant`: every check (recipe bounds, the tenant's quota, the services'
-        prerequisites) passes before its record is written."""
+        """Admit a run of `tenant`: every check (recipe bounds, the tenant's per-run quota, the cluster's
+        total resources, the services' prerequisites) passes before its record is written; it then
+        starts ("pending") if it fits now, else waits ("queued")."""
         try:
             recipe = parse_recipe(recipe_toml, base_dir=self.base_dir, limits=self.limits)
         except RecipeError as exc:
@@ -167,33 +266,35 @@ class RunManager:
                 subjects.validate_run_id(run_id)
             except ValueError as exc:
                 raise InvalidArgument(f"run_id: {exc}") from exc
-        check_quota(run_demand(recipe), tenant)
+        demand = run_demand(recipe)
+        check_quota(demand, tenant)
+        if tenant.max_concurrent_runs == 0:  # it would wait forever
+            raise ResourceExhausted(f"run: tenant {tenant.name!r} has the quota max_concurrent_runs=0")
+        total = await self.cluster.total()
+        if total is not None:
+            check_cluster(demand, total)
         await admit(recipe, self.peers, self.base_dir)
         async with self._admission:
-            return await self._create(recipe_toml, recipe, run_id, tenant)
+            return await self._create(recipe_toml, recipe, run_id, tenant, demand)
 
-    async def _create(self, recipe_toml: str, recipe, run_id: str, tenant: Tenant) -> RunRecord:
-        records = await self.store.list()
-        check_concurrency(tenant, sum(r.state in ACTIVE and r.tenant == tenant.name for r in records))
-        existing = records if self.exclusive_runs else []
-        if existing:
-            # Deployments and weight-sync number weight versions per stack, not per run: a second
-            # run would be served the first run's weights. Refuse instead of training off-policy.
-            last = existing[-1]
-            # Another tenant's run is not named: its id and state are not the caller's to see.
-            served = (
-                f"run {last.run_id!r} ({last.state})" if tenant.sees(last.tenant) else "another tenant's run"
-            )
-            raise FailedPrecondition(
-                f"run_id: this stack already served {served}; one run per stack for now: "
-                "`looprl down && looprl up` (or `looprl run --local`) for the next"
-            )
+    async def _create(
+        self, recipe_toml: str, recipe, run_id: str, tenant: Tenant, demand: Demand
+    ) -> RunRecord:
         record = RunRecord(
             run_id=run_id or new_run_id(recipe.run.name),
             recipe_toml=recipe_toml,
+            state=QUEUED,
             created_at=time.time(),
             tenant=tenant.name,
         )
+        self._demands[record.run_id] = demand
+        starts = {
+            w.record.run_id
+            for w, reason in await self._plan([*await self.store.list(), record], caller=tenant)
+            if not reason
+        }
+        if record.run_id in starts:
+            record.state = "pending"
         # The run's trace is the one CreateRun is in: its episodes, steps and lifecycle link to it.
         carrier = telemetry.current_carrier()
         if carrier:
@@ -201,6 +302,7 @@ class RunManager:
         try:
             await self.store.create(record)
         except Exception as exc:
+            self._demands.pop(record.run_id, None)
             other = await self.store.get(record.run_id)
             if other is not None:
                 if not tenant.sees(other.tenant):
@@ -208,7 +310,12 @@ class RunManager:
                     raise AlreadyExists(f"run_id: {record.run_id!r} is taken; choose another") from exc
                 raise AlreadyExists(f"run_id: run {record.run_id!r} already exists") from exc
             raise
-        self._drive(record.run_id)
+        if record.state == "pending":
+            self._drive(record.run_id)
+        else:
+            log.info("run %s queued", record.run_id)
+        for other in starts - {record.run_id}:
+            await self._start_queued(other)
         return record
 
     async def get(self, run_id: str, tenant: Tenant) -> RunRecord:
@@ -230,6 +337,7 @@ class RunManager:
             raise FailedPrecondition(f"run_id: run {run_id!r} already {record.state}")
         # Stopped first: the trainer and packer follow the record, and StopRun answers even when
         # the run's driver is stuck in a call; the driver then ends at its next look at the record.
+        # A queued run has no driver: it just leaves the queue.
         stopped = await self.store.update(run_id, lambda r: setattr(r, "state", "stopped"))
         driver = self.drivers.pop(run_id, None)
         if driver is not None:
@@ -237,10 +345,14 @@ class RunManager:
                 await asyncio.wait_for(driver.stop(), timeout=STOP_DRIVER_S)
             except TimeoutError:
                 log.warning("run %s: its driver did not end within %.0fs of the stop", run_id, STOP_DRIVER_S)
+        await self._admit_logged()
         return stopped
 
     async def close(self) -> None:
-        for driver in self.drivers.values():
+        for task in list(self._admitting):
+            task.cancel()
+        for driver in list(self.drivers.values()):
+            driver.on_end = None
             await driver.stop()
 
 
@@ -251,7 +363,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def CreateRun(self, request, context):
         tenant = self.auth.check_grpc(context)
         record = await self.runs.create(request.recipe_toml, request.run_id, tenant)
-        return gateway_pb2.CreateRunResponse(run=run_to_proto(record))
+        return gateway_pb2.CreateRunResponse(run=await self.runs.proto(record))
 
     async def GetRun(self, request, context):
         tenant = self.auth.check_grpc(context)
@@ -260,8 +372,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def ListRuns(self, request, context):
         tenant = self.auth.check_grpc(context)
+        queue = await self.runs.queue()
         return gateway_pb2.ListRunsResponse(
-            runs=[await self.runs.proto(r) for r in await self.runs.list(tenant)]
+            runs=[await self.runs.proto(r, queue) for r in await self.runs.list(tenant)]
         )
 
     async def StopRun(self, request, context):

@@ -2,8 +2,8 @@
 
 A tenant gets, watches, stops, lists and samples only its own runs: another tenant's run answers
 NOT_FOUND (HTTP 404), word for word as a run that does not exist; an admin sees every run. A wrong
-token is UNAUTHENTICATED (401). A run over the tenant's GPU quota and one beyond its concurrent
-runs are RESOURCE_EXHAUSTED (429) naming the resource, and create nothing.
+token is UNAUTHENTICATED (401). A run over the tenant's GPU quota is RESOURCE_EXHAUSTED (429) naming
+the resource, and creates nothing; one beyond its concurrent runs waits QUEUED until one ends.
 """
 
 from __future__ import annotations
@@ -150,12 +150,13 @@ def test_a_wrong_token_is_unauthenticated(gateway: GatewayProcess) -> None:
         assert (status, openai_error(reply)["type"]) == (401, "authentication_error")
 
 
-def test_runs_over_the_tenants_quota_are_refused_naming_the_resource_and_create_nothing(
+def test_a_run_over_the_quota_is_refused_and_one_beyond_the_concurrent_runs_queues(
     gateway: GatewayProcess,
 ) -> None:
     # The nats-server is the session's: runs of other tests are on it. None of team-a's is active.
     for run in all_runs(gateway).values():
         if run.tenant == "team-a" and run.state in (
+            gateway_pb2.RUN_STATE_QUEUED,
             gateway_pb2.RUN_STATE_PENDING,
             gateway_pb2.RUN_STATE_RUNNING,
         ):
@@ -176,17 +177,20 @@ def test_runs_over_the_tenants_quota_are_refused_naming_the_resource_and_create_
     assert set(all_runs(gateway)) == before
 
     first = create(gateway, A_TOKEN, "first")
-    code, message = grpc_code(
-        gateway.stub.CreateRun,
-        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(name="second")),
-        metadata=meta(A_TOKEN),
-    )
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent_runs=1" in message, message
-    status, reply = http(gateway, A_TOKEN, "/v1/runs", {"recipe_toml": RECIPE.format(name="second")})
-    assert status == 429 and "max_concurrent_runs=1" in openai_error(reply)["message"]
-    assert set(all_runs(gateway)) == before | {first}
-    # Another tenant's quota is its own; and a stopped run frees A's slot.
-    create(gateway, B_TOKEN, "b")
+    second = gateway.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(name="second")), metadata=meta(A_TOKEN)
+    ).run
+    assert second.state == gateway_pb2.RUN_STATE_QUEUED and "max_concurrent_runs=1" in second.queued_reason
+    status, reply = http(gateway, A_TOKEN, "/v1/runs", {"recipe_toml": RECIPE.format(name="third")})
+    assert status == 201 and reply["state"] == "RUN_STATE_QUEUED" and reply["queue_position"] == 2
+    assert set(all_runs(gateway)) == before | {first, second.run_id, reply["run_id"]}
+    # Another tenant's quota is its own; and a stopped run frees A's slot for its next queued run.
+    b = create(gateway, B_TOKEN, "b")
+    assert all_runs(gateway)[b].state != gateway_pb2.RUN_STATE_QUEUED
     gateway.stub.StopRun(gateway_pb2.StopRunRequest(run_id=first), metadata=meta(A_TOKEN))
-    again = create(gateway, A_TOKEN, "again")
-    assert all_runs(gateway)[again].tenant == "team-a"
+    assert all_runs(gateway)[second.run_id].state in (
+        gateway_pb2.RUN_STATE_PENDING,
+        gateway_pb2.RUN_STATE_RUNNING,
+    )
+    for run_id in (second.run_id, reply["run_id"]):
+        gateway.stub.StopRun(gateway_pb2.StopRunRequest(run_id=run_id), metadata=meta(A_TOKEN))

@@ -29,8 +29,6 @@ class GatewayProcess:
             "LOOPRL_GATEWAY_GRPC_PORT": str(self.grpc_port),
             "LOOPRL_GATEWAY_HTTP_PORT": str(self.http_port),
             "LOOPRL_GATEWAY_TOKENS": f"other,{TOKEN}",
-            # Several runs share this test's nats-server and no deployment serves them.
-            "LOOPRL_GATEWAY_EXCLUSIVE_RUNS": "false",
             "LOOPRL_NATS_URL": nats_url,
             "LOOPRL_STATE_DIR": str(tmp),
             # protos/ too: a git worktree's generated code, not the editable install's checkout.

@@ -1,11 +1,12 @@
-"""A run's demand on the cluster, from its recipe, held against its tenant's quota: a run over a
-quota or beyond the tenant's concurrent runs is refused naming the resource and the numbers."""
+"""A run's demand on the cluster, from its recipe, held against its tenant's quota and the cluster's
+total: a run over either is refused naming the resource and the numbers; a tenant at its concurrent
+runs has its next run wait, naming the quota."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.admission import check_concurrency, check_quota, run_demand
+from gateway.admission import check_cluster, check_quota, concurrency_reason, run_demand
 from gateway.config import Tenant, token_sha256
 from services.kit.errors import ResourceExhausted
 from services.kit.recipe import parse_recipe
@@ -82,7 +83,30 @@ def test_a_run_within_the_quota_is_admitted() -> None:
     check_quota(run_demand(parse_recipe("")), team(max_gpus=0, max_cpus=2))  # default recipe: 2 CPUs
 
 
-def test_a_tenant_at_its_concurrent_runs_is_refused() -> None:
-    check_concurrency(team(runs=2), active_runs=1)
-    with pytest.raises(ResourceExhausted, match="already has 2 active runs, its quota max_concurrent_runs=2"):
-        check_concurrency(team(runs=2), active_runs=2)
+def test_a_tenant_at_its_concurrent_runs_waits_naming_the_quota() -> None:
+    assert concurrency_reason(team(runs=2), active_runs=1) == ""
+    assert concurrency_reason(team(runs=2), active_runs=2) == (
+        "max_concurrent_runs: tenant 'team-a' has 2 active runs, its quota max_concurrent_runs=2"
+    )
+
+
+def test_a_run_over_the_clusters_total_is_refused_naming_the_resource_and_both_numbers() -> None:
+    demand = run_demand(parse_recipe(GPU_RUN.format(world=2)))  # 2 + 4 + 1.5 GPUs
+    check_cluster(demand, {"CPU": 64, "GPU": 8})
+    with pytest.raises(ResourceExhausted) as err:
+        check_cluster(demand, {"CPU": 64, "GPU": 4})
+    assert err.value.message == (
+        "run: needs 7.5 GPU (trainer 2 + deployments[0] 'fast' 4 + deployments[1] 'shared' 1.5), more than "
+        "the cluster's total GPU=4: it could never start"
+    )
+
+
+def test_custom_resources_count_per_rank_and_per_replica_and_a_cluster_without_them_refuses() -> None:
+    recipe = parse_recipe(
+        "[trainer]\nworld_size = 2\nray_resources_per_rank = { trainer_node = 1 }\n"
+        '[[deployments]]\nname = "d"\nreplicas = 3\nray_resources = { zone_b = 0.5 }\n'
+    )
+    demand = run_demand(recipe)
+    assert demand.resources()["trainer_node"] == 2 and demand.resources()["zone_b"] == 1.5
+    with pytest.raises(ResourceExhausted, match=r"needs 1.5 zone_b .*the cluster's total zone_b=0:"):
+        check_cluster(demand, {"CPU": 64, "trainer_node": 2})

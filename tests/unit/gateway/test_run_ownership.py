@@ -9,7 +9,7 @@ import pytest
 
 from gateway.config import Tenant, token_sha256
 from gateway.servicer import RunManager
-from services.kit.errors import FailedPrecondition, NotFound
+from services.kit.errors import NotFound
 from services.kit.recipe import RunRecord
 
 
@@ -42,8 +42,8 @@ RUNS = [
 ]
 
 
-def manager(exclusive: bool = False) -> RunManager:
-    return RunManager(None, MemoryStore(RUNS), Path("."), exclusive_runs=exclusive)  # type: ignore[arg-type]
+def manager() -> RunManager:
+    return RunManager(None, MemoryStore(RUNS), Path("."))  # type: ignore[arg-type]
 
 
 def test_a_tenant_lists_and_gets_only_its_runs_and_an_admin_every_run() -> None:
@@ -59,14 +59,3 @@ def test_a_tenant_lists_and_gets_only_its_runs_and_an_admin_every_run() -> None:
             assert err.value.message == f"run_id: no run {run_id!r}"
 
     asyncio.run(check())
-
-
-def test_the_one_run_per_stack_refusal_does_not_name_another_tenants_run() -> None:
-    async def refusal(who: Tenant) -> str:
-        with pytest.raises(FailedPrecondition) as err:
-            await manager(exclusive=True).create("", "", who)
-        return err.value.message
-
-    assert "this stack already served another tenant's run;" in asyncio.run(refusal(tenant("team-a")))
-    assert "run-b" not in asyncio.run(refusal(tenant("team-a")))
-    assert "this stack already served run 'run-b' (completed);" in asyncio.run(refusal(tenant("team-b")))

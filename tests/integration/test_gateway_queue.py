@@ -1,0 +1,138 @@
+"""The run queue of a real gateway process against a real nats-server: several runs of a tenant run at
+once up to its max_concurrent_runs, the next ones are QUEUED in order (tenant priority, then age) with
+their position and reason, ending a run starts the next, a queued run can be stopped, and a run that
+can never fit the Ray cluster's total is refused naming the resource."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gateway.config import token_sha256
+from gateway.queue import read_cluster_total
+from looprl.gateway.v1 import gateway_pb2
+from tests.support.gateway import AUTH, GatewayProcess, http
+
+Q_TOKEN, VIP_TOKEN = "token-of-team-q", "token-of-team-vip"
+RECIPE = '[run]\nname = "{name}"\nsteps = 50\n[batch]\nrollouts_per_step = 4\ngroup_size = 2\n'
+STARTED = (gateway_pb2.RUN_STATE_PENDING, gateway_pb2.RUN_STATE_RUNNING)
+
+
+def tenant(name: str, token: str, runs: int, priority: int) -> dict:
+    return {
+        "name": name,
+        "token_sha256": token_sha256(token),
+        "max_concurrent_runs": runs,
+        "max_cpus": 8,
+        "max_gpus": 0,
+        "priority": priority,
+    }
+
+
+@pytest.fixture
+def gateway(nats_url: str, tmp_path: Path):
+    gw = GatewayProcess(nats_url, tmp_path)
+    gw.env["LOOPRL_GATEWAY_TENANTS"] = json.dumps(
+        [tenant("team-q", Q_TOKEN, runs=2, priority=0), tenant("team-vip", VIP_TOKEN, runs=1, priority=5)]
+    )
+    gw.start()
+    yield gw
+    # Runs left queued on the session's nats-server would be started by the next test's gateway.
+    for run in gw.stub.ListRuns(gateway_pb2.ListRunsRequest(), metadata=AUTH).runs:
+        if run.tenant in ("team-q", "team-vip") and run.state in (*STARTED, gateway_pb2.RUN_STATE_QUEUED):
+            gw.stub.StopRun(gateway_pb2.StopRunRequest(run_id=run.run_id), metadata=AUTH)
+    gw.kill()
+
+
+def meta(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+def create(gw: GatewayProcess, token: str, name: str) -> gateway_pb2.Run:
+    request = gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(name=name))
+    return gw.stub.CreateRun(request, metadata=meta(token)).run
+
+
+def get(gw: GatewayProcess, run_id: str) -> gateway_pb2.Run:
+    return gw.stub.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), metadata=AUTH).run
+
+
+def test_runs_beyond_max_concurrent_runs_queue_by_priority_and_start_when_one_ends(
+    gateway: GatewayProcess,
+) -> None:
+    first, second = create(gateway, Q_TOKEN, "first"), create(gateway, Q_TOKEN, "second")
+    assert first.state in STARTED and second.state in STARTED
+    third = create(gateway, Q_TOKEN, "third")
+    assert third.state == gateway_pb2.RUN_STATE_QUEUED and third.queue_position == 1
+    assert third.queued_reason == (
+        "max_concurrent_runs: tenant 'team-q' has 2 active runs, its quota max_concurrent_runs=2"
+    )
+    # Its own slot lets the VIP's first run start; its second waits, ahead of the older third.
+    assert create(gateway, VIP_TOKEN, "vip-first").state in STARTED
+    vip = create(gateway, VIP_TOKEN, "vip-second")
+    assert vip.state == gateway_pb2.RUN_STATE_QUEUED and vip.queue_position == 1
+    assert "max_concurrent_runs=1" in vip.queued_reason
+    assert get(gateway, third.run_id).queue_position == 2
+    status, reply = http(gateway, f"/v1/runs/{third.run_id}")
+    assert status == 200 and reply["state"] == "RUN_STATE_QUEUED"
+    assert reply["queue_position"] == 2 and "max_concurrent_runs" in reply["queued_reason"]
+    # A queued run is never fed: it has no driver.
+    time.sleep(1.0)
+    assert get(gateway, third.run_id).episodes_published == 0
+
+    gateway.stub.StopRun(gateway_pb2.StopRunRequest(run_id=first.run_id), metadata=meta(Q_TOKEN))
+    now = get(gateway, third.run_id)
+    assert now.state in STARTED and now.queue_position == 0 and now.queued_reason == ""
+    deadline = time.monotonic() + 15
+    while get(gateway, third.run_id).episodes_published == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert get(gateway, third.run_id).episodes_published > 0  # started: its driver feeds it
+
+    stopped = gateway.stub.StopRun(gateway_pb2.StopRunRequest(run_id=vip.run_id), metadata=meta(VIP_TOKEN))
+    assert stopped.run.state == gateway_pb2.RUN_STATE_STOPPED and stopped.run.queue_position == 0
+    time.sleep(1.0)
+    assert get(gateway, vip.run_id).state == gateway_pb2.RUN_STATE_STOPPED
+    assert get(gateway, vip.run_id).episodes_published == 0
+
+
+def test_a_restarted_gateway_keeps_the_queue_and_starts_it_when_a_run_ends(gateway: GatewayProcess) -> None:
+    running = [create(gateway, Q_TOKEN, f"before-{i}") for i in range(2)]
+    waiting = create(gateway, Q_TOKEN, "waiting")
+    assert waiting.state == gateway_pb2.RUN_STATE_QUEUED
+    gateway.kill()
+    gateway.start()
+    assert get(gateway, waiting.run_id).queue_position == 1
+    gateway.stub.StopRun(gateway_pb2.StopRunRequest(run_id=running[0].run_id), metadata=meta(Q_TOKEN))
+    assert get(gateway, waiting.run_id).state in STARTED
+
+
+@pytest.mark.slow
+def test_a_run_over_the_clusters_total_is_refused_naming_the_resource(
+    nats_url: str, tmp_path: Path, ray_head
+) -> None:
+    deadline = time.monotonic() + 60
+    while read_cluster_total(ray_head.address) is None:  # the head registers its node after a while
+        assert time.monotonic() < deadline, "the Ray head's node never registered"
+        time.sleep(0.5)
+    gw = GatewayProcess(nats_url, tmp_path)
+    gw.env["LOOPRL_GATEWAY_RAY_ADDRESS"] = ray_head.address
+    gw.start()
+    try:
+        gpus = RECIPE + "[trainer]\nworld_size = 2\nnum_gpus_per_rank = 1.0\n"
+        with pytest.raises(grpc.RpcError) as err:
+            gw.stub.CreateRun(
+                gateway_pb2.CreateRunRequest(recipe_toml=gpus.format(name="gpus")), metadata=AUTH
+            )
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details() == (
+            "run: needs 2 GPU (trainer 2), more than the cluster's total GPU=0: it could never start"
+        )
+        cpus = RECIPE + "[trainer]\nnum_cpus_per_rank = 32.0\n"  # 32 + 1 CPUs on a 16-CPU head
+        status, reply = http(gw, "/v1/runs", {"recipe_toml": cpus.format(name="cpus")})
+        assert status == 429 and "the cluster's total CPU=16" in reply["error"]["message"]
+    finally:
+        gw.kill()
