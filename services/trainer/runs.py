@@ -21,6 +21,7 @@ from services.kit import subjects
 from services.kit.config import bus_url
 from services.kit.errors import FailedPrecondition
 from services.kit.recipe import RunRecord, load_recipe
+from services.trainer import metrics
 from services.trainer.config import TrainerConfig
 from services.trainer.loop import RunTrainer
 
@@ -125,6 +126,7 @@ class TrainerApp:
         ended = [r for r in self.runs if not self.live(r)]
         for old in ended[: max(0, len(ended) - KEEP_ENDED)]:
             del self.runs[old]
+            metrics.forget_run(old)
         try:
             # Its record returned to an active state while it stopped: it resumes from its checkpoint.
             self._reconcile(run_id)

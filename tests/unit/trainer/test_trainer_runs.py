@@ -7,10 +7,12 @@ import asyncio
 import threading
 
 import pytest
+from prometheus_client import REGISTRY
 
 from looprl.trainer.v1 import trainer_pb2
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.kit.recipe import RunRecord, parse_recipe
+from services.trainer import metrics
 from services.trainer import runs as runs_module
 from services.trainer.config import TrainerConfig
 from services.trainer.loop import RunTrainer
@@ -171,16 +173,22 @@ async def test_stop_stops_every_run_and_begins_no_more() -> None:
     assert t.started() == ["a", "b"] and t.training() == []
 
 
-async def test_only_the_newest_ended_runs_are_kept(monkeypatch) -> None:
+async def test_only_the_newest_ended_runs_are_kept_with_their_metrics(monkeypatch) -> None:
     monkeypatch.setattr(runs_module, "KEEP_ENDED", 2)
     t = Trainer()
-    for run_id in ("a", "b", "c", "d"):
+    for run_id in ("ka", "kb", "kc", "kd"):
         t.record(run_id, "running")
+        metrics.LOSS.labels(run_id).set(1.5)
     await settle()
-    for run_id in ("a", "b", "c"):
+    for run_id in ("ka", "kb", "kc"):
         t.record(run_id, "completed")
     await settle()
-    assert list(t.app.runs) == ["b", "c", "d"]  # d trains; b and c ended last
+    assert list(t.app.runs) == ["kb", "kc", "kd"]  # kd trains; kb and kc ended last
+
+    def loss(run_id: str) -> float | None:
+        return REGISTRY.get_sample_value("looprl_trainer_loss", {"run": run_id})
+
+    assert loss("ka") is None and loss("kb") == loss("kd") == 1.5
 
 
 async def test_status_reports_the_named_run_or_the_newest_with_every_run() -> None:
