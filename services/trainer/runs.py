@@ -21,6 +21,7 @@ from services.kit import subjects
 from services.kit.config import bus_url
 from services.kit.errors import FailedPrecondition
 from services.kit.recipe import RunRecord, load_recipe
+from services.kit.run_errors import RunErrorReporter, describe
 from services.trainer import metrics
 from services.trainer.config import TrainerConfig
 from services.trainer.loop import RunTrainer
@@ -29,7 +30,7 @@ log = logging.getLogger("looprl.trainer")
 
 # Record states whose run the trainer trains ("queued" waits for a slot: nothing may start for it).
 ACTIVE_STATES = frozenset({"pending", "running", "stalled"})
-# Ended runs kept for Status after they end (newest first); older ones are forgotten.
+# How many ended runs Status still reports (the last to end); older ones are forgotten.
 KEEP_ENDED = 16
 
 
@@ -44,6 +45,9 @@ class TrainerApp:
         # The latest active record of each run (watch mode): what a run that stopped is begun again from
         # when its record returns to an active state.
         self._records: dict[str, RunRecord] = {}
+        self._refused: set[str] = set()  # active runs that could not begin: not tried again per update
+        self._reporter: RunErrorReporter | None = None
+        self._reports: set[asyncio.Task] = set()
         self._watch_task: asyncio.Task | None = None
         self._stopping = False
 
@@ -66,6 +70,7 @@ class TrainerApp:
 
             self.bus = await Bus.connect(bus_url(self.cfg), name="trainer")
             await self.bus.ensure_streams()
+            self._reporter = RunErrorReporter(self.bus, "trainer")
         if self.cfg.run_ids:
             if not self.cfg.recipe:
                 raise ValueError("run_ids is set but recipe is empty: the trainer needs the run's recipe")
@@ -96,6 +101,7 @@ class TrainerApp:
         """Run `run_id`'s record changed (None: deleted): start its run or stop it."""
         if record is None or record.state not in ACTIVE_STATES:
             self._records.pop(run_id, None)
+            self._refused.discard(run_id)
             run = self.runs.get(run_id)
             if run is not None and self.live(run_id) and not run.stop_requested:
                 log.info(
@@ -111,14 +117,30 @@ class TrainerApp:
     def _reconcile(self, run_id: str) -> None:
         """Begin the run when its record is active and no run of it is held or it was stopped."""
         record = self._records.get(run_id)
-        if record is None or self._stopping or self.live(run_id):
+        if record is None or self._stopping or self.live(run_id) or run_id in self._refused:
             return
         held = self.runs.get(run_id)
         if held is not None and held.state != "stopped":
             # Completed or failed here: its record turns final next, and beginning it again would
             # train (or fail) it a second time.
             return
-        self.begin(run_id, record.recipe())
+        try:
+            self.begin(run_id, record.recipe())
+        except Exception as exc:
+            self._refuse(run_id, exc)
+
+    def _refuse(self, run_id: str, exc: Exception) -> None:
+        """Run `run_id` cannot begin here (its recipe, its id): the gateway fails it with the reason,
+        rather than it waiting as running, and the runs beside it go on."""
+        self._refused.add(run_id)
+        log.warning("runs/%s: cannot train this run: %s", run_id, exc)
+        if self._reporter is not None:
+            report = self._reporter.report(
+                run_id, f"the trainer cannot train this run: {describe(exc)}", fatal=True
+            )
+            task = asyncio.create_task(report, name=f"trainer-refuse-{run_id}")
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
 
     def _ended(self, run_id: str, task: asyncio.Task) -> None:
         if self._tasks.get(run_id) is task:  # not a run of this id begun since
@@ -127,11 +149,8 @@ class TrainerApp:
         for old in ended[: max(0, len(ended) - KEEP_ENDED)]:
             del self.runs[old]
             metrics.forget_run(old)
-        try:
-            # Its record returned to an active state while it stopped: it resumes from its checkpoint.
-            self._reconcile(run_id)
-        except Exception as exc:
-            log.warning("runs/%s: cannot train this run: %s", run_id, exc)
+        # Its record returned to an active state while it stopped: it resumes from its checkpoint.
+        self._reconcile(run_id)
 
     async def _follow_runs(self, watch) -> None:
         async for entry in watch:
@@ -154,7 +173,7 @@ class TrainerApp:
                 await self._watch_task
         for run in self.runs.values():
             run.request_stop()
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._reports]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         if self.bus is not None:

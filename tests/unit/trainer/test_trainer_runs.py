@@ -51,18 +51,32 @@ class FakeRun:
         return f"/ckpt/{self.run_id}", self.step, ""
 
 
+class Reporter:
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, str, bool]] = []
+
+    async def report(self, run_id: str, message: str, fatal: bool = False) -> None:
+        self.reports.append((run_id, message, fatal))
+
+
 class Trainer:
-    """A TrainerApp over FakeRuns; `begun` lists every run it began, in order."""
+    """A TrainerApp over FakeRuns; `begun` lists every run it began, in order (a run id in
+    `broken` cannot begin, as a recipe the trainer cannot build would)."""
 
     def __init__(self) -> None:
         self.begun: list[FakeRun] = []
+        self.broken: set[str] = set()
+        self.reporter = Reporter()
 
-        def factory(*args):
-            run = FakeRun(*args)
+        def factory(run_id, *args):
+            if run_id in self.broken:
+                raise ValueError(f"model.preset: cannot build {run_id}")
+            run = FakeRun(run_id, *args)
             self.begun.append(run)
             return run
 
         self.app = TrainerApp(TrainerConfig(), run_factory=factory)
+        self.app._reporter = self.reporter  # what start() connects to the bus
 
     def record(self, run_id: str, state: str | None) -> None:
         """The gateway writes run `run_id`'s record in `state` (None: deletes it)."""
@@ -147,6 +161,19 @@ async def test_a_run_that_ended_here_is_not_begun_again_by_a_later_update(ended:
     await settle()
     assert t.started() == ["a", "b"] and t.training() == ["b"]
     assert t.app.runs["a"].state == ended
+
+
+async def test_a_run_that_cannot_begin_is_reported_once_and_the_others_train() -> None:
+    t = Trainer()
+    t.broken.add("bad")
+    for _ in range(3):  # the gateway rewrites the record: one refusal, not one per update
+        t.record("bad", "running")
+    t.record("good", "running")
+    await settle()
+    assert t.started() == ["good"] and t.training() == ["good"]
+    assert t.reporter.reports == [
+        ("bad", "the trainer cannot train this run: ValueError: model.preset: cannot build bad", True)
+    ]
 
 
 async def test_begin_refuses_a_run_already_training_and_allows_one_that_ended() -> None:
