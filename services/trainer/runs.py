@@ -30,7 +30,7 @@ log = logging.getLogger("looprl.trainer")
 
 # Record states whose run the trainer trains ("queued" waits for a slot: nothing may start for it).
 ACTIVE_STATES = frozenset({"pending", "running", "stalled"})
-# How many ended runs Status still reports (the last to end); older ones are forgotten.
+# How many ended runs Status still reports; the earliest begun are forgotten first.
 KEEP_ENDED = 16
 
 
@@ -145,7 +145,9 @@ class TrainerApp:
     def _ended(self, run_id: str, task: asyncio.Task) -> None:
         if self._tasks.get(run_id) is task:  # not a run of this id begun since
             del self._tasks[run_id]
-        ended = [r for r in self.runs if not self.live(r)]
+        # A run whose record is still active stays: its ended state is what keeps it from being
+        # begun again until the gateway turns the record final.
+        ended = [r for r in self.runs if not self.live(r) and r not in self._records]
         for old in ended[: max(0, len(ended) - KEEP_ENDED)]:
             del self.runs[old]
             metrics.forget_run(old)

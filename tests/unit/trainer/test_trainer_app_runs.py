@@ -217,6 +217,13 @@ async def test_only_the_newest_ended_runs_are_kept_with_their_metrics(monkeypatc
 
     assert loss("ka") is None and loss("kb") == loss("kd") == 1.5
 
+    t.begun[3].finish("completed")  # kd trained all its steps; its record is still "running"
+    await settle()
+    assert list(t.app.runs) == ["kb", "kc", "kd"]
+    t.record("kd", "running")
+    await settle()
+    assert t.started() == ["ka", "kb", "kc", "kd"], "a run that completed here is not trained again"
+
 
 async def test_status_reports_the_named_run_or_the_newest_with_every_run() -> None:
     t = Trainer()
