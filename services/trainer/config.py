@@ -23,7 +23,8 @@ class TrainerConfig(ServiceConfig):
     recipe: str = ""
     """Path to the run recipe (TOML) used with `run_ids`."""
     watch_runs: bool = True
-    """Train the first active run recorded in the KV bucket 'runs'."""
+    """Train every active (pending, running or stalled) run recorded in the KV bucket 'runs', each
+    with its own ranks."""
     checkpoint_dir: str = ""
     """Checkpoint root; empty uses <state_dir>/trainer. One folder per run."""
     checkpoint_every: int = Field(-1, ge=-1)

@@ -6,6 +6,8 @@ Steps are acknowledged to the packer (AckStep) once a checkpoint covers them (ac
 "checkpoint"), so after a crash the packer re-serves exactly the steps the restored checkpoint lacks;
 that is what makes resume exact. All rank-group calls are serialized by one lock: collectives need
 every rank to see the calls in the same order, and a Checkpoint RPC must fall between two steps.
+They block (ray.get) in the run's own thread, so a step waiting for its batch holds neither the
+event loop nor a thread another run trains with.
 
 Each step is its own trace: a "trainer step" root span, linked to the rollouts it trains, holding
 every rank's NextBatch and PushShards calls (the ranks get its context), AckStep and the
@@ -15,8 +17,11 @@ TrainStepRecord publish.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +73,7 @@ class RunTrainer:
             strategy=cfg.placement_strategy,
             resources_per_rank=recipe.trainer.ray_resources_per_rank,
             threads_per_rank=cfg.threads_per_rank,
+            name=f"looprl-trainer-{run_id}",
         )
         self.state = "idle"
         self.step = 0
@@ -82,13 +88,15 @@ class RunTrainer:
         self._repushed_at = 0.0
         self._stop = asyncio.Event()
         self._started = False
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer-{run_id}")
         metrics.init_run(self.run_id)
 
     # ---- rank calls, serialized ------------------------------------------------------------------
 
     async def _ranks(self, fn, *args: Any) -> Any:
         async with self._lock:
-            return await asyncio.to_thread(fn, *args)
+            call = functools.partial(contextvars.copy_context().run, fn, *args)  # as asyncio.to_thread
+            return await asyncio.get_running_loop().run_in_executor(self._thread, call)
 
     # ---- loop ------------------------------------------------------------------------------------
 
@@ -112,7 +120,10 @@ class RunTrainer:
             log.exception("run %s: training failed at step %d", self.run_id, self.step)
             await self._report(f"training failed at step {self.step}: {describe(exc)}")
         finally:
-            await self._ranks(self.group.shutdown)
+            try:
+                await self._ranks(self.group.shutdown)
+            finally:
+                self._thread.shutdown(wait=False)
 
     async def _prepare(self) -> None:
         self.state = "starting"
@@ -401,4 +412,9 @@ class RunTrainer:
         return path, self.step, hf_path
 
     def request_stop(self) -> None:
+        """Stop after the current step: final checkpoint, then the ranks are freed."""
         self._stop.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()

@@ -5,6 +5,7 @@ ranks themselves (Ray actors) export nothing."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from services.kit.metric_names import counter, gauge, histogram, observe
@@ -54,3 +55,18 @@ def record_step(run_id: str, m: dict[str, Any], step_seconds: float) -> None:
     for phase, seconds in (m.get("phase_seconds") or {}).items():
         observe(STEP_SECONDS.labels(run_id, phase), seconds)
     observe(STEP_SECONDS.labels(run_id, "step"), step_seconds)
+
+
+def forget_run(run_id: str) -> None:
+    """Drop the run's series once the trainer forgets the run: a trainer that serves runs for weeks
+    would otherwise export every run it ever trained."""
+    series = [
+        *((m, ()) for m in (LOSS, KL, ENTROPY, GRAD_NORM, CLIP_FRACTION, REWARD_MEAN, TOKENS_PER_SECOND)),
+        *((m, ()) for m in (WEIGHT_VERSION, STEPS, TOKENS)),
+        *((STALENESS, (kind,)) for kind in ("mean", "max")),
+        *((STEP_SECONDS, (phase,)) for phase in PHASES),
+        *((CHECKPOINT_SECONDS, (kind,)) for kind in CHECKPOINT_KINDS),
+    ]
+    for metric, rest in series:
+        with contextlib.suppress(KeyError):  # a series the run never set
+            metric.remove(run_id, *rest)

@@ -9,6 +9,7 @@ rendezvous port, the driver passes it to all ranks.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ class RankGroup:
         resources_per_rank: dict[str, float] | None = None,
         threads_per_rank: int = 1,
         ready_timeout_s: float = 120.0,
+        name: str = "",
     ) -> None:
         if world_size < 1:
             raise ValueError(f"trainer.world_size: must be >= 1, got {world_size}")
@@ -45,6 +47,9 @@ class RankGroup:
         self.resources_per_rank = dict(resources_per_rank or {})
         self.threads_per_rank = threads_per_rank
         self.ready_timeout_s = ready_timeout_s
+        self.name = name
+        """Prefix of the placement group's name in Ray (e.g. the run's), so `ray list placement-groups`
+        says whose it is; each start adds its own suffix, as Ray refuses a name a live group holds."""
         self.actors: list[Any] = []
         self.pg: Any = None
         self.nodes: list[str] = []
@@ -57,7 +62,11 @@ class RankGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self.bundle()
-        self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=self.strategy)
+        self.pg = placement_group(
+            [dict(bundle) for _ in range(self.world_size)],
+            strategy=self.strategy,
+            name=f"{self.name}-{secrets.token_hex(4)}" if self.name else "",
+        )
         try:
             ray.get(self.pg.ready(), timeout=self.ready_timeout_s)
         except ray.exceptions.GetTimeoutError:

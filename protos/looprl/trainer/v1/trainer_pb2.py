@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1flooprl/trainer/v1/trainer.proto\x12\x11looprl.trainer.v1\"\x0f\n\rStatusRequest\"\xa4\x01\n\x0eStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x11\n\tlast_loss\x18\x05 \x01(\x01\x12\x17\n\x0flast_checkpoint\x18\x06 \x01(\t\x12\r\n\x05state\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"&\n\x11\x43heckpointRequest\x12\x11\n\texport_hf\x18\x01 \x01(\x08\"A\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07hf_path\x18\x03 \x01(\t\"\x12\n\x10GetConfigRequest\"(\n\x11GetConfigResponse\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t2\x92\x02\n\x0eTrainerService\x12M\n\x06Status\x12 .looprl.trainer.v1.StatusRequest\x1a!.looprl.trainer.v1.StatusResponse\x12Y\n\nCheckpoint\x12$.looprl.trainer.v1.CheckpointRequest\x1a%.looprl.trainer.v1.CheckpointResponse\x12V\n\tGetConfig\x12#.looprl.trainer.v1.GetConfigRequest\x1a$.looprl.trainer.v1.GetConfigResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1flooprl/trainer/v1/trainer.proto\x12\x11looprl.trainer.v1\"\x1f\n\rStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xd5\x01\n\x0eStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x11\n\tlast_loss\x18\x05 \x01(\x01\x12\x17\n\x0flast_checkpoint\x18\x06 \x01(\t\x12\r\n\x05state\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12/\n\x04runs\x18\t \x03(\x0b\x32!.looprl.trainer.v1.StatusResponse\"6\n\x11\x43heckpointRequest\x12\x11\n\texport_hf\x18\x01 \x01(\x08\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"A\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07hf_path\x18\x03 \x01(\t\"\"\n\x10GetConfigRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"(\n\x11GetConfigResponse\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t2\x92\x02\n\x0eTrainerService\x12M\n\x06Status\x12 .looprl.trainer.v1.StatusRequest\x1a!.looprl.trainer.v1.StatusResponse\x12Y\n\nCheckpoint\x12$.looprl.trainer.v1.CheckpointRequest\x1a%.looprl.trainer.v1.CheckpointResponse\x12V\n\tGetConfig\x12#.looprl.trainer.v1.GetConfigRequest\x1a$.looprl.trainer.v1.GetConfigResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'looprl.trainer.v1.trainer_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATUSREQUEST']._serialized_start=54
-  _globals['_STATUSREQUEST']._serialized_end=69
-  _globals['_STATUSRESPONSE']._serialized_start=72
-  _globals['_STATUSRESPONSE']._serialized_end=236
-  _globals['_CHECKPOINTREQUEST']._serialized_start=238
-  _globals['_CHECKPOINTREQUEST']._serialized_end=276
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=278
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=343
-  _globals['_GETCONFIGREQUEST']._serialized_start=345
-  _globals['_GETCONFIGREQUEST']._serialized_end=363
-  _globals['_GETCONFIGRESPONSE']._serialized_start=365
-  _globals['_GETCONFIGRESPONSE']._serialized_end=405
-  _globals['_TRAINERSERVICE']._serialized_start=408
-  _globals['_TRAINERSERVICE']._serialized_end=682
+  _globals['_STATUSREQUEST']._serialized_end=85
+  _globals['_STATUSRESPONSE']._serialized_start=88
+  _globals['_STATUSRESPONSE']._serialized_end=301
+  _globals['_CHECKPOINTREQUEST']._serialized_start=303
+  _globals['_CHECKPOINTREQUEST']._serialized_end=357
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=359
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=424
+  _globals['_GETCONFIGREQUEST']._serialized_start=426
+  _globals['_GETCONFIGREQUEST']._serialized_end=460
+  _globals['_GETCONFIGRESPONSE']._serialized_start=462
+  _globals['_GETCONFIGRESPONSE']._serialized_end=502
+  _globals['_TRAINERSERVICE']._serialized_start=505
+  _globals['_TRAINERSERVICE']._serialized_end=779
 # @@protoc_insertion_point(module_scope)
