@@ -125,7 +125,7 @@ async def test_unregistered_target_gets_no_more_versions_and_errors_name_the_fie
         await servicer.RegisterTarget(registration(name, run), None)
     buf = push(servicer.store, 0, "run-a")
 
-    with pytest.raises(InvalidArgument, match="^deployment: must not be empty"):
+    with pytest.raises(InvalidArgument, match=r"^deployment: must not be empty"):
         await servicer.UnregisterTarget(ws.UnregisterTargetRequest(), None)
     with pytest.raises(NotFound, match="deployment: 'a/nope'"):
         await servicer.UnregisterTarget(ws.UnregisterTargetRequest(deployment="a/nope"), None)
