@@ -237,6 +237,7 @@ class Deliverer:
             if target in targets and all(t.removed for t in targets):
                 task.cancel()
         self.placement.forget_except(e for t in self.targets.values() for e in t.endpoints)
+        metrics.forget_deployment(deployment)
         return target
 
     async def _deliver_traced(
@@ -438,7 +439,7 @@ class Deliverer:
             *(self.grpc.abort(e, version) for e in t.endpoints if e not in skip and e not in replica)
         )
         t.canary_rejected_version = version
-        metrics.REJECTED.labels(t.deployment).inc()
+        metrics.rejected(t.deployment)
         t.attempts[version] = self.retry_attempts  # checksum-valid bytes: a retry would fail the same way
         problems = "; ".join(e for e in errors if e)
         await self._failed(
@@ -480,7 +481,7 @@ class Deliverer:
             return  # unregistered: its failure is nobody's concern, and it is not retried
         run_id = run_id or (buf.run_id if buf is not None else "")
         t.state = "failed"
-        metrics.FAILED.labels(t.deployment).inc()
+        metrics.failed(t.deployment)
         t.last_error = error
         if self.on_failed is not None:
             try:

@@ -1,12 +1,14 @@
 """Several runs on one weight-sync: versions are numbered per run, a run's version is scheduled only
 to that run's targets (and to targets of no run), GetVersion reports per run, UnregisterTarget
-stops deliveries and frees a run's bytes when its last target leaves."""
+stops deliveries, drops the deployment's metric series and frees a run's bytes when its last
+target leaves."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from prometheus_client import REGISTRY
 
 from looprl.weightsync.v1 import weightsync_pb2 as ws
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -130,7 +132,10 @@ async def test_unregistered_target_gets_no_more_versions_and_errors_name_the_fie
     with pytest.raises(NotFound, match="deployment: 'a/nope'"):
         await servicer.UnregisterTarget(ws.UnregisterTargetRequest(deployment="a/nope"), None)
 
+    failed_syncs = "looprl_weight_sync_failed_syncs_total"
+    assert REGISTRY.get_sample_value(failed_syncs, {"deployment": "a/actor"}) == 0.0
     await servicer.UnregisterTarget(ws.UnregisterTargetRequest(deployment="a/actor"), None)
+    assert REGISTRY.get_sample_value(failed_syncs, {"deployment": "a/actor"}) is None  # series gone
     servicer.deliverer.schedule(buf)
     await servicer.deliverer.idle(5)
     assert started == [("run-a", 0, ["a/critic"])]
