@@ -13,7 +13,7 @@ staged the version completely and verified; otherwise all its ranks abort, it ke
 and the delivery is retried (or superseded by a newer version). After the commit:
 WeightsPublished{version, deployment} on the bus and the target's state in KV.
 
-Canary targets (canary.py): when everything is staged, the first replica commits alone, answers
+Canary targets (canary.py, deliver_canary.py): when everything is staged, the first replica commits alone, answers
 the golden prompts, and the rest commit only if its log-prob drift is within bound; otherwise it
 rolls back to the version it served before and the version is not retried for that target.
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -42,7 +41,8 @@ from services.weight_sync.transport import Delivery, Endpoint, StageResult
 from services.weight_sync.transport.factory import Transports, TransportSettings
 from services.weights import DeliveryError
 
-from . import canary, metrics
+from . import metrics
+from .deliver_canary import CanaryCommits
 from .placement import Placement
 from .plan import PlanCache, RankPlan, TrainerLayout
 from .planned_bucket import PlannedBucket
@@ -67,7 +67,7 @@ def _by_host(targets: list[Target]) -> list[list[Target]]:
     return list(groups.values())
 
 
-class Deliverer:
+class Deliverer(CanaryCommits):
     def __init__(
         self,
         store: VersionStore,
@@ -397,79 +397,6 @@ class Deliverer:
                 await self.on_published(t, run_id, version, t.last_bytes, t.last_sync_seconds)
             except Exception as exc:
                 log.warning("publishing version %s for %s failed: %s", version, t.deployment, exc)
-
-    async def _canary(
-        self, t: Target, staged: VersionBuffer, replica: list[Endpoint], skip: set[Endpoint]
-    ) -> bool:
-        """Commit `replica` alone and check it (canary.py); True when the rest may commit. On a
-        rejection the replica is rolled back, the others abort, and the target is marked failed."""
-        version, run_id = staged.version, staged.run_id
-        settings = t.canary_settings
-        config = self.model_config(run_id=run_id)
-        prompts = settings.prompts or canary.default_prompts(config.vocab_size if config else 2)
-        tokens = settings.tokens_per_prompt or self.canary_tokens
-        bound = settings.max_logprob_drift or self.canary_max_drift
-        stub = self.grpc.stub(replica[0].address)
-        tag = f"canary-{t.deployment}-{version}"
-        try:
-            before = await canary.golden_answers(stub, prompts, tokens, tag=f"{tag}-before")
-        except grpc.aio.AioRpcError as exc:
-            # No reference to compare with (the replica generates nothing, or is not ready): commit
-            # without a check rather than never updating; say so.
-            log.warning(
-                "canary of %s skipped for version %s: no reference answers (%s: %s)",
-                t.deployment,
-                version,
-                exc.code().name,
-                exc.details(),
-            )
-            return await self._commit_canary(t, staged, replica, skip)  # the caller commits the others
-        if not await self._commit_canary(t, staged, replica, skip):
-            return False
-        verdict = await canary.check(stub, before, prompts, tokens, bound, tag=f"{tag}-after")
-        t.canary_drift = verdict.drift if math.isfinite(verdict.drift) else -1.0
-        if verdict.passed:
-            log.info("canary of %s passed for version %s: %s", t.deployment, version, verdict.detail)
-            return True
-        log.warning("canary of %s REJECTED version %s: %s", t.deployment, version, verdict.detail)
-        errors = await asyncio.gather(
-            *(canary.rollback(self.grpc.stub(e.address), e, version) for e in replica)
-        )
-        await asyncio.gather(
-            *(self.grpc.abort(e, version) for e in t.endpoints if e not in skip and e not in replica)
-        )
-        t.canary_rejected_version = version
-        metrics.rejected(t.deployment)
-        t.attempts[version] = self.retry_attempts  # checksum-valid bytes: a retry would fail the same way
-        problems = "; ".join(e for e in errors if e)
-        await self._failed(
-            t,
-            None,
-            run_id=run_id,
-            error=f"canary rejected version {version}: {verdict.detail}"
-            + (f"; rollback failed: {problems}" if problems else ""),
-        )
-        if self.on_rejected is not None:
-            try:
-                await self.on_rejected(t, run_id, version, t.canary_drift, verdict.detail)
-            except Exception as exc:
-                log.warning(
-                    "announcing the rejection of version %s for %s failed: %s", version, t.deployment, exc
-                )
-        return False
-
-    async def _commit_canary(
-        self, t: Target, staged: VersionBuffer, replica: list[Endpoint], skip: set[Endpoint]
-    ) -> bool:
-        """Commit the canary replica alone; on failure every rank aborts and the target fails."""
-        version, run_id = staged.version, staged.run_id
-        try:
-            await asyncio.gather(*(self.grpc.commit(e, version) for e in replica))
-        except DeliveryError as exc:
-            await asyncio.gather(*(self.grpc.abort(e, version) for e in t.endpoints if e not in skip))
-            await self._failed(t, self._buffer(run_id, version), f"canary commit: {exc}", run_id)
-            return False
-        return True
 
     def _buffer(self, run_id: str, version: int) -> VersionBuffer | None:
         """The run's latest complete version when it is `version` (what a failed delivery retries)."""
