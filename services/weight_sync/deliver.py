@@ -13,9 +13,14 @@ staged the version completely and verified; otherwise all its ranks abort, it ke
 and the delivery is retried (or superseded by a newer version). After the commit:
 WeightsPublished{version, deployment} on the bus and the target's state in KV.
 
-Canary targets (canary.py, deliver_canary.py): when everything is staged, the first replica commits alone, answers
-the golden prompts, and the rest commit only if its log-prob drift is within bound; otherwise it
-rolls back to the version it served before and the version is not retried for that target.
+Canary targets (canary.py, deliver_canary.py): when everything is staged, the first replica commits
+alone, answers the golden prompts, and the rest commit only if its log-prob drift is within bound;
+otherwise it rolls back to the version it served before and the version is not retried for that
+target.
+
+Runs: a version goes to the targets registered for its run and to those registered for no run.
+An unregistered target gets nothing more: a delivery to it alone is cancelled, one it shares goes
+on for the others and commits nothing on it.
 
 Pipelining: with `pipeline`, a version's delivery starts when its first chunk arrives, planned
 from the previous version's trainer layout; each bucket is sent as soon as its chunks are in.
@@ -432,16 +437,20 @@ class Deliverer(CanaryCommits):
         async def retry() -> None:
             await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
             latest = self.store.run(buf.run_id).latest
-            if latest is not None and latest.version >= buf.version and t.version < latest.version:
-                self.schedule(latest, force=t)
+            current = self.targets.get(t.deployment)  # re-registered meanwhile: the new registration
+            if current is None or latest is None:
+                return
+            if latest.version >= buf.version and current.version < latest.version:
+                self.schedule(latest, force=current)
 
         self._spawn(retry())
 
     def _after(self, targets: list[Target]) -> None:
         """A target that missed versions while busy catches up with the latest one of its run."""
-        for t in targets:
-            latest = self.store.serving(t.run_id).latest
-            if latest is None or t.removed:
+        for done in targets:
+            t = self.targets.get(done.deployment)  # re-registered meanwhile: the new registration
+            latest = self.store.serving(t.run_id).latest if t is not None else None
+            if t is None or latest is None:
                 continue
             if t.state != "failed" and t.due(latest.version) and t.deployment not in self._busy:
                 self.schedule(latest, force=t)

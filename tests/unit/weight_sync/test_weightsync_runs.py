@@ -5,7 +5,9 @@ target leaves."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
 from prometheus_client import REGISTRY
@@ -13,12 +15,14 @@ from prometheus_client import REGISTRY
 from looprl.weightsync.v1 import weightsync_pb2 as ws
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.modeling.config import ModelConfig
+from services.modeling.layouts import Layout, rank_params
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.deliver import Deliverer
 from services.weight_sync.service import make
 from services.weight_sync.servicer import WeightSyncServicer
 from services.weight_sync.targets import target_from_request
 from services.weight_sync.versions import VersionBuffer, VersionStore
+from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 from tests.support.synthetic_weights import random_state, rank_requests
 
 CONFIG = ModelConfig.tiny()
@@ -150,3 +154,46 @@ async def test_unregistered_target_gets_no_more_versions_and_errors_name_the_fie
     assert status.latest_version == -1
     assert [(t.deployment, t.run_id) for t in status.targets] == [("b/actor", "run-b")]
     await servicer.deliverer.close()
+
+
+async def test_a_delivery_shared_with_an_unregistered_target_still_commits_on_the_others():
+    store = VersionStore(shm=False)
+    deliverer = Deliverer(store, bucket_bytes=4096)
+    failures: list[str] = []
+
+    async def on_failed(t, run_id):
+        failures.append(t.deployment)
+
+    deliverer.on_failed = on_failed
+    engines, servers = {}, []
+    for name in ("r/actor", "r/critic"):
+        engine = WeightOnlyEngine(WeightStager(rank_params(CONFIG, Layout(1, "hf"), 0), rank=0))
+        server, address = await serve_engine(engine)
+        engines[name] = engine
+        servers.append(server)
+        req = registration(name, "r")
+        req.ranks[0].address = address
+        deliverer.targets[name] = target_from_request(req)
+    stage = engines["r/critic"].receiver._stage
+
+    def slow_stage(request, reader):  # the critic's link is slow: its unregistering finds bytes in flight
+        time.sleep(0.02)
+        return stage(request, reader)
+
+    engines["r/critic"].receiver._stage = slow_stage
+    try:
+        # Both targets sit on one (unnamed) host: one delivery streams the version to both.
+        deliverer.schedule(push(store, 0, "r"))
+        deadline = time.monotonic() + 20
+        while engines["r/critic"].stager.bytes_staged == 0:
+            assert time.monotonic() < deadline, "the critic never started staging"
+            await asyncio.sleep(0.01)
+        deliverer.unregister("r/critic")
+        await deliverer.idle(30)
+        assert engines["r/actor"].commits == [0]
+        assert engines["r/critic"].commits == []  # abandoned: staged perhaps, never committed
+        assert failures == [] and deliverer.targets["r/actor"].state == "ready"
+    finally:
+        await deliverer.close()
+        for server in servers:
+            await server.stop(None)
