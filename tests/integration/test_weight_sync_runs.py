@@ -105,10 +105,18 @@ async def test_two_runs_get_only_their_own_versions_across_a_restart_and_an_unre
         for v in range(5)
     }
     engines: dict[str, WeightOnlyEngine] = {}
+    installed: dict[str, list[tuple[int, torch.Tensor]]] = {run_a: [], run_b: []}  # every commit's weights
     servers = []
     slow = {"on": False}
     for run in (run_a, run_b):
         engine = WeightOnlyEngine(WeightStager(rank_params(CONFIG, Layout(1, "hf"), 0), rank=0))
+        swap = engine.receiver.on_commit
+
+        def record(version, state, run=run, swap=swap):
+            installed[run].append((version, state[PROBE].clone()))
+            swap(version, state)
+
+        engine.receiver.on_commit = record
         server, address = await serve_engine(engine)
         engines[run], engine.address = engine, address
         servers.append(server)
@@ -139,7 +147,8 @@ async def test_two_runs_get_only_their_own_versions_across_a_restart_and_an_unre
                     ranks=[weightsync_pb2.TargetRank(rank=0, address=engines[run].address)],
                 )
             )
-        # Both runs push a version 0 and a version 1: two versions each, four in all.
+        # Both runs push a version 0 and a version 1: two versions each, four in all. (A version
+        # pushed while its deployment still takes the previous one may be skipped for a newer one.)
         for version in (0, 1):
             for run in (run_a, run_b):
                 await push(stub, states[(run, version)], run, version)
@@ -176,14 +185,21 @@ async def test_two_runs_get_only_their_own_versions_across_a_restart_and_an_unre
             await stub.UnregisterTarget(weightsync_pb2.UnregisterTargetRequest(deployment=deployment[run_b]))
         assert gone.value.code() == grpc.StatusCode.NOT_FOUND and deployment[run_b] in gone.value.details()
 
-        # Every version each deployment committed was its own run's, in order; none of the other's.
-        assert engines[run_a].commits == [0, 1, 2, 3, 4]
-        assert engines[run_b].commits == [0, 1, 2] and holds(run_b, 2)
+        # Every version each deployment committed was its own run's weights, newer each time; B
+        # kept serving its version 2 (neither its abandoned 3 nor its 4 came).
+        for run in (run_a, run_b):
+            versions = [v for v, _ in installed[run]]
+            assert versions == sorted(set(versions)), versions
+            for version, weights in installed[run]:
+                assert torch.equal(weights, states[(run, version)][PROBE]), (run, version)
+        assert installed[run_a][-1][0] == 4 and installed[run_b][-1][0] == 2 and holds(run_b, 2)
         stop(proc)
         proc = start_weight_sync(env)
         await wait_ready(stub, proc)
         assert await status(stub, run_b) == (4, [])  # the unregistered target stays gone
         assert await status(stub, run_a) == (4, [(deployment[run_a], run_a, 4)])
+        await stub.UnregisterTarget(weightsync_pb2.UnregisterTargetRequest(deployment=deployment[run_a]))
+        assert await status(stub, run_a) == (4, [])
     finally:
         await channel.close()
         stop(proc)
