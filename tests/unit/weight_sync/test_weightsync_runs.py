@@ -125,7 +125,8 @@ async def test_a_runs_version_is_scheduled_only_to_its_targets_and_to_targets_of
 
 async def test_unregistered_target_gets_no_more_versions_and_errors_name_the_field():
     servicer: WeightSyncServicer = make(WeightSyncConfig(use_bus=False, run_id="main"))
-    servicer.store.arenas = None
+    servicer.store.arenas = None  # no shared memory needed: the recording deliverer sends nothing
+    await servicer.deliverer.close()
     servicer.deliverer, started = deliverer_recording(servicer.store)
     for name, run in (("a/actor", "run-a"), ("a/critic", "run-a"), ("b/actor", "run-b")):
         await servicer.RegisterTarget(registration(name, run), None)
