@@ -13,9 +13,14 @@ staged the version completely and verified; otherwise all its ranks abort, it ke
 and the delivery is retried (or superseded by a newer version). After the commit:
 WeightsPublished{version, deployment} on the bus and the target's state in KV.
 
-Canary targets (canary.py): when everything is staged, the first replica commits alone, answers
-the golden prompts, and the rest commit only if its log-prob drift is within bound; otherwise it
-rolls back to the version it served before and the version is not retried for that target.
+Canary targets (canary.py, deliver_canary.py): when everything is staged, the first replica commits
+alone, answers the golden prompts, and the rest commit only if its log-prob drift is within bound;
+otherwise it rolls back to the version it served before and the version is not retried for that
+target.
+
+Runs: a version goes to the targets registered for its run and to those registered for no run.
+An unregistered target gets nothing more: a delivery to it alone is cancelled, one it shares goes
+on for the others and commits nothing on it.
 
 Pipelining: with `pipeline`, a version's delivery starts when its first chunk arrives, planned
 from the previous version's trainer layout; each bucket is sent as soon as its chunks are in.
@@ -28,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -42,7 +46,8 @@ from services.weight_sync.transport import Delivery, Endpoint, StageResult
 from services.weight_sync.transport.factory import Transports, TransportSettings
 from services.weights import DeliveryError
 
-from . import canary, metrics
+from . import metrics
+from .deliver_canary import CanaryCommits
 from .placement import Placement
 from .plan import PlanCache, RankPlan, TrainerLayout
 from .planned_bucket import PlannedBucket
@@ -52,8 +57,10 @@ from .versions import VersionBuffer, VersionStore
 log = logging.getLogger("looprl.weight_sync")
 _tracer = trace.get_tracer("looprl.weight_sync.deliver")
 
-PublishHook = Callable[[Target, int, int, float], Awaitable[None]]
-RejectHook = Callable[[Target, int, float, str], Awaitable[None]]  # target, version, drift, detail
+# Every hook gets the run of the version concerned: its events go to that run's subject.
+PublishHook = Callable[[Target, str, int, int, float], Awaitable[None]]  # target, run, version, bytes, s
+RejectHook = Callable[[Target, str, int, float, str], Awaitable[None]]  # target, run, version, drift, detail
+FailHook = Callable[[Target, str], Awaitable[None]]  # target, run (its last_error says why)
 
 
 def _by_host(targets: list[Target]) -> list[list[Target]]:
@@ -65,7 +72,7 @@ def _by_host(targets: list[Target]) -> list[list[Target]]:
     return list(groups.values())
 
 
-class Deliverer:
+class Deliverer(CanaryCommits):
     def __init__(
         self,
         store: VersionStore,
@@ -82,7 +89,7 @@ class Deliverer:
         canary_tokens: int = 8,
         canary_max_drift: float = 0.5,
         on_published: PublishHook | None = None,
-        on_failed: Callable[[Target], Awaitable[None]] | None = None,
+        on_failed: FailHook | None = None,
         on_rejected: RejectHook | None = None,
         host_id: str = "",
     ) -> None:
@@ -112,10 +119,13 @@ class Deliverer:
         self.on_rejected = on_rejected
         self._tasks: set[asyncio.Task] = set()
         self._busy: dict[str, int] = {}  # deployment -> version being delivered
-        self._speculative: dict[int, tuple[str, list[asyncio.Task]]] = {}
-        self._last_layout: TrainerLayout | None = None
-        self._config: ModelConfig | None = None
-        self._config_json = ""
+        self._delivering: dict[asyncio.Task, list[Target]] = {}  # running deliveries and their targets
+        # Per run: the speculative deliveries of a version, the last trainer layout, the model config
+        # (runs may train different models).
+        self._speculative: dict[tuple[str, int], tuple[str, list[asyncio.Task]]] = {}
+        self._last_layout: dict[str, TrainerLayout] = {}
+        self._configs: dict[str, tuple[str, ModelConfig]] = {}
+        self._config_run = ""  # the run whose config was seen last: the fallback of a run that sent none
 
     # --------------------------------------------------------- transports
     def kind_for(self, t: Target, ep: Endpoint) -> str:
@@ -137,39 +147,56 @@ class Deliverer:
         return metrics.transport(self.shown_kind(t, e) for e in t.endpoints)
 
     # ------------------------------------------------------------ events
-    def model_config(self, buf: VersionBuffer | None = None) -> ModelConfig | None:
-        if buf is not None and buf.model_config_json and buf.model_config_json != self._config_json:
-            self._config_json = buf.model_config_json
-            self._config = ModelConfig.from_hf_dict(json.loads(buf.model_config_json))
-        return self._config
+    def model_config(self, buf: VersionBuffer | None = None, run_id: str | None = None) -> ModelConfig | None:
+        """The model of `buf`'s run (learning it from buf), or of `run_id`; a run that sent no config
+        (or no run named) gets the config seen last."""
+        if buf is not None:
+            run_id = buf.run_id
+            known = self._configs.get(run_id)
+            if buf.model_config_json and (known is None or known[0] != buf.model_config_json):
+                config = ModelConfig.from_hf_dict(json.loads(buf.model_config_json))
+                self._configs[run_id] = (buf.model_config_json, config)
+                self._config_run = run_id
+        entry = self._configs.get(run_id) if run_id is not None else None
+        entry = entry or self._configs.get(self._config_run)
+        return entry[1] if entry is not None else None
+
+    def _config_json(self, run_id: str) -> str:
+        entry = self._configs.get(run_id) or self._configs.get(self._config_run)
+        return entry[0] if entry is not None else ""
+
+    def _receivers(self, buf: VersionBuffer) -> list[Target]:
+        """The registered targets buf's run delivers to."""
+        return [t for t in self.targets.values() if t.receives(buf.run_id)]
 
     def version_started(self, buf: VersionBuffer) -> None:
         """First chunk of a version: deliver speculatively with the previous layout's plan."""
-        if not self.pipeline or self._last_layout is None or self.model_config(buf) is None:
+        layout = self._last_layout.get(buf.run_id)
+        if not self.pipeline or layout is None or self.model_config(buf) is None:
             return
-        due = [t for t in self.targets.values() if t.due(buf.version) and t.deployment not in self._busy]
+        due = [t for t in self._receivers(buf) if t.due(buf.version) and t.deployment not in self._busy]
         if due:
-            layout = self._last_layout
             tasks = [self._spawn(self._deliver(buf, group, layout)) for group in _by_host(due)]
-            self._speculative[buf.version] = (layout.signature, tasks)
+            self._speculative[(buf.run_id, buf.version)] = (layout.signature, tasks)
 
     def version_completed(self, buf: VersionBuffer, layout: TrainerLayout) -> None:
         self.model_config(buf)
-        self._last_layout = layout
-        spec = self._speculative.pop(buf.version, None)
+        self._last_layout[buf.run_id] = layout
+        spec = self._speculative.pop((buf.run_id, buf.version), None)
         if spec is not None and spec[0] != layout.signature:
             for task in spec[1]:
                 task.cancel()  # planned from a different layout: redo below
         self.schedule(buf)
 
     def schedule(self, buf: VersionBuffer, force: Target | None = None) -> None:
-        """Deliver buf to every due target that is not already receiving it."""
+        """Deliver buf to every due target of its run that is not already receiving it."""
         if force is not None:
-            targets = [force] if self._busy.get(force.deployment) != buf.version else []
+            registered = self.targets.get(force.deployment) is force and force.receives(buf.run_id)
+            targets = [force] if registered and self._busy.get(force.deployment) != buf.version else []
         else:
             targets = [
                 t
-                for t in self.targets.values()
+                for t in self._receivers(buf)
                 if t.due(buf.version) and self._busy.get(t.deployment, -1) < buf.version
             ]
         targets = [t for t in targets if t.deployment not in self._busy]
@@ -197,7 +224,26 @@ class Deliverer:
                 "looprl.speculative": speculative is not None,
             },
         ):
-            await self._deliver_traced(buf, targets, speculative, forced)
+            task = asyncio.current_task()
+            self._delivering[task] = targets
+            try:
+                await self._deliver_traced(buf, targets, speculative, forced)
+            finally:
+                self._delivering.pop(task, None)
+
+    def unregister(self, deployment: str) -> Target | None:
+        """Stop delivering to `deployment`: a delivery to it alone is cancelled (its ranks abort), one
+        shared with other targets goes on for them and skips it."""
+        target = self.targets.pop(deployment, None)
+        if target is None:
+            return None
+        target.removed = True
+        for task, targets in list(self._delivering.items()):
+            if target in targets and all(t.removed for t in targets):
+                task.cancel()
+        self.placement.forget_except(e for t in self.targets.values() for e in t.endpoints)
+        metrics.forget_deployment(deployment)
+        return target
 
     async def _deliver_traced(
         self, buf: VersionBuffer, targets: list[Target], speculative: TrainerLayout | None, forced: bool
@@ -210,6 +256,7 @@ class Deliverer:
         try:
             trainer_layout = speculative or buf.layout()
             config = self.model_config(buf)
+            config_json = self._config_json(buf.run_id)
             if config is None:
                 raise DeliveryError(
                     f"version {version}: no model config pushed (model_config_json) and none known"
@@ -223,7 +270,7 @@ class Deliverer:
                     kinds.update({e: self.kind_for(t, e) for e in t.endpoints})
                     reachable.append(t)
                 except DeliveryError as exc:  # this target only: its transport cannot reach a rank
-                    await self._failed(t, buf, f"{t.deployment}: {exc}")
+                    await self._failed(t, buf, f"{t.deployment}: {exc}", buf.run_id)
             skip = await self._ranks_already_at(version, reachable) if forced else set()
             jobs = []
             by_layout: dict[object, list[Target]] = {}
@@ -244,7 +291,7 @@ class Deliverer:
                                     version,
                                     self._buckets(rank_plan, buf),
                                     total_bytes=rank_plan.nbytes,
-                                    model_config_json=self._config_json,
+                                    model_config_json=config_json,
                                     timeout_s=self.stage_timeout_s,
                                 ),
                                 subset,
@@ -255,7 +302,7 @@ class Deliverer:
                 results.update(res)
             for ep, res in results.items():
                 self.placement.delivered(ep, res.bytes_sent, kinds[ep])
-            await asyncio.gather(*(self._finish(t, version, results, skip, start) for t in reachable))
+            await asyncio.gather(*(self._finish(t, buf, results, skip, start) for t in reachable))
         except asyncio.CancelledError:
             await asyncio.gather(*(self.grpc.abort(e, version) for t in targets for e in t.endpoints))
             for t in targets:
@@ -264,25 +311,25 @@ class Deliverer:
         except Exception as exc:
             log.warning("delivery of version %s failed: %s", version, exc)
             for t in targets:
-                await self._failed(t, buf, str(exc))
+                await self._failed(t, buf, str(exc), buf.run_id)
         finally:
             buf.release()
             for t in targets:
                 if self._busy.get(t.deployment) == version:
                     del self._busy[t.deployment]
-            self._forget_speculative(version)
+            self._forget_speculative(buf.run_id, version)
             self._after(targets)
 
-    def _forget_speculative(self, version: int) -> None:
+    def _forget_speculative(self, run_id: str, version: int) -> None:
         """This delivery is over: the others of the version (other hosts) may still be cancelled."""
-        spec = self._speculative.get(version)
+        spec = self._speculative.get((run_id, version))
         if spec is None:
             return
         others = [task for task in spec[1] if task is not asyncio.current_task()]
         if others:
-            self._speculative[version] = (spec[0], others)
+            self._speculative[(run_id, version)] = (spec[0], others)
         else:
-            del self._speculative[version]
+            del self._speculative[(run_id, version)]
 
     async def _buckets(self, rank_plan: RankPlan, buf: VersionBuffer):
         for spec in rank_plan.buckets:
@@ -304,18 +351,27 @@ class Deliverer:
         return {e for e in found if e is not None}
 
     async def _finish(
-        self, t: Target, version: int, results: dict[Endpoint, StageResult], skip: set[Endpoint], start: float
+        self,
+        t: Target,
+        staged: VersionBuffer,
+        results: dict[Endpoint, StageResult],
+        skip: set[Endpoint],
+        start: float,
     ) -> None:
+        version, run_id = staged.version, staged.run_id
+        if t.removed:  # unregistered while its bytes were on the way: nothing to commit or report
+            await asyncio.gather(*(self.grpc.abort(e, version) for e in t.endpoints if e not in skip))
+            return
         errors = [str(results[e].error) for e in t.endpoints if e in results and results[e].error is not None]
-        buf = self.store.latest if self.store.latest and self.store.latest.version == version else None
+        buf = self._buffer(run_id, version)
         if errors:
             await asyncio.gather(*(self.grpc.abort(e, version) for e in t.endpoints if e not in skip))
-            await self._failed(t, buf, "; ".join(errors))
+            await self._failed(t, buf, "; ".join(errors), run_id)
             return
         first = [e for e in t.replicas[0] if e not in skip] if t.canary and t.version >= 0 else []
         if len(first) != len(t.replicas[0]):
             first = []  # no previous version to compare with, or the first replica already has this one
-        if first and not await self._canary(t, version, first, skip):
+        if first and not await self._canary(t, staged, first, skip):
             return
         try:
             await asyncio.gather(
@@ -324,14 +380,13 @@ class Deliverer:
         except DeliveryError as exc:
             # Staged and verified everywhere, so a commit fails only if a replica died; its peers may
             # have switched. The replica must RequestSync when it comes back (documented).
-            await self._failed(t, buf, str(exc))
+            await self._failed(t, buf, str(exc), run_id)
             return
         t.version = version
         t.state = "ready"
         t.last_error = ""
         t.last_bytes = sum(results[e].bytes_sent for e in t.endpoints if e in results)
         t.last_sync_seconds = time.perf_counter() - start
-        run_id = t.run_id or (buf.run_id if buf is not None else "")
         reached_by = self.reached_by(t)
         metrics.delivered(run_id, t.deployment, version, t.last_sync_seconds, reached_by)
         t.attempts.pop(version, None)
@@ -344,89 +399,25 @@ class Deliverer:
         )
         if self.on_published is not None:
             try:
-                await self.on_published(t, version, t.last_bytes, t.last_sync_seconds)
+                await self.on_published(t, run_id, version, t.last_bytes, t.last_sync_seconds)
             except Exception as exc:
                 log.warning("publishing version %s for %s failed: %s", version, t.deployment, exc)
 
-    async def _canary(self, t: Target, version: int, replica: list[Endpoint], skip: set[Endpoint]) -> bool:
-        """Commit `replica` alone and check it (canary.py); True when the rest may commit. On a
-        rejection the replica is rolled back, the others abort, and the target is marked failed."""
-        settings = t.canary_settings
-        config = self.model_config()
-        prompts = settings.prompts or canary.default_prompts(config.vocab_size if config else 2)
-        tokens = settings.tokens_per_prompt or self.canary_tokens
-        bound = settings.max_logprob_drift or self.canary_max_drift
-        stub = self.grpc.stub(replica[0].address)
-        tag = f"canary-{t.deployment}-{version}"
-        try:
-            before = await canary.golden_answers(stub, prompts, tokens, tag=f"{tag}-before")
-        except grpc.aio.AioRpcError as exc:
-            # No reference to compare with (the replica generates nothing, or is not ready): commit
-            # without a check rather than never updating; say so.
-            log.warning(
-                "canary of %s skipped for version %s: no reference answers (%s: %s)",
-                t.deployment,
-                version,
-                exc.code().name,
-                exc.details(),
-            )
-            return await self._commit_canary(t, version, replica, skip)  # the caller commits the others
-        if not await self._commit_canary(t, version, replica, skip):
-            return False
-        verdict = await canary.check(stub, before, prompts, tokens, bound, tag=f"{tag}-after")
-        t.canary_drift = verdict.drift if math.isfinite(verdict.drift) else -1.0
-        if verdict.passed:
-            log.info("canary of %s passed for version %s: %s", t.deployment, version, verdict.detail)
-            return True
-        log.warning("canary of %s REJECTED version %s: %s", t.deployment, version, verdict.detail)
-        errors = await asyncio.gather(
-            *(canary.rollback(self.grpc.stub(e.address), e, version) for e in replica)
-        )
-        await asyncio.gather(
-            *(self.grpc.abort(e, version) for e in t.endpoints if e not in skip and e not in replica)
-        )
-        t.canary_rejected_version = version
-        metrics.REJECTED.labels(t.deployment).inc()
-        t.attempts[version] = self.retry_attempts  # checksum-valid bytes: a retry would fail the same way
-        problems = "; ".join(e for e in errors if e)
-        await self._failed(
-            t,
-            None,
-            f"canary rejected version {version}: {verdict.detail}"
-            + (f"; rollback failed: {problems}" if problems else ""),
-        )
-        if self.on_rejected is not None:
-            try:
-                await self.on_rejected(t, version, t.canary_drift, verdict.detail)
-            except Exception as exc:
-                log.warning(
-                    "announcing the rejection of version %s for %s failed: %s", version, t.deployment, exc
-                )
-        return False
-
-    async def _commit_canary(
-        self, t: Target, version: int, replica: list[Endpoint], skip: set[Endpoint]
-    ) -> bool:
-        """Commit the canary replica alone; on failure every rank aborts and the target fails."""
-        try:
-            await asyncio.gather(*(self.grpc.commit(e, version) for e in replica))
-        except DeliveryError as exc:
-            await asyncio.gather(*(self.grpc.abort(e, version) for e in t.endpoints if e not in skip))
-            await self._failed(t, self._buffer(version), f"canary commit: {exc}")
-            return False
-        return True
-
-    def _buffer(self, version: int) -> VersionBuffer | None:
-        latest = self.store.latest
+    def _buffer(self, run_id: str, version: int) -> VersionBuffer | None:
+        """The run's latest complete version when it is `version` (what a failed delivery retries)."""
+        latest = self.store.run(run_id).latest
         return latest if latest is not None and latest.version == version else None
 
-    async def _failed(self, t: Target, buf: VersionBuffer | None, error: str) -> None:
+    async def _failed(self, t: Target, buf: VersionBuffer | None, error: str, run_id: str = "") -> None:
+        if t.removed:
+            return  # unregistered: its failure is nobody's concern, and it is not retried
+        run_id = run_id or (buf.run_id if buf is not None else "")
         t.state = "failed"
-        metrics.FAILED.labels(t.deployment).inc()
+        metrics.failed(t.deployment)
         t.last_error = error
         if self.on_failed is not None:
             try:
-                await self.on_failed(t)
+                await self.on_failed(t, run_id)
             except Exception:
                 pass
         if buf is None or not buf.complete:
@@ -445,18 +436,22 @@ class Deliverer:
 
         async def retry() -> None:
             await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
-            latest = self.store.latest
-            if latest is not None and latest.version >= buf.version and t.version < latest.version:
-                self.schedule(latest, force=t)
+            latest = self.store.run(buf.run_id).latest
+            current = self.targets.get(t.deployment)  # re-registered meanwhile: the new registration
+            if current is None or latest is None:
+                return
+            if latest.version >= buf.version and current.version < latest.version:
+                self.schedule(latest, force=current)
 
         self._spawn(retry())
 
     def _after(self, targets: list[Target]) -> None:
-        """A target that missed versions while busy catches up with the latest one."""
-        latest = self.store.latest
-        if latest is None:
-            return
-        for t in targets:
+        """A target that missed versions while busy catches up with the latest one of its run."""
+        for done in targets:
+            t = self.targets.get(done.deployment)  # re-registered meanwhile: the new registration
+            latest = self.store.serving(t.run_id).latest if t is not None else None
+            if t is None or latest is None:
+                continue
             if t.state != "failed" and t.due(latest.version) and t.deployment not in self._busy:
                 self.schedule(latest, force=t)
 

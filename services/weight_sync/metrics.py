@@ -22,14 +22,41 @@ def transport(kinds: Iterable[str]) -> str:
     return used.pop() if len(used) == 1 else "mixed"
 
 
+# The labelled series of each deployment, dropped when it is unregistered: runs come and go, and
+# their deployments' series must not pile up.
+_series: dict[str, set[tuple[object, tuple[str, ...]]]] = {}
+
+
+def _child(metric, deployment: str, *labels: str):
+    _series.setdefault(deployment, set()).add((metric, labels))
+    return metric.labels(*labels)
+
+
 def init_deployment(deployment: str, reached_by: str) -> None:
     """A registered deployment's series at zero."""
-    REJECTED.labels(deployment)
-    FAILED.labels(deployment)
-    SYNC_SECONDS.labels(deployment, reached_by)
+    _child(REJECTED, deployment, deployment)
+    _child(FAILED, deployment, deployment)
+    _child(SYNC_SECONDS, deployment, deployment, reached_by)
 
 
 def delivered(run_id: str, deployment: str, version: int, seconds: float, reached_by: str) -> None:
     """A version committed on every replica of a deployment."""
-    DEPLOYMENT_VERSION.labels(run_id, deployment).set(version)
-    observe(SYNC_SECONDS.labels(deployment, reached_by), seconds)
+    _child(DEPLOYMENT_VERSION, deployment, run_id, deployment).set(version)
+    observe(_child(SYNC_SECONDS, deployment, deployment, reached_by), seconds)
+
+
+def failed(deployment: str) -> None:
+    _child(FAILED, deployment, deployment).inc()
+
+
+def rejected(deployment: str) -> None:
+    _child(REJECTED, deployment, deployment).inc()
+
+
+def forget_deployment(deployment: str) -> None:
+    """An unregistered deployment: its series leave /metrics."""
+    for metric, labels in _series.pop(deployment, ()):
+        try:
+            metric.remove(*labels)
+        except KeyError:
+            pass

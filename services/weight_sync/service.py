@@ -1,10 +1,10 @@
 """The weight-sync wiring: the version store, the deliverer, the servicer, and the KV state and
 events (state.py) attached at start.
 
-State that survives a restart lives in the KV bucket "weights": each target's registration
-(`run.<run>.target.<deployment>`, re-registered at start), each deployment's synced version
-(`run.<run>.deployment.<deployment>`) and the latest version's manifest (`run.<run>.latest`, parameter names,
-shapes, dtypes, bytes, model config). The bytes of a version live only in memory: after a
+State that survives a restart lives in the KV bucket "weights", each run under its own prefix: each
+target's registration (`run.<run>.target.<deployment>`, re-registered at start), each deployment's
+synced version (`run.<run>.deployment.<deployment>`) and each run's latest version's manifest
+(`run.<run>.latest`, parameter names, shapes, dtypes, bytes, model config). The bytes of a version live only in memory: after a
 restart the next pushed version is delivered (RequestSync says so until then). Shared-memory
 segments a killed predecessor left behind are removed at start.
 """
@@ -30,7 +30,7 @@ log = logging.getLogger("looprl.weight_sync")
 
 def make(cfg: WeightSyncConfig) -> WeightSyncServicer:
     """Store, deliverer and servicer; events and KV are attached by `attach_state`."""
-    store = VersionStore()
+    store = VersionStore(default_run=cfg.run_id)
     deliverer = Deliverer(
         store,
         bucket_bytes=cfg.bucket_bytes,
@@ -84,7 +84,7 @@ async def serve(cfg: WeightSyncConfig) -> None:
     async def setup(svc: Service) -> None:
         svc.on_shutdown(servicer.deliverer.close)
         await attach_state(servicer, cfg, svc)
-        latest = servicer.store.latest_version
-        log.info("weight-sync ready on port %s (latest version %s)", svc.grpc_port, latest)
+        latest = {r: v.latest_version for r, v in servicer.store.runs.items()}
+        log.info("weight-sync ready on port %s (latest versions %s)", svc.grpc_port, latest)
 
     await service.run(setup)

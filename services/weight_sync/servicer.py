@@ -1,4 +1,7 @@
-"""WeightSyncService: trainer pushes in, target registrations, versions, sync requests."""
+"""WeightSyncService: trainer pushes in, target registrations, versions, sync requests.
+
+Versions are numbered per run (PushShardsRequest.run_id; empty: the config's run_id): a run's
+version goes only to the targets registered for that run, or with no run (any run's versions)."""
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
             async for req in request_iterator:
                 if isinstance(req, bytes):  # registered with raw requests: chunks stay in place
                     req = decode_push_request(req)
-                fresh = req.version not in self.store.pending
+                fresh = not self.store.is_pending(req.run_id, req.version)
                 first = buf is None
                 buf = self.store.buffer_for(req)
                 if first and push.is_valid and len(buf.pushes) < telemetry.MAX_LINKS:
@@ -61,7 +64,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
                         await self._complete(buf)
         except Exception as exc:
             if buf is not None and not buf.complete:
-                self.store.fail(buf.version, str(exc))
+                self.store.fail(buf.version, str(exc), buf.run_id)
                 await buf.notify()
             raise
         if buf is None:
@@ -96,7 +99,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
     async def RegisterTarget(self, request, context):
         target = target_from_request(request)
         self.deliverer.transports.check(target.transport)  # a kind this host cannot run is refused here
-        config = self.deliverer.model_config()
+        config = self.deliverer.model_config(run_id=target.run_id or None)
         if request.model_config_json and config is None:
             config = ModelConfig.from_hf_dict(json.loads(request.model_config_json))
         if config is not None:
@@ -108,6 +111,8 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
         if old is not None and old.layout == target.layout and old.endpoints == target.endpoints:
             target.version = old.version  # re-registration of the same deployment keeps its state
             target.state = old.state
+        if old is not None and old.run_id != target.run_id and self.state is not None:
+            await self.state.forget_target(old)  # its keys live under its former run's prefix
         self.deliverer.targets[target.deployment] = target
         placement = self.deliverer.placement
         placement.forget_except(e for t in self.deliverer.targets.values() for e in t.endpoints)
@@ -115,21 +120,43 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
         metrics.init_deployment(target.deployment, self.deliverer.reached_by(target))
         if self.state is not None:
             await self.state.save_target(target)
-        latest = self.store.latest
+        versions = self.store.serving(target.run_id)
+        latest = versions.latest
         if latest is not None and target.due(latest.version):
             self.deliverer.schedule(latest, force=target)
-        return weightsync_pb2.RegisterTargetResponse(current_version=self.store.latest_version)
+        return weightsync_pb2.RegisterTargetResponse(current_version=versions.latest_version)
 
     async def GetVersion(self, request, context):
+        """With run_id: that run's latest version and its targets only. Without: every target, and
+        the latest version of the config's default run, or of the only run when exactly one other
+        run pushed (VersionStore.primary)."""
         placement = self.deliverer.placement
         targets = []
         for t in sorted(self.deliverer.targets.values(), key=lambda t: t.deployment):
+            if request.run_id and t.run_id != request.run_id:
+                continue
             proto = t.to_proto()
             proto.routes.extend(placement.to_proto(e, self.deliverer.shown_kind(t, e)) for e in t.endpoints)
             targets.append(proto)
+        versions = self.store.serving(request.run_id) if request.run_id else self.store.primary()
         return weightsync_pb2.GetVersionResponse(
-            latest_version=self.store.latest_version, targets=targets, host_id=placement.host_id
+            latest_version=versions.latest_version, targets=targets, host_id=placement.host_id
         )
+
+    async def UnregisterTarget(self, request, context):
+        """Stop delivering to a deployment and forget it (KV too); when its run has no target left,
+        the run's latest version's bytes are freed."""
+        if not request.deployment:
+            raise InvalidArgument("deployment: must not be empty")
+        target = self.deliverer.unregister(request.deployment)
+        if target is None:
+            raise NotFound(f"deployment: {request.deployment!r} is not registered")
+        if self.state is not None:
+            await self.state.forget_target(target)
+        if target.run_id and not any(t.run_id == target.run_id for t in self.deliverer.targets.values()):
+            self.store.free(target.run_id)
+        log.info("deployment %s unregistered (run %r)", target.deployment, target.run_id)
+        return weightsync_pb2.UnregisterTargetResponse()
 
     async def RequestSync(self, request, context):
         target = self.deliverer.targets.get(request.deployment)
@@ -137,12 +164,14 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
             raise NotFound(
                 f"deployment: {request.deployment!r} is not registered (call RegisterTarget first)"
             )
-        latest = self.store.latest
+        versions = self.store.serving(target.run_id)
+        latest = versions.latest
         if latest is None:
-            if self.store.latest_version >= 0:
+            if versions.latest_version >= 0:
                 raise FailedPrecondition(
-                    f"deployment: version {self.store.latest_version} was published before weight-sync restarted "
-                    "and its bytes are gone; the next trainer version will be delivered"
+                    f"deployment: version {versions.latest_version} of run {versions.run_id!r} was published "
+                    "before weight-sync restarted (or its last target left) and its bytes are gone; the next "
+                    "trainer version will be delivered"
                 )
             raise FailedPrecondition("deployment: no weight version has been pushed yet")
         target.version = min(target.version, latest.version - 1)  # the replica lost it: send again

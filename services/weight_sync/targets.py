@@ -49,6 +49,11 @@ class Target:
     attempts: dict[int, int] = field(default_factory=dict)
     canary_drift: float = 0.0
     canary_rejected_version: int = -1
+    removed: bool = False  # unregistered: a delivery still in flight to it is abandoned
+
+    def receives(self, run_id: str) -> bool:
+        """Whether versions of `run_id` are for this target (a target of no run takes any run's)."""
+        return not self.run_id or self.run_id == run_id
 
     @property
     def replicas(self) -> list[list[Endpoint]]:
@@ -72,6 +77,7 @@ class Target:
             last_sync_seconds=self.last_sync_seconds,
             canary_drift=self.canary_drift,
             canary_rejected_version=self.canary_rejected_version,
+            run_id=self.run_id,
         )
 
 

@@ -199,27 +199,94 @@ class VersionBuffer:
                 await cond.wait()
 
 
+@dataclass
+class RunVersions:
+    """One run's versions: those being pushed and the latest complete one. Version numbers count
+    that run's trainer steps, so two runs' version 3 are two different versions."""
+
+    run_id: str
+    latest: VersionBuffer | None = None
+    latest_version: int = -1  # survives restarts via KV even when the bytes do not
+    pending: dict[int, VersionBuffer] = field(default_factory=dict)
+
+
 class VersionStore:
-    """The versions being pushed and the latest complete one (kept to serve RequestSync)."""
+    """The versions being pushed and the latest complete one (kept to serve RequestSync), per run.
+
+    A push naming no run belongs to `default_run` (the config's run_id). `latest`, `latest_version`
+    and `pending` are those of `primary()`: the default run, or the only run when exactly one
+    other pushed (the single-run view)."""
 
     def __init__(
-        self, latest_version: int = -1, *, shm: bool = True, arena_segment_bytes: int = 256 << 20
+        self,
+        latest_version: int = -1,
+        *,
+        shm: bool = True,
+        arena_segment_bytes: int = 256 << 20,
+        default_run: str = "default",
     ) -> None:
         self.arenas = ArenaPool(arena_segment_bytes) if shm else None
-        self.latest: VersionBuffer | None = None
-        self.latest_version = latest_version  # survives restarts via KV even when the bytes do not
-        self.pending: dict[int, VersionBuffer] = {}
+        self.default_run = default_run
+        self.runs: dict[str, RunVersions] = {}
+        self.last_run = ""  # the run that completed a version last (what any-run targets receive)
+        if latest_version >= 0:
+            self.run(default_run).latest_version = latest_version
 
+    # ------------------------------------------------------------ runs
+    def run_of(self, run_id: str) -> str:
+        return run_id or self.default_run
+
+    def run(self, run_id: str) -> RunVersions:
+        """The versions of `run_id` (empty: the default run), created on first use."""
+        run_id = self.run_of(run_id)
+        rv = self.runs.get(run_id)
+        if rv is None:
+            rv = self.runs[run_id] = RunVersions(run_id)
+        return rv
+
+    def primary(self) -> RunVersions:
+        """The default run's versions, or the only run's when exactly one other run pushed."""
+        rv = self.runs.get(self.default_run)
+        if rv is None and len(self.runs) == 1:
+            rv = next(iter(self.runs.values()))
+        return rv or RunVersions(self.default_run)
+
+    def serving(self, run_id: str) -> RunVersions:
+        """The versions a target of `run_id` receives; a target of any run (empty) receives those
+        of the run that completed a version last (the single-run stack)."""
+        if run_id:
+            return self.runs.get(run_id) or RunVersions(run_id)
+        return self.runs.get(self.last_run) or self.primary()
+
+    @property
+    def latest(self) -> VersionBuffer | None:
+        return self.primary().latest
+
+    @property
+    def latest_version(self) -> int:
+        return self.primary().latest_version
+
+    @property
+    def pending(self) -> dict[int, VersionBuffer]:
+        return self.primary().pending
+
+    def is_pending(self, run_id: str, version: int) -> bool:
+        rv = self.runs.get(self.run_of(run_id))
+        return rv is not None and version in rv.pending
+
+    # -------------------------------------------------------- versions
     def buffer_for(self, request: weightsync_pb2.PushShardsRequest) -> VersionBuffer:
         v = request.version
         if v < 0:
             raise InvalidArgument(f"version: must be >= 0, got {v}")
+        rv = self.runs.get(self.run_of(request.run_id)) or RunVersions(self.run_of(request.run_id))
         # A restart keeps the latest version's number (KV) but not its bytes: the trainer may push
         # that version again, or targets that had not received it could never get it.
-        lost = v == self.latest_version and (self.latest is None or self.latest.version != v)
-        if v <= self.latest_version and not lost:
+        lost = v == rv.latest_version and (rv.latest is None or rv.latest.version != v)
+        if v <= rv.latest_version and not lost:
             raise FailedPrecondition(
-                f"version: {v} is not newer than the latest complete version {self.latest_version}"
+                f"version: {v} is not newer than the latest complete version {rv.latest_version} "
+                f"(of run {rv.run_id!r})"
             )
         if request.trainer_world_size < 1:
             raise InvalidArgument(f"trainer_world_size: must be >= 1, got {request.trainer_world_size}")
@@ -227,11 +294,12 @@ class VersionStore:
             raise InvalidArgument(
                 f"trainer_rank: {request.trainer_rank} is outside [0, {request.trainer_world_size})"
             )
-        buf = self.pending.get(v)
+        rv = self.run(rv.run_id)  # a valid push: the run is known from now on
+        buf = rv.pending.get(v)
         if buf is None:
             arena = self.arenas.arena() if self.arenas is not None else None
-            buf = VersionBuffer(v, request.trainer_world_size, request.run_id, arena=arena)
-            self.pending[v] = buf
+            buf = VersionBuffer(v, request.trainer_world_size, rv.run_id, arena=arena)
+            rv.pending[v] = buf
         elif buf.world_size != request.trainer_world_size:
             raise InvalidArgument(
                 f"trainer_world_size: version {v} is being pushed with world size {buf.world_size}, got "
@@ -245,21 +313,37 @@ class VersionStore:
             buf.model_config_json = request.model_config_json
         return buf
 
-    def fail(self, version: int, reason: str) -> None:
-        buf = self.pending.pop(version, None)
+    def fail(self, version: int, reason: str, run_id: str = "") -> None:
+        rv = self.runs.get(self.run_of(run_id))
+        buf = rv.pending.pop(version, None) if rv is not None else None
         if buf is not None:
             buf.failed = reason
             buf.retire()
 
     def completed(self, buf: VersionBuffer) -> None:
-        """buf is complete: it becomes the latest; older pending versions are dropped."""
-        self.pending.pop(buf.version, None)
-        for v in [v for v in self.pending if v < buf.version]:
-            self.fail(v, f"superseded by version {buf.version}")
-        if self.latest is not None and self.latest is not buf:
-            self.latest.retire()
-        self.latest = buf
-        self.latest_version = buf.version
+        """buf is complete: it becomes its run's latest; the run's older pending versions are dropped."""
+        rv = self.run(buf.run_id)
+        rv.pending.pop(buf.version, None)
+        for v in [v for v in rv.pending if v < buf.version]:
+            self.fail(v, f"superseded by version {buf.version}", rv.run_id)
+        if rv.latest is not None and rv.latest is not buf:
+            rv.latest.retire()
+        rv.latest = buf
+        rv.latest_version = buf.version
+        self.last_run = rv.run_id
+
+    def restored(self, run_id: str, latest_version: int) -> None:
+        """The latest version number of `run_id` as KV kept it (its bytes are gone)."""
+        rv = self.run(run_id)
+        rv.latest_version = max(rv.latest_version, latest_version)
+
+    def free(self, run_id: str) -> None:
+        """No target of `run_id` is left: its latest version's bytes go (its number stays, so an
+        older version is still refused); versions still being pushed are kept for a new target."""
+        rv = self.runs.get(self.run_of(run_id))
+        if rv is not None and rv.latest is not None:
+            latest, rv.latest = rv.latest, None
+            latest.retire()
 
     def close(self) -> None:
         """Unlink every shared-memory segment (weight-sync shutting down)."""
