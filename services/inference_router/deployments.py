@@ -89,12 +89,13 @@ class DeploymentManager:
     # ---- embedded deployments ----------------------------------------------------------------
 
     async def start(
-        self, spec: DeploymentSpec, ready_timeout_s: float = 120.0, where: str = ""
+        self, spec: DeploymentSpec, ready_timeout_s: float = 120.0, where: str = "", run_id: str = ""
     ) -> DeploymentState:
         """Create the replica actors of one deployment and add it to the router; `where` is the
-        deployment's place in the recipe (deployments[i]), named by errors about its settings."""
-        from services.inference_router.replica import InferenceReplica
-
+        deployment's place in the recipe (deployments[i]), named by errors about its settings.
+        `run_id`: the run it is started for (`spec.name` is then already the run's scoped name, and
+        the deployment serves only that run); static deployments serve the config's run_id. A start
+        that fails or is cancelled leaves nothing behind."""
         if spec.name in self.router.deployments:
             raise errors.AlreadyExists(f"deployments.name: deployment {spec.name!r} already exists")
         state = DeploymentState(
@@ -104,7 +105,20 @@ class DeploymentManager:
             max_outstanding_requests=self.config.deployment_max_outstanding,
             backend=spec.backend,
             tensor_parallel=spec.tensor_parallel,
+            run_id=run_id or self.config.run_id,
+            for_run=bool(run_id),
         )
+        try:
+            return await self._start(spec, state, ready_timeout_s, where)
+        except BaseException:
+            await self.remove(spec.name, [replica_name(spec.name, i) for i in range(spec.replicas)])
+            raise
+
+    async def _start(
+        self, spec: DeploymentSpec, state: DeploymentState, ready_timeout_s: float, where: str
+    ) -> DeploymentState:
+        from services.inference_router.replica import InferenceReplica
+
         handles: list[ReplicaHandle] = []
         for index in range(spec.replicas):
             name = replica_name(spec.name, index)
@@ -140,6 +154,46 @@ class DeploymentManager:
         state.vocab_size = status.vocab_size
         state.layout = status.layout or state.layout
         state.dtype = status.dtype or state.dtype
+
+    async def remove(self, name: str, replicas: list[str] | None = None) -> list[str]:
+        """Take deployment `name` out of routing and kill its replica actors (without restart, so
+        their Ray resources are free); returns its weight-sync targets. `replicas`: the actor names
+        to kill when the deployment never reached the router (a failed start)."""
+        import ray
+
+        state = await self.router.remove_deployment(name)
+        if state is not None:
+            replicas = [r.name for r in state.replicas]
+        replicas = replicas or []
+        targets = [name] if self._canary(name) else list(replicas)
+        for replica in replicas:
+            actor = self.actors.pop(replica, None)
+            if actor is None:
+                continue
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as exc:
+                log.warning("could not kill replica %s: %s", replica, exc)
+        self.specs.pop(name, None)
+        self._every_k.pop(name, None)
+        self._where.pop(name, None)
+        return targets
+
+    async def unregister_targets(self, targets: list[str]) -> None:
+        """Tell weight-sync these targets are gone; a weight-sync that is down only costs a log line
+        (it drops targets it cannot reach when it delivers)."""
+        if not self.config.weight_sync_address:
+            return
+        from looprl.weightsync.v1 import weightsync_pb2
+
+        for target in targets:
+            try:
+                await self._weight_sync_stub().UnregisterTarget(
+                    weightsync_pb2.UnregisterTargetRequest(deployment=target), timeout=10
+                )
+                log.info("unregistered %s from weight-sync", target)
+            except Exception as exc:
+                log.warning("weight-sync unregistration of %s failed: %s", target, exc)
 
     async def stop(self) -> None:
         import ray
@@ -184,6 +238,7 @@ class DeploymentManager:
             layout=info.layout or "hf",
             dtype=info.dtype or "float32",
             external=True,
+            run_id=info.run_id,
         )
         handles: list[ReplicaHandle] = []
         for i, r in enumerate(info.replicas):
@@ -267,7 +322,7 @@ class DeploymentManager:
             ),
             ranks=ranks,
             every_k_versions=self._every_k.get(state.name, 1),
-            run_id=self.config.run_id,
+            run_id=state.run_id,
         )
         spec = self.specs.get(state.name)
         if spec is not None:
@@ -383,7 +438,9 @@ class DeploymentManager:
         from services.kit.bus import Bus
 
         self._bus = await Bus.connect(nats_url, name="inference-router")
-        subject = subjects.weights(self.config.run_id) if self.config.run_id else subjects.all_runs("weights")
+        # Every run's events when deployments are started per run: each names its run's replicas.
+        one_run = self.config.run_id and not self.config.watch_runs
+        subject = subjects.weights(self.config.run_id) if one_run else subjects.all_runs("weights")
 
         async def on_message(msg: Any) -> None:
             if (msg.headers or {}).get(subjects.EVENT_HEADER) == subjects.WEIGHTS_REJECTED:
@@ -405,6 +462,9 @@ class DeploymentManager:
                 return
             # Targets are replicas; events name the replica (or a whole deployment).
             replica = self.router.replicas.get(event.deployment)
+            deployment = self.router.deployments.get(replica.deployment if replica else event.deployment)
+            if deployment is not None and deployment.run_id and _run_of(msg.subject) != deployment.run_id:
+                return  # another run's weights: never this deployment's version
             self.router.on_weights_published(
                 replica.deployment if replica else event.deployment, event.version
             )
@@ -435,6 +495,7 @@ class DeploymentManager:
                     max_model_len=dep.max_model_len,
                     layout=dep.layout,
                     dtype=dep.dtype,
+                    run_id=dep.run_id,
                     replicas=[
                         inference_pb2.ReplicaInfo(
                             name=r.name,
@@ -454,6 +515,15 @@ class DeploymentManager:
 async def _await_alive(handle: ReplicaHandle, timeout_s: float) -> None:
     """The actor's constructor finished (it may still lack weights: status says ready=False)."""
     await handle.status(timeout_s)
+
+
+def _run_of(subject: str) -> str:
+    from services.kit import subjects
+
+    try:
+        return subjects.run_of(subject)
+    except ValueError:
+        return ""
 
 
 def _refused_transport(exc: BaseException) -> str:

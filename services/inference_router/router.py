@@ -40,6 +40,7 @@ from services.inference_router.policies import (
     VersionUnavailable,
 )
 from services.inference_router.replica_status import ReplicaStatus
+from services.inference_router.run_scope import RunScope
 from services.kit import errors, telemetry
 from services.kit.metric_names import observe
 
@@ -58,6 +59,8 @@ class Router:
         self.deployments: dict[str, DeploymentState] = {}
         self.handles: dict[str, ReplicaHandle] = {}
         self.replicas: dict[str, ReplicaState] = {}
+        # Which deployments serve which run, and the runs whose deployments are starting.
+        self.runs = RunScope()
         # Highest version announced per deployment (weights.published), beyond what polls saw.
         self.announced: dict[str, int] = {}
         self.decision_seconds: deque[float] = deque(maxlen=10_000)
@@ -70,7 +73,8 @@ class Router:
         self._recreating: set[str] = set()
         # Reports a replica failure to the run whose request met it (run id, message); the service
         # sets it once the bus is up. Reports never delay or fail the request.
-        self.report_to_run: Callable[[str, str], Awaitable[None]] | None = None
+        # Also takes fatal=True (the router gives up on the run: its deployments cannot start).
+        self.report_to_run: Callable[..., Awaitable[None]] | None = None
         self._reports: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
         # Set when a replica's status poll fails: its in-flight requests stop waiting for it.
@@ -89,12 +93,39 @@ class Router:
         metrics.init_deployment(deployment.name, [r.name for r in deployment.replicas])
         self._notify()
 
+    async def remove_deployment(self, name: str) -> DeploymentState | None:
+        """Take a deployment out of routing and listings (its replicas are its owner's to stop)."""
+        dep = self.deployments.pop(name, None)
+        if dep is None:
+            return None
+        self.announced.pop(name, None)
+        for replica in dep.replicas:
+            self.replicas.pop(replica.name, None)
+            self._unreachable.pop(replica.name, None)
+            if self.policy.affinity is not None:
+                self.policy.affinity.forget_replica(replica.name)
+            handle = self.handles.pop(replica.name, None)
+            if handle is not None:
+                try:
+                    await handle.close()
+                except Exception as exc:
+                    log.warning("closing replica %s: %s", replica.name, exc)
+        self._notify()
+        return dep
+
+    def notify(self) -> None:
+        """Something routing depends on changed (e.g. a run's deployments started): decide again."""
+        self._notify()
+
     def deployment_list(self) -> list[DeploymentState]:
         return list(self.deployments.values())
 
     # ---- generation -------------------------------------------------------------------------
 
-    def route_request(self, request: inference_pb2.GenerateRequest, exclude: frozenset[str]) -> RouteRequest:
+    def route_request(
+        self, request: inference_pb2.GenerateRequest, exclude: frozenset[str], deployment: str | None = None
+    ) -> RouteRequest:
+        """`deployment`: the pinned deployment as resolved for the request's run (default: as given)."""
         s = request.sampling
         prompt = len(request.prompt_token_ids)
         return RouteRequest(
@@ -102,23 +133,26 @@ class Router:
             output_tokens=request.expected_output_tokens or s.max_tokens,
             total_tokens=prompt + s.max_tokens,
             session_id=request.session_id,
-            deployment=request.deployment,
+            deployment=request.deployment if deployment is None else deployment,
             min_weight_version=request.min_weight_version,
             exclude=exclude,
         )
 
-    def decide(self, route: RouteRequest):
+    def decide(self, route: RouteRequest, deployments: Sequence[DeploymentState] | None = None):
+        """The policy's decision among `deployments` (default: every deployment)."""
         start = time.perf_counter()
         try:
-            return self.policy.route(self.deployment_list(), route)
+            return self.policy.route(self.deployment_list() if deployments is None else deployments, route)
         finally:
             elapsed = time.perf_counter() - start
             self.decision_seconds.append(elapsed)
             metrics.DECISION_SECONDS.observe(elapsed)
 
     async def _choose(self, request: inference_pb2.GenerateRequest, exclude: set[str], deadline: float):
-        """A decision, waiting (bounded) for versions or health to change when none is possible."""
-        if not self.deployments:
+        """A decision, waiting (bounded) for versions or health to change when none is possible.
+        A request of a run whose deployments are still starting waits for them until its deadline."""
+        run_id = request.run_id
+        if not self.deployments and not self.runs.loading(self.deployments, run_id):
             metrics.REJECTIONS.labels("unavailable").inc()
             raise errors.Unavailable("no deployments are registered yet", retry_after_s=1.0)
         loop = asyncio.get_running_loop()
@@ -126,8 +160,30 @@ class Router:
         health_deadline = loop.time() + self.config.unavailable_wait_s
         while True:
             changed = self._changed
+            loading = self.runs.loading(self.deployments, run_id)
+            if run_id in self.runs.failed:
+                metrics.REJECTIONS.labels("unavailable").inc()
+                raise errors.Unavailable(
+                    f"run {run_id!r}: its deployments could not start: {self.runs.failed[run_id]}"
+                )
+            pinned = (
+                self.runs.resolve(self.deployments, run_id, request.deployment) if request.deployment else ""
+            )
+            candidates = (
+                (self.deployment_list() if pinned in self.deployments else [])
+                if pinned
+                else self.runs.candidates(self.deployments, run_id)
+            )
+            if not candidates:
+                # Only a run's deployments that are starting (or a run not yet seen) are waited for.
+                until = deadline if loading else min(health_deadline, deadline)
+                if not await _wait(changed, until - loop.time()):
+                    metrics.REJECTIONS.labels("unavailable").inc()
+                    what = f"run {run_id!r} has no deployment serving yet" if run_id else "no deployment"
+                    raise errors.Unavailable(what, retry_after_s=1.0)
+                continue
             try:
-                return self.decide(self.route_request(request, frozenset(exclude)))
+                return self.decide(self.route_request(request, frozenset(exclude), pinned), candidates)
             except NoDeployment as exc:
                 metrics.REJECTIONS.labels("invalid").inc()
                 raise errors.InvalidArgument(str(exc)) from None
@@ -150,7 +206,7 @@ class Router:
                     )
                     raise kind(f"{exc}{waited}") from None
             except NoHealthyReplica as exc:
-                until = min(health_deadline, deadline)
+                until = deadline if loading else min(health_deadline, deadline)
                 if not await _wait(changed, until - loop.time()):
                     metrics.REJECTIONS.labels("unavailable").inc()
                     raise errors.Unavailable(str(exc), retry_after_s=self.retry_hint()) from None
@@ -346,7 +402,9 @@ class Router:
             self.policy.affinity.forget_replica(replica.name)
 
     def newest_version(self, deployment: str) -> int:
-        dep = self.deployments[deployment]
+        dep = self.deployments.get(deployment)
+        if dep is None:
+            return -1
         return max(dep.latest_version, self.announced.get(deployment, -1))
 
     def observe_status(self, replica: ReplicaState, status: ReplicaStatus | None, error: str = "") -> None:
@@ -389,14 +447,17 @@ class Router:
                     self._broken(replica, broken)
             else:
                 self._recreating.discard(replica.name)
+            dep = self.deployments.get(replica.deployment)  # None once its run ended
             vocab = status.vocab_size
-            if vocab > 0:
+            if vocab > 0 and dep is not None:
                 # Learned once weights (and so the model config) arrived; used by validation.
-                self.deployments[replica.deployment].vocab_size = vocab
+                dep.vocab_size = vocab
             if replica.resync_to_version is not None and version >= replica.resync_to_version:
                 log.info("replica %s is back at version %d", replica.name, version)
                 replica.resync_to_version = None
                 replica.sync_requested = False
+            if dep is not None and replica.routable:
+                dep.ever_routable = True
         metrics.REPLICA_VERSION.labels(replica.deployment, replica.name).set(replica.weight_version)
         self._export_health(replica)
         if replica.routable != was_routable or status is not None:
@@ -438,15 +499,21 @@ class Router:
 
     async def poll_once(self) -> None:
         async def one(name: str) -> None:
-            replica = self.replicas[name]
+            replica, handle = self.replicas.get(name), self.handles.get(name)
+            if replica is None or handle is None:
+                return  # its deployment was removed meanwhile
             try:
-                status = await self.handles[name].status(self.config.status_timeout_s)
+                status = await handle.status(self.config.status_timeout_s)
             except (ReplicaFailure, errors.ServiceError) as exc:
+                if name not in self.replicas:
+                    return
                 crashed = getattr(exc, "crashed", False)
                 if crashed and replica.resync_to_version is None:
                     self._mark_restarting(replica)
                 self.observe_status(replica, None, str(exc))
                 self._unreachable.setdefault(name, asyncio.Event()).set()
+                return
+            if name not in self.replicas:
                 return
             lost = self._unreachable.get(name)
             if lost is not None and lost.is_set():

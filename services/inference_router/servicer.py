@@ -78,10 +78,13 @@ def validate_request(request: inference_pb2.GenerateRequest, router: Router, pre
         raise bad("min_weight_version", f"must be >= 0, got {request.min_weight_version}")
     if request.expected_output_tokens < 0:
         raise bad("expected_output_tokens", f"must be >= 0, got {request.expected_output_tokens}")
-    if request.deployment and request.deployment not in router.deployments:
-        known = ", ".join(sorted(router.deployments)) or "none"
-        raise bad("deployment", f"unknown deployment {request.deployment!r} (known: {known})")
-    vocab = _vocab_size(router, request.deployment)
+    pinned = ""
+    if request.deployment:
+        try:
+            pinned = router.runs.resolve(router.deployments, request.run_id, request.deployment)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{prefix}{exc.message}") from None
+    vocab = _vocab_size(router, pinned, request.run_id)
     for field, ids in (
         ("prompt_token_ids", request.prompt_token_ids),
         ("sampling.stop_token_ids", s.stop_token_ids),
@@ -94,9 +97,12 @@ def validate_request(request: inference_pb2.GenerateRequest, router: Router, pre
     # could hold the request) and reported as sampling.max_tokens.
 
 
-def _vocab_size(router: Router, deployment: str) -> int:
+def _vocab_size(router: Router, deployment: str, run_id: str) -> int:
     """The vocabulary every candidate deployment accepts (0 when none reported one)."""
-    deps = [router.deployments[deployment]] if deployment else router.deployment_list()
+    if deployment:
+        deps = [router.deployments[deployment]] if deployment in router.deployments else []
+    else:
+        deps = router.runs.candidates(router.deployments, run_id)
     sizes = [d.vocab_size for d in deps if d.vocab_size > 0]
     return min(sizes) if sizes else 0
 
