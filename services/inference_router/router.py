@@ -152,7 +152,8 @@ class Router:
         """A decision, waiting (bounded) for versions or health to change when none is possible.
         A request of a run whose deployments are still starting waits for them until its deadline."""
         run_id = request.run_id
-        if not self.deployments and not self.runs.loading(self.deployments, run_id):
+        # A run's request may come just before the router saw its record: it waits below instead.
+        if not self.deployments and not run_id:
             metrics.REJECTIONS.labels("unavailable").inc()
             raise errors.Unavailable("no deployments are registered yet", retry_after_s=1.0)
         loop = asyncio.get_running_loop()
