@@ -43,7 +43,7 @@ class InferenceRouterServicer(inference_pb2_grpc.InferenceRouterServiceServicer)
     async def ListDeployments(
         self, request: inference_pb2.ListDeploymentsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListDeploymentsResponse:
-        return inference_pb2.ListDeploymentsResponse(deployments=self.deployments.describe())
+        return inference_pb2.ListDeploymentsResponse(deployments=describe(self.router))
 
     async def RegisterDeployment(
         self, request: inference_pb2.RegisterDeploymentRequest, context: grpc.aio.ServicerContext
@@ -110,3 +110,39 @@ def _vocab_size(router: Router, deployment: str, run_id: str) -> int:
 def _remaining(context: grpc.aio.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     return remaining if remaining is not None and remaining < 1e6 else None
+
+
+def describe(router: Router) -> list[inference_pb2.DeploymentInfo]:
+    """Every deployment as ListDeployments shows it."""
+    out = []
+    for dep in router.deployment_list():
+        p = dep.profile
+        out.append(
+            inference_pb2.DeploymentInfo(
+                name=dep.name,
+                backend=dep.backend,
+                tensor_parallel=dep.tensor_parallel,
+                profile=inference_pb2.LengthProfile(
+                    min_prompt_tokens=p.min_prompt_tokens,
+                    max_prompt_tokens=p.max_prompt_tokens,
+                    min_output_tokens=p.min_output_tokens,
+                    max_output_tokens=p.max_output_tokens,
+                ),
+                max_model_len=dep.max_model_len,
+                layout=dep.layout,
+                dtype=dep.dtype,
+                run_id=dep.run_id,
+                replicas=[
+                    inference_pb2.ReplicaInfo(
+                        name=r.name,
+                        healthy=r.routable,
+                        weight_version=r.weight_version,
+                        outstanding_tokens=r.outstanding_tokens,
+                        outstanding_requests=r.outstanding_requests,
+                        address=r.address,
+                    )
+                    for r in dep.replicas
+                ],
+            )
+        )
+    return out
