@@ -8,12 +8,15 @@ servicer's validation and the run watcher's bookkeeping are the real code.
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
 from services.inference_router.config import RouterConfig
+from services.inference_router.deployments import DeploymentManager
 from services.inference_router.policies import DeploymentState, ReplicaState, RoutingPolicy
 from services.inference_router.router import Router
 from services.inference_router.runs import RunDeployments
@@ -204,5 +207,57 @@ def test_the_run_watcher_starts_active_runs_frees_ended_ones_and_skips_queued_an
         await asyncio.sleep(0.2)
         assert [d.name for d in router.deployment_list()] == ["Q/gen", "Q/long"]
         await runs.stop()
+
+    asyncio.run(main())
+
+
+class _WeightSync:
+    """Records what the router tells weight-sync; `down` makes every call fail as a dead server's."""
+
+    def __init__(self, down: bool = False) -> None:
+        self.down = down
+        self.registered: list = []
+        self.unregistered: list[str] = []
+
+    def _fail_if_down(self) -> None:
+        if self.down:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "connection refused"
+            )
+
+    async def RegisterTarget(self, request, timeout=None):
+        self._fail_if_down()
+        self.registered.append(request)
+        return SimpleNamespace(current_version=-1)
+
+    async def UnregisterTarget(self, request, timeout=None):
+        self._fail_if_down()
+        self.unregistered.append(request.deployment)
+
+
+def test_a_runs_replicas_register_for_the_run_and_unregister_when_it_ends():
+    async def main():
+        router = Router(RoutingPolicy(), RouterConfig())
+        manager = DeploymentManager(router, RouterConfig(weight_sync_address="recorded"))
+        manager._weight_sync = _WeightSync()
+        _add(router, "A/gen", "A", for_run=True)
+        _add(router, "shared")
+
+        async def addresses(replica):
+            return ["127.0.0.1:1"], "host-a"
+
+        manager._rank_addresses = addresses  # type: ignore[method-assign]
+        for name in ("A/gen", "shared"):
+            await manager.register_with_weight_sync(router.deployments[name], 1)
+        assert {(r.deployment, r.run_id) for r in manager._weight_sync.registered} == {
+            ("A/gen-r0", "A"),
+            ("shared-r0", ""),
+        }
+        targets = await manager.remove("A/gen")
+        assert targets == ["A/gen-r0"] and "A/gen" not in router.deployments
+        await manager.unregister_targets(targets)
+        assert manager._weight_sync.unregistered == ["A/gen-r0"]
+        manager._weight_sync = _WeightSync(down=True)
+        await manager.unregister_targets(["B/gen-r0"])  # logged, never raised
 
     asyncio.run(main())
