@@ -112,6 +112,7 @@ class Router(ReplicaHealth):
                     await handle.close()
                 except Exception as exc:
                     log.warning("closing replica %s: %s", replica.name, exc)
+        metrics.drop_deployment(name, [r.name for r in dep.replicas])
         self._notify()
         return dep
 

@@ -15,6 +15,7 @@ import pytest
 
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
+from services.inference_router import metrics
 from services.inference_router.config import RouterConfig
 from services.inference_router.deployments import DeploymentManager
 from services.inference_router.policies import DeploymentState, ReplicaState, RoutingPolicy
@@ -118,8 +119,12 @@ def test_a_run_whose_deployments_failed_to_start_is_told_why():
 def test_a_removed_runs_deployment_leaves_routing():
     async def main():
         router = await _router_with_runs()
+        routable = metrics.REPLICA_ROUTABLE.labels("A/gen", "A/gen-r0")
+        assert routable._value.get() == 1
         await router.remove_deployment("A/gen")
         assert "A/gen" not in router.deployments and "A/gen-r0" not in router.replicas
+        # Its replica no longer shows as routable on /metrics.
+        assert ("A/gen", "A/gen-r0") not in metrics.REPLICA_ROUTABLE._metrics
         assert (await router.generate(_req(run_id="A"))).deployment == "shared"
         await router.poll_once()  # polls only what is left
 
