@@ -166,3 +166,46 @@ def test_each_run_gets_its_own_replicas_and_an_ended_run_frees_them(ray_client, 
             await manager.stop()
 
     asyncio.run(main())
+
+
+def test_the_router_process_serves_the_runs_it_finds_on_its_bus(ray_head, own_nats, tmp_path):
+    """The service's own wiring: no static deployment, Ray joined only when a run needs replicas."""
+    import grpc
+
+    from looprl.inference.v1 import inference_pb2_grpc
+    from services.kit.bus import Bus
+    from tests.support.local_fleet import RouterProcess
+
+    router = RouterProcess([], tmp_path / "router.log", nats_url=own_nats, status_interval_s=0.2)
+
+    def listing(stub) -> set[tuple[str, str]]:
+        reply = stub.ListDeployments(inference_pb2.ListDeploymentsRequest(), timeout=5)
+        return {(d.name, d.run_id) for d in reply.deployments}
+
+    async def put(state: str) -> None:
+        bus = await Bus.connect(own_nats, name="test")
+        try:
+            await bus.ensure_streams()
+            record = RunRecord(run_id="run-p", recipe_toml=RECIPE, state=state)
+            await (await bus.kv("runs")).put("run-p", record.to_json())
+        finally:
+            await bus.close()
+
+    def wait_for(cond, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} within {timeout}s; router log:\n{router.tail()}")
+            time.sleep(0.2)
+
+    try:
+        router.wait_serving(150)
+        with grpc.insecure_channel(router.address) as channel:
+            stub = inference_pb2_grpc.InferenceRouterServiceStub(channel)
+            assert listing(stub) == set()
+            asyncio.run(put("pending"))
+            wait_for(lambda: listing(stub) == {("run-p/gen", "run-p")}, 150, "run-p's deployment listed")
+            asyncio.run(put("completed"))
+            wait_for(lambda: listing(stub) == set(), 30, "run-p's deployment gone")
+    finally:
+        router.stop()
