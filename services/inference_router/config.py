@@ -51,6 +51,10 @@ class RouterConfig(ServiceConfig):
     host), 'node' (the address of the Ray node it runs on: several hosts), or an explicit address."""
     namespace: str = "looprl-inference"
     """Ray namespace of the replicas."""
+    watch_runs: bool = True
+    """Serve each run in the KV bucket "runs" (needs the bus): start the [[deployments]] of its recipe
+    while it is pending, running or stalled (named '<run id>/<name>', serving only that run), and free
+    them when it ends. Runs without deployments of their own use the static ones."""
 
     @model_validator(mode="after")
     def _resolve_deployments(self) -> RouterConfig:

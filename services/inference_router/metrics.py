@@ -7,6 +7,7 @@ dashboard shows 0 retries rather than "No data".
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 from services.inference_router import policies
@@ -48,3 +49,12 @@ def init_deployment(deployment: str, replicas: Sequence[str]) -> None:
         RETRIES.labels(deployment, replica)
         OUTSTANDING_REQUESTS.labels(deployment, replica)
         OUTSTANDING_TOKENS.labels(deployment, replica)
+
+
+def drop_deployment(deployment: str, replicas: Sequence[str]) -> None:
+    """Forget the gauges of a removed deployment's replicas (a run ended): a replica that no longer
+    exists must not keep showing as routable with its last version. Counters keep their totals."""
+    for gauge_ in (OUTSTANDING_REQUESTS, OUTSTANDING_TOKENS, REPLICA_VERSION, REPLICA_ROUTABLE):
+        for replica in replicas:
+            with contextlib.suppress(KeyError):
+                gauge_.remove(deployment, replica)

@@ -115,6 +115,12 @@ class DeploymentState:
     layout: str = "hf"
     dtype: str = "float32"
     external: bool = False
+    # The run this deployment serves ("": any run). `for_run`: started from that run's record, and
+    # freed when the run ends (static and external deployments are neither).
+    run_id: str = ""
+    for_run: bool = False
+    # Some replica has been routable: until then a run's requests wait for it rather than fail.
+    ever_routable: bool = False
 
     @property
     def outstanding_requests(self) -> int:

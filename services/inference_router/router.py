@@ -7,11 +7,13 @@ dispatches to the replica, and handles what can go wrong.
   elsewhere, at most `max_attempts` attempts; a request-level error (bad input) is never retried;
 - backpressure: no queue in the router at all; full replica/deployment bounds answer
   RESOURCE_EXHAUSTED with a retry hint (the recent median latency) in trailing metadata;
-- health: a status poll per replica (and weights.published events) updates versions and health; a
-  replica whose poll fails also gives up the requests in flight there, which move to another
-  replica (a host that vanished never answers them, and Ray may not declare its node dead before
-  request_timeout_s); a replica that restarted is kept out of routing until it serves the newest version of its
-  deployment, and its sessions are forgotten (their cache is gone).
+- runs (run_scope.py): a request of run R goes only to R's own deployments (waiting, up to its
+  deadline, while they start), else to the stack's shared ones; a pinned name resolves within R;
+- health (replica_health.py): a status poll per replica (and weights.published events) updates
+  versions and health; a replica whose poll fails also gives up the requests in flight there, which
+  move to another replica (a host that vanished never answers them, and Ray may not declare its
+  node dead before request_timeout_s); a replica that restarted is kept out of routing until it
+  serves the newest version of its deployment, and its sessions are forgotten (their cache is gone).
 """
 
 from __future__ import annotations
@@ -39,14 +41,15 @@ from services.inference_router.policies import (
     RoutingPolicy,
     VersionUnavailable,
 )
-from services.inference_router.replica_status import ReplicaStatus
+from services.inference_router.replica_health import ReplicaHealth
+from services.inference_router.run_scope import RunScope
 from services.kit import errors, telemetry
 from services.kit.metric_names import observe
 
 log = logging.getLogger("looprl.inference_router")
 
 
-class Router:
+class Router(ReplicaHealth):
     def __init__(
         self,
         policy: RoutingPolicy | None = None,
@@ -58,6 +61,8 @@ class Router:
         self.deployments: dict[str, DeploymentState] = {}
         self.handles: dict[str, ReplicaHandle] = {}
         self.replicas: dict[str, ReplicaState] = {}
+        # Which deployments serve which run, and the runs whose deployments are starting.
+        self.runs = RunScope()
         # Highest version announced per deployment (weights.published), beyond what polls saw.
         self.announced: dict[str, int] = {}
         self.decision_seconds: deque[float] = deque(maxlen=10_000)
@@ -70,7 +75,8 @@ class Router:
         self._recreating: set[str] = set()
         # Reports a replica failure to the run whose request met it (run id, message); the service
         # sets it once the bus is up. Reports never delay or fail the request.
-        self.report_to_run: Callable[[str, str], Awaitable[None]] | None = None
+        # Also takes fatal=True (the router gives up on the run: its deployments cannot start).
+        self.report_to_run: Callable[..., Awaitable[None]] | None = None
         self._reports: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
         # Set when a replica's status poll fails: its in-flight requests stop waiting for it.
@@ -89,12 +95,40 @@ class Router:
         metrics.init_deployment(deployment.name, [r.name for r in deployment.replicas])
         self._notify()
 
+    async def remove_deployment(self, name: str) -> DeploymentState | None:
+        """Take a deployment out of routing and listings (its replicas are its owner's to stop)."""
+        dep = self.deployments.pop(name, None)
+        if dep is None:
+            return None
+        self.announced.pop(name, None)
+        for replica in dep.replicas:
+            self.replicas.pop(replica.name, None)
+            self._unreachable.pop(replica.name, None)
+            if self.policy.affinity is not None:
+                self.policy.affinity.forget_replica(replica.name)
+            handle = self.handles.pop(replica.name, None)
+            if handle is not None:
+                try:
+                    await handle.close()
+                except Exception as exc:
+                    log.warning("closing replica %s: %s", replica.name, exc)
+        metrics.drop_deployment(name, [r.name for r in dep.replicas])
+        self._notify()
+        return dep
+
+    def notify(self) -> None:
+        """Something routing depends on changed (e.g. a run's deployments started): decide again."""
+        self._notify()
+
     def deployment_list(self) -> list[DeploymentState]:
         return list(self.deployments.values())
 
     # ---- generation -------------------------------------------------------------------------
 
-    def route_request(self, request: inference_pb2.GenerateRequest, exclude: frozenset[str]) -> RouteRequest:
+    def route_request(
+        self, request: inference_pb2.GenerateRequest, exclude: frozenset[str], deployment: str | None = None
+    ) -> RouteRequest:
+        """`deployment`: the pinned deployment as resolved for the request's run (default: as given)."""
         s = request.sampling
         prompt = len(request.prompt_token_ids)
         return RouteRequest(
@@ -102,23 +136,27 @@ class Router:
             output_tokens=request.expected_output_tokens or s.max_tokens,
             total_tokens=prompt + s.max_tokens,
             session_id=request.session_id,
-            deployment=request.deployment,
+            deployment=request.deployment if deployment is None else deployment,
             min_weight_version=request.min_weight_version,
             exclude=exclude,
         )
 
-    def decide(self, route: RouteRequest):
+    def decide(self, route: RouteRequest, deployments: Sequence[DeploymentState] | None = None):
+        """The policy's decision among `deployments` (default: every deployment)."""
         start = time.perf_counter()
         try:
-            return self.policy.route(self.deployment_list(), route)
+            return self.policy.route(self.deployment_list() if deployments is None else deployments, route)
         finally:
             elapsed = time.perf_counter() - start
             self.decision_seconds.append(elapsed)
             metrics.DECISION_SECONDS.observe(elapsed)
 
     async def _choose(self, request: inference_pb2.GenerateRequest, exclude: set[str], deadline: float):
-        """A decision, waiting (bounded) for versions or health to change when none is possible."""
-        if not self.deployments:
+        """A decision, waiting (bounded) for versions or health to change when none is possible.
+        A request of a run whose deployments are still starting waits for them until its deadline."""
+        run_id = request.run_id
+        # A run's request may come just before the router saw its record: it waits below instead.
+        if not self.deployments and not run_id:
             metrics.REJECTIONS.labels("unavailable").inc()
             raise errors.Unavailable("no deployments are registered yet", retry_after_s=1.0)
         loop = asyncio.get_running_loop()
@@ -126,8 +164,30 @@ class Router:
         health_deadline = loop.time() + self.config.unavailable_wait_s
         while True:
             changed = self._changed
+            loading = self.runs.loading(self.deployments, run_id)
+            if run_id in self.runs.failed:
+                metrics.REJECTIONS.labels("unavailable").inc()
+                raise errors.Unavailable(
+                    f"run {run_id!r}: its deployments could not start: {self.runs.failed[run_id]}"
+                )
+            pinned = (
+                self.runs.resolve(self.deployments, run_id, request.deployment) if request.deployment else ""
+            )
+            candidates = (
+                (self.deployment_list() if pinned in self.deployments else [])
+                if pinned
+                else self.runs.candidates(self.deployments, run_id)
+            )
+            if not candidates:
+                # Only a run's deployments that are starting (or a run not yet seen) are waited for.
+                until = deadline if loading else min(health_deadline, deadline)
+                if not await _wait(changed, until - loop.time()):
+                    metrics.REJECTIONS.labels("unavailable").inc()
+                    what = f"run {run_id!r} has no deployment serving yet" if run_id else "no deployment"
+                    raise errors.Unavailable(what, retry_after_s=1.0)
+                continue
             try:
-                return self.decide(self.route_request(request, frozenset(exclude)))
+                return self.decide(self.route_request(request, frozenset(exclude), pinned), candidates)
             except NoDeployment as exc:
                 metrics.REJECTIONS.labels("invalid").inc()
                 raise errors.InvalidArgument(str(exc)) from None
@@ -150,7 +210,7 @@ class Router:
                     )
                     raise kind(f"{exc}{waited}") from None
             except NoHealthyReplica as exc:
-                until = min(health_deadline, deadline)
+                until = deadline if loading else min(health_deadline, deadline)
                 if not await _wait(changed, until - loop.time()):
                     metrics.REJECTIONS.labels("unavailable").inc()
                     raise errors.Unavailable(str(exc), retry_after_s=self.retry_hint()) from None
@@ -320,153 +380,6 @@ class Router:
             if not task.done():
                 task.cancel()
 
-    # ---- health and versions ------------------------------------------------------------------
-
-    def _replica_failed(self, replica: ReplicaState, exc: ReplicaFailure, run_id: str = "") -> None:
-        if exc.overloaded:
-            return  # busy, not broken: only this request moves on
-        log.warning("replica failed, retrying elsewhere: %s", exc)
-        if run_id and self.report_to_run is not None:
-            report = asyncio.ensure_future(
-                self.report_to_run(run_id, f"replica {replica.name} failed: {exc.why}")
-            )
-            self._reports.add(report)
-            report.add_done_callback(self._reports.discard)
-        replica.healthy = False
-        replica.last_error = exc.why
-        if exc.crashed:
-            self._mark_restarting(replica)
-        self._export_health(replica)
-        self._notify()
-
-    def _mark_restarting(self, replica: ReplicaState) -> None:
-        newest = self.newest_version(replica.deployment)
-        replica.resync_to_version = newest if newest >= 0 else None
-        if self.policy.affinity is not None:
-            self.policy.affinity.forget_replica(replica.name)
-
-    def newest_version(self, deployment: str) -> int:
-        dep = self.deployments[deployment]
-        return max(dep.latest_version, self.announced.get(deployment, -1))
-
-    def observe_status(self, replica: ReplicaState, status: ReplicaStatus | None, error: str = "") -> None:
-        """Fold one status poll (or its failure) into the replica's state."""
-        was_routable = replica.routable
-        if status is None:
-            replica.healthy = False
-            replica.last_error = error
-        else:
-            version = status.weight_version
-            if version < replica.weight_version and replica.resync_to_version is None:
-                # Version went backwards: the process restarted and lost its weights.
-                log.warning(
-                    "replica %s restarted (version %d -> %d)", replica.name, replica.weight_version, version
-                )
-                self._mark_restarting(replica)
-            address = status.address
-            moved = bool(replica.address and address and address != replica.address)
-            lacking = (
-                replica.resync_to_version is not None
-                and version < replica.resync_to_version
-                and not replica.sync_requested
-            )
-            if lacking:
-                replica.sync_requested = True
-            if moved or lacking:
-                # It came back (on a new address, or without the newest weights): resync it once.
-                self._restarted(replica)
-            replica.weight_version = version
-            replica.healthy = status.ready
-            replica.address = status.address or replica.address
-            broken = str((status.engine or {}).get("broken", ""))
-            if broken:
-                # Its engine may hold mixed weights or stale KV (vllm_engine.py): never route to it,
-                # and have it recreated; the new process comes back without weights and is resynced.
-                replica.healthy = False
-                replica.last_error = broken
-                if replica.name not in self._recreating:
-                    self._recreating.add(replica.name)
-                    self._broken(replica, broken)
-            else:
-                self._recreating.discard(replica.name)
-            vocab = status.vocab_size
-            if vocab > 0:
-                # Learned once weights (and so the model config) arrived; used by validation.
-                self.deployments[replica.deployment].vocab_size = vocab
-            if replica.resync_to_version is not None and version >= replica.resync_to_version:
-                log.info("replica %s is back at version %d", replica.name, version)
-                replica.resync_to_version = None
-                replica.sync_requested = False
-        metrics.REPLICA_VERSION.labels(replica.deployment, replica.name).set(replica.weight_version)
-        self._export_health(replica)
-        if replica.routable != was_routable or status is not None:
-            self._notify()
-
-    def _broken(self, replica: ReplicaState, why: str) -> None:
-        log.warning("replica %s is out of service, recreating it: %s", replica.name, why)
-        if self._on_replica_broken is not None:
-            task = asyncio.get_running_loop().create_task(
-                self._on_replica_broken(replica.deployment, replica.name, why)
-            )
-            task.add_done_callback(_log_failure)
-
-    def _restarted(self, replica: ReplicaState) -> None:
-        if self._on_replica_restarted is not None:
-            task = asyncio.get_running_loop().create_task(
-                self._on_replica_restarted(replica.deployment, replica.name)
-            )
-            task.add_done_callback(_log_failure)
-
-    @staticmethod
-    def _export_health(replica: ReplicaState) -> None:
-        metrics.REPLICA_ROUTABLE.labels(replica.deployment, replica.name).set(1 if replica.routable else 0)
-
-    def on_weights_published(self, deployment: str, version: int) -> None:
-        if deployment in self.deployments and version > self.announced.get(deployment, -1):
-            self.announced[deployment] = version
-            self._notify()
-
-    def on_replica_committed(self, replica: ReplicaState, version: int) -> None:
-        """Weight-sync committed `version` on this replica (it publishes only after the commit):
-        requests waiting for it can go there now, without waiting for a status poll. A replica that
-        is being resynced after a restart keeps waiting for its poll (which checks the address)."""
-        if replica.resync_to_version is not None or version <= replica.weight_version:
-            return
-        replica.weight_version = version
-        metrics.REPLICA_VERSION.labels(replica.deployment, replica.name).set(version)
-        self._notify()
-
-    async def poll_once(self) -> None:
-        async def one(name: str) -> None:
-            replica = self.replicas[name]
-            try:
-                status = await self.handles[name].status(self.config.status_timeout_s)
-            except (ReplicaFailure, errors.ServiceError) as exc:
-                crashed = getattr(exc, "crashed", False)
-                if crashed and replica.resync_to_version is None:
-                    self._mark_restarting(replica)
-                self.observe_status(replica, None, str(exc))
-                self._unreachable.setdefault(name, asyncio.Event()).set()
-                return
-            lost = self._unreachable.get(name)
-            if lost is not None and lost.is_set():
-                del self._unreachable[name]  # answering again: new requests wait for it again
-            self.observe_status(replica, status)
-
-        await asyncio.gather(*(one(name) for name in list(self.replicas)))
-
-    def start_polling(self) -> None:
-        if self._poller is None:
-            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
-
-    async def _poll_forever(self) -> None:
-        while True:
-            try:
-                await self.poll_once()
-            except Exception:
-                log.exception("status poll failed")
-            await asyncio.sleep(self.config.status_interval_s)
-
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
@@ -488,8 +401,3 @@ async def _wait(event: asyncio.Event, timeout: float) -> bool:
         return True
     except TimeoutError:
         return False
-
-
-def _log_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("replica restart hook failed: %s", task.exception())

@@ -1,5 +1,6 @@
 """The inference-router wiring: the Router and its DeploymentManager, the servicer, the
-deployments the config names, and the weight events it follows."""
+deployments the config names, each run's own deployments (runs.py), and the weight events it
+follows."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def build_router(cfg: RouterConfig):
 async def serve(cfg: RouterConfig) -> None:
     from looprl.inference.v1 import inference_pb2_grpc
     from services.inference_router.deployments import DeploymentManager
+    from services.inference_router.runs import RunDeployments
     from services.inference_router.servicer import InferenceRouterServicer
     from services.kit.ray_utils import connect_ray
     from services.kit.server import Service
@@ -37,6 +39,7 @@ async def serve(cfg: RouterConfig) -> None:
     )
 
     background: list[asyncio.Task] = []
+    runs = None
 
     async def setup(_: Service) -> None:
         if cfg.deployments:
@@ -52,11 +55,17 @@ async def serve(cfg: RouterConfig) -> None:
             try:
                 bus = await manager.follow_weight_events(bus_url(cfg))
             except Exception as exc:  # the bus is a hint; status polls still track versions
-                log.warning("not following weight events (%s); relying on status polls", exc)
+                log.warning("not following weight events or runs (%s); relying on status polls", exc)
                 return
             reporter = RunErrorReporter(bus, "inference-router")
             router.report_to_run = reporter.report
             service.on_shutdown(reporter.close)
+            if cfg.watch_runs:
+                nonlocal runs
+                runs = RunDeployments(
+                    manager, router, connect=lambda: connect_ray(cfg.ray_address, cfg.namespace)
+                )
+                await runs.start(bus)
 
         # In the background: serving never waits on the bus.
         background.append(asyncio.get_running_loop().create_task(follow()))
@@ -64,6 +73,8 @@ async def serve(cfg: RouterConfig) -> None:
     async def shutdown() -> None:
         for task in background:
             task.cancel()
+        if runs is not None:
+            await runs.stop()
         await router.close()
         await manager.stop()
 

@@ -43,7 +43,7 @@ class InferenceRouterServicer(inference_pb2_grpc.InferenceRouterServiceServicer)
     async def ListDeployments(
         self, request: inference_pb2.ListDeploymentsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListDeploymentsResponse:
-        return inference_pb2.ListDeploymentsResponse(deployments=self.deployments.describe())
+        return inference_pb2.ListDeploymentsResponse(deployments=describe(self.router))
 
     async def RegisterDeployment(
         self, request: inference_pb2.RegisterDeploymentRequest, context: grpc.aio.ServicerContext
@@ -78,10 +78,13 @@ def validate_request(request: inference_pb2.GenerateRequest, router: Router, pre
         raise bad("min_weight_version", f"must be >= 0, got {request.min_weight_version}")
     if request.expected_output_tokens < 0:
         raise bad("expected_output_tokens", f"must be >= 0, got {request.expected_output_tokens}")
-    if request.deployment and request.deployment not in router.deployments:
-        known = ", ".join(sorted(router.deployments)) or "none"
-        raise bad("deployment", f"unknown deployment {request.deployment!r} (known: {known})")
-    vocab = _vocab_size(router, request.deployment)
+    pinned = ""
+    if request.deployment:
+        try:
+            pinned = router.runs.resolve(router.deployments, request.run_id, request.deployment)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{prefix}{exc.message}") from None
+    vocab = _vocab_size(router, pinned, request.run_id)
     for field, ids in (
         ("prompt_token_ids", request.prompt_token_ids),
         ("sampling.stop_token_ids", s.stop_token_ids),
@@ -94,9 +97,12 @@ def validate_request(request: inference_pb2.GenerateRequest, router: Router, pre
     # could hold the request) and reported as sampling.max_tokens.
 
 
-def _vocab_size(router: Router, deployment: str) -> int:
+def _vocab_size(router: Router, deployment: str, run_id: str) -> int:
     """The vocabulary every candidate deployment accepts (0 when none reported one)."""
-    deps = [router.deployments[deployment]] if deployment else router.deployment_list()
+    if deployment:
+        deps = [router.deployments[deployment]] if deployment in router.deployments else []
+    else:
+        deps = router.runs.candidates(router.deployments, run_id)
     sizes = [d.vocab_size for d in deps if d.vocab_size > 0]
     return min(sizes) if sizes else 0
 
@@ -104,3 +110,39 @@ def _vocab_size(router: Router, deployment: str) -> int:
 def _remaining(context: grpc.aio.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     return remaining if remaining is not None and remaining < 1e6 else None
+
+
+def describe(router: Router) -> list[inference_pb2.DeploymentInfo]:
+    """Every deployment as ListDeployments shows it."""
+    out = []
+    for dep in router.deployment_list():
+        p = dep.profile
+        out.append(
+            inference_pb2.DeploymentInfo(
+                name=dep.name,
+                backend=dep.backend,
+                tensor_parallel=dep.tensor_parallel,
+                profile=inference_pb2.LengthProfile(
+                    min_prompt_tokens=p.min_prompt_tokens,
+                    max_prompt_tokens=p.max_prompt_tokens,
+                    min_output_tokens=p.min_output_tokens,
+                    max_output_tokens=p.max_output_tokens,
+                ),
+                max_model_len=dep.max_model_len,
+                layout=dep.layout,
+                dtype=dep.dtype,
+                run_id=dep.run_id,
+                replicas=[
+                    inference_pb2.ReplicaInfo(
+                        name=r.name,
+                        healthy=r.routable,
+                        weight_version=r.weight_version,
+                        outstanding_tokens=r.outstanding_tokens,
+                        outstanding_requests=r.outstanding_requests,
+                        address=r.address,
+                    )
+                    for r in dep.replicas
+                ],
+            )
+        )
+    return out
