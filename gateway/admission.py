@@ -192,15 +192,19 @@ def concurrency_reason(tenant: Tenant, active_runs: int) -> str:
     )
 
 
-async def admit(recipe: Recipe, peers: Peers, base_dir: Path) -> None:
-    """Raise FailedPrecondition naming the first missing prerequisite of `recipe`."""
+async def admit(recipe: Recipe, peers: Peers, base_dir: Path) -> bool:
+    """Raise FailedPrecondition naming the first missing prerequisite of `recipe`. Returns whether
+    the run would be served by the router's configured deployments, shared by every run of the stack,
+    rather than by deployments of its own."""
     check_vocabulary(recipe, base_dir)
+    shared = False
     if peers.router is not None:
-        await _check_deployments(recipe, peers)
+        shared = await _check_deployments(recipe, peers)
     if peers.sandbox is not None:
         await _check_environment(recipe, peers)
     if peers.reward is not None and recipe.environment.reward:
         await _check_reward(recipe, peers)
+    return shared
 
 
 async def _ask(service: str, call, request, timeout_s: float):
@@ -212,21 +216,24 @@ async def _ask(service: str, call, request, timeout_s: float):
         ) from None
 
 
-async def _check_deployments(recipe: Recipe, peers: Peers) -> None:
+async def _check_deployments(recipe: Recipe, peers: Peers) -> bool:
     reply = await _ask(
         "inference-router",
         peers.router.ListDeployments,
         inference_pb2.ListDeploymentsRequest(),
         peers.timeout_s,
     )
+    if reply.starts_run_deployments:
+        return False  # the run brings its own deployments: the router starts them when the run starts
     served = sorted(d.name for d in reply.deployments if d.replicas)
     wanted = [d.name for d in recipe.deployments]
     if not any(name in served for name in wanted):
         have = ", ".join(served) if served else "none"
         raise FailedPrecondition(
             f"deployments: no deployment serves this run: the recipe asks for {', '.join(wanted)}; the "
-            f"inference-router serves {have} (start the stack with the recipe: `looprl up --recipe RECIPE`)"
+            f"inference-router serves {have} (it serves only its configured deployments)"
         )
+    return True
 
 
 async def _check_environment(recipe: Recipe, peers: Peers) -> None:

@@ -117,7 +117,8 @@ def _print_rows(rows: list[dict[str, str]]) -> None:
 
 
 def _recipe_env(recipe: str | None) -> dict[str, str]:
-    """Services configured from the recipe at start-up (the router's deployments)."""
+    """Services configured from the recipe at start-up: the router serves its deployments to the
+    stack's one run instead of starting each run's own."""
     if not recipe:
         return {}
     return {"LOOPRL_INFERENCE_ROUTER_RECIPE": str(Path(recipe).resolve())}
@@ -151,7 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     started_here = False
     if args.local and StackState.load(_state_dir(args).resolve()) is None:
         print("bringing the local stack up ...")
-        up(_state_dir(args), _ports(args), _recipe_env(args.recipe))
+        up(_state_dir(args), _ports(args))  # the run brings its own deployments
         started_here = True
     try:
         stub, metadata = _gateway(args)
@@ -275,7 +276,10 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
     p = add_command(
         "up", help="start nats-server, a Ray head and every service locally", parents=[after, ports]
     )
-    p.add_argument("--recipe", help="configure deployments from this recipe")
+    p.add_argument(
+        "--recipe",
+        help="serve this recipe's deployments from the start, to one run (without: every run its own)",
+    )
     p.add_argument("--keep-state", action="store_true", help="keep the JetStream state of the last stack")
     p.add_argument(
         "--host",

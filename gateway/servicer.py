@@ -273,9 +273,26 @@ class RunManager:
         total = await self.cluster.total()
         if total is not None:
             check_cluster(demand, total)
-        await admit(recipe, self.peers, self.base_dir)
+        shared = await admit(recipe, self.peers, self.base_dir)
         async with self._admission:
+            if shared:
+                await self._refuse_sharing(tenant)
             return await self._create(recipe_toml, recipe, run_id, tenant, demand)
+
+    async def _refuse_sharing(self, tenant: Tenant) -> None:
+        """A router that serves only its configured deployments holds one run's weights, numbered
+        by that run: a second run on them would sample the first one's policy, so it is refused."""
+        records = await self.store.list()
+        if not records:
+            return
+        last = records[-1]
+        # Another tenant's run is not named: its id and state are not the caller's to see.
+        served = f"run {last.run_id!r} ({last.state})" if tenant.sees(last.tenant) else "another tenant's run"
+        raise FailedPrecondition(
+            f"deployments: this stack's inference-router serves only its configured deployments, which "
+            f"served {served}; one run per such stack (a stack started without a recipe gives every run "
+            "deployments of its own)"
+        )
 
     async def _create(
         self, recipe_toml: str, recipe, run_id: str, tenant: Tenant, demand: Demand

@@ -54,7 +54,13 @@ class RouterConfig(ServiceConfig):
     watch_runs: bool = True
     """Serve each run in the KV bucket "runs" (needs the bus): start the [[deployments]] of its recipe
     while it is pending, running or stalled (named '<run id>/<name>', serving only that run), and free
-    them when it ends. Runs without deployments of their own use the static ones."""
+    them when it ends. Off, or with `deployments`/`recipe` configured, the router serves only those."""
+
+    @property
+    def starts_run_deployments(self) -> bool:
+        """Whether each run gets deployments of its own. A router configured with deployments serves
+        those to its runs instead: a stack dedicated to one recipe (a benchmark's, a compose file's)."""
+        return self.watch_runs and not self.deployments
 
     @model_validator(mode="after")
     def _resolve_deployments(self) -> RouterConfig:

@@ -60,7 +60,7 @@ async def serve(cfg: RouterConfig) -> None:
             reporter = RunErrorReporter(bus, "inference-router")
             router.report_to_run = reporter.report
             service.on_shutdown(reporter.close)
-            if cfg.watch_runs:
+            if cfg.starts_run_deployments:
                 nonlocal runs
                 runs = RunDeployments(
                     manager, router, connect=lambda: connect_ray(cfg.ray_address, cfg.namespace)

@@ -43,7 +43,10 @@ class InferenceRouterServicer(inference_pb2_grpc.InferenceRouterServiceServicer)
     async def ListDeployments(
         self, request: inference_pb2.ListDeploymentsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListDeploymentsResponse:
-        return inference_pb2.ListDeploymentsResponse(deployments=describe(self.router))
+        return inference_pb2.ListDeploymentsResponse(
+            deployments=describe(self.router),
+            starts_run_deployments=self.router.config.starts_run_deployments,
+        )
 
     async def RegisterDeployment(
         self, request: inference_pb2.RegisterDeploymentRequest, context: grpc.aio.ServicerContext

@@ -221,7 +221,7 @@ class WeightSyncLink:
 
         self._bus = await Bus.connect(nats_url, name="inference-router")
         # Every run's events when deployments are started per run: each names its run's replicas.
-        one_run = self.config.run_id and not self.config.watch_runs
+        one_run = self.config.run_id and not self.config.starts_run_deployments
         subject = subjects.weights(self.config.run_id) if one_run else subjects.all_runs("weights")
 
         async def on_message(msg: Any) -> None:

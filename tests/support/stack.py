@@ -62,10 +62,15 @@ def _ray_processes(port: int) -> list[str]:
 
 
 @contextmanager
-def local_stack(state_dir: Path, recipe_text: str = DEFAULT_RECIPE) -> Iterator[Stack]:
-    """`looprl up` on free ports, yielding the Stack; `looprl down` after, checking nothing is left."""
-    recipe = state_dir / "recipe.toml"
-    recipe.write_text(recipe_text)
+def local_stack(state_dir: Path, recipe_text: str | None = None) -> Iterator[Stack]:
+    """`looprl up` on free ports, yielding the Stack; `looprl down` after, checking nothing is left.
+    `recipe_text`: the recipe whose deployments the stack serves from the start; None: none, every
+    run brings its own."""
+    recipe_args = []
+    if recipe_text is not None:
+        recipe = state_dir / "recipe.toml"
+        recipe.write_text(recipe_text)
+        recipe_args = ["--recipe", str(recipe)]
     ports = [
         "--nats-port",
         str(_free_port(26000, 26500)),
@@ -76,7 +81,7 @@ def local_stack(state_dir: Path, recipe_text: str = DEFAULT_RECIPE) -> Iterator[
         "--http-port",
         str(_free_port(26500, 27000)),
     ]
-    started = looprl_cli(state_dir, "up", "--recipe", str(recipe), *ports)
+    started = looprl_cli(state_dir, "up", *recipe_args, *ports)
     assert started.returncode == 0, started.stdout + started.stderr
     state = StackState.load(state_dir.resolve())
     assert state is not None
@@ -108,6 +113,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture
 def fresh_stack(tmp_path: Path) -> Iterator[Stack]:
-    """A stack of its own: a stack serves one run (weight versions are numbered per stack)."""
+    """A stack of its own, for a test whose run must be the only one on it."""
     with local_stack(tmp_path) as s:
         yield s

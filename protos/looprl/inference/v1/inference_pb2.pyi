@@ -130,10 +130,12 @@ class ListDeploymentsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListDeploymentsResponse(_message.Message):
-    __slots__ = ("deployments",)
+    __slots__ = ("deployments", "starts_run_deployments")
     DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    STARTS_RUN_DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
     deployments: _containers.RepeatedCompositeFieldContainer[DeploymentInfo]
-    def __init__(self, deployments: _Optional[_Iterable[_Union[DeploymentInfo, _Mapping]]] = ...) -> None: ...
+    starts_run_deployments: bool
+    def __init__(self, deployments: _Optional[_Iterable[_Union[DeploymentInfo, _Mapping]]] = ..., starts_run_deployments: _Optional[bool] = ...) -> None: ...
 
 class RegisterDeploymentRequest(_message.Message):
     __slots__ = ("deployment",)
