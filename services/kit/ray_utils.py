@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 log = logging.getLogger("looprl.ray")
+
+
+_CONNECTING = threading.Lock()
 
 
 def connect_ray(address: str, namespace: str, num_cpus: int | None = None) -> None:
@@ -19,15 +23,17 @@ def connect_ray(address: str, namespace: str, num_cpus: int | None = None) -> No
 
     from services.kit import ray_head
 
-    if ray.is_initialized():
-        return
-    kwargs: dict = {"namespace": namespace, "logging_level": "ERROR", "log_to_driver": False}
-    address = address or os.environ.get("RAY_ADDRESS", "")
-    if address:
-        ray.init(address=address, **kwargs)
-        ray_head.joined(address)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
+    # Several threads may connect at once (the router starts each run's deployments in its own).
+    with _CONNECTING:
+        if ray.is_initialized():
+            return
+        kwargs: dict = {"namespace": namespace, "logging_level": "ERROR", "log_to_driver": False}
+        address = address or os.environ.get("RAY_ADDRESS", "")
+        if address:
+            ray.init(address=address, **kwargs)
+            ray_head.joined(address)
+        else:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
     log.info("connected to ray", extra={"fields": {"address": address or "local", "namespace": namespace}})
 
 
