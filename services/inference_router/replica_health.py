@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -169,6 +170,7 @@ class ReplicaHealth:
             replica, handle = self.replicas.get(name), self.handles.get(name)
             if replica is None or handle is None:
                 return  # its deployment was removed meanwhile
+            asked_at = replica.weight_version
             try:
                 status = await handle.status(self.config.status_timeout_s)
             except (ReplicaFailure, errors.ServiceError) as exc:
@@ -185,6 +187,10 @@ class ReplicaHealth:
             lost = self._unreachable.get(name)
             if lost is not None and lost.is_set():
                 del self._unreachable[name]  # answering again: new requests wait for it again
+            if asked_at <= status.weight_version < replica.weight_version:
+                # Answered before a commit weight-sync announced while the poll was out: late, not
+                # a restart (a restart answers below what the replica had when it was asked).
+                status = dataclasses.replace(status, weight_version=replica.weight_version)
             self.observe_status(replica, status)
 
         await asyncio.gather(*(one(name) for name in list(self.replicas)))

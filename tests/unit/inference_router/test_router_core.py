@@ -301,3 +301,28 @@ async def test_requests_in_flight_on_a_replica_that_stops_answering_move_elsewhe
     await router.poll_once()
     assert router.replicas["d-0"].routable
     assert "d-0" not in router._unreachable
+
+
+async def test_a_status_answer_older_than_a_commit_seen_meanwhile_is_not_taken_for_a_restart():
+    router, fakes = _router(replicas=1)
+    await router.poll_once()
+    replica, fake = router.replicas["d-0"], fakes[0]
+    answered = asyncio.Event()
+    status = fake.status
+
+    async def slow_status(timeout_s):
+        reply = await status(timeout_s)  # version 1, as the replica was when asked
+        await answered.wait()
+        return reply
+
+    fake.status = slow_status
+    poll = asyncio.create_task(router.poll_once())
+    await asyncio.sleep(0.05)  # the poll is out, waiting for its answer
+    router.on_replica_committed(replica, 2)  # weight-sync's event overtakes the status answer
+    answered.set()
+    await poll
+    assert replica.weight_version == 2 and replica.resync_to_version is None
+    # A replica that really lost its weights answers below what it had when asked.
+    fake.status, fake.version = status, 0
+    await router.poll_once()
+    assert replica.weight_version == 0 and replica.resync_to_version is not None
