@@ -47,12 +47,6 @@ MISSING = [
         "environment.reward: unknown reward 'no-such-reward': the reward service serves ",
     ),
     (
-        with_overrides(DEFAULT_RECIPE, deployments={"name": "elsewhere"}),
-        "FAILED_PRECONDITION",
-        "deployments: no deployment serves this run: the recipe asks for elsewhere; the inference-router "
-        "serves short",
-    ),
-    (
         _edit(DEFAULT_RECIPE, 'preset = "tiny-qwen2"', "path = '{model}'"),
         "FAILED_PRECONDITION",
         "model.tokenizer: vocabulary mismatch: the model ({model}) has vocab_size 1024, the tokenizer 'char' "

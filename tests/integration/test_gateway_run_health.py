@@ -173,11 +173,15 @@ def test_stall_seconds_is_bounded(gateway: GatewayProcess) -> None:
 
 
 @pytest.mark.slow
-def test_a_stack_with_no_deployment_refuses_the_run_and_creates_nothing(
+def test_a_router_serving_only_configured_deployments_refuses_a_run_naming_none_of_them(
     ray_head, nats_url: str, tmp_path: Path
 ) -> None:
-    # `looprl up` without a recipe: the inference-router starts with no deployment.
-    env = {"LOOPRL_NATS_URL": nats_url, "LOOPRL_INFERENCE_ROUTER_NAMESPACE": "looprl-health-test"}
+    # A router that starts no run's own deployments, configured with none.
+    env = {
+        "LOOPRL_NATS_URL": nats_url,
+        "LOOPRL_INFERENCE_ROUTER_NAMESPACE": "looprl-health-test",
+        "LOOPRL_INFERENCE_ROUTER_WATCH_RUNS": "false",
+    }
     with service_process("services.inference_router", env, timeout=120) as router:
         gw = GatewayProcess(nats_url, tmp_path, router_address=router.address).start()
         try:
@@ -188,7 +192,7 @@ def test_a_stack_with_no_deployment_refuses_the_run_and_creates_nothing(
                 )
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert err.value.details().startswith("deployments: no deployment serves this run")
-            assert "the inference-router serves none" in err.value.details()
+            assert "the inference-router serves none (it serves only its configured" in err.value.details()
             after = gw.stub.ListRuns(gateway_pb2.ListRunsRequest(), metadata=AUTH).runs
             assert [r.run_id for r in after] == [r.run_id for r in before]
             assert "served-by-nobody" not in [r.run_id for r in after]

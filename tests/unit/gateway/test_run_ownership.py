@@ -9,7 +9,7 @@ import pytest
 
 from gateway.config import Tenant, token_sha256
 from gateway.servicer import RunManager
-from services.kit.errors import NotFound
+from services.kit.errors import FailedPrecondition, NotFound
 from services.kit.recipe import RunRecord
 
 
@@ -59,3 +59,18 @@ def test_a_tenant_lists_and_gets_only_its_runs_and_an_admin_every_run() -> None:
             assert err.value.message == f"run_id: no run {run_id!r}"
 
     asyncio.run(check())
+
+
+def test_a_router_serving_fixed_deployments_takes_one_run_and_names_it_only_to_its_tenant() -> None:
+    # Its deployments hold the first run's weights: a second run would sample that policy.
+    runs = manager()
+
+    async def refused(caller: Tenant) -> str:
+        with pytest.raises(FailedPrecondition) as err:
+            await runs._refuse_sharing(caller)
+        return err.value.message
+
+    assert "served run 'run-b' (completed); one run per such stack" in asyncio.run(refused(tenant("team-b")))
+    assert "served another tenant's run;" in asyncio.run(refused(tenant("team-a")))
+    empty = RunManager(None, MemoryStore([]), Path("."))  # type: ignore[arg-type]
+    asyncio.run(empty._refuse_sharing(tenant("team-a")))  # the first run is served
