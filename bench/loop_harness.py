@@ -74,23 +74,22 @@ def _free(lo: int, hi: int) -> int:
 
 @contextmanager
 def local_stack(
-    recipe_text: str, env: dict[str, str] | None = None
+    recipe_text: str | None, env: dict[str, str] | None = None
 ) -> Iterator[tuple[gateway_pb2_grpc.GatewayServiceStub, tuple]]:
-    """A whole stack on free ports, with the router's deployments taken from recipe_text; `env` is
-    added to every service's environment (e.g. where to export traces)."""
+    """A whole stack on free ports, with the router's deployments taken from recipe_text (started
+    with the stack, outside the measured run), or None: each run starts its own; `env` is added to
+    every service's environment (e.g. where to export traces)."""
     with tempfile.TemporaryDirectory(prefix="looprl-bench-") as tmp:
         state_dir = Path(tmp)
-        recipe_path = state_dir / "recipe.toml"
-        recipe_path.write_text(recipe_text)
+        router_env = {}
+        if recipe_text is not None:
+            recipe_path = state_dir / "recipe.toml"
+            recipe_path.write_text(recipe_text)
+            router_env = {"LOOPRL_INFERENCE_ROUTER_RECIPE": str(recipe_path)}
         ports = StackPorts(
             nats=_free(26000, 26500), ray=_free(27000, 28000), base=_free_base(), http=_free(26500, 27000)
         )
-        state = up(
-            state_dir,
-            ports,
-            {"LOOPRL_INFERENCE_ROUTER_RECIPE": str(recipe_path), **(env or {})},
-            log=lambda *_: None,
-        )
+        state = up(state_dir, ports, {**router_env, **(env or {})}, log=lambda *_: None)
         channel = grpc.insecure_channel(state.service("gateway").address)
         try:
             yield (
