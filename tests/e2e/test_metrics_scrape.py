@@ -80,7 +80,8 @@ def test_every_dashboard_query_has_a_series_from_a_live_run(tmp_path, monkeypatc
     results: dict[str, list] = {}
     exemplars: list[dict] = []
     (tmp_path / "stack").mkdir()
-    with local_stack(tmp_path / "stack") as stack:
+    # The recipe's deployments are the stack's: they still serve the run's policy after it ends.
+    with local_stack(tmp_path / "stack", DEFAULT_RECIPE) as stack:
         ports = {svc.name: svc.metrics_port for svc in stack.state.services}
         if server is not None:
             targets = {name: f"127.0.0.1:{port}" for name, port in ports.items()}

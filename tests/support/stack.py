@@ -106,8 +106,9 @@ def local_stack(state_dir: Path, recipe_text: str | None = None) -> Iterator[Sta
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """A stack shared by the tests that start no run."""
-    with local_stack(tmp_path_factory.mktemp("stack")) as s:
+    """A stack shared by the tests that start no run: it serves the default recipe's deployments
+    from the start, so requests reach a replica."""
+    with local_stack(tmp_path_factory.mktemp("stack"), DEFAULT_RECIPE) as s:
         yield s
 
 
