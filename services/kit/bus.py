@@ -436,7 +436,7 @@ class Bus:
             store = await self.js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError as err:
             raise BusError(f"KV bucket {bucket!r} does not exist; call Bus.ensure_streams() first") from err
-        return KV(bucket, store)
+        return KV(bucket, store, self.js)
 
 
 def _stream_differs(have: api.StreamConfig, want: api.StreamConfig) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import nats
 import nats.errors
 import nats.js.errors
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from services.kit.bus_errors import KVConflict
@@ -24,9 +25,10 @@ class KVEntry:
 class KV:
     """A JetStream KV bucket. Keys: letters, digits and -/_=. ('.' separates tokens for watch)."""
 
-    def __init__(self, bucket: str, store: KeyValue) -> None:
+    def __init__(self, bucket: str, store: KeyValue, js: JetStreamContext) -> None:
         self.bucket = bucket
         self._store = store
+        self._js = js
 
     async def get(self, key: str) -> bytes | None:
         """The current value, or None when the key is absent or deleted."""
@@ -64,12 +66,17 @@ class KV:
     async def delete(self, key: str) -> None:
         await self._store.delete(_check_key(key))
 
-    async def keys(self) -> list[str]:
-        """Keys that currently hold a value."""
-        try:
-            return await self._store.keys()
-        except nats.js.errors.NoKeysError:
-            return []
+    async def keys(self, pattern: str = ">") -> list[str]:
+        """Keys matching a NATS pattern ('>' all, '*' one token) that currently hold a value.
+
+        Read from the server's own count of subjects in one request: a consumer listing the bucket
+        (nats-py's `keys()`) can list a key written meanwhile twice, or not at all when a write
+        replaces the message it was about to deliver, and a run missed would escape its tenant's
+        quota."""
+        prefix = f"$KV.{self.bucket}."
+        info = await self._js.stream_info(f"KV_{self.bucket}", subjects_filter=prefix + pattern)
+        keys = [subject.removeprefix(prefix) for subject in sorted(info.state.subjects or {})]
+        return [key for key in keys if await self.entry(key) is not None]  # not deleted or purged
 
     def watch(self, keys: str = ">", *, include_history: bool = False) -> KVWatch:
         """Changes to keys matching a NATS pattern ('>' all, 'run1.>' all under run1., 'a.*').

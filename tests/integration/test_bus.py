@@ -366,8 +366,32 @@ async def test_kv_compare_and_set(bus: Bus) -> None:
 
     await kv.delete(key)
     assert await kv.get(key) is None
+    assert key not in await kv.keys()
     with pytest.raises(ValueError, match="KV key"):
         await kv.get("bad key")
+
+
+async def test_kv_keys_lists_each_key_once_while_keys_are_rewritten(bus: Bus) -> None:
+    # What a gateway sees listing the runs while their drivers rewrite the records: every run once.
+    kv = await bus.kv(subjects.RUNS)
+    keys = [new_run() for _ in range(20)]
+    for key in keys:
+        await kv.put(key, b"0")
+    await kv.put(f"{keys[0]}.history.0", b"chunk")  # not a run: '*' is one token
+
+    async def rewrite() -> None:
+        for n in range(200):
+            await kv.put(keys[n % len(keys)], str(n).encode())
+
+    writer = asyncio.create_task(rewrite())
+    try:
+        while not writer.done():
+            listed = await kv.keys("*")
+            assert [k for k in listed if k in keys] == sorted(keys)
+    finally:
+        await writer
+    for key in keys:
+        await kv.delete(key)
 
 
 async def test_kv_watch_sees_current_values_then_changes(bus: Bus) -> None:
