@@ -38,12 +38,13 @@ def start_weight_sync(env):
     )
 
 
-async def wait_ready(stub, proc, timeout=30.0):
+async def wait_ready(stub, proc, run_id: str, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, "weight-sync exited"
         try:
-            return await stub.GetVersion(weightsync_pb2.GetVersionRequest(), timeout=1)
+            # This run's only: weight-sync restores every run's targets, other tests' runs included.
+            return await stub.GetVersion(weightsync_pb2.GetVersionRequest(run_id=run_id), timeout=1)
         except grpc.aio.AioRpcError:
             await asyncio.sleep(0.2)
     raise AssertionError("weight-sync did not become ready")
@@ -91,10 +92,11 @@ async def test_kill_mid_transfer_keeps_old_version_and_restart_syncs_next(nats_u
     stub = weightsync_pb2_grpc.WeightSyncServiceStub(channel)
     proc = start_weight_sync(env)
     try:
-        await wait_ready(stub, proc)
+        await wait_ready(stub, proc, run)
         await stub.RegisterTarget(
             weightsync_pb2.RegisterTargetRequest(
                 deployment="kill-d",
+                run_id=run,
                 layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf"),
                 ranks=[weightsync_pb2.TargetRank(rank=0, address=address)],
             )
@@ -118,7 +120,7 @@ async def test_kill_mid_transfer_keeps_old_version_and_restart_syncs_next(nats_u
 
         slow["on"] = False
         proc = start_weight_sync(env)
-        status = await wait_ready(stub, proc)
+        status = await wait_ready(stub, proc, run)
         assert status.latest_version == 1  # restored from KV
         assert [(t.deployment, t.version) for t in status.targets] == [("kill-d", 0)]
         # The restart kept v1's number but not its bytes: the trainer pushes v1 again (it does so
