@@ -13,7 +13,8 @@ that order and starts every run that fits. A run waiting for cluster resources h
 it back from the cluster, so a large run of a high-priority tenant is not starved by smaller later
 ones; a run waiting only for its own tenant's max_concurrent_runs holds back no one else.
 
-Without a Ray address (or while the GCS cannot be read) only the tenants' quotas apply.
+Without a Ray address only the tenants' quotas apply; a cluster that cannot be read admits nothing
+new until it answers (`ClusterResources`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 from gateway.admission import Demand, concurrency_reason
 from gateway.config import Tenant
+from services.kit.errors import Unavailable
 from services.kit.recipe import RunRecord
 
 log = logging.getLogger("looprl.gateway.queue")
@@ -42,53 +44,58 @@ CLUSTER_TTL_S = 5.0
 class ClusterResources:
     """The Ray cluster's total resources (summed over alive nodes), read from the GCS at `address`
     (host:port) without joining the cluster as a driver; cached for CLUSTER_TTL_S. None when no
-    address is given, or the GCS cannot be read: then only the tenants' quotas apply."""
+    address is given (or one that is not a GCS host:port, such as ray://): then only the tenants'
+    quotas apply. A cluster that does not answer is never taken for an unlimited one: the last total
+    read stands in, and before any read succeeded `total` raises Unavailable (nothing is admitted)."""
 
-    def __init__(self, address: str, ttl_s: float = CLUSTER_TTL_S) -> None:
-        self.address, self.ttl_s = address, ttl_s
-        self._read: tuple[float, dict[str, float] | None] = (float("-inf"), None)
+    def __init__(self, address: str, ttl_s: float = CLUSTER_TTL_S, attempts: int = 3) -> None:
+        self.address, self.ttl_s, self.attempts = address, ttl_s, attempts
+        self._read_at = float("-inf")
+        self._total: dict[str, float] | None = None
 
     async def total(self) -> dict[str, float] | None:
-        if not self.address:
+        host, _, port = self.address.rpartition(":")
+        if "://" in self.address or not host or not port.isdigit():
             return None
-        at, total = self._read
-        if time.monotonic() - at < self.ttl_s:
-            return total
-        try:
-            total = await asyncio.to_thread(read_cluster_total, self.address)
-        except Exception as exc:
-            log.warning("cannot read the Ray cluster's resources at %s: %r", self.address, exc)
-            total = None
-        self._read = (time.monotonic(), total)
-        return total
+        if time.monotonic() - self._read_at < self.ttl_s:
+            return self._total
+        why = ""
+        for attempt in range(self.attempts):
+            try:
+                self._total = await asyncio.to_thread(read_cluster_total, host, int(port))
+                self._read_at = time.monotonic()
+                return self._total
+            except Exception as exc:  # down, restarting, or no node registered yet
+                why = str(exc) or repr(exc)
+                if attempt + 1 < self.attempts:
+                    await asyncio.sleep(1.0)
+        log.warning("cannot read the Ray cluster's resources at %s: %s", self.address, why)
+        if self._total is not None:
+            return self._total
+        raise Unavailable(f"ray_address: the Ray cluster at {self.address} did not say its resources ({why})")
 
 
-def read_cluster_total(address: str) -> dict[str, float] | None:
-    """Every alive node's resources summed, from the GCS at `address` (host:port); None for an address
-    that is not a GCS host:port (ray://, auto), a GCS that does not answer, or a cluster with no alive
-    node yet (a head just started registers its own node seconds later)."""
-    host, _, port = address.rpartition(":")
-    if "://" in address or not host or not port.isdigit():
-        return None
-    try:
-        # A GcsClient waits ~40 s for a GCS that is down: check its port first.
-        with socket.create_connection((host, int(port)), timeout=1.0):
-            pass
-    except OSError:
-        return None
+def read_cluster_total(host: str, port: int) -> dict[str, float]:
+    """Every alive node's resources summed, from the GCS at host:port; raises when the GCS does not
+    answer or no node is alive yet (a head just started registers its own node seconds later)."""
+    # A GcsClient waits ~40 s for a GCS that is down: check its port first.
+    with socket.create_connection((host, port), timeout=2.0):
+        pass
     from ray._raylet import GcsClient
     from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
     total: dict[str, float] = {}
     alive = [
         i
-        for i in GcsClient(address=address).get_all_node_info(timeout=5).values()
+        for i in GcsClient(address=f"{host}:{port}").get_all_node_info(timeout=5).values()
         if i.state == GcsNodeInfo.ALIVE
     ]
+    if not alive:
+        raise RuntimeError("no Ray node is alive yet")
     for info in alive:
         for name, amount in info.resources_total.items():
             total[name] = total.get(name, 0.0) + amount
-    return total if alive else None
+    return total
 
 
 def _n(value: float) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 from gateway.admission import Demand, Peers, admit, check_cluster, check_quota, run_demand
 from gateway.auth import TokenAuth
 from gateway.config import Tenant, tokens_tenant
-from gateway.queue import QUEUED, STARTED, ClusterResources, Waiting, plan
+from gateway.queue import QUEUED, STARTED, ClusterResources, Waiting, plan, queue_order
 from gateway.run_store import ACTIVE, FINAL, RunStore, new_run_id
 from gateway.runs import RUN_TRACE_KEY, RunDriver
 from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
@@ -24,6 +24,7 @@ from services.kit.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Unavailable,
 )
 from services.kit.limits import RecipeLimits
 from services.kit.recipe import RecipeError, RunRecord, parse_recipe
@@ -218,8 +219,14 @@ class RunManager:
 
     async def queue(self) -> dict[str, tuple[int, str]]:
         """(position, 1 = next; why it waits) of every queued run, by run id."""
+        records = await self.store.list()
+        try:
+            planned = await self._plan(records)
+        except Unavailable as exc:  # the cluster's resources unknown: every queued run waits for them
+            waiting = [Waiting(r, self._tenant(r.tenant), self._demand(r)) for r in records if r.state == QUEUED]
+            planned = [(w, f"waits for the cluster: {exc.message}") for w in queue_order(waiting)]
         out = {}
-        for position, (w, reason) in enumerate(await self._plan(await self.store.list()), start=1):
+        for position, (w, reason) in enumerate(planned, start=1):
             out[w.record.run_id] = (position, reason or "starting: it fits now")
         return out
 

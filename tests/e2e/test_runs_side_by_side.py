@@ -186,6 +186,8 @@ def test_two_runs_side_by_side_each_on_its_own_deployments_queue_and_refusal(pla
     huge = with_overrides(DEFAULT_RECIPE, run={"name": "huge"}, trainer={"world_size": 64})
     with pytest.raises(grpc.RpcError) as refused:
         _create(stack, huge, "huge-side")
+        gateway_log = (stack.state_dir / "logs" / "gateway.log").read_text()[-3000:]
+        pytest.fail(f"a run over the cluster's total was admitted; the gateway said: {gateway_log}")
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "CPU" in refused.value.details()
 

@@ -11,11 +11,11 @@ import pytest
 from gateway.admission import run_demand
 from gateway.config import Tenant, token_sha256
 from gateway.progress import progress_line
-from gateway.queue import ClusterResources, Waiting, plan, queue_order, read_cluster_total
+from gateway.queue import ClusterResources, Waiting, plan, queue_order
 from gateway.runs import RunDriver
 from gateway.servicer import RunManager
 from looprl.gateway.v1 import gateway_pb2
-from services.kit.errors import ResourceExhausted
+from services.kit.errors import ResourceExhausted, Unavailable
 from services.kit.local import free_port
 from services.kit.recipe import RunRecord
 
@@ -212,7 +212,19 @@ def test_a_tenant_allowed_no_runs_is_refused_rather_than_queued_forever() -> Non
     assert driven == []
 
 
-def test_without_a_readable_ray_head_only_the_quotas_apply() -> None:
+def test_without_a_ray_address_only_the_quotas_apply_and_an_unreadable_cluster_admits_nothing() -> None:
     assert asyncio.run(ClusterResources("").total()) is None
-    assert read_cluster_total("ray://head:10001") is None  # a Ray client address has no GCS to read
-    assert asyncio.run(ClusterResources(f"127.0.0.1:{free_port()}").total()) is None  # nothing listens
+    assert asyncio.run(ClusterResources("ray://head:10001").total()) is None  # a client address: no GCS
+    silent = ClusterResources(f"127.0.0.1:{free_port()}", attempts=1)  # nothing listens
+    with pytest.raises(Unavailable, match=r"ray_address: the Ray cluster at 127\.0\.0\.1:"):
+        asyncio.run(silent.total())
+    # Once read, a cluster that stops answering keeps its last total: never unlimited.
+    silent._total, silent._read_at = {"CPU": 8.0}, float("-inf")
+    assert asyncio.run(silent.total()) == {"CPU": 8.0}
+    # The run that asked is not created.
+    runs, driven = manager([], {})
+    runs.cluster = silent
+    silent._total = None
+    with pytest.raises(Unavailable):
+        asyncio.run(runs.create(RECIPE.format(name="x"), "x", team("a", runs=1)))
+    assert driven == [] and asyncio.run(runs.store.list()) == []
