@@ -174,7 +174,7 @@ class RunManager:
             if record.state in ACTIVE:
                 log.info("resuming run %s at step %d", record.run_id, record.step)
                 self._drive(record.run_id)
-        await self.admit_queued()
+        await self._admit_logged()  # a cluster not answering yet: the periodic pass starts them
 
     def _drive(self, run_id: str) -> None:
         driver = RunDriver(self.bus, self.store, run_id, self.packer, self.peers.not_serving)
