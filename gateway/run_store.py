@@ -43,8 +43,10 @@ class RunStore:
         return None if raw is None else RunRecord.from_json(raw)
 
     async def list(self) -> list[RunRecord]:
-        records = [await self.get(key) for key in await self.kv.keys("*")]  # run ids: one token
-        return sorted((r for r in records if r is not None), key=lambda r: r.created_at)
+        records = [
+            RunRecord.from_json(raw) for raw in (await self.kv.items("*")).values()
+        ]  # run ids: one token
+        return sorted(records, key=lambda r: r.created_at)
 
     async def history(self, record: RunRecord) -> list[dict]:
         """The run's per-step entries, in step order."""

@@ -223,7 +223,9 @@ class RunManager:
         try:
             planned = await self._plan(records)
         except Unavailable as exc:  # the cluster's resources unknown: every queued run waits for them
-            waiting = [Waiting(r, self._tenant(r.tenant), self._demand(r)) for r in records if r.state == QUEUED]
+            waiting = [
+                Waiting(r, self._tenant(r.tenant), self._demand(r)) for r in records if r.state == QUEUED
+            ]
             planned = [(w, f"waits for the cluster: {exc.message}") for w in queue_order(waiting)]
         out = {}
         for position, (w, reason) in enumerate(planned, start=1):

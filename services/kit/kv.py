@@ -1,4 +1,4 @@
-"""JetStream key-value buckets: get / put / compare-and-set update / keys / watch (see services.kit.bus)."""
+"""JetStream key-value buckets: get / put / compare-and-set update / items / watch (see services.kit.bus)."""
 
 from __future__ import annotations
 
@@ -66,17 +66,22 @@ class KV:
     async def delete(self, key: str) -> None:
         await self._store.delete(_check_key(key))
 
-    async def keys(self, pattern: str = ">") -> list[str]:
-        """Keys matching a NATS pattern ('>' all, '*' one token) that currently hold a value.
+    async def items(self, pattern: str = ">") -> dict[str, bytes]:
+        """The current value of every key matching a NATS pattern ('>' all, '*' one token), by key;
+        deleted and purged keys are left out.
 
-        Read from the server's own count of subjects in one request: a consumer listing the bucket
-        (nats-py's `keys()`) can list a key written meanwhile twice, or not at all when a write
+        The keys come from the server's own count of subjects, in one request: a consumer listing the
+        bucket (nats-py's `keys()`) can list a key written meanwhile twice, or not at all when a write
         replaces the message it was about to deliver, and a run missed would escape its tenant's
         quota."""
         prefix = f"$KV.{self.bucket}."
         info = await self._js.stream_info(f"KV_{self.bucket}", subjects_filter=prefix + pattern)
-        keys = [subject.removeprefix(prefix) for subject in sorted(info.state.subjects or {})]
-        return [key for key in keys if await self.entry(key) is not None]  # not deleted or purged
+        out: dict[str, bytes] = {}
+        for subject in sorted(info.state.subjects or {}):
+            entry = await self.entry(subject.removeprefix(prefix))
+            if entry is not None:
+                out[entry.key] = entry.value
+        return out
 
     def watch(self, keys: str = ">", *, include_history: bool = False) -> KVWatch:
         """Changes to keys matching a NATS pattern ('>' all, 'run1.>' all under run1., 'a.*').

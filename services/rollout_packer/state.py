@@ -63,10 +63,7 @@ class StepStore:
 
     async def load(self) -> dict[int, StepRecord]:
         records: dict[int, StepRecord] = {}
-        for key in await self.kv.keys():
-            if not key.startswith(self._prefix):
-                continue
-            raw = await self.kv.get(key)
+        for raw in (await self.kv.items(f"{self._prefix}*")).values():
             if raw:
                 record = StepRecord.from_json(raw)
                 records[record.step] = record

@@ -73,12 +73,9 @@ class StateStore:
     async def load(self, store: VersionStore, deliverer: Deliverer) -> None:
         """Every run's latest version number (and model config) and every target with its synced
         version, whichever run they belong to."""
-        keys = await self.kv.keys()
-        for key in keys:
-            if not (key.startswith("run.") and key.endswith(".latest")):
-                continue
-            raw = await self.kv.get(key)
-            if not raw:
+        saved = await self.kv.items("run.>")
+        for key, raw in saved.items():
+            if not key.endswith(".latest") or not raw:
                 continue
             manifest = json.loads(raw)
             run = manifest.get("run_id") or self.default_run
@@ -87,11 +84,8 @@ class StateStore:
                 deliverer.model_config(
                     VersionBuffer(-1, 1, run_id=run, model_config_json=manifest["model_config_json"])
                 )
-        for key in keys:
-            if not key.startswith("run.") or ".target." not in key:
-                continue
-            raw = await self.kv.get(key)
-            if not raw:
+        for key, raw in saved.items():
+            if ".target." not in key or not raw:
                 continue
             target = target_from_request(weightsync_pb2.RegisterTargetRequest.FromString(raw))
             state = await self.kv.get(self._state_key(target))

@@ -362,16 +362,16 @@ async def test_kv_compare_and_set(bus: Bus) -> None:
     assert key in message and f"expected revision {rev1}" in message and f"at revision {rev2}" in message
     assert await kv.get(key) == b"running"
     assert (await kv.entry(key)).revision == rev2
-    assert key in await kv.keys()
+    assert key in await kv.items()
 
     await kv.delete(key)
     assert await kv.get(key) is None
-    assert key not in await kv.keys()
+    assert key not in await kv.items()
     with pytest.raises(ValueError, match="KV key"):
         await kv.get("bad key")
 
 
-async def test_kv_keys_lists_each_key_once_while_keys_are_rewritten(bus: Bus) -> None:
+async def test_kv_items_lists_each_key_once_while_keys_are_rewritten(bus: Bus) -> None:
     # What a gateway sees listing the runs while their drivers rewrite the records: every run once.
     kv = await bus.kv(subjects.RUNS)
     keys = [new_run() for _ in range(20)]
@@ -386,7 +386,7 @@ async def test_kv_keys_lists_each_key_once_while_keys_are_rewritten(bus: Bus) ->
     writer = asyncio.create_task(rewrite())
     try:
         while not writer.done():
-            listed = await kv.keys("*")
+            listed = await kv.items("*")
             assert [k for k in listed if k in keys] == sorted(keys)
     finally:
         await writer
