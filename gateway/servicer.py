@@ -207,15 +207,19 @@ class RunManager:
         """The configured tenant; one no longer configured keeps no quota and the default priority."""
         return self.tenants.get(name) or tokens_tenant().model_copy(update={"name": name, "priority": 0})
 
-    async def _plan(
-        self, records: list[RunRecord], caller: Tenant | None = None
-    ) -> list[tuple[Waiting, str]]:
+    def _waiting(self, records: list[RunRecord], caller: Tenant | None = None) -> list[Waiting]:
+        """The queued runs among `records`, each with its tenant (the caller's own, as it called)."""
+
         def tenant_of(name: str) -> Tenant:
             return caller if caller is not None and caller.name == name else self._tenant(name)
 
-        waiting = [Waiting(r, tenant_of(r.tenant), self._demand(r)) for r in records if r.state == QUEUED]
+        return [Waiting(r, tenant_of(r.tenant), self._demand(r)) for r in records if r.state == QUEUED]
+
+    async def _plan(
+        self, records: list[RunRecord], caller: Tenant | None = None
+    ) -> list[tuple[Waiting, str]]:
         started = [r for r in records if r.state in STARTED]
-        return plan(waiting, started, self._demand, await self.cluster.total())
+        return plan(self._waiting(records, caller), started, self._demand, await self.cluster.total())
 
     async def queue(self) -> dict[str, tuple[int, str]]:
         """(position, 1 = next; why it waits) of every queued run, by run id."""
@@ -223,10 +227,8 @@ class RunManager:
         try:
             planned = await self._plan(records)
         except Unavailable as exc:  # the cluster's resources unknown: every queued run waits for them
-            waiting = [
-                Waiting(r, self._tenant(r.tenant), self._demand(r)) for r in records if r.state == QUEUED
-            ]
-            planned = [(w, f"waits for the cluster: {exc.message}") for w in queue_order(waiting)]
+            waiting = queue_order(self._waiting(records))
+            planned = [(w, f"waits for the cluster: {exc.message}") for w in waiting]
         out = {}
         for position, (w, reason) in enumerate(planned, start=1):
             out[w.record.run_id] = (position, reason or "starting: it fits now")
