@@ -58,7 +58,6 @@ class RunDeployments:
         self.ready_timeout_s = ready_timeout_s
         self.retry_s = retry_s
         self._connect = connect
-        self._connected = connect is None
         self.served: dict[str, list[DeploymentSpec]] = {}  # run id -> its deployments (scoped)
         self._starts: dict[str, asyncio.Task] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -109,9 +108,8 @@ class RunDeployments:
     async def _start(self, run_id: str, specs: list[DeploymentSpec]) -> None:
         async with self._lock(run_id):
             try:
-                if not self._connected and self._connect is not None:
-                    await asyncio.to_thread(self._connect)
-                    self._connected = True
+                if self._connect is not None:
+                    await asyncio.to_thread(self._connect)  # joins once per process (connect_ray)
                 for i, spec in enumerate(specs):
                     await self.manager.start(
                         spec, ready_timeout_s=self.ready_timeout_s, where=f"deployments[{i}]", run_id=run_id
