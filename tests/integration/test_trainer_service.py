@@ -307,14 +307,16 @@ async def test_a_version_weight_sync_lost_in_a_restart_is_pushed_again_while_the
     proc = start_weight_sync(env)
     app, service = await _trainer(nats_url, packer_address, str(tmp_path), f"127.0.0.1:{port}")
     try:
-        await wait_ready(ws, proc)
+        await wait_ready(ws, proc, run_id)
         await register("early", servers[0][1])
         app.begin(run_id, recipe)  # pushes version 0, then waits for step 0's rollouts (none yet)
         await wait_for(lambda: engines[0].version == 0, timeout=120)
         proc.kill()
         proc.wait(10)
         proc = start_weight_sync(env)
-        assert (await wait_ready(ws, proc)).latest_version == 0  # the number survived, the bytes did not
+        assert (
+            await wait_ready(ws, proc, run_id)
+        ).latest_version == 0  # the number survived, the bytes did not
         await register("late", servers[1][1])
         await wait_for(lambda: engines[1].version == 0, timeout=60)
         bus = await Bus.connect(nats_url, name="test")
