@@ -57,7 +57,7 @@ async def test_history_is_chunked_beside_a_record_that_stays_small(nats_url: str
         assert record.extra["counted_steps"] == [[0, HISTORY_CHUNK + 4]]
         assert len(record.to_json()) <= small + 8  # a few digits more, not a line per step
         # The bucket is shared with other tests' runs: look at this run's keys only.
-        mine = sorted(k for k in await kv.keys() if k.startswith(run_id))
+        mine = sorted({**await kv.items(run_id), **await kv.items(f"{run_id}.>")})
         assert mine == [run_id, f"{run_id}.history.0", f"{run_id}.history.1"]
         listed = [r.run_id for r in await store.list()]
         assert run_id in listed and not any("." in r for r in listed)
