@@ -83,7 +83,7 @@ from services.kit.recipe import AlgorithmSection, OptimizerSection, sampling_see
 from services.modeling.config import ModelConfig
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
-from services.modeling.tokenizer import CharTokenizer
+from services.modeling.tokenizer import load_tokenizer
 from services.rollout_packer.groups import Group
 from services.rollout_packer.sequences import Rejected, sequence_from_rollout
 from services.rollout_packer.step import PackerSettings, StepBatch, build_step, screen_group
@@ -104,6 +104,8 @@ class GRPOSettings:
     model: dict[str, Any] = field(default_factory=lambda: ModelConfig.tiny().to_dict())
     # A local HF-format directory to start from (wins over `model`/`init_std`), e.g. an SFT warm start.
     model_path: str = ""
+    # The run's tokenizer: "char" or a local HF-format directory (with its chat template).
+    tokenizer: str = "char"
     # Std of the N(0, std) init of weight matrices (Qwen2ForCausalLM.init_weights); 0.02 is HF's.
     init_std: float = 0.02
     env_config: dict[str, Any] = field(default_factory=lambda: {"min_len": 2, "max_len": 3, "ops": ["rev"]})
@@ -156,6 +158,7 @@ class GRPOSettings:
             seed=r.run.seed,
             model=model_preset(r.model.preset).to_dict(),
             model_path=r.model.path,
+            tokenizer=r.model.tokenizer,
             # Read when the recipe has them (see configs/digits_grpo.toml); the fallbacks are the loop's.
             init_std=getattr(r.model, "init_std", 0.02),
             entropy_coef=getattr(r.algorithm, "entropy_coef", 0.0),
@@ -229,7 +232,7 @@ class SingleProcessGRPO:
         self.s = settings
         if settings.threads > 0:  # 0 leaves the process's torch thread count alone
             torch.set_num_threads(settings.threads)
-        self.tokenizer = CharTokenizer()
+        self.tokenizer = load_tokenizer(settings.tokenizer)
         if settings.model_path:
             self.policy = Qwen2ForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32)
             self.config = self.policy.config

@@ -126,3 +126,23 @@ def test_the_default_recipe_learns_the_reversal_not_only_the_answer_format():
     first, last = float(np.mean(rewards[:3])), float(np.mean(rewards[-20:]))
     assert first < 0.05, rewards
     assert last > 0.22, rewards
+
+
+def test_an_hf_format_recipe_samples_and_trains_with_its_own_tokenizer(tmp_path):
+    from tools.build_hf_model import build
+
+    model = tmp_path / "bpe"
+    build(model, seed=0, vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=1, head_dim=8)
+    recipe = tmp_path / "hf.toml"
+    recipe.write_text(
+        f'[run]\nname = "hf"\nsteps = 1\n[model]\npath = "{model}"\ntokenizer = "{model}"\n'
+        '[environment]\nname = "digits"\n[batch]\nrollouts_per_step = 8\ngroup_size = 4\n'
+        '[[deployments]]\nname = "cpu"\n'
+    )
+    settings = GRPOSettings.from_recipe(recipe)
+    assert settings.tokenizer == str(model)
+    loop = SingleProcessGRPO(settings)
+    assert loop.tokenizer.vocab_size == loop.config.vocab_size == 512
+    records = run_sync(settings)
+    # The prompt is the BPE model's own chat template, decoded with its vocabulary.
+    assert records[0].trained_tokens > 0 and records[0].sample.startswith("'<|im_start|>system")
