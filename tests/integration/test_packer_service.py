@@ -13,39 +13,20 @@ import pytest
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import subjects
 from services.kit.bus import Bus
-from services.kit.local import free_port
-from services.kit.server import Service
-from services.rollout_packer.config import PackerConfig
-from services.rollout_packer.runs import PackerApp
-from services.rollout_packer.servicer import RolloutPackerServicer
 from services.rollout_packer.step import PackerSettings
+from tests.support.packer import running_packer
 from tests.support.synthetic_rollouts import make_rollout
 
 
 @pytest.fixture
 async def packer(nats_url):
-    cfg = PackerConfig(
-        nats_url=nats_url,
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        ack_wait_s=2.0,
-        watch_runs=False,
-        grace_seconds=2.0,
-    )
-    app = PackerApp(cfg)
-    service = Service("rollout-packer", cfg)
-    service.add(packer_pb2_grpc.add_RolloutPackerServiceServicer_to_server, RolloutPackerServicer(app.lookup))
-    service.on_shutdown(app.stop)
-    await service.start()
-    await app.start()
-    await service.mark_ready()
-    app.metrics_port = service.metrics_port
-    channel = grpc.aio.insecure_channel(service.address)
-    try:
-        yield app, packer_pb2_grpc.RolloutPackerServiceStub(channel)
-    finally:
-        await channel.close()
-        await service.drain()
+    async with running_packer(nats_url, ack_wait_s=2.0) as (app, service):
+        app.metrics_port = service.metrics_port
+        channel = grpc.aio.insecure_channel(service.address)
+        try:
+            yield app, packer_pb2_grpc.RolloutPackerServiceStub(channel)
+        finally:
+            await channel.close()
 
 
 async def _publish(bus: Bus, run_id: str, rollouts) -> None:

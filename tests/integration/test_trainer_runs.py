@@ -12,21 +12,18 @@ import uuid
 import grpc
 import pytest
 
-from looprl.packer.v1 import packer_pb2_grpc
 from looprl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.kit import subjects
 from services.kit.bus import Bus
 from services.kit.local import NatsServer, free_port
 from services.kit.recipe import RunRecord, parse_recipe
 from services.kit.server import Service
-from services.rollout_packer.config import PackerConfig
-from services.rollout_packer.runs import PackerApp
-from services.rollout_packer.servicer import RolloutPackerServicer
 from services.trainer.checkpoint import list_checkpoints
 from services.trainer.config import TrainerConfig
 from services.trainer.runs import TrainerApp
 from services.trainer.servicer import TrainerServicer
 from tests.integration.test_trainer_service import RECIPE, _publish_steps, _train_records
+from tests.support.packer import running_packer
 
 pytestmark = pytest.mark.slow
 
@@ -42,24 +39,8 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 async def packer(nats_url):
-    cfg = PackerConfig(
-        nats_url=nats_url,
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        watch_runs=False,
-        grace_seconds=2.0,
-    )
-    app = PackerApp(cfg)
-    service = Service("rollout-packer", cfg)
-    service.add(packer_pb2_grpc.add_RolloutPackerServiceServicer_to_server, RolloutPackerServicer(app.lookup))
-    service.on_shutdown(app.stop)
-    await service.start()
-    await app.start()
-    await service.mark_ready()
-    try:
+    async with running_packer(nats_url) as (app, service):
         yield app, service.address
-    finally:
-        await service.drain()
 
 
 async def _until(check, timeout: float, what: str):
