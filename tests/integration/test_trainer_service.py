@@ -256,7 +256,7 @@ async def test_a_version_weight_sync_lost_in_a_restart_is_pushed_again_while_the
     from services.modeling.layouts import Layout, rank_params
     from services.trainer import loop
     from services.weights import WeightOnlyEngine, WeightStager, serve_engine
-    from tests.integration.test_weightsync_kill import start_weight_sync, wait_for, wait_ready
+    from tests.support.weight_sync_process import start_weight_sync, wait_for, wait_ready
 
     monkeypatch.setattr(loop, "REPUSH_AFTER_S", 3.0)
     packer_app, packer_address = packer

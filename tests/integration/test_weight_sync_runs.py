@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 import uuid
 
@@ -25,49 +23,10 @@ from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 from tests.support.synthetic_weights import random_state, rank_requests
+from tests.support.weight_sync_process import start_weight_sync, stop_weight_sync, wait_for, wait_ready
 
 CONFIG = ModelConfig.tiny()
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBE = "model.norm.weight"  # a parameter every seed fills differently: says whose weights arrived
-
-
-def start_weight_sync(env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.weight_sync"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
-async def wait_ready(stub, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "weight-sync exited"
-        try:
-            await stub.GetVersion(weightsync_pb2.GetVersionRequest(), timeout=1)
-            return
-        except grpc.aio.AioRpcError:
-            await asyncio.sleep(0.2)
-    raise AssertionError("weight-sync did not become ready")
-
-
-async def wait_for(cond, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 async def push(stub, state, run_id: str, version: int):
@@ -157,7 +116,7 @@ async def test_two_runs_get_only_their_own_versions_across_a_restart_and_an_unre
         assert await status(stub, run_a) == (2, [(deployment[run_a], run_a, 2)])
         assert await status(stub, run_b) == (1, [(deployment[run_b], run_b, 1)])
 
-        stop(proc)
+        stop_weight_sync(proc)
         proc = start_weight_sync(env)
         await wait_ready(stub, proc)
         # The restart restored both runs: their latest numbers and their targets' versions.
@@ -193,7 +152,7 @@ async def test_two_runs_get_only_their_own_versions_across_a_restart_and_an_unre
             for version, weights in installed[run]:
                 assert torch.equal(weights, states[(run, version)][PROBE]), (run, version)
         assert installed[run_a][-1][0] == 4 and installed[run_b][-1][0] == 2 and holds(run_b, 2)
-        stop(proc)
+        stop_weight_sync(proc)
         proc = start_weight_sync(env)
         await wait_ready(stub, proc)
         assert await status(stub, run_b) == (4, [])  # the unregistered target stays gone
@@ -202,6 +161,6 @@ async def test_two_runs_get_only_their_own_versions_across_a_restart_and_an_unre
         assert await status(stub, run_a) == (4, [])
     finally:
         await channel.close()
-        stop(proc)
+        stop_weight_sync(proc)
         for server in servers:
             await server.stop(None)

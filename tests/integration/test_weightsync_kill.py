@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 import uuid
 
@@ -23,38 +21,9 @@ from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 from tests.support.synthetic_weights import random_state, rank_requests
+from tests.support.weight_sync_process import start_weight_sync, stop_weight_sync, wait_for, wait_ready
 
 CONFIG = ModelConfig.tiny()
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def start_weight_sync(env):
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.weight_sync"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
-async def wait_ready(stub, proc, run_id: str, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "weight-sync exited"
-        try:
-            # This run's only: weight-sync restores every run's targets, other tests' runs included.
-            return await stub.GetVersion(weightsync_pb2.GetVersionRequest(run_id=run_id), timeout=1)
-        except grpc.aio.AioRpcError:
-            await asyncio.sleep(0.2)
-    raise AssertionError("weight-sync did not become ready")
-
-
-async def wait_for(cond, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 async def push(stub, state, version):
@@ -138,11 +107,5 @@ async def test_kill_mid_transfer_keeps_old_version_and_restart_syncs_next(nats_u
         assert engine.stager.staged_version is None
     finally:
         await channel.close()
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop_weight_sync(proc)
         await server.stop(None)
