@@ -204,7 +204,8 @@ class RunManager:
         return demand
 
     def _tenant(self, name: str) -> Tenant:
-        """The configured tenant; one no longer configured keeps no quota and the default priority."""
+        """The configured tenant; one no longer configured (its runs started before it was removed) keeps
+        no quota and the default priority."""
         return self.tenants.get(name) or tokens_tenant().model_copy(update={"name": name, "priority": 0})
 
     def _waiting(self, records: list[RunRecord], caller: Tenant | None = None) -> list[Waiting]:
@@ -235,11 +236,29 @@ class RunManager:
         return out
 
     async def admit_queued(self) -> None:
-        """Start the queued runs that fit now, in queue order."""
+        """End the queued runs of tenants no longer configured, then start those that fit now, in
+        queue order."""
         async with self._admission:
-            for w, reason in await self._plan(await self.store.list()):
+            records = await self.store.list()
+            revoked = [r for r in records if r.state == QUEUED and r.tenant not in self.tenants]
+            for record in revoked:
+                await self._refuse_queued(record.run_id, record.tenant)
+            if revoked:
+                records = await self.store.list()
+            for w, reason in await self._plan(records):
                 if not reason:
                     await self._start_queued(w.record.run_id)
+
+    async def _refuse_queued(self, run_id: str, tenant: str) -> None:
+        """A revoked tenant's queued run never starts: nothing would bound what it uses."""
+
+        def refuse(record: RunRecord) -> None:
+            if record.state == QUEUED:
+                record.state = "failed"
+                record.error = f"tenant {tenant!r} is no longer configured: its queued run does not start"
+
+        await self.store.update(run_id, refuse)
+        log.warning("run %s: tenant %r is no longer configured; the queued run is failed", run_id, tenant)
 
     async def _start_queued(self, run_id: str) -> None:
         def start(record: RunRecord) -> None:

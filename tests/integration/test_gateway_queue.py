@@ -140,3 +140,22 @@ def test_a_run_over_the_clusters_total_is_refused_naming_the_resource(
         assert status == 429 and "the cluster's total CPU=16" in reply["error"]["message"]
     finally:
         gw.kill()
+
+
+def test_a_removed_tenants_queued_run_fails_naming_the_tenant_and_its_started_runs_go_on(
+    gateway: GatewayProcess,
+) -> None:
+    running = [create(gateway, Q_TOKEN, f"revoked-{i}") for i in range(2)]
+    waiting = create(gateway, Q_TOKEN, "revoked-waiting")
+    assert waiting.state == gateway_pb2.RUN_STATE_QUEUED
+    gateway.kill()
+    gateway.env["LOOPRL_GATEWAY_TENANTS"] = json.dumps([tenant("team-vip", VIP_TOKEN, runs=1, priority=5)])
+    gateway.start()
+    refused = get(gateway, waiting.run_id)
+    assert refused.state == gateway_pb2.RUN_STATE_FAILED
+    assert refused.error == "tenant 'team-q' is no longer configured: its queued run does not start"
+    assert [get(gateway, r.run_id).state in STARTED for r in running] == [True, True]
+    # The removed tenant's token no longer opens anything.
+    with pytest.raises(grpc.RpcError) as err:
+        create(gateway, Q_TOKEN, "after-removal")
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
