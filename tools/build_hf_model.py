@@ -33,7 +33,7 @@ from services.modeling.hf_files import (  # noqa: E402
     write_tokenizer_config,
 )
 from services.modeling.tokenizer import EOT, IM_END, IM_START, load_tokenizer  # noqa: E402
-from tools.hf_warm_start import warm_start  # noqa: E402
+from tools.hf_warm_start import chat_examples, warm_start  # noqa: E402
 
 DEFAULT_CORPUS = ROOT / "tools" / "data" / "hf_corpus.txt"
 SPECIALS = (EOT, IM_START, IM_END)
@@ -73,8 +73,12 @@ def build(
     init_std: float = 0.02,
     corpus_path: Path = DEFAULT_CORPUS,
     sft_steps: int = 0,
+    sft_examples: list[tuple[list[dict[str, str]], str]] | None = None,
 ) -> dict[str, Any]:
-    """Write the model directory; returns a summary (parameters, vocabulary, file sizes)."""
+    """Write the model directory; returns a summary (parameters, vocabulary, file sizes).
+
+    `sft_steps` of warm start learn `sft_examples` ((prompt messages, answer) pairs, e.g. from
+    tools.hf_warm_start.environment_examples) when given, else the corpus' worked math problems."""
     from services.modeling.qwen2 import Qwen2ForCausalLM
 
     # Everything is checked (sizes, corpus, tokenizer training) before anything is written.
@@ -110,10 +114,12 @@ def build(
     model.init_weights(seed, std=init_std)
     warm = {}
     if sft_steps:
-        warm = warm_start(model, load_tokenizer(out), corpus, sft_steps, seed)
+        examples = chat_examples(corpus) if sft_examples is None else sft_examples
+        warm = warm_start(model, load_tokenizer(out), examples, sft_steps, seed)
     model.save_pretrained(out)
     ids = write_generation_files(out, str(out))
     params = sum(p.numel() for p in model.parameters())
+    taught = "the corpus' math problems" if sft_examples is None else f"{len(sft_examples)} given answers"
     corpus_sha = hashlib.sha256(corpus_path.read_bytes()).hexdigest()[:16]
     facts = {
         "architecture": "Qwen2ForCausalLM",
@@ -123,7 +129,7 @@ def build(
         "eos / pad / bos ids": f"{ids['eos_token_id']} / {ids['pad_token_id']} / {ids['bos_token_id']}",
         "init": f"N(0, {init_std}) with seed {seed}",
         "warm start": (
-            f"{sft_steps} SFT steps on the corpus' math problems as chat turns "
+            f"{sft_steps} SFT steps on {taught} as chat turns "
             f"(loss {warm['first_loss']:.2f} -> {warm['last_loss']:.2f})"
             if warm
             else "none (untrained)"

@@ -10,6 +10,7 @@ deterministic.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from typing import Any
@@ -19,23 +20,48 @@ import torch.nn.functional as F
 
 
 def chat_examples(corpus: str) -> list[tuple[list[dict[str, str]], str]]:
-    """(prompt messages, assistant answer) for every worked problem of the corpus."""
+    """(prompt messages, assistant answer) for every worked problem of the corpus; ValueError if none."""
     examples = []
     for block in corpus.split("\n\n"):
         lines = block.strip().split("\n")
         if len(lines) >= 4 and lines[-1].startswith("#### ") and lines[1].startswith("Solve the problem."):
             user = f"{lines[0]}\n{lines[1]}"
             examples.append(([{"role": "user", "content": user}], "\n".join(lines[2:])))
+    if not examples:
+        raise ValueError("--sft-steps: the corpus holds no worked problems ending in '#### <n>'")
+    return examples
+
+
+def environment_examples(
+    environment: str, config: dict[str, Any], count: int, seed: int
+) -> list[tuple[list[dict[str, str]], str]]:
+    """(prompt messages, reference answer) of `count` tasks of an environment whose tasks carry an
+    "answer", drawn and rendered as the environment-sandbox does for a run with this seed."""
+    from services.environment_sandbox.environments.base import environment_class, parse_config
+    from services.environment_sandbox.environments.datasets import task_by_index
+
+    cls = environment_class(environment)
+    parsed = parse_config(cls, config)
+    examples = []
+    for index in range(count):
+        task = task_by_index(environment, index, seed, config)
+        examples.append((asyncio.run(cls(parsed).reset(task)), str(task["answer"])))
     return examples
 
 
 def warm_start(
-    model: Any, tokenizer: Any, corpus: str, steps: int, seed: int, batch: int = 16, lr: float = 3e-3
+    model: Any,
+    tokenizer: Any,
+    examples: list[tuple[list[dict[str, str]], str]],
+    steps: int,
+    seed: int,
+    batch: int = 16,
+    lr: float = 3e-3,
 ) -> dict[str, float]:
-    """Train `model` in place for `steps` AdamW steps; returns the first and last losses."""
-    examples = chat_examples(corpus)
+    """Train `model` in place for `steps` AdamW steps on (prompt messages, answer) pairs; returns the
+    first and last losses."""
     if not examples:
-        raise ValueError("--sft-steps: the corpus holds no worked problems ending in '#### <n>'")
+        raise ValueError("--sft-steps: no examples to learn from")
     encoded = []
     for messages, answer in examples:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)

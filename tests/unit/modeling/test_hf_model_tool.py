@@ -20,6 +20,7 @@ from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.tokenizer import CharTokenizer, load_tokenizer
 from services.trainer.spec import spec_from_recipe
 from tools.build_hf_model import build, main
+from tools.hf_warm_start import environment_examples
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Ann has 12 apples, buys 30 more, then gives away 4. How many are left?"}],
@@ -181,3 +182,15 @@ def test_the_warm_start_is_deterministic_and_lowers_the_answer_loss(tmp_path):
     assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
     assert second["last_loss"] == first["last_loss"] < first["first_loss"]
     assert "4 SFT steps" in (tmp_path / "a" / "README.md").read_text()
+
+
+def test_a_warm_start_on_an_environments_tasks_teaches_their_answers(tmp_path):
+    examples = environment_examples("digits", {"min_len": 1, "max_len": 1, "ops": ["copy"]}, 64, seed=1)
+    # Rendered as the environment-sandbox opens an episode, with its reference answer.
+    assert all(messages == [{"role": "user", "content": f"copy {answer}"}] for messages, answer in examples)
+    assert {answer for _, answer in examples} == set("0123456789")
+    summary = build(
+        tmp_path / "m", seed=0, hidden_size=32, intermediate_size=64, sft_steps=3, sft_examples=examples
+    )
+    assert summary["last_loss"] < summary["first_loss"]
+    assert "3 SFT steps on 64 given answers" in (tmp_path / "m" / "README.md").read_text()
