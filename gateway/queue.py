@@ -2,9 +2,11 @@
 
 A run starts when it fits: its tenant has fewer than max_concurrent_runs started runs, and the
 cluster's free Ray resources hold its demand (gateway/admission.py `run_demand`). Free is the
-cluster's total (`ClusterResources`, every alive node's resources in the Ray GCS) minus the demand of
-every run the gateway started and has not ended, computed from their recipes: Ray's own available
-resources lag behind runs whose actors are still being created. A run that fits, but not now, waits
+cluster's total (`ClusterResources`, every alive node's resources in the Ray GCS) minus the larger of
+two counts of what is taken: the demand of every run the gateway started and has not ended (from
+their recipes: Ray's own count lags behind runs whose actors are still being created), and what Ray
+says is in use now (which also holds what no run asked for: the services' own workers, such as
+sandbox fleets and reward-model replicas, shared by every run). A run that fits, but not now, waits
 in state "queued" (its record in KV; nothing may start for it); one that could never fit is refused
 at CreateRun.
 
@@ -41,61 +43,78 @@ STARTED = ("pending", "running", "stalled", "stopping")
 CLUSTER_TTL_S = 5.0
 
 
+@dataclass(frozen=True)
+class ClusterState:
+    """The alive nodes' resources summed: in all, and in use now (held by actors and placement groups)."""
+
+    total: dict[str, float]
+    in_use: dict[str, float]
+
+
 class ClusterResources:
-    """The Ray cluster's total resources (summed over alive nodes), read from the GCS at `address`
+    """The Ray cluster's resources (summed over alive nodes), read from the GCS at `address`
     (host:port) without joining the cluster as a driver; cached for CLUSTER_TTL_S. None when no
     address is given (or one that is not a GCS host:port, such as ray://): then only the tenants'
-    quotas apply. A cluster that does not answer is never taken for an unlimited one: the last total
-    read stands in, and before any read succeeded `total` raises Unavailable (nothing is admitted)."""
+    quotas apply. A cluster that does not answer is never taken for an unlimited one: the last state
+    read stands in, and before any read succeeded `state` raises Unavailable (nothing is admitted)."""
 
     def __init__(self, address: str, ttl_s: float = CLUSTER_TTL_S, attempts: int = 3) -> None:
         self.address, self.ttl_s, self.attempts = address, ttl_s, attempts
         self._read_at = float("-inf")
-        self._total: dict[str, float] | None = None
+        self._state: ClusterState | None = None
 
     async def total(self) -> dict[str, float] | None:
+        state = await self.state()
+        return None if state is None else state.total
+
+    async def state(self) -> ClusterState | None:
         host, _, port = self.address.rpartition(":")
         if "://" in self.address or not host or not port.isdigit():
             return None
         if time.monotonic() - self._read_at < self.ttl_s:
-            return self._total
+            return self._state
         why = ""
         for attempt in range(self.attempts):
             try:
-                self._total = await asyncio.to_thread(read_cluster_total, host, int(port))
+                self._state = await asyncio.to_thread(read_cluster, host, int(port))
                 self._read_at = time.monotonic()
-                return self._total
+                return self._state
             except Exception as exc:  # down, restarting, or no node registered yet
                 why = str(exc) or repr(exc)
                 if attempt + 1 < self.attempts:
                     await asyncio.sleep(1.0)
         log.warning("cannot read the Ray cluster's resources at %s: %s", self.address, why)
-        if self._total is not None:
-            return self._total
+        if self._state is not None:
+            return self._state
         raise Unavailable(f"ray_address: the Ray cluster at {self.address} did not say its resources ({why})")
 
 
-def read_cluster_total(host: str, port: int) -> dict[str, float]:
-    """Every alive node's resources summed, from the GCS at host:port; raises when the GCS does not
-    answer or no node is alive yet (a head just started registers its own node seconds later)."""
+def read_cluster(host: str, port: int) -> ClusterState:
+    """Every alive node's resources summed, in all and in use, from the GCS at host:port; raises when
+    the GCS does not answer or no node is alive yet (a head just started registers its own node
+    seconds later)."""
     # A GcsClient waits ~40 s for a GCS that is down: check its port first.
     with socket.create_connection((host, port), timeout=2.0):
         pass
     from ray._raylet import GcsClient
-    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+    from ray.autoscaler.v2.sdk import get_cluster_resource_state
+    from ray.core.generated.autoscaler_pb2 import NodeStatus
 
     total: dict[str, float] = {}
+    in_use: dict[str, float] = {}
     alive = [
-        i
-        for i in GcsClient(address=f"{host}:{port}").get_all_node_info(timeout=5).values()
-        if i.state == GcsNodeInfo.ALIVE
+        node
+        for node in get_cluster_resource_state(GcsClient(address=f"{host}:{port}")).node_states
+        if node.status in (NodeStatus.RUNNING, NodeStatus.IDLE)
     ]
     if not alive:
         raise RuntimeError("no Ray node is alive yet")
-    for info in alive:
-        for name, amount in info.resources_total.items():
+    for node in alive:
+        for name, amount in node.total_resources.items():
             total[name] = total.get(name, 0.0) + amount
-    return total
+            used = amount - node.available_resources.get(name, 0.0)
+            in_use[name] = in_use.get(name, 0.0) + max(used, 0.0)
+    return ClusterState(total, in_use)
 
 
 def _n(value: float) -> str:
@@ -121,16 +140,21 @@ def plan(
     started: Sequence[RunRecord],
     demand_of: Callable[[RunRecord], Demand],
     total: Mapping[str, float] | None,
+    in_use: Mapping[str, float] | None = None,
 ) -> list[tuple[Waiting, str]]:
     """The queue in order, each run with why it waits ("" for a run that starts now). `started` are the
-    runs holding resources (their tenants' slots and their demand on the cluster)."""
+    runs holding resources (their tenants' slots and their demand on the cluster); `in_use` is what
+    Ray holds now, which counts where it exceeds their demand (workers no run asked for)."""
     active: dict[str, int] = {}
-    free = dict(total) if total is not None else None
+    held: dict[str, float] = {}
     for record in started:
         active[record.tenant] = active.get(record.tenant, 0) + 1
-        if free is not None:
-            for resource, amount in demand_of(record).resources().items():
-                free[resource] = free.get(resource, 0.0) - amount
+        for resource, amount in demand_of(record).resources().items():
+            held[resource] = held.get(resource, 0.0) + amount
+    free = None
+    if total is not None:
+        taken = {r: max(held.get(r, 0.0), (in_use or {}).get(r, 0.0)) for r in {*held, *(in_use or {})}}
+        free = {r: total.get(r, 0.0) - taken.get(r, 0.0) for r in {*total, *taken}}
     blocked_by = ""  # the first resource a run ahead waits for: nobody behind takes the cluster
     out = []
     for w in queue_order(waiting):

@@ -220,7 +220,9 @@ class RunManager:
         self, records: list[RunRecord], caller: Tenant | None = None
     ) -> list[tuple[Waiting, str]]:
         started = [r for r in records if r.state in STARTED]
-        return plan(self._waiting(records, caller), started, self._demand, await self.cluster.total())
+        cluster = await self.cluster.state()
+        total, in_use = (cluster.total, cluster.in_use) if cluster is not None else (None, None)
+        return plan(self._waiting(records, caller), started, self._demand, total, in_use)
 
     async def queue(self) -> dict[str, tuple[int, str]]:
         """(position, 1 = next; why it waits) of every queued run, by run id."""

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from gateway.config import token_sha256
-from gateway.queue import read_cluster_total
+from gateway.queue import CLUSTER_TTL_S, ClusterState, read_cluster
 from looprl.gateway.v1 import gateway_pb2
 from tests.support.gateway import AUTH, GatewayProcess, http
 
@@ -110,18 +110,21 @@ def test_a_restarted_gateway_keeps_the_queue_and_starts_it_when_a_run_ends(gatew
     assert get(gateway, waiting.run_id).state in STARTED
 
 
+def cluster(ray_head) -> ClusterState:
+    deadline = time.monotonic() + 60
+    while True:  # the head registers its node after a while
+        try:
+            return read_cluster(*ray_head.address.rsplit(":", 1))
+        except Exception:
+            assert time.monotonic() < deadline, "the Ray head's node never registered"
+            time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_a_run_over_the_clusters_total_is_refused_naming_the_resource(
     nats_url: str, tmp_path: Path, ray_head
 ) -> None:
-    deadline = time.monotonic() + 60
-    while True:  # the head registers its node after a while
-        try:
-            read_cluster_total(*ray_head.address.rsplit(":", 1))
-            break
-        except Exception:
-            assert time.monotonic() < deadline, "the Ray head's node never registered"
-            time.sleep(0.5)
+    cluster(ray_head)
     gw = GatewayProcess(nats_url, tmp_path)
     gw.env["LOOPRL_GATEWAY_RAY_ADDRESS"] = ray_head.address
     gw.start()
@@ -159,3 +162,47 @@ def test_a_removed_tenants_queued_run_fails_naming_the_tenant_and_its_started_ru
     with pytest.raises(grpc.RpcError) as err:
         create(gateway, Q_TOKEN, "after-removal")
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.slow
+def test_workers_no_run_asked_for_take_their_share_and_a_queued_run_starts_when_they_go(
+    nats_url: str, tmp_path: Path, ray_head, ray_client
+) -> None:
+    import ray
+
+    class Worker:  # stands for a service's own workers (a sandbox fleet, reward-model replicas)
+        def ping(self) -> bool:
+            return True
+
+    before = cluster(ray_head)
+    free = before.total["CPU"] - before.in_use.get("CPU", 0.0)
+    workers = ray.remote(num_cpus=free - 1.0)(Worker).remote()  # all the CPUs but one
+    ray.get(workers.ping.remote())
+    gw = GatewayProcess(nats_url, tmp_path)
+    gw.env["LOOPRL_GATEWAY_RAY_ADDRESS"] = ray_head.address
+    gw.start()
+    run_id = ""
+    try:
+        deadline = time.monotonic() + 30
+        while cluster(ray_head).in_use.get("CPU", 0.0) < before.total["CPU"] - 1.0 - 1e-6:
+            assert time.monotonic() < deadline, "Ray never counted the workers' CPUs as in use"
+            time.sleep(0.2)
+        time.sleep(CLUSTER_TTL_S)  # the gateway's last read is from before the workers
+        five_cpus = RECIPE + "[trainer]\nnum_cpus_per_rank = 2.0\n"  # 2 ranks x 2 CPUs + 1 replica
+        run = gw.stub.CreateRun(
+            gateway_pb2.CreateRunRequest(recipe_toml=five_cpus.format(name="behind-workers")), metadata=AUTH
+        ).run
+        run_id = run.run_id
+        assert run.state == gateway_pb2.RUN_STATE_QUEUED
+        assert run.queued_reason.startswith("cluster CPU: needs 5, "), run.queued_reason
+        ray.kill(workers)
+        deadline = time.monotonic() + 60
+        while get(gw, run_id).state not in STARTED:
+            assert time.monotonic() < deadline, (
+                f"the run did not start after the workers went: {get(gw, run_id)}"
+            )
+            time.sleep(0.5)
+    finally:
+        if run_id:
+            gw.stub.StopRun(gateway_pb2.StopRunRequest(run_id=run_id), metadata=AUTH)
+        gw.kill()

@@ -11,7 +11,7 @@ import pytest
 from gateway.admission import run_demand
 from gateway.config import Tenant, token_sha256
 from gateway.progress import progress_line
-from gateway.queue import ClusterResources, Waiting, plan, queue_order
+from gateway.queue import ClusterResources, ClusterState, Waiting, plan, queue_order
 from gateway.runs import RunDriver
 from gateway.servicer import RunManager
 from looprl.gateway.v1 import gateway_pb2
@@ -66,6 +66,20 @@ def test_a_run_waits_for_its_tenants_concurrency_and_for_free_cluster_resources(
     assert unread == {"a-2": decided["a-2"], "b-1": "", "b-2": ""}
 
 
+def test_what_ray_holds_beyond_the_started_runs_demand_is_not_free() -> None:
+    a = team("a", runs=5)
+    running = RunRecord("a-1", RECIPE.format(name="a-1"), state="running", created_at=0.0, tenant="a")
+    waiting = [queued("a-2", 1.0, a)]
+
+    def reason(in_use: dict[str, float]) -> str:
+        return plan(waiting, [running], demand_of, {"CPU": 5}, in_use)[0][1]
+
+    # Ray counts less than the running run asks (its actors are still being created): its demand holds.
+    assert reason({"CPU": 0.5}) == ""
+    # Workers no run asked for (a service's sandbox fleet, reward-model replicas) hold 2 CPUs more.
+    assert reason({"CPU": 4.0}) == "cluster CPU: needs 2, 1 of 5 free"
+
+
 def test_a_run_waiting_for_the_cluster_holds_back_smaller_runs_behind_it() -> None:
     high, low = team("high", priority=1), team("low")
     waiting = [queued("big", 2.0, high, BIG), queued("small", 1.0, low)]
@@ -111,6 +125,9 @@ class Cluster:
 
     async def total(self) -> dict[str, float]:
         return self.total_now
+
+    async def state(self) -> ClusterState:
+        return ClusterState(self.total_now, {})
 
 
 def manager(tenants: list[Tenant], total: dict[str, float]) -> tuple[RunManager, list[str]]:
@@ -219,12 +236,12 @@ def test_without_a_ray_address_only_the_quotas_apply_and_an_unreadable_cluster_a
     with pytest.raises(Unavailable, match=r"ray_address: the Ray cluster at 127\.0\.0\.1:"):
         asyncio.run(silent.total())
     # Once read, a cluster that stops answering keeps its last total: never unlimited.
-    silent._total, silent._read_at = {"CPU": 8.0}, float("-inf")
+    silent._state, silent._read_at = ClusterState({"CPU": 8.0}, {}), float("-inf")
     assert asyncio.run(silent.total()) == {"CPU": 8.0}
     # The run that asked is not created.
     runs, driven = manager([], {})
     runs.cluster = silent
-    silent._total = None
+    silent._state = None
     with pytest.raises(Unavailable):
         asyncio.run(runs.create(RECIPE.format(name="x"), "x", team("a", runs=1)))
     assert driven == [] and asyncio.run(runs.store.list()) == []
