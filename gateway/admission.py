@@ -99,6 +99,10 @@ class Demand:
         out = {n: sum(p.amount(n) for p in self.parts) for n in names}
         return {n: v for n, v in out.items() if v > 0}
 
+    def without_deployments(self) -> Demand:
+        """The trainer's part only: for a run served by deployments the router already runs."""
+        return Demand(tuple(p for p in self.parts if p.name == "trainer"))
+
     @property
     def cpus(self) -> float:
         return sum(p.cpus for p in self.parts)

@@ -33,6 +33,8 @@ log = logging.getLogger("looprl.gateway")
 
 # How long StopRun waits for the run's driver to end (the run is stopped in its record before).
 STOP_DRIVER_S = 10.0
+# RunRecord.extra key: the run is served by the router's configured deployments, not its own.
+STATIC_DEPLOYMENTS_KEY = "static_deployments"
 
 STATES = {
     "queued": gateway_pb2.RUN_STATE_QUEUED,
@@ -200,6 +202,8 @@ class RunManager:
                 demand = run_demand(record.recipe())
             except RecipeError:
                 demand = Demand(())  # not a recipe this gateway admitted: it holds nothing it can name
+            if record.extra.get(STATIC_DEPLOYMENTS_KEY):
+                demand = demand.without_deployments()
             self._demands[record.run_id] = demand
         return demand
 
@@ -309,7 +313,7 @@ class RunManager:
         async with self._admission:
             if shared:
                 await self._refuse_sharing(tenant)
-            return await self._create(recipe_toml, recipe, run_id, tenant, demand)
+            return await self._create(recipe_toml, recipe, run_id, tenant, demand, shared)
 
     async def _refuse_sharing(self, tenant: Tenant) -> None:
         """A router that serves only its configured deployments holds one run's weights, numbered
@@ -327,7 +331,7 @@ class RunManager:
         )
 
     async def _create(
-        self, recipe_toml: str, recipe, run_id: str, tenant: Tenant, demand: Demand
+        self, recipe_toml: str, recipe, run_id: str, tenant: Tenant, demand: Demand, shared: bool
     ) -> RunRecord:
         record = RunRecord(
             run_id=run_id or new_run_id(recipe.run.name),
@@ -336,6 +340,10 @@ class RunManager:
             created_at=time.time(),
             tenant=tenant.name,
         )
+        if shared:
+            # Its deployments are the router's configured ones, already placed: Ray counts them in use.
+            record.extra[STATIC_DEPLOYMENTS_KEY] = True
+            demand = demand.without_deployments()
         self._demands[record.run_id] = demand
         starts = {
             w.record.run_id

@@ -13,7 +13,7 @@ from gateway.config import Tenant, token_sha256
 from gateway.progress import progress_line
 from gateway.queue import ClusterResources, ClusterState, Waiting, plan, queue_order
 from gateway.runs import RunDriver
-from gateway.servicer import RunManager
+from gateway.servicer import STATIC_DEPLOYMENTS_KEY, RunManager
 from looprl.gateway.v1 import gateway_pb2
 from services.kit.errors import ResourceExhausted, Unavailable
 from services.kit.local import free_port
@@ -78,6 +78,17 @@ def test_what_ray_holds_beyond_the_started_runs_demand_is_not_free() -> None:
     assert reason({"CPU": 0.5}) == ""
     # Workers no run asked for (a service's sandbox fleet, reward-model replicas) hold 2 CPUs more.
     assert reason({"CPU": 4.0}) == "cluster CPU: needs 2, 1 of 5 free"
+
+
+def test_a_run_on_the_routers_configured_deployments_asks_only_for_its_trainer() -> None:
+    # Those replicas are placed before any run: Ray counts them in use, the run must not ask again.
+    runs, _ = manager([], {"CPU": 2})
+    record = RunRecord("s", RECIPE.format(name="s"), state="queued", created_at=0.0, tenant="a")
+    record.extra[STATIC_DEPLOYMENTS_KEY] = True
+    demand = runs._demand(record)
+    assert demand.resources() == {"CPU": 1.0} and [p.name for p in demand.parts] == ["trainer"]
+    waiting = [Waiting(record, team("a"), demand)]
+    assert plan(waiting, [], demand_of, {"CPU": 2}, {"CPU": 1.0})[0][1] == ""
 
 
 def test_a_run_waiting_for_the_cluster_holds_back_smaller_runs_behind_it() -> None:
