@@ -203,6 +203,12 @@ def test_workers_no_run_asked_for_take_their_share_and_a_queued_run_starts_when_
             )
             time.sleep(0.5)
     finally:
+        ray.kill(workers)
         if run_id:
             gw.stub.StopRun(gateway_pb2.StopRunRequest(run_id=run_id), metadata=AUTH)
         gw.kill()
+        # The session's head is shared: later tests' actors need these CPUs back.
+        deadline = time.monotonic() + 30
+        while cluster(ray_head).in_use.get("CPU", 0.0) > before.in_use.get("CPU", 0.0) + 1e-6:
+            assert time.monotonic() < deadline, "the workers' CPUs were not given back"
+            time.sleep(0.2)
