@@ -34,22 +34,32 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> tuple[list[int], list[float]]:
-    """Sample one token per row of logits [B, V]; return (token ids, their log-probs)."""
+    """Sample one token per row of logits [B, V]; return (token ids, their log-probs).
+
+    Inverse-CDF sampling over the batch: each row draws one uniform from its own generator (so its
+    token depends on its seed and logits only, never on its neighbours), then one cumsum and one
+    searchsorted pick every row's token. One small tensor op per row instead of a multinomial call
+    per row: the sampler was ~6 ms of a 64-sequence decode step."""
     logits = logits.float()
     temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], dtype=torch.float32)
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens: list[int] = []
+    probs = logp.exp()
     for i, row in enumerate(rows):
-        if row.temperature == 0.0:
-            tokens.append(int(torch.argmax(logits[i])))
-            continue
-        probs = logp[i].exp()
-        if row.top_k > 0 or row.top_p < 1.0:
-            probs = _truncate(probs, row.top_k, row.top_p)
-        tokens.append(int(torch.multinomial(probs, 1, generator=row.generator)))
+        if row.temperature > 0.0 and (row.top_k > 0 or row.top_p < 1.0):
+            probs[i] = _truncate(probs[i], row.top_k, row.top_p)
+    uniforms = torch.tensor(
+        [0.0 if row.temperature == 0.0 else float(torch.rand((), generator=row.generator)) for row in rows],
+        dtype=torch.float64,
+    )
+    cdf = probs.double().cumsum(dim=-1)
+    # The first token whose cumulative mass exceeds u * total: a zero-probability token never is.
+    drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1)
+    drawn = drawn.clamp_(max=logits.shape[-1] - 1)
+    greedy = torch.tensor([row.temperature == 0.0 for row in rows])
+    chosen_ids = torch.where(greedy, logits.argmax(dim=-1), drawn)
     # The shared definition the trainer uses too (services/modeling/logprobs.py).
-    chosen = sampled_logprobs(logits, torch.tensor(tokens, dtype=torch.long), temps)
-    return tokens, chosen.tolist()
+    chosen = sampled_logprobs(logits, chosen_ids, temps)
+    return chosen_ids.tolist(), chosen.tolist()
 
 
 def _truncate(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

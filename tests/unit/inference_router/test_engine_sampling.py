@@ -73,3 +73,23 @@ def test_valid_request_passes_and_proto_defaults_map() -> None:
     params = SamplingParams.from_proto(common_pb2.SamplingParams(max_tokens=4))
     assert params.top_p == 1.0 and params.n == 1 and params.seed is None and params.greedy
     validate_request(EngineRequest([1, 2, 3], params), vocab_size=100, max_model_len=64)
+
+
+def test_sampled_tokens_follow_the_tempered_distribution() -> None:
+    torch.manual_seed(2)
+    vocab, draws, temperature = 12, 6000, 0.8
+    logits = torch.randn(1, vocab).repeat(draws, 1)
+    rows = [SamplerRow(temperature, 0, 1.0, make_generator(1000 + i)) for i in range(draws)]
+    tokens, _ = sample(logits, rows)
+    counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+    expected = torch.softmax(logits[0] / temperature, dim=-1).double() * draws
+    chi_square = float(((counts - expected) ** 2 / expected).sum())
+    # 11 degrees of freedom: P(chi-square > 31.3) = 0.001. A sampler off by one token, or one that
+    # ignores the temperature, scores in the hundreds.
+    assert chi_square < 31.3, (counts.tolist(), expected.tolist())
+
+
+def test_truncated_tokens_are_never_drawn_even_at_the_edges_of_the_vocabulary() -> None:
+    logits = torch.tensor([[-1.0, 5.0, 4.9, -2.0]]).repeat(500, 1)
+    rows = [SamplerRow(1.0, 2, 1.0, make_generator(i)) for i in range(500)]
+    assert set(sample(logits, rows)[0]) == {1, 2}
