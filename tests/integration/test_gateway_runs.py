@@ -239,22 +239,26 @@ def test_the_http_run_api_answers_json_numbers_and_streams_a_watch_until_the_run
     assert http(gateway, "/v1/runs/nope/watch")[0] == 404
 
 
-def test_synchronous_run_feeds_one_step_per_trained_version(gateway: GatewayProcess, nats_url: str) -> None:
+def test_synchronous_run_feeds_one_step_ahead_of_its_trained_version(
+    gateway: GatewayProcess, nats_url: str
+) -> None:
     run = gateway.stub.CreateRun(
         gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="sync-run"), metadata=AUTH
     ).run
-    tasks = wait_until(lambda: episodes_of(nats_url, run.run_id))
+    wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 4)
     time.sleep(1.0)
     tasks = episodes_of(nats_url, run.run_id)
-    # One task per group (2 groups of 2), each forking into its group's samples.
-    assert sorted({t.step for t in tasks}) == [0] and len(tasks) == 2
+    # Steps 0 and 1: step 1's episodes wait at the router for version 1. One task per group (2 groups
+    # of 2), each forking into its group's samples, each asking for its own step's version.
+    assert sorted({t.step for t in tasks}) == [0, 1] and len(tasks) == 4
     assert {(t.branches, t.branch_at_turn, t.group_size) for t in tasks} == {(2, 0, 1)}
-    assert {t.min_weight_version for t in tasks} == {0}
-    assert len({t.group_id for t in tasks}) == 2
+    assert {(t.step, t.min_weight_version) for t in tasks} == {(0, 0), (1, 1)}
+    assert len({(t.step, t.group_id) for t in tasks}) == 4
     publish_train_step(nats_url, run.run_id, 0)
-    tasks = wait_until(lambda: [t for t in episodes_of(nats_url, run.run_id) if t.step == 1])
-    assert {t.min_weight_version for t in tasks} == {1}
-    assert max(t.step for t in episodes_of(nats_url, run.run_id)) == 1
+    tasks = wait_until(lambda: [t for t in episodes_of(nats_url, run.run_id) if t.step == 2])
+    assert {t.min_weight_version for t in tasks} == {2}
+    time.sleep(1.0)
+    assert max(t.step for t in episodes_of(nats_url, run.run_id)) == 2
 
 
 def test_unforked_groups_publish_one_task_per_sample(gateway: GatewayProcess, nats_url: str) -> None:
@@ -262,19 +266,25 @@ def test_unforked_groups_publish_one_task_per_sample(gateway: GatewayProcess, na
     run = gateway.stub.CreateRun(
         gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id="unforked-run"), metadata=AUTH
     ).run
-    tasks = wait_until(lambda: episodes_of(nats_url, run.run_id))
+    wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 8)  # steps 0 and 1
+    tasks = [t for t in episodes_of(nats_url, run.run_id) if t.step == 0]
     assert len(tasks) == 4 and {(t.branches, t.group_size) for t in tasks} == {(0, 2)}
     assert sorted(t.sample_index for t in tasks) == [0, 0, 1, 1]
 
 
-def test_async_run_feeds_ahead_up_to_the_staleness_bound(gateway: GatewayProcess, nats_url: str) -> None:
+def test_async_run_feeds_one_step_past_the_staleness_bound(gateway: GatewayProcess, nats_url: str) -> None:
     run = gateway.stub.CreateRun(
-        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=2), run_id="async-run"),
+        gateway_pb2.CreateRunRequest(
+            recipe_toml=RECIPE.format(staleness=2).replace("steps = 3", "steps = 6"), run_id="async-run"
+        ),
         metadata=AUTH,
     ).run
-    wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 6)
-    steps = sorted({t.step for t in episodes_of(nats_url, run.run_id)})
-    assert steps == [0, 1, 2]
+    wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 8)
+    time.sleep(1.0)
+    tasks = episodes_of(nats_url, run.run_id)
+    # Up to the bound (steps 0-2 may sample version 0) and one step ahead of it, waiting for version 1.
+    assert sorted({t.step for t in tasks}) == [0, 1, 2, 3]
+    assert {(t.step, t.min_weight_version) for t in tasks} == {(0, 0), (1, 0), (2, 0), (3, 1)}
 
 
 def test_step_records_of_an_unknown_or_stale_trainer_epoch_are_ignored_and_counted(
