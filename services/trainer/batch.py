@@ -14,14 +14,10 @@ import torch
 
 from looprl.packer.v1 import packer_pb2
 from services.kit.codec import CodecError, tensor_from_proto, tensor_to_proto
-from services.kit.errors import InvalidArgument
+from services.trainer.errors import BatchRejected
 
 # Sampler log-probs are <= 0; allow float noise from a different kernel.
 _LOGPROB_SLACK = 1e-4
-
-
-class BatchRejected(InvalidArgument, ValueError):
-    """A micro-batch failed validation; nothing was applied."""
 
 
 @dataclass

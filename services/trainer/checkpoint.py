@@ -16,12 +16,12 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Protocol
 
 from services.trainer.spec import TrainerSpec
+
+if TYPE_CHECKING:  # the trainer service lists checkpoints without importing torch; its ranks use it
+    import torch
 
 
 class TrainerRank(Protocol):
@@ -104,6 +104,7 @@ class _TrainState:
 
 def _rng_state() -> dict[str, Any]:
     import numpy as np
+    import torch
 
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
@@ -113,6 +114,7 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
+    import torch
 
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
@@ -123,6 +125,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save(worker: TrainerRank, root: str, extra: dict[str, Any], keep: int = 3) -> str:
     """Collective: write a checkpoint of the current step; returns its directory."""
+    import torch
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     final = checkpoint_dir(root, worker.step)
@@ -156,6 +160,7 @@ def save(worker: TrainerRank, root: str, extra: dict[str, Any], keep: int = 3) -
 
 def load(worker: TrainerRank, path: str) -> dict[str, Any]:
     """Collective: restore model, optimizer, schedule, counters and this rank's RNG from `path`."""
+    import torch
     import torch.distributed.checkpoint as dcp
 
     path_obj = Path(path)
@@ -176,6 +181,9 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
     naming the run, the step and the recipe. The one place the trainer gathers the whole model
     (export is rare and explicit).
     """
+    import torch
+    import torch.distributed as dist
+
     from services.modeling import hf_files
     from services.modeling.qwen2 import Qwen2ForCausalLM
 

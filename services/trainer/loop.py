@@ -35,12 +35,11 @@ from services.kit.interceptors import client_interceptors
 from services.kit.metric_names import observe
 from services.kit.run_errors import RunErrorReporter, describe
 from services.trainer import metrics
-from services.trainer.batch import BatchRejected
 from services.trainer.checkpoint import latest_checkpoint
 from services.trainer.config import TrainerConfig
-from services.trainer.ranks import RankGroup, RankLost
+from services.trainer.errors import BatchRejected, PushFailed, RankLost, StepAborted
+from services.trainer.ranks import RankGroup
 from services.trainer.spec import TrainerSpec, spec_from_recipe
-from services.trainer.worker import PushFailed, StepAborted
 
 # How long a step waits for its batch before the trainer pushes the version it serves again
 # (`_repush_while_waiting`); several NextBatch timeouts, so a slow environment does not cause it.

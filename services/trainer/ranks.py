@@ -14,14 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.kit import telemetry, tls
+from services.trainer.errors import RankLost
 from services.trainer.spec import TrainerSpec
-from services.trainer.worker import TrainerWorker
 
 log = logging.getLogger("looprl.trainer.ranks")
-
-
-class RankLost(RuntimeError):
-    """A rank's actor died (its process was killed, its node lost): the group must be recreated."""
 
 
 class RankGroup:
@@ -76,6 +72,8 @@ class RankGroup:
                 f"{self.ready_timeout_s:.0f}s; the Ray cluster lacks resources"
             ) from None
         self.nodes = _bundle_nodes(self.pg)
+        from services.trainer.worker import TrainerWorker  # torch: imported here, not in the service
+
         remote_cls = ray.remote(TrainerWorker)
         self.actors = [
             remote_cls.options(

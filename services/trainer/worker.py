@@ -27,7 +27,8 @@ from services.kit.hosts import interface_of, node_address
 from services.kit.interceptors import traced_channel
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
-from services.trainer.batch import BatchRejected, PackedMicroBatch, from_proto, validate_rank_batches
+from services.trainer.batch import PackedMicroBatch, from_proto, validate_rank_batches
+from services.trainer.errors import BatchRejected, PushFailed, StepAborted
 from services.trainer.loss import LossMetrics
 from services.trainer.optim import build_optimizer
 from services.trainer.shards import push_requests
@@ -37,14 +38,6 @@ from services.trainer.step import StepSettings, accumulate, apply_gradients, mic
 log = logging.getLogger("looprl.trainer.worker")
 
 _OK, _BAD_BATCH, _PULL_FAILED = 0, 1, 2
-
-
-class StepAborted(RuntimeError):
-    """A rank could not take part in the step (e.g. the packer did not answer); nothing was applied."""
-
-
-class PushFailed(RuntimeError):
-    """Weight-sync did not take this rank's shards (unreachable, or it failed the stream)."""
 
 
 class TrainerWorker:
