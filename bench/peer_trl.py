@@ -19,7 +19,7 @@ the seed means), reward_vs_single_process_tiny, reward_noise_floor_tiny (TRL on 
 stream / TRL: the same algorithm against itself), steps_per_s_ratio_tiny, and local_stack_up_down_s
 (looprl's stack up + down around a run, against TRL's trainer set-up):
 
-    python -m bench.peer_trl [--seeds 1,2,...,10] [--steps 400] [--quick]
+    python -m bench.peer_trl [--seeds 1,2,...,10] [--steps 400] [--world-size 1] [--quick]
 
 Why ten seeds by default: a run's final reward depends mostly on when, in 400 steps, the policy
 starts reading the prompt, and that depends on the sampled tokens. TRL alone, same seed and initial
@@ -313,10 +313,15 @@ def run_single_process(seed: int, steps: int) -> SideResult:
     return SideResult([r.mean_reward for r in records], figures["steps_per_s"], figures["wall_seconds"])
 
 
-def with_seed_and_steps(recipe_text: str, seed: int, steps: int) -> str:
+def with_seed_and_steps(recipe_text: str, seed: int, steps: int, world_size: int = 0) -> str:
+    """The recipe at this seed and length; `world_size` > 0 also sets how many trainer ranks train
+    it (a deployment choice: the algorithm and the step's token-mean are the same)."""
     from bench.loop_harness import with_overrides
 
-    return with_overrides(recipe_text, run={"seed": seed, "steps": steps})
+    sections: dict[str, dict[str, object]] = {"run": {"seed": seed, "steps": steps}}
+    if world_size > 0:
+        sections["trainer"] = {"world_size": world_size}
+    return with_overrides(recipe_text, **sections)
 
 
 # ---- the bench ----------------------------------------------------------------------------------
@@ -329,14 +334,16 @@ def paired_gap(a: list[SideResult], b: list[SideResult]) -> tuple[float, float]:
     return statistics.fmean(diffs), se
 
 
-def compare(shape: str, recipe_path: Path, seeds: list[int], steps: int) -> dict[str, float]:
+def compare(
+    shape: str, recipe_path: Path, seeds: list[int], steps: int, world_size: int = 0
+) -> dict[str, float]:
     base = recipe_path.read_text()
     trl_runs: list[SideResult] = []
     resampled: list[SideResult] = []
     ours: list[SideResult] = []
     single: list[SideResult] = []
     for seed in seeds:
-        text = with_seed_and_steps(base, seed, steps)
+        text = with_seed_and_steps(base, seed, steps, world_size)
         recipe = parse_recipe(text)
         check_parity(recipe)
         trl_runs.append(run_trl(recipe))
@@ -344,7 +351,8 @@ def compare(shape: str, recipe_path: Path, seeds: list[int], steps: int) -> dict
         single.append(run_single_process(seed, steps))
         resampled.append(run_trl(recipe, stream=1))
         print(
-            f"[{shape}] seed {seed}: looprl {ours[-1].steps_per_s:.2f} steps/s, last-{LAST_STEPS} reward "
+            f"[{shape}] seed {seed}: looprl ({recipe.trainer.world_size} trainer ranks) "
+            f"{ours[-1].steps_per_s:.2f} steps/s, last-{LAST_STEPS} reward "
             f"{ours[-1].final_reward:.3f}, stack up+down {ours[-1].overhead_seconds:.1f}s | TRL "
             f"{trl_runs[-1].steps_per_s:.2f} steps/s, reward {trl_runs[-1].final_reward:.3f} (other sampling "
             f"stream {resampled[-1].final_reward:.3f}), set-up {trl_runs[-1].overhead_seconds:.1f}s | single "
@@ -380,6 +388,7 @@ def compare(shape: str, recipe_path: Path, seeds: list[int], steps: int) -> dict
     ):
         emit(BENCH, figure, value, baseline, value / max(baseline, 1e-9), unit, target)
     looprl_speed, trl_speed = mean(ours, "steps_per_s"), mean(trl_runs, "steps_per_s")
+    ranks = world_size or parse_recipe(base).trainer.world_size
     target = ">= 0.7" if shape == "tiny" else ">= 1.3"
     emit(
         BENCH,
@@ -387,7 +396,7 @@ def compare(shape: str, recipe_path: Path, seeds: list[int], steps: int) -> dict
         looprl_speed,
         trl_speed,
         looprl_speed / trl_speed,
-        "steps/s (first step excluded)",
+        f"steps/s (first step excluded; looprl with {ranks} trainer ranks)",
         target,
     )
     overhead, setup = mean(ours, "overhead_seconds"), mean(trl_runs, "overhead_seconds")
@@ -408,10 +417,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one seed, 40 steps")
     parser.add_argument("--seeds", default=",".join(map(str, range(1, 11))))
     parser.add_argument("--steps", type=int, default=0, help="steps per run (default: the recipe's)")
+    parser.add_argument(
+        "--world-size", type=int, default=0, help="looprl's trainer ranks (default: the recipe's)"
+    )
     args = parser.parse_args()
     seeds = [1] if args.quick else [int(s) for s in args.seeds.split(",")]
     steps = 40 if args.quick else args.steps or parse_recipe(TINY_RECIPE.read_text()).run.steps
-    compare("tiny", TINY_RECIPE, seeds, steps)
+    compare("tiny", TINY_RECIPE, seeds, steps, args.world_size)
 
 
 if __name__ == "__main__":
