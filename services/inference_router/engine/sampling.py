@@ -52,11 +52,13 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> tuple[list[int],
         dtype=torch.float64,
     )
     cdf = probs.double().cumsum(dim=-1)
+    sampled = torch.tensor([row.temperature > 0.0 for row in rows])
+    if not bool(torch.isfinite(cdf[sampled, -1]).all()):
+        raise RuntimeError("sampling: the model's logits hold NaN or inf; no token can be drawn")
     # The first token whose cumulative mass exceeds u * total: a zero-probability token never is.
     drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1)
     drawn = drawn.clamp_(max=logits.shape[-1] - 1)
-    greedy = torch.tensor([row.temperature == 0.0 for row in rows])
-    chosen_ids = torch.where(greedy, logits.argmax(dim=-1), drawn)
+    chosen_ids = torch.where(sampled, drawn, logits.argmax(dim=-1))
     # The shared definition the trainer uses too (services/modeling/logprobs.py).
     chosen = sampled_logprobs(logits, chosen_ids, temps)
     return chosen_ids.tolist(), chosen.tolist()

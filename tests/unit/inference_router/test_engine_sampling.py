@@ -93,3 +93,9 @@ def test_truncated_tokens_are_never_drawn_even_at_the_edges_of_the_vocabulary() 
     logits = torch.tensor([[-1.0, 5.0, 4.9, -2.0]]).repeat(500, 1)
     rows = [SamplerRow(1.0, 2, 1.0, make_generator(i)) for i in range(500)]
     assert set(sample(logits, rows)[0]) == {1, 2}
+
+
+def test_logits_holding_nan_draw_no_token() -> None:
+    logits = torch.tensor([[0.5, float("nan"), 0.1]])
+    with pytest.raises(RuntimeError, match="NaN or inf"):
+        sample(logits, [SamplerRow(1.0, 0, 1.0, make_generator(0))])
