@@ -21,6 +21,7 @@ BENCHES = (
     "async_vs_sync",
     "tracing_cost",
     "loop_vs_single_process",
+    "step_timeline",
     "second_run",
     "peer_trl",
 )

@@ -1,0 +1,53 @@
+"""The step timeline lines every moment up on its own trainer step, from the span log's records."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.step_timeline import COMMIT, GENERATE, NEXT_BATCH, PUSH, STEP, medians, step_moments
+
+MS = 1_000_000
+
+
+def span(service: str, name: str, start_ms: float, end_ms: float, **attributes: str) -> dict:
+    return {
+        "service": service,
+        "name": name,
+        "start_ns": int(start_ms * MS),
+        "end_ns": int(end_ms * MS),
+        "attributes": attributes,
+    }
+
+
+def one_step(step: int, with_commit: bool = True) -> list[dict]:
+    t0, version = 1000.0 * step, str(step)
+    spans = [
+        span("trainer", STEP, t0, t0 + 150, **{"looprl.step": version}),
+        span("inference-replica", GENERATE, t0 + 20, t0 + 45, **{"looprl.weight_version": version}),
+        span("inference-replica", GENERATE, t0 + 25, t0 + 60, **{"looprl.weight_version": version}),
+        span("trainer", NEXT_BATCH, t0 + 2, t0 + 95),
+        span("trainer", PUSH, t0 + 132, t0 + 141),
+        # Another run's generation at another version, inside this step's window, is not this step's.
+        span("inference-replica", GENERATE, t0 + 1, t0 + 140, **{"looprl.weight_version": str(step + 100)}),
+    ]
+    if with_commit:
+        spans.append(span("inference-replica", COMMIT, t0 + 5, t0 + 10, **{"looprl.weight_version": version}))
+    return spans
+
+
+def test_every_moment_is_measured_from_its_own_steps_start() -> None:
+    spans = [s for step in range(10) for s in one_step(step, with_commit=step != 7)]
+    moments = step_moments(spans)
+    assert len(moments) == 9  # step 7 lacks its commit
+    m = medians(moments)
+    assert m["steps"] == 3  # the first five and the last are warm-up and shutdown
+    assert (m["commit"], m["generation_start"], m["generation_end"], m["batch"]) == pytest.approx(
+        (10, 20, 60, 95)
+    )
+    assert (m["update"], m["push"], m["step"]) == pytest.approx((37, 9, 150))
+    assert m["hops"] == pytest.approx(150 - 40 - 37)
+
+
+def test_a_log_without_complete_steps_says_so() -> None:
+    with pytest.raises(ValueError, match="no step has every moment"):
+        medians(step_moments(one_step(0, with_commit=False)))
