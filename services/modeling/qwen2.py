@@ -105,13 +105,15 @@ class Qwen2Attention(nn.Module):
         # of one length stack into [n, heads, L, d]. Costs sum(L_i^2), not T^2, needs no [T, T] mask,
         # and a GRPO step (a few lengths, many sequences) makes a handful of calls, not one per sequence.
         outs = []
-        for index in blocks.token_index:  # [n, L] token positions of the n sequences of one length
+        # index: [n, L] token positions of the n sequences of one length.
+        for index, mask in zip(blocks.token_index, blocks.masks, strict=True):
             outs.append(
                 F.scaled_dot_product_attention(
                     q[index].transpose(1, 2),
                     k[index].transpose(1, 2),
                     v[index].transpose(1, 2),
-                    is_causal=True,
+                    attn_mask=mask,
+                    is_causal=mask is None,
                 )
                 .transpose(1, 2)
                 .reshape(-1, c.num_attention_heads, c.head_dim)
@@ -124,9 +126,14 @@ class Qwen2Attention(nn.Module):
 
 class LengthBlocks:
     """A packed batch's sequences grouped by length: per distinct length, the [n, L] token positions
-    of its sequences, and the permutation that puts the blocks' concatenated tokens back in order."""
+    of its sequences, the attention mask of the block when it is not plain causal, and the
+    permutation that puts the blocks' concatenated tokens back in order.
 
-    def __init__(self, cu_seqlens: Tensor) -> None:
+    `segments` [T] (optional) lays branches after a shared prefix (services/modeling/shared_prefix.py):
+    segment 0 of a sequence is its prefix, and a token of segment k > 0 sees the prefix and the
+    earlier tokens of segment k only, as if each branch were its own sequence starting with the prefix."""
+
+    def __init__(self, cu_seqlens: Tensor, segments: Tensor | None = None) -> None:
         bounds = cu_seqlens.tolist()
         by_length: dict[int, list[int]] = {}
         for start, end in itertools.pairwise(bounds):
@@ -140,6 +147,15 @@ class LengthBlocks:
         order = torch.cat([index.reshape(-1) for index in self.token_index])
         in_order = bool((order[1:] > order[:-1]).all()) if order.numel() > 1 else True
         self.restore = None if in_order else torch.argsort(order)
+        self.masks: list[Tensor | None] = [None] * len(self.token_index)
+        if segments is not None:
+            for i, index in enumerate(self.token_index):
+                seg = segments[index]  # [n, L]
+                if bool(seg.any()):
+                    length = index.shape[1]
+                    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+                    visible = (seg[:, :, None] == seg[:, None, :]) | (seg[:, None, :] == 0)
+                    self.masks[i] = (visible & causal)[:, None]  # [n, 1, L, L], broadcast over heads
 
 
 class Qwen2MLP(nn.Module):
@@ -175,12 +191,14 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(Qwen2DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, segments: Tensor | None = None
+    ) -> Tensor:
         c = self.config
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, x.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads of [T, heads, d]
-        blocks = LengthBlocks(cu_seqlens)
+        blocks = LengthBlocks(cu_seqlens, segments)
         for layer in self.layers:
             x = layer(x, cos, sin, blocks)
         return self.norm(x)
@@ -230,15 +248,20 @@ class Qwen2ForCausalLM(nn.Module):
         position_ids: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
         logits_at: Tensor | None = None,
+        segments: Tensor | None = None,
     ) -> Tensor:
         """Logits [T, V] of a packed batch, or only at the rows `logits_at` ([R] -> [R, V]): the
         vocabulary projection of a prompt token that predicts nothing trained is wasted work.
-        Omitted position_ids/cu_seqlens mean one sequence."""
-        hidden = self.hidden_states(input_ids, position_ids, cu_seqlens)
+        Omitted position_ids/cu_seqlens mean one sequence; `segments` see LengthBlocks."""
+        hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, segments)
         return self.lm_head(hidden if logits_at is None else hidden.index_select(0, logits_at))
 
     def hidden_states(
-        self, input_ids: Tensor, position_ids: Tensor | None = None, cu_seqlens: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+        segments: Tensor | None = None,
     ) -> Tensor:
         """Final normed hidden states [T, H] (apply `lm_head` yourself to chunk the vocab projection)."""
         total = input_ids.shape[0]
@@ -247,7 +270,9 @@ class Qwen2ForCausalLM(nn.Module):
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, total], device=input_ids.device)
         check_packed_inputs(input_ids, position_ids, cu_seqlens)
-        return self.model(input_ids, position_ids, cu_seqlens.to(input_ids.device))
+        if segments is not None and segments.shape != input_ids.shape:
+            raise ValueError(f"segments must be [T] like input_ids, got {tuple(segments.shape)}")
+        return self.model(input_ids, position_ids, cu_seqlens.to(input_ids.device), segments)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """State dict as stored on disk: a tied lm_head appears once (as embed_tokens), like HF."""

@@ -1,9 +1,10 @@
 """One training step's math, shared by the trainer ranks (worker.py) and the single-process baseline
 (bench/single_process_grpo.py), so the baseline measures the same step without the services.
 
-`micro_batch_loss` is one packed micro-batch's share of the step loss: a forward pass whose
-vocabulary projection runs only where a trained token is predicted (a GRPO step's prompts are most
-of its tokens and predict nothing that is trained), log-probs and entropies there, the frozen
+`micro_batch_loss` is one packed micro-batch's share of the step loss: a forward pass that computes
+a prompt shared by several samples once (services/modeling/shared_prefix.py) and runs the vocabulary
+projection only where a trained token is predicted (a GRPO step's prompts are most of its tokens and
+predict nothing that is trained), log-probs and entropies there, the frozen
 reference's log-probs when a KL term needs them, and trainer/loss.py's policy loss. `accumulate`
 runs it over a rank's micro-batches with backward; `apply_gradients` clips, skips a non-finite
 norm, steps AdamW and the schedule. Collectives (FSDP, the ranks' agreement on a batch) stay in the
@@ -12,6 +13,7 @@ worker.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from services.kit.recipe import AlgorithmSection
 from services.modeling.logprobs import rows_entropy, sampled_logprobs
+from services.modeling.shared_prefix import SharedPrefixLayout, share_prefixes
 from services.trainer.batch import PackedMicroBatch
 from services.trainer.loss import LossMetrics, StepNorm, policy_loss
 
@@ -34,6 +37,9 @@ class StepSettings:
     loss: AlgorithmSection
     temperature: float = 1.0
     max_tokens: int = 0
+    share_prompts: bool = True
+    """Compute a prompt shared by several sequences of a micro-batch once (the same loss and gradient
+    up to float rounding; off only to measure what it saves)."""
 
 
 def _scatter(values: Tensor, positions: Tensor, total: int) -> Tensor:
@@ -41,8 +47,37 @@ def _scatter(values: Tensor, positions: Tensor, total: int) -> Tensor:
     return torch.zeros(total, dtype=values.dtype, device=values.device).index_copy(0, positions, values)
 
 
-def _predicted(model: Any, mb: PackedMicroBatch, rows: Tensor, targets: Tensor, settings: StepSettings):
-    logits = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, logits_at=rows)
+def _prompt_layout(mb: PackedMicroBatch) -> SharedPrefixLayout | None:
+    """The micro-batch with each prompt its sequences share laid out once (None: nothing shared). A
+    sequence's prompt is what precedes its first trained token."""
+    bounds = mb.cu_seqlens.tolist()
+    trained = torch.nonzero(mb.loss_mask > 0).flatten().tolist()
+    first_trained, t = [], 0
+    for start, end in itertools.pairwise(bounds):
+        while t < len(trained) and trained[t] < start:
+            t += 1
+        first_trained.append(trained[t] - start if t < len(trained) and trained[t] < end else end - start)
+    return share_prefixes(mb.input_ids, mb.position_ids, mb.cu_seqlens, first_trained)
+
+
+def _predicted(
+    model: Any,
+    mb: PackedMicroBatch,
+    rows: Tensor,
+    targets: Tensor,
+    settings: StepSettings,
+    layout: SharedPrefixLayout | None,
+):
+    if layout is None:
+        logits = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, logits_at=rows)
+    else:
+        logits = model(
+            layout.input_ids,
+            layout.position_ids,
+            layout.cu_seqlens,
+            logits_at=layout.row_of.index_select(0, rows),
+            segments=layout.segments,
+        )
     return logits, sampled_logprobs(logits, targets, settings.temperature)
 
 
@@ -60,7 +95,8 @@ def micro_batch_loss(
     # reduces gradients collectively): one row keeps the graph, weighted 0.
     rows = trained - 1 if trained.numel() else torch.zeros(1, dtype=torch.long, device=mb.input_ids.device)
     targets = mb.input_ids[trained] if trained.numel() else mb.input_ids[:1]
-    logits, logp_rows = _predicted(model, mb, rows, targets, settings)
+    layout = _prompt_layout(mb) if settings.share_prompts else None
+    logits, logp_rows = _predicted(model, mb, rows, targets, settings, layout)
     if trained.numel() == 0:
         share = logits.sum() * 0.0
         return share, {"loss": 0.0, "tokens": 0.0, "sequences": float(mb.num_sequences)}
@@ -71,7 +107,7 @@ def micro_batch_loss(
     ref = None
     if ref_model is not None:
         with torch.no_grad():
-            ref = _scatter(_predicted(ref_model, mb, rows, targets, settings)[1], trained, total)
+            ref = _scatter(_predicted(ref_model, mb, rows, targets, settings, layout)[1], trained, total)
     return policy_loss(
         _scatter(logp_rows, trained, total),
         mb.behaviour_logprobs,
