@@ -10,7 +10,7 @@ STATE_DIR ?=
 PORTS ?=
 STACK_ARGS := $(if $(STATE_DIR),--state-dir $(STATE_DIR))
 
-.PHONY: setup hf-model run test test-fast lint fmt protos check breaking up down status bench clean compose-up compose-down \
+.PHONY: setup hf-model math-10m-model run test test-fast lint fmt protos check breaking up down status bench clean compose-up compose-down \
 	vllm-side gpu-check
 
 setup: $(STAMP)
@@ -25,6 +25,9 @@ $(STAMP): pyproject.toml requirements.lock
 # The small Hugging Face-format model configs/hf_math_grpo.toml trains (offline, deterministic).
 hf-model: setup
 	$(PY) tools/build_hf_model.py --out models/tiny-bpe-qwen2 --sft-steps 200
+
+math-10m-model: setup
+	$(PY) -m bench.peer_trl_realistic
 
 run: setup
 	$(VENV)/bin/looprl run $(RECIPE) --local $(STACK_ARGS) $(PORTS)

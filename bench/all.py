@@ -11,6 +11,7 @@ import time
 BENCHES = (
     "packing",
     "trainer_packing",
+    "shared_prompts",
     "engine_batching",
     "router_overhead",
     "length_routing",

@@ -1,35 +1,40 @@
 """looprl against Hugging Face TRL's GRPOTrainer: the same recipe, learned by both, in the same run.
 
-Everything that can be identical is made identical and checked before anything is measured
-(`check_parity`): the Qwen2 config and the initial weights (logits equal on a prompt), the token ids
-(a `PreTrainedTokenizerFast` over CharTokenizer's vocabulary with the same ChatML template), the
-tasks in order (looprl's `task_by_index`, TRL with `shuffle_dataset=False`), the reward
-(`digits_score` on the completion decoded without special tokens) and the optimizer (looprl's own
-AdamW + warmup schedule handed to TRL), and the first update itself: the same 64 completions, sampled
-once by looprl's engine and replayed into TRL's step, move both models' weights alike (within 1% of
-the update's L2 norm). The loss settings map as in shared/peer-trl-mapping.md:
-token-mean over the step = TRL `loss_type="dapo"`, Dr. GRPO advantages = `scale_rewards="none"`,
-clip 0.2/0.28, entropy bonus, grad clip, one optimizer step per generation batch.
+Two shapes (`--shape tiny|realistic|both`). The tiny one is the default recipe
+(configs/digits_grpo.toml); the realistic one, a ~10M-parameter Qwen2 on math word problems with up
+to 96 output tokens, is bench/peer_trl_realistic.py. For the tiny shape everything that can be
+identical is made identical and checked before anything is measured (`check_parity`): the Qwen2
+config and the initial weights (logits equal on a prompt), the token ids (a `PreTrainedTokenizerFast`
+over CharTokenizer's vocabulary with the same ChatML template), the tasks in order (looprl's
+`task_by_index`, TRL with `shuffle_dataset=False`), the reward (`digits_score` on the completion
+decoded without special tokens) and the optimizer (looprl's own AdamW + warmup schedule handed to
+TRL), and the first update itself: the same 64 completions, sampled once by looprl's engine and
+replayed into TRL's step, move both models' weights alike (within 1% of the update's L2 norm). The
+loss settings map as in shared/peer-trl-mapping.md: token-mean over the step = TRL
+`loss_type="dapo"`, Dr. GRPO advantages = `scale_rewards="none"`, clip 0.2/0.28, entropy bonus, grad
+clip, one optimizer step per generation batch.
 
-Both sides run synchronously, alternating per seed (TRL, then looprl's services on a fresh local
-stack, then looprl's libraries in one process, then TRL again on another sampling stream), so machine
-noise hits them alike. Per seed it prints steps/s (the first step excluded, the same definition on
-both sides) and the mean reward of the last 10 steps. Figures: reward_ratio_tiny (looprl / TRL of
-the seed means), reward_vs_single_process_tiny, reward_noise_floor_tiny (TRL on another sampling
-stream / TRL: the same algorithm against itself), steps_per_s_ratio_tiny, and local_stack_up_down_s
-(looprl's stack up + down around a run, against TRL's trainer set-up):
+Both sides run alternating per seed (TRL, then looprl's services on a fresh local stack, then, for
+the tiny shape, looprl's libraries in one process, then TRL again on another sampling stream), so
+machine noise hits them alike. TRL is synchronous; looprl runs the recipe as written for the tiny
+shape and its best configuration for the realistic one (printed with the figure). Per seed it prints
+steps/s (the first step excluded, the same definition on both sides) and the mean reward of the last
+10 steps. Figures per shape: reward_ratio (looprl / TRL of the seed means), reward_noise_floor (TRL
+on another sampling stream / TRL: the same algorithm against itself), steps_per_s_ratio,
+local_stack_up_down_s (looprl's stack up + down around a run, against TRL's trainer set-up), and for
+the tiny shape reward_vs_single_process:
 
-    python -m bench.peer_trl [--seeds 1,2,...,10] [--steps 400] [--world-size 1] [--quick]
+    python -m bench.peer_trl [--shape both] [--seeds 1,2,3] [--steps 400] [--world-size 1] [--quick]
 
-Why ten seeds by default: a run's final reward depends mostly on when, in 400 steps, the policy
-starts reading the prompt, and that depends on the sampled tokens. TRL alone, same seed and initial
-weights, another sampling stream: seed 1 ends at 0.514 or 0.183, seed 3 at 0.318 or 0.181; the
-second stream's mean is 0.76 of the first's over seeds 1-5 and 0.86 over seeds 1-10. The per-seed
-paired gaps printed at the end, with their standard errors (about 0.05 on a mean reward of 0.4 over
-ten seeds), say whether a gap between looprl and TRL is more than that.
+Why ten seeds by default for the tiny shape: a run's final reward depends mostly on when, in 400
+steps, the policy starts reading the prompt, and that depends on the sampled tokens. TRL alone, same
+seed and initial weights, another sampling stream: seed 1 ends at 0.514 or 0.183, seed 3 at 0.318 or
+0.181; the second stream's mean is 0.76 of the first's over seeds 1-5 and 0.86 over seeds 1-10. The
+per-seed paired gaps printed at the end, with their standard errors (about 0.05 on a mean reward of
+0.4 over ten seeds), say whether a gap between looprl and TRL is more than that.
 
-`--quick` runs one seed for 40 steps (a smoke run: ratios then mean little). TRL is an optional
-bench dependency (`pip install -c requirements.lock '.[peer]'`).
+`--quick` runs one seed for a few steps per shape (a smoke run: ratios then mean little). TRL is an
+optional bench dependency (`pip install -c requirements.lock '.[peer]'`).
 """
 
 from __future__ import annotations
@@ -39,13 +44,15 @@ import asyncio
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.common import emit
+from bench.loop_harness import with_overrides
 from services.environment_sandbox.environments.base import make_environment
 from services.environment_sandbox.environments.datasets import task_by_index
 from services.environment_sandbox.environments.digits import digits_score
@@ -80,6 +87,27 @@ class SideResult:
     @property
     def final_reward(self) -> float:
         return statistics.fmean(self.rewards[-LAST_STEPS:])
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the bench's shapes differ in: the recipe, TRL's copies of the model and tokenizer, the
+    reward as TRL calls it, the parity check, and looprl's best configuration for the shape."""
+
+    name: str
+    recipe_text: Callable[[], str]
+    """The shape's recipe (building what it needs first)."""
+    trl_model: Callable[[Recipe], Any]
+    trl_tokenizer: Callable[[Recipe], Any]
+    reward: Callable[..., list[float]]
+    check_parity: Callable[[Recipe], None]
+    speed_target: str
+    looprl_overrides: dict[str, dict[str, object]] = field(default_factory=dict)
+    """Recipe settings only looprl's run gets (e.g. asynchronous mode); TRL stays synchronous."""
+    single_process: bool = False
+    """Also run looprl's libraries in one process (bench/single_process_grpo.py wires digits only)."""
+    noise_floor: bool = True
+    """Also run TRL on a second sampling stream: the spread of two equal learners."""
 
 
 # ---- identical parts ----------------------------------------------------------------------------
@@ -187,7 +215,7 @@ def one_step_update_gap(recipe: Recipe) -> tuple[float, float]:
     looprl.train(batch)
     ours = looprl.policy.hf_state_dict()
     with tempfile.TemporaryDirectory(prefix="looprl-peer-trl-") as out:
-        trainer = trl_trainer(recipe, out)
+        trainer = trl_trainer(recipe, TINY, out)
         trainer.args.max_steps = 1
 
         def replay(prompt_ids, *_: Any, **__: Any) -> tuple[list[list[int]], None]:
@@ -210,15 +238,17 @@ def _optimizer(model: Any, recipe: Recipe) -> tuple[Any, Any]:
     return build_optimizer(list(model.parameters()), recipe.optimizer, recipe.run.steps)
 
 
-def trl_trainer(recipe: Recipe, output_dir: str, callbacks: list[Any] = (), stream: int = 0) -> Any:
+def trl_trainer(
+    recipe: Recipe, shape: Shape, output_dir: str, callbacks: list[Any] = (), stream: int = 0
+) -> Any:
     """A GRPOTrainer set up as shared/peer-trl-mapping.md maps the recipe. `stream` picks TRL's sampling
     random stream (the HF Trainer seeds torch's global generator, which `generate` draws from, with
-    `GRPOConfig.seed`); the initial weights come from the recipe's seed whatever the stream."""
+    `GRPOConfig.seed`); the initial weights are the shape's whatever the stream."""
     from datasets import Dataset
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    model, _ = hf_policy(recipe)
+    model = shape.trl_model(recipe)
     opt, algo, sampling = recipe.optimizer, recipe.algorithm, recipe.sampling
     assert algo.advantage == "dr_grpo" and algo.loss_aggregation == "token-mean" and algo.kl_coef == 0
     config = GRPOConfig(
@@ -260,10 +290,10 @@ def trl_trainer(recipe: Recipe, output_dir: str, callbacks: list[Any] = (), stre
     )
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=digits_reward,
+        reward_funcs=shape.reward,
         args=config,
         train_dataset=Dataset.from_list(prompts(recipe)),
-        processing_class=char_tokenizer_fast(),
+        processing_class=shape.trl_tokenizer(recipe),
         optimizers=_optimizer(model, recipe),
         callbacks=list(callbacks),
     )
@@ -271,7 +301,7 @@ def trl_trainer(recipe: Recipe, output_dir: str, callbacks: list[Any] = (), stre
     return trainer
 
 
-def run_trl(recipe: Recipe, threads: int = 2, stream: int = 0) -> SideResult:
+def run_trl(recipe: Recipe, shape: Shape, threads: int = 2, stream: int = 0) -> SideResult:
     """TRL's GRPOTrainer on the recipe, in this process, sampling from random stream `stream`."""
     from transformers import TrainerCallback
 
@@ -284,7 +314,7 @@ def run_trl(recipe: Recipe, threads: int = 2, stream: int = 0) -> SideResult:
 
     with tempfile.TemporaryDirectory(prefix="looprl-peer-trl-") as out:
         setup = time.perf_counter()
-        trainer = trl_trainer(recipe, out, [StepClock()], stream)
+        trainer = trl_trainer(recipe, shape, out, [StepClock()], stream)
         start = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - start
@@ -316,8 +346,6 @@ def run_single_process(seed: int, steps: int) -> SideResult:
 def with_seed_and_steps(recipe_text: str, seed: int, steps: int, world_size: int = 0) -> str:
     """The recipe at this seed and length; `world_size` > 0 also sets how many trainer ranks train
     it (a deployment choice: the algorithm and the step's token-mean are the same)."""
-    from bench.loop_harness import with_overrides
-
     sections: dict[str, dict[str, object]] = {"run": {"seed": seed, "steps": steps}}
     if world_size > 0:
         sections["trainer"] = {"world_size": world_size}
@@ -334,75 +362,100 @@ def paired_gap(a: list[SideResult], b: list[SideResult]) -> tuple[float, float]:
     return statistics.fmean(diffs), se
 
 
-def compare(
-    shape: str, recipe_path: Path, seeds: list[int], steps: int, world_size: int = 0
-) -> dict[str, float]:
-    base = recipe_path.read_text()
+TINY = Shape(
+    name="tiny",
+    recipe_text=TINY_RECIPE.read_text,
+    trl_model=lambda recipe: hf_policy(recipe)[0],
+    trl_tokenizer=lambda _: char_tokenizer_fast(),
+    reward=digits_reward,
+    check_parity=check_parity,
+    speed_target=">= 0.7",
+    single_process=True,
+)
+
+
+def compare(shape: Shape, seeds: list[int], steps: int, world_size: int = 0) -> dict[str, float]:
+    base = shape.recipe_text()
     trl_runs: list[SideResult] = []
     resampled: list[SideResult] = []
     ours: list[SideResult] = []
     single: list[SideResult] = []
+    tag = shape.name
     for seed in seeds:
         text = with_seed_and_steps(base, seed, steps, world_size)
         recipe = parse_recipe(text)
-        check_parity(recipe)
-        trl_runs.append(run_trl(recipe))
-        ours.append(run_looprl(text, f"peer-{shape}-s{seed}-{int(time.time())}"))
-        single.append(run_single_process(seed, steps))
-        resampled.append(run_trl(recipe, stream=1))
+        shape.check_parity(recipe)
+        trl_runs.append(run_trl(recipe, shape))
+        looprl_text = with_overrides(text, **shape.looprl_overrides)
+        ours.append(run_looprl(looprl_text, f"peer-{tag}-s{seed}-{int(time.time())}"))
+        if shape.single_process:
+            single.append(run_single_process(seed, steps))
+        if shape.noise_floor:
+            resampled.append(run_trl(recipe, shape, stream=1))
         print(
-            f"[{shape}] seed {seed}: looprl ({recipe.trainer.world_size} trainer ranks) "
+            f"[{tag}] seed {seed}: looprl ({recipe.trainer.world_size} trainer ranks, "
+            f"max_staleness {parse_recipe(looprl_text).run.max_staleness}) "
             f"{ours[-1].steps_per_s:.2f} steps/s, last-{LAST_STEPS} reward "
             f"{ours[-1].final_reward:.3f}, stack up+down {ours[-1].overhead_seconds:.1f}s | TRL "
-            f"{trl_runs[-1].steps_per_s:.2f} steps/s, reward {trl_runs[-1].final_reward:.3f} (other sampling "
-            f"stream {resampled[-1].final_reward:.3f}), set-up {trl_runs[-1].overhead_seconds:.1f}s | single "
-            f"process reward {single[-1].final_reward:.3f}",
+            f"{trl_runs[-1].steps_per_s:.2f} steps/s, reward {trl_runs[-1].final_reward:.3f}, "
+            f"set-up {trl_runs[-1].overhead_seconds:.1f}s"
+            + (f" (other sampling stream {resampled[-1].final_reward:.3f})" if resampled else "")
+            + (f" | single process reward {single[-1].final_reward:.3f}" if single else ""),
             flush=True,
         )
+        if steps <= 60:
+            print(
+                f"[{tag}] seed {seed} rewards per step: looprl {_curve(ours[-1])} | TRL {_curve(trl_runs[-1])}"
+            )
     speed = [o.steps_per_s / t.steps_per_s for o, t in zip(ours, trl_runs, strict=True)]
-    print(f"[{shape}] steps/s ratio per seed: {', '.join(f'{r:.2f}' for r in speed)}", flush=True)
-    for name, side, other in (
-        ("looprl - TRL", ours, trl_runs),
-        ("single process - TRL", single, trl_runs),
-        ("TRL other stream - TRL", resampled, trl_runs),
-    ):
-        gap, se = paired_gap(side, other)
-        print(f"[{shape}] reward gap {name}: {gap:+.3f} +- {se:.3f} (mean +- standard error over seeds)")
+    print(f"[{tag}] steps/s ratio per seed: {', '.join(f'{r:.2f}' for r in speed)}", flush=True)
+    others = [("looprl - TRL", ours)]
+    others += [("single process - TRL", single)] if single else []
+    others += [("TRL other stream - TRL", resampled)] if resampled else []
+    for name, side in others:
+        gap, se = paired_gap(side, trl_runs)
+        print(f"[{tag}] reward gap {name}: {gap:+.3f} +- {se:.3f} (mean +- standard error over seeds)")
 
     def mean(runs: list[SideResult], key: str) -> float:
         return statistics.fmean(getattr(r, key) for r in runs)
 
     looprl_reward, trl_reward = mean(ours, "final_reward"), mean(trl_runs, "final_reward")
     unit = f"mean last-{LAST_STEPS} reward over seeds {seeds}"
-    for figure, value, baseline, target in (
-        (f"reward_ratio_{shape}", looprl_reward, trl_reward, ">= 0.9"),
-        (f"reward_vs_single_process_{shape}", looprl_reward, mean(single, "final_reward"), ">= 1.0"),
+    figures = [(f"reward_ratio_{tag}", looprl_reward, trl_reward, ">= 0.9")]
+    if single:
+        figures.append(
+            (f"reward_vs_single_process_{tag}", looprl_reward, mean(single, "final_reward"), ">= 1.0")
+        )
+    if resampled:
         # The same algorithm (TRL) against itself with another sampling stream: how far the ratio of
-        # two equal learners strays on these seeds, the yardstick for the two figures above.
-        (
-            f"reward_noise_floor_{shape}",
-            mean(resampled, "final_reward"),
-            trl_reward,
-            "none: the spread of equals",
-        ),
-    ):
+        # two equal learners strays on these seeds, the yardstick for the figures above.
+        figures.append(
+            (
+                f"reward_noise_floor_{tag}",
+                mean(resampled, "final_reward"),
+                trl_reward,
+                "none: the spread of equals",
+            )
+        )
+    for figure, value, baseline, target in figures:
         emit(BENCH, figure, value, baseline, value / max(baseline, 1e-9), unit, target)
     looprl_speed, trl_speed = mean(ours, "steps_per_s"), mean(trl_runs, "steps_per_s")
-    ranks = world_size or parse_recipe(base).trainer.world_size
-    target = ">= 0.7" if shape == "tiny" else ">= 1.3"
+    looprl_recipe = parse_recipe(with_overrides(base, **shape.looprl_overrides))
+    ranks = world_size or looprl_recipe.trainer.world_size
     emit(
         BENCH,
-        f"steps_per_s_ratio_{shape}",
+        f"steps_per_s_ratio_{tag}",
         looprl_speed,
         trl_speed,
         looprl_speed / trl_speed,
-        f"steps/s (first step excluded; looprl with {ranks} trainer ranks)",
-        target,
+        f"steps/s (first step excluded; looprl with {ranks} trainer ranks, "
+        f"max_staleness {looprl_recipe.run.max_staleness}; TRL synchronous)",
+        shape.speed_target,
     )
     overhead, setup = mean(ours, "overhead_seconds"), mean(trl_runs, "overhead_seconds")
     emit(
         BENCH,
-        "local_stack_up_down_s",
+        "local_stack_up_down_s" + ("" if tag == "tiny" else f"_{tag}"),
         overhead,
         setup,
         overhead / max(setup, 1e-9),
@@ -412,18 +465,28 @@ def compare(
     return {"reward": looprl_reward, "trl_reward": trl_reward}
 
 
+def _curve(side: SideResult) -> str:
+    return " ".join(f"{r:.2f}" for r in side.rewards)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one seed, 40 steps")
-    parser.add_argument("--seeds", default=",".join(map(str, range(1, 11))))
+    parser.add_argument("--shape", choices=("tiny", "realistic", "both"), default="both")
+    parser.add_argument("--quick", action="store_true", help="one seed, a few steps per shape")
+    parser.add_argument("--seeds", default="", help="comma-separated (default: 1-10 tiny, 1-3 realistic)")
     parser.add_argument("--steps", type=int, default=0, help="steps per run (default: the recipe's)")
     parser.add_argument(
         "--world-size", type=int, default=0, help="looprl's trainer ranks (default: the recipe's)"
     )
     args = parser.parse_args()
-    seeds = [1] if args.quick else [int(s) for s in args.seeds.split(",")]
-    steps = 40 if args.quick else args.steps or parse_recipe(TINY_RECIPE.read_text()).run.steps
-    compare("tiny", TINY_RECIPE, seeds, steps, args.world_size)
+    from bench.peer_trl_realistic import REALISTIC
+
+    for shape, default_seeds, quick_steps in ((TINY, range(1, 11), 40), (REALISTIC, range(1, 4), 6)):
+        if args.shape not in (shape.name, "both"):
+            continue
+        seeds = [1] if args.quick else [int(s) for s in args.seeds.split(",") if s] or list(default_seeds)
+        steps = quick_steps if args.quick else args.steps or parse_recipe(shape.recipe_text()).run.steps
+        compare(shape, seeds, steps, args.world_size)
 
 
 if __name__ == "__main__":

@@ -103,7 +103,9 @@ def measure(name: str, config: ModelConfig, batches: list[PackedMicroBatch], rep
         f"[{name}] {len(batches)} micro-batches, {tokens} tokens: prompt once per group "
         f"{1000 / shared:.1f} ms, once per sample {1000 / plain:.1f} ms"
     )
-    emit(BENCH, f"step_speedup_{name}", shared, plain, shared / plain, "steps/s (forward + backward)", ">= 1.5")
+    emit(
+        BENCH, f"step_speedup_{name}", shared, plain, shared / plain, "steps/s (forward + backward)", ">= 1.5"
+    )
 
 
 def main() -> None:

@@ -1,0 +1,123 @@
+"""The peer bench's realistic shape: a ~10M-parameter Qwen2 answering math word problems in up to 96
+tokens, learned by looprl and by TRL's GRPOTrainer from the same Hugging Face directory.
+
+The shape is configs/math_10m_grpo.toml. Its model, models/qwen2-10m-math, is built offline by
+tools/build_hf_model.py (byte-level BPE, Qwen chat template, 300 warm-start steps on the corpus'
+worked problems) the first time it is needed, and both sides load it from disk: TRL with
+`AutoModelForCausalLM` / `AutoTokenizer`, looprl's services with their own loaders. Before measuring,
+`check_parity` checks that the two loaders agree (token ids, chat template ids of the run's prompts,
+logits) and that TRL's dataset is the run's tasks in the gateway's order. The loss, optimizer and
+sampling map exactly as for the tiny shape (shared/peer-trl-mapping.md), where one update on the
+same completions is checked equal; here only the loaders differ.
+
+This is where looprl's engine should earn its keep: a step samples 32 completions of up to 96 tokens,
+so generation is a large share of the step, and looprl may run its best configuration for the shape
+(the bench prints which) while TRL stays synchronous.
+
+    make math-10m-model        (build the model alone; the bench builds it when missing)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.loop_harness import with_overrides
+from bench.peer_trl import Shape, prompts
+from services.kit.recipe import Recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "configs" / "math_10m_grpo.toml"
+MODEL_DIR = ROOT / "models" / "qwen2-10m-math"
+# ~9.7M parameters: 12 layers of width 256, MLP 768, 8 query and 4 key/value heads of 32.
+MODEL_SIZE = dict(
+    hidden_size=256, intermediate_size=768, num_layers=12, num_heads=8, num_kv_heads=4, head_dim=32
+)
+WARM_START_STEPS = 300
+# looprl's best configuration for this shape (measured: see the README's peer_trl rows).
+LOOPRL_OVERRIDES: dict[str, dict[str, object]] = {"run": {"max_staleness": 1}}
+
+
+def ensure_model() -> Path:
+    """models/qwen2-10m-math, built once (deterministic: the same bytes on every machine)."""
+    if not (MODEL_DIR / "README.md").exists():  # the model card is written last
+        from tools.build_hf_model import build
+
+        print(f"building {MODEL_DIR} ({WARM_START_STEPS} warm-start steps, a few minutes)", flush=True)
+        build(MODEL_DIR, sft_steps=WARM_START_STEPS, **MODEL_SIZE)
+    return MODEL_DIR
+
+
+def recipe_text() -> str:
+    """The recipe with the model's absolute path: both sides read it whatever their working directory."""
+    model = str(ensure_model())
+    return with_overrides(RECIPE.read_text(), model={"path": model, "tokenizer": model})
+
+
+def trl_model(recipe: Recipe) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(recipe.model.path, dtype=torch.float32)
+
+
+def trl_tokenizer(recipe: Recipe) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(recipe.model.tokenizer)
+
+
+def math_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+    """The stack's `math` reward (numeric equivalence of the final answer) on each completion's text."""
+    from services.reward.verifiers import ScoreInput, numeric_equivalence
+
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+
+    async def score() -> list[float]:
+        return [
+            await numeric_equivalence(ScoreInput(task={"answer": target}, completion=text))
+            for text, target in zip(texts, answer, strict=True)
+        ]
+
+    return asyncio.run(score())
+
+
+def check_parity(recipe: Recipe) -> None:
+    """Raise unless TRL's and looprl's loaders read the same tokenizer, template and weights."""
+    from services.modeling.qwen2 import Qwen2ForCausalLM
+    from services.modeling.tokenizer import load_tokenizer
+
+    ours_tok, theirs_tok = load_tokenizer(recipe.model.tokenizer), trl_tokenizer(recipe)
+    for text in ("Ann has 12 apples.\n#### 38", "<|im_start|>user\nx<|im_end|>", "tab\there  é $5.50"):
+        ids = ours_tok.encode(text)
+        assert theirs_tok.encode(text, add_special_tokens=False) == ids, f"token ids differ: {text!r}"
+        assert theirs_tok.decode(ids) == ours_tok.decode(ids), f"decode differs: {text!r}"
+    rows = prompts(recipe)
+    for row in rows[:5]:
+        ids = theirs_tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert list(ids) == ours_tok.apply_chat_template(row["prompt"]), "chat template ids differ"
+    ids = torch.tensor(ours_tok.apply_chat_template(rows[0]["prompt"]))
+    with torch.no_grad():
+        theirs = trl_model(recipe)(ids[None]).logits[0]
+        mine = Qwen2ForCausalLM.from_pretrained(recipe.model.path)(ids)
+    diff = float((theirs - mine).abs().max())
+    assert diff < 1e-4, f"logits of the two loaders differ by {diff}"
+
+
+REALISTIC = Shape(
+    name="realistic",
+    recipe_text=recipe_text,
+    trl_model=trl_model,
+    trl_tokenizer=trl_tokenizer,
+    reward=math_reward,
+    check_parity=check_parity,
+    speed_target=">= 1.3",
+    looprl_overrides=LOOPRL_OVERRIDES,
+)
+
+
+if __name__ == "__main__":
+    print(ensure_model())
