@@ -20,6 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# Longest compact sequence: its attention runs over an explicit [L, L] mask (no fused causal
+# kernel), so a long group is split rather than paying L^2 memory across all its branches.
+MAX_COMPACT_TOKENS = 4096
+
 
 @dataclass
 class SharedPrefixLayout:
@@ -37,12 +41,17 @@ class SharedPrefixLayout:
 
 
 def share_prefixes(
-    input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, prefix_lengths: list[int]
+    input_ids: Tensor,
+    position_ids: Tensor,
+    cu_seqlens: Tensor,
+    prefix_lengths: list[int],
+    max_compact_tokens: int = MAX_COMPACT_TOKENS,
 ) -> SharedPrefixLayout | None:
     """The compact layout of a packed batch in which sequences may share their first
     `prefix_lengths[s]` tokens (a prompt: the tokens before the first trained one), or None when no
     two sequences share one. Sequences share when those tokens and their lengths are equal and their
-    positions run 0..p-1."""
+    positions run 0..p-1. A group whose compact sequence would pass `max_compact_tokens` is split
+    into several, each with its own copy of the prefix."""
     bounds = cu_seqlens.tolist()
     ids, positions = input_ids.tolist(), position_ids.tolist()
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -64,20 +73,12 @@ def share_prefixes(
     cu = [0]
     row_of = [0] * len(ids)
     for entry in order:
-        members = groups[entry] if isinstance(entry, tuple) else [entry]
         p = entry[0] if isinstance(entry, tuple) else 0
-        first = bounds[members[0]]
-        for offset in range(p):  # the prefix, once
-            for s in members:
-                row_of[bounds[s] + offset] = len(rows)
-            rows.append(first + offset)
-            segments.append(0)
-        for branch, s in enumerate(members, start=1 if len(members) > 1 else 0):
-            for row in range(bounds[s] + p, bounds[s + 1]):
-                row_of[row] = len(rows)
-                rows.append(row)
-                segments.append(branch)
-        cu.append(len(rows))
+        for members in _chunks(
+            groups[entry] if isinstance(entry, tuple) else [entry], p, bounds, max_compact_tokens
+        ):
+            _lay_out(members, p, bounds, rows, segments, row_of)
+            cu.append(len(rows))
     device = input_ids.device
     index = torch.tensor(rows, dtype=torch.long, device=device)
     return SharedPrefixLayout(
@@ -87,3 +88,36 @@ def share_prefixes(
         segments=torch.tensor(segments, dtype=torch.long, device=device),
         row_of=torch.tensor(row_of, dtype=torch.long, device=device),
     )
+
+
+def _chunks(members: list[int], p: int, bounds: list[int], limit: int) -> list[list[int]]:
+    """Members in runs whose compact length (the prefix once, then each member's rest) stays within
+    `limit`; a member longer than that on its own gets a run of its own."""
+    runs: list[list[int]] = [[]]
+    size = p
+    for s in members:
+        rest = bounds[s + 1] - bounds[s] - p
+        if runs[-1] and size + rest > limit:
+            runs.append([])
+            size = p
+        runs[-1].append(s)
+        size += rest
+    return runs
+
+
+def _lay_out(
+    members: list[int], p: int, bounds: list[int], rows: list[int], segments: list[int], row_of: list[int]
+) -> None:
+    """Append one compact sequence: the members' shared first p rows once, then each member's rest
+    as a branch (segment k), or as plain causal tokens (segment 0) when it has no company."""
+    first = bounds[members[0]]
+    for offset in range(p):  # the prefix, once
+        for s in members:
+            row_of[bounds[s] + offset] = len(rows)
+        rows.append(first + offset)
+        segments.append(0)
+    for branch, s in enumerate(members, start=1 if len(members) > 1 else 0):
+        for row in range(bounds[s] + p, bounds[s + 1]):
+            row_of[row] = len(rows)
+            rows.append(row)
+            segments.append(branch)

@@ -118,3 +118,17 @@ def test_segments_must_match_the_batch() -> None:
     ids = torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="segments"):
         model(ids, torch.arange(3), torch.tensor([0, 3]), segments=torch.zeros(2, dtype=torch.long))
+
+
+def test_a_long_group_is_split_with_the_prompt_in_each_part() -> None:
+    mb = packed(GROUPS)
+    prompts = [len(p) for p, _ in GROUPS]
+    layout = share_prefixes(mb.input_ids, mb.position_ids, mb.cu_seqlens, prompts, max_compact_tokens=9)
+    assert layout is not None
+    # [5..9] + answers of 3 and 1 | [5..9] + 3 | [1, 2, 3] + 4 | [5..8, 20] + 3 | [5..8, 20] + 2
+    assert layout.cu_seqlens.tolist() == [0, 9, 17, 24, 32, 39]
+    model = Qwen2ForCausalLM(CONFIG, seed=0)
+    with torch.no_grad():
+        plain = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+        shared = model(layout.input_ids, layout.position_ids, layout.cu_seqlens, segments=layout.segments)
+    torch.testing.assert_close(shared[layout.row_of], plain, rtol=1e-5, atol=1e-5)
