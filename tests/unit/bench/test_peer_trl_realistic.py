@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tomllib
+
 import pytest
 import torch
 
@@ -49,10 +51,11 @@ def test_math_reward_is_the_stacks_math_reward() -> None:
     assert math_reward(completions, answer=["52", "52", "52", "52"]) == [1.0, 0.0, 1.0, 0.0]
 
 
-def test_the_shape_recipe_is_looprl_valid_and_maps_onto_trl() -> None:
-    recipe = parse_recipe(RECIPE.read_text())
+def test_the_shape_recipe_is_looprl_valid_and_maps_onto_trl(recipe: Recipe) -> None:
     assert recipe.environment.name == "math"
-    assert ROOT / recipe.model.path == MODEL_DIR  # `make run RECIPE=...` finds what the bench builds
     # The settings shared/peer-trl-mapping.md maps onto GRPOTrainer.
     assert recipe.algorithm.advantage == "dr_grpo" and recipe.algorithm.loss_aggregation == "token-mean"
     assert recipe.run.max_staleness == 0  # TRL's side; looprl's best configuration is an override
+    # `make run RECIPE=configs/math_10m_grpo.toml` finds the model the bench builds.
+    model = tomllib.loads(RECIPE.read_text())["model"]
+    assert ROOT / model["path"] == ROOT / model["tokenizer"] == MODEL_DIR
