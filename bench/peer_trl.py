@@ -165,24 +165,31 @@ def digits_reward(completions: list[Any], answer: list[str], **_: Any) -> list[f
     return [digits_score(text, target) for text, target in zip(texts, answer, strict=True)]
 
 
-def check_parity(recipe: Recipe) -> None:
-    """Raise unless model, init, tokenizer, template and tasks are the same on both sides."""
-    hf_model, ours = hf_policy(recipe)
-    fast, char = char_tokenizer_fast(), CharTokenizer()
-    for text in ("rev 123", "<|im_start|>user\nx<|im_end|>", "tab\there  é", "\n\n  ~"):
-        assert fast.encode(text, add_special_tokens=False) == char.encode(text), f"token ids differ: {text!r}"
-        assert fast.decode(char.encode(text)) == char.decode(char.encode(text)), f"decode differs: {text!r}"
+def check_same_inputs(
+    recipe: Recipe, theirs_tok: Any, ours_tok: Any, texts: tuple[str, ...], theirs: Any, ours: Any, tol: float
+) -> None:
+    """Raise unless TRL's and looprl's tokenizers agree on `texts` and on the run's first prompts
+    (chat template included), and their models give the same logits on the first prompt."""
+    for text in texts:
+        ids = ours_tok.encode(text)
+        assert theirs_tok.encode(text, add_special_tokens=False) == ids, f"token ids differ: {text!r}"
+        assert theirs_tok.decode(ids) == ours_tok.decode(ids), f"decode differs: {text!r}"
     rows = prompts(recipe)
     for row in rows[:5]:
-        ids = fast.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+        ids = theirs_tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        assert list(ids) == char.apply_chat_template(row["prompt"]), "chat template ids differ"
-    ids = torch.tensor(char.apply_chat_template(rows[0]["prompt"]))
+        assert list(ids) == ours_tok.apply_chat_template(row["prompt"]), "chat template ids differ"
+    ids = torch.tensor(ours_tok.apply_chat_template(rows[0]["prompt"]))
     with torch.no_grad():
-        theirs = hf_model(ids[None]).logits[0]
-        mine = ours(ids, torch.arange(len(ids)), torch.tensor([0, len(ids)]))
-    diff = float((theirs - mine).abs().max())
-    assert diff < 1e-5, f"initial logits differ by {diff}"
+        diff = float((theirs(ids[None]).logits[0] - ours(ids)).abs().max())
+    assert diff < tol, f"initial logits differ by {diff}"
+
+
+def check_parity(recipe: Recipe) -> None:
+    """Raise unless model, init, tokenizer, template, tasks and the first update are the same on both sides."""
+    hf_model, ours = hf_policy(recipe)
+    texts = ("rev 123", "<|im_start|>user\nx<|im_end|>", "tab\there  é", "\n\n  ~")
+    check_same_inputs(recipe, char_tokenizer_fast(), CharTokenizer(), texts, hf_model, ours, 1e-5)
     gap, update = one_step_update_gap(recipe)
     assert gap < 0.01 * update, f"one update on the same completions differs by {gap} (update norm {update})"
 

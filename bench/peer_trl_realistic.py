@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from bench.loop_harness import with_overrides
-from bench.peer_trl import Shape, prompts
+from bench.peer_trl import Shape, check_same_inputs
 from services.kit.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,22 +92,17 @@ def check_parity(recipe: Recipe) -> None:
     from services.modeling.qwen2 import Qwen2ForCausalLM
     from services.modeling.tokenizer import load_tokenizer
 
-    ours_tok, theirs_tok = load_tokenizer(recipe.model.tokenizer), trl_tokenizer(recipe)
-    for text in ("Ann has 12 apples.\n#### 38", "<|im_start|>user\nx<|im_end|>", "tab\there  é $5.50"):
-        ids = ours_tok.encode(text)
-        assert theirs_tok.encode(text, add_special_tokens=False) == ids, f"token ids differ: {text!r}"
-        assert theirs_tok.decode(ids) == ours_tok.decode(ids), f"decode differs: {text!r}"
-    rows = prompts(recipe)
-    for row in rows[:5]:
-        ids = theirs_tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        assert list(ids) == ours_tok.apply_chat_template(row["prompt"]), "chat template ids differ"
-    ids = torch.tensor(ours_tok.apply_chat_template(rows[0]["prompt"]))
-    with torch.no_grad():
-        theirs = trl_model(recipe)(ids[None]).logits[0]
-        mine = Qwen2ForCausalLM.from_pretrained(recipe.model.path)(ids)
-    diff = float((theirs - mine).abs().max())
-    assert diff < 1e-4, f"logits of the two loaders differ by {diff}"
+    texts = ("Ann has 12 apples.\n#### 38", "<|im_start|>user\nx<|im_end|>", "tab\there  é $5.50")
+    ours = Qwen2ForCausalLM.from_pretrained(recipe.model.path)
+    check_same_inputs(
+        recipe,
+        trl_tokenizer(recipe),
+        load_tokenizer(recipe.model.tokenizer),
+        texts,
+        trl_model(recipe),
+        ours,
+        1e-4,
+    )
 
 
 REALISTIC = Shape(

@@ -59,12 +59,18 @@ def group_batches(
         current.append(seq)
     batches.append(current)
     loss_tokens = sum(len(a) for _, a in sequences)
-    return [_packed(b, loss_tokens, len(sequences), rng) for b in batches]
+    return [packed(b, loss_tokens, len(sequences), seed=i) for i, b in enumerate(batches)]
 
 
-def _packed(
-    sequences: list[tuple[list[int], list[int]]], loss_tokens: int, count: int, rng: np.random.Generator
+def packed(
+    sequences: list[tuple[list[int], list[int]]],
+    loss_tokens: int = 0,
+    count: int = 0,
+    seed: int = 0,
 ) -> PackedMicroBatch:
+    """(prompt, answer) pairs packed as the rollout-packer does: the answers trained, with random
+    advantages and behaviour log-probs; `loss_tokens`/`count` are the whole step's (0: this batch's)."""
+    gen = torch.Generator().manual_seed(seed)
     ids, positions, mask, bounds = [], [], [], [0]
     for prompt, answer in sequences:
         ids += prompt + answer
@@ -78,11 +84,11 @@ def _packed(
         position_ids=torch.tensor(positions),
         cu_seqlens=torch.tensor(bounds),
         loss_mask=loss_mask,
-        advantages=torch.from_numpy(rng.standard_normal(len(ids)).astype(np.float32)) * loss_mask,
-        behaviour_logprobs=-2.0 * loss_mask,
+        advantages=torch.randn(len(ids), generator=gen) * loss_mask,
+        behaviour_logprobs=-torch.rand(len(ids), generator=gen) * 3 * loss_mask,
         versions=torch.zeros(len(ids), dtype=torch.long),
-        global_loss_tokens=loss_tokens,
-        global_sequences=count,
+        global_loss_tokens=loss_tokens or int(loss_mask.sum()),
+        global_sequences=count or len(sequences),
     )
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.shared_prompts import packed
 from services.kit.recipe import AlgorithmSection
 from services.modeling.config import ModelConfig
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.shared_prefix import share_prefixes
-from services.trainer.batch import PackedMicroBatch
 from services.trainer.step import StepSettings, micro_batch_loss
 
 CONFIG = ModelConfig.tiny(
@@ -23,32 +23,6 @@ CONFIG = ModelConfig.tiny(
     head_dim=8,
     max_position_embeddings=64,
 )
-
-
-def packed(sequences: list[tuple[list[int], list[int]]], seed: int = 0) -> PackedMicroBatch:
-    """(prompt, completion) pairs packed as the rollout-packer does, with random advantages and
-    behaviour log-probs on the completion tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    ids, positions, mask, bounds = [], [], [], [0]
-    for prompt, completion in sequences:
-        ids += prompt + completion
-        positions += list(range(len(prompt) + len(completion)))
-        mask += [0.0] * len(prompt) + [1.0] * len(completion)
-        bounds.append(len(ids))
-    total = len(ids)
-    loss_mask = torch.tensor(mask)
-    return PackedMicroBatch(
-        step=0,
-        input_ids=torch.tensor(ids),
-        position_ids=torch.tensor(positions),
-        cu_seqlens=torch.tensor(bounds),
-        loss_mask=loss_mask,
-        advantages=torch.randn(total, generator=gen) * loss_mask,
-        behaviour_logprobs=-torch.rand(total, generator=gen) * 3 * loss_mask,
-        versions=torch.zeros(total, dtype=torch.long),
-        global_loss_tokens=int(loss_mask.sum()),
-        global_sequences=len(sequences),
-    )
 
 
 # Two groups with different prompts (the second's differs from the first's only in its last token),
