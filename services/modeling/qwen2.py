@@ -104,6 +104,7 @@ class Qwen2Attention(nn.Module):
         # Block-diagonal causal attention as one fused call per distinct sequence length: sequences
         # of one length stack into [n, heads, L, d]. Costs sum(L_i^2), not T^2, needs no [T, T] mask,
         # and a GRPO step (a few lengths, many sequences) makes a handful of calls, not one per sequence.
+        # A block holding shared-prompt branches attends through its [L, L] segment mask instead.
         outs = []
         # index: [n, L] token positions of the n sequences of one length.
         for index, mask in zip(blocks.token_index, blocks.masks, strict=True):

@@ -142,9 +142,10 @@ class Environment(ABC):
 
     def fork(self) -> Environment:
         """An independent copy at this point of the episode (for branching): its own state,
-        the same host context (sandbox, limiter). Environments holding resources that cannot
-        be deep-copied override this."""
-        return copy.deepcopy(self, {id(self.context): self.context})
+        the same host context (sandbox, limiter) and the same parsed config, which nothing
+        changes after parsing. Environments holding resources that cannot be deep-copied
+        override this."""
+        return copy.deepcopy(self, {id(self.context): self.context, id(self.config): self.config})
 
 
 _REGISTRY: dict[str, type[Environment]] = {}

@@ -134,3 +134,17 @@ async def test_forking_tasks_need_run_all_and_sane_counts():
     single = await runner.run_all(fork_task(1, 1))
     assert len(single) == 1 and single[0].rollout_id == rollout_id_for("r", "t", "g", 1)
     assert single[0].sample_index == 1 and single[0].group_size == 2
+
+
+async def test_a_forked_environment_plays_on_alone_and_shares_the_parsed_config():
+    from services.environment_sandbox.environments.base import make_environment
+
+    env = make_environment("guess", {"max_turns": 4})
+    await env.reset({"secret": 5, "high": 16})
+    await env.step("3")
+    fork = env.fork()
+    assert fork.config is env.config  # parsed once, never changed: not copied per branch
+    assert fork.task == env.task and fork.task is not env.task
+    result = await fork.step("5")
+    assert result.done and fork.turns == 2
+    assert not env.done and env.turns == 1
