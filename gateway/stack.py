@@ -26,6 +26,7 @@ from services.kit.local import (
     RAY_GRACE_S,
     NatsServer,
     RayHead,
+    keep_ray_logs,
     pid_alive,
     port_is_free,
     require_free,
@@ -373,6 +374,7 @@ def down(state_dir: Path, grace: float = 15.0, log=print) -> bool:
         killed = stop_pid_group(svc.pid, grace)
         log(f"stopped {svc.name}{' (killed after grace)' if killed else ''}")
     stop_session(state.ray_pid, RAY_GRACE_S)
+    keep_ray_logs(state.ray_port, Path(state.state_dir))
     log("stopped ray head")
     stop_pid_group(state.nats_pid, grace)
     log("stopped nats-server")

@@ -161,8 +161,7 @@ class RayHead:
             raise ValueError(f"Ray head port must be 6379 or above 20000, got {self.port}")
         require_free(self.port, "ray head", self.host)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        # Ray's temp dir ends up inside socket paths, which must stay short (108 bytes).
-        temp_dir = Path("/tmp") / f"looprl-ray-{self.port}"
+        temp_dir = ray_temp_dir(self.port)
         env = {**os.environ, **self.env(), "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS")
         log = open(self.state_dir / "ray-head.log", "ab")  # noqa: SIM115 - owned by the child
@@ -197,6 +196,26 @@ class RayHead:
         if self.proc is not None:
             stop_session(self.proc.pid, grace)
             self.proc.wait(timeout=5)
+            keep_ray_logs(self.port, self.state_dir)
+
+
+def ray_temp_dir(port: int) -> Path:
+    """Where the head on `port` keeps its session: under /tmp, because Ray's temp dir ends up
+    inside socket paths, which must stay short (108 bytes)."""
+    return Path("/tmp") / f"looprl-ray-{port}"
+
+
+def keep_ray_logs(port: int, state_dir: Path) -> None:
+    """Once the head on `port` has stopped: move its session's logs (its actors' output among them)
+    to `state_dir`/ray-logs, beside the services' logs, and remove the session from /tmp, where
+    every stack would otherwise leave a few MB behind."""
+    temp_dir = ray_temp_dir(port)
+    logs = temp_dir / "session_latest" / "logs"
+    if logs.is_dir():
+        shutil.copytree(
+            logs.resolve(), state_dir / "ray-logs", dirs_exist_ok=True, ignore_dangling_symlinks=True
+        )
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def session_pids(sid: int) -> list[int]:

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.stack import StackState
 from looprl.gateway.v1 import gateway_pb2_grpc
-from services.kit.local import pid_alive, port_is_free
+from services.kit.local import pid_alive, port_is_free, ray_temp_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RECIPE = (ROOT / "configs" / "digits_grpo.toml").read_text()
@@ -102,6 +102,8 @@ def local_stack(state_dir: Path, recipe_text: str | None = None) -> Iterator[Sta
         pids = [state.nats_pid, state.ray_pid, *(s.pid for s in state.services)]
         assert not [pid for pid in pids if pid_alive(pid)], "processes left after `looprl down`"
         assert not _ray_processes(state.ray_port), "Ray processes left after `looprl down`"
+        assert not ray_temp_dir(state.ray_port).exists(), "Ray's session left in /tmp after `looprl down`"
+        assert (state_dir / "ray-logs").is_dir(), "the Ray session's logs were not kept with the stack"
 
 
 @pytest.fixture(scope="session")
