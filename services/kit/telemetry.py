@@ -216,5 +216,6 @@ def links(contexts: Sequence[SpanContext | None], limit: int = MAX_LINKS) -> tup
 def link_carriers(
     carriers: Sequence[Mapping[str, str] | None], limit: int = MAX_LINKS
 ) -> tuple[list[Link], int]:
-    """`links` over headers (traceparent) instead of span contexts."""
-    return links([remote_span_context(c) for c in carriers if c], limit)
+    """`links` over headers (traceparent) instead of span contexts. Headers with no value link to
+    nothing and are not parsed (with tracing off, every rollout's traceparent is empty)."""
+    return links([remote_span_context(c) for c in carriers if c and any(c.values())], limit)
