@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from bench.loop_harness import with_overrides
-from bench.peer_trl import Shape, check_same_inputs
+from bench.peer_shape import Shape, check_same_inputs
 from services.kit.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parent.parent
