@@ -206,15 +206,17 @@ def ray_temp_dir(port: int) -> Path:
 
 
 def keep_ray_logs(port: int, state_dir: Path) -> None:
-    """Once the head on `port` has stopped: move its session's logs (its actors' output among them)
-    to `state_dir`/ray-logs, beside the services' logs, and remove the session from /tmp, where
-    every stack would otherwise leave a few MB behind."""
+    """Once the head on `port` has stopped: move its sessions' logs (its actors' output among them)
+    to `state_dir`/ray-logs/<session>, beside the services' logs, and remove the sessions from /tmp,
+    where every stack would otherwise leave a few MB behind. Every session: a head restarted on the
+    same port (`looprl restart ray-head`) starts a new one, and the old one says why it went."""
     temp_dir = ray_temp_dir(port)
-    logs = temp_dir / "session_latest" / "logs"
-    if logs.is_dir():
-        shutil.copytree(
-            logs.resolve(), state_dir / "ray-logs", dirs_exist_ok=True, ignore_dangling_symlinks=True
-        )
+    for session in temp_dir.glob("session_*"):
+        logs = session / "logs"
+        if not session.is_symlink() and logs.is_dir():  # session_latest links to one of the others
+            shutil.copytree(
+                logs, state_dir / "ray-logs" / session.name, dirs_exist_ok=True, ignore_dangling_symlinks=True
+            )
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
