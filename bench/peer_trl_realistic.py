@@ -31,13 +31,21 @@ import torch
 from bench.loop_harness import with_overrides
 from bench.peer_shape import Shape, check_same_inputs
 from services.kit.recipe import Recipe
+from services.modeling.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "configs" / "math_10m_grpo.toml"
 MODEL_DIR = ROOT / "models" / "qwen2-10m-math"
 # ~9.7M parameters: 12 layers of width 256, MLP 768, 8 query and 4 key/value heads of 32.
-MODEL_SIZE = dict(
-    hidden_size=256, intermediate_size=768, num_layers=12, num_heads=8, num_kv_heads=4, head_dim=32
+MODEL = ModelConfig.tiny(
+    vocab_size=1024,  # the most the BPE may learn, specials included
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=12,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    max_position_embeddings=2048,
 )
 WARM_START_STEPS = 300
 # looprl's best configuration for this shape (measured: see the README's peer_trl rows).
@@ -50,7 +58,18 @@ def ensure_model() -> Path:
         from tools.build_hf_model import build
 
         print(f"building {MODEL_DIR} ({WARM_START_STEPS} warm-start steps, a few minutes)", flush=True)
-        build(MODEL_DIR, sft_steps=WARM_START_STEPS, **MODEL_SIZE)
+        build(
+            MODEL_DIR,
+            sft_steps=WARM_START_STEPS,
+            vocab_size=MODEL.vocab_size,
+            hidden_size=MODEL.hidden_size,
+            intermediate_size=MODEL.intermediate_size,
+            num_layers=MODEL.num_hidden_layers,
+            num_heads=MODEL.num_attention_heads,
+            num_kv_heads=MODEL.num_key_value_heads,
+            head_dim=MODEL.head_dim,
+            max_positions=MODEL.max_position_embeddings,
+        )
     return MODEL_DIR
 
 

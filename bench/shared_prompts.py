@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from bench.common import emit, median, parse_args
+from bench.peer_trl_realistic import MODEL as REALISTIC_MODEL
 from services.kit.recipe import AlgorithmSection
 from services.modeling.config import ModelConfig, model_preset
 from services.modeling.qwen2 import Qwen2ForCausalLM
@@ -27,16 +28,6 @@ from services.trainer.batch import PackedMicroBatch
 from services.trainer.step import StepSettings, accumulate
 
 BENCH = "shared_prompts"
-REALISTIC = ModelConfig.tiny(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=12,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    max_position_embeddings=2048,
-)
 
 
 def group_batches(
@@ -122,7 +113,12 @@ def main() -> None:
     measure("tiny", model_preset("tiny-qwen2"), group_batches(8, 8, 20, [4] * 64, 64, 2048), repeat)
     sigma = math.log(96 / 37) / 3
     answers = np.clip(rng.lognormal(math.log(37), sigma, 32), 8, 96).astype(int).tolist()
-    measure("realistic", REALISTIC, group_batches(4, 8, 69, answers, 1024, 4096), max(1, repeat // 3))
+    measure(
+        "realistic",
+        REALISTIC_MODEL,
+        group_batches(4, 8, 69, answers, REALISTIC_MODEL.vocab_size, 4096),
+        max(1, repeat // 3),
+    )
 
 
 if __name__ == "__main__":
