@@ -47,11 +47,11 @@ def _scatter(values: Tensor, positions: Tensor, total: int) -> Tensor:
     return torch.zeros(total, dtype=values.dtype, device=values.device).index_copy(0, positions, values)
 
 
-def _prompt_layout(mb: PackedMicroBatch) -> SharedPrefixLayout | None:
+def _prompt_layout(mb: PackedMicroBatch, trained_rows: Tensor) -> SharedPrefixLayout | None:
     """The micro-batch with each prompt its sequences share laid out once (None: nothing shared). A
-    sequence's prompt is what precedes its first trained token."""
+    sequence's prompt is what precedes its first trained token (`trained_rows`, ascending)."""
     bounds = mb.cu_seqlens.tolist()
-    trained = torch.nonzero(mb.loss_mask > 0).flatten().tolist()
+    trained = trained_rows.tolist()
     first_trained, t = [], 0
     for start, end in itertools.pairwise(bounds):
         while t < len(trained) and trained[t] < start:
@@ -95,7 +95,7 @@ def micro_batch_loss(
     # reduces gradients collectively): one row keeps the graph, weighted 0.
     rows = trained - 1 if trained.numel() else torch.zeros(1, dtype=torch.long, device=mb.input_ids.device)
     targets = mb.input_ids[trained] if trained.numel() else mb.input_ids[:1]
-    layout = _prompt_layout(mb) if settings.share_prompts else None
+    layout = _prompt_layout(mb, trained) if settings.share_prompts else None
     logits, logp_rows = _predicted(model, mb, rows, targets, settings, layout)
     if trained.numel() == 0:
         share = logits.sum() * 0.0
