@@ -330,6 +330,7 @@ TINY = Shape(
 
 def compare(shape: Shape, seeds: list[int], steps: int, world_size: int = 0) -> dict[str, float]:
     base = shape.recipe_text()
+    looprl_recipe = parse_recipe(with_overrides(base, **shape.looprl_overrides))
     trl_runs: list[SideResult] = []
     resampled: list[SideResult] = []
     ours: list[SideResult] = []
@@ -348,7 +349,7 @@ def compare(shape: Shape, seeds: list[int], steps: int, world_size: int = 0) -> 
             resampled.append(run_trl(recipe, shape, stream=1))
         print(
             f"[{tag}] seed {seed}: looprl ({recipe.trainer.world_size} trainer ranks, "
-            f"max_staleness {parse_recipe(looprl_text).run.max_staleness}) "
+            f"max_staleness {looprl_recipe.run.max_staleness}) "
             f"{ours[-1].steps_per_s:.2f} steps/s, last-{LAST_STEPS} reward "
             f"{ours[-1].final_reward:.3f}, stack up+down {ours[-1].overhead_seconds:.1f}s | TRL "
             f"{trl_runs[-1].steps_per_s:.2f} steps/s, reward {trl_runs[-1].final_reward:.3f}, "
@@ -395,7 +396,6 @@ def compare(shape: Shape, seeds: list[int], steps: int, world_size: int = 0) -> 
         # No ratio against a reward of 0: the shape then says nothing about learning.
         emit(BENCH, figure, value, baseline, value / baseline if baseline > 0 else None, unit, target)
     looprl_speed, trl_speed = mean(ours, "steps_per_s"), mean(trl_runs, "steps_per_s")
-    looprl_recipe = parse_recipe(with_overrides(base, **shape.looprl_overrides))
     ranks = world_size or looprl_recipe.trainer.world_size
     emit(
         BENCH,

@@ -6,7 +6,8 @@ tools/build_hf_model.py (byte-level BPE, Qwen chat template, 300 warm-start step
 worked problems) the first time it is needed, and both sides load it from disk: TRL with
 `AutoModelForCausalLM` / `AutoTokenizer`, looprl's services with their own loaders. Before measuring,
 `check_parity` checks that the two loaders agree (token ids, chat template ids of the run's prompts,
-logits) and that TRL's dataset is the run's tasks in the gateway's order. The loss, optimizer and
+logits). TRL's dataset is the run's tasks by the index the gateway publishes them by
+(`task_by_index`, bench/peer_shape.py's `prompts`). The loss, optimizer and
 sampling map exactly as for the tiny shape (shared/peer-trl-mapping.md), where one update on the
 same completions is checked equal; here only the loaders differ.
 
