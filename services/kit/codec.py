@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from looprl.common.v1 import common_pb2
+from services.kit.array_codec import CodecError, array_to_proto
 
 DType = common_pb2.DType
 
@@ -37,10 +38,6 @@ NAME_TO_TORCH: dict[str, torch.dtype] = {
 }
 
 
-class CodecError(ValueError):
-    """A tensor message does not describe a valid tensor."""
-
-
 def torch_dtype(name_or_proto: str | int) -> torch.dtype:
     """torch dtype from a name ("float32") or a DType enum value."""
     table = NAME_TO_TORCH if isinstance(name_or_proto, str) else PROTO_TO_TORCH
@@ -63,7 +60,9 @@ def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def tensor_to_proto(value: torch.Tensor | np.ndarray) -> common_pb2.Tensor:
-    tensor = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
+    if isinstance(value, np.ndarray):
+        return array_to_proto(value)
+    tensor = value
     if tensor.dtype not in TORCH_TO_PROTO:
         raise CodecError(f"unsupported dtype {tensor.dtype}")
     return common_pb2.Tensor(

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
-from services.kit.codec import tensor_to_proto
+from services.kit.array_codec import array_to_proto
 from services.kit.errors import InvalidArgument, NotFound
 from services.rollout_packer.packing import PackedMicroBatch
 from services.rollout_packer.run_packer import RunPacker
@@ -20,13 +20,13 @@ def micro_batch_to_proto(mb: PackedMicroBatch) -> packer_pb2.MicroBatch:
         rank=mb.rank,
         index=mb.index,
         count=mb.count,
-        input_ids=tensor_to_proto(mb.input_ids),
-        position_ids=tensor_to_proto(mb.position_ids),
-        cu_seqlens=tensor_to_proto(mb.cu_seqlens),
-        loss_mask=tensor_to_proto(mb.loss_mask),
-        advantages=tensor_to_proto(mb.advantages),
-        behaviour_logprobs=tensor_to_proto(mb.behaviour_logprobs),
-        versions=tensor_to_proto(mb.versions),
+        input_ids=array_to_proto(mb.input_ids),
+        position_ids=array_to_proto(mb.position_ids),
+        cu_seqlens=array_to_proto(mb.cu_seqlens),
+        loss_mask=array_to_proto(mb.loss_mask),
+        advantages=array_to_proto(mb.advantages),
+        behaviour_logprobs=array_to_proto(mb.behaviour_logprobs),
+        versions=array_to_proto(mb.versions),
         rollout_ids=mb.rollout_ids,
         num_tokens=mb.num_tokens,
         global_loss_tokens=mb.global_loss_tokens,

@@ -4,6 +4,8 @@ beside it (test_runs_side_by_side.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.support.runs import assert_accounting, run_to_end, with_overrides
@@ -19,3 +21,6 @@ def test_async_run_never_trains_staler_than_its_bound(fresh_stack) -> None:
     assert_accounting(run)
     assert max(h.max_staleness for h in run.history) <= 2
     assert run.weight_version == 8
+    # The packer packs numpy arrays and never needs torch: it starts and runs without loading it.
+    packer = stack.state.service("rollout-packer")
+    assert "libtorch" not in Path(f"/proc/{packer.pid}/maps").read_text()

@@ -5,6 +5,7 @@ import pytest
 import torch
 from pydantic import Field
 
+from services.kit.array_codec import array_to_proto
 from services.kit.codec import CodecError, tensor_from_proto, tensor_to_proto
 from services.kit.config import ConfigError, ServiceConfig, load_config
 from services.kit.recipe import RecipeError, parse_recipe
@@ -67,6 +68,18 @@ def test_recipe_defaults_and_overrides() -> None:
 def test_codec_roundtrip(dtype: torch.dtype) -> None:
     source = (torch.arange(24) % 5).to(dtype).view(2, 3, 4)
     assert torch.equal(tensor_from_proto(tensor_to_proto(source)), source)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.int64, np.bool_, np.uint8])
+def test_numpy_arrays_encoded_without_torch_decode_to_the_same_values(dtype) -> None:
+    source = (np.arange(24) % 5).astype(dtype).reshape(2, 3, 4)[:, ::2]  # not contiguous
+    decoded = tensor_from_proto(array_to_proto(source))
+    assert decoded.shape == source.shape and decoded.numpy().tolist() == source.tolist()
+
+
+def test_an_array_of_an_unsupported_dtype_is_refused_by_name() -> None:
+    with pytest.raises(CodecError, match="unsupported dtype float64"):
+        array_to_proto(np.zeros(3))
 
 
 def test_codec_decodes_without_copy_and_checks_sizes() -> None:
