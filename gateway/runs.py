@@ -180,6 +180,8 @@ class RunDriver:
         finally:
             for task in followers:
                 task.cancel()
+            # Unwound before the driver counts as stopped: their consumers close before the bus drains.
+            await asyncio.gather(*followers, return_exceptions=True)
 
     async def _watch_stalls(self) -> None:
         record = await self.store.get(self.run_id)

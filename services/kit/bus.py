@@ -33,6 +33,7 @@ import asyncio
 import logging
 import math
 import re
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -98,6 +99,7 @@ class Bus:
         self.js: JetStreamContext = nc.jetstream(timeout=request_timeout_s)
         self.name = name
         self._tracer = trace.get_tracer("looprl.bus", tracer_provider=tracer_provider)
+        self._consumers: weakref.WeakSet[Consumer] = weakref.WeakSet()
 
     @classmethod
     async def connect(
@@ -172,9 +174,15 @@ class Bus:
         return self.nc.is_connected
 
     async def drain(self) -> None:
-        """Finish in-flight subscriptions and publishes, then close. Safe to call twice."""
+        """Finish in-flight subscriptions and publishes, then close. Safe to call twice.
+
+        Pull consumers still open are closed first: a message the server sent to a fetch that gave
+        up or was cancelled waits in the subscription for a fetch that never comes, and the
+        connection's drain would wait for it until its timeout. Unacked, it is redelivered."""
         if self.nc.is_closed:
             return
+        for consumer in list(self._consumers):
+            await consumer.close()
         try:
             await self.nc.drain()
         except nats.errors.ConnectionClosedError:
@@ -411,7 +419,9 @@ class Bus:
         except nats.js.errors.APIError as err:
             raise BusError(f"cannot create consumer {durable} on stream {stream}: {err.description}") from err
         sub = await self.js.pull_subscribe_bind(durable=durable, stream=stream)
-        return Consumer(self, stream, durable, sub)
+        consumer = Consumer(self, stream, durable, sub)
+        self._consumers.add(consumer)
+        return consumer
 
     async def delete_consumer(self, stream: str, durable: str) -> bool:
         """Remove a durable consumer; False when it did not exist."""
@@ -479,9 +489,14 @@ class Consumer:
 
     async def close(self) -> None:
         """Stop pulling on this connection; the durable consumer stays on the server."""
+        self.bus._consumers.discard(self)
         try:
             await self._sub.unsubscribe()
-        except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
+        except (
+            nats.errors.ConnectionClosedError,
+            nats.errors.ConnectionDrainingError,
+            nats.errors.BadSubscriptionError,
+        ):
             pass
 
     async def __aenter__(self) -> Consumer:

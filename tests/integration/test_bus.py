@@ -496,3 +496,33 @@ async def test_a_follower_cancelled_mid_fetch_does_not_hold_up_drain(nats_url: s
     started = time.monotonic()
     await asyncio.wait_for(bus.drain(), timeout=20)
     assert time.monotonic() - started < 5, "the drain waited on the cancelled follower's subscription"
+
+
+async def test_a_consumer_still_open_when_the_bus_drains_does_not_hold_up_the_drain(nats_url: str) -> None:
+    """A service's shutdown drains its bus while followers it cancelled have not yet unwound (the
+    gateway's run followers did: `looprl down` then waited out its grace period). A pull consumer
+    left open is closed by the drain; what it held unacked is redelivered."""
+    run = new_run()
+    bus = await Bus.connect(nats_url, name="test-drain-open")
+    await bus.ensure_streams()
+    durable = f"o-{run}"
+    consumer = await bus.pull_consumer(subjects.RUN_EVENTS, durable, subjects.events(run), ack_wait=1.0)
+    fetching = asyncio.create_task(consumer.fetch(1, timeout=2.0))
+    await asyncio.sleep(0.2)
+    fetching.cancel()  # its pull request stays on the server, and the next message goes to it
+    await bus.publish(subjects.events(run), events_pb2.RunError(run_id=run, message="m"), msg_id=f"{run}-0")
+    await asyncio.sleep(0.3)
+    started = time.monotonic()
+    await asyncio.wait_for(bus.drain(), timeout=20)
+    assert time.monotonic() - started < 5, "the drain waited on a consumer's undelivered messages"
+    again = await Bus.connect(nats_url, name="test-drain-again")
+    try:
+        retry = await again.pull_consumer(subjects.RUN_EVENTS, durable, subjects.events(run), ack_wait=1.0)
+        deadline = time.monotonic() + 10
+        got: list[Delivery] = []
+        while not got and time.monotonic() < deadline:
+            got = await retry.fetch(1, timeout=1.0)
+        assert [d.parse(events_pb2.RunError).message for d in got] == ["m"]
+        await got[0].ack()
+    finally:
+        await again.close()
