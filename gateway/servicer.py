@@ -251,6 +251,8 @@ class RunManager:
                 await self._refuse_queued(record.run_id, record.tenant)
             if revoked:
                 records = await self.store.list()
+            if not any(r.state == QUEUED for r in records):
+                return  # nothing waits: no need to ask the cluster (a fresh stack's head may not answer yet)
             for w, reason in await self._plan(records):
                 if not reason:
                     await self._start_queued(w.record.run_id)

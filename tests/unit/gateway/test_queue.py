@@ -256,3 +256,20 @@ def test_without_a_ray_address_only_the_quotas_apply_and_an_unreadable_cluster_a
     with pytest.raises(Unavailable):
         asyncio.run(runs.create(RECIPE.format(name="x"), "x", team("a", runs=1)))
     assert driven == [] and asyncio.run(runs.store.list()) == []
+
+
+def test_with_nothing_queued_admission_does_not_ask_the_cluster() -> None:
+    """A fresh stack's gateway starts before the Ray head answers: with no queued run, resuming
+    neither waits on the cluster nor logs a failure."""
+
+    class Unanswered:
+        asked = 0
+
+        async def state(self) -> ClusterState:
+            Unanswered.asked += 1
+            raise Unavailable("ray_address: not up yet")
+
+    runs, driven = manager([team("a", runs=1)], {})
+    runs.cluster = Unanswered()  # type: ignore[assignment]
+    asyncio.run(runs.admit_queued())
+    assert Unanswered.asked == 0 and driven == []
