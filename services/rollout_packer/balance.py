@@ -85,7 +85,8 @@ def plan_packing(
     attention_weight: float = 0.0,
     improve_iterations: int = 64,
 ) -> PackPlan:
-    """Plan the micro-batches of one step. `keys` (e.g. rollout ids) break ties deterministically."""
+    """Plan the micro-batches of one step. `keys` (e.g. each sequence's place in the step) break ties
+    deterministically."""
     if world_size <= 0:
         raise ValueError(f"world_size: {world_size} must be > 0")
     if max_tokens <= 0:

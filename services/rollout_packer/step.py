@@ -174,8 +174,10 @@ def build_step(
         settings.eps,
     )
     lengths = np.fromiter((s.length for s in sequences), dtype=np.int64, count=len(sequences))
-    keys = np.array([s.rollout_id for s in sequences], dtype=str)
-    plan = plan_packing(lengths, keys, world, settings.max_tokens_per_microbatch, settings.attention_weight)
+    # Ties (equal lengths) break by the step's canonical order, not by rollout id: rollout ids hash
+    # the run id, and which rank sums which sequence must not depend on what the run is called.
+    order = np.arange(len(sequences))
+    plan = plan_packing(lengths, order, world, settings.max_tokens_per_microbatch, settings.attention_weight)
     dropped = [
         Rejected(
             sequences[i].rollout_id,

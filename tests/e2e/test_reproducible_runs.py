@@ -1,6 +1,6 @@
 """The same recipe and seed give the same run: two stacks, each started afresh, train the default recipe
-synchronously and agree bit for bit on every step's reward and loss and on the exported weights,
-however the rollouts happened to reach the packer or the engine's batches.
+synchronously as two differently named runs and agree bit for bit on every step's reward and loss and
+on the exported weights, however the rollouts happened to reach the packer or the engine's batches.
 """
 
 from __future__ import annotations
@@ -19,20 +19,21 @@ pytestmark = pytest.mark.slow
 STEPS = 30
 
 
-def _train(state_dir: Path) -> tuple[list[tuple[float, float, float]], dict[str, torch.Tensor]]:
+def _train(state_dir: Path, run_id: str) -> tuple[list[tuple[float, float, float]], dict[str, torch.Tensor]]:
     recipe = with_overrides(DEFAULT_RECIPE, run={"steps": STEPS})
     state_dir.mkdir()
     with local_stack(state_dir) as stack:
-        run = run_to_end(stack.stub, stack.metadata, recipe, "repro", timeout=300)
+        run = run_to_end(stack.stub, stack.metadata, recipe, run_id, timeout=300)
     assert_accounting(run)
     curve = [(h.reward_mean, h.reward_std, h.loss) for h in sorted(run.history, key=lambda h: h.step)]
-    (export,) = (state_dir / "trainer" / "repro" / "hf").glob("step_*/model.safetensors")
+    (export,) = (state_dir / "trainer" / run_id / "hf").glob("step_*/model.safetensors")
     return curve, load_file(export)
 
 
 def test_same_recipe_and_seed_give_the_same_rewards_losses_and_weights(tmp_path: Path) -> None:
-    first_curve, first_weights = _train(tmp_path / "a")
-    second_curve, second_weights = _train(tmp_path / "b")
+    # Two names: rollout ids hash the run id, and nothing trained may depend on them.
+    first_curve, first_weights = _train(tmp_path / "a", "repro-a")
+    second_curve, second_weights = _train(tmp_path / "b", "repro-second")
 
     assert len(first_curve) == STEPS
     differing = [step for step, (a, b) in enumerate(zip(first_curve, second_curve, strict=True)) if a != b]

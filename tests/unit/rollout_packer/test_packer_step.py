@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from services.environment_sandbox.agent_loop import rollout_id_for
 from services.rollout_packer.groups import Group
 from services.rollout_packer.sequences import DropReason, sequence_from_rollout
 from services.rollout_packer.step import PackerSettings, build_step, filter_stale, screen_group
@@ -82,5 +83,40 @@ def test_build_step_is_deterministic_for_any_group_order() -> None:
     for rank in range(3):
         for x, y in zip(a.micro_batches(rank), b.micro_batches(rank), strict=True):
             assert x.rollout_ids == y.rollout_ids
+            np.testing.assert_array_equal(x.input_ids, y.input_ids)
+            np.testing.assert_array_equal(x.advantages, y.advantages)
+
+
+def test_which_rank_trains_which_sample_does_not_depend_on_the_runs_name() -> None:
+    """Rollout ids hash the run id; equal-length samples must still land in the same places, or two
+    runs of one recipe and seed sum their losses in different orders and drift apart."""
+
+    def step_of(run_id: str):
+        groups = [
+            Group(
+                f"{run_id}.s0.g{k}",
+                [
+                    sequence_from_rollout(
+                        make_rollout(
+                            rollout_id_for(run_id, f"t{k}", f"{run_id}.s0.g{k}", i),
+                            f"{run_id}.s0.g{k}",
+                            run_id=run_id,
+                            group_size=8,
+                            sample_index=i,
+                            completion_len=4,  # all of one length: every placement is a tie
+                            reward=float(i % 2),
+                            seed=100 * k + i,
+                        )
+                    )
+                    for i in range(8)
+                ],
+            )
+            for k in range(8)
+        ]
+        return build_step(0, groups, 0, PackerSettings(max_tokens_per_microbatch=256), world_size=2)
+
+    a, b = step_of("digits-1"), step_of("digits-2")
+    for rank in range(2):
+        for x, y in zip(a.micro_batches(rank), b.micro_batches(rank), strict=True):
             np.testing.assert_array_equal(x.input_ids, y.input_ids)
             np.testing.assert_array_equal(x.advantages, y.advantages)
