@@ -62,11 +62,10 @@ def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
 def tensor_to_proto(value: torch.Tensor | np.ndarray) -> common_pb2.Tensor:
     if isinstance(value, np.ndarray):
         return array_to_proto(value)
-    tensor = value
-    if tensor.dtype not in TORCH_TO_PROTO:
-        raise CodecError(f"unsupported dtype {tensor.dtype}")
+    if value.dtype not in TORCH_TO_PROTO:
+        raise CodecError(f"unsupported dtype {value.dtype}")
     return common_pb2.Tensor(
-        dtype=TORCH_TO_PROTO[tensor.dtype], shape=list(tensor.shape), data=tensor_to_bytes(tensor)
+        dtype=TORCH_TO_PROTO[value.dtype], shape=list(value.shape), data=tensor_to_bytes(value)
     )
 
 
