@@ -33,7 +33,7 @@ from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import subjects, telemetry, trainer_epochs
-from services.kit.bus import BUS_UNAVAILABLE, Bus
+from services.kit.bus import BUS_UNAVAILABLE, Bus, Consumer, Delivery
 from services.kit.kv import KV
 from services.kit.recipe import Recipe, RunRecord, sampling_seed
 
@@ -43,6 +43,8 @@ from services.kit.recipe import Recipe, RunRecord, sampling_seed
 # round trip was ~10 ms of each ~130 ms synchronous step of the tiny recipe. It changes no sampling
 # version: an episode's min_weight_version is still its step minus max_staleness.
 FEED_AHEAD_STEPS = 1
+# How long a finishing run waits for its followers to record the events already on the bus.
+DRAIN_SECONDS = 5.0
 
 log = logging.getLogger("looprl.gateway.runs")
 
@@ -125,6 +127,9 @@ class RunDriver:
         self._run_trace: dict[str, str] | None = None  # the run's trace context, from its record
         self.progress = ProgressClock()  # fed steps, trained steps and weight versions mark it
         self._epochs_kv: KV | None = None
+        # Set when the run is finishing: the stream followers return at their first empty fetch.
+        self._finishing = asyncio.Event()
+        self._stream_followers: list[asyncio.Task] = []
         # Called with the run id when the driver ends with its run (completed, failed, or found
         # ended), not when it is stopped: the run manager then starts queued runs.
         self.on_end: Callable[[str], None] | None = None
@@ -149,9 +154,12 @@ class RunDriver:
                 pass
 
     async def _main(self) -> None:
-        followers = [
+        self._stream_followers = [
             asyncio.create_task(self._follow_train()),
             asyncio.create_task(self._follow_weights()),
+        ]
+        followers = [
+            *self._stream_followers,
             asyncio.create_task(follow_errors(self.bus, self.store, self.run_id, self.changed)),
             asyncio.create_task(self._watch_stalls()),
         ]
@@ -241,6 +249,7 @@ class RunDriver:
             if record is None or record.state not in ACTIVE:
                 return
             if record.weight_version >= recipe.run.steps:
+                await self._drain_followers()
                 await self.store.update(self.run_id, _complete)
                 self._lifecycle("run completed", steps=record.weight_version)
                 self.changed.set()
@@ -260,13 +269,27 @@ class RunDriver:
             except TimeoutError:
                 pass
 
+    async def _drain_followers(self) -> None:
+        """Let the followers record what the bus already holds, so that a run reading COMPLETED holds
+        every step and delivery published before it ended (the last version's may still follow)."""
+        self._finishing.set()
+        if self._stream_followers:
+            await asyncio.wait(self._stream_followers, timeout=DRAIN_SECONDS)
+
+    async def _fetch(self, consumer: Consumer) -> list[Delivery] | None:
+        """The next deliveries; None once the run is finishing and nothing is left to read."""
+        deliveries = await consumer.fetch(batch=16, timeout=0.2 if self._finishing.is_set() else 1.0)
+        if not deliveries and self._finishing.is_set():
+            return None
+        return deliveries
+
     async def _follow_train(self) -> None:
         consumer = await self.bus.pull_consumer(
             subjects.TRAIN, f"gateway-train-{self.run_id}", subjects.train(self.run_id), ack_wait=30
         )
         async with consumer:
-            while True:
-                for delivery in await consumer.fetch(batch=16, timeout=1.0):
+            while (deliveries := await self._fetch(consumer)) is not None:
+                for delivery in deliveries:
                     with delivery.process_span():
                         step = delivery.parse(events_pb2.TrainStepRecord)
                         if not await self._genuine(step):
@@ -318,8 +341,8 @@ class RunDriver:
             subjects.WEIGHTS, f"gateway-weights-{self.run_id}", subjects.weights(self.run_id), ack_wait=30
         )
         async with consumer:
-            while True:
-                for delivery in await consumer.fetch(batch=16, timeout=1.0):
+            while (deliveries := await self._fetch(consumer)) is not None:
+                for delivery in deliveries:
                     # WeightsRejected (a canary refused a version) shares the subject, told apart by header.
                     if (delivery.headers or {}).get(subjects.EVENT_HEADER) == subjects.WEIGHTS_REJECTED:
                         rejected = delivery.parse(events_pb2.WeightsRejected)

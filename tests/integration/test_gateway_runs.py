@@ -337,3 +337,57 @@ def test_restarted_gateway_continues_the_run(gateway: GatewayProcess, nats_url: 
     assert [h.step for h in final.history] == [0, 1, 2]
     assert final.weight_version == 3
     assert len(episodes_of(nats_url, run.run_id)) == 6  # each step's episodes published once
+
+
+def test_a_completed_run_reports_every_weight_delivery_already_on_the_bus(
+    gateway: GatewayProcess, nats_url: str
+) -> None:
+    """Deliveries published before the run's last step record are in the run once it reads COMPLETED,
+    however far the gateway's reading of them lags behind its reading of the step records."""
+    run_id = "drained-run"
+    gateway.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id=run_id), metadata=AUTH
+    )
+    epoch = open_trainer_epoch(nats_url, run_id, 0)
+    deployments = [f"profile-{i}" for i in range(40)]
+
+    async def publish() -> None:
+        bus = await Bus.connect(nats_url, name="test-weight-sync")
+        # Many deliveries, then the step records at once: the records finish the run while most
+        # deliveries still wait for the gateway to read them.
+        await asyncio.gather(
+            *(
+                bus.publish(
+                    subjects.weights(run_id),
+                    events_pb2.WeightsPublished(run_id=run_id, version=version, deployment=name, bytes=1),
+                    msg_id=f"{run_id}-w-{name}-{version}",
+                )
+                for version in range(3)
+                for name in deployments
+            )
+        )
+        await asyncio.gather(
+            *(
+                bus.publish(
+                    subjects.train(run_id),
+                    events_pb2.TrainStepRecord(
+                        run_id=run_id, step=step, version=step + 1, num_rollouts=4, trainer_epoch=epoch
+                    ),
+                    msg_id=f"{run_id}-train-{step}-{epoch}",
+                )
+                for step in range(3)
+            )
+        )
+        await bus.close()
+
+    asyncio.run(publish())
+    final = wait_until(
+        lambda: (
+            (r := gateway.stub.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), metadata=AUTH).run).state
+            == gateway_pb2.RUN_STATE_COMPLETED
+            and r
+        ),
+        timeout=30.0,
+    )
+    delivered = {(w.deployment, w.version) for w in final.weight_syncs}
+    assert delivered == {(name, version) for version in range(3) for name in deployments}
