@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from gateway.stack import StackPorts, down, up
+from gateway.stack import StackPorts, down, unwind_on_terminate, up
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.kit.local import port_is_free
 
@@ -79,6 +79,7 @@ def local_stack(
     """A whole stack on free ports, with the router's deployments taken from recipe_text (started
     with the stack, outside the measured run), or None: each run starts its own; `env` is added to
     every service's environment (e.g. where to export traces)."""
+    unwind_on_terminate()  # a bench stopped by `timeout` or a scheduler still brings its stack down
     with tempfile.TemporaryDirectory(prefix="looprl-bench-") as tmp:
         state_dir = Path(tmp)
         router_env = {}

@@ -338,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     recipe_help = "run" in words and bool({"-h", "--help"} & set(words))
     args = build_parser(recipe_help).parse_args(argv)
+    from gateway.stack import unwind_on_terminate
+
+    unwind_on_terminate()
     try:
         return args.func(args)
     except KeyboardInterrupt:

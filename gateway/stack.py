@@ -11,8 +11,10 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -359,6 +361,23 @@ def wait_serving(state: StackState, timeout: float) -> None:
                 f"not SERVING after {timeout:.0f}s: {', '.join(sorted(pending))} (see their logs)"
             )
         time.sleep(0.2)
+
+
+def unwind_on_terminate() -> None:
+    """Make SIGTERM and SIGHUP (a scheduler stopping the job, a closed terminal) unwind the program
+    like Ctrl-C does, so a stack it brought up is brought down again; the exit status is 128 plus
+    the signal's number. A second such signal while unwinding is ignored: the stack still comes
+    down (Ctrl-C or SIGKILL stop the program at once). Main thread only, where signals land."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def unwind(signum: int, _frame: Any) -> None:
+        for other in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(other, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, unwind)
 
 
 def down(state_dir: Path, grace: float = 15.0, log=print) -> bool:

@@ -56,6 +56,28 @@ def _free_port(lo: int, hi: int) -> int:
     return next(p for p in random.sample(range(lo, hi), 500) if port_is_free(p))
 
 
+def free_port_args() -> list[str]:
+    """`looprl up`'s (and `looprl run --local`'s) port options, on ports free right now."""
+    return [
+        "--nats-port",
+        str(_free_port(26000, 26500)),
+        "--ray-port",
+        str(_free_port(27000, 28000)),
+        "--base-port",
+        str(_free_base()),
+        "--http-port",
+        str(_free_port(26500, 27000)),
+    ]
+
+
+def assert_stack_gone(state: StackState) -> None:
+    """Nothing the stack started is left: no process, no Ray session in /tmp."""
+    pids = [state.nats_pid, state.ray_pid, *(s.pid for s in state.services)]
+    assert not [pid for pid in pids if pid_alive(pid)], "processes left after the stack came down"
+    assert not _ray_processes(state.ray_port), "Ray processes left after the stack came down"
+    assert not ray_temp_dir(state.ray_port).exists(), "Ray's session left in /tmp after the stack came down"
+
+
 def _ray_processes(port: int) -> list[str]:
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if f"looprl-ray-{port}" in line]
@@ -71,17 +93,7 @@ def local_stack(state_dir: Path, recipe_text: str | None = None) -> Iterator[Sta
         recipe = state_dir / "recipe.toml"
         recipe.write_text(recipe_text)
         recipe_args = ["--recipe", str(recipe)]
-    ports = [
-        "--nats-port",
-        str(_free_port(26000, 26500)),
-        "--ray-port",
-        str(_free_port(27000, 28000)),
-        "--base-port",
-        str(_free_base()),
-        "--http-port",
-        str(_free_port(26500, 27000)),
-    ]
-    started = looprl_cli(state_dir, "up", *recipe_args, *ports)
+    started = looprl_cli(state_dir, "up", *recipe_args, *free_port_args())
     assert started.returncode == 0, started.stdout + started.stderr
     state = StackState.load(state_dir.resolve())
     assert state is not None
@@ -99,10 +111,7 @@ def local_stack(state_dir: Path, recipe_text: str | None = None) -> Iterator[Sta
         channel.close()
         stopped = looprl_cli(state_dir, "down")
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        pids = [state.nats_pid, state.ray_pid, *(s.pid for s in state.services)]
-        assert not [pid for pid in pids if pid_alive(pid)], "processes left after `looprl down`"
-        assert not _ray_processes(state.ray_port), "Ray processes left after `looprl down`"
-        assert not ray_temp_dir(state.ray_port).exists(), "Ray's session left in /tmp after `looprl down`"
+        assert_stack_gone(state)
         assert (state_dir / "ray-logs").is_dir(), "the Ray session's logs were not kept with the stack"
 
 
