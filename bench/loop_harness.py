@@ -79,8 +79,8 @@ def local_stack(
     """A whole stack on free ports, with the router's deployments taken from recipe_text (started
     with the stack, outside the measured run), or None: each run starts its own; `env` is added to
     every service's environment (e.g. where to export traces)."""
-    unwind_on_terminate()  # a bench stopped by `timeout` or a scheduler still brings its stack down
-    with tempfile.TemporaryDirectory(prefix="looprl-bench-") as tmp:
+    # A bench stopped by `timeout` or a scheduler still brings its stack down.
+    with unwind_on_terminate(), tempfile.TemporaryDirectory(prefix="looprl-bench-") as tmp:
         state_dir = Path(tmp)
         router_env = {}
         if recipe_text is not None:

@@ -338,13 +338,32 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     recipe_help = "run" in words and bool({"-h", "--help"} & set(words))
     args = build_parser(recipe_help).parse_args(argv)
-    from gateway.stack import unwind_on_terminate
+    from gateway.stack import StackAlreadyUp, unwind_on_terminate
+    from services.kit.local import PortInUseError
 
-    unwind_on_terminate()
     try:
-        return args.func(args)
+        with unwind_on_terminate():
+            return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except PortInUseError as exc:
+        print(f"looprl: {exc} ({_port_option(str(exc))})", file=sys.stderr)
+        return 2
+    except StackAlreadyUp as exc:
+        print(f"looprl: {exc}", file=sys.stderr)
+        return 2
+
+
+def _port_option(message: str) -> str:
+    """The option that moves the port a PortInUseError names."""
+    for prefix, option in (
+        ("nats-server", "--nats-port"),
+        ("ray head", "--ray-port"),
+        ("gateway HTTP", "--http-port"),
+    ):
+        if message.startswith(prefix):
+            return option
+    return "--base-port: the services' gRPC ports, metrics at +100"
 
 
 if __name__ == "__main__":

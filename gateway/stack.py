@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,6 +148,10 @@ def health_status(address: str, timeout: float = 1.0, creds: tls.Credentials | N
         return f"DOWN ({exc.code().name})"
 
 
+class StackAlreadyUp(RuntimeError):
+    """`up` in a state directory whose stack is still running."""
+
+
 def up(
     state_dir: Path,
     ports: StackPorts,
@@ -171,7 +177,7 @@ def up(
     state_dir = state_dir.resolve()
     existing = StackState.load(state_dir)
     if existing is not None and pid_alive(existing.nats_pid):
-        raise RuntimeError(f"a stack is already up (state in {state_dir}); run `looprl down` first")
+        raise StackAlreadyUp(f"a stack is already up (state in {state_dir}); run `looprl down` first")
     state_dir.mkdir(parents=True, exist_ok=True)
     if not keep_state:
         # JetStream state (runs, weight manifests, packer plans) belongs to the stack that made it.
@@ -363,12 +369,15 @@ def wait_serving(state: StackState, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def unwind_on_terminate() -> None:
-    """Make SIGTERM and SIGHUP (a scheduler stopping the job, a closed terminal) unwind the program
-    like Ctrl-C does, so a stack it brought up is brought down again; the exit status is 128 plus
-    the signal's number. A second such signal while unwinding is ignored: the stack still comes
-    down (Ctrl-C or SIGKILL stop the program at once). Main thread only, where signals land."""
+@contextmanager
+def unwind_on_terminate() -> Iterator[None]:
+    """Inside the block, SIGTERM and SIGHUP (a scheduler stopping the job, a closed terminal) unwind
+    the program like Ctrl-C does, so a stack it brought up is brought down again; the exit status
+    is 128 plus the signal's number. A second such signal while unwinding is ignored: the stack
+    still comes down (Ctrl-C or SIGKILL stop the program at once). The handlers before the block
+    are restored after it. Main thread only, where signals land."""
     if threading.current_thread() is not threading.main_thread():
+        yield
         return
 
     def unwind(signum: int, _frame: Any) -> None:
@@ -376,8 +385,12 @@ def unwind_on_terminate() -> None:
             signal.signal(other, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, unwind)
+    before = {sig: signal.signal(sig, unwind) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def down(state_dir: Path, grace: float = 15.0, log=print) -> bool:

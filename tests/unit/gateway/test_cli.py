@@ -4,6 +4,7 @@ returns within its deadline."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 from gateway import cli
 from gateway.stack import ServiceProcess, StackState
 from services.kit import registry
+from tests.support.stack import free_port_args
 
 
 def _saved_stack(state_dir: Path) -> StackState:
@@ -80,3 +82,26 @@ def test_run_help_lists_every_recipe_field_with_its_type_default_and_doc(capsys)
     with pytest.raises(SystemExit):
         cli.main(["up", "--help"])
     assert "recipe fields" not in capsys.readouterr().out
+
+
+def test_up_on_a_taken_port_names_it_and_its_option_and_starts_nothing(tmp_path: Path, capsys) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = cli.main(["up", "--state-dir", str(tmp_path), *free_port_args(), "--http-port", str(port)])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"looprl: gateway HTTP: port {port} is already in use; choose another with its port setting"
+        " (--http-port)\n"
+    )
+    assert StackState.load(tmp_path) is None and not (tmp_path / "nats-server.log").exists()
+
+
+def test_up_where_a_stack_is_already_up_says_so(tmp_path: Path, capsys) -> None:
+    state = _saved_stack(tmp_path)
+    state.nats_pid = os.getpid()  # a live process: the stack counts as up
+    state.save()
+    assert cli.main(["up", "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("looprl: a stack is already up") and "run `looprl down` first" in err
