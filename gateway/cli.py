@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     recipe_help = "run" in words and bool({"-h", "--help"} & set(words))
     args = build_parser(recipe_help).parse_args(argv)
+    import grpc
+
     from gateway.stack import StackAlreadyUp, unwind_on_terminate
     from services.kit.local import PortInUseError
 
@@ -352,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     except StackAlreadyUp as exc:
         print(f"looprl: {exc}", file=sys.stderr)
         return 2
+    except grpc.RpcError as exc:  # the gateway's refusal, in its own words
+        print(f"looprl: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
 
 
 def _port_option(message: str) -> str:

@@ -1,7 +1,7 @@
 """Bad input against the running stack: the OpenAI-compatible endpoints answer out-of-range fields
 with OpenAI-shaped 400s naming the field (the gateway's own checks, and the router's translated to
 OpenAI field names) and keep forwarding valid requests; `looprl restart` with an unknown name fails
-cleanly and stops nothing."""
+cleanly and stops nothing; a gateway refusal reaches the CLI user as one line, not a traceback."""
 
 from __future__ import annotations
 
@@ -79,3 +79,17 @@ def test_restart_of_an_unknown_service_names_the_real_ones(stack) -> None:
     assert "unknown service 'nope'" in result.stderr
     assert all(svc.name in result.stderr for svc in stack.state.services)
     assert stack.looprl("status").returncode == 0  # nothing was stopped
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("watch", "nope"), "looprl: NOT_FOUND: run_id: no run 'nope'\n"),
+        (("stop", "nope"), "looprl: NOT_FOUND: run_id: no run 'nope'\n"),
+        (("--token", "not-the-token", "runs"), "looprl: UNAUTHENTICATED: invalid bearer token\n"),
+    ],
+    ids=["watch", "stop", "token"],
+)
+def test_the_cli_says_what_the_gateway_refused_in_one_line(stack, args, said) -> None:
+    result = stack.looprl(*args)
+    assert (result.returncode, result.stderr) == (1, said)
