@@ -150,7 +150,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"invalid recipe {args.recipe}: {exc}", file=sys.stderr)
         return 2
     started_here = False
-    if args.local and StackState.load(_state_dir(args).resolve()) is None:
+    existing = StackState.load(_state_dir(args).resolve())
+    if args.local and (existing is None or not existing.running()):
         print("bringing the local stack up ...")
         up(_state_dir(args), _ports(args))  # the run brings its own deployments
         started_here = True
@@ -318,7 +319,7 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("recipe")
-    p.add_argument("--local", action="store_true", help="bring the local stack up (and down after) if needed")
+    p.add_argument("--local", action="store_true", help="bring a local stack up (and down after) unless one is running")
     p.add_argument("--keep-up", action="store_true", help="with --local, leave the stack running")
     p.add_argument("--report-dir", default="reports")
     p.set_defaults(func=cmd_run)

@@ -118,6 +118,11 @@ class StackState:
         path.write_text(json.dumps(asdict(self), indent=2))
         path.chmod(0o600)
 
+    def running(self) -> bool:
+        """Whether its nats-server still runs: a stack whose nats-server is gone (killed, a reboot)
+        is over, and `up` in its directory starts a new one."""
+        return pid_alive(self.nats_pid)
+
     @classmethod
     def load(cls, state_dir: Path) -> StackState | None:
         path = state_dir / "stack.json"
@@ -176,7 +181,7 @@ def up(
     """
     state_dir = state_dir.resolve()
     existing = StackState.load(state_dir)
-    if existing is not None and pid_alive(existing.nats_pid):
+    if existing is not None and existing.running():
         raise StackAlreadyUp(f"a stack is already up (state in {state_dir}); run `looprl down` first")
     state_dir.mkdir(parents=True, exist_ok=True)
     if not keep_state:

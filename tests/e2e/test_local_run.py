@@ -1,5 +1,6 @@
 """`looprl run --local` owns the stack it brings up: stopped the way schedulers and closed terminals
-stop a program (SIGTERM; SIGHUP takes the same path), it brings that stack down before it exits."""
+stop a program (SIGTERM; SIGHUP takes the same path), it brings that stack down before it exits. The
+state a killed stack left behind (its processes gone) does not pass for a running stack."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,8 +18,17 @@ from tests.support.stack import ROOT, assert_stack_gone, free_port_args, looprl_
 pytestmark = pytest.mark.slow
 
 
+def _stale_state(state_dir: Path) -> None:
+    """stack.json of a stack whose processes are gone (SIGKILLed, a reboot)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    StackState(str(state_dir), 4222, gone.pid, 26379, gone.pid, "ray-token", "gateway-token", 8080).save()
+
+
 def test_a_local_run_stopped_by_sigterm_brings_its_stack_down(tmp_path) -> None:
     state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    _stale_state(state_dir)
     proc = subprocess.Popen(
         [
             sys.executable,
