@@ -319,7 +319,9 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("recipe")
-    p.add_argument("--local", action="store_true", help="bring a local stack up (and down after) unless one is running")
+    p.add_argument(
+        "--local", action="store_true", help="bring a local stack up (and down after) unless one is running"
+    )
     p.add_argument("--keep-up", action="store_true", help="with --local, leave the stack running")
     p.add_argument("--report-dir", default="reports")
     p.set_defaults(func=cmd_run)
