@@ -136,7 +136,8 @@ RAY_GRACE_S = 0.5
 
 @dataclass
 class RayHead:
-    """A Ray head started with `ray start --block` as our own child, token auth on."""
+    """A Ray head started with `ray start --block` (less its client and API servers, see
+    services/kit/ray_start.py) as our own child, token auth on."""
 
     state_dir: Path
     port: int = 26379
@@ -167,7 +168,9 @@ class RayHead:
         log = open(self.state_dir / "ray-head.log", "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
             [
-                _bin("ray"),
+                sys.executable,
+                "-m",
+                "services.kit.ray_start",  # Ray's `ray start`, less two processes nobody here uses
                 "start",
                 "--head",
                 "--block",

@@ -1,11 +1,12 @@
 """The local stack's infrastructure processes really start, serve and stop."""
 
 import asyncio
+import contextlib
 
 import nats
 import pytest
 
-from services.kit.local import NatsServer, PortInUseError
+from services.kit.local import NatsServer, PortInUseError, RayHead, port_is_free, session_pids
 
 
 def test_nats_server_serves_jetstream(nats_url: str) -> None:
@@ -35,3 +36,14 @@ def test_ray_head_runs_tasks(ray_client: None) -> None:
         return x * x
 
     assert ray.get([square.remote(i) for i in range(4)]) == [0, 1, 4, 9]
+
+
+@pytest.mark.slow
+def test_the_ray_head_starts_no_client_or_api_server(ray_head: RayHead) -> None:
+    commands = []
+    for pid in session_pids(ray_head.proc.pid):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            commands.append(f.read().replace(b"\0", b" ").decode())
+    assert any("raylet" in c for c in commands), commands  # the head's own session
+    assert not [c for c in commands if "ray.util.client.server" in c or "dashboard/dashboard.py" in c]
+    assert port_is_free(10001, ray_head.host)  # Ray's client server port stays free for others
