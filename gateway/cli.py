@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except PortInUseError as exc:
-        print(f"looprl: {exc} ({_port_option(str(exc))})", file=sys.stderr)
+        print(f"looprl: {exc} ({_port_option(args, exc.port)})", file=sys.stderr)
         return 2
     except StackAlreadyUp as exc:
         print(f"looprl: {exc}", file=sys.stderr)
@@ -362,15 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _port_option(message: str) -> str:
-    """The option that moves the port a PortInUseError names."""
-    for prefix, option in (
-        ("nats-server", "--nats-port"),
-        ("ray head", "--ray-port"),
-        ("gateway HTTP", "--http-port"),
-    ):
-        if message.startswith(prefix):
-            return option
+def _port_option(args: argparse.Namespace, port: int) -> str:
+    """The option that moves `port`, one of the ports the command was given."""
+    for option in ("nats_port", "ray_port", "http_port"):
+        if getattr(args, option, None) == port:
+            return "--" + option.replace("_", "-")
     return "--base-port: the services' gRPC ports, metrics at +100"
 
 

@@ -21,7 +21,11 @@ from pathlib import Path
 
 
 class PortInUseError(RuntimeError):
-    """A port we were asked to listen on is already taken."""
+    """A port we were asked to listen on is already taken; `port` says which."""
+
+    def __init__(self, message: str, port: int) -> None:
+        super().__init__(message)
+        self.port = port
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -43,7 +47,9 @@ def free_port() -> int:
 
 def require_free(port: int, what: str, host: str = "127.0.0.1") -> None:
     if not port_is_free(port, host):
-        raise PortInUseError(f"{what}: port {port} is already in use; choose another with its port setting")
+        raise PortInUseError(
+            f"{what}: port {port} is already in use; choose another with its port setting", port
+        )
 
 
 def wait_for_port(

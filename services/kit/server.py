@@ -122,7 +122,7 @@ class Service:
         setup_tracing(self.name, self.config.otlp_endpoint, self.config.span_log)
         self._stopping = asyncio.Event()
         if self.grpc_port and not port_is_free(self.grpc_port, self.config.host):
-            raise PortInUseError(f"{self.name}: gRPC port {self.grpc_port} is already in use")
+            raise PortInUseError(f"{self.name}: gRPC port {self.grpc_port} is already in use", self.grpc_port)
         self.server = grpc.aio.server(
             interceptors=[self.interceptor], options=grpc_options(self.config.max_message_bytes)
         )
@@ -137,12 +137,14 @@ class Service:
             log.warning(tls.INSECURE_WARNING, self.name)
         bound = tls.add_port(self.server, address, None if self.public else self.credentials)
         if bound == 0:
-            raise PortInUseError(f"{self.name}: could not bind gRPC port {self.grpc_port}")
+            raise PortInUseError(f"{self.name}: could not bind gRPC port {self.grpc_port}", self.grpc_port)
         self.grpc_port = bound
         if not self.metrics_port:
             self.metrics_port = free_port()
         elif not port_is_free(self.metrics_port, self.config.host):
-            raise PortInUseError(f"{self.name}: metrics port {self.metrics_port} is already in use")
+            raise PortInUseError(
+                f"{self.name}: metrics port {self.metrics_port} is already in use", self.metrics_port
+            )
         self._metrics_server, _ = start_http_server(self.metrics_port, addr=self.config.host)
         await self.server.start()
         await self.set_serving(False)

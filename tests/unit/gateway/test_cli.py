@@ -9,6 +9,8 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+
 from gateway import cli
 from gateway.stack import ServiceProcess, StackState
 from services.kit import registry
@@ -67,8 +69,6 @@ def test_stop_returns_within_its_deadline_when_the_gateway_does_not_answer(capsy
 
 
 def test_run_help_lists_every_recipe_field_with_its_type_default_and_doc(capsys) -> None:
-    import pytest
-
     from services.kit.recipe import Recipe
     from services.kit.schema import field_rows
 
@@ -84,16 +84,20 @@ def test_run_help_lists_every_recipe_field_with_its_type_default_and_doc(capsys)
     assert "recipe fields" not in capsys.readouterr().out
 
 
-def test_up_on_a_taken_port_names_it_and_its_option_and_starts_nothing(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize(
+    ("option", "label"), [("--http-port", "gateway HTTP"), ("--nats-port", "nats-server")]
+)
+def test_up_on_a_taken_port_names_it_and_its_option_and_starts_nothing(
+    tmp_path: Path, capsys, option: str, label: str
+) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        code = cli.main(["up", "--state-dir", str(tmp_path), *free_port_args(), "--http-port", str(port)])
+        code = cli.main(["up", "--state-dir", str(tmp_path), *free_port_args(), option, str(port)])
     assert code == 2
     assert capsys.readouterr().err == (
-        f"looprl: gateway HTTP: port {port} is already in use; choose another with its port setting"
-        " (--http-port)\n"
+        f"looprl: {label}: port {port} is already in use; choose another with its port setting ({option})\n"
     )
     assert StackState.load(tmp_path) is None and not (tmp_path / "nats-server.log").exists()
 
