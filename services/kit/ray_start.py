@@ -5,9 +5,10 @@ command, except that it starts neither Ray's client server (`ray://`, a Python p
 port 10001) nor the dashboard's API server (job submission and the state API). Services reach the
 head as Ray drivers, never through either. Ray 2.60 has no flag for them: `--include-dashboard=false`
 still starts a minimal API server, and the client server starts whenever grpcio is importable,
-always on port 10001, so two stacks on one machine contend for it. Measured on the 2-core machine:
-`looprl up` SERVING 7.8 s instead of 9.5-11.3 s, and ~0.1 core less under every run (the two
-poll the GCS).
+always on port 10001, so two stacks on one machine contend for it. Both are Python processes that
+cost ~1.6 CPU-s while the stack comes up, when every service imports at once on 2 cores: without
+them `looprl up` was SERVING in 7.7-9.1 s instead of 9.5-11.3 s (idle afterwards, they use ~3.5 ms
+of CPU a second).
 
 Both are switched off through the names Ray's own code consults, each a state Ray supports: the
 client server is left out as when `ray[client]`'s dependencies are missing, and the API server as
