@@ -6,7 +6,7 @@ import contextlib
 import nats
 import pytest
 
-from services.kit.local import NatsServer, PortInUseError, RayHead, port_is_free, session_pids
+from services.kit.local import NatsServer, PortInUseError, RayHead, session_pids
 
 
 def test_nats_server_serves_jetstream(nats_url: str) -> None:
@@ -46,4 +46,3 @@ def test_the_ray_head_starts_no_client_or_api_server(ray_head: RayHead) -> None:
             commands.append(f.read().replace(b"\0", b" ").decode())
     assert any("raylet" in c for c in commands), commands  # the head's own session
     assert not [c for c in commands if "ray.util.client.server" in c or "dashboard/dashboard.py" in c]
-    assert port_is_free(10001, ray_head.host)  # Ray's client server port stays free for others
