@@ -70,19 +70,12 @@ class TrainerWorker:
     def _channel(self, address: str, max_message_bytes: int) -> grpc.Channel:
         """One channel per peer for the worker's lifetime: a new one every step costs a TCP and HTTP/2
         handshake twice a step (packer, weight-sync). gRPC reconnects a cached channel by itself when
-        the peer restarts on the same address."""
+        the peer restarts on the same address (within a second: services/kit/tls.py)."""
         key = (address, max_message_bytes)
         channel = self._channels.get(key)
         if channel is None:
             limit = max_message_bytes
-            options = [
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-                # A peer killed and restarted (chaos tests, rolling updates) is back within seconds;
-                # gRPC's default backoff would keep the channel failing for up to two minutes.
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ]
+            options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
             channel = self._channels[key] = traced_channel(tls.sync_channel(address, options))
         return channel
 
