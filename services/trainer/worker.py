@@ -119,10 +119,17 @@ class TrainerWorker:
         )
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
 
-    def shutdown(self) -> None:
+    def shutdown(self, barrier_timeout_s: float = 10.0) -> None:
+        """Leave the group together: rank 0 serves the rendezvous store, and a rank still tearing
+        down its gloo pairs when rank 0 has exited dies in C++ ("terminate called")."""
         telemetry.flush()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        try:  # gloo only (NCCL ranks skip it); a peer already gone ends the wait at the timeout
+            dist.monitored_barrier(timeout=timedelta(seconds=barrier_timeout_s))
+        except RuntimeError:
+            pass
+        dist.destroy_process_group()
 
     # ---- model -----------------------------------------------------------------------------------
 
