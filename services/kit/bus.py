@@ -33,6 +33,7 @@ import asyncio
 import logging
 import math
 import re
+import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -527,6 +528,8 @@ class Delivery:
         self.stream_seq: int = meta.sequence.stream
         self.settled: str | None = None
         """None until settled; then 'ack', 'nak' or 'term'."""
+        self.timer_started: float = time.monotonic()
+        """When the server's ack_wait timer for it last (re)started: its delivery or in_progress()."""
 
     def __repr__(self) -> str:
         return (
@@ -604,6 +607,7 @@ class Delivery:
         if self.settled is not None:
             return
         await self._msg.in_progress()
+        self.timer_started = time.monotonic()
 
     def parse(self, message_type: type[M]) -> M:
         """The payload as a protobuf message; PoisonMessage when it does not parse."""

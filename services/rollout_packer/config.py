@@ -14,9 +14,10 @@ from services.kit.config import ServiceConfig
 
 
 class PackerConfig(ServiceConfig):
-    ack_wait_s: float = Field(30.0, gt=0.0)
+    ack_wait_s: float = Field(10.0, gt=0.0)
     """JetStream ack_wait of held rollouts; held ones are kept alive with in_progress(). After a crash,
-    unacked rollouts are redelivered this long after their last heartbeat."""
+    unacked rollouts are redelivered this long after their last heartbeat, so a killed packer's
+    successor waits up to this long for the step the trainer is waiting on."""
     max_ack_pending: int = Field(65536, ge=1)
     """Most rollouts held unacked at once (queued + planned steps)."""
     fetch_batch: int = Field(256, ge=1)

@@ -65,7 +65,7 @@ class RunPacker:
         bus: Bus,
         store: StepStore,
         *,
-        ack_wait_s: float = 30.0,
+        ack_wait_s: float = 10.0,
         max_ack_pending: int = 65536,
         fetch_batch: int = 256,
     ) -> None:
@@ -282,9 +282,14 @@ class RunPacker:
                 await self._drop(d, rejected)
 
     async def _heartbeat_loop(self) -> None:
+        # A delivery is refreshed at the first tick at which its timer is a tick old, so at most two
+        # ticks (two thirds of ack_wait) after it started; a step's rollouts, acked within a step,
+        # never need one.
+        tick = max(0.2, self.ack_wait_s / 3)
         while not self._closing:
-            await asyncio.sleep(max(0.2, self.ack_wait_s / 3))
-            for d in list(self.held.values()):
+            await asyncio.sleep(tick)
+            due = time.monotonic() - tick
+            for d in [d for d in self.held.values() if d.timer_started <= due]:
                 with contextlib.suppress(Exception):
                     await d.in_progress()
 

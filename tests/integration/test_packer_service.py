@@ -129,6 +129,26 @@ async def test_bad_rollouts_are_termed_with_reasons_and_the_stream_keeps_flowing
         await bus.close()
 
 
+async def test_held_rollouts_stay_with_the_packer_for_many_ack_waits(packer, nats_url) -> None:
+    """Rollouts queued for a step no one asked for yet are kept alive, not redelivered elsewhere."""
+    app, stub = packer
+    run_id = f"svc-{uuid.uuid4().hex[:8]}"
+    await app.add_run(
+        run_id, PackerSettings(prompts_per_step=2, group_size=2, world_size=2, max_tokens_per_microbatch=64)
+    )
+    bus = await Bus.connect(nats_url, name="test-publisher")
+    try:
+        await _publish(bus, run_id, _group(run_id, "g1") + _group(run_id, "g2"))
+        await asyncio.sleep(3.5 * app.cfg.ack_wait_s)
+        consumer = await bus.js.consumer_info(subjects.ROLLOUTS, f"packer-{run_id}")
+        assert consumer.num_ack_pending == 4 and consumer.num_redelivered == 0
+        await _fetch(stub, run_id, step=0)
+        ack = await stub.AckStep(packer_pb2.AckStepRequest(run_id=run_id, step=0, trainer_version=1))
+        assert ack.acked_rollouts == 4
+    finally:
+        await bus.close()
+
+
 async def test_bad_requests_name_the_field(packer) -> None:
     app, stub = packer
     run_id = f"svc-{uuid.uuid4().hex[:8]}"
