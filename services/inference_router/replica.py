@@ -155,11 +155,7 @@ class ReplicaCore:
             interceptors=[
                 ServerInterceptor(f"replica/{self.name}", lambda: None, authorize=tls.current() is not None)
             ],
-            options=[
-                ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-                ("grpc.max_send_message_length", 256 * 1024 * 1024),
-                ("grpc.so_reuseport", 0),
-            ],
+            options=[*tls.message_limits(256 * 1024 * 1024), ("grpc.so_reuseport", 0)],
         )
         add_engine_servicer(server, _EngineServicer(self))
         host = _bind_host(self.host)

@@ -37,11 +37,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
+    return [*tls.message_limits(max_message_bytes), ("grpc.so_reuseport", 0)]
 
 
 def open_channel(address: str, max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:

@@ -74,8 +74,7 @@ class TrainerWorker:
         key = (address, max_message_bytes)
         channel = self._channels.get(key)
         if channel is None:
-            limit = max_message_bytes
-            options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+            options = tls.message_limits(max_message_bytes)
             channel = self._channels[key] = traced_channel(tls.sync_channel(address, options))
         return channel
 

@@ -196,12 +196,7 @@ async def serve_engine(
 ) -> tuple[grpc.aio.Server, str]:
     """Start a gRPC server for an engine on `host` (an address of this host others reach it at);
     returns (server, address)."""
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-        ]
-    )
+    server = grpc.aio.server(options=tls.message_limits(max_message_bytes))
     add_engine_servicer(server, engine)
     bound = tls.add_port(server, f"{host}:{port}")
     await server.start()

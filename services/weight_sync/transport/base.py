@@ -92,13 +92,6 @@ def identity(x: bytes) -> bytes:
     return x
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
-
-
 async def aiter_buckets(buckets: Buckets) -> AsyncIterator[Bucket]:
     if isinstance(buckets, AsyncIterable):
         async for b in buckets:
@@ -121,7 +114,7 @@ class Transport(ABC):
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = tls.aio_channel(address, channel_options(self.max_message_bytes), client_interceptors())
+            ch = tls.aio_channel(address, tls.message_limits(self.max_message_bytes), client_interceptors())
             self._channels[address] = ch
         return ch
 
