@@ -155,13 +155,17 @@ class RunDriver:
 
     async def _main(self) -> None:
         self._stream_followers = [
-            asyncio.create_task(self._follow_train()),
-            asyncio.create_task(self._follow_weights()),
+            asyncio.create_task(self._keep("TRAIN follower", self._follow_train)),
+            asyncio.create_task(self._keep("WEIGHTS follower", self._follow_weights)),
         ]
         followers = [
             *self._stream_followers,
-            asyncio.create_task(follow_errors(self.bus, self.store, self.run_id, self.changed)),
-            asyncio.create_task(self._watch_stalls()),
+            asyncio.create_task(
+                self._keep(
+                    "error follower", lambda: follow_errors(self.bus, self.store, self.run_id, self.changed)
+                )
+            ),
+            asyncio.create_task(self._keep("stall watch", self._watch_stalls)),
         ]
         delay = 0.5
         try:
@@ -190,6 +194,29 @@ class RunDriver:
                 task.cancel()
             # Unwound before the driver counts as stopped: their consumers close before the bus drains.
             await asyncio.gather(*followers, return_exceptions=True)
+
+    async def _keep(self, name: str, task: Callable[[], Awaitable[None]]) -> None:
+        """Run one of the driver's background tasks until it returns, starting it again when it fails:
+        one lost to a request cut by a nats-server restart would otherwise leave the run unrecorded,
+        unfed and never marked stalled, without a word."""
+        delay = 0.5
+        while True:
+            started = time.monotonic()
+            try:
+                return await task()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Back off while it keeps failing; one that ran a while before failing starts over.
+                delay = 0.5 if time.monotonic() - started > 60.0 else delay
+                if isinstance(exc, BUS_UNAVAILABLE):
+                    log.warning(
+                        "run %s: the %s lost the bus (%r); again in %.1fs", self.run_id, name, exc, delay
+                    )
+                else:
+                    log.exception("run %s: the %s failed; again in %.1fs", self.run_id, name, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 10.0)
 
     async def _watch_stalls(self) -> None:
         record = await self.store.get(self.run_id)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +25,7 @@ from looprl.events.v1 import events_pb2
 from looprl.gateway.v1 import gateway_pb2
 from services.kit import subjects, trainer_epochs
 from services.kit.bus import Bus
+from services.kit.local import NatsServer, free_port
 from tests.support.gateway import AUTH, TOKEN, GatewayProcess, http, openai_error
 
 RECIPE = """
@@ -313,6 +316,39 @@ def test_step_records_of_an_unknown_or_stale_trainer_epoch_are_ignored_and_count
     final = wait_until(lambda: (r := current()).step == 2 and r)
     assert [h.step for h in final.history] == [0, 1] and final.step_records_ignored == 2
     assert "ignored step records 2" in progress_line(final)
+
+
+def test_a_run_is_fed_and_watched_on_after_the_bus_stopped_answering_past_a_request_timeout(
+    tmp_path: Path,
+) -> None:
+    """A nats-server that answers nothing for longer than a request's 5 s timeout (frozen, or
+    restarted with requests in flight) costs the run's driver none of its tasks: it records and
+    feeds the next step after, and still marks the run stalled once it stops progressing."""
+    server = NatsServer(state_dir=tmp_path / "nats", port=free_port()).start()
+    gateway = GatewayProcess(server.url, tmp_path / "gateway").start()
+    try:
+        recipe = RECIPE.format(staleness=0).replace("[batch]", "stall_seconds = 3\n[batch]")
+        gateway.stub.CreateRun(
+            gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id="frozen-bus"), metadata=AUTH
+        )
+        wait_until(lambda: episodes_of(server.url, "frozen-bus"))
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(7.0)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        publish_train_step(server.url, "frozen-bus", 0)
+        wait_until(lambda: any(t.step == 2 for t in episodes_of(server.url, "frozen-bus")))
+
+        def get_run() -> gateway_pb2.Run:
+            return gateway.stub.GetRun(gateway_pb2.GetRunRequest(run_id="frozen-bus"), metadata=AUTH).run
+
+        run = wait_until(lambda: (r := get_run()).state == gateway_pb2.RUN_STATE_STALLED and r, timeout=30)
+        assert [h.step for h in run.history] == [0]
+        assert "no progress at step 1/3" in run.stalled_reason, run.stalled_reason
+    finally:
+        gateway.kill()
+        server.stop()
 
 
 def test_restarted_gateway_continues_the_run(gateway: GatewayProcess, nats_url: str) -> None:
