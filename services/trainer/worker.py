@@ -124,10 +124,11 @@ class TrainerWorker:
         telemetry.flush()
         if not dist.is_initialized():
             return
-        try:  # gloo only (NCCL ranks skip it); a peer already gone ends the wait at the timeout
-            dist.monitored_barrier(timeout=timedelta(seconds=barrier_timeout_s))
-        except RuntimeError:
-            pass
+        if dist.get_backend() == dist.Backend.GLOO:  # NCCL has no barrier that ends on a timeout
+            try:  # a peer already gone ends the wait at the timeout
+                dist.monitored_barrier(timeout=timedelta(seconds=barrier_timeout_s))
+            except RuntimeError:
+                pass
         dist.destroy_process_group()
 
     # ---- model -----------------------------------------------------------------------------------
