@@ -192,10 +192,6 @@ def add_port(
     return server.add_secure_port(address, chosen.server_credentials())  # type: ignore[union-attr]
 
 
-# A peer killed and restarted (a crash, a rolling update) is back within seconds, but gRPC's default
-# reconnect backoff (1 s, growing 1.6x per failed attempt up to 120 s) keeps a channel failing fast for
-# seconds to minutes after the peer returns: 5.5-6.1 s after a 20 s outage (tests/integration/
-# test_kit_channels.py). Every channel here reaches a peer of the same deployment, cheap to retry.
 def message_limits(max_message_bytes: int) -> list[tuple[str, int]]:
     """Channel or server options raising gRPC's send and receive limits (4 MiB received by default)."""
     return [
@@ -204,6 +200,10 @@ def message_limits(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+# A peer killed and restarted (a crash, a rolling update) is back within seconds, but gRPC's default
+# reconnect backoff (1 s, growing 1.6x per failed attempt up to 120 s) keeps a channel failing fast for
+# seconds to minutes after the peer returns: 5.5-6.1 s after a 20 s outage (tests/integration/
+# test_kit_channels.py). Every channel here reaches a peer of the same deployment, cheap to retry.
 RECONNECT_BACKOFF = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000))
 
 
