@@ -318,7 +318,9 @@ class RunDriver:
             while (deliveries := await self._fetch(consumer)) is not None:
                 for delivery in deliveries:
                     with delivery.process_span():
-                        step = delivery.parse(events_pb2.TrainStepRecord)
+                        step = await delivery.parse_or_term(events_pb2.TrainStepRecord)
+                        if step is None:
+                            continue
                         if not await self._genuine(step):
                             log.warning(
                                 "run %s: ignored the record of step %d of trainer epoch %r (not vouched for)",
@@ -372,10 +374,14 @@ class RunDriver:
                 for delivery in deliveries:
                     # WeightsRejected (a canary refused a version) shares the subject, told apart by header.
                     if (delivery.headers or {}).get(subjects.EVENT_HEADER) == subjects.WEIGHTS_REJECTED:
-                        rejected = delivery.parse(events_pb2.WeightsRejected)
+                        rejected = await delivery.parse_or_term(events_pb2.WeightsRejected)
+                        if rejected is None:
+                            continue
                         await self.store.update(self.run_id, lambda r, e=rejected: _apply_rejection(r, e))
                     else:
-                        event = delivery.parse(events_pb2.WeightsPublished)
+                        event = await delivery.parse_or_term(events_pb2.WeightsPublished)
+                        if event is None:
+                            continue
                         self.progress.mark()
                         await self.store.add_weight_sync(self.run_id, weight_sync_entry(event))
                         await self.store.update(self.run_id, lambda r, e=event: _apply_weights(r, e))

@@ -88,7 +88,9 @@ async def follow_errors(bus: Bus, store, run_id: str, changed: asyncio.Event) ->
     async with consumer:
         while True:
             for delivery in await consumer.fetch(batch=64, timeout=1.0):
-                event = delivery.parse(events_pb2.RunError)
+                event = await delivery.parse_or_term(events_pb2.RunError)
+                if event is None:
+                    continue
                 await store.update(run_id, lambda r, e=event: apply_error(r, e))
                 await delivery.ack()
                 changed.set()

@@ -619,6 +619,15 @@ class Delivery:
                 f"{message_type.DESCRIPTOR.full_name}: {err}"
             ) from err
 
+    async def parse_or_term(self, message_type: type[M]) -> M | None:
+        """The payload as a protobuf message; None after terming a payload that does not parse,
+        which no redelivery would fix."""
+        try:
+            return self.parse(message_type)
+        except PoisonMessage as exc:
+            await self.term(str(exc))
+            return None
+
     def producer_context(self) -> SpanContext | None:
         """The publisher's span (from the traceparent header), to link to; None when none came."""
         ctx = trace.get_current_span(propagate.extract(self.headers)).get_span_context()

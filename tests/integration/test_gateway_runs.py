@@ -318,6 +318,42 @@ def test_step_records_of_an_unknown_or_stale_trainer_epoch_are_ignored_and_count
     assert "ignored step records 2" in progress_line(final)
 
 
+def test_unparsable_records_are_terminated_and_the_run_goes_on(
+    gateway: GatewayProcess, nats_url: str
+) -> None:
+    """A record that is not the message its subject carries is terminated (never redelivered to
+    the run's driver) and the records after it count."""
+    run = gateway.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="garbled-run"),
+        metadata=AUTH,
+    ).run
+    streams = {subjects.TRAIN: "train", subjects.WEIGHTS: "weights", subjects.RUN_EVENTS: "events"}
+
+    async def garble() -> None:
+        bus = await Bus.connect(nats_url, name="test-trainer")
+        for subject in (subjects.train, subjects.weights, subjects.events):
+            await bus.js.publish(subject(run.run_id), b"\xff\xffnot a protobuf")
+        await bus.close()
+
+    async def unsettled() -> dict[str, int]:
+        bus = await Bus.connect(nats_url, name="test-reader")
+        try:
+            infos = [await bus.js.consumer_info(s, f"gateway-{k}-{run.run_id}") for s, k in streams.items()]
+            return {i.stream_name: i.num_ack_pending + i.num_pending for i in infos}
+        finally:
+            await bus.close()
+
+    asyncio.run(garble())
+    publish_train_step(nats_url, run.run_id, 0)
+
+    def current() -> gateway_pb2.Run:
+        return gateway.stub.GetRun(gateway_pb2.GetRunRequest(run_id=run.run_id), metadata=AUTH).run
+
+    final = wait_until(lambda: (r := current()).step == 1 and r)
+    assert [h.step for h in final.history] == [0]
+    assert wait_until(lambda: set(asyncio.run(unsettled()).values()) == {0})
+
+
 def test_a_run_is_fed_and_watched_on_after_the_bus_stopped_answering_past_a_request_timeout(
     tmp_path: Path,
 ) -> None:
