@@ -30,6 +30,7 @@ from opentelemetry import trace
 
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
+from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit import ray_head, subjects, telemetry, tls, trainer_epochs
 from services.kit.interceptors import client_interceptors
 from services.kit.metric_names import observe
@@ -42,7 +43,8 @@ from services.trainer.ranks import RankGroup
 from services.trainer.spec import TrainerSpec, spec_from_recipe
 
 # How long a step waits for its batch before the trainer pushes the version it serves again
-# (`_repush_while_waiting`); several NextBatch timeouts, so a slow environment does not cause it.
+# (`_repush_while_waiting`) without weight-sync saying it lost it; several NextBatch timeouts, so a
+# slow environment does not cause it.
 REPUSH_AFTER_S = 15.0
 
 log = logging.getLogger("looprl.trainer.loop")
@@ -242,7 +244,8 @@ class RunTrainer:
         return True
 
     async def _repush_while_waiting(self) -> None:
-        """Push the served version again while a step has waited REPUSH_AFTER_S for its batch.
+        """Push the served version again when weight-sync says it lost it (asked each time a step's
+        batch wait times out), or once a step has waited REPUSH_AFTER_S for its batch regardless.
 
         A weight-sync killed after a version completed but before its deployments received it
         restarts knowing the version's number but not its bytes, and nothing else would send them:
@@ -252,7 +255,9 @@ class RunTrainer:
         if self._not_ready_since is None:
             self._not_ready_since = now
         waited = now - max(self._not_ready_since, self._repushed_at)
-        if waited < REPUSH_AFTER_S or not self.cfg.weight_sync_address:
+        if not self.cfg.weight_sync_address:
+            return
+        if waited < REPUSH_AFTER_S and not await self._weight_sync_lost_served_version():
             return
         self._repushed_at = now
         try:
@@ -262,6 +267,21 @@ class RunTrainer:
             return
         if not any(r.get("skipped") or r.get("error") for r in results):
             log.warning("run %s: weight-sync had lost version %d; pushed it again", self.run_id, self.step)
+
+    async def _weight_sync_lost_served_version(self) -> bool:
+        """Whether weight-sync says it lacks the bytes of the version this trainer serves, which a
+        target behind it or one registering later would need (False when it cannot be asked: the
+        timed re-push remains)."""
+        request = weightsync_pb2.GetVersionRequest(run_id=self.run_id)
+        try:
+            async with tls.aio_channel(
+                self.cfg.weight_sync_address, interceptors=client_interceptors()
+            ) as ch:
+                reply = await weightsync_pb2_grpc.WeightSyncServiceStub(ch).GetVersion(request, timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            log.info("run %s: weight-sync's versions unavailable: %s", self.run_id, exc.details())
+            return False
+        return reply.latest_version == self.step and not reply.latest_bytes_held
 
     async def _push(self, version: int, results: list[dict[str, Any]] | None = None) -> None:
         """Have every rank push `version` to weight-sync (results: a push already made with the step).

@@ -140,7 +140,11 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
             targets.append(proto)
         versions = self.store.serving(request.run_id) if request.run_id else self.store.primary()
         return weightsync_pb2.GetVersionResponse(
-            latest_version=versions.latest_version, targets=targets, host_id=placement.host_id
+            latest_version=versions.latest_version,
+            targets=targets,
+            host_id=placement.host_id,
+            latest_bytes_held=versions.latest is not None
+            and versions.latest.version == versions.latest_version,
         )
 
     async def UnregisterTarget(self, request, context):

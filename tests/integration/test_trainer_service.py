@@ -248,9 +248,9 @@ async def test_sigterm_drain_finishes_the_step_and_writes_a_final_checkpoint(
 async def test_a_version_weight_sync_lost_in_a_restart_is_pushed_again_while_the_step_waits(
     packer, nats_url, ray_client, tmp_path, monkeypatch
 ) -> None:
-    """weight-sync killed after a version completed restarts knowing its number but not its bytes.
-    A deployment still behind it can only get it from the trainer, which pushes it again while the
-    next step waits for its batch."""
+    """weight-sync killed after a version completed restarts knowing its number but not its bytes,
+    and says so. A deployment still behind it can only get it from the trainer, which asks while the
+    next step waits for its batch and pushes it again (the timed re-push is out of reach here)."""
     from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
     from services.modeling.config import ModelConfig
     from services.modeling.layouts import Layout, rank_params
@@ -258,7 +258,7 @@ async def test_a_version_weight_sync_lost_in_a_restart_is_pushed_again_while_the
     from services.weights import WeightOnlyEngine, WeightStager, serve_engine
     from tests.support.weight_sync_process import start_weight_sync, wait_for, wait_ready
 
-    monkeypatch.setattr(loop, "REPUSH_AFTER_S", 3.0)
+    monkeypatch.setattr(loop, "REPUSH_AFTER_S", 3600.0)
     packer_app, packer_address = packer
     run_id = f"tr-{uuid.uuid4().hex[:8]}"
     recipe = parse_recipe(RECIPE.format(steps=1))
@@ -296,11 +296,10 @@ async def test_a_version_weight_sync_lost_in_a_restart_is_pushed_again_while_the
         proc.kill()
         proc.wait(10)
         proc = start_weight_sync(env)
-        assert (
-            await wait_ready(ws, proc, run_id)
-        ).latest_version == 0  # the number survived, the bytes did not
+        assert (await wait_ready(ws, proc, run_id)).latest_version == 0  # the number survived the kill
         await register("late", servers[1][1])
         await wait_for(lambda: engines[1].version == 0, timeout=60)
+        assert (await ws.GetVersion(weightsync_pb2.GetVersionRequest(run_id=run_id))).latest_bytes_held
         bus = await Bus.connect(nats_url, name="test")
         await _publish_steps(bus, run_id, 0, 1)
         await bus.close()

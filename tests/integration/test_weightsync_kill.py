@@ -90,13 +90,14 @@ async def test_kill_mid_transfer_keeps_old_version_and_restart_syncs_next(nats_u
         slow["on"] = False
         proc = start_weight_sync(env)
         status = await wait_ready(stub, proc, run)
-        assert status.latest_version == 1  # restored from KV
+        assert status.latest_version == 1 and not status.latest_bytes_held  # the number from KV only
         assert [(t.deployment, t.version) for t in status.targets] == [("kill-d", 0)]
-        # The restart kept v1's number but not its bytes: the trainer pushes v1 again (it does so
-        # while a step waits for its batch, trainer/loop.py) and the deployment gets it...
+        # The restart kept v1's number but not its bytes, and says so: the trainer pushes v1 again
+        # (it asks while a step waits for its batch, trainer/loop.py) and the deployment gets it...
         await push(stub, v1, 1)
         await wait_for(lambda: engine.version == 1)
         assert torch.equal(engine.weights["model.norm.weight"], v1["model.norm.weight"])
+        assert (await wait_ready(stub, proc, run)).latest_bytes_held
         # ...while a version weight-sync holds is not taken twice.
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await push(stub, v1, 1)

@@ -172,14 +172,16 @@ class DeliveryRoute(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., rank: _Optional[int] = ..., address: _Optional[str] = ..., host_id: _Optional[str] = ..., transport: _Optional[str] = ..., reason: _Optional[str] = ..., bytes_delivered: _Optional[int] = ...) -> None: ...
 
 class GetVersionResponse(_message.Message):
-    __slots__ = ("latest_version", "targets", "host_id")
+    __slots__ = ("latest_version", "targets", "host_id", "latest_bytes_held")
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    LATEST_BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
     latest_version: int
     targets: _containers.RepeatedCompositeFieldContainer[TargetVersion]
     host_id: str
-    def __init__(self, latest_version: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetVersion, _Mapping]]] = ..., host_id: _Optional[str] = ...) -> None: ...
+    latest_bytes_held: bool
+    def __init__(self, latest_version: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetVersion, _Mapping]]] = ..., host_id: _Optional[str] = ..., latest_bytes_held: _Optional[bool] = ...) -> None: ...
 
 class RequestSyncRequest(_message.Message):
     __slots__ = ("deployment",)
