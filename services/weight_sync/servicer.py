@@ -143,8 +143,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
             latest_version=versions.latest_version,
             targets=targets,
             host_id=placement.host_id,
-            latest_bytes_held=versions.latest is not None
-            and versions.latest.version == versions.latest_version,
+            latest_bytes_held=versions.latest_bytes_held,
         )
 
     async def UnregisterTarget(self, request, context):

@@ -209,6 +209,11 @@ class RunVersions:
     latest_version: int = -1  # survives restarts via KV even when the bytes do not
     pending: dict[int, VersionBuffer] = field(default_factory=dict)
 
+    @property
+    def latest_bytes_held(self) -> bool:
+        """Whether the latest version's bytes are here; a restart keeps only its number (KV)."""
+        return self.latest is not None and self.latest.version == self.latest_version
+
 
 class VersionStore:
     """The versions being pushed and the latest complete one (kept to serve RequestSync), per run.
@@ -282,7 +287,7 @@ class VersionStore:
         rv = self.runs.get(self.run_of(request.run_id)) or RunVersions(self.run_of(request.run_id))
         # A restart keeps the latest version's number (KV) but not its bytes: the trainer may push
         # that version again, or targets that had not received it could never get it.
-        lost = v == rv.latest_version and (rv.latest is None or rv.latest.version != v)
+        lost = v == rv.latest_version and not rv.latest_bytes_held
         if v <= rv.latest_version and not lost:
             raise FailedPrecondition(
                 f"version: {v} is not newer than the latest complete version {rv.latest_version} "
