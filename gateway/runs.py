@@ -167,46 +167,36 @@ class RunDriver:
             ),
             asyncio.create_task(self._keep("stall watch", self._watch_stalls)),
         ]
-        delay = 0.5
         try:
-            while True:
-                try:
-                    await self._feed()
-                    return
-                except asyncio.CancelledError:
-                    raise
-                except BUS_UNAVAILABLE as exc:
-                    # nats-server restarting: feeding resumes from the record (fed_steps), and a step
-                    # published again is a JetStream duplicate of the same message ids.
-                    log.warning(
-                        "run %s: the bus did not answer (%r); feeding again in %.1fs", self.run_id, exc, delay
-                    )
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, 10.0)
-                except Exception as exc:
-                    log.exception("run %s failed", self.run_id)
-                    error = f"gateway: {exc!r}"
-                    await self.store.update(self.run_id, lambda r, e=error: fail(r, e))
-                    self._lifecycle("run failed", error=error)
-                    return
+            # nats-server restarting: feeding resumes from the record (fed_steps), and a step
+            # published again is a JetStream duplicate of the same message ids.
+            await self._keep("feeder", self._feed, retried=BUS_UNAVAILABLE)
+        except Exception as exc:
+            log.exception("run %s failed", self.run_id)
+            error = f"gateway: {exc!r}"
+            await self.store.update(self.run_id, lambda r, e=error: fail(r, e))
+            self._lifecycle("run failed", error=error)
         finally:
             for task in followers:
                 task.cancel()
             # Unwound before the driver counts as stopped: their consumers close before the bus drains.
             await asyncio.gather(*followers, return_exceptions=True)
 
-    async def _keep(self, name: str, task: Callable[[], Awaitable[None]]) -> None:
-        """Run one of the driver's background tasks until it returns, starting it again when it fails:
-        one lost to a request cut by a nats-server restart would otherwise leave the run unrecorded,
-        unfed and never marked stalled, without a word."""
+    async def _keep(
+        self,
+        name: str,
+        task: Callable[[], Awaitable[None]],
+        retried: type[Exception] | tuple[type[Exception], ...] = Exception,
+    ) -> None:
+        """Run one of the driver's tasks until it returns, starting it again when it fails with one
+        of `retried` (others propagate): one lost to a request cut by a nats-server restart would
+        otherwise leave the run unrecorded, unfed and never marked stalled, without a word."""
         delay = 0.5
         while True:
             started = time.monotonic()
             try:
                 return await task()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
+            except retried as exc:
                 # Back off while it keeps failing; one that ran a while before failing starts over.
                 delay = 0.5 if time.monotonic() - started > 60.0 else delay
                 if isinstance(exc, BUS_UNAVAILABLE):
