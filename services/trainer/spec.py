@@ -23,8 +23,9 @@ class TrainerSpec:
     # Dtype of the shards sent to weight-sync ("" = the parameters' own dtype).
     push_dtype: str = ""
     push_max_bytes: int = 16 << 20
-    # Wrap every decoder layer with fully_shard (and the root); False shards only the root.
-    shard_layers: bool = True
+    # Wrap every decoder layer with fully_shard (and the root); False shards only the root; None
+    # decides by size (SHARD_LAYERS_ABOVE_PARAMS).
+    shard_layers: bool | None = None
 
     def model_config(self) -> ModelConfig:
         if self.architecture:
@@ -50,6 +51,18 @@ class TrainerSpec:
             "push_max_bytes": self.push_max_bytes,
             "shard_layers": self.shard_layers,
         }
+
+
+# Per-layer wrapping bounds the unsharded parameters to one layer at a time, which is what lets a
+# large model fit; below this size the whole model unsharded is a few hundred MB at most, and one
+# all-gather and one reduce-scatter a micro-batch cost less than one of each per layer (measured on
+# the default recipe's 2 CPU ranks: 11% more steps/s).
+SHARD_LAYERS_ABOVE_PARAMS = 50_000_000
+
+
+def shards_layers(spec: TrainerSpec, parameters: int) -> bool:
+    """Whether the trainer wraps each decoder layer in its own FSDP unit."""
+    return spec.shard_layers if spec.shard_layers is not None else parameters > SHARD_LAYERS_ABOVE_PARAMS
 
 
 def spec_from_recipe(recipe: Recipe, run_id: str) -> TrainerSpec:

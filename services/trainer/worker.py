@@ -32,7 +32,7 @@ from services.trainer.errors import BatchRejected, PushFailed, StepAborted
 from services.trainer.loss import LossMetrics
 from services.trainer.optim import build_optimizer
 from services.trainer.shards import push_requests
-from services.trainer.spec import TrainerSpec
+from services.trainer.spec import TrainerSpec, shards_layers
 from services.trainer.step import StepSettings, accumulate, apply_gradients, micro_batch_loss
 
 log = logging.getLogger("looprl.trainer.worker")
@@ -169,7 +169,7 @@ class TrainerWorker:
             # Nothing to shard: FSDP's hooks and DTensor dispatch would only slow every step down
             # (~40% of a tiny model's step on CPU). Pushes, checkpoints and grads handle plain tensors.
             return model
-        if spec.shard_layers:
+        if shards_layers(spec, sum(p.numel() for p in model.parameters())):
             for layer in model.model.layers:
                 fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)

@@ -6,6 +6,8 @@ with setup(spec) first.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from trainer_steps import MODEL, ReferenceTrainer, make_spec, make_step, pack
@@ -50,8 +52,11 @@ def test_packed_logprobs_equal_each_sequence_alone(group: RankGroup) -> None:
     assert float(results[0][0].abs().sum()) > 0
 
 
-def test_one_step_lowers_the_loss_and_matches_single_process_reference(group: RankGroup) -> None:
-    spec = make_spec()
+@pytest.mark.parametrize("shard_layers", [True, False], ids=["per-layer", "root-only"])
+def test_one_step_lowers_the_loss_and_matches_single_process_reference(
+    group: RankGroup, shard_layers: bool
+) -> None:
+    spec = dataclasses.replace(make_spec(), shard_layers=shard_layers)
     group.call("setup", spec)
     reference = ReferenceTrainer(spec)
     per_rank, seqs = make_step(
