@@ -304,6 +304,31 @@ class Bus:
         """
         return (await self.publish_batch(subject, [(payload, msg_id)], headers, timeout_s=timeout_s))[0]
 
+    async def publish_retrying(
+        self, subject: str, payload: bytes | Message, msg_id: str, *, within_s: float, timeout_s: float = 5.0
+    ) -> api.PubAck:
+        """`publish`, tried again while the bus is unavailable (a nats-server restarting, JetStream
+        not back yet) for up to `within_s`, then the last error is raised. For a message whose loss
+        nothing would notice later. The message id turns a retry of a publish that was in fact stored
+        into a duplicate the stream drops, so the retries must end inside the duplicate window."""
+        if not msg_id:
+            raise ValueError("msg_id: a retried publish needs one, or the stream may store it twice")
+        if not 0 < within_s < DEFAULT_DUPLICATE_WINDOW_S:
+            raise ValueError(
+                f"within_s: {within_s} is outside (0, {DEFAULT_DUPLICATE_WINDOW_S}), the duplicate window"
+            )
+        deadline = time.monotonic() + within_s
+        delay = 0.25
+        while True:
+            try:
+                return await self.publish(subject, payload, msg_id=msg_id, timeout_s=timeout_s)
+            except BUS_UNAVAILABLE as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("publish to %s: the bus did not answer (%r); again in %.2fs", subject, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
     async def publish_batch(
         self,
         subject: str,

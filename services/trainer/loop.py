@@ -46,6 +46,9 @@ from services.trainer.spec import TrainerSpec, spec_from_recipe
 # (`_repush_while_waiting`) without weight-sync saying it lost it; several NextBatch timeouts, so a
 # slow environment does not cause it.
 REPUSH_AFTER_S = 15.0
+# How long a step record's publish is retried while the bus is unavailable: past a nats-server
+# restart, inside the stream's duplicate window.
+STEP_RECORD_RETRY_S = 60.0
 
 log = logging.getLogger("looprl.trainer.loop")
 _tracer = trace.get_tracer("looprl.trainer.loop")
@@ -397,14 +400,17 @@ class RunTrainer:
             trainer_epoch=self.epoch,
         )
         try:
-            await self.bus.publish(
-                # Per epoch: a step retrained after a resume is a record of its own, not a duplicate.
+            # Retried through a nats-server restart: nothing publishes a lost record again, and the
+            # run's history and rollout accounting would stay a step short for good.
+            await self.bus.publish_retrying(
                 subjects.train(self.run_id),
                 record,
+                # Per epoch: a step retrained after a resume is a record of its own, not a duplicate.
                 msg_id=f"{self.run_id}-train-{m['step']}-{self.epoch}",
+                within_s=STEP_RECORD_RETRY_S,
             )
         except Exception as exc:  # progress events must not stop training
-            log.warning("run %s: could not publish step %d: %s", self.run_id, m["step"], exc)
+            log.error("run %s: the record of step %d is lost: %s", self.run_id, m["step"], describe(exc))
 
     # ---- control ---------------------------------------------------------------------------------
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +23,7 @@ from opentelemetry.trace import SpanKind, Tracer
 from looprl.events.v1 import events_pb2
 from services.kit import subjects
 from services.kit.bus import (
+    BUS_UNAVAILABLE,
     Bus,
     BusError,
     BusUnavailable,
@@ -30,7 +33,7 @@ from services.kit.bus import (
     batch_process_span,
     by_producer,
 )
-from services.kit.local import free_port
+from services.kit.local import NatsServer, free_port
 
 
 def new_run() -> str:
@@ -450,6 +453,46 @@ async def test_concurrent_provisioning_from_several_services(nats_url: str) -> N
         await buses[0].js.delete_key_value(bucket.name)
         for b in buses:
             await b.close()
+
+
+async def test_a_retried_publish_outlasts_a_frozen_server_and_is_stored_once(tmp_path) -> None:
+    """A server that answers nothing for longer than a publish's timeout (frozen, or restarting)
+    costs a retried publish nothing: it lands once the server is back, and the attempt that timed
+    out but reached the stream is a duplicate, not a second message."""
+    server = NatsServer(state_dir=tmp_path / "nats", port=free_port()).start()
+    bus = await Bus.connect(server.url, name="test-retry")
+    try:
+        await bus.ensure_streams()
+        run = new_run()
+        subject = subjects.train(run)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        publishing = asyncio.create_task(
+            bus.publish_retrying(subject, b"step 0", msg_id=f"{run}-train-0", within_s=30, timeout_s=0.5)
+        )
+        # Meanwhile several attempts time out, and a publish retried for less time gives up with
+        # the bus's error, not a hang and not a silent loss.
+        started = time.monotonic()
+        with pytest.raises(BUS_UNAVAILABLE):
+            await bus.publish_retrying(
+                subjects.train(new_run()), b"given up", msg_id="given-up", within_s=1.0, timeout_s=0.5
+            )
+        assert time.monotonic() - started < 5
+        assert not publishing.done()
+        os.kill(server.proc.pid, signal.SIGCONT)
+        ack = await asyncio.wait_for(publishing, timeout=30)
+        assert ack.stream == subjects.TRAIN
+        assert await bus.count(subjects.TRAIN, subject) == 1
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        await bus.close()
+        server.stop()
+
+
+async def test_a_retried_publish_refuses_settings_that_could_store_twice(bus: Bus) -> None:
+    with pytest.raises(ValueError, match="msg_id"):
+        await bus.publish_retrying(subjects.train(new_run()), b"x", msg_id="", within_s=5)
+    with pytest.raises(ValueError, match="within_s"):
+        await bus.publish_retrying(subjects.train(new_run()), b"x", msg_id="m", within_s=600)
 
 
 async def test_publish_without_a_stream_is_a_clear_error(bus: Bus) -> None:
