@@ -73,7 +73,7 @@ def tensor_from_bytes(
     data: bytes | memoryview, dtype: torch.dtype, shape: list[int] | tuple[int, ...]
 ) -> torch.Tensor:
     """A tensor viewing `data` (no copy). Raises CodecError when sizes disagree."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     count = 1
     for dim in shape:
         if dim < 0:

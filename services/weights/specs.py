@@ -30,7 +30,8 @@ class ParamSpec:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    # The dtype's own attribute: allocating a tensor to ask costs ~5 us, on every slice of every push.
+    return dtype.itemsize
 
 
 def proto_dtype(dtype: torch.dtype) -> int:
