@@ -71,6 +71,10 @@ __all__ = [
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 DEFAULT_DUPLICATE_WINDOW_S = 120.0
+# How long a producer retries an event that nothing would publish again (a step record, a delivered
+# version) through a nats-server restart: well inside the duplicate window, so a retry of a publish
+# that was in fact stored is dropped as a duplicate.
+EVENT_RETRY_S = 60.0
 
 M = TypeVar("M", bound=Message)
 
@@ -305,7 +309,14 @@ class Bus:
         return (await self.publish_batch(subject, [(payload, msg_id)], headers, timeout_s=timeout_s))[0]
 
     async def publish_retrying(
-        self, subject: str, payload: bytes | Message, msg_id: str, *, within_s: float, timeout_s: float = 5.0
+        self,
+        subject: str,
+        payload: bytes | Message,
+        msg_id: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        within_s: float,
+        timeout_s: float = 5.0,
     ) -> api.PubAck:
         """`publish`, tried again while the bus is unavailable (a nats-server restarting, JetStream
         not back yet) for up to `within_s`, then the last error is raised. For a message whose loss
@@ -321,7 +332,7 @@ class Bus:
         delay = 0.25
         while True:
             try:
-                return await self.publish(subject, payload, msg_id=msg_id, timeout_s=timeout_s)
+                return await self.publish(subject, payload, msg_id, headers, timeout_s=timeout_s)
             except BUS_UNAVAILABLE as exc:
                 if time.monotonic() + delay > deadline:
                     raise

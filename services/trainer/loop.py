@@ -32,6 +32,7 @@ from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit import ray_head, subjects, telemetry, tls, trainer_epochs
+from services.kit.bus import EVENT_RETRY_S
 from services.kit.interceptors import client_interceptors
 from services.kit.metric_names import observe
 from services.kit.run_errors import RunErrorReporter, describe
@@ -46,9 +47,6 @@ from services.trainer.spec import TrainerSpec, spec_from_recipe
 # (`_repush_while_waiting`) without weight-sync saying it lost it; several NextBatch timeouts, so a
 # slow environment does not cause it.
 REPUSH_AFTER_S = 15.0
-# How long a step record's publish is retried while the bus is unavailable: past a nats-server
-# restart, inside the stream's duplicate window.
-STEP_RECORD_RETRY_S = 60.0
 
 log = logging.getLogger("looprl.trainer.loop")
 _tracer = trace.get_tracer("looprl.trainer.loop")
@@ -407,7 +405,7 @@ class RunTrainer:
                 record,
                 # Per epoch: a step retrained after a resume is a record of its own, not a duplicate.
                 msg_id=f"{self.run_id}-train-{m['step']}-{self.epoch}",
-                within_s=STEP_RECORD_RETRY_S,
+                within_s=EVENT_RETRY_S,
             )
         except Exception as exc:  # progress events must not stop training
             log.error("run %s: the record of step %d is lost: %s", self.run_id, m["step"], describe(exc))

@@ -13,6 +13,7 @@ import logging
 from looprl.events.v1 import events_pb2
 from looprl.weightsync.v1 import weightsync_pb2
 from services.kit import subjects
+from services.kit.bus import EVENT_RETRY_S
 from services.kit.run_errors import RunErrorReporter
 
 from .deliver import Deliverer
@@ -110,11 +111,12 @@ class StateStore:
         event = events_pb2.WeightsRejected(
             run_id=run, version=version, deployment=t.deployment, drift=drift, detail=detail
         )
-        await self.bus.publish(
+        await self.bus.publish_retrying(
             subjects.weights(run),
             event,
-            msg_id=f"weights-rejected-{run}-{t.deployment}-{version}",
-            headers={subjects.EVENT_HEADER: subjects.WEIGHTS_REJECTED},
+            f"weights-rejected-{run}-{t.deployment}-{version}",
+            {subjects.EVENT_HEADER: subjects.WEIGHTS_REJECTED},
+            within_s=EVENT_RETRY_S,
         )
         await self.save_state(t)
 
@@ -123,5 +125,9 @@ class StateStore:
         event = events_pb2.WeightsPublished(
             run_id=run, version=version, deployment=t.deployment, sync_seconds=seconds, bytes=nbytes
         )
-        await self.bus.publish(subjects.weights(run), event, msg_id=f"weights-{run}-{t.deployment}-{version}")
+        # Retried through a nats-server restart: the event is how the router hears of the commit at
+        # once and the run records the delivery; nothing publishes a lost one again.
+        await self.bus.publish_retrying(
+            subjects.weights(run), event, f"weights-{run}-{t.deployment}-{version}", within_s=EVENT_RETRY_S
+        )
         await self.save_state(t)
