@@ -12,6 +12,9 @@ Printed as medians over the steps (the first five and the last excluded: warm-up
 Figures (reference, no target): `hops_ms_per_step`, the step minus the two compute parts (generation
 at the replicas and the update), against the whole step; `generation_ms_per_step` and
 `update_ms_per_step`, each against the whole step. What is not compute is crossing the services.
+And `step_record_lag_ms` (target < 50 ms): the longest any step record took from the trainer's
+publish to the gateway's handling of it, against the whole step. A record the gateway sees late
+reports the run's progress late and feeds the next step late.
 
     python -m bench.step_timeline [--steps 60] [--world-size 1] [--quick]
 """
@@ -36,6 +39,7 @@ COMMIT = "looprl.inference.v1.InferenceEngineService/CommitWeights"
 NEXT_BATCH = "looprl.packer.v1.RolloutPackerService/NextBatch"
 PUSH = "looprl.weightsync.v1.WeightSyncService/PushShards"
 STEP_ATTR, VERSION_ATTR = "looprl.step", "looprl.weight_version"
+RECORD_PUBLISH, RECORD_PROCESS = ".train publish", ".train process"
 SKIP_FIRST = 5
 
 
@@ -99,6 +103,21 @@ def step_moments(spans: Iterable[dict[str, Any]]) -> list[StepMoments]:
     return out
 
 
+def record_lags(spans: Iterable[dict[str, Any]]) -> list[float]:
+    """ms from each step record's publish (trainer) to the start of its handling (gateway), in
+    publish order: the handling span is the publish span's child."""
+    spans = list(spans)
+    published = {
+        s["span_id"]: s for s in spans if s["service"] == "trainer" and s["name"].endswith(RECORD_PUBLISH)
+    }
+    lags = []
+    for s in spans:
+        parent = published.get(s.get("parent_span_id"))
+        if parent is not None and s["service"] == "gateway" and s["name"].endswith(RECORD_PROCESS):
+            lags.append((parent["end_ns"], (s["start_ns"] - parent["end_ns"]) / 1e6))
+    return [lag for _, lag in sorted(lags)]
+
+
 def medians(moments: list[StepMoments]) -> dict[str, float]:
     """Median of each moment (and of generation, hops) over the steady steps."""
     steady = moments[SKIP_FIRST:-1] if len(moments) > SKIP_FIRST + 1 else moments
@@ -123,7 +142,10 @@ def measure(steps: int, world_size: int) -> dict[str, float]:
         log = Path(tmp) / "spans.jsonl"
         run_on_fresh_stack(recipe, "bench-timeline", env={"LOOPRL_SPAN_LOG": str(log)})
         spans = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return medians(step_moments(spans))
+    out = medians(step_moments(spans))
+    lags = record_lags(spans)[SKIP_FIRST:]
+    out["record_lag_max"] = max(lags) if lags else float("nan")
+    return out
 
 
 def main() -> None:
@@ -154,6 +176,16 @@ def main() -> None:
         emit(
             BENCH, figure, m[key], m["step"], m[key] / m["step"], "ms (baseline: the whole step)", "reference"
         )
+    lag = m["record_lag_max"]
+    emit(
+        BENCH,
+        "step_record_lag_ms",
+        lag,
+        m["step"],
+        lag / m["step"],
+        "ms, max (baseline: the whole step)",
+        "< 50",
+    )
 
 
 if __name__ == "__main__":

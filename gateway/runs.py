@@ -295,7 +295,10 @@ class RunDriver:
 
     async def _fetch(self, consumer: Consumer) -> list[Delivery] | None:
         """The next deliveries; None once the run is finishing and nothing is left to read."""
-        deliveries = await consumer.fetch(batch=16, timeout=0.2 if self._finishing.is_set() else 1.0)
+        # One at a time: these streams carry a message or two a step, and a batched pull (16) was
+        # seen to hold a lone step record until the next one came, a step late (bench/step_timeline:
+        # step_record_lag_ms).
+        deliveries = await consumer.fetch(batch=1, timeout=0.2 if self._finishing.is_set() else 1.0)
         if not deliveries and self._finishing.is_set():
             return None
         return deliveries

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.step_timeline import COMMIT, GENERATE, NEXT_BATCH, PUSH, STEP, medians, step_moments
+from bench.step_timeline import COMMIT, GENERATE, NEXT_BATCH, PUSH, STEP, medians, record_lags, step_moments
 
 MS = 1_000_000
 
@@ -51,3 +51,22 @@ def test_every_moment_is_measured_from_its_own_steps_start() -> None:
 def test_a_log_without_complete_steps_says_so() -> None:
     with pytest.raises(ValueError, match="no step has every moment"):
         medians(step_moments(one_step(0, with_commit=False)))
+
+
+def test_a_step_records_lag_runs_from_its_publish_to_the_gateway_handling_it() -> None:
+    def linked(
+        service: str, name: str, start_ms: float, end_ms: float, span_id: str, parent: str = ""
+    ) -> dict:
+        return {**span(service, name, start_ms, end_ms), "span_id": span_id, "parent_span_id": parent}
+
+    spans = [
+        # Handled late: the record waited at the gateway until the next step's record came.
+        linked("gateway", "looprl.r.train process", 560, 600, "c1", parent="p1"),
+        linked("trainer", "looprl.r.train publish", 290, 300, "p1"),
+        linked("trainer", "looprl.r.train publish", 10, 12, "p0"),
+        linked("gateway", "looprl.r.train process", 14, 40, "c0", parent="p0"),
+        # The same names elsewhere are not a record's handling.
+        linked("rollout-packer", "looprl.r.train process", 20, 21, "x", parent="p0"),
+        linked("gateway", "looprl.r.weights process", 20, 21, "y", parent="p0"),
+    ]
+    assert record_lags(spans) == pytest.approx([2.0, 260.0])
