@@ -12,8 +12,8 @@ Printed as medians over the steps (the first five and the last excluded: warm-up
 Figures (reference, no target): `hops_ms_per_step`, the step minus the two compute parts (generation
 at the replicas and the update), against the whole step; `generation_ms_per_step` and
 `update_ms_per_step`, each against the whole step. What is not compute is crossing the services.
-And `step_record_lag_ms` (target < 50 ms): the longest any step record took from the trainer's
-publish to the gateway's handling of it, against the whole step. A record the gateway sees late
+And `step_record_lag_ms` (target < 50 ms): the longest any step record past the first five took
+from the trainer's publish to the gateway's handling of it, against the whole step. A record the gateway sees late
 reports the run's progress late and feeds the next step late.
 
     python -m bench.step_timeline [--steps 60] [--world-size 1] [--quick]

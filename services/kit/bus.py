@@ -332,7 +332,9 @@ class Bus:
         delay = 0.25
         while True:
             try:
-                return await self.publish(subject, payload, msg_id, headers, timeout_s=timeout_s)
+                return await self.publish(
+                    subject, payload, msg_id=msg_id, headers=headers, timeout_s=timeout_s
+                )
             except BUS_UNAVAILABLE as exc:
                 if time.monotonic() + delay > deadline:
                     raise

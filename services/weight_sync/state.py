@@ -114,8 +114,8 @@ class StateStore:
         await self.bus.publish_retrying(
             subjects.weights(run),
             event,
-            f"weights-rejected-{run}-{t.deployment}-{version}",
-            {subjects.EVENT_HEADER: subjects.WEIGHTS_REJECTED},
+            msg_id=f"weights-rejected-{run}-{t.deployment}-{version}",
+            headers={subjects.EVENT_HEADER: subjects.WEIGHTS_REJECTED},
             within_s=EVENT_RETRY_S,
         )
         await self.save_state(t)
@@ -128,6 +128,9 @@ class StateStore:
         # Retried through a nats-server restart: the event is how the router hears of the commit at
         # once and the run records the delivery; nothing publishes a lost one again.
         await self.bus.publish_retrying(
-            subjects.weights(run), event, f"weights-{run}-{t.deployment}-{version}", within_s=EVENT_RETRY_S
+            subjects.weights(run),
+            event,
+            msg_id=f"weights-{run}-{t.deployment}-{version}",
+            within_s=EVENT_RETRY_S,
         )
         await self.save_state(t)
