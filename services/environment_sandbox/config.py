@@ -91,6 +91,9 @@ class FleetConfig(Schema):
     """Period of the autoscaler's decisions."""
     scale_down_after_s: float = Field(30.0, ge=0.0)
     """Idle time before an actor is retired."""
+    actor_start_timeout_s: float = Field(60.0, gt=0.0)
+    """How long an execution waits for a sandbox actor to be placed and started before it fails
+    (UNAVAILABLE) instead of hanging on a cluster with no room for one."""
 
     @model_validator(mode="after")
     def _ordered(self) -> FleetConfig:

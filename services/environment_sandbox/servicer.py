@@ -21,8 +21,13 @@ from services.environment_sandbox.environments import (
 )
 from services.environment_sandbox.sandbox import ExecJob, SandboxPool
 from services.environment_sandbox.sandbox.fleet import SandboxFleet
-from services.environment_sandbox.sandbox.job import InvalidJob, SandboxUnavailable, validate_files
-from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.environment_sandbox.sandbox.job import (
+    InvalidJob,
+    SandboxError,
+    SandboxUnavailable,
+    validate_files,
+)
+from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
 
 
 def _status(exc: EnvironmentError_) -> Exception:
@@ -54,8 +59,8 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             rollout = await self.runner.run(task)
         except EnvironmentError_ as exc:
             raise _status(exc) from None
-        except SandboxUnavailable as exc:
-            raise FailedPrecondition(str(exc)) from None
+        except SandboxError as exc:
+            raise _sandbox_status(exc) from None
         return environment_pb2.RunEpisodeResponse(rollout=rollout)
 
     async def Reset(self, request, context: Any) -> environment_pb2.ResetResponse:
@@ -83,8 +88,8 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             result = await env.step(request.action)
         except EnvironmentError_ as exc:
             raise _status(exc) from None
-        except SandboxUnavailable as exc:
-            raise FailedPrecondition(str(exc)) from None
+        except SandboxError as exc:
+            raise _sandbox_status(exc) from None
         if result.done:
             self.sessions.pop(request.session_id, None)
         return environment_pb2.StepResponse(
@@ -119,8 +124,8 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             )
         except InvalidJob as exc:
             raise InvalidArgument(str(exc)) from None
-        except SandboxUnavailable as exc:
-            raise FailedPrecondition(str(exc)) from None
+        except SandboxError as exc:
+            raise _sandbox_status(exc) from None
         return environment_pb2.ExecResponse(
             exit_code=result.exit_code,
             stdout=result.stdout,
@@ -160,3 +165,11 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             cgroup=status["cgroup"],
         )
         return environment_pb2.ListEnvironmentsResponse(environments=infos, sandbox=sandbox)
+
+
+def _sandbox_status(exc: SandboxError) -> ServiceError:
+    """Missing isolation is a standing refusal (FAILED_PRECONDITION); a sandbox that could not be
+    started now (a worker, or a fleet actor Ray has not placed) is worth retrying (UNAVAILABLE)."""
+    if isinstance(exc, SandboxUnavailable):
+        return FailedPrecondition(str(exc))
+    return Unavailable(str(exc))

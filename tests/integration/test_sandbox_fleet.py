@@ -1,15 +1,16 @@
-"""Sandbox workers as real Ray actors: executions run isolated inside them, and the fleet grows
-under a queue and shrinks when idle."""
+"""Sandbox workers as real Ray actors: executions run isolated inside them, the fleet grows under a
+queue and shrinks when idle, and an actor Ray cannot place fails executions instead of hanging them."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
-from services.environment_sandbox.sandbox import ExecJob, SandboxConfig
-from services.environment_sandbox.sandbox.fleet import FleetConfig, SandboxFleet
+from services.environment_sandbox.sandbox import ExecJob, SandboxConfig, SandboxError
+from services.environment_sandbox.sandbox.fleet import FleetConfig, SandboxFleet, sandbox_actor_class
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="sandbox needs root")]
 
@@ -22,12 +23,14 @@ async def test_fleet_scales_with_queue_depth_and_runs_isolated(ray_client):
             target_queue_per_actor=2,
             scale_interval_s=0.05,
             scale_down_after_s=0.5,
+            actor_start_timeout_s=60,
         ),
         SandboxConfig(warm_workers=1, max_concurrency=4),
     ).start()
     try:
         code = "import os, time\ntime.sleep(0.3)\nprint(os.getuid() >= 600000)"
-        results = await asyncio.gather(*(fleet.execute(ExecJob(code)) for _ in range(12)))
+        jobs = (fleet.execute(ExecJob(code)) for _ in range(12))
+        results = await asyncio.wait_for(asyncio.gather(*jobs), 120)
         assert all(r.exit_code == 0 and r.stdout.strip() == "True" for r in results), results[0]
         assert all("netns" in r.isolation for r in results)
         assert fleet.peak_actors == 2
@@ -37,4 +40,20 @@ async def test_fleet_scales_with_queue_depth_and_runs_isolated(ray_client):
             await asyncio.sleep(0.05)
         assert fleet.actors == 1
     finally:
-        await fleet.close()
+        await asyncio.wait_for(fleet.close(), 30)
+
+
+async def test_an_actor_ray_cannot_place_fails_executions_with_the_reason(ray_client):
+    config = SandboxConfig(warm_workers=1)
+    fleet = await SandboxFleet(
+        FleetConfig(min_actors=1, max_actors=1, actor_start_timeout_s=2),
+        config,
+        make_actor=lambda: sandbox_actor_class().options(num_cpus=100_000).remote(config.model_dump()),
+    ).start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(SandboxError, match="did not start within actor_start_timeout_s=2 s"):
+            await asyncio.wait_for(fleet.execute(ExecJob("print(1)")), 30)
+        assert time.monotonic() - started < 10
+    finally:
+        await asyncio.wait_for(fleet.close(), 30)

@@ -5,14 +5,21 @@ actor is only where the pool lives); the SandboxFleet in the service process sen
 execution to the actor with the fewest executions in flight and lets the Autoscaler decide, from
 the number waiting and running, how many actors there should be. The Ray part is deliberately
 thin: routing and scaling are plain Python over handles, so they are tested like any class.
+
+An actor takes executions only once Ray has placed and started it: until then it counts toward the
+fleet's size but is not routed to, and an execution with no started actor waits at most
+`actor_start_timeout_s` and fails with SandboxError (UNAVAILABLE) naming why, instead of waiting on
+an actor a full cluster never places.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from services.environment_sandbox.config import FleetConfig
@@ -20,6 +27,7 @@ from services.environment_sandbox.sandbox.job import (
     ExecJob,
     ExecResult,
     SandboxConfig,
+    SandboxError,
     SandboxUnavailable,
     validate_files,
 )
@@ -29,23 +37,33 @@ from services.kit.metric_names import counter, gauge
 ACTORS = gauge("looprl_sandbox_fleet_actors")
 PEAK_ACTORS = gauge("looprl_sandbox_fleet_peak_actors")
 EXECUTIONS = counter("looprl_sandbox_fleet_executions_total")
+ACTOR_CPUS = 0.25
+
+log = logging.getLogger(__name__)
 
 
 def sandbox_actor_class():
     import ray
 
-    @ray.remote(num_cpus=0.25)
+    @ray.remote(num_cpus=ACTOR_CPUS)
     class SandboxActor:
         def __init__(self, config: dict) -> None:
             self.config = SandboxConfig.model_validate(config)
             self.pool = None
+            self._starting = asyncio.Lock()
 
         async def execute(self, job: dict) -> dict:
+            return (await (await self._pool()).execute(ExecJob(**job))).to_dict()
+
+        async def _pool(self):
             from services.environment_sandbox.sandbox.pool import SandboxPool
 
-            if self.pool is None:
-                self.pool = await SandboxPool(self.config).start()
-            return (await self.pool.execute(ExecJob(**job))).to_dict()
+            # Calls arrive concurrently: the first starts the pool, the others wait for that start
+            # rather than each starting (and leaking) a pool of their own.
+            async with self._starting:
+                if self.pool is None:
+                    self.pool = await SandboxPool(self.config).start()
+            return self.pool
 
         async def stats(self) -> dict:
             return self.pool.stats() if self.pool else {}
@@ -55,6 +73,13 @@ def sandbox_actor_class():
                 await self.pool.close()
 
     return SandboxActor
+
+
+@dataclass(eq=False)
+class _Actor:
+    handle: Any
+    in_flight: int = 0
+    started: bool = False
 
 
 class SandboxFleet:
@@ -70,9 +95,11 @@ class SandboxFleet:
             config.min_actors, config.max_actors, config.target_queue_per_actor, config.scale_down_after_s
         )
         self._make = make_actor or (lambda: sandbox_actor_class().remote(self.sandbox.model_dump()))
-        self._actors: list[list[Any]] = []  # [handle, in flight]
+        self._actors: list[_Actor] = []
         self._waiting = 0
+        self._start_error = ""  # why the last actor failed to start; "" once one has started
         self._task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
         self.peak_actors = 0
         self._last: ExecResult | None = None
         self.unavailable = ""
@@ -93,7 +120,7 @@ class SandboxFleet:
 
     @property
     def queue_depth(self) -> int:
-        return self._waiting + sum(a[1] for a in self._actors)
+        return self._waiting + sum(a.in_flight for a in self._actors)
 
     def isolation_status(self) -> dict:
         """The configured level and limits, and the mechanisms the last execution ran under."""
@@ -116,14 +143,12 @@ class SandboxFleet:
             raise SandboxUnavailable(self.unavailable)
         self._waiting += 1
         try:
-            while not self._actors:
-                await asyncio.sleep(0.01)
-            slot = min(self._actors, key=lambda a: a[1])
-            slot[1] += 1
+            actor = await self._started_actor()
+            actor.in_flight += 1
         finally:
             self._waiting -= 1
         try:
-            result = ExecResult(**await slot[0].execute.remote(asdict(job)))
+            result = ExecResult(**await actor.handle.execute.remote(asdict(job)))
         except Exception as exc:
             # Ray wraps the actor's exception; the original is its cause.
             cause = exc if isinstance(exc, SandboxUnavailable) else getattr(exc, "cause", None)
@@ -136,7 +161,7 @@ class SandboxFleet:
             self._last = result
             return result
         finally:
-            slot[1] -= 1
+            actor.in_flight -= 1
 
     async def run_code(self, code: str, stdin: str = "", files: dict | None = None, timeout_s: float = 0.0):
         return await self.execute(ExecJob(code, stdin, dict(files or {}), timeout_s))
@@ -146,15 +171,60 @@ class SandboxFleet:
             self._task.cancel()
             with contextlib.suppress(BaseException):
                 await self._task
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         while self._actors:
-            await self._retire(self._actors.pop()[0])
+            await self._retire(self._actors.pop().handle)
         ACTORS.set(0)
 
+    async def _started_actor(self) -> _Actor:
+        """The started actor with the fewest executions in flight, once there is one."""
+        timeout = self.config.actor_start_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            started = [a for a in self._actors if a.started]
+            if started:
+                return min(started, key=lambda a: a.in_flight)
+            if self._start_error:
+                raise SandboxError(self._start_error)
+            if time.monotonic() > deadline:
+                raise SandboxError(
+                    f"no sandbox actor started within actor_start_timeout_s={timeout:g} s: Ray has "
+                    f"not placed one (each needs {ACTOR_CPUS} CPU; is the cluster full?)"
+                )
+            await asyncio.sleep(0.01)
+
     def _add(self) -> None:
-        self._actors.append([self._make(), 0])
+        actor = _Actor(self._make())
+        self._actors.append(actor)
         self.peak_actors = max(self.peak_actors, len(self._actors))
         ACTORS.set(len(self._actors))
         PEAK_ACTORS.set(self.peak_actors)
+        self._background(self._await_start(actor))
+
+    def _background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _await_start(self, actor: _Actor) -> None:
+        timeout = self.config.actor_start_timeout_s
+        try:
+            await asyncio.wait_for(actor.handle.__ray_ready__.remote(), timeout)
+        except Exception as exc:
+            reason = "Ray has not placed it" if isinstance(exc, TimeoutError) else repr(exc)
+            self._start_error = (
+                f"a sandbox actor did not start within actor_start_timeout_s={timeout:g} s ({reason})"
+            )
+            log.error("%s; retiring it", self._start_error)
+            if actor in self._actors:  # the scale loop starts a replacement
+                self._actors.remove(actor)
+                ACTORS.set(len(self._actors))
+            await self._retire(actor.handle)
+            return
+        actor.started = True
+        self._start_error = ""
 
     async def _retire(self, handle: Any) -> None:
         import ray
@@ -171,8 +241,8 @@ class SandboxFleet:
             while len(self._actors) < want:
                 self._add()
             if len(self._actors) > want:
-                idle = [a for a in self._actors if a[1] == 0]
+                idle = [a for a in self._actors if a.in_flight == 0]
                 if idle:
                     self._actors.remove(idle[-1])
                     ACTORS.set(len(self._actors))
-                    await self._retire(idle[-1][0])
+                    await self._retire(idle[-1].handle)
