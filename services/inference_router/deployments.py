@@ -110,7 +110,7 @@ class DeploymentManager(WeightSyncLink):
     async def _start(
         self, spec: DeploymentSpec, state: DeploymentState, ready_timeout_s: float, where: str
     ) -> DeploymentState:
-        from services.inference_router.replica import InferenceReplica
+        from services.inference_router.replica_actor import InferenceReplica
 
         handles: list[ReplicaHandle] = []
         for index in range(spec.replicas):

@@ -1,8 +1,7 @@
 """One inference replica: an engine (CPU, TP group, or vLLM) inside a Ray actor, plus its own gRPC server.
 
-`InferenceReplica` (a Ray async actor: `InferenceReplica.options(...).remote(spec=..., replica=...)`)
-wraps ONE engine for one replica of a deployment. The router calls it through Ray with serialized
-protos (`generate`, `generate_stream`, `status`, ...); the same replica ALSO serves
+`ReplicaCore` wraps ONE engine for one replica of a deployment. The router calls it through Ray
+with serialized protos (`generate`, `generate_stream`, `status`, ...); the same replica ALSO serves
 InferenceEngineService on its host's address:<free port> (Generate, Status, Pause, Resume,
 StageWeights, CommitWeights, AbortWeights, RollbackWeights, ProbeSharedMemory) so weight-sync can deliver weights to it and
 benchmarks can call it directly. StageWeights is registered to receive raw bytes
@@ -22,8 +21,8 @@ them back in, again between two steps, and the status says it was a rollback, no
 How each engine kind stages, commits, rolls back and aborts is its `WeightLifecycle` (weights.py),
 built together with the engine.
 
-`ReplicaCore` is the plain class (usable in-process); ray is imported lazily (module __getattr__)
-so importing this module never initialises Ray.
+`ReplicaCore` is the plain class (usable in-process); `InferenceReplica` (replica_actor.py,
+`InferenceReplica.options(...).remote(spec=..., replica=...)`) is it as a Ray async actor.
 """
 
 from __future__ import annotations
@@ -500,18 +499,3 @@ class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
 
     async def ProbeSharedMemory(self, request, context):
         return read_probe(request)
-
-
-_actor_class: Any = None
-
-
-def __getattr__(name: str) -> Any:
-    """`InferenceReplica`: ReplicaCore as a Ray actor class, created on first use (lazy ray import)."""
-    global _actor_class
-    if name == "InferenceReplica":
-        if _actor_class is None:
-            import ray
-
-            _actor_class = ray.remote(max_concurrency=1000)(ReplicaCore)
-        return _actor_class
-    raise AttributeError(name)

@@ -5,7 +5,6 @@ follows."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 
 from services.inference_router.config import RouterConfig
@@ -44,12 +43,7 @@ async def serve(cfg: RouterConfig) -> None:
 
     async def setup(_: Service) -> None:
         if cfg.deployments:
-            # The replica's module (torch and the engine, ~1.5 s of imports) loads while ray.init
-            # waits for the head.
-            await asyncio.gather(
-                asyncio.to_thread(connect_ray, cfg.ray_address, cfg.namespace),
-                asyncio.to_thread(importlib.import_module, "services.inference_router.replica"),
-            )
+            await asyncio.to_thread(connect_ray, cfg.ray_address, cfg.namespace)
         for i, spec in enumerate(cfg.deployments):
             await manager.start(spec, where=f"deployments[{i}]")
             log.info("deployment %s started with %d replica(s)", spec.name, spec.replicas)

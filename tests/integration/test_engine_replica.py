@@ -166,7 +166,7 @@ async def test_replica_stages_commits_and_serves_over_grpc() -> None:
 async def test_tp2_replica_actor_receives_per_rank_buckets_and_streams(ray_client) -> None:
     import ray
 
-    from services.inference_router.replica import InferenceReplica
+    from services.inference_router.replica_actor import InferenceReplica
 
     spec = DeploymentSpec(name="tp2", tensor_parallel=2, max_model_len=48, max_batch_size=4)
     actor = InferenceReplica.options(num_cpus=1).remote(spec=spec, replica="tp2-r0")

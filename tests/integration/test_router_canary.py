@@ -207,7 +207,7 @@ async def test_canary_deployment_of_real_replicas_rolls_back_bad_weights(ray_cli
 async def test_tp2_replica_rolls_back_on_every_rank(ray_client):
     import ray
 
-    from services.inference_router.replica import InferenceReplica
+    from services.inference_router.replica_actor import InferenceReplica
 
     spec = DeploymentSpec(name="tp2", num_cpus=0.5, tensor_parallel=2, max_model_len=48, max_batch_size=4)
     actor = InferenceReplica.options(num_cpus=0.5).remote(spec=spec, replica="tp2-r0")

@@ -253,7 +253,7 @@ def test_trainer_weights_reach_tp1_and_tp2_replicas_exactly_once_and_score_like_
 ):
     import ray
 
-    from services.inference_router.replica import InferenceReplica
+    from services.inference_router.replica_actor import InferenceReplica
 
     assert _expected_from_config(CONFIG, 1) == TP1_BYTES == 321_792
     assert _expected_from_config(CONFIG, 2) == TP2_BYTES == 323_072
