@@ -38,8 +38,30 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+# Below the kernel's ephemeral range (32768+ by default) and above the ranges the test suite gives
+# whole stacks (21000-28000) and Ray its workers (10002-19999).
+_FREE_PORTS_FROM = 28000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """An ephemeral port that is free right now."""
+    """A port that is free right now, for another process to listen on soon. It lies below the
+    kernel's ephemeral range where there is room: the kernel hands those ports to outgoing
+    connections, so one chosen there can be taken by any connect() before its listener binds it.
+    A process never gets the same port twice."""
+    span = _ephemeral_start() - _FREE_PORTS_FROM
+    for _ in range(200 if span >= 1000 else 0):
+        port = _FREE_PORTS_FROM + secrets.randbelow(span)
+        if port not in _handed_out and port_is_free(port):
+            _handed_out.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

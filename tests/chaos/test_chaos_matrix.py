@@ -89,7 +89,7 @@ def reward_down_30s(stack) -> None:
 
 FAULTS = {
     "inference-router": lambda stack: restart(stack, "inference-router"),
-    "replica actor": lambda stack: os.kill(ray_worker_pid(stack, "ray::ReplicaCore"), signal.SIGKILL),
+    "replica actor": lambda stack: os.kill(ray_worker_pid(stack, "ray::ReplicaActor"), signal.SIGKILL),
     "environment-sandbox": lambda stack: restart(stack, "environment-sandbox"),
     "reward": lambda stack: restart(stack, "reward"),
     "reward down 30 s": reward_down_30s,

@@ -36,12 +36,15 @@ class GatewayProcess:
         }
         if router_address:
             self.env["LOOPRL_GATEWAY_ROUTER_ADDRESS"] = router_address
+        self.log = tmp / "gateway.log"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> GatewayProcess:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway"], cwd=ROOT, env=self.env, stderr=subprocess.DEVNULL
-        )
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway"], cwd=ROOT, env=self.env, stderr=log
+            )
         wait_for_port(self.grpc_port, 30, self.proc, "gateway")
         channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
         self.stub = gateway_pb2_grpc.GatewayServiceStub(channel)
@@ -52,7 +55,10 @@ class GatewayProcess:
                 return self
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
+                    # What the gateway said is the only clue to why it never answered.
+                    raise AssertionError(
+                        f"the gateway never answered: {self.log.read_text()[-4000:]}"
+                    ) from exc
                 time.sleep(0.1)
 
     def kill(self) -> None:
