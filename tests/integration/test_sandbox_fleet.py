@@ -7,10 +7,14 @@ import asyncio
 import os
 import time
 
+import grpc
 import pytest
 
+from looprl.environment.v1 import environment_pb2
 from services.environment_sandbox.sandbox import ExecJob, SandboxConfig, SandboxError
 from services.environment_sandbox.sandbox.fleet import FleetConfig, SandboxFleet, sandbox_actor_class
+from services.environment_sandbox.servicer import EnvironmentSandboxServicer
+from services.kit.errors import ServiceError
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="sandbox needs root")]
 
@@ -55,5 +59,11 @@ async def test_an_actor_ray_cannot_place_fails_executions_with_the_reason(ray_cl
         with pytest.raises(SandboxError, match="did not start within actor_start_timeout_s=2 s"):
             await asyncio.wait_for(fleet.execute(ExecJob("print(1)")), 30)
         assert time.monotonic() - started < 10
+        # Through the service: a caller gets a status it may retry, with the reason.
+        servicer = EnvironmentSandboxServicer(fleet, runner=None)
+        with pytest.raises(ServiceError) as refused:
+            await asyncio.wait_for(servicer.Exec(environment_pb2.ExecRequest(code="print(1)"), None), 30)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "actor_start_timeout_s=2 s" in str(refused.value)
     finally:
         await asyncio.wait_for(fleet.close(), 30)
