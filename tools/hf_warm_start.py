@@ -35,8 +35,9 @@ def chat_examples(corpus: str) -> list[tuple[list[dict[str, str]], str]]:
 def environment_examples(
     environment: str, config: dict[str, Any], count: int, seed: int
 ) -> list[tuple[list[dict[str, str]], str]]:
-    """(prompt messages, reference answer) of `count` tasks of an environment whose tasks carry an
-    "answer", drawn and rendered as the environment-sandbox does for a run with this seed."""
+    """(prompt messages, target) of `count` tasks of an environment whose tasks carry an "answer",
+    drawn and rendered as the environment-sandbox does for a run with this seed. The target is the
+    task's worked "solution" where it has one (it ends in the answer), else the bare answer."""
     from services.environment_sandbox.environments.base import environment_class, parse_config
     from services.environment_sandbox.environments.datasets import task_by_index
 
@@ -45,7 +46,7 @@ def environment_examples(
     examples = []
     for index in range(count):
         task = task_by_index(environment, index, seed, config)
-        examples.append((asyncio.run(cls(parsed).reset(task)), str(task["answer"])))
+        examples.append((asyncio.run(cls(parsed).reset(task)), str(task.get("solution", task["answer"]))))
     return examples
 
 

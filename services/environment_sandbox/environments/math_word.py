@@ -2,7 +2,9 @@
 
 Tasks come from a local JSONL file ({"question", "answer"} per line; a GSM8K answer's
 "#### 42" tail is understood) or, without a file, from a seeded generator of small arithmetic
-problems. The reward is numeric equivalence of the completion's final answer.
+problems. The reward is numeric equivalence of the completion's final answer. A task also carries
+its worked solution where one is known (a GSM8K answer's text, the generator's own working), which a
+supervised warm start (tools/hf_warm_start.py) learns from; the prompt never shows it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import Field
 
 from services.environment_sandbox.environments.base import (
     EnvConfig,
@@ -32,6 +36,8 @@ class MathConfig(EnvConfig):
     """Local JSONL/parquet file of {"question", "answer"}; empty generates arithmetic problems."""
     instruction: str = "Solve the problem. End with '#### <number>'."
     """What the prompt asks of the model after the problem."""
+    max_number: int = Field(50, ge=2, le=1_000_000)
+    """Largest number a generated problem starts with or buys; smaller makes easier problems."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -43,7 +49,10 @@ def _dataset(path: str) -> tuple[dict[str, Any], ...]:
         if not isinstance(row.get("question"), str) or "answer" not in row:
             raise EnvironmentError_(f"environment.config.dataset: row {i} needs 'question' and 'answer'")
         answer = str(row["answer"])
-        tasks.append({"question": row["question"], "answer": answer.rsplit("####", 1)[-1].strip()})
+        task = {"question": row["question"], "answer": answer.rsplit("####", 1)[-1].strip()}
+        if "####" in answer:
+            task["solution"] = answer.strip()
+        tasks.append(task)
     if not tasks:
         raise EnvironmentError_(f"environment.config.dataset: {path!r} holds no tasks")
     return tuple(tasks)
@@ -62,10 +71,12 @@ class MathEnv(Environment):
         if config.dataset:
             rows = _dataset(config.dataset)
             return dict(rows[rng.randrange(len(rows))])
-        a, b, c = rng.randint(2, 50), rng.randint(2, 50), rng.randint(2, 9)
+        a, b, c = rng.randint(2, config.max_number), rng.randint(2, config.max_number), rng.randint(2, 9)
+        left = a + b - c
         return {
             "question": f"Ann has {a} apples, buys {b} more, then gives away {c}. How many are left?",
-            "answer": str(a + b - c),
+            "answer": str(left),
+            "solution": f"Ann has {a} + {b} = {a + b} apples. {a + b} - {c} = {left} are left.\n#### {left}",
         }
 
     def validate_task(self, task: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+from services.environment_sandbox.environments.datasets import task_by_index
 from services.kit.recipe import load_recipe
 from services.modeling.config import ModelConfig
 from services.modeling.hf_files import write_char_tokenizer
@@ -194,3 +195,11 @@ def test_a_warm_start_on_an_environments_tasks_teaches_their_answers(tmp_path):
     )
     assert summary["last_loss"] < summary["first_loss"]
     assert "3 SFT steps on 64 given answers" in (tmp_path / "m" / "README.md").read_text()
+
+
+def test_a_warm_start_learns_an_environments_worked_solutions_where_its_tasks_have_them():
+    examples = environment_examples("math", {}, 8, seed=0)
+    for index, (messages, target) in enumerate(examples):
+        task = task_by_index("math", index, 0, {})
+        assert messages[0]["content"].startswith(task["question"])
+        assert target == task["solution"] and target.endswith(f"#### {task['answer']}")
