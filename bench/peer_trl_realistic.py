@@ -2,8 +2,9 @@
 tokens, learned by looprl and by TRL's GRPOTrainer from the same Hugging Face directory.
 
 The shape is configs/math_10m_grpo.toml. Its model, models/qwen2-10m-math, is built offline by
-tools/build_hf_model.py (byte-level BPE, Qwen chat template, 300 warm-start steps on the corpus'
-worked problems) the first time it is needed, and both sides load it from disk: TRL with
+tools/build_hf_model.py (byte-level BPE, Qwen chat template, 300 warm-start steps on 2,000 of the
+environment's problems with their worked solutions, drawn with a seed no run uses) the first time it
+is needed, and again when the warm start here changes; both sides load it from disk: TRL with
 `AutoModelForCausalLM` / `AutoTokenizer`, looprl's services with their own loaders. Before measuring,
 `check_parity` checks that the two loaders agree (token ids, chat template ids of the run's prompts,
 logits). TRL's dataset is the run's tasks by the index the gateway publishes them by
@@ -11,12 +12,13 @@ logits). TRL's dataset is the run's tasks by the index the gateway publishes the
 sampling map exactly as for the tiny shape (shared/peer-trl-mapping.md), where one update on the
 same completions is checked equal; here only the loaders differ.
 
-A step samples 32 completions of up to 96 tokens (~37 in practice) from 4 prompts of 69 tokens, so
+A step samples 32 completions of up to 96 tokens (~35 in practice) from 4 prompts of ~69 tokens, so
 generation and the update both weigh. looprl runs its best configuration for the shape, one step of
-overlap between generation and training (max_staleness 1; synchronously it runs 0.28 steps/s, about
-TRL's 0.24-0.31), while TRL stays synchronous; its update computes each group's prompt
-once (services/modeling/shared_prefix.py). The warm start teaches the answer's form but not the
-arithmetic: 1-3% of answers are right on both sides, so the shape measures speed, not learning.
+overlap between generation and training (max_staleness 1), while TRL stays synchronous; its update
+computes each group's prompt once (services/modeling/shared_prefix.py). The warm-started model
+answers in the worked form and is right 5-10% of the time, so groups often hold both a right and a
+wrong answer; 30 steps do not raise the reward on either side, so the reward figure compares what
+the two sample and train on at the same non-zero level, not yet a learning curve.
 
     make math-10m-model        (build the model alone; the bench builds it when missing)
 """
@@ -24,6 +26,8 @@ arithmetic: 1-3% of answers are right on both sides, so the shape measures speed
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,19 +53,40 @@ MODEL = ModelConfig.tiny(
     max_position_embeddings=2048,
 )
 WARM_START_STEPS = 300
+# The warm start learns this many of the environment's tasks (as the recipe configures it) with their
+# worked solutions, drawn with a seed no run uses (a run draws its tasks with its own seed).
+ENVIRONMENT_WARM_START_TASKS = 2000
+WARM_START_TASK_SEED = 0
 # looprl's best configuration for this shape (measured: see the README's peer_trl rows).
 LOOPRL_OVERRIDES: dict[str, dict[str, object]] = {"run": {"max_staleness": 1}}
 
 
+def warm_start_examples() -> list[tuple[list[dict[str, str]], str]]:
+    """(prompt messages, worked solution) pairs the model is warm-started on."""
+    from services.kit.recipe import parse_recipe
+    from tools.hf_warm_start import environment_examples
+
+    environment = parse_recipe(RECIPE.read_text()).environment
+    return environment_examples(
+        environment.name, environment.config, ENVIRONMENT_WARM_START_TASKS, WARM_START_TASK_SEED
+    )
+
+
 def ensure_model() -> Path:
-    """models/qwen2-10m-math, built once (deterministic: the same bytes on every machine)."""
-    if not (MODEL_DIR / "README.md").exists():  # the model card is written last
+    """models/qwen2-10m-math, built once (deterministic: the same bytes on every machine) and again
+    when the warm start (its steps, or the examples the recipe's environment config draws) changed."""
+    examples = warm_start_examples()
+    taught = f"{WARM_START_STEPS} SFT steps on {len(examples)} given answers"
+    digest = hashlib.sha256(json.dumps([WARM_START_STEPS, examples]).encode()).hexdigest()
+    stamp = MODEL_DIR / "warm_start.sha256"  # written after the whole model
+    if not (stamp.exists() and stamp.read_text() == digest):
         from tools.build_hf_model import build
 
-        print(f"building {MODEL_DIR} ({WARM_START_STEPS} warm-start steps, a few minutes)", flush=True)
+        print(f"building {MODEL_DIR} ({taught}, a few minutes)", flush=True)
         build(
             MODEL_DIR,
             sft_steps=WARM_START_STEPS,
+            sft_examples=examples,
             vocab_size=MODEL.vocab_size,
             hidden_size=MODEL.hidden_size,
             intermediate_size=MODEL.intermediate_size,
@@ -71,6 +96,7 @@ def ensure_model() -> Path:
             head_dim=MODEL.head_dim,
             max_positions=MODEL.max_position_embeddings,
         )
+        stamp.write_text(digest)
     return MODEL_DIR
 
 

@@ -59,3 +59,24 @@ def test_the_shape_recipe_is_looprl_valid_and_maps_onto_trl(recipe: Recipe) -> N
     # `make run RECIPE=configs/math_10m_grpo.toml` finds the model the bench builds.
     model = tomllib.loads(RECIPE.read_text())["model"]
     assert ROOT / model["path"] == ROOT / model["tokenizer"] == MODEL_DIR
+
+
+def test_the_model_is_built_once_and_again_when_its_warm_start_changes(tmp_path, monkeypatch) -> None:
+    import bench.peer_trl_realistic as shape
+
+    builds = []
+    monkeypatch.setattr(shape, "MODEL_DIR", tmp_path / "model")
+    monkeypatch.setattr(
+        "tools.build_hf_model.build", lambda out, **kw: builds.append(kw) or out.mkdir(exist_ok=True)
+    )
+    monkeypatch.setattr(shape, "ENVIRONMENT_WARM_START_TASKS", 4)
+    shape.ensure_model()
+    shape.ensure_model()
+    assert len(builds) == 1
+    assert [target for _, target in builds[0]["sft_examples"]] == [
+        target for _, target in shape.warm_start_examples()
+    ]
+    assert all("####" in target for _, target in builds[0]["sft_examples"])  # worked solutions
+    monkeypatch.setattr(shape, "WARM_START_STEPS", shape.WARM_START_STEPS + 1)
+    shape.ensure_model()
+    assert len(builds) == 2
