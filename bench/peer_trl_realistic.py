@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,11 @@ LOOPRL_OVERRIDES: dict[str, dict[str, object]] = {"run": {"max_staleness": 1}}
 
 def warm_start_examples() -> list[tuple[list[dict[str, str]], str]]:
     """(prompt messages, worked solution) pairs the model is warm-started on."""
-    from services.kit.recipe import parse_recipe
+    from services.kit.recipe import EnvironmentSection
     from tools.hf_warm_start import environment_examples
 
-    environment = parse_recipe(RECIPE.read_text()).environment
+    # The recipe's environment section alone: the whole recipe only parses once the model exists.
+    environment = EnvironmentSection.model_validate(tomllib.loads(RECIPE.read_text())["environment"])
     return environment_examples(
         environment.name, environment.config, ENVIRONMENT_WARM_START_TASKS, WARM_START_TASK_SEED
     )
