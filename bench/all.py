@@ -17,6 +17,7 @@ BENCHES = (
     "length_routing",
     "sandbox_exec",
     "agent_loop",
+    "rollout_messages",
     "weight_sync",
     "multihost_delivery",
     "async_vs_sync",

@@ -12,9 +12,9 @@ turn keeps its sampled tokens, their log-probs and the weight version it was sam
 the episode.
 
 `EpisodeWorker` pulls EpisodeTasks from the JetStream work queue, runs up to `concurrency`
-episodes at once, publishes each rollout with msg_id = rollout_id (deterministic from run, task
-and sample index, so a redelivered task re-publishes the same id and the stream drops the
-duplicate) and only then acks the task.
+episodes at once, publishes the task's rollouts as one RolloutGroup message whose id follows from
+their rollout ids (deterministic from run, task and sample index, so a redelivered task
+re-publishes the same message and the stream drops the duplicate) and only then acks the task.
 
 Episodes fork (EpisodeTask.branches / branch_at_turn): the episode is played once up to a model
 turn, then continued n times from that shared prefix (environment state copied with

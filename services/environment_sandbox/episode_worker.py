@@ -1,6 +1,7 @@
 """The episode work-queue consumer: pulls EpisodeTasks from a run's EPISODES work queue, runs them
-through the EpisodeRunner (bounded concurrency), publishes every rollout (deterministic id, so a
-redelivered task is deduplicated) and only then acks the task; in_progress heartbeats keep long
+through the EpisodeRunner (bounded concurrency), publishes the task's rollouts as one RolloutGroup
+message (kit/rollout_messages.py; its id follows from the rollout ids, so a redelivered task is
+deduplicated) and only then acks the task; in_progress heartbeats keep long
 episodes from being redelivered, and bad tasks are terminated with their reason.
 
 Each task is its own trace: an "episode" root span, linked to the gateway's publish of the task,
@@ -94,7 +95,7 @@ class EpisodeWorker:
             heartbeat.cancel()
 
     async def _episode(self, delivery: Any, span: Any) -> None:
-        from services.kit import subjects, telemetry
+        from services.kit import rollout_messages, subjects, telemetry
         from services.kit.bus import PoisonMessage
 
         try:
@@ -140,11 +141,14 @@ class EpisodeWorker:
                 }
             )
         # Every rollout of the task (all branches of a forked episode) before the ack: a crash
-        # in between re-runs the task, re-publishing the same ids, which the stream drops.
-        # One batch: the group's messages go out concurrently (one round trip, not one per
-        # rollout) under one producer span.
+        # in between re-runs the task, re-publishing the same messages, which the stream drops.
+        # The group travels as one RolloutGroup message (more only past max_payload).
         subject = subjects.rollouts(task.run_id)
-        await self.bus.publish_batch(subject, [(r, r.rollout_id) for r in rollouts])
+        await self.bus.publish_batch(
+            subject,
+            rollout_messages.group_messages(rollouts, self.bus.nc.max_payload),
+            rollout_messages.GROUP_HEADERS,
+        )
         self.published += len(rollouts)
         if self._crash_after_publish:
             os._exit(17)

@@ -1,11 +1,15 @@
 """One run's packer: consumes its rollouts from the bus, plans steps, serves them, acks after training.
 
-Bus contract (ROLLOUTS stream, durable pull consumer `packer-<run>`, explicit ack):
-- an invalid rollout is termed with its reason (never redelivered); a rollout dropped by policy
-  (stale, zero-signal group, straggler, duplicate, already trained) is acked and counted;
-- every other rollout stays unacked (kept alive with in_progress) until the trainer acknowledged the
-  step that holds it (AckStep). A crash therefore loses nothing: unacked rollouts are redelivered and
-  the step records in KV (state.py) say which step each belongs to, or that it was already trained.
+Bus contract (ROLLOUTS stream, durable pull consumer `packer-<run>`, explicit ack). A message
+carries one Rollout or a RolloutGroup (kit/rollout_messages.py); each rollout in it is handled as if
+it had come alone, and the message is settled once none of its rollouts needs it any more:
+- an invalid rollout is counted with its reason; a bare one is termed (never redelivered), one in a
+  group leaves its message to the others' settlement. A rollout dropped by policy (stale, zero-signal
+  group, straggler, duplicate, already trained) is counted and releases its message;
+- every other rollout keeps its message unacked (alive with in_progress) until the trainer
+  acknowledged the step that holds it (AckStep). A crash therefore loses nothing: unacked messages
+  are redelivered and the step records in KV (state.py) say which step each rollout belongs to, or
+  that it was already trained.
 
 Steps: the first NextBatch of a step plans it from the oldest complete groups (FIFO), after the
 staleness filter, once `prompts_per_step` groups are there; the plan is saved before it is served.
@@ -27,7 +31,7 @@ from collections import Counter, deque
 from opentelemetry import trace
 
 from looprl.common.v1 import common_pb2
-from services.kit import subjects, telemetry
+from services.kit import rollout_messages, subjects, telemetry
 from services.kit.bus import Bus, Consumer, Delivery, PoisonMessage, batch_process_span, by_producer
 from services.kit.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from services.kit.metric_names import observe
@@ -80,6 +84,8 @@ class RunPacker:
         self.collector = GroupCollector(settings.straggler_timeout_s, settings.min_group_size)
         self.ready: deque[Group] = deque()
         self.held: dict[str, Delivery] = {}  # rollout id -> its unsettled delivery
+        # A RolloutGroup message -> the ids of its rollouts still needing it (settled when empty).
+        self.owed: dict[Delivery, set[str]] = {}
         self.traceparents: dict[str, str] = {}  # rollout id -> its publish span (W3C traceparent)
         self.records: dict[int, StepRecord] = {}  # planned (and recently acked) steps
         self.plan_of: dict[str, int] = {}  # rollout id -> unacked planned step
@@ -137,10 +143,11 @@ class RunPacker:
             # and while it has a subscriber the server hands the redeliveries straight back to it
             await self._consumer.close()
         if hand_back:
-            for d in list(self.held.values()):
+            for d in dict.fromkeys(self.held.values()):
                 with contextlib.suppress(Exception):
                     await d.nak()
         self.held.clear()
+        self.owed.clear()
         self.traceparents.clear()
 
     def _register(self, record: StepRecord) -> None:
@@ -171,17 +178,18 @@ class RunPacker:
             # One consumer span per producer span (a group's rollouts are published as a batch).
             for batch in by_producer(deliveries):
                 with batch_process_span(batch, attributes={telemetry.ATTR.RUN_ID: self.run_id}) as span:
-                    if span.is_recording():
-                        span.set_attribute(telemetry.ATTR.ROLLOUT_ID, ",".join(d.msg_id or "" for d in batch))
+                    taken: list[str] = []
                     for d in batch:
                         try:
-                            await self._take(d)
+                            taken += await self._take(d)
                         except asyncio.CancelledError:
                             raise
                         except Exception:
                             log.exception(
                                 "run %s: handling %r failed; it will be redelivered", self.run_id, d
                             )
+                    if span.is_recording():
+                        span.set_attribute(telemetry.ATTR.ROLLOUT_ID, ",".join(taken))
             if time.monotonic() >= next_expiry:
                 await self._expire_stragglers()
                 next_expiry = time.monotonic() + min(1.0, self.settings.straggler_timeout_s / 4)
@@ -189,12 +197,23 @@ class RunPacker:
             async with self._changed:
                 self._changed.notify_all()
 
-    async def _take(self, d: Delivery) -> None:
+    async def _take(self, d: Delivery) -> list[str]:
+        """Take in every rollout of one message; returns their ids."""
         try:
-            rollout = d.parse(common_pb2.Rollout)
+            rollouts = rollout_messages.rollouts_in(d)
         except PoisonMessage as exc:
             await self._drop(d, Rejected("", DropReason.MALFORMED, str(exc)))
-            return
+            return []
+        if not rollouts:  # only a RolloutGroup can be empty
+            await self._drop(d, Rejected("", DropReason.MALFORMED, "a RolloutGroup without rollouts"))
+            return []
+        if rollout_messages.is_group(d.headers):
+            self.owed[d] = {r.rollout_id for r in rollouts}
+        for rollout in rollouts:
+            await self._take_rollout(d, rollout)
+        return [r.rollout_id for r in rollouts]
+
+    async def _take_rollout(self, d: Delivery, rollout: common_pb2.Rollout) -> None:
         seq = sequence_from_rollout(
             rollout,
             max_tokens=self.settings.max_tokens_per_microbatch,
@@ -242,6 +261,9 @@ class RunPacker:
                 await self.store.save(record)
 
     def _hold(self, rid: str, d: Delivery) -> None:
+        previous = self.held.get(rid)
+        if previous is not None and previous is not d:
+            self._release(previous, rid)  # a redelivery replaces it: the server forgot that delivery
         self.held[rid] = d
         parent = d.headers.get("traceparent")
         if parent:
@@ -261,13 +283,26 @@ class RunPacker:
         if partial:
             log.info("run %s: %d straggling group(s) released partial", self.run_id, len(partial))
 
+    def _release(self, d: Delivery, rid: str) -> bool:
+        """`rid` no longer needs message `d`; True when nothing in it does (it may be settled)."""
+        owed = self.owed.get(d)
+        if owed is None:
+            return True
+        owed.discard(rid)
+        if owed:
+            return False
+        del self.owed[d]
+        return True
+
     async def _drop(self, d: Delivery, rejected: Rejected) -> None:
         self.dropped[rejected.reason.value] += 1
         metrics.DROPPED.labels(self.run_id, rejected.reason.value).inc()
-        if rejected.reason in _INVALID:
-            await d.term(f"{rejected.reason.value}: {rejected.detail}")
-        else:
-            await d.ack()
+        group = d in self.owed
+        if self._release(d, rejected.rollout_id):
+            if rejected.reason in _INVALID and not group:
+                await d.term(f"{rejected.reason.value}: {rejected.detail}")
+            else:
+                await d.ack()
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attribute("looprl.dropped", rejected.reason.value)
@@ -289,7 +324,7 @@ class RunPacker:
         while not self._closing:
             await asyncio.sleep(tick)
             due = time.monotonic() - tick
-            for d in [d for d in self.held.values() if d.timer_started <= due]:
+            for d in [d for d in dict.fromkeys(self.held.values()) if d.timer_started <= due]:
                 with contextlib.suppress(Exception):
                     await d.in_progress()
 
@@ -427,15 +462,17 @@ class RunPacker:
         await self.store.save(record)  # durable before any bus ack: a crash now cannot train it twice
         self._register(record)
         deliveries = []
+        acked = 0
         for rid in record.rollout_ids:
             self.plan_of.pop(rid, None)
             self.plan_seqs.pop(rid, None)
             self.traceparents.pop(rid, None)
             d = self.held.pop(rid, None)
             if d is not None:
-                deliveries.append(d)
+                acked += 1
+                if self._release(d, rid):
+                    deliveries.append(d)
         await Delivery.ack_all(deliveries)
-        acked = len(deliveries)
         self.built.pop(step, None)
         self.acked_total += acked
         metrics.ACKED.labels(self.run_id).inc(acked)

@@ -25,7 +25,7 @@ import pytest
 
 from looprl.common.v1 import common_pb2
 from looprl.gateway.v1 import gateway_pb2
-from services.kit import nats_auth, subjects
+from services.kit import nats_auth, rollout_messages, subjects
 from services.kit.bus import Bus
 from services.kit.recipe import run_deployment_name
 from tests.support.runs import assert_accounting, with_overrides
@@ -178,8 +178,8 @@ def _model_turns(stack: Stack, run_id: str) -> list[common_pb2.Turn]:
                     msg = await sub.next_msg(timeout=2.0)
                 except nats.errors.TimeoutError:
                     return turns
-                rollout = common_pb2.Rollout.FromString(msg.data)
-                turns += [t for t in rollout.turns if t.trainable]
+                for rollout in rollout_messages.decode(msg.data, msg.headers):
+                    turns += [t for t in rollout.turns if t.trainable]
         finally:
             await bus.close()
 

@@ -26,7 +26,7 @@ from services.environment_sandbox.agent_loop import (
 from services.environment_sandbox.environments import EnvContext, generate_tasks
 from services.environment_sandbox.episode_worker import EpisodeWorker, WorkerConfig
 from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool
-from services.kit import subjects
+from services.kit import rollout_messages, subjects
 from services.kit.bus import Bus
 from services.kit.local import NatsServer, free_port
 from services.kit.server import open_channel
@@ -131,15 +131,18 @@ async def test_episodes_of_each_environment_land_on_the_stream(router, reward_se
         )
         loop_task = asyncio.ensure_future(worker.run())
         deadline = time.monotonic() + 120
-        while await bus.count(subjects.ROLLOUTS, subjects.rollouts(run)) < len(tasks):
+        # A task is acked (and leaves the work queue) only after its rollouts are published.
+        while await bus.count(subjects.EPISODES, subjects.episodes(run)) > 0:
             assert time.monotonic() < deadline and not loop_task.done(), "episodes did not finish"
             await asyncio.sleep(0.2)
         await worker.stop()
         loop_task.cancel()
-        assert await bus.count(subjects.EPISODES, subjects.episodes(run)) == 0
+        # One message per task: its rollouts as a RolloutGroup.
+        assert await bus.count(subjects.ROLLOUTS, subjects.rollouts(run)) == len(tasks)
 
         consumer = await bus.pull_consumer(subjects.ROLLOUTS, "e2e-check", subjects.rollouts(run))
-        rollouts = [d.parse(common_pb2.Rollout) for d in await consumer.fetch(batch=20, timeout=2.0)]
+        deliveries = await consumer.fetch(batch=20, timeout=2.0)
+        rollouts = [r for d in deliveries for r in rollout_messages.rollouts_in(d)]
         assert len(rollouts) == len(tasks)
         assert len({r.rollout_id for r in rollouts}) == len(tasks)
         by_env = {}
@@ -202,15 +205,15 @@ async def test_forked_episodes_through_the_real_router(router, tmp_path):
         )
         loop_task = asyncio.ensure_future(worker.run())
         deadline = time.monotonic() + 60
-        while await bus.count(subjects.ROLLOUTS, subjects.rollouts(run)) < 5:
+        while await bus.count(subjects.EPISODES, subjects.episodes(run)) > 0:  # acked after publishing
             assert time.monotonic() < deadline and not loop_task.done(), "forked episodes did not finish"
             await asyncio.sleep(0.2)
         await worker.stop()
         loop_task.cancel()
-        assert await bus.count(subjects.EPISODES, subjects.episodes(run)) == 0  # acked after publishing
 
         consumer = await bus.pull_consumer(subjects.ROLLOUTS, "e2e-fork-check", subjects.rollouts(run))
-        rollouts = [d.parse(common_pb2.Rollout) for d in await consumer.fetch(batch=10, timeout=2.0)]
+        deliveries = await consumer.fetch(batch=10, timeout=2.0)
+        rollouts = [r for d in deliveries for r in rollout_messages.rollouts_in(d)]
         assert len(rollouts) == 5 and len({r.rollout_id for r in rollouts}) == 5
         by_env: dict[str, list] = {}
         for r in rollouts:

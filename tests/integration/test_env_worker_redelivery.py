@@ -12,9 +12,8 @@ import time
 
 import pytest
 
-from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
-from services.kit import subjects
+from services.kit import rollout_messages, subjects
 from services.kit.bus import Bus
 from services.kit.local import NatsServer, free_port
 
@@ -87,7 +86,7 @@ async def test_crashed_worker_task_is_redelivered_and_published_once(tmp_path):
         assert await bus.count(subjects.EPISODES, subjects.episodes(run)) == 0  # every task acked
         consumer = await bus.pull_consumer(subjects.ROLLOUTS, "check", subjects.rollouts(run))
         deliveries = await consumer.fetch(batch=10, timeout=1.0)
-        rollouts = [d.parse(common_pb2.Rollout) for d in deliveries]
+        rollouts = [r for d in deliveries for r in rollout_messages.rollouts_in(d)]
         assert sorted(r.task_id for r in rollouts) == ["t0", "t1", "t2"]  # each exactly once
         assert len({r.rollout_id for r in rollouts}) == 3
         assert all(r.reward == pytest.approx(1.0) for r in rollouts)

@@ -10,8 +10,9 @@ import uuid
 import grpc
 import pytest
 
+from looprl.common.v1 import common_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
-from services.kit import subjects
+from services.kit import rollout_messages, subjects
 from services.kit.bus import Bus
 from services.rollout_packer.step import PackerSettings
 from tests.support.packer import running_packer
@@ -33,6 +34,12 @@ async def _publish(bus: Bus, run_id: str, rollouts) -> None:
     for r in rollouts:
         payload = r if isinstance(r, bytes) else r.SerializeToString()
         await bus.publish(subjects.rollouts(run_id), payload)
+
+
+async def _publish_group(bus: Bus, run_id: str, rollouts) -> None:
+    """The rollouts as RolloutGroup messages, as environment-sandbox publishes a task's group."""
+    messages = rollout_messages.group_messages(rollouts, bus.nc.max_payload)
+    await bus.publish_batch(subjects.rollouts(run_id), messages, rollout_messages.GROUP_HEADERS)
 
 
 def _group(run_id: str, gid: str, size: int = 2, version: int = 0, **kw):
@@ -129,6 +136,40 @@ async def test_bad_rollouts_are_termed_with_reasons_and_the_stream_keeps_flowing
         await bus.close()
 
 
+async def test_a_group_message_is_trained_as_its_rollouts_and_settled_once_none_needs_it(
+    packer, nats_url
+) -> None:
+    app, stub = packer
+    run_id = f"svc-{uuid.uuid4().hex[:8]}"
+    await app.add_run(
+        run_id, PackerSettings(prompts_per_step=2, group_size=2, world_size=1, max_tokens_per_microbatch=64)
+    )
+    bus = await Bus.connect(nats_url, name="test-publisher")
+    try:
+        nan = make_rollout("bad-nan", "gx", run_id=run_id, reward=math.nan)
+        await _publish_group(bus, run_id, [*_group(run_id, "g1"), nan])  # one message, one bad rollout
+        await _publish_group(bus, run_id, _group(run_id, "g2"))
+        headers = rollout_messages.GROUP_HEADERS
+        await bus.publish(subjects.rollouts(run_id), common_pb2.RolloutGroup(), headers=headers)
+        await _publish_group(bus, run_id, _group(run_id, "g1")[1:])  # g1-1 again, in another message
+
+        batches = await _fetch(stub, run_id, step=0, world=1)
+        assert sorted(rid for mb in batches[0] for rid in mb.rollout_ids) == ["g1-0", "g1-1", "g2-0", "g2-1"]
+        consumer = await bus.js.consumer_info(subjects.ROLLOUTS, f"packer-{run_id}")
+        # The two messages holding trained-to-be rollouts wait for the step; the empty one was
+        # termed, the duplicate acked, and the bad rollout did not settle its message early.
+        assert consumer.num_ack_pending == 2 and consumer.num_redelivered == 0
+
+        ack = await stub.AckStep(packer_pb2.AckStepRequest(run_id=run_id, step=0, trainer_version=1))
+        assert ack.acked_rollouts == 4
+        consumer = await bus.js.consumer_info(subjects.ROLLOUTS, f"packer-{run_id}")
+        assert consumer.num_ack_pending == 0 and consumer.num_pending == 0
+        stats = await stub.Stats(packer_pb2.StatsRequest(run_id=run_id))
+        assert dict(stats.dropped) == {"non_finite_reward": 1, "malformed": 1, "duplicate": 1}
+    finally:
+        await bus.close()
+
+
 async def test_held_rollouts_stay_with_the_packer_for_many_ack_waits(packer, nats_url) -> None:
     """Rollouts queued for a step no one asked for yet are kept alive, not redelivered elsewhere."""
     app, stub = packer
@@ -183,15 +224,20 @@ async def test_bad_requests_name_the_field(packer) -> None:
     assert stats.packed_steps == 0
 
 
-async def test_crash_after_recording_the_ack_but_before_bus_acks_never_trains_twice(packer, nats_url) -> None:
-    """The window between 'step acked' in KV and the bus acks: the redelivered rollouts are dropped."""
+@pytest.mark.parametrize("publish", [_publish, _publish_group], ids=["bare", "grouped"])
+async def test_crash_after_recording_the_ack_but_before_bus_acks_never_trains_twice(
+    packer, nats_url, publish
+) -> None:
+    """The window between 'step acked' in KV and the bus acks: the redelivered rollouts are dropped,
+    whether each came alone or with its group in one message."""
     app, stub = packer
     run_id = f"svc-{uuid.uuid4().hex[:8]}"
     settings = PackerSettings(prompts_per_step=2, group_size=2, world_size=1, max_tokens_per_microbatch=64)
     first = await app.add_run(run_id, settings)
     bus = await Bus.connect(nats_url, name="test-publisher")
     try:
-        await _publish(bus, run_id, _group(run_id, "a") + _group(run_id, "b") + _group(run_id, "c"))
+        for group in ("a", "b", "c"):
+            await publish(bus, run_id, _group(run_id, group))
         batch = await _fetch(stub, run_id, step=0, world=1)
         trained = sorted(rid for mb in batch[0] for rid in mb.rollout_ids)
         # what AckStep does first (durable record), then the process dies before acking on the bus

@@ -135,3 +135,9 @@ class Rollout(_message.Message):
     environment_seconds: float
     finish_reason: str
     def __init__(self, rollout_id: _Optional[str] = ..., run_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., environment: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., group_size: _Optional[int] = ..., sample_index: _Optional[int] = ..., min_weight_version: _Optional[int] = ..., max_weight_version: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., environment_seconds: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class RolloutGroup(_message.Message):
+    __slots__ = ("rollouts",)
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    rollouts: _containers.RepeatedCompositeFieldContainer[Rollout]
+    def __init__(self, rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ...) -> None: ...
