@@ -42,7 +42,7 @@ from services.inference_router.engine.base import Engine, EngineRequest, Samplin
 from services.inference_router.engine.scheduler import SchedulerLimits
 from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.weights import LocalWeights, RankStagedWeights, TPGroupWeights, WeightLifecycle
-from services.kit import errors, telemetry, tls
+from services.kit import errors, gc_freeze, telemetry, tls
 from services.kit.hosts import host_identity
 from services.kit.interceptors import ServerInterceptor
 from services.kit.recipe import DeploymentSpec
@@ -232,6 +232,7 @@ class ReplicaCore:
             self.config, self.engine, self.weights = config, engine, weights
             if self._paused:
                 engine.pause()
+            gc_freeze.freeze_startup_objects()
             return engine
 
     @property

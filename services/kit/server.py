@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from services.kit import tls
+from services.kit import gc_freeze, tls
 from services.kit.config import ServiceConfig, advertised_host
 from services.kit.interceptors import ServerInterceptor, client_interceptors
 from services.kit.local import PortInUseError, free_port, port_is_free
@@ -151,6 +151,7 @@ class Service:
     async def mark_ready(self) -> None:
         self._state = "serving"
         await self.set_serving(True)
+        gc_freeze.freeze_startup_objects()
         log.info(
             "serving", extra={"fields": {"grpc_port": self.grpc_port, "metrics_port": self.metrics_port}}
         )

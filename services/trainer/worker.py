@@ -22,7 +22,7 @@ from opentelemetry import context as otel_context
 
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2_grpc
-from services.kit import telemetry, tls
+from services.kit import gc_freeze, telemetry, tls
 from services.kit.hosts import interface_of, node_address
 from services.kit.interceptors import traced_channel
 from services.modeling.logprobs import token_logprobs
@@ -147,6 +147,7 @@ class TrainerWorker:
         )
         self.step = 0
         self.last_packer_step = -1
+        gc_freeze.freeze_startup_objects()
         params = sum(p.numel() for p in self.model.parameters())
         return {"rank": self.rank, "parameters": params, "device": str(self.device)}
 
