@@ -76,28 +76,27 @@ def warm_start_examples() -> list[tuple[list[dict[str, str]], str]]:
 
 def ensure_model() -> Path:
     """models/qwen2-10m-math, built once (deterministic: the same bytes on every machine) and again
-    when the warm start (its steps, or the examples the recipe's environment config draws) changed."""
+    when what it is built from changed: the architecture, or the warm start (its steps, or the
+    examples the recipe's environment config draws)."""
     examples = warm_start_examples()
-    taught = f"{WARM_START_STEPS} SFT steps on {len(examples)} given answers"
-    digest = hashlib.sha256(json.dumps([WARM_START_STEPS, examples]).encode()).hexdigest()
+    architecture = {
+        "vocab_size": MODEL.vocab_size,
+        "hidden_size": MODEL.hidden_size,
+        "intermediate_size": MODEL.intermediate_size,
+        "num_layers": MODEL.num_hidden_layers,
+        "num_heads": MODEL.num_attention_heads,
+        "num_kv_heads": MODEL.num_key_value_heads,
+        "head_dim": MODEL.head_dim,
+        "max_positions": MODEL.max_position_embeddings,
+    }
+    digest = hashlib.sha256(json.dumps([architecture, WARM_START_STEPS, examples]).encode()).hexdigest()
     stamp = MODEL_DIR / "warm_start.sha256"  # written after the whole model
     if not (stamp.exists() and stamp.read_text() == digest):
         from tools.build_hf_model import build
 
+        taught = f"{WARM_START_STEPS} SFT steps on {len(examples)} given answers"
         print(f"building {MODEL_DIR} ({taught}, a few minutes)", flush=True)
-        build(
-            MODEL_DIR,
-            sft_steps=WARM_START_STEPS,
-            sft_examples=examples,
-            vocab_size=MODEL.vocab_size,
-            hidden_size=MODEL.hidden_size,
-            intermediate_size=MODEL.intermediate_size,
-            num_layers=MODEL.num_hidden_layers,
-            num_heads=MODEL.num_attention_heads,
-            num_kv_heads=MODEL.num_key_value_heads,
-            head_dim=MODEL.head_dim,
-            max_positions=MODEL.max_position_embeddings,
-        )
+        build(MODEL_DIR, sft_steps=WARM_START_STEPS, sft_examples=examples, **architecture)
         stamp.write_text(digest)
     return MODEL_DIR
 

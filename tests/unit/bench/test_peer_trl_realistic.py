@@ -61,7 +61,9 @@ def test_the_shape_recipe_is_looprl_valid_and_maps_onto_trl(recipe: Recipe) -> N
     assert ROOT / model["path"] == ROOT / model["tokenizer"] == MODEL_DIR
 
 
-def test_the_model_is_built_once_and_again_when_its_warm_start_changes(tmp_path, monkeypatch) -> None:
+def test_the_model_is_built_once_and_again_when_its_architecture_or_warm_start_changes(
+    tmp_path, monkeypatch
+) -> None:
     import bench.peer_trl_realistic as shape
 
     builds = []
@@ -80,3 +82,8 @@ def test_the_model_is_built_once_and_again_when_its_warm_start_changes(tmp_path,
     monkeypatch.setattr(shape, "WARM_START_STEPS", shape.WARM_START_STEPS + 1)
     shape.ensure_model()
     assert len(builds) == 2
+    monkeypatch.setattr(
+        shape, "MODEL", shape.MODEL.replace(num_hidden_layers=shape.MODEL.num_hidden_layers + 1)
+    )
+    shape.ensure_model()
+    assert len(builds) == 3 and builds[2]["num_layers"] == shape.MODEL.num_hidden_layers
