@@ -182,6 +182,25 @@ async def test_a_committed_version_event_releases_waiting_requests_without_a_pol
     assert router.replicas["d-1"].weight_version == 4
 
 
+async def test_requests_waiting_for_a_version_are_routed_again_only_when_versions_change():
+    """Other requests finishing free room, which a request waiting for a version has no use for:
+    it is routed once on arrival and once when its version lands, however many finish between."""
+    router, fakes = _router(settings=_config(version_wait_s=5))
+    await router.poll_once()
+    waiting = [asyncio.create_task(router.generate(_request(min_weight_version=4))) for _ in range(4)]
+    await asyncio.sleep(0.05)
+    for _ in range(20):
+        await router.generate(_request())
+    assert not any(task.done() for task in waiting)
+    decisions = len(router.decision_seconds)
+    assert decisions == 4 + 20  # each waiting request's first try, then the 20 served
+    fakes[1].version = 4
+    router.on_replica_committed(router.replicas["d-1"], 4)
+    served = await asyncio.gather(*waiting)
+    assert all(r.completions[0].weight_version == 4 for r in served)
+    assert len(router.decision_seconds) == decisions + 4
+
+
 @pytest.mark.parametrize(
     "code,kind", [("FAILED_PRECONDITION", errors.FailedPrecondition), ("UNAVAILABLE", errors.Unavailable)]
 )
