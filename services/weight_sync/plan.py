@@ -61,7 +61,7 @@ class TrainerLayout:
 
     params: Mapping[str, SourceParam]
 
-    @property
+    @functools.cached_property
     def signature(self) -> str:
         h = hashlib.sha1()
         for name in sorted(self.params):
