@@ -78,6 +78,7 @@ class DeploymentManager(WeightSyncLink):
         self._where: dict[str, str] = {}  # deployment -> its place in the recipe, for errors
         self._bus: Any = None
         self._subscription: Any = None
+        self._registering: dict[str, asyncio.Task] = {}  # target -> its registration, tried again
 
     # ---- embedded deployments ----------------------------------------------------------------
 
@@ -175,6 +176,8 @@ class DeploymentManager(WeightSyncLink):
     async def stop(self) -> None:
         import ray
 
+        for task in list(self._registering.values()):
+            task.cancel()
         for actor in self.actors.values():
             try:
                 ray.kill(actor, no_restart=True)

@@ -5,7 +5,10 @@
   independently), or, for a deployment with `canary = true`, ONE target listing every replica's
   ranks (each named by its replica) with the canary policy, so weight-sync commits a new version on
   the first replica, checks its golden prompts and only then lets the others switch (or rolls it
-  back). A run's deployments unregister their targets when the run ends (UnregisterTarget).
+  back). A run's deployments unregister their targets when the run ends (UnregisterTarget). A
+  registration weight-sync could not take (it is starting or restarting: UNAVAILABLE, or no answer
+  in time) is tried again in the background, backing off to 5 s, until weight-sync answers or the
+  replicas are gone: a target registered once at start and lost would never receive weights.
 - A restarted replica is registered again and resynced (RequestSync); a canary replica that rolled
   a rejected version back says so in its status (`rolled_back_version`) and is not resynced.
 - weights.published events on the bus wake the router to re-poll; an event applies only to the
@@ -40,6 +43,7 @@ class WeightSyncLink:
     _where: dict[str, str]
     _bus: Any
     _subscription: Any
+    _registering: dict[str, asyncio.Task]
 
     def _canary(self, deployment: str) -> bool:
         spec = self.specs.get(deployment)
@@ -72,8 +76,15 @@ class WeightSyncLink:
             await self._register(state, replica.name, [replica])
 
     async def _register(
-        self, state: DeploymentState, target: str, replicas: list[ReplicaState], strict: bool = False
-    ) -> None:
+        self,
+        state: DeploymentState,
+        target: str,
+        replicas: list[ReplicaState],
+        strict: bool = False,
+        retry: bool = True,
+    ) -> bool:
+        """RegisterTarget for `target`; False when weight-sync could not take it for now (then, with
+        `retry`, it is tried again in the background)."""
         from looprl.common.v1 import common_pb2
         from looprl.weightsync.v1 import weightsync_pb2
 
@@ -89,7 +100,7 @@ class WeightSyncLink:
                     state.tensor_parallel,
                     target,
                 )
-                return
+                return True
             ranks += [
                 weightsync_pb2.TargetRank(rank=rank, address=address, replica=replica.name, host_id=host_id)
                 for rank, address in enumerate(addresses)
@@ -122,9 +133,14 @@ class WeightSyncLink:
                 log.error("weight-sync refused %s: %s.%s", target, where, refused)
                 if strict:
                     raise errors.InvalidArgument(f"{where}.{refused}") from None
-                return
-            log.warning("weight-sync registration of %s failed: %s", target, exc)
-            return
+                return True
+            if not _transient(exc):
+                log.warning("weight-sync registration of %s failed: %s", target, exc)
+                return True
+            if retry:
+                log.warning("weight-sync registration of %s failed, trying again: %s", target, exc)
+                self._register_later(state, target, replicas)
+            return False
         if reply.current_version >= 0:
             self.router.on_weights_published(state.name, reply.current_version)
         log.info(
@@ -133,6 +149,24 @@ class WeightSyncLink:
             len(ranks),
             ", canary" if request.canary else "",
         )
+        return True
+
+    def _register_later(self, state: DeploymentState, target: str, replicas: list[ReplicaState]) -> None:
+        """Try `target`'s registration again, backing off to 5 s, while its replicas are served here."""
+        if target in self._registering:
+            return
+
+        async def again() -> None:
+            delay = 0.25
+            while all(self.router.replicas.get(r.name) is r for r in replicas):
+                await asyncio.sleep(delay)
+                if await self._register(state, target, replicas, retry=False):
+                    return
+                delay = min(2 * delay, 5.0)
+
+        task = asyncio.get_running_loop().create_task(again(), name=f"register {target}")
+        self._registering[target] = task
+        task.add_done_callback(lambda _task: self._registering.pop(target, None))
 
     def _weight_sync_stub(self) -> Any:
         if self._weight_sync is None:
@@ -267,6 +301,16 @@ def _run_of(subject: str) -> str:
         return subjects.run_of(subject)
     except ValueError:
         return ""
+
+
+def _transient(exc: BaseException) -> bool:
+    """Weight-sync is not there or not ready yet: asking again later may succeed."""
+    import grpc
+
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )
 
 
 def _refused_transport(exc: BaseException) -> str:

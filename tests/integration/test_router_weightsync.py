@@ -14,6 +14,7 @@ import pytest
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
+from services.kit.local import free_port
 from tests.support.local_fleet import RouterProcess, replica_actor, tiny_checkpoint
 from tests.support.weight_sync_process import weight_sync_process
 
@@ -110,3 +111,34 @@ def test_replicas_receive_weights_through_weight_sync_and_a_restarted_one_resync
     finally:
         router.stop()
         ws_channel.close()
+
+
+def test_a_replica_started_before_weight_sync_answers_is_registered_once_it_does(ray_client, tmp_path):
+    """weight-sync starting late (or restarting) when a deployment comes up: the registration the
+    router could not make is made as soon as weight-sync answers, not lost for the run."""
+    port = free_port()
+    deployments = [
+        {"name": "early", "num_cpus": 0.5, "replicas": 1, "max_model_len": 128, "max_batch_size": 8}
+    ]
+    router = RouterProcess(
+        deployments, tmp_path / "router.log", weight_sync_address=f"127.0.0.1:{port}", status_interval_s=0.2
+    )
+    try:
+        router.wait_serving(150)
+        assert "registration of early-r0 failed, trying again" in router.tail()
+        with weight_sync_process(tmp_path, port=port) as (address, _):
+            ws = weightsync_pb2_grpc.WeightSyncServiceStub(grpc.insecure_channel(address))
+            _wait(
+                lambda: (
+                    {
+                        t.deployment
+                        for t in ws.GetVersion(weightsync_pb2.GetVersionRequest(), timeout=5).targets
+                    }
+                    == {"early-r0"}
+                ),
+                30,
+                router,
+                "early-r0 was not registered with the late weight-sync",
+            )
+    finally:
+        router.stop()

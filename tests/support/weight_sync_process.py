@@ -22,9 +22,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextmanager
-def weight_sync_process(log_dir: Path, **settings: str) -> Iterator[tuple[str, str]]:
-    """(address, log path) of a running weight-sync; settings are LOOPRL_WEIGHTSYNC_<NAME> values."""
-    port = free_port()
+def weight_sync_process(log_dir: Path, port: int = 0, **settings: str) -> Iterator[tuple[str, str]]:
+    """(address, log path) of a running weight-sync, on `port` (default: a free one); settings are
+    LOOPRL_WEIGHTSYNC_<NAME> values."""
+    port = port or free_port()
     env = {
         **os.environ,
         "LOOPRL_WEIGHTSYNC_GRPC_PORT": str(port),
