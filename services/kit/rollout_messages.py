@@ -36,7 +36,8 @@ def group_messages(rollouts: Sequence[common_pb2.Rollout], max_payload: int) -> 
     size = 0
     for rollout in rollouts:
         # A repeated message field costs its tag byte, the length varint and the message itself.
-        field = 1 + _varint_size(rollout.ByteSize()) + rollout.ByteSize()
+        nbytes = rollout.ByteSize()
+        field = 1 + _varint_size(nbytes) + nbytes
         if batch and size + field > budget:
             messages.append(_message(batch))
             batch, size = [], 0
