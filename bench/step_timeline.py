@@ -3,7 +3,8 @@ one span log, and each trainer step lined up on its own start.
 
 Per step s (the trainer's "trainer step" span of step s, which trains version s into s+1):
 - commit: version s committed on a replica (CommitWeights, pushed by step s-1),
-- generation: the replicas' Generate spans at version s, first start to last end,
+- generation: the replicas' Generate spans at version s, first start (or the commit, for requests
+  the replica held for it) to last end,
 - batch: the trainer's NextBatch for step s returns (generation, reward, publish and packing done),
 - update: from the batch to the push of version s+1 (forward, backward, optimizer),
 - push: the trainer's PushShards of version s+1.
@@ -89,11 +90,13 @@ def step_moments(spans: Iterable[dict[str, Any]]) -> list[StepMoments]:
         if not (generated and committed and batches and pushes):
             continue
         batch_end = max(s["end_ns"] for s in batches)
+        commit_end = min(s["end_ns"] for s in committed)
         out.append(
             StepMoments(
                 step=(end - start) / 1e6,
-                commit=(min(s["end_ns"] for s in committed) - start) / 1e6,
-                generation_start=(min(s["start_ns"] for s in generated) - start) / 1e6,
+                commit=(commit_end - start) / 1e6,
+                # A request held at the replica for this version (sent ahead) starts at the commit.
+                generation_start=(max(min(s["start_ns"] for s in generated), commit_end) - start) / 1e6,
                 generation_end=(max(s["end_ns"] for s in generated) - start) / 1e6,
                 batch=(batch_end - start) / 1e6,
                 update=(pushes[0]["start_ns"] - batch_end) / 1e6,

@@ -12,7 +12,9 @@ A decision is composed of:
    the benchmark baseline), in tiers: the primary tier (deployments the request fits) and a
    failover tier that is used only when no primary deployment has a healthy replica;
 3. replica filters with fixed meaning: excluded (already failed this request), healthy and synced,
-   minimum weight version, and room under the per-replica and per-deployment queue bounds;
+   minimum weight version, and room under the per-replica and per-deployment queue bounds; when no
+   replica serves the version yet, one at the version just before it that holds requests for their
+   version (`ReplicaState.holds_for_version`) takes the request ahead of the commit;
 4. a chain of replica pickers (least outstanding tokens by default; round-robin for baselines).
 
 When nothing is eligible the policy raises the most useful reason: full queues (with a retry hint)
@@ -37,6 +39,7 @@ REASON_AFFINITY = "affinity"
 REASON_AFFINITY_MOVED = "affinity_moved"
 REASON_LEAST_TOKENS = "least_tokens"
 REASON_RETRY = "retry"
+REASON_AHEAD = "ahead_of_version"
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,8 @@ class ReplicaState:
     sync_requested: bool = False
     address: str = ""
     last_error: str = ""
+    # It holds a request sent ahead of its version until that version commits (its status says so).
+    holds_for_version: bool = False
 
     @property
     def routable(self) -> bool:
@@ -157,6 +162,8 @@ class RouteRequest:
     deployment: str = ""
     min_weight_version: int = 0
     exclude: frozenset[str] = frozenset()
+    # A replica one version behind may hold the request for its version (the router waits at all).
+    may_go_ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,6 +171,8 @@ class Decision:
     deployment: DeploymentState
     replica: ReplicaState
     reasons: tuple[str, ...]
+    # The replica serves the version before the one asked for and holds the request until it commits.
+    ahead: bool = False
 
 
 class RoutingError(Exception):
@@ -408,6 +417,15 @@ class RoutingPolicy:
             why.unhealthy.append(dep.name)
             return None
         versioned = [r for r in live if r.weight_version >= request.min_weight_version]
+        ahead = not versioned and request.may_go_ahead
+        if ahead:
+            # The next version is the one asked for: a replica that holds requests takes it now and
+            # starts it the moment it commits (no router round trip between the commit and the work).
+            versioned = [
+                r
+                for r in live
+                if r.holds_for_version and 0 <= r.weight_version == request.min_weight_version - 1
+            ]
         if not versioned:
             why.version_blocked = True
             why.best_version = max(why.best_version, max(r.weight_version for r in live))
@@ -429,7 +447,9 @@ class RoutingPolicy:
                     reasons.append(REASON_AFFINITY_MOVED)
                 if request.exclude:
                     reasons.append(REASON_RETRY)
-                return Decision(dep, replica, tuple(reasons))
+                if ahead:
+                    reasons.append(REASON_AHEAD)
+                return Decision(dep, replica, tuple(reasons), ahead=ahead)
         return None
 
     def _error(self, why: _Why, request: RouteRequest) -> RoutingError:

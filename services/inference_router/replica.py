@@ -18,6 +18,9 @@ weight-transfer API, engine/vllm_engine.py). The weights a commit retires go bac
 stager as the rollback point: RollbackWeights (a canary whose new version failed its check) swaps
 them back in, again between two steps, and the status says it was a rollback, not a restart
 (`rolled_back_version`). A replica with a model path loads version 0 from it at start.
+A request the router sends ahead of its version (GenerateRequest.version_wait_ms) waits here for
+the commit, so that generation starts with it; a canary deployment's replica does not hold
+(weight-sync must check a version on it before anything samples from it) and says so in its status.
 How each engine kind stages, commits, rolls back and aborts is its `WeightLifecycle` (weights.py),
 built together with the engine.
 
@@ -134,6 +137,7 @@ class ReplicaCore:
         self._weights_lock: asyncio.Lock | None = None  # commit and rollback never interleave
         self.rolled_back_version = -1  # the newest version a rollback undid (-1: none)
         self._stage_locks: dict[int, asyncio.Lock] = {}
+        self._version_changed: asyncio.Condition | None = None  # requests held for a version wait on it
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -256,6 +260,7 @@ class ReplicaCore:
             await self.weights.install(version, state_dict, config)
         except ValueError as exc:
             raise errors.InvalidArgument(f"weights: {exc}") from None
+        await self._release_held()
         return engine.status().weight_version
 
     async def stage_weights(self, msg: inference_pb2.StageWeightsRequest | bytes) -> dict[str, Any]:
@@ -295,6 +300,7 @@ class ReplicaCore:
                 return version  # a retried commit
             assert self.weights is not None
             await self.weights.commit(version)
+        await self._release_held()
         log.info("replica %s now serves weight version %d", self.name, version)
         self._annotate(weight_version=version)
         return engine.status().weight_version
@@ -327,6 +333,41 @@ class ReplicaCore:
             await self.weights.abort(version)
 
     # ------------------------------------------------------------------ generation
+    def _condition(self) -> asyncio.Condition:
+        if self._version_changed is None:
+            self._version_changed = asyncio.Condition()
+        return self._version_changed
+
+    async def _release_held(self) -> None:
+        """A new version serves: the requests held for it start (all in one engine step)."""
+        if self._version_changed is not None:
+            async with self._version_changed:
+                self._version_changed.notify_all()
+
+    async def _hold_for_version(self, req: inference_pb2.GenerateRequest) -> None:
+        """Wait up to req.version_wait_ms for req.min_weight_version to be committed here."""
+        wanted, engine = req.min_weight_version, self.engine
+        if req.version_wait_ms <= 0 or engine is None or engine.status().weight_version >= wanted:
+            return
+        if self.spec.canary:
+            raise errors.FailedPrecondition(
+                f"version_wait_ms: replica {self.name} serves a canary deployment and does not hold "
+                "requests for a version it has not checked"
+            )
+        condition = self._condition()
+        try:
+            async with condition:
+                await asyncio.wait_for(
+                    condition.wait_for(lambda: engine.status().weight_version >= wanted),
+                    req.version_wait_ms / 1000,
+                )
+        except TimeoutError:
+            raise errors.FailedPrecondition(
+                f"min_weight_version: replica {self.name} still serves version "
+                f"{engine.status().weight_version} after holding the request {req.version_wait_ms} ms "
+                f"for version {wanted}"
+            ) from None
+
     def _serving_engine(self) -> Engine:
         if self.engine is None or not self.engine.status().ready:
             raise errors.Unavailable(f"replica {self.name} has no weights yet")
@@ -341,6 +382,7 @@ class ReplicaCore:
             )
 
     async def generate_proto(self, req: inference_pb2.GenerateRequest) -> inference_pb2.GenerateResponse:
+        await self._hold_for_version(req)
         engine = self._serving_engine()
         [result] = await engine.generate([engine_request(req)])
         self._annotate(
@@ -365,6 +407,7 @@ class ReplicaCore:
     async def stream_proto(
         self, req: inference_pb2.GenerateRequest
     ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
+        await self._hold_for_version(req)
         engine = self._serving_engine()
         async for chunk in engine.generate_stream(engine_request(req)):
             yield inference_pb2.GenerateStreamResponse(
@@ -434,6 +477,7 @@ class ReplicaCore:
             vocab_size=self.config.vocab_size if self.config else 0,
             paused=self._paused,
             rolled_back_version=self.rolled_back_version,
+            holds_for_version=not s.canary,
         )
         if self.engine is not None:
             st = self.engine.status()

@@ -103,6 +103,7 @@ class ReplicaHealth:
                 self._restarted(replica)
             replica.weight_version = version
             replica.healthy = status.ready
+            replica.holds_for_version = status.holds_for_version
             replica.address = status.address or replica.address
             broken = str((status.engine or {}).get("broken", ""))
             if broken:

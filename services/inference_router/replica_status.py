@@ -39,6 +39,8 @@ class ReplicaStatus:
     outstanding_tokens: int = 0
     queued_requests: int = 0
     cache_usage: float = 0.0
+    holds_for_version: bool = False
+    """Generate holds a request sent ahead of its version (GenerateRequest.version_wait_ms)."""
     engine: dict[str, int | float | str] = field(default_factory=dict)
     """Backend-specific figures (e.g. vLLM's swap seconds), for logs and debugging."""
 
@@ -52,6 +54,7 @@ class ReplicaStatus:
             staged_version=self.staged_version,
             rollback_version=self.rollback_version,
             host_id=self.host_id,
+            holds_for_version=self.holds_for_version,
         )
 
     @classmethod
@@ -71,4 +74,5 @@ class ReplicaStatus:
             outstanding_tokens=reply.tokens_in_flight,
             queued_requests=reply.queued_requests,
             cache_usage=reply.cache_usage,
+            holds_for_version=reply.holds_for_version,
         )

@@ -139,6 +139,7 @@ class Router(ReplicaHealth):
             deployment=request.deployment if deployment is None else deployment,
             min_weight_version=request.min_weight_version,
             exclude=exclude,
+            may_go_ahead=self.config.version_wait_s > 0,
         )
 
     def decide(self, route: RouteRequest, deployments: Sequence[DeploymentState] | None = None):
@@ -197,18 +198,12 @@ class Router(ReplicaHealth):
             except VersionUnavailable as exc:
                 until = min(version_deadline, deadline)
                 if not await _wait(changed, until - loop.time()):
-                    metrics.REJECTIONS.labels("version").inc()
                     waited = (
                         f" after waiting {self.config.version_wait_s:.1f}s"
                         if self.config.version_wait_s
                         else ""
                     )
-                    kind = (
-                        errors.Unavailable
-                        if self.config.version_unavailable_code == "UNAVAILABLE"
-                        else errors.FailedPrecondition
-                    )
-                    raise kind(f"{exc}{waited}") from None
+                    raise self._version_unavailable(f"{exc}{waited}") from None
             except NoHealthyReplica as exc:
                 until = deadline if loading else min(health_deadline, deadline)
                 if not await _wait(changed, until - loop.time()):
@@ -226,6 +221,7 @@ class Router(ReplicaHealth):
             decision = await self._choose(request, exclude, deadline)
             replica, dep = decision.replica, decision.deployment
             self._count_decision(decision)
+            self._hold_ahead(request, decision, deadline)
             reserved = self._reserve(replica, request)
             start = time.perf_counter()
             try:
@@ -242,9 +238,9 @@ class Router(ReplicaHealth):
                 if attempt < self.config.max_attempts:
                     metrics.RETRIES.labels(dep.name, replica.name).inc()
                 continue
-            except errors.ServiceError:
+            except errors.ServiceError as exc:
                 metrics.REQUESTS.labels(dep.name, replica.name, "rejected").inc()
-                raise
+                raise self._refusal(exc, decision) from None
             finally:
                 self._release(replica, reserved)
             self._finished(dep, replica, request, response, time.perf_counter() - start)
@@ -284,6 +280,7 @@ class Router(ReplicaHealth):
             decision = await self._choose(request, exclude, deadline)
             replica, dep = decision.replica, decision.deployment
             self._count_decision(decision)
+            self._hold_ahead(request, decision, deadline)
             reserved = self._reserve(replica, request)
             start = time.perf_counter()
             sent = 0
@@ -309,6 +306,8 @@ class Router(ReplicaHealth):
                 last_failure = str(exc)
                 metrics.RETRIES.labels(dep.name, replica.name).inc()
                 continue
+            except errors.ServiceError as exc:
+                raise self._refusal(exc, decision) from None
             finally:
                 self._release(replica, reserved)
             metrics.REQUESTS.labels(dep.name, replica.name, "ok").inc()
@@ -320,6 +319,25 @@ class Router(ReplicaHealth):
             f"request failed on {self.config.max_attempts} replicas; last error: {last_failure}",
             retry_after_s=self.retry_hint(),
         )
+
+    def _hold_ahead(self, request: inference_pb2.GenerateRequest, decision: Any, deadline: float) -> None:
+        """How long the replica may hold the request for its version: what is left of the version
+        wait when sent ahead of the version, else nothing (a caller's value is not passed on)."""
+        wait_s = min(self.config.version_wait_s, deadline - asyncio.get_running_loop().time())
+        request.version_wait_ms = max(1, int(wait_s * 1000)) if decision.ahead else 0
+
+    def _refusal(self, exc: errors.ServiceError, decision: Any) -> errors.ServiceError:
+        """A replica's refusal as the caller gets it: a request sent ahead that the replica held as
+        long as the version wait allows without the version arriving fails like one that waited here."""
+        if decision.ahead and isinstance(exc, errors.FailedPrecondition):
+            return self._version_unavailable(exc.message)
+        return exc
+
+    def _version_unavailable(self, message: str) -> errors.ServiceError:
+        metrics.REJECTIONS.labels("version").inc()
+        if self.config.version_unavailable_code == "UNAVAILABLE":
+            return errors.Unavailable(message)
+        return errors.FailedPrecondition(message)
 
     def retry_hint(self) -> float:
         if not self._latencies:

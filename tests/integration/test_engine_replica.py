@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -12,6 +13,7 @@ import torch
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.replica import ReplicaCore
+from services.kit import errors
 from services.kit.codec import TORCH_TO_PROTO, tensor_to_bytes
 from services.kit.recipe import DeploymentSpec
 from services.modeling.config import ModelConfig
@@ -150,8 +152,6 @@ async def test_replica_stages_commits_and_serves_over_grpc() -> None:
 
         # Pause queues requests; resume serves them.
         await stub.Pause(inference_pb2.PauseRequest())
-        import asyncio
-
         pending = asyncio.ensure_future(stub.Generate(request([7], n=2)))
         await asyncio.sleep(0.2)
         assert not pending.done() and (await stub.Status(inference_pb2.StatusRequest())).paused
@@ -201,3 +201,50 @@ async def test_tp2_replica_actor_receives_per_rank_buckets_and_streams(ray_clien
     finally:
         await actor.shutdown.remote()
         ray.kill(actor)
+
+
+async def test_a_request_sent_ahead_of_its_version_starts_when_the_version_commits() -> None:
+    core = ReplicaCore(DeploymentSpec(name="dep", max_model_len=48, max_batch_size=8), replica="dep-r0")
+    v1, v2 = Qwen2ForCausalLM(CONFIG, seed=1).eval(), Qwen2ForCausalLM(CONFIG, seed=2).eval()
+    try:
+        await core.load_state_dict(1, v1.hf_state_dict(), CONFIG)
+        assert (await core.status()).holds_for_version
+
+        def ahead(prompt: list[int], wait_ms: int) -> inference_pb2.GenerateRequest:
+            req = request(prompt, n=2)
+            req.min_weight_version, req.version_wait_ms = 2, wait_ms
+            return req
+
+        held = [asyncio.ensure_future(core.generate_proto(ahead([3, 4, i], 10_000))) for i in (5, 6)]
+        await asyncio.sleep(0.2)
+        assert not any(task.done() for task in held)  # version 1 serves; nothing sampled under it
+        await core.load_state_dict(2, v2.hf_state_dict())
+        for task, last in zip(held, (5, 6), strict=True):
+            completions = (await task).completions
+            assert [c.weight_version for c in completions] == [2, 2]
+            assert_parity(v2, [3, 4, last], completions[0], 0.9)
+
+        # Held as long as allowed for a version that never comes: FAILED_PRECONDITION naming the field.
+        req = ahead([3], 100)
+        req.min_weight_version = 3
+        with pytest.raises(
+            errors.FailedPrecondition, match=r"^min_weight_version: .* still serves version 2"
+        ):
+            await core.generate_proto(req)
+        # Without a wait the request is served at once, as before.
+        assert (await core.generate_proto(request([3]))).completions[0].weight_version == 2
+    finally:
+        await core.shutdown()
+
+
+async def test_a_canary_replica_does_not_hold_requests_for_a_version_it_has_not_checked() -> None:
+    core = ReplicaCore(DeploymentSpec(name="dep", max_model_len=48, canary=True), replica="dep-r0")
+    try:
+        await core.load_state_dict(1, Qwen2ForCausalLM(CONFIG, seed=1).hf_state_dict(), CONFIG)
+        assert not (await core.status()).holds_for_version
+        req = request([3, 4])
+        req.min_weight_version, req.version_wait_ms = 2, 5_000
+        with pytest.raises(errors.FailedPrecondition, match=r"^version_wait_ms: .*canary"):
+            await core.generate_proto(req)
+    finally:
+        await core.shutdown()

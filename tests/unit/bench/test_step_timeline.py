@@ -48,6 +48,15 @@ def test_every_moment_is_measured_from_its_own_steps_start() -> None:
     assert m["hops"] == pytest.approx(150 - 40 - 37)
 
 
+def test_generation_held_at_the_replica_for_its_version_starts_at_the_commit() -> None:
+    spans = [s for step in range(10) for s in one_step(step)]
+    for s in spans:
+        if s["name"] == GENERATE and s["end_ns"] % (1000 * MS) == 45 * MS:
+            s["start_ns"] -= 80 * MS  # sent ahead: held from 80 ms before its step's commit
+    m = medians(step_moments(spans))
+    assert (m["generation_start"], m["generation"]) == pytest.approx((10, 50))
+
+
 def test_a_log_without_complete_steps_says_so() -> None:
     with pytest.raises(ValueError, match="no step has every moment"):
         medians(step_moments(one_step(0, with_commit=False)))

@@ -36,6 +36,8 @@ class FakeReplica:
         self.broken = ""  # what its engine's status says when it took itself out of service
         self.silent = False  # its host vanished: nothing it is asked ever answers
         self.calls = 0
+        self.holds = False  # holds a request sent ahead of its version, as ReplicaCore does
+        self.committed = asyncio.Event()
 
     async def generate(self, request, timeout_s):
         self.calls += 1
@@ -49,6 +51,13 @@ class FakeReplica:
             raise ReplicaFailure(self.name, "boom")
         if request.prompt_token_ids[0] < 0:
             raise errors.InvalidArgument("prompt_token_ids: negative")
+        if request.version_wait_ms and self.version < request.min_weight_version:
+            try:
+                await asyncio.wait_for(self.committed.wait(), request.version_wait_ms / 1000)
+            except TimeoutError:
+                raise errors.FailedPrecondition(
+                    f"min_weight_version: {self.name} still serves {self.version}"
+                ) from None
         comp = inference_pb2.Completion(
             token_ids=[7] * request.sampling.max_tokens, finish_reason="length", weight_version=self.version
         )
@@ -73,6 +82,7 @@ class FakeReplica:
             ready=not self.broken,
             address=f"fake:{self.name}",
             engine={"broken": self.broken} if self.broken else {},
+            holds_for_version=self.holds,
         )
 
     async def close(self):
@@ -199,6 +209,36 @@ async def test_requests_waiting_for_a_version_are_routed_again_only_when_version
     served = await asyncio.gather(*waiting)
     assert all(r.completions[0].weight_version == 4 for r in served)
     assert len(router.decision_seconds) == decisions + 4
+
+
+async def test_a_request_for_the_next_version_waits_on_a_replica_that_holds_it_not_on_the_router():
+    """The replica starts it when it commits: the router hears of the commit later, or not at all."""
+    router, fakes = _router(settings=_config(version_wait_s=5))
+    fakes[1].holds = True
+    await router.poll_once()
+    pending = asyncio.ensure_future(router.generate(_request(min_weight_version=2)))
+    await asyncio.sleep(0.05)
+    assert fakes[1].calls == 1 and fakes[0].calls == 0 and not pending.done()
+    fakes[1].version = 2
+    fakes[1].committed.set()  # no poll, no committed event to the router
+    response = await pending
+    assert response.replica == "d-1" and response.completions[0].weight_version == 2
+    # Two versions ahead is not the next commit: it waits on the router as before.
+    with pytest.raises(errors.FailedPrecondition, match="no replica serves weight version >= 4"):
+        await router.generate(_request(min_weight_version=4), timeout_s=0.2)
+    assert fakes[1].calls == 1
+
+
+@pytest.mark.parametrize(
+    "code,kind", [("FAILED_PRECONDITION", errors.FailedPrecondition), ("UNAVAILABLE", errors.Unavailable)]
+)
+async def test_a_request_held_ahead_whose_version_never_comes_fails_like_one_waiting_here(code, kind):
+    router, fakes = _router(settings=_config(version_wait_s=0.1, version_unavailable_code=code))
+    fakes[0].holds = True
+    await router.poll_once()
+    with pytest.raises(kind, match=r"^min_weight_version: d-0 still serves 1"):
+        await router.generate(_request(min_weight_version=2))
+    assert fakes[0].calls == 1
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import pytest
 
 from services.inference_router.policies import (
     REASON_AFFINITY,
+    REASON_AHEAD,
     REASON_FAILOVER_DEPLOYMENT,
     REASON_PINNED,
     REASON_PROFILE_CLOSEST,
@@ -121,6 +122,25 @@ def test_min_weight_version_routes_only_to_new_enough_replicas():
     with pytest.raises(VersionUnavailable) as err:
         RoutingPolicy().route([dep], _req(min_weight_version=9))
     assert "min_weight_version" in str(err.value) and err.value.best == 5
+
+
+def test_a_replica_that_holds_requests_takes_those_for_its_next_version_ahead_of_the_commit():
+    dep = _deployment("short", SHORT, replicas=2)
+    dep.replicas[1].holds_for_version = True
+    decision = RoutingPolicy().route([dep], _req(min_weight_version=4, may_go_ahead=True))
+    assert decision.ahead and decision.replica.name == "short-1" and REASON_AHEAD in decision.reasons
+    # Not two versions ahead, not when the router does not wait for versions, not to one that does
+    # not hold (it would serve the request at the version it has).
+    for request in (_req(min_weight_version=5, may_go_ahead=True), _req(min_weight_version=4)):
+        with pytest.raises(VersionUnavailable):
+            RoutingPolicy().route([dep], request)
+    dep.replicas[1].holds_for_version = False
+    with pytest.raises(VersionUnavailable):
+        RoutingPolicy().route([dep], _req(min_weight_version=4, may_go_ahead=True))
+    # A replica that already serves the version is taken, not held.
+    dep.replicas[0].weight_version = 4
+    decision = RoutingPolicy().route([dep], _req(min_weight_version=4, may_go_ahead=True))
+    assert decision.replica.name == "short-0" and not decision.ahead
 
 
 def test_restarted_replica_stays_out_until_it_has_the_latest_version():

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "session_id", "deployment", "min_weight_version", "request_id", "expected_output_tokens", "run_id")
+    __slots__ = ("prompt_token_ids", "sampling", "session_id", "deployment", "min_weight_version", "request_id", "expected_output_tokens", "run_id", "version_wait_ms")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     session_id: str
@@ -25,7 +26,8 @@ class GenerateRequest(_message.Message):
     request_id: str
     expected_output_tokens: int
     run_id: str
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., deployment: _Optional[str] = ..., min_weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., expected_output_tokens: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+    version_wait_ms: int
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., deployment: _Optional[str] = ..., min_weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., expected_output_tokens: _Optional[int] = ..., run_id: _Optional[str] = ..., version_wait_ms: _Optional[int] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "weight_version")
@@ -152,7 +154,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("weight_version", "queued_requests", "tokens_in_flight", "cache_usage", "paused", "staged_version", "rollback_version", "host_id")
+    __slots__ = ("weight_version", "queued_requests", "tokens_in_flight", "cache_usage", "paused", "staged_version", "rollback_version", "host_id", "holds_for_version")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +163,7 @@ class StatusResponse(_message.Message):
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_VERSION_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_FOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     queued_requests: int
     tokens_in_flight: int
@@ -169,7 +172,8 @@ class StatusResponse(_message.Message):
     staged_version: int
     rollback_version: int
     host_id: str
-    def __init__(self, weight_version: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., staged_version: _Optional[int] = ..., rollback_version: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
+    holds_for_version: bool
+    def __init__(self, weight_version: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., staged_version: _Optional[int] = ..., rollback_version: _Optional[int] = ..., host_id: _Optional[str] = ..., holds_for_version: _Optional[bool] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()
