@@ -3,9 +3,9 @@
 Host 1 runs nats-server, the Ray head and every service (`looprl up --host <host 1>`), host 2 and
 host 3 a Ray worker node each. The recipe places by custom Ray resources: deployment "near" on host
 1, "mid" on host 2, "far" on host 3 (`deployments.ray_resources`), and the two trainer ranks on
-hosts 1 and 2 (`trainer.ray_resources_per_rank`, one `trainer_node` each). The default recipe runs
-through the gateway as a user's would, and host 3 is killed mid-run (its link down, every process
-in it SIGKILLed). The run must complete, learn, account for every rollout, report the replica on
+hosts 1 and 2 (`trainer.ray_resources_per_rank`, one `trainer_node` each; the default recipe at two
+ranks). It runs through the gateway as a user's would, and host 3 is killed mid-run (its link down,
+every process in it SIGKILLed). The run must complete, learn, account for every rollout, report the replica on
 host 3 gone, and weight-sync must have used shared memory only for host 1's replica and gRPC for the
 others; the byte counts per transport and host, the reward curve and the recovery time are printed.
 """
@@ -52,7 +52,7 @@ MAX_RECOVERY_S = 30.0
 
 def recipe() -> str:
     text = DEFAULT_RECIPE[: DEFAULT_RECIPE.index("[[deployments]]")]
-    text = with_overrides(text, run={"steps": STEPS}, trainer={"checkpoint_every": 10})
+    text = with_overrides(text, run={"steps": STEPS}, trainer={"checkpoint_every": 10, "world_size": 2})
     text = text.replace("[trainer]\n", "[trainer]\nray_resources_per_rank = { trainer_node = 1 }\n")
     for name, host in PLACEMENT.items():
         text += (

@@ -26,8 +26,8 @@ STEPS = 150  # the length the bound must hold for: no trace may grow with the ru
 
 # The largest trace allowed. An episode trace of the default recipe holds ~20 spans (episode, a
 # Generate per turn as client + router server + router client + replica server, the reward calls,
-# the rollout publishes and the packer's consumes); a trainer step trace holds the step, two ranks'
-# NextBatch and PushShards (client and server), the packer's step build, AckStep and the record
+# the rollout publishes and the packer's consumes); a trainer step trace holds the step, both ranks'
+# (this test trains with two) NextBatch and PushShards (client and server), the packer's step build, AckStep and the record
 # publish with the gateway's processing of it. Measured: the largest trace of a 150-step run holds
 # 24 spans (as of a 20-step one). Before episodes were traces of their own, the run's trace held every
 # task publish and episode of the run: 604 spans for 20 steps, growing with every step.
@@ -296,7 +296,7 @@ def _edge_seen(edge: Edge, spans: list[dict], by_id: dict[str, dict]) -> bool:
 def test_every_edge_of_the_table_is_traced_and_no_trace_grows_with_the_run(tmp_path, monkeypatch) -> None:
     span_log = tmp_path / "spans.jsonl"
     monkeypatch.setenv("LOOPRL_SPAN_LOG", str(span_log))
-    recipe = with_overrides(DEFAULT_RECIPE, run={"steps": STEPS})
+    recipe = with_overrides(DEFAULT_RECIPE, run={"steps": STEPS}, trainer={"world_size": 2})
     (tmp_path / "stack").mkdir()
     with local_stack(tmp_path / "stack") as stack:
         run = run_to_end(stack.stub, stack.metadata, recipe, "e2e-traced", timeout=600)
