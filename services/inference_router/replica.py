@@ -137,7 +137,9 @@ class ReplicaCore:
         self._weights_lock: asyncio.Lock | None = None  # commit and rollback never interleave
         self.rolled_back_version = -1  # the newest version a rollback undid (-1: none)
         self._stage_locks: dict[int, asyncio.Lock] = {}
-        self._version_changed: asyncio.Condition | None = None  # requests held for a version wait on it
+        self._committed: asyncio.Event | None = (
+            None  # set (and replaced) by each commit: held requests wait on it
+        )
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -260,13 +262,18 @@ class ReplicaCore:
             await self.weights.install(version, state_dict, config)
         except ValueError as exc:
             raise errors.InvalidArgument(f"weights: {exc}") from None
-        await self._release_held()
+        self._release_held()
         return engine.status().weight_version
 
     async def stage_weights(self, msg: inference_pb2.StageWeightsRequest | bytes) -> dict[str, Any]:
         """Stage one bucket (rank 0's locally, rank r's on TP worker r)."""
         if isinstance(msg, bytes | bytearray | memoryview):
             msg = decode_stage_request(bytes(msg))
+        if msg.commit_when_complete and self._receiving_ranks != 1:
+            raise errors.InvalidArgument(
+                f"commit_when_complete: a replica of {self._receiving_ranks} ranks commits on "
+                "CommitWeights, once every rank is staged"
+            )
         if self.engine is None:
             if not msg.model_config_json:
                 raise errors.FailedPrecondition(
@@ -286,6 +293,8 @@ class ReplicaCore:
         assert self.weights is not None
         async with self._stage_locks.setdefault(msg.rank, asyncio.Lock()):
             out = await self.weights.stage(msg)
+        if msg.commit_when_complete and out["complete"]:
+            await self.commit_weights(msg.version)
         out["serving_version"] = engine.status().weight_version
         return out
 
@@ -300,7 +309,7 @@ class ReplicaCore:
                 return version  # a retried commit
             assert self.weights is not None
             await self.weights.commit(version)
-        await self._release_held()
+        self._release_held()
         log.info("replica %s now serves weight version %d", self.name, version)
         self._annotate(weight_version=version)
         return engine.status().weight_version
@@ -333,16 +342,14 @@ class ReplicaCore:
             await self.weights.abort(version)
 
     # ------------------------------------------------------------------ generation
-    def _condition(self) -> asyncio.Condition:
-        if self._version_changed is None:
-            self._version_changed = asyncio.Condition()
-        return self._version_changed
-
-    async def _release_held(self) -> None:
-        """A new version serves: the requests held for it start (all in one engine step)."""
-        if self._version_changed is not None:
-            async with self._version_changed:
-                self._version_changed.notify_all()
+    def _release_held(self) -> None:
+        """A new version serves: the requests held for it start. An event wakes them all in the same
+        turn of the loop, so every one is queued before the engine's next step and they are prefilled
+        as one batch (a condition would let them through one lock hand-off at a time, and the engine
+        would step with the first alone)."""
+        if self._committed is not None:
+            self._committed.set()
+            self._committed = None
 
     async def _hold_for_version(self, req: inference_pb2.GenerateRequest) -> None:
         """Wait up to req.version_wait_ms for req.min_weight_version to be committed here."""
@@ -354,13 +361,12 @@ class ReplicaCore:
                 f"version_wait_ms: replica {self.name} serves a canary deployment and does not hold "
                 "requests for a version it has not checked"
             )
-        condition = self._condition()
         try:
-            async with condition:
-                await asyncio.wait_for(
-                    condition.wait_for(lambda: engine.status().weight_version >= wanted),
-                    req.version_wait_ms / 1000,
-                )
+            async with asyncio.timeout(req.version_wait_ms / 1000):
+                while engine.status().weight_version < wanted:
+                    if self._committed is None:
+                        self._committed = asyncio.Event()
+                    await self._committed.wait()
         except TimeoutError:
             raise errors.FailedPrecondition(
                 f"min_weight_version: replica {self.name} still serves version "

@@ -215,14 +215,17 @@ async def test_a_request_sent_ahead_of_its_version_starts_when_the_version_commi
             req.min_weight_version, req.version_wait_ms = 2, wait_ms
             return req
 
-        held = [asyncio.ensure_future(core.generate_proto(ahead([3, 4, i], 10_000))) for i in (5, 6)]
+        held = [asyncio.ensure_future(core.generate_proto(ahead([3, 4, i], 10_000))) for i in (5, 6, 7)]
         await asyncio.sleep(0.2)
         assert not any(task.done() for task in held)  # version 1 serves; nothing sampled under it
+        steps = core.engine.steps
         await core.load_state_dict(2, v2.hf_state_dict())
-        for task, last in zip(held, (5, 6), strict=True):
+        for task, last in zip(held, (5, 6, 7), strict=True):
             completions = (await task).completions
             assert [c.weight_version for c in completions] == [2, 2]
             assert_parity(v2, [3, 4, last], completions[0], 0.9)
+        # All prefilled in the commit's first step: 6 tokens each in 5 steps (the first samples two).
+        assert core.engine.steps - steps == 5
 
         # Held as long as allowed for a version that never comes: FAILED_PRECONDITION naming the field.
         req = ahead([3], 100)
@@ -246,5 +249,46 @@ async def test_a_canary_replica_does_not_hold_requests_for_a_version_it_has_not_
         req.min_weight_version, req.version_wait_ms = 2, 5_000
         with pytest.raises(errors.FailedPrecondition, match=r"^version_wait_ms: .*canary"):
             await core.generate_proto(req)
+    finally:
+        await core.shutdown()
+
+
+async def test_a_replica_asked_to_commit_when_complete_serves_the_version_its_last_bucket_completes() -> None:
+    core = ReplicaCore(DeploymentSpec(name="dep", max_model_len=48), replica="dep-r0")
+    address = await core.start()
+    channel = grpc.aio.insecure_channel(address)
+    stub = inference_pb2_grpc.InferenceEngineServiceStub(channel)
+    v1, v2 = Qwen2ForCausalLM(CONFIG, seed=1).eval(), Qwen2ForCausalLM(CONFIG, seed=2).eval()
+    try:
+        for version, model, corrupt in ((1, v1, False), (2, v2, True), (2, v2, False)):
+            sent = buckets(model, Layout(), 0, version, corrupt=corrupt)
+            for b in sent:
+                b.commit_when_complete = True
+            first = await stub.StageWeights(iter(sent[:1]))
+            assert not first.complete and first.serving_version == (-1 if version == 1 else 1)
+            if corrupt:  # a bucket that fails its check commits nothing: version 1 keeps serving
+                with pytest.raises(grpc.aio.AioRpcError, match="hash64"):
+                    await stub.StageWeights(iter(sent[1:]))
+                await stub.AbortWeights(inference_pb2.AbortWeightsRequest(version=version))
+                assert (await stub.Status(inference_pb2.StatusRequest())).weight_version == 1
+                continue
+            last = await stub.StageWeights(iter(sent[1:]))
+            assert last.complete and last.serving_version == version  # no CommitWeights
+            resp = await stub.Generate(request([3, 4, 5]))
+            assert resp.completions[0].weight_version == version
+            assert_parity(model, [3, 4, 5], resp.completions[0], 0.9)
+    finally:
+        await channel.close()
+        await core.shutdown()
+
+
+async def test_a_replica_of_two_ranks_refuses_to_commit_on_one_ranks_bucket() -> None:
+    core = ReplicaCore(DeploymentSpec(name="dep", max_model_len=48, tensor_parallel=2), replica="dep-r0")
+    try:
+        [bucket, *_] = buckets(Qwen2ForCausalLM(CONFIG, seed=1), Layout(2, "fused"), 0, 1)
+        bucket.commit_when_complete = True
+        with pytest.raises(errors.InvalidArgument, match=r"^commit_when_complete: a replica of 2 ranks"):
+            await core.stage_weights(bucket)
+        assert core.engine is None  # refused before anything was built
     finally:
         await core.shutdown()
