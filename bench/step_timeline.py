@@ -2,7 +2,8 @@
 one span log, and each trainer step lined up on its own start.
 
 Per step s (the trainer's "trainer step" span of step s, which trains version s into s+1):
-- commit: version s committed on a replica (CommitWeights, pushed by step s-1),
+- commit: version s committed on a replica (CommitWeights, or the StageWeights call that completed
+  it on a replica that commits on its own; pushed by step s-1),
 - generation: the replicas' Generate spans at version s, first start (or the commit, for requests
   the replica held for it) to last end,
 - batch: the trainer's NextBatch for step s returns (generation, reward, publish and packing done),
@@ -37,6 +38,8 @@ BENCH = "step_timeline"
 STEP = "trainer step"
 GENERATE = "looprl.inference.v1.InferenceEngineService/Generate"
 COMMIT = "looprl.inference.v1.InferenceEngineService/CommitWeights"
+# A lone replica commits inside the StageWeights call of its last bucket (that span then names the version).
+STAGE = "looprl.inference.v1.InferenceEngineService/StageWeights"
 NEXT_BATCH = "looprl.packer.v1.RolloutPackerService/NextBatch"
 PUSH = "looprl.weightsync.v1.WeightSyncService/PushShards"
 STEP_ATTR, VERSION_ATTR = "looprl.step", "looprl.weight_version"
@@ -85,7 +88,9 @@ def step_moments(spans: Iterable[dict[str, Any]]) -> list[StepMoments]:
     for span in steps:
         start, end, version = span["start_ns"], span["end_ns"], span["attributes"].get(STEP_ATTR)
         generated = at_version("inference-replica", GENERATE, version)
-        committed = at_version("inference-replica", COMMIT, version)
+        committed = at_version("inference-replica", COMMIT, version) or at_version(
+            "inference-replica", STAGE, version
+        )
         batches, pushes = inside(NEXT_BATCH, start, end), inside(PUSH, start, end)
         if not (generated and committed and batches and pushes):
             continue

@@ -63,6 +63,16 @@ RejectHook = Callable[[Target, str, int, float, str], Awaitable[None]]  # target
 FailHook = Callable[[Target, str], Awaitable[None]]  # target, run (its last_error says why)
 
 
+def _commits_alone(receivers: list[Endpoint], targets: list[Target]) -> bool:
+    """Whether the one receiver of a delivery may commit the version itself once it holds it
+    verified (one call less between the trainer's push and generation): it is its replica's only
+    rank, shares no bytes with another receiver, and no canary checks it first."""
+    if len(receivers) != 1:
+        return False
+    owner = next(t for t in targets if receivers[0] in t.endpoints)
+    return len(owner.endpoints) == 1 and not owner.canary
+
+
 def _by_host(targets: list[Target]) -> list[list[Target]]:
     """`targets` grouped by the hosts their ranks are on, each group one delivery: targets on one
     host share its shared-memory buckets and its fate."""
@@ -293,6 +303,7 @@ class Deliverer(CanaryCommits):
                                     total_bytes=rank_plan.nbytes,
                                     model_config_json=config_json,
                                     timeout_s=self.stage_timeout_s,
+                                    commit=_commits_alone(subset, group),
                                 ),
                                 subset,
                             )
@@ -373,9 +384,14 @@ class Deliverer(CanaryCommits):
             first = []  # no previous version to compare with, or the first replica already has this one
         if first and not await self._canary(t, staged, first, skip):
             return
+        committed = {e for e in t.endpoints if e in results and results[e].serving_version >= version}
         try:
             await asyncio.gather(
-                *(self.grpc.commit(e, version) for e in t.endpoints if e not in skip and e not in first)
+                *(
+                    self.grpc.commit(e, version)
+                    for e in t.endpoints
+                    if e not in skip and e not in first and e not in committed
+                )
             )
         except DeliveryError as exc:
             # Staged and verified everywhere, so a commit fails only if a replica died; its peers may

@@ -58,9 +58,11 @@ class WeightReceiver:
             async for request in request_iterator:
                 if isinstance(request, bytes):
                     request = decode_stage_request(request)
-                version = request.version
+                version, commit = request.version, request.commit_when_complete
                 progress = await asyncio.to_thread(self._stage, request, self._shm)
             finished = True
+            if commit and progress.complete:
+                await self._commit(version)
         except (ServiceError, WeightTransferError) as exc:
             # Read the rest of the stream before answering: a sender still writing into a call the
             # server already closed gets a generic INTERNAL from gRPC instead of this status.
@@ -97,14 +99,17 @@ class WeightReceiver:
         if request.version == self.stager.serving_version and self.stager.staged_version is None:
             return inference_pb2.CommitWeightsResponse(weight_version=request.version)  # a retried commit
         try:
-            state = self.stager.commit(request.version)
+            await self._commit(request.version)
         except (ServiceError, WeightTransferError) as exc:
             await context.abort(exc.code, str(exc))
+        return inference_pb2.CommitWeightsResponse(weight_version=self.stager.serving_version)
+
+    async def _commit(self, version: int) -> None:
+        state = self.stager.commit(version)
         if self.on_commit is not None:
-            result = self.on_commit(request.version, state)
+            result = self.on_commit(version, state)
             if inspect.isawaitable(result):
                 await result
-        return inference_pb2.CommitWeightsResponse(weight_version=self.stager.serving_version)
 
     async def AbortWeights(self, request, context) -> inference_pb2.AbortWeightsResponse:
         self.stager.abort(request.version or None)

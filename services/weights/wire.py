@@ -48,6 +48,7 @@ def encode_stage_request(
     model_config_json: str = "",
     total_bytes: int = 0,
     slice_data: Sequence | None = None,
+    commit_when_complete: bool = False,
 ) -> bytes:
     """Serialized StageWeightsRequest carrying the bucket inline (slice checksums must be set).
     The bytes of slice i are `slice_data[i]` when given (contiguous buffers, e.g. the sender's own
@@ -61,6 +62,7 @@ def encode_stage_request(
         deployment=deployment,
         rank=rank,
         total_bytes=total_bytes,
+        commit_when_complete=commit_when_complete,
     ).SerializeToString()
     parts: list[bytes | memoryview] = [head]
     for i, s in enumerate(bucket.slices):

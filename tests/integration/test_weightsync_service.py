@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from looprl.common.v1 import common_pb2
+from looprl.inference.v1 import inference_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit.hosts import host_identity
 from services.kit.interceptors import ServerInterceptor
@@ -29,6 +30,7 @@ from tests.support.synthetic_weights import rank_requests
 
 CONFIG = ModelConfig.tiny()
 F32 = common_pb2.DType.D_TYPE_FLOAT32
+INFERENCE = "looprl.inference.v1.InferenceEngineService"
 
 
 class Harness:
@@ -296,3 +298,44 @@ async def test_a_silent_host_does_not_hold_back_the_other_hosts():
     finally:
         silent.close()
         await h.stop()
+
+
+async def test_a_lone_replica_commits_each_version_as_its_last_bucket_lands_without_a_commit_call():
+    from prometheus_client import REGISTRY
+
+    from services.inference_router.replica import ReplicaCore
+    from services.kit.recipe import DeploymentSpec
+
+    def answered(method: str) -> float:
+        labels = {"service": "replica/lone-r0", "method": f"/{INFERENCE}/{method}", "code": "OK"}
+        return REGISTRY.get_sample_value("looprl_rpc_requests_total", labels) or 0.0
+
+    h = await Harness().start()
+    core = ReplicaCore(DeploymentSpec(name="lone", max_model_len=64), replica="lone-r0")
+    try:
+        address = await core.start()
+        await h.stub.RegisterTarget(
+            weightsync_pb2.RegisterTargetRequest(
+                deployment="lone",
+                ranks=[weightsync_pb2.TargetRank(rank=0, address=address, host_id=host_identity())],
+                every_k_versions=1,
+                layout=weightsync_pb2.TargetLayout(tensor_parallel=1, naming="hf", dtype=F32),
+            )
+        )
+        prompt = [3, 17, 42, 8, 99, 5, 23, 61]
+        commits = answered("CommitWeights")
+        for version in (0, 1):
+            _, state = trainer_model(version)
+            await h.push(state, version)
+            await h.wait_version(version, ["lone"])
+            assert (await core.status()).weight_version == version
+            served = await core.generate_proto(
+                inference_pb2.GenerateRequest(
+                    prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=1, temperature=1.0)
+                )
+            )
+            assert served.completions[0].weight_version == version
+        assert answered("StageWeights") > 0 and answered("CommitWeights") == commits
+    finally:
+        await h.stop()
+        await core.shutdown()

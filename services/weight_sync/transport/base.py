@@ -58,6 +58,9 @@ class Delivery:
     """The model config, sent with the first bucket only; empty when the receivers need none."""
     timeout_s: float = 600.0
     """The deadline of each StageWeights call, in seconds."""
+    commit: bool = False
+    """Each receiver commits the version once it holds it complete and verified
+    (StageWeightsRequest.commit_when_complete): only for a lone receiver whose own check is all."""
 
     def request(
         self, bucket: Bucket, slices, *, model_config_json: str = "", endpoint: Endpoint | None = None
@@ -71,6 +74,7 @@ class Delivery:
             total_bytes=self.total_bytes,
             model_config_json=model_config_json,
             slices=slices,
+            commit_when_complete=self.commit,
         )
         if endpoint is not None:
             request.rank = endpoint.rank
@@ -84,8 +88,15 @@ class StageResult:
     bytes_sent: int = 0
     buckets: int = 0
     complete: bool = False
+    serving_version: int = -1
+    """The version the receiver serves by its last answer (the staged one once it committed it)."""
     seconds: float = 0.0
     error: DeliveryError | None = None
+
+    def answered(self, response: inference_pb2.StageWeightsResponse) -> None:
+        """Fold in one StageWeights answer: complete once any said so."""
+        self.complete = self.complete or response.complete
+        self.serving_version = max(self.serving_version, response.serving_version)
 
 
 def identity(x: bytes) -> bytes:
@@ -218,7 +229,7 @@ class StageStreams:
                 return
             try:
                 await call.done_writing()
-                res.complete = res.complete or (await call).complete
+                res.answered(await call)
             except BaseException as exc:
                 res.error = self.transport._error(ep, await call_error(call, exc))
 

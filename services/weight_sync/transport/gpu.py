@@ -120,7 +120,7 @@ async def _send_all(transport: Transport, results, req, timeout_s, nbytes) -> No
             resp = await transport.stub(ep.address).StageWeights(iter([r]), timeout=timeout_s)
             res.bytes_sent += nbytes
             res.buckets += 1
-            res.complete = resp.complete
+            res.answered(resp)
         except BaseException as exc:
             res.error = transport._error(ep, exc)
 

@@ -87,6 +87,7 @@ class GrpcTransport(Transport):
                     model_config_json=config_json,
                     total_bytes=total_bytes,
                     slice_data=parts,
+                    commit_when_complete=delivery.commit,
                 )
                 for r in ranks
             }
@@ -138,7 +139,7 @@ class GrpcTransport(Transport):
             try:
                 await s.call.done_writing()
                 resp = await s.call
-                s.result.complete = resp.complete
+                s.result.answered(resp)
                 if not resp.complete:
                     s.result.error = DeliveryError(
                         f"{s.endpoint}: version {version} incomplete after last bucket",

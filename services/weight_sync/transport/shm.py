@@ -109,7 +109,7 @@ class ShmTransport(Transport):
                         )
                         res.bytes_sent += bucket.nbytes
                         res.buckets += 1
-                        res.complete = res.complete or resp.complete
+                        res.answered(resp)
                     except BaseException as exc:
                         if res.error is None:  # a cancelled call keeps the reason it was cancelled for
                             res.error = self._error(ep, exc)

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from bench.step_timeline import COMMIT, GENERATE, NEXT_BATCH, PUSH, STEP, medians, record_lags, step_moments
+from bench.step_timeline import (
+    COMMIT,
+    GENERATE,
+    NEXT_BATCH,
+    PUSH,
+    STAGE,
+    STEP,
+    medians,
+    record_lags,
+    step_moments,
+)
 
 MS = 1_000_000
 
@@ -55,6 +65,14 @@ def test_generation_held_at_the_replica_for_its_version_starts_at_the_commit() -
             s["start_ns"] -= 80 * MS  # sent ahead: held from 80 ms before its step's commit
     m = medians(step_moments(spans))
     assert (m["generation_start"], m["generation"]) == pytest.approx((10, 50))
+
+
+def test_a_version_committed_by_its_last_stage_call_is_committed_when_that_call_ends() -> None:
+    spans = [s for step in range(10) for s in one_step(step, with_commit=False)]
+    for step in range(10):
+        stage = span("inference-replica", STAGE, 1000.0 * step + 3, 1000.0 * step + 8)
+        spans += [stage, {**stage, "attributes": {"looprl.weight_version": str(step)}}]
+    assert medians(step_moments(spans))["commit"] == pytest.approx(8)
 
 
 def test_a_log_without_complete_steps_says_so() -> None:

@@ -66,3 +66,18 @@ def test_bad_registrations_name_the_field(req, field):
     with pytest.raises(InvalidArgument) as info:
         target_from_request(req)
     assert field in str(info.value)
+
+
+def test_only_a_lone_rank_without_a_canary_commits_as_its_last_bucket_lands():
+    from services.weight_sync.deliver import _commits_alone
+
+    lone = target_from_request(request([ws.TargetRank(rank=0, address="a")], tp=1))
+    canary = target_from_request(request([ws.TargetRank(rank=0, address="c")], tp=1, canary=True))
+    tp2 = target_from_request(request([ws.TargetRank(rank=r, address=f"t{r}") for r in range(2)]))
+    two = target_from_request(request([ws.TargetRank(rank=0, address=f"r{i}") for i in range(2)], tp=1))
+    assert _commits_alone(lone.endpoints, [lone, canary, tp2])
+    assert not _commits_alone(canary.endpoints, [lone, canary])  # the canary checks it first
+    assert not _commits_alone(tp2.endpoints[:1], [tp2])  # one rank of two must not switch alone
+    # Two replicas staged by one delivery may share bytes each verifies only in part.
+    assert not _commits_alone(two.endpoints, [two])
+    assert not _commits_alone(lone.endpoints + tp2.endpoints[:1], [lone, tp2])

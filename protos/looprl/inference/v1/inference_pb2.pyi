@@ -192,7 +192,7 @@ class ResumeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StageWeightsRequest(_message.Message):
-    __slots__ = ("version", "slices", "bucket_count", "bucket_index", "model_config_json", "deployment", "rank", "total_bytes", "device_handle", "nccl_broadcast")
+    __slots__ = ("version", "slices", "bucket_count", "bucket_index", "model_config_json", "deployment", "rank", "total_bytes", "device_handle", "nccl_broadcast", "commit_when_complete")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class StageWeightsRequest(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     NCCL_BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_WHEN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     version: int
     slices: _containers.RepeatedCompositeFieldContainer[WeightSlice]
     bucket_count: int
@@ -213,7 +214,8 @@ class StageWeightsRequest(_message.Message):
     total_bytes: int
     device_handle: bytes
     nccl_broadcast: bool
-    def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ..., model_config_json: _Optional[str] = ..., deployment: _Optional[str] = ..., rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., device_handle: _Optional[bytes] = ..., nccl_broadcast: _Optional[bool] = ...) -> None: ...
+    commit_when_complete: bool
+    def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ..., model_config_json: _Optional[str] = ..., deployment: _Optional[str] = ..., rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., device_handle: _Optional[bytes] = ..., nccl_broadcast: _Optional[bool] = ..., commit_when_complete: _Optional[bool] = ...) -> None: ...
 
 class WeightSlice(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "data", "crc32", "shm_name", "shm_offset", "nbytes", "hash64", "shm_rows", "shm_row_stride", "sum64", "shm_adopt")
