@@ -45,6 +45,10 @@ from services.kit.recipe import Recipe, RunRecord, sampling_seed
 FEED_AHEAD_STEPS = 1
 # How long a finishing run waits for its followers to record the events already on the bus.
 DRAIN_SECONDS = 5.0
+# How often a run's record takes the packer's drop counts (Stats): a step record comes every ~0.1 s
+# on the default recipe and the counts rarely move, while the call costs the gateway and the packer
+# CPU at the moment the next step starts. A completed run takes them once more, so its record is exact.
+DROPPED_REFRESH_S = 1.0
 
 log = logging.getLogger("looprl.gateway.runs")
 
@@ -127,6 +131,7 @@ class RunDriver:
         self._run_trace: dict[str, str] | None = None  # the run's trace context, from its record
         self.progress = ProgressClock()  # fed steps, trained steps and weight versions mark it
         self._epochs_kv: KV | None = None
+        self._dropped_due = 0.0  # monotonic time the packer's drop counts are next asked for
         # Set when the run is finishing: the stream followers return at their first empty fetch.
         self._finishing = asyncio.Event()
         self._stream_followers: list[asyncio.Task] = []
@@ -267,7 +272,8 @@ class RunDriver:
                 return
             if record.weight_version >= recipe.run.steps:
                 await self._drain_followers()
-                await self.store.update(self.run_id, _complete)
+                dropped = await self._dropped(fresh=True)
+                await self.store.update(self.run_id, lambda r, d=dropped: _complete(r, d))
                 self._lifecycle("run completed", steps=record.weight_version)
                 self.changed.set()
                 return
@@ -347,10 +353,13 @@ class RunDriver:
         epochs = await trainer_epochs.read(self._epochs_kv, self.run_id)
         return trainer_epochs.vouches(epochs, step.trainer_epoch, step.step)
 
-    async def _dropped(self) -> dict[str, int] | None:
-        """Rollouts the packer dropped for this run, by reason (None when it cannot be asked)."""
-        if self.packer is None:
+    async def _dropped(self, fresh: bool = False) -> dict[str, int] | None:
+        """Rollouts the packer dropped for this run, by reason: None when it cannot be asked, or
+        when it was asked less than DROPPED_REFRESH_S ago and `fresh` is not set."""
+        now = time.monotonic()
+        if self.packer is None or (now < self._dropped_due and not fresh):
             return None
+        self._dropped_due = now + DROPPED_REFRESH_S
         try:
             stats = await self.packer.Stats(packer_pb2.StatsRequest(run_id=self.run_id), timeout=5)
         except Exception as exc:  # progress accounting must not stop the run
@@ -427,10 +436,14 @@ def weight_sync_entry(event: events_pb2.WeightsPublished) -> dict:
     }
 
 
-def _apply_step(record: RunRecord, step: events_pb2.TrainStepRecord, dropped: dict[str, int] | None) -> None:
+def _apply_dropped(record: RunRecord, dropped: dict[str, int] | None) -> None:
     if dropped is not None:
         record.extra["dropped"] = {k: v for k, v in dropped.items() if k not in DUPLICATE_REASONS}
         record.extra["duplicate_deliveries"] = sum(v for k, v in dropped.items() if k in DUPLICATE_REASONS)
+
+
+def _apply_step(record: RunRecord, step: events_pb2.TrainStepRecord, dropped: dict[str, int] | None) -> None:
+    _apply_dropped(record, dropped)
     # Steps already counted, as merged [first, last] ranges (one range when steps arrive in order).
     counted: list[list[int]] = record.extra.setdefault("counted_steps", [])
     if any(lo <= step.step <= hi for lo, hi in counted):
@@ -462,6 +475,7 @@ def _apply_rejection(record: RunRecord, event: events_pb2.WeightsRejected) -> No
         rejected.append({"version": event.version, "drift": event.drift, "detail": event.detail})
 
 
-def _complete(record: RunRecord) -> None:
+def _complete(record: RunRecord, dropped: dict[str, int] | None = None) -> None:
+    _apply_dropped(record, dropped)
     record.state = "completed"
     record.extra["finished_at"] = time.time()
