@@ -9,6 +9,7 @@ import uuid
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from looprl.common.v1 import common_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
@@ -125,6 +126,13 @@ async def test_bad_rollouts_are_termed_with_reasons_and_the_stream_keeps_flowing
             "duplicate": 1,
         }
         assert stats.packed_steps == 1 and stats.acked_rollouts == 4 and stats.queued_rollouts == 0
+        # The gauges are refreshed at most twice a second, and a quiet run's within a second.
+        await asyncio.sleep(1.5)
+        gauges = {
+            name: REGISTRY.get_sample_value(f"looprl_packer_{name}", {"run": run_id})
+            for name in ("queued_rollouts", "pending_groups", "unacked_steps")
+        }
+        assert gauges == {"queued_rollouts": 0, "pending_groups": 0, "unacked_steps": 0}
         # nothing is left for redelivery: terms and acks settled every message
         consumer = await bus.js.consumer_info(subjects.ROLLOUTS, f"packer-{run_id}")
         assert consumer.num_ack_pending == 0 and consumer.num_pending == 0
