@@ -199,7 +199,7 @@ EDGES = [
         r"packer step",
         "the first rank's pull builds the step",
     ),
-    # trainer -> weight-sync PushShards -> replica StageWeights / CommitWeights
+    # trainer -> weight-sync PushShards -> replica StageWeights (committing)
     Edge(
         "child",
         "trainer",
@@ -238,15 +238,8 @@ EDGES = [
         r".*InferenceEngineService/StageWeights",
         "inference-replica",
         r".*InferenceEngineService/StageWeights",
-        "the replica stages",
-    ),
-    Edge(
-        "child",
-        "weight-sync",
-        r".*InferenceEngineService/CommitWeights",
-        "inference-replica",
-        r".*InferenceEngineService/CommitWeights",
-        "the replica commits the version",
+        # The recipe's one replica of one rank commits as its last bucket lands: no CommitWeights.
+        "the replica stages, and commits the version inside its last StageWeights",
     ),
     # the trainer's step record reaches the gateway inside the step's trace
     Edge(
@@ -317,6 +310,14 @@ def test_every_edge_of_the_table_is_traced_and_no_trace_grows_with_the_run(tmp_p
         + "\nspans seen: "
         + ", ".join(f"{svc}:{name}" for svc, name in seen)
     )
+
+    # Every version the run trained was committed inside a replica's StageWeights span, which names it.
+    committed = {
+        s["attributes"].get("looprl.weight_version")
+        for s in spans
+        if s["service"] == "inference-replica" and s["name"].endswith("InferenceEngineService/StageWeights")
+    }
+    assert {str(v) for v in range(STEPS)} <= committed, sorted(committed - {None}, key=int)[-5:]
 
     sizes = Counter(s["trace_id"] for s in spans)
     largest, count = sizes.most_common(1)[0]
