@@ -171,8 +171,11 @@ class Decision:
     deployment: DeploymentState
     replica: ReplicaState
     reasons: tuple[str, ...]
-    # The replica serves the version before the one asked for and holds the request until it commits.
-    ahead: bool = False
+
+    @property
+    def ahead(self) -> bool:
+        """The replica serves the version before the one asked for and holds the request until it commits."""
+        return REASON_AHEAD in self.reasons
 
 
 class RoutingError(Exception):
@@ -449,7 +452,7 @@ class RoutingPolicy:
                     reasons.append(REASON_RETRY)
                 if ahead:
                     reasons.append(REASON_AHEAD)
-                return Decision(dep, replica, tuple(reasons), ahead=ahead)
+                return Decision(dep, replica, tuple(reasons))
         return None
 
     def _error(self, why: _Why, request: RouteRequest) -> RoutingError:

@@ -137,9 +137,8 @@ class ReplicaCore:
         self._weights_lock: asyncio.Lock | None = None  # commit and rollback never interleave
         self.rolled_back_version = -1  # the newest version a rollback undid (-1: none)
         self._stage_locks: dict[int, asyncio.Lock] = {}
-        self._committed: asyncio.Event | None = (
-            None  # set (and replaced) by each commit: held requests wait on it
-        )
+        # Set (and replaced) by each commit: requests held for a version wait on it.
+        self._committed: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:

@@ -32,6 +32,7 @@ from services.inference_router import metrics
 from services.inference_router.config import RouterConfig
 from services.inference_router.handles import ReplicaFailure, ReplicaHandle
 from services.inference_router.policies import (
+    Decision,
     DeploymentState,
     NoCapacity,
     NoDeployment,
@@ -320,13 +321,15 @@ class Router(ReplicaHealth):
             retry_after_s=self.retry_hint(),
         )
 
-    def _hold_ahead(self, request: inference_pb2.GenerateRequest, decision: Any, deadline: float) -> None:
+    def _hold_ahead(
+        self, request: inference_pb2.GenerateRequest, decision: Decision, deadline: float
+    ) -> None:
         """How long the replica may hold the request for its version: what is left of the version
         wait when sent ahead of the version, else nothing (a caller's value is not passed on)."""
         wait_s = min(self.config.version_wait_s, deadline - asyncio.get_running_loop().time())
         request.version_wait_ms = max(1, int(wait_s * 1000)) if decision.ahead else 0
 
-    def _refusal(self, exc: errors.ServiceError, decision: Any) -> errors.ServiceError:
+    def _refusal(self, exc: errors.ServiceError, decision: Decision) -> errors.ServiceError:
         """A replica's refusal as the caller gets it: a request sent ahead that the replica held as
         long as the version wait allows without the version arriving fails like one that waited here."""
         if decision.ahead and isinstance(exc, errors.FailedPrecondition):
