@@ -273,26 +273,30 @@ class EngineModel:
             )
         if len(set(slots)) != len(slots):
             raise ValueError(f"prefill: duplicate slots {list(slots)}")
-        for slot, ids, start in zip(slots, token_ids, start_positions, strict=True):
-            cache._check_slot(slot)
-            if ids.dim() != 1 or ids.numel() == 0:
-                raise ValueError(f"prefill: token_ids for slot {slot} must be a non-empty 1-D tensor")
-            if not 0 <= start <= cache.length(slot):
-                raise ValueError(
-                    f"prefill: start_pos {start} for slot {slot} exceeds cached length {cache.length(slot)}"
-                )
-            if start + ids.numel() > cache.max_len:
-                raise ValueError(
-                    f"prefill: slot {slot} would hold {start + ids.numel()} > max_len={cache.max_len}"
-                )
-            self._check_ids(ids)
         # Fresh prompts that repeat (the n samples of a GRPO group) are computed once; their other
-        # slots get a copy of its keys/values: exact, and n times less prefill.
+        # slots get a copy of its keys/values: exact, and n times less prefill. The n samples of a
+        # request share one ids tensor, so each distinct tensor is read and checked once.
         first_of: dict[tuple[int, ...], int] = {}
+        keys: dict[int, tuple[int, ...]] = {}
         source = []  # per input: index of the input whose computation it shares (itself if none)
-        for i, (ids, start) in enumerate(zip(token_ids, start_positions, strict=True)):
-            key = tuple(ids.tolist()) if start == 0 else None
-            source.append(first_of.setdefault(key, i) if key is not None else i)
+        lengths = cache.lengths.tolist()
+        for i, (slot, ids, start) in enumerate(zip(slots, token_ids, start_positions, strict=True)):
+            cache._check_slot(slot)
+            key = keys.get(id(ids))
+            if key is None:
+                if ids.dim() != 1 or ids.numel() == 0:
+                    raise ValueError(f"prefill: token_ids for slot {slot} must be a non-empty 1-D tensor")
+                self._check_ids(ids)
+                key = keys[id(ids)] = tuple(ids.tolist())
+            if not 0 <= start <= lengths[slot]:
+                raise ValueError(
+                    f"prefill: start_pos {start} for slot {slot} exceeds cached length {lengths[slot]}"
+                )
+            if start + len(key) > cache.max_len:
+                raise ValueError(
+                    f"prefill: slot {slot} would hold {start + len(key)} > max_len={cache.max_len}"
+                )
+            source.append(first_of.setdefault(key, i) if start == 0 else i)
         computed = [i for i in range(len(slots)) if source[i] == i]
         segments = []  # (slot, start, offset in the flat batch, length) of each computed input
         offset = 0
@@ -305,12 +309,15 @@ class EngineModel:
         hidden = self._run_layers(flat, positions, self._slot_attend(cache, segments))
         for slot, start, _, n in segments:
             cache.lengths[slot] = start + n
+        copies: dict[int, list[int]] = {}  # computed input -> the slots that share its keys/values
         for i, src in enumerate(source):
             if src != i:
-                n = token_ids[i].numel()
-                cache.k[:, slots[i], :, :n] = cache.k[:, slots[src], :, :n]
-                cache.v[:, slots[i], :, :n] = cache.v[:, slots[src], :, :n]
-                cache.lengths[slots[i]] = n
+                copies.setdefault(src, []).append(slots[i])
+        for src, targets in copies.items():
+            n, into = token_ids[src].numel(), torch.tensor(targets)
+            cache.k[:, into, :, :n] = cache.k[:, slots[src] : slots[src] + 1, :, :n]
+            cache.v[:, into, :, :n] = cache.v[:, slots[src] : slots[src] + 1, :, :n]
+            cache.lengths[into] = n
         if all_logits:
             out = [self._logits(hidden[off : off + n]) for _, _, off, n in segments]
         else:
@@ -323,16 +330,21 @@ class EngineModel:
     def _slot_attend(cache: KVCache, segments: list[tuple[int, int, int, int]]):
         """Attention slot by slot over each slot's cached prefix plus its new tokens."""
 
+        device = cache.k.device
+        masks = []  # per segment, the same in every layer: its causal mask over its key span
+        for _, start, _, n in segments:
+            span = _round_up(start + n, KEY_BLOCK)
+            qpos = torch.arange(start, start + n, device=device)
+            masks.append(torch.arange(span, device=device)[None, :] <= qpos[:, None])
+
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             out = torch.empty_like(q)
-            for slot, start, off, n in segments:
+            for (slot, start, off, n), mask in zip(segments, masks, strict=True):
                 ck, cv = cache.k[layer, slot], cache.v[layer, slot]  # [kv, max_len, d]
                 ck[:, start : start + n] = k[off : off + n].transpose(0, 1)
                 cv[:, start : start + n] = v[off : off + n].transpose(0, 1)
-                span = _round_up(start + n, KEY_BLOCK)
+                span = mask.shape[1]
                 keys, values = ck[:, :span], cv[:, :span]
-                qpos = torch.arange(start, start + n, device=q.device)
-                mask = torch.arange(span, device=q.device)[None, :] <= qpos[:, None]
                 o = F.scaled_dot_product_attention(
                     q[off : off + n].transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True
                 )
@@ -370,11 +382,22 @@ class EngineModel:
         group = self.q_local // self.kv_local
         scale = self.config.head_dim**-0.5
 
+        # Slots handed out lowest first are usually one ascending run: read their keys as a view.
+        first = int(slots[0])
+        run = (
+            slice(first, first + slots.numel())
+            if bool((slots == torch.arange(first, first + slots.numel())).all())
+            else None
+        )
+
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             ck, cv = cache.k[layer], cache.v[layer]
             ck[dev_slots, :, dev_pos] = k
             cv[dev_slots, :, dev_pos] = v
-            keys, values = ck[dev_slots, :, :span], cv[dev_slots, :, :span]  # [B, kv_heads, span, d]
+            if run is not None:
+                keys, values = ck[run, :, :span], cv[run, :, :span]  # [B, kv_heads, span, d]
+            else:
+                keys, values = ck[dev_slots, :, :span], cv[dev_slots, :, :span]
             # Plain matmuls rather than SDPA, whose CPU kernel reduces a row differently depending on
             # the batch and thread count. Query head j reads kv head j // group (GQA).
             b, d = q.shape[0], q.shape[-1]

@@ -56,7 +56,12 @@ class LocalExecutor:
         self.cache = model.new_cache(num_slots, max_model_len)
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        ids = [torch.tensor(p, dtype=torch.long) for p in prompts]
+        # One tensor per distinct prompt object: the n samples of a request share theirs.
+        tensors: dict[int, torch.Tensor] = {}
+        for p in prompts:
+            if id(p) not in tensors:
+                tensors[id(p)] = torch.tensor(p, dtype=torch.long)
+        ids = [tensors[id(p)] for p in prompts]
         return torch.stack(self.model.prefill_batch(self.cache, slots, ids, [0] * len(slots)))
 
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:

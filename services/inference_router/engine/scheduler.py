@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -115,7 +116,9 @@ class ContinuousBatchingEngine(Engine):
         self.limits = limits or SchedulerLimits()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Seq] = []
-        self._free_slots = list(range(executor.num_slots - 1, -1, -1))
+        # A heap, lowest slot first: a batch admitted together holds one ascending run of slots,
+        # whose keys the executor can read without gathering them.
+        self._free_slots = list(range(executor.num_slots))
         self._swaps: list[tuple[int, Callable[[], None], asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._paused = False
@@ -318,7 +321,7 @@ class ContinuousBatchingEngine(Engine):
                 seq = _Seq(
                     item,
                     i,
-                    self._free_slots.pop(),
+                    heapq.heappop(self._free_slots),
                     len(item.req.prompt_token_ids),
                     row,
                     stop_ids,
@@ -348,7 +351,7 @@ class ContinuousBatchingEngine(Engine):
         self._running = [s for s in self._running if not s.finish]
 
     def _retire(self, seq: _Seq) -> None:
-        self._free_slots.append(seq.slot)
+        heapq.heappush(self._free_slots, seq.slot)
         item = seq.owner
         item.completions[seq.index] = Completion(
             token_ids=seq.tokens,

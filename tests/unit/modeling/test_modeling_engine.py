@@ -112,6 +112,22 @@ def test_a_prompt_given_for_several_slots_is_prefilled_once_and_each_slot_decode
         group.close()
 
 
+def test_decode_gives_the_same_logits_whether_its_slots_are_one_ascending_run_or_scattered(reference):
+    """Slots in one ascending run have their keys read as a view, others gathered: bit for bit the same."""
+    prompts = [ids_of(n, 60 + n) for n in (4, 7, 5)]
+    tokens = torch.stack([ids_of(1, 70 + i)[0] for i in range(3)])
+    positions = torch.tensor([len(p) for p in prompts])
+
+    def decoded(slots: list[int]) -> torch.Tensor:
+        model = EngineModel(CFG, Layout(1, "fused"))
+        model.load_shard(shard_state_dict(reference.state_dict(), CFG, Layout(1, "fused"), 0))
+        cache = model.new_cache(6, 32)
+        model.prefill_batch(cache, slots, prompts, [0, 0, 0])
+        return model.decode(cache, torch.tensor(slots), tokens, positions)
+
+    torch.testing.assert_close(decoded([1, 2, 3]), decoded([4, 0, 2]), atol=0, rtol=0)
+
+
 def test_multi_turn_append_and_rewind_reuse_the_cache(reference):
     seq = ids_of(24, 3)
     with torch.no_grad():
