@@ -227,6 +227,8 @@ class TrainerWorker:
         return decoded
 
     def _all_reduce(self, value: torch.Tensor, op: Any) -> torch.Tensor:
+        if self.world_size == 1:  # a lone rank's value is the reduction; gloo would only add latency
+            return value
         moved = value.to(self.device)
         dist.all_reduce(moved, op=op)
         return moved.cpu()
