@@ -83,6 +83,8 @@ class RunTrainer:
         self.last_checkpoint = ""
         self.error = ""
         self.unacked: list[int] = []
+        self._ack_lock = asyncio.Lock()
+        self._acking: set[asyncio.Task] = set()  # acknowledgements running beside training
         self.recoveries = 0  # times the rank group was recreated after losing a rank
         self.epoch = ""  # this start of the ranks, vouching for the step records it publishes
         self._lock = asyncio.Lock()
@@ -110,7 +112,7 @@ class RunTrainer:
                     if not await self._train_one():
                         continue
                     if self.checkpoint_every > 0 and self.step % self.checkpoint_every == 0:
-                        await self.checkpoint()
+                        await self.checkpoint(ack_in_background=True)
                 except RankLost as exc:
                     await self._recover(exc)
             finished = self.step >= self.total_steps
@@ -355,12 +357,25 @@ class RunTrainer:
             await self.reporter.report(self.run_id, message, fatal=True)
             await self.reporter.close()
 
-    async def _ack_pending(self) -> None:
+    async def _ack_pending(self, below: int | None = None) -> None:
+        """Acknowledge the unacked steps (those below `below` only), oldest first; one caller at a time."""
+        async with self._ack_lock:
+            await self._ack_steps(below)
+
+    def _ack_in_background(self, below: int) -> None:
+        """Acknowledge the steps below `below` while training goes on: a checkpoint's ~50 AckSteps
+        (each a packer KV write) would otherwise stall the loop for a few hundred ms. Steps trained
+        meanwhile stay unacked until a checkpoint covers them; a later `_ack_pending` waits for this."""
+        task = asyncio.create_task(self._ack_pending(below), name=f"ack-{self.run_id}-{below}")
+        self._acking.add(task)
+        task.add_done_callback(self._acking.discard)
+
+    async def _ack_steps(self, below: int | None) -> None:
         if not self.unacked:
             return
         async with tls.aio_channel(self.cfg.packer_address, interceptors=client_interceptors()) as channel:
             stub = packer_pb2_grpc.RolloutPackerServiceStub(channel)
-            while self.unacked:
+            while self.unacked and (below is None or self.unacked[0] < below):
                 step = self.unacked[0]
                 try:
                     await stub.AckStep(
@@ -371,7 +386,8 @@ class RunTrainer:
                     if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # already acked is fine
                         log.warning("run %s: AckStep(%d) failed: %s", self.run_id, step, exc.details())
                         return
-                self.unacked.pop(0)
+                if self.unacked and self.unacked[0] == step:  # a recovery may have reset the list meanwhile
+                    self.unacked.pop(0)
 
     async def _publish(self, m: dict[str, Any]) -> None:
         if self.bus is None:
@@ -412,8 +428,11 @@ class RunTrainer:
 
     # ---- control ---------------------------------------------------------------------------------
 
-    async def checkpoint(self, export_hf: bool = False) -> tuple[str, int, str]:
-        """Checkpoint now (between steps), then acknowledge the steps it covers."""
+    async def checkpoint(
+        self, export_hf: bool = False, ack_in_background: bool = False
+    ) -> tuple[str, int, str]:
+        """Checkpoint now (between steps), then acknowledge the steps it covers (with
+        ack_in_background, while the next steps train)."""
         if not self._started:
             raise RuntimeError("the rank group is not running")
         start = time.perf_counter()
@@ -422,7 +441,10 @@ class RunTrainer:
         )
         self.last_checkpoint = path
         observe(metrics.CHECKPOINT_SECONDS.labels(self.run_id, "checkpoint"), time.perf_counter() - start)
-        await self._ack_pending()
+        if ack_in_background:
+            self._ack_in_background(self.step)
+        else:
+            await self._ack_pending()
         hf_path = ""
         if export_hf:
             hf_path = str(self.checkpoint_root / "hf" / f"step_{self.step:08d}")

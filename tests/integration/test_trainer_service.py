@@ -245,6 +245,40 @@ async def test_sigterm_drain_finishes_the_step_and_writes_a_final_checkpoint(
         await bus.close()
 
 
+async def test_a_periodic_checkpoint_acknowledges_only_the_steps_it_covers(
+    packer, nats_url, ray_client, tmp_path
+) -> None:
+    """The checkpoint after step 1 covers steps 0 and 1. They are acknowledged while step 2 trains
+    (in the background); step 2 stays unacknowledged (a crash would retrain it) until the final
+    checkpoint covers it."""
+    packer_app, packer_address = packer
+    run_id = f"tr-{uuid.uuid4().hex[:8]}"
+    recipe = parse_recipe(RECIPE.format(steps=50))
+    await packer_app.add_run(run_id, packer_app.settings_for(recipe))
+    bus = await Bus.connect(nats_url, name="test")
+    app, service = await _trainer(nats_url, packer_address, str(tmp_path))
+    packer_stub = packer_pb2_grpc.RolloutPackerServiceStub(grpc.aio.insecure_channel(packer_address))
+
+    async def acked() -> int:
+        return (await packer_stub.Stats(packer_pb2.StatsRequest(run_id=run_id))).acked_rollouts
+
+    try:
+        await _publish_steps(bus, run_id, 0, 3)  # three steps of data, then the trainer waits for more
+        run = app.begin(run_id, recipe)
+        await _train_records(bus, run_id, 3)
+        for _ in range(100):
+            if await acked() == 8:
+                break
+            await asyncio.sleep(0.1)
+        assert await acked() == 8 and run.step == 3  # steps 0 and 1, not step 2
+        assert [p.name for p in list_checkpoints(tmp_path / run_id)] == ["step_00000002"]
+        await service.drain()
+        assert run.state == "stopped" and await acked() == 12  # the final checkpoint covers step 2
+    finally:
+        await service.drain()
+        await bus.close()
+
+
 async def test_a_version_weight_sync_lost_in_a_restart_is_pushed_again_while_the_step_waits(
     packer, nats_url, ray_client, tmp_path, monkeypatch
 ) -> None:
