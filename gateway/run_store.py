@@ -34,13 +34,23 @@ class RunStore:
 
     def __init__(self, kv: KV) -> None:
         self.kv = kv
+        # The last revision of each record this store read or wrote: an update tries it first and
+        # reads the record again only when another writer got in between (the compare-and-set fails).
+        self._latest: dict[str, tuple[int, bytes]] = {}
+        # The chunks this store appended to: the driver is their only writer, so an append need not
+        # read back the chunk it wrote last.
+        self._chunks: dict[str, list[dict]] = {}
 
     async def create(self, record: RunRecord) -> None:
         await self.kv.create(record.run_id, record.to_json())
 
     async def get(self, run_id: str) -> RunRecord | None:
-        raw = await self.kv.get(run_id)
-        return None if raw is None else RunRecord.from_json(raw)
+        entry = await self.kv.entry(run_id)
+        if entry is None:
+            self._latest.pop(run_id, None)
+            return None
+        self._latest[run_id] = (entry.revision, entry.value)
+        return RunRecord.from_json(entry.value)
 
     async def list(self) -> list[RunRecord]:
         records = [
@@ -82,24 +92,43 @@ class RunStore:
         """Append entry to chunk index // HISTORY_CHUNK unless an entry with the same identity
         fields is already there."""
         key = f"{run_id}.{kind}.{index // HISTORY_CHUNK}"
-        raw = await self.kv.get(key)
-        entries = json.loads(raw) if raw else []
+        entries = self._chunks.get(key)
+        if entries is None:
+            raw = await self.kv.get(key)
+            entries = json.loads(raw) if raw else []
         if any(all(e[f] == entry[f] for f in identity) for e in entries):
             return
-        entries.append(entry)
+        entries = [*entries, entry]
         await self.kv.put(key, json.dumps(entries).encode())
+        # Only the current chunk of each kind is appended to; the ones before it are final.
+        self._chunks = {k: v for k, v in self._chunks.items() if not k.startswith(f"{run_id}.{kind}.")}
+        self._chunks[key] = entries
+
+    def forget(self, run_id: str) -> None:
+        """Drop what this store remembers of a run whose driver ended."""
+        self._latest.pop(run_id, None)
+        self._chunks = {k: v for k, v in self._chunks.items() if not k.startswith(f"{run_id}.")}
 
     async def update(self, run_id: str, change) -> RunRecord:
         """Apply change(record) and write it back; retried on concurrent writes."""
-        for _ in range(20):
-            entry = await self.kv.entry(run_id)
-            if entry is None:
-                raise KeyError(run_id)
-            record = RunRecord.from_json(entry.value)
+        latest = self._latest.get(run_id)
+        for attempt in range(20):
+            if latest is None or attempt:
+                entry = await self.kv.entry(run_id)
+                if entry is None:
+                    self._latest.pop(run_id, None)
+                    raise KeyError(run_id)
+                latest = (entry.revision, entry.value)
+            record = RunRecord.from_json(latest[1])
             change(record)
+            value = record.to_json()
             try:
-                await self.kv.update(run_id, record.to_json(), entry.revision)
-                return record
+                revision = await self.kv.update(run_id, value, latest[0])
             except KVConflict:
-                await asyncio.sleep(0.01)
+                self._latest.pop(run_id, None)
+                if attempt:
+                    await asyncio.sleep(0.01)
+                continue
+            self._latest[run_id] = (revision, value)
+            return record
         raise RuntimeError(f"run {run_id}: too many concurrent updates")

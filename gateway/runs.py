@@ -267,7 +267,6 @@ class RunDriver:
         else:
             self._lifecycle("run resumed", fed_steps=fed)
         while True:
-            record = await self.store.get(self.run_id)
             if record is None or record.state not in ACTIVE:
                 return
             if record.weight_version >= recipe.run.steps:
@@ -283,7 +282,8 @@ class RunDriver:
                 self.progress.mark()
                 fed += 1
                 count = recipe.batch.rollouts_per_step
-                await self.store.update(self.run_id, lambda r, f=fed, c=count: _fed(r, f, c))
+                # The record as written: what the next pass decides on, without reading it back.
+                record = await self.store.update(self.run_id, lambda r, f=fed, c=count: _fed(r, f, c))
                 self.changed.set()
                 continue
             self._version_seen.clear()
@@ -291,6 +291,7 @@ class RunDriver:
                 await asyncio.wait_for(self._version_seen.wait(), timeout=1.0)
             except TimeoutError:
                 pass
+            record = await self.store.get(self.run_id)
 
     async def _drain_followers(self) -> None:
         """Let the followers record what the bus already holds, so that a run reading COMPLETED holds

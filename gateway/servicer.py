@@ -187,6 +187,7 @@ class RunManager:
     def _ended(self, run_id: str) -> None:
         """A driver ended with its run: its resources are free for the queue."""
         self.drivers.pop(run_id, None)
+        self.store.forget(run_id)
         task = asyncio.create_task(self._admit_logged(), name=f"admit-after-{run_id}")
         self._admitting.add(task)
         task.add_done_callback(self._admitting.discard)

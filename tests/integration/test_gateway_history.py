@@ -74,3 +74,47 @@ def test_a_step_missed_in_between_is_still_counted_when_it_arrives() -> None:
         _apply_step(record, _step(n), None)
     assert record.extra["counted_steps"] == [[0, 4]]
     assert record.extra["rollouts_trained"] == 4 * 5
+
+
+class _CountingKV:
+    """The real bucket, counting the reads made through it."""
+
+    def __init__(self, kv) -> None:
+        self.kv, self.reads = kv, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.kv, name)
+
+    async def get(self, key: str):
+        self.reads += 1
+        return await self.kv.get(key)
+
+    async def entry(self, key: str):
+        self.reads += 1
+        return await self.kv.entry(key)
+
+
+async def test_a_driver_step_reads_nothing_back_yet_loses_no_other_writers_change(nats_url: str) -> None:
+    """The driver's own writes are remembered (record revision, current history chunk), so a step
+    writes without reading; a change another writer made in between still survives the next update."""
+    bus = await Bus.connect(nats_url, name="history-cache-test")
+    try:
+        await bus.ensure_streams()
+        kv = await bus.kv("runs")
+        counting = _CountingKV(kv)
+        driver, other = RunStore(counting), RunStore(kv)
+        run_id = f"cache-run-{uuid.uuid4().hex[:6]}"
+        await driver.create(RunRecord(run_id=run_id, recipe_toml="", state="running"))
+        await _train(driver, run_id, 0)  # reads the record and the chunk once
+        reads = counting.reads
+        for n in range(1, 6):
+            await _train(driver, run_id, n)
+        assert counting.reads == reads
+
+        await other.update(run_id, lambda r: r.extra.__setitem__("stalled_reason", "set elsewhere"))
+        await _train(driver, run_id, 6)
+        record = await other.get(run_id)
+        assert record.extra["stalled_reason"] == "set elsewhere" and record.step == 7
+        assert [h["step"] for h in await other.history(record)] == list(range(7))
+    finally:
+        await bus.drain()

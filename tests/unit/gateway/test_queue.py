@@ -126,6 +126,9 @@ class MemoryStore:
     async def history(self, record: RunRecord) -> list[dict]:
         return []
 
+    def forget(self, run_id: str) -> None:
+        pass
+
     async def weight_syncs(self, record: RunRecord) -> list[dict]:
         return []
 
