@@ -112,15 +112,22 @@ async def _trainer(
     return app, service
 
 
-async def test_trainer_service_trains_checkpoints_acks_and_resumes(
-    packer, nats_url, ray_client, tmp_path
-) -> None:
+async def _started(packer, nats_url: str, tmp_path, steps: int):
+    """A fresh run of RECIPE registered with the packer, a bus client and a started trainer service."""
     packer_app, packer_address = packer
     run_id = f"tr-{uuid.uuid4().hex[:8]}"
-    recipe = parse_recipe(RECIPE.format(steps=3))
+    recipe = parse_recipe(RECIPE.format(steps=steps))
     await packer_app.add_run(run_id, packer_app.settings_for(recipe))
     bus = await Bus.connect(nats_url, name="test")
     app, service = await _trainer(nats_url, packer_address, str(tmp_path))
+    return run_id, recipe, bus, app, service
+
+
+async def test_trainer_service_trains_checkpoints_acks_and_resumes(
+    packer, nats_url, ray_client, tmp_path
+) -> None:
+    run_id, recipe, bus, app, service = await _started(packer, nats_url, tmp_path, steps=3)
+    packer_address = packer[1]
     channel = grpc.aio.insecure_channel(service.address)
     stub = trainer_pb2_grpc.TrainerServiceStub(channel)
     try:
@@ -223,12 +230,8 @@ async def _train_records(bus: Bus, run_id: str, expected: int) -> list[events_pb
 async def test_sigterm_drain_finishes_the_step_and_writes_a_final_checkpoint(
     packer, nats_url, ray_client, tmp_path
 ) -> None:
-    packer_app, packer_address = packer
-    run_id = f"tr-{uuid.uuid4().hex[:8]}"
-    recipe = parse_recipe(RECIPE.format(steps=50))
-    await packer_app.add_run(run_id, packer_app.settings_for(recipe))
-    bus = await Bus.connect(nats_url, name="test")
-    app, service = await _trainer(nats_url, packer_address, str(tmp_path))
+    run_id, recipe, bus, app, service = await _started(packer, nats_url, tmp_path, steps=50)
+    packer_address = packer[1]
     try:
         await _publish_steps(bus, run_id, 0, 1)  # one step of data, then the trainer waits for more
         run = app.begin(run_id, recipe)
@@ -251,12 +254,8 @@ async def test_a_periodic_checkpoint_acknowledges_only_the_steps_it_covers(
     """The checkpoint after step 1 covers steps 0 and 1. They are acknowledged while step 2 trains
     (in the background); step 2 stays unacknowledged (a crash would retrain it) until the final
     checkpoint covers it."""
-    packer_app, packer_address = packer
-    run_id = f"tr-{uuid.uuid4().hex[:8]}"
-    recipe = parse_recipe(RECIPE.format(steps=50))
-    await packer_app.add_run(run_id, packer_app.settings_for(recipe))
-    bus = await Bus.connect(nats_url, name="test")
-    app, service = await _trainer(nats_url, packer_address, str(tmp_path))
+    run_id, recipe, bus, app, service = await _started(packer, nats_url, tmp_path, steps=50)
+    packer_address = packer[1]
     packer_stub = packer_pb2_grpc.RolloutPackerServiceStub(grpc.aio.insecure_channel(packer_address))
 
     async def acked() -> int:
