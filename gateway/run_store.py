@@ -100,7 +100,8 @@ class RunStore:
             return
         entries = [*entries, entry]
         await self.kv.put(key, json.dumps(entries).encode())
-        # Only the current chunk of each kind is appended to; the ones before it are final.
+        # Keep the chunk appended to last: steps go to the current chunk (an older one only for a
+        # late step, which is read afresh and becomes the one kept).
         self._chunks = {k: v for k, v in self._chunks.items() if not k.startswith(f"{run_id}.{kind}.")}
         self._chunks[key] = entries
 
