@@ -255,6 +255,17 @@ class EngineModel:
         length: equal appends (multi-turn), smaller rewinds (drops the cached tail)."""
         return self.prefill_batch(cache, [slot], [token_ids], [start_pos], all_logits=all_logits)[0]
 
+    def prefill_prompts(self, cache: KVCache, slots: Sequence[int], prompts: Sequence[list[int]]) -> Tensor:
+        """Fresh prompts (token lists) into `slots`; float32 logits of each one's last position [B, V].
+        One tensor per distinct prompt object: the n samples of a request share theirs, so
+        prefill_batch checks and hashes it once."""
+        tensors: dict[int, Tensor] = {}
+        for p in prompts:
+            if id(p) not in tensors:
+                tensors[id(p)] = torch.tensor(p, dtype=torch.long)
+        ids = [tensors[id(p)] for p in prompts]
+        return torch.stack(self.prefill_batch(cache, slots, ids, [0] * len(slots)))
+
     @torch.no_grad()
     def prefill_batch(
         self,

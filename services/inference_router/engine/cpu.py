@@ -56,13 +56,7 @@ class LocalExecutor:
         self.cache = model.new_cache(num_slots, max_model_len)
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        # One tensor per distinct prompt object: the n samples of a request share theirs.
-        tensors: dict[int, torch.Tensor] = {}
-        for p in prompts:
-            if id(p) not in tensors:
-                tensors[id(p)] = torch.tensor(p, dtype=torch.long)
-        ids = [tensors[id(p)] for p in prompts]
-        return torch.stack(self.model.prefill_batch(self.cache, slots, ids, [0] * len(slots)))
+        return self.model.prefill_prompts(self.cache, slots, prompts)
 
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         return self.model.decode(

@@ -84,8 +84,7 @@ class _Rank:
         self.stager = WeightStager(rank_params(config, layout, rank))
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        ids = [torch.tensor(p, dtype=torch.long) for p in prompts]
-        return torch.stack(self.model.prefill_batch(self.cache, slots, ids, [0] * len(slots)))
+        return self.model.prefill_prompts(self.cache, slots, prompts)
 
     def decode(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.decode(self.cache, slots, tokens, positions)
