@@ -24,6 +24,7 @@ BENCHES = (
     "tracing_cost",
     "loop_vs_single_process",
     "step_timeline",
+    "step_cpu",
     "second_run",
     "peer_trl",
 )

@@ -34,7 +34,7 @@ per-seed paired gaps printed at the end, with their standard errors (about 0.05 
 0.4 over ten seeds), say whether a gap between looprl and TRL is more than that.
 
 `--quick` runs one seed for a few steps per shape (a smoke run: ratios then mean little). TRL is an
-optional bench dependency (`pip install -c requirements.lock '.[peer]'`).
+optional bench dependency (`make bench` installs it: `pip install -c requirements.lock -e '.[peer]'`).
 """
 
 from __future__ import annotations
