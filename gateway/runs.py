@@ -174,7 +174,10 @@ class RunDriver:
             *self._stream_followers,
             asyncio.create_task(
                 self._keep(
-                    "error follower", lambda: follow_errors(self.bus, self.store, self.run_id, self.changed)
+                    "error follower",
+                    lambda: follow_errors(
+                        self.bus, self.store, self.run_id, self.changed, self.accounting.flush
+                    ),
                 )
             ),
             asyncio.create_task(self._keep("stall watch", self._watch_stalls)),
