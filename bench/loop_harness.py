@@ -6,7 +6,7 @@ import random
 import re
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,14 +103,21 @@ def local_stack(
 
 
 def run_recipe(
-    stub: gateway_pb2_grpc.GatewayServiceStub, metadata: tuple, recipe_text: str, run_id: str
+    stub: gateway_pb2_grpc.GatewayServiceStub,
+    metadata: tuple,
+    recipe_text: str,
+    run_id: str,
+    on_update: Callable[[gateway_pb2.Run], None] | None = None,
 ) -> RunResult:
-    """Create the run and follow it to completion, noting when each step is reported."""
+    """Create the run and follow it to completion, noting when each step is reported (and handing
+    each update of the run to `on_update`)."""
     start = time.perf_counter()
     stub.CreateRun(gateway_pb2.CreateRunRequest(recipe_toml=recipe_text, run_id=run_id), metadata=metadata)
     final, done_at = None, {}
     for update in stub.WatchRun(gateway_pb2.WatchRunRequest(run_id=run_id), metadata=metadata):
         final = update.run
+        if on_update is not None:
+            on_update(final)
         for h in final.history:
             done_at.setdefault(h.step, time.perf_counter())
     elapsed = time.perf_counter() - start
@@ -121,7 +128,12 @@ def run_recipe(
     return RunResult(final, elapsed, done_at)
 
 
-def run_on_fresh_stack(recipe_text: str, run_id: str, env: dict[str, str] | None = None) -> RunResult:
+def run_on_fresh_stack(
+    recipe_text: str,
+    run_id: str,
+    env: dict[str, str] | None = None,
+    on_update: Callable[[gateway_pb2.Run], None] | None = None,
+) -> RunResult:
     """A stack serves one run: bring one up for this run and down after."""
     with local_stack(recipe_text, env) as (stub, metadata):
-        return run_recipe(stub, metadata, recipe_text, run_id)
+        return run_recipe(stub, metadata, recipe_text, run_id, on_update)

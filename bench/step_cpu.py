@@ -63,18 +63,17 @@ def cpu_ms_by_process() -> dict[int, tuple[str, float]]:
 
 def stack_cpu(steps: int) -> dict[str, float]:
     """CPU ms per step by service between 1/4 and 9/10 of a run of the default recipe."""
-    from bench.loop_harness import ROOT, local_stack, with_overrides
-    from looprl.gateway.v1 import gateway_pb2
+    from bench.loop_harness import ROOT, run_on_fresh_stack, with_overrides
 
     recipe = with_overrides((ROOT / "configs" / "digits_grpo.toml").read_text(), run={"steps": steps})
     marks = [steps // 4, steps * 9 // 10]
     snaps: list[tuple[int, dict[int, tuple[str, float]]]] = []
-    with local_stack(recipe) as (stub, metadata):
-        run_id = f"bench-cpu-{int(time.time())}"
-        stub.CreateRun(gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id=run_id), metadata=metadata)
-        for update in stub.WatchRun(gateway_pb2.WatchRunRequest(run_id=run_id), metadata=metadata):
-            if len(snaps) < len(marks) and update.run.step >= marks[len(snaps)]:
-                snaps.append((update.run.step, cpu_ms_by_process()))
+
+    def snap(run) -> None:
+        if len(snaps) < len(marks) and run.step >= marks[len(snaps)]:
+            snaps.append((run.step, cpu_ms_by_process()))
+
+    run_on_fresh_stack(recipe, f"bench-cpu-{int(time.time())}", on_update=snap)
     (first, before), (last, after) = snaps
     used: dict[str, float] = {}
     for pid, (service, ms) in after.items():
