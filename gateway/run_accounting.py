@@ -1,7 +1,6 @@
 """A run's accounting, written in batches: the record changes, step history and weight deliveries
-the driver gathers within FLUSH_S of its last write go out together (one compare-and-set of the
-record, one write per history chunk touched), and only then are the bus deliveries they came from
-acked.
+the driver gathers over FLUSH_S go out together (one compare-and-set of the record, one write per
+history chunk touched), and only then are the bus deliveries they came from acked.
 
 Written one by one, each step of the default recipe (~10 steps/s) cost three record writes and two
 chunk rewrites, and every record write reached each service watching the "runs" bucket (router,
@@ -13,15 +12,14 @@ counted step ranges)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 from gateway.run_store import RunStore
 from services.kit.bus import Delivery
 from services.kit.recipe import RunRecord
 
-# The least time between two writes of a run's accounting. A reader sees a run at most this much
-# behind its bus events; WatchRun polls the record every 0.5 s, so a user notices no difference.
+# How long a change waits for the ones after it. A reader sees a run at most this much behind its
+# bus events; WatchRun polls the record every 0.5 s, so a user notices no difference.
 FLUSH_S = 0.5
 
 Change = Callable[[RunRecord], None]
@@ -38,7 +36,6 @@ class RunAccounting:
         self._acks: dict[str, list[Delivery]] = {}  # by consumer: each is acked with one confirmation
         self._due = asyncio.Event()
         self._lock = asyncio.Lock()
-        self._flushed_at = -flush_s  # monotonic time of the last flush
 
     def add(
         self,
@@ -61,13 +58,10 @@ class RunAccounting:
         self._due.set()
 
     async def run(self) -> None:
-        """Write what gathered at most once per flush_s (a driver task): a change after a quiet
-        spell goes out at once, so a run stepping slower than that writes each step as it comes."""
+        """Write what gathered, FLUSH_S after the first change of each batch (a driver task)."""
         while True:
             await self._due.wait()
-            wait = self._flushed_at + self.flush_s - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            await asyncio.sleep(self.flush_s)
             await self.flush()
 
     async def flush(self) -> None:
@@ -75,7 +69,6 @@ class RunAccounting:
         again (the deliveries stay unacked), and the error propagates."""
         async with self._lock:
             self._due.clear()
-            self._flushed_at = time.monotonic()
             changes, history, syncs, acks = self._changes, self._history, self._syncs, self._acks
             self._changes, self._history, self._syncs, self._acks = [], [], [], {}
             try:

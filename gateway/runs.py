@@ -174,10 +174,7 @@ class RunDriver:
             *self._stream_followers,
             asyncio.create_task(
                 self._keep(
-                    "error follower",
-                    lambda: follow_errors(
-                        self.bus, self.store, self.run_id, self.changed, self.accounting.flush
-                    ),
+                    "error follower", lambda: follow_errors(self.bus, self.store, self.run_id, self.changed)
                 )
             ),
             asyncio.create_task(self._keep("stall watch", self._watch_stalls)),

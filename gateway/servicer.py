@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -396,14 +395,9 @@ class RunManager:
         record = await self.get(run_id, tenant)
         if record.state in FINAL:
             raise FailedPrecondition(f"run_id: run {run_id!r} already {record.state}")
-        # What the driver has not written yet goes first (bounded), so the stopped record is the
-        # run's last word. Then the record is stopped before the driver: the trainer and packer
-        # follow the record, and StopRun answers even when the driver is stuck in a call; the
-        # driver then ends at its next look at the record. A queued run has no driver.
-        driver = self.drivers.get(run_id)
-        if driver is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(driver.accounting.flush(), timeout=STOP_DRIVER_S)
+        # Stopped first: the trainer and packer follow the record, and StopRun answers even when
+        # the run's driver is stuck in a call; the driver then ends at its next look at the record.
+        # A queued run has no driver: it just leaves the queue.
         stopped = await self.store.update(run_id, lambda r: setattr(r, "state", "stopped"))
         driver = self.drivers.pop(run_id, None)
         if driver is not None:

@@ -80,15 +80,8 @@ def stall_reason(
     return f"{head}; no component reported an error since the last progress"
 
 
-async def follow_errors(
-    bus: Bus,
-    store,
-    run_id: str,
-    changed: asyncio.Event,
-    settle: Callable[[], Awaitable[None]] | None = None,
-) -> None:
-    """Keep the run's last reported error in its record. Before a fatal one ends the run, `settle`
-    writes what the driver still holds, so the failed record is the run's last word."""
+async def follow_errors(bus: Bus, store, run_id: str, changed: asyncio.Event) -> None:
+    """Keep the run's last reported error in its record."""
     consumer = await bus.pull_consumer(
         subjects.RUN_EVENTS, f"gateway-events-{run_id}", subjects.events(run_id), ack_wait=30
     )
@@ -98,8 +91,6 @@ async def follow_errors(
                 event = await delivery.parse_or_term(events_pb2.RunError)
                 if event is None:
                     continue
-                if event.fatal and settle is not None:
-                    await settle()
                 await store.update(run_id, lambda r, e=event: apply_error(r, e))
                 await delivery.ack()
                 changed.set()

@@ -118,10 +118,12 @@ def _run_on_three_hosts(state_dir: Path, started: float) -> None:
             where: dict[str, weightsync_pb2.DeliveryRoute] = {}
             killed_at = gone_after = resumed_after = None
             step_at_kill = -1
+            step_times: dict[int, float] = {}
             deadline = time.monotonic() + 420
             while True:
                 run = stack.stub.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), metadata=stack.metadata).run
                 now = time.monotonic()
+                step_times.setdefault(run.step, now)
                 if run.state not in (gateway_pb2.RUN_STATE_PENDING, gateway_pb2.RUN_STATE_RUNNING):
                     break
                 assert now < deadline, f"run not done after 420s at step {run.step}: {run}"
@@ -169,9 +171,7 @@ def _run_on_three_hosts(state_dir: Path, started: float) -> None:
             f"after {resumed_after if resumed_after is None else f'{resumed_after:.1f}s'}"
         )
         # The cost of the loss: the slowest step after it, against a typical step before it.
-        # From when the gateway took each step's record (the run record itself is written in batches).
-        recorded = {h.step: h.unix_time for h in final.history}
-        gaps = {k: recorded[k] - recorded[k - 1] for k in sorted(recorded) if k - 1 in recorded}
+        gaps = {k: step_times[k] - step_times[k - 1] for k in sorted(step_times) if k - 1 in step_times}
         before = sorted(v for k, v in gaps.items() if 1 < k <= step_at_kill)
         after = [v for k, v in gaps.items() if k > step_at_kill]
         print(
