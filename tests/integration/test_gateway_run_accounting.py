@@ -6,9 +6,7 @@ Against a real nats-server."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -54,20 +52,13 @@ async def _unacked(bus: Bus, run_id: str) -> int:
     return info.num_ack_pending
 
 
-@contextlib.asynccontextmanager
-async def _run_store(nats_url: str) -> AsyncIterator[tuple[Bus, KV, RunStore, str]]:
-    """A connection, the runs bucket, a store over it and a fresh run id."""
+async def test_steps_arriving_together_are_one_record_write_acked_after_it(nats_url: str) -> None:
     bus = await Bus.connect(nats_url, name="accounting-test")
     try:
         await bus.ensure_streams()
         kv = await bus.kv(subjects.RUNS)
-        yield bus, kv, RunStore(kv), f"acct-{uuid.uuid4().hex[:6]}"
-    finally:
-        await bus.close()
-
-
-async def test_steps_arriving_together_are_one_record_write_acked_after_it(nats_url: str) -> None:
-    async with _run_store(nats_url) as (bus, kv, store, run_id):
+        store = RunStore(kv)
+        run_id = f"acct-{uuid.uuid4().hex[:6]}"
         await store.create(RunRecord(run_id=run_id, recipe_toml="", state="running"))
         writes: list[int] = []
         watcher = asyncio.create_task(_record_writes(kv, run_id, writes))
@@ -85,10 +76,17 @@ async def test_steps_arriving_together_are_one_record_write_acked_after_it(nats_
         assert [h["step"] for h in await store.history(record)] == list(range(STEPS))
         assert len(writes) == 2  # the created record, then one write for all ten steps
         assert await _unacked(bus, run_id) == 0
+    finally:
+        await bus.close()
 
 
 async def test_a_failed_write_keeps_the_steps_queued_and_unacked(nats_url: str) -> None:
-    async with _run_store(nats_url) as (bus, _, store, run_id):
+    bus = await Bus.connect(nats_url, name="accounting-test")
+    try:
+        await bus.ensure_streams()
+        kv = await bus.kv(subjects.RUNS)
+        store = RunStore(kv)
+        run_id = f"acct-{uuid.uuid4().hex[:6]}"
         deliveries = await _step_deliveries(bus, run_id)
         accounting = RunAccounting(store, run_id, flush_s=60.0)
         _account(accounting, deliveries)
@@ -103,3 +101,5 @@ async def test_a_failed_write_keeps_the_steps_queued_and_unacked(nats_url: str) 
         record = await store.get(run_id)
         assert record.step == STEPS and record.extra["counted_steps"] == [[0, STEPS - 1]]
         assert await _unacked(bus, run_id) == 0
+    finally:
+        await bus.close()
