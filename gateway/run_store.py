@@ -52,13 +52,6 @@ class RunStore:
         self._latest[run_id] = (entry.revision, entry.value)
         return RunRecord.from_json(entry.value)
 
-    def known(self, run_id: str) -> RunRecord | None:
-        """The record as this store last read or wrote it (no bus round trip): what a writer in
-        this process changed shows at once, one in another process at this store's next read or
-        conflicting write."""
-        latest = self._latest.get(run_id)
-        return None if latest is None else RunRecord.from_json(latest[1])
-
     async def list(self) -> list[RunRecord]:
         records = [
             RunRecord.from_json(raw) for raw in (await self.kv.items("*")).values()
@@ -70,10 +63,10 @@ class RunStore:
         out = await self._read_chunks(record.run_id, "history", -(-max(record.step, 0) // HISTORY_CHUNK))
         return sorted(out, key=lambda h: h["step"])
 
-    async def add_history(self, run_id: str, *entries: dict) -> None:
-        """Add steps' entries (idempotent: a redelivered step is not added twice). Only the run's
+    async def add_history(self, run_id: str, entry: dict) -> None:
+        """Add one step's entry (idempotent: a redelivered step is not added twice). Only the run's
         driver writes a run's history."""
-        await self._append_once(run_id, "history", "step", entries, ("step",))
+        await self._append_once(run_id, "history", entry["step"], entry, ("step",))
 
     async def weight_syncs(self, record: RunRecord) -> list[dict]:
         """Every version delivered to every deployment, in (version, deployment) order."""
@@ -81,10 +74,10 @@ class RunStore:
         out = await self._read_chunks(record.run_id, "syncs", newest // HISTORY_CHUNK + 1)
         return sorted(out, key=lambda w: (w["version"], w["deployment"]))
 
-    async def add_weight_syncs(self, run_id: str, *entries: dict) -> None:
-        """Add deliveries (idempotent per deployment and version), in chunks by version beside the
+    async def add_weight_sync(self, run_id: str, entry: dict) -> None:
+        """Add one delivery (idempotent per deployment and version), in chunks by version beside the
         record like the history. Only the run's driver writes them."""
-        await self._append_once(run_id, "syncs", "version", entries, ("version", "deployment"))
+        await self._append_once(run_id, "syncs", entry["version"], entry, ("version", "deployment"))
 
     async def _read_chunks(self, run_id: str, kind: str, chunks: int) -> list[dict]:
         out: list[dict] = []
@@ -94,30 +87,23 @@ class RunStore:
         return out
 
     async def _append_once(
-        self, run_id: str, kind: str, index: str, entries: tuple[dict, ...], identity: tuple[str, ...]
+        self, run_id: str, kind: str, index: int, entry: dict, identity: tuple[str, ...]
     ) -> None:
-        """Append each entry to chunk entry[index] // HISTORY_CHUNK unless an entry with the same
-        identity fields is already there: one write per chunk touched."""
-        by_chunk: dict[int, list[dict]] = {}
-        for entry in entries:
-            by_chunk.setdefault(entry[index] // HISTORY_CHUNK, []).append(entry)
-        for chunk, new in sorted(by_chunk.items()):
-            key = f"{run_id}.{kind}.{chunk}"
-            held = self._chunks.get(key)
-            if held is None:
-                raw = await self.kv.get(key)
-                held = json.loads(raw) if raw else []
-            added = [*held]
-            for entry in new:
-                if not any(all(e[f] == entry[f] for f in identity) for e in added):
-                    added.append(entry)
-            if len(added) == len(held):
-                continue
-            await self.kv.put(key, json.dumps(added).encode())
-            # Keep the chunk appended to last: steps go to the current chunk (an older one only for a
-            # late step, which is read afresh and becomes the one kept).
-            self._chunks = {k: v for k, v in self._chunks.items() if not k.startswith(f"{run_id}.{kind}.")}
-            self._chunks[key] = added
+        """Append entry to chunk index // HISTORY_CHUNK unless an entry with the same identity
+        fields is already there."""
+        key = f"{run_id}.{kind}.{index // HISTORY_CHUNK}"
+        entries = self._chunks.get(key)
+        if entries is None:
+            raw = await self.kv.get(key)
+            entries = json.loads(raw) if raw else []
+        if any(all(e[f] == entry[f] for f in identity) for e in entries):
+            return
+        entries = [*entries, entry]
+        await self.kv.put(key, json.dumps(entries).encode())
+        # Keep the chunk appended to last: steps go to the current chunk (an older one only for a
+        # late step, which is read afresh and becomes the one kept).
+        self._chunks = {k: v for k, v in self._chunks.items() if not k.startswith(f"{run_id}.{kind}.")}
+        self._chunks[key] = entries
 
     def forget(self, run_id: str) -> None:
         """Drop what this store remembers of a run whose driver ended."""

@@ -19,7 +19,6 @@ the environment-sandbox, linked to its publish: no trace grows with the number o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import json
 import logging
@@ -28,7 +27,6 @@ from collections.abc import Awaitable, Callable
 
 from opentelemetry import trace
 
-from gateway.run_accounting import RunAccounting
 from gateway.run_store import ACTIVE, FINAL, RunStore
 from gateway.stalls import STALLED_KEY, ProgressClock, fail, follow_errors, watch_stalls
 from looprl.common.v1 import common_pb2
@@ -132,8 +130,6 @@ class RunDriver:
         self._trained_version = 0
         self._run_trace: dict[str, str] | None = None  # the run's trace context, from its record
         self.progress = ProgressClock()  # fed steps, trained steps and weight versions mark it
-        # The record changes, history and weight deliveries of the run, written in batches.
-        self.accounting = RunAccounting(store, run_id)
         self._epochs_kv: KV | None = None
         self._dropped_due = 0.0  # monotonic time the packer's drop counts are next asked for
         # Set when the run is finishing: the stream followers return at their first empty fetch.
@@ -156,9 +152,6 @@ class RunDriver:
 
     async def stop(self) -> None:
         if self._task is not None:
-            # What the driver learned is written before it goes (a stopped run keeps its last steps).
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.accounting.flush(), timeout=5.0)
             self._task.cancel()
             try:
                 await self._task
@@ -178,7 +171,6 @@ class RunDriver:
                 )
             ),
             asyncio.create_task(self._keep("stall watch", self._watch_stalls)),
-            asyncio.create_task(self._keep("accounting", self.accounting.run)),
         ]
         try:
             # nats-server restarting: feeding resumes from the record (fed_steps), and a step
@@ -187,8 +179,6 @@ class RunDriver:
         except Exception as exc:
             log.exception("run %s failed", self.run_id)
             error = f"gateway: {exc!r}"
-            with contextlib.suppress(Exception):
-                await self.accounting.flush()
             await self.store.update(self.run_id, lambda r, e=error: fail(r, e))
             self._lifecycle("run failed", error=error)
         finally:
@@ -279,33 +269,29 @@ class RunDriver:
         while True:
             if record is None or record.state not in ACTIVE:
                 return
-            trained = max(record.weight_version, self._trained_version)
-            if trained >= recipe.run.steps:
+            if record.weight_version >= recipe.run.steps:
                 await self._drain_followers()
                 dropped = await self._dropped(fresh=True)
-                await self.accounting.flush()
                 await self.store.update(self.run_id, lambda r, d=dropped: _complete(r, d))
-                self._lifecycle("run completed", steps=trained)
+                self._lifecycle("run completed", steps=record.weight_version)
                 self.changed.set()
                 return
+            trained = max(record.weight_version, self._trained_version)
             if fed < recipe.run.steps and fed - recipe.run.max_staleness <= trained + FEED_AHEAD_STEPS:
                 await self._publish_step(record, recipe, fed)
                 self.progress.mark()
                 fed += 1
                 count = recipe.batch.rollouts_per_step
-                self.accounting.add(lambda r, f=fed, c=count: _fed(r, f, c))
-                # A resumed driver feeds from the recorded fed_steps: one it has not written yet is
-                # published again, and the stream drops it as a duplicate of the same message ids.
-                record = self.store.known(self.run_id) or record
+                # The record as written: what the next pass decides on, without reading it back.
+                record = await self.store.update(self.run_id, lambda r, f=fed, c=count: _fed(r, f, c))
                 self.changed.set()
                 continue
             self._version_seen.clear()
             try:
                 await asyncio.wait_for(self._version_seen.wait(), timeout=1.0)
-                # What a writer in this process (a stop, an error report, a flush) last made of it.
-                record = self.store.known(self.run_id) or record
             except TimeoutError:
-                record = await self.store.get(self.run_id)
+                pass
+            record = await self.store.get(self.run_id)
 
     async def _drain_followers(self) -> None:
         """Let the followers record what the bus already holds, so that a run reading COMPLETED holds
@@ -342,18 +328,22 @@ class RunDriver:
                                 step.step,
                                 step.trainer_epoch,
                             )
-                            self.accounting.add(_ignored, ack=("train", delivery))
+                            await self.store.update(self.run_id, _ignored)
+                            await delivery.ack()
                             self.changed.set()
                             continue
                         self.progress.mark()
                         self._trained_version = max(self._trained_version, step.version)
                         self._version_seen.set()
                         dropped = await self._dropped()
-                        self.accounting.add(
-                            lambda r, s=step, d=dropped: _apply_step(r, s, d),
-                            history=history_entry(step),
-                            ack=("train", delivery),
+                        # History and counters are each idempotent, so a crash between the two writes
+                        # and the redelivery that follows leaves both right.
+                        await self.store.add_history(self.run_id, history_entry(step))
+                        await self.store.update(
+                            self.run_id, lambda r, s=step, d=dropped: _apply_step(r, s, d)
                         )
+                        await delivery.ack()
+                        self._version_seen.set()
                         self.changed.set()
 
     async def _genuine(self, step: events_pb2.TrainStepRecord) -> bool:
@@ -390,19 +380,15 @@ class RunDriver:
                         rejected = await delivery.parse_or_term(events_pb2.WeightsRejected)
                         if rejected is None:
                             continue
-                        self.accounting.add(
-                            lambda r, e=rejected: _apply_rejection(r, e), ack=("weights", delivery)
-                        )
+                        await self.store.update(self.run_id, lambda r, e=rejected: _apply_rejection(r, e))
                     else:
                         event = await delivery.parse_or_term(events_pb2.WeightsPublished)
                         if event is None:
                             continue
                         self.progress.mark()
-                        self.accounting.add(
-                            lambda r, e=event: _apply_weights(r, e),
-                            sync=weight_sync_entry(event),
-                            ack=("weights", delivery),
-                        )
+                        await self.store.add_weight_sync(self.run_id, weight_sync_entry(event))
+                        await self.store.update(self.run_id, lambda r, e=event: _apply_weights(r, e))
+                    await delivery.ack()
                     self.changed.set()
 
 

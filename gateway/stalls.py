@@ -106,8 +106,7 @@ async def watch_stalls(
     period_s: float = 1.0,
 ) -> None:
     """Mark the run stalled after stall_s without progress (naming the services `not_serving` finds
-    down). The write that records the progress clears the mark (gateway/runs.py), so a run never
-    reads running again before its record holds the step that ended the stall."""
+    down); clear the mark once it progresses."""
     while True:
         await asyncio.sleep(min(period_s, stall_s / 4))
         record = await store.get(run_id)
@@ -120,11 +119,16 @@ async def watch_stalls(
             if reason != stalled:  # written again only when a newer error is named
                 await store.update(run_id, _setter(reason))
                 changed.set()
+        elif stalled:
+            await store.update(run_id, _setter(None))
+            changed.set()
 
 
-def _setter(reason: str) -> Callable[[RunRecord], None]:
+def _setter(reason: str | None) -> Callable[[RunRecord], None]:
     def change(record: RunRecord) -> None:
-        if record.state == "running":
+        if reason is None:
+            record.extra.pop(STALLED_KEY, None)
+        elif record.state == "running":
             record.extra[STALLED_KEY] = reason
 
     return change
