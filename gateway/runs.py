@@ -2,7 +2,8 @@
 
 A RunDriver releases the episodes of trainer step s only while the newest trained version is
 within the run's staleness bound (version >= s - max_staleness), so max_staleness = 0 is
-synchronous on-policy and k > 0 overlaps generation with training. It follows the run through
+synchronous on-policy and k > 0 overlaps generation with training. A synchronous run's next step is
+fed ahead of its version once the packer has planned the step before it (`feed_horizon`). It follows the run through
 the TRAIN and WEIGHTS streams and keeps the run record (KV bucket "runs") up to date; a
 restarted gateway re-creates the drivers of running runs and continues where the record says.
 The driver also keeps the errors components report for the run and marks it stalled when it stops
@@ -43,6 +44,25 @@ from services.kit.recipe import Recipe, RunRecord, sampling_seed
 # round trip was ~10 ms of each ~130 ms synchronous step of the tiny recipe. It changes no sampling
 # version: an episode's min_weight_version is still its step minus max_staleness.
 FEED_AHEAD_STEPS = 1
+
+
+def feed_horizon(trained: int, planned: int, max_staleness: int) -> int:
+    """The last step whose episodes may be published, given the newest trained version and the
+    newest step the packer planned (its batch complete and being served; -1 for none).
+
+    Asynchronous runs feed FEED_AHEAD_STEPS past their staleness bound. A synchronous run feeds
+    step `trained + 1` only once step `trained` is planned: its episodes then reach the replica
+    while the trainer computes that step, on the core its one-threaded update leaves idle, instead of
+    landing with the new version and slowing its staging and prefill (on 2 cores the fed step's
+    sandbox, router and replica work took ~10 ms off generation and cost the update ~4: ~3 ms a
+    step, bench/step_timeline.py). A plan it never sees (a forged or stale key) moves nothing past
+    `trained + 1`, where the feed-ahead rule would be anyway; without plans it feeds at `trained`.
+    """
+    if max_staleness > 0:
+        return trained + max_staleness + FEED_AHEAD_STEPS
+    return trained + (1 if planned >= trained else 0)
+
+
 # How long a finishing run waits for its followers to record the events already on the bus.
 DRAIN_SECONDS = 5.0
 # How often a run's record takes the packer's drop counts (Stats): a step record comes every ~0.1 s
@@ -124,10 +144,11 @@ class RunDriver:
         self.not_serving = not_serving  # the services of the run that are not serving, for stall reasons
         self.changed = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._version_seen = asyncio.Event()
+        self._feed_due = asyncio.Event()  # a new trained version or planned step: feed may go on
         # Newest trained version seen on the bus, ahead of the KV record that follows it: feeding
         # waits on it, and the next step's tasks go out before the accounting is written.
         self._trained_version = 0
+        self._planned_step = -1  # newest step the packer planned (feed_horizon)
         self._run_trace: dict[str, str] | None = None  # the run's trace context, from its record
         self.progress = ProgressClock()  # fed steps, trained steps and weight versions mark it
         self._epochs_kv: KV | None = None
@@ -171,6 +192,7 @@ class RunDriver:
                 )
             ),
             asyncio.create_task(self._keep("stall watch", self._watch_stalls)),
+            asyncio.create_task(self._keep("packer plan watch", self._follow_plans)),
         ]
         try:
             # nats-server restarting: feeding resumes from the record (fed_steps), and a step
@@ -277,7 +299,8 @@ class RunDriver:
                 self.changed.set()
                 return
             trained = max(record.weight_version, self._trained_version)
-            if fed < recipe.run.steps and fed - recipe.run.max_staleness <= trained + FEED_AHEAD_STEPS:
+            horizon = feed_horizon(trained, self._planned_step, recipe.run.max_staleness)
+            if fed < recipe.run.steps and fed <= horizon:
                 await self._publish_step(record, recipe, fed)
                 self.progress.mark()
                 fed += 1
@@ -286,9 +309,9 @@ class RunDriver:
                 record = await self.store.update(self.run_id, lambda r, f=fed, c=count: _fed(r, f, c))
                 self.changed.set()
                 continue
-            self._version_seen.clear()
+            self._feed_due.clear()
             try:
-                await asyncio.wait_for(self._version_seen.wait(), timeout=1.0)
+                await asyncio.wait_for(self._feed_due.wait(), timeout=1.0)
             except TimeoutError:
                 pass
             record = await self.store.get(self.run_id)
@@ -334,7 +357,7 @@ class RunDriver:
                             continue
                         self.progress.mark()
                         self._trained_version = max(self._trained_version, step.version)
-                        self._version_seen.set()
+                        self._feed_due.set()
                         dropped = await self._dropped()
                         # History and counters are each idempotent, so a crash between the two writes
                         # and the redelivery that follows leaves both right.
@@ -343,8 +366,18 @@ class RunDriver:
                             self.run_id, lambda r, s=step, d=dropped: _apply_step(r, s, d)
                         )
                         await delivery.ack()
-                        self._version_seen.set()
+                        self._feed_due.set()
                         self.changed.set()
+
+    async def _follow_plans(self) -> None:
+        """Note the newest step the packer planned for this run (feed_horizon)."""
+        kv = await self.bus.kv(subjects.PACKER_STEPS)
+        async with kv.watch(subjects.packer_step_key(self.run_id, "*")) as watch:
+            async for entry in watch:
+                step = entry.key.rpartition(".")[2]
+                if not entry.deleted and step.isdigit() and int(step) > self._planned_step:
+                    self._planned_step = int(step)
+                    self._feed_due.set()
 
     async def _genuine(self, step: events_pb2.TrainStepRecord) -> bool:
         """Whether a trainer epoch vouches for the record, by the epochs as they are now (a cached

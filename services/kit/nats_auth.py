@@ -31,7 +31,7 @@ OWNERS: dict[str, frozenset[str]] = {
     ),
     f"$KV.{subjects.RUNS}.>": frozenset({"gateway"}),
     f"$KV.{subjects.WEIGHTS_KV}.>": frozenset({"weight-sync"}),
-    "$KV.packer.>": frozenset({"rollout-packer"}),
+    f"$KV.{subjects.PACKER_STEPS}.>": frozenset({"rollout-packer"}),
     f"$KV.{subjects.TRAINER_EPOCHS}.>": frozenset({"trainer"}),
 }
 OPERATOR_ONLY = ("$JS.API.STREAM.DELETE.>", "$JS.API.STREAM.PURGE.>")

@@ -187,12 +187,21 @@ RUNS = "runs"
 DEPLOYMENTS = "deployments"
 WEIGHTS_KV = "weights"
 TRAINER_EPOCHS = "trainer-epochs"
+PACKER_STEPS = "packer"
+
+
+def packer_step_key(run_id: str, step: int | str) -> str:
+    """The packer's plan of one trainer step in PACKER_STEPS (`*` as step: all of the run's steps).
+    Written when the step's batch is complete, before the trainer is served it."""
+    return f"{validate_run_id(run_id)}.step.{step}"
+
 
 BUCKETS: tuple[BucketSpec, ...] = (
     BucketSpec(RUNS, history=5, description="run id -> run state (gateway)"),
     BucketSpec(DEPLOYMENTS, history=1, description="deployment id -> registration and heartbeat"),
     BucketSpec(WEIGHTS_KV, history=5, description="run id / version -> weight manifest"),
     BucketSpec(TRAINER_EPOCHS, history=1, description="run id -> the trainer epochs that trained it"),
+    BucketSpec(PACKER_STEPS, history=1, description="packer step plans and acks"),
 )
 
 

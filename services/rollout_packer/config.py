@@ -27,8 +27,6 @@ class PackerConfig(ServiceConfig):
     keep_acked_steps: int = Field(8, ge=1)
     """Acked step records always kept in KV to recognise redelivered trained rollouts (older ones stay while a
     redelivery is still possible)."""
-    state_bucket: str = "packer"
-    """KV bucket holding step plans and acknowledgements."""
     run_ids: str = ""
     """Comma-separated run ids to serve with `recipe` (no gateway needed)."""
     recipe: str = ""

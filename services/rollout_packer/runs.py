@@ -48,14 +48,7 @@ class PackerApp:
 
     async def start(self) -> None:
         self.bus = await Bus.connect(bus_url(self.cfg), name="rollout-packer")
-        await self.bus.ensure_streams(
-            buckets=(
-                *subjects.BUCKETS,
-                subjects.BucketSpec(
-                    self.cfg.state_bucket, history=1, description="packer step plans and acks"
-                ),
-            ),
-        )
+        await self.bus.ensure_streams()
         if self.cfg.run_ids:
             if not self.cfg.recipe:
                 raise ValueError("run_ids is set but recipe is empty: the packer needs the run's recipe")
@@ -75,7 +68,7 @@ class PackerApp:
             if run_id in self.runs:
                 return self.runs[run_id]
             store = StepStore(
-                await self.bus.kv(self.cfg.state_bucket),
+                await self.bus.kv(subjects.PACKER_STEPS),
                 run_id,
                 self.cfg.keep_acked_steps,
                 # a bus ack lost in a crash shows up as a redelivery one ack wait later

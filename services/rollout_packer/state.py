@@ -21,6 +21,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
+from services.kit import subjects
 from services.kit.kv import KV
 
 
@@ -56,14 +57,13 @@ class StepStore:
         self.run_id = run_id
         self.keep_acked = keep_acked
         self.settle_s = settle_s
-        self._prefix = f"{run_id}.step."
 
-    def _key(self, step: int) -> str:
-        return f"{self._prefix}{step}"
+    def _key(self, step: int | str) -> str:
+        return subjects.packer_step_key(self.run_id, step)
 
     async def load(self) -> dict[int, StepRecord]:
         records: dict[int, StepRecord] = {}
-        for raw in (await self.kv.items(f"{self._prefix}*")).values():
+        for raw in (await self.kv.items(self._key("*"))).values():
             if raw:
                 record = StepRecord.from_json(raw)
                 records[record.step] = record

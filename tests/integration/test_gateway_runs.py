@@ -242,26 +242,58 @@ def test_the_http_run_api_answers_json_numbers_and_streams_a_watch_until_the_run
     assert http(gateway, "/v1/runs/nope/watch")[0] == 404
 
 
-def test_synchronous_run_feeds_one_step_ahead_of_its_trained_version(
+def plan_packer_step(nats_url: str, run_id: str, step: int) -> None:
+    """Write the plan the packer writes when a step's batch is complete (its key is what counts)."""
+
+    async def plan() -> None:
+        bus = await Bus.connect(nats_url, name="test-packer")
+        try:
+            await (await bus.kv(subjects.PACKER_STEPS)).put(subjects.packer_step_key(run_id, step), b"{}")
+        finally:
+            await bus.close()
+
+    asyncio.run(plan())
+
+
+def test_synchronous_run_feeds_the_next_step_once_the_current_one_is_planned(
     gateway: GatewayProcess, nats_url: str
 ) -> None:
     run = gateway.stub.CreateRun(
         gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="sync-run"), metadata=AUTH
     ).run
-    wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 4)
+    wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 2)
     time.sleep(1.0)
     tasks = episodes_of(nats_url, run.run_id)
-    # Steps 0 and 1: step 1's episodes wait at the router for version 1. One task per group (2 groups
-    # of 2), each forking into its group's samples, each asking for its own step's version.
-    assert sorted({t.step for t in tasks}) == [0, 1] and len(tasks) == 4
+    # Step 0 only: one task per group (2 groups of 2), each forking into its group's samples.
+    assert {(t.step, t.min_weight_version) for t in tasks} == {(0, 0)} and len(tasks) == 2
     assert {(t.branches, t.branch_at_turn, t.group_size) for t in tasks} == {(2, 0, 1)}
-    assert {(t.step, t.min_weight_version) for t in tasks} == {(0, 0), (1, 1)}
-    assert len({(t.step, t.group_id) for t in tasks}) == 4
+    # The packer planned step 0 (the trainer is training it): step 1 goes out, waiting for version 1.
+    plan_packer_step(nats_url, run.run_id, 0)
+    tasks = wait_until(lambda: [t for t in episodes_of(nats_url, run.run_id) if t.step == 1])
+    assert len(tasks) == 2 and {t.min_weight_version for t in tasks} == {1}
+    assert len({t.group_id for t in episodes_of(nats_url, run.run_id)}) == 4
+    # Version 1 trained: step 2 waits for step 1's plan, and comes with it.
     publish_train_step(nats_url, run.run_id, 0)
+    time.sleep(1.0)
+    assert max(t.step for t in episodes_of(nats_url, run.run_id)) == 1
+    plan_packer_step(nats_url, run.run_id, 1)
     tasks = wait_until(lambda: [t for t in episodes_of(nats_url, run.run_id) if t.step == 2])
     assert {t.min_weight_version for t in tasks} == {2}
+
+
+def test_a_synchronous_run_without_plans_is_fed_by_its_trained_versions(
+    gateway: GatewayProcess, nats_url: str
+) -> None:
+    run = gateway.stub.CreateRun(
+        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="unplanned-run"),
+        metadata=AUTH,
+    ).run
+    wait_until(lambda: episodes_of(nats_url, run.run_id))
+    publish_train_step(nats_url, run.run_id, 0)
+    tasks = wait_until(lambda: [t for t in episodes_of(nats_url, run.run_id) if t.step == 1])
+    assert {t.min_weight_version for t in tasks} == {1}
     time.sleep(1.0)
-    assert max(t.step for t in episodes_of(nats_url, run.run_id)) == 2
+    assert max(t.step for t in episodes_of(nats_url, run.run_id)) == 1
 
 
 def test_unforked_groups_publish_one_task_per_sample(gateway: GatewayProcess, nats_url: str) -> None:
@@ -269,9 +301,9 @@ def test_unforked_groups_publish_one_task_per_sample(gateway: GatewayProcess, na
     run = gateway.stub.CreateRun(
         gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id="unforked-run"), metadata=AUTH
     ).run
-    wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 8)  # steps 0 and 1
-    tasks = [t for t in episodes_of(nats_url, run.run_id) if t.step == 0]
-    assert len(tasks) == 4 and {(t.branches, t.group_size) for t in tasks} == {(0, 2)}
+    wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 4)  # step 0 (step 1 waits for its plan)
+    tasks = episodes_of(nats_url, run.run_id)
+    assert {t.step for t in tasks} == {0} and {(t.branches, t.group_size) for t in tasks} == {(0, 2)}
     assert sorted(t.sample_index for t in tasks) == [0, 0, 1, 1]
 
 
@@ -374,6 +406,7 @@ def test_a_run_is_fed_and_watched_on_after_the_bus_stopped_answering_past_a_requ
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         publish_train_step(server.url, "frozen-bus", 0)
+        plan_packer_step(server.url, "frozen-bus", 1)
         wait_until(lambda: any(t.step == 2 for t in episodes_of(server.url, "frozen-bus")))
 
         def get_run() -> gateway_pb2.Run:
