@@ -2,10 +2,11 @@
 
 A RunDriver releases the episodes of trainer step s only while the newest trained version is
 within the run's staleness bound (version >= s - max_staleness), so max_staleness = 0 is
-synchronous on-policy and k > 0 overlaps generation with training. A synchronous run's next step is
-fed ahead of its version once the packer has planned the step before it (`feed_horizon`). It follows the run through
-the TRAIN and WEIGHTS streams and keeps the run record (KV bucket "runs") up to date; a
-restarted gateway re-creates the drivers of running runs and continues where the record says.
+synchronous on-policy and k > 0 overlaps generation with training; a synchronous run's next step
+is fed ahead of its version once the packer has planned the step before it (`feed_horizon`). It
+follows the run through the TRAIN and WEIGHTS streams and keeps the run record (KV bucket "runs")
+up to date; a restarted gateway re-creates the drivers of running runs and continues where the
+record says.
 The driver also keeps the errors components report for the run and marks it stalled when it stops
 progressing (gateway/stalls.py).
 Episode tasks carry deterministic message ids, so a feed repeated after a crash is deduped.
@@ -53,9 +54,9 @@ def feed_horizon(trained: int, planned: int, max_staleness: int) -> int:
     Asynchronous runs feed FEED_AHEAD_STEPS past their staleness bound. A synchronous run feeds
     step `trained + 1` only once step `trained` is planned: its episodes then reach the replica
     while the trainer computes that step, on the core its one-threaded update leaves idle, instead of
-    landing with the new version and slowing its staging and prefill (on 2 cores the fed step's
-    sandbox, router and replica work took ~10 ms off generation and cost the update ~4: ~3 ms a
-    step, bench/step_timeline.py). A plan it never sees (a forged or stale key) moves nothing past
+    landing with the new version and slowing its staging and prefill (default recipe, 2 cores:
+    generation ~10 ms shorter, the update ~6 ms longer, bench/step_timeline.py; steps ~3 ms
+    shorter, measured on alternate steps of one run). A plan it never sees (a forged or stale key) moves nothing past
     `trained + 1`, where the feed-ahead rule would be anyway; without plans it feeds at `trained`.
     """
     if max_staleness > 0:
