@@ -38,9 +38,22 @@ def test_streams_cover_every_runs_subjects() -> None:
 
 
 def test_bucket_names() -> None:
-    names = (subjects.RUNS, subjects.DEPLOYMENTS, subjects.WEIGHTS_KV, subjects.TRAINER_EPOCHS)
-    assert names == ("runs", "deployments", "weights", "trainer-epochs")
+    names = (
+        subjects.RUNS,
+        subjects.DEPLOYMENTS,
+        subjects.WEIGHTS_KV,
+        subjects.TRAINER_EPOCHS,
+        subjects.PACKER_STEPS,
+    )
+    assert names == ("runs", "deployments", "weights", "trainer-epochs", "packer")
     assert {b.name for b in subjects.BUCKETS} == set(names)
+
+
+def test_packer_step_keys_name_a_valid_run_and_match_its_pattern() -> None:
+    assert subjects.packer_step_key("run-x", 7) == "run-x.step.7"
+    assert subjects.packer_step_key("run-x", "*") == "run-x.step.*"
+    with pytest.raises(ValueError):
+        subjects.packer_step_key("run.x", 7)  # a dot would let one run's pattern match another's keys
 
 
 def test_run_of_reads_the_run_back() -> None:
