@@ -56,8 +56,9 @@ def feed_horizon(trained: int, planned: int, max_staleness: int) -> int:
     while the trainer computes that step, on the core its one-threaded update leaves idle, instead of
     landing with the new version and slowing its staging and prefill (default recipe, 2 cores:
     generation ~10 ms shorter, the update ~6 ms longer, bench/step_timeline.py; steps ~3 ms
-    shorter, measured on alternate steps of one run). A plan it never sees (a forged or stale key) moves nothing past
-    `trained + 1`, where the feed-ahead rule would be anyway; without plans it feeds at `trained`.
+    shorter, measured on alternate steps of one run). A plan (even a forged or stale key) moves
+    nothing past `trained + 1`, where the feed-ahead rule would be anyway; without plans it feeds
+    at `trained`.
     """
     if max_staleness > 0:
         return trained + max_staleness + FEED_AHEAD_STEPS

@@ -46,6 +46,13 @@ def gateway(nats_url: str, tmp_path: Path):
     gw.kill()
 
 
+def create_run(
+    gateway: GatewayProcess, run_id: str, recipe: str = RECIPE.format(staleness=0)
+) -> gateway_pb2.Run:
+    request = gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id=run_id)
+    return gateway.stub.CreateRun(request, metadata=AUTH).run
+
+
 def episodes_of(nats_url: str, run_id: str) -> list[events_pb2.EpisodeTask]:
     async def read() -> list[events_pb2.EpisodeTask]:
         bus = await Bus.connect(nats_url, name="test-reader")
@@ -143,9 +150,7 @@ def test_bad_recipes_are_rejected_and_nothing_starts(
     gateway: GatewayProcess, recipe: str, field: str
 ) -> None:
     with pytest.raises(grpc.RpcError) as err:
-        gateway.stub.CreateRun(
-            gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id="bad-run"), metadata=AUTH
-        )
+        create_run(gateway, "bad-run", recipe)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
     assert err.value.details().startswith("recipe_toml: ")
@@ -258,9 +263,7 @@ def plan_packer_step(nats_url: str, run_id: str, step: int) -> None:
 def test_synchronous_run_feeds_the_next_step_once_the_current_one_is_planned(
     gateway: GatewayProcess, nats_url: str
 ) -> None:
-    run = gateway.stub.CreateRun(
-        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="sync-run"), metadata=AUTH
-    ).run
+    run = create_run(gateway, "sync-run")
     wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 2)
     time.sleep(1.0)
     tasks = episodes_of(nats_url, run.run_id)
@@ -284,10 +287,7 @@ def test_synchronous_run_feeds_the_next_step_once_the_current_one_is_planned(
 def test_a_synchronous_run_without_plans_is_fed_by_its_trained_versions(
     gateway: GatewayProcess, nats_url: str
 ) -> None:
-    run = gateway.stub.CreateRun(
-        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="unplanned-run"),
-        metadata=AUTH,
-    ).run
+    run = create_run(gateway, "unplanned-run")
     wait_until(lambda: episodes_of(nats_url, run.run_id))
     publish_train_step(nats_url, run.run_id, 0)
     tasks = wait_until(lambda: [t for t in episodes_of(nats_url, run.run_id) if t.step == 1])
@@ -298,9 +298,7 @@ def test_a_synchronous_run_without_plans_is_fed_by_its_trained_versions(
 
 def test_unforked_groups_publish_one_task_per_sample(gateway: GatewayProcess, nats_url: str) -> None:
     recipe = RECIPE.format(staleness=0) + "fork_groups = false\n"
-    run = gateway.stub.CreateRun(
-        gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id="unforked-run"), metadata=AUTH
-    ).run
+    run = create_run(gateway, "unforked-run", recipe)
     wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 4)  # step 0 (step 1 waits for its plan)
     tasks = episodes_of(nats_url, run.run_id)
     assert {t.step for t in tasks} == {0} and {(t.branches, t.group_size) for t in tasks} == {(0, 2)}
@@ -308,12 +306,7 @@ def test_unforked_groups_publish_one_task_per_sample(gateway: GatewayProcess, na
 
 
 def test_async_run_feeds_one_step_past_the_staleness_bound(gateway: GatewayProcess, nats_url: str) -> None:
-    run = gateway.stub.CreateRun(
-        gateway_pb2.CreateRunRequest(
-            recipe_toml=RECIPE.format(staleness=2).replace("steps = 3", "steps = 6"), run_id="async-run"
-        ),
-        metadata=AUTH,
-    ).run
+    run = create_run(gateway, "async-run", RECIPE.format(staleness=2).replace("steps = 3", "steps = 6"))
     wait_until(lambda: len(episodes_of(nats_url, run.run_id)) == 8)
     time.sleep(1.0)
     tasks = episodes_of(nats_url, run.run_id)
@@ -325,10 +318,7 @@ def test_async_run_feeds_one_step_past_the_staleness_bound(gateway: GatewayProce
 def test_step_records_of_an_unknown_or_stale_trainer_epoch_are_ignored_and_counted(
     gateway: GatewayProcess, nats_url: str
 ) -> None:
-    run = gateway.stub.CreateRun(
-        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="epoch-run"),
-        metadata=AUTH,
-    ).run
+    run = create_run(gateway, "epoch-run")
 
     def current() -> gateway_pb2.Run:
         return gateway.stub.GetRun(gateway_pb2.GetRunRequest(run_id=run.run_id), metadata=AUTH).run
@@ -355,10 +345,7 @@ def test_unparsable_records_are_terminated_and_the_run_goes_on(
 ) -> None:
     """A record that is not the message its subject carries is terminated (never redelivered to
     the run's driver) and the records after it count."""
-    run = gateway.stub.CreateRun(
-        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="garbled-run"),
-        metadata=AUTH,
-    ).run
+    run = create_run(gateway, "garbled-run")
     streams = {subjects.TRAIN: "train", subjects.WEIGHTS: "weights", subjects.RUN_EVENTS: "events"}
 
     async def garble() -> None:
@@ -396,9 +383,7 @@ def test_a_run_is_fed_and_watched_on_after_the_bus_stopped_answering_past_a_requ
     gateway = GatewayProcess(server.url, tmp_path / "gateway").start()
     try:
         recipe = RECIPE.format(staleness=0).replace("[batch]", "stall_seconds = 3\n[batch]")
-        gateway.stub.CreateRun(
-            gateway_pb2.CreateRunRequest(recipe_toml=recipe, run_id="frozen-bus"), metadata=AUTH
-        )
+        create_run(gateway, "frozen-bus", recipe)
         wait_until(lambda: episodes_of(server.url, "frozen-bus"))
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
@@ -421,10 +406,7 @@ def test_a_run_is_fed_and_watched_on_after_the_bus_stopped_answering_past_a_requ
 
 
 def test_restarted_gateway_continues_the_run(gateway: GatewayProcess, nats_url: str) -> None:
-    run = gateway.stub.CreateRun(
-        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id="restart-run"),
-        metadata=AUTH,
-    ).run
+    run = create_run(gateway, "restart-run")
     wait_until(lambda: episodes_of(nats_url, run.run_id))
     gateway.kill()
     publish_train_step(nats_url, run.run_id, 0)
@@ -450,9 +432,7 @@ def test_a_completed_run_reports_every_weight_delivery_already_on_the_bus(
     """Deliveries published before the run's last step record are in the run once it reads COMPLETED,
     however far the gateway's reading of them lags behind its reading of the step records."""
     run_id = "drained-run"
-    gateway.stub.CreateRun(
-        gateway_pb2.CreateRunRequest(recipe_toml=RECIPE.format(staleness=0), run_id=run_id), metadata=AUTH
-    )
+    create_run(gateway, run_id)
     epoch = open_trainer_epoch(nats_url, run_id, 0)
     deployments = [f"profile-{i}" for i in range(40)]
 
