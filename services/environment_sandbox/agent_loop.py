@@ -43,8 +43,10 @@ from services.environment_sandbox.environments import (
     EnvContext,
     Environment,
     EnvironmentError_,
+    PluginFailure,
     make_environment,
     parse_task,
+    plugin_of,
 )
 from services.environment_sandbox.environments.datasets import is_index_task, task_by_index
 from services.environment_sandbox.model_io import (
@@ -54,6 +56,8 @@ from services.environment_sandbox.model_io import (
     Scorer,
 )
 from services.environment_sandbox.ratelimit import Limit, RateLimiter
+from services.environment_sandbox.run_dataset import DatasetCache
+from services.kit import plugins
 from services.modeling.tokenizer import Tokenizer, TokenizerCache
 
 log = logging.getLogger(__name__)
@@ -118,8 +122,10 @@ class EpisodeRunner:
         config: LoopConfig | None = None,
         limiter: RateLimiter | None = None,
         rate_limits: dict[str, Limit] | None = None,
+        datasets: DatasetCache | None = None,
     ) -> None:
         self.generate = generate
+        self.datasets = datasets or DatasetCache()
         self.score = score
         # A task naming no tokenizer gets the cache's default (a plain tokenizer given here is it).
         self.tokenizers = tokenizer if isinstance(tokenizer, TokenizerCache) else TokenizerCache(tokenizer)
@@ -166,7 +172,7 @@ class EpisodeRunner:
         if branches > MAX_BRANCHES:
             raise EnvironmentError_(f"task.branches: at most {MAX_BRANCHES}, got {branches}")
         tokenizer = await self._tokenizer(task)
-        env, payload = self._environment(task)
+        env, payload = await self._environment(task, tokenizer)
         task_json = json.dumps(payload)
         # One session for the prefix and every branch: the router keeps them on the replica
         # whose prefix cache holds the shared tokens.
@@ -206,16 +212,28 @@ class EpisodeRunner:
 
     # -- the pieces ------------------------------------------------------------------------------
 
-    def _environment(self, task: events_pb2.EpisodeTask) -> tuple[Environment, dict]:
+    async def _environment(
+        self, task: events_pb2.EpisodeTask, tokenizer: Tokenizer
+    ) -> tuple[Environment, dict]:
         env = make_environment(task.environment, task.environment_config_json or None, self.env_context)
         payload = parse_task(task.task_json)
         if is_index_task(payload):
-            payload = task_by_index(
-                task.environment,
-                payload["index"],
-                payload.get("seed", 0),
-                task.environment_config_json or None,
-            )
+            if task.dataset_json:  # a row of the run's dataset
+                dataset = await self.datasets.get(
+                    task.dataset_json,
+                    task.environment,
+                    task.environment_config_json or None,
+                    task.tokenizer,
+                    tokenizer,
+                )
+                payload = dataset.task(payload.get("split", "train"), payload["index"])
+            else:
+                payload = task_by_index(
+                    task.environment,
+                    payload["index"],
+                    payload.get("seed", 0),
+                    task.environment_config_json or None,
+                )
         return env, payload
 
     def _sampling(self, task: events_pb2.EpisodeTask, tokenizer: Tokenizer) -> common_pb2.SamplingParams:
@@ -251,7 +269,8 @@ class EpisodeRunner:
             environment=task.environment,
         )
         started = time.perf_counter()
-        observation = await env.reset(payload)
+        with _plugin_code(env):
+            observation = await env.reset(payload)
         env_seconds = time.perf_counter() - started
         try:
             prompt_ids = tokenizer.apply_chat_template(observation, add_generation_prompt=True)
@@ -324,7 +343,10 @@ class EpisodeRunner:
         episode.finish = model.finish_reason
         started = time.perf_counter()
         try:
-            step = await episode.env.step(episode.last_action)
+            with _plugin_code(episode.env):
+                step = await episode.env.step(episode.last_action)
+        except PluginFailure:
+            raise
         except EnvironmentError_ as exc:  # e.g. action too long: the episode ends, unrewarded
             episode.finish, episode.done = f"env_error: {exc}", True
             return
@@ -391,6 +413,8 @@ class EpisodeRunner:
         reward_name = task.reward or episode.env.default_reward
         if self.score is not None and reward_name:
             transcript = "".join(t.text for t in rollout.turns)
+            # A plugin reward's settings travel with each score (none: the call stays as it was).
+            config = {"config_json": task.reward_config_json} if task.reward_config_json else {}
             score = await self.score(
                 reward_name,
                 task_json,
@@ -398,7 +422,10 @@ class EpisodeRunner:
                 rollout.rollout_id,
                 transcript,
                 episode.env_reward,
+                **config,
             )
+            if score.plugin_error:
+                raise PluginFailure(f"reward: plugin {score.plugin_error}")
             rollout.reward = score.score
             rollout.reward_components.update(score.components)
             if not score.ok:
@@ -407,3 +434,24 @@ class EpisodeRunner:
             rollout.reward = episode.env_reward
             rollout.reward_components["environment"] = episode.env_reward
         return rollout
+
+
+class _plugin_code:
+    """Around a call into an environment: an exception a plugin environment's own code raises (not
+    an EnvironmentError_, its way of refusing input) fails the run, naming the plugin's file and line."""
+
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or isinstance(exc, EnvironmentError_) or not isinstance(exc, Exception):
+            return False
+        loaded = plugin_of(type(self.env))
+        if loaded is None:
+            return False
+        raise PluginFailure(
+            f"environment.name: plugin {loaded.reference!r} raised: {plugins.describe(exc, loaded.root)}"
+        ) from None

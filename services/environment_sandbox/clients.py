@@ -76,7 +76,9 @@ class RewardClient:
         self._callers: list[Any] = []  # span context of each pending score's episode
         self._sending: set[asyncio.Task] = set()
 
-    async def __call__(self, reward, task_json, completion, rollout_id, transcript, env_reward):
+    async def __call__(
+        self, reward, task_json, completion, rollout_id, transcript, env_reward, config_json: str = ""
+    ):
         from looprl.reward.v1 import reward_pb2
 
         request = reward_pb2.ScoreRequest(
@@ -85,6 +87,7 @@ class RewardClient:
             completion=completion,
             rollout_id=rollout_id,
             transcript=transcript,
+            reward_config_json=config_json,
         )
         if env_reward is not None:
             request.environment_reward = env_reward
@@ -177,4 +180,5 @@ def _score(response: Any) -> Any:
         {c.name: c.score for c in response.components if c.ok},
         response.ok,
         {c.name: c.reason for c in response.components if not c.ok},
+        response.plugin_error,
     )

@@ -169,6 +169,10 @@ class EnvServiceConfig(ServiceConfig):
     """Named Ray actor of the buckets."""
     rate_limit_namespace: str = "looprl"
     """Ray namespace of that actor."""
+    plugin_dirs: str = ""
+    """Directories (':'- or ','-separated) plugin environments and task sources are loaded from: a
+    recipe's `file.py:Class` and `module:Class` must lie in one (each is put on sys.path); installed
+    packages declaring a looprl entry point need none. Empty: only those packages."""
 
     @field_validator("tokenizer")
     @classmethod

@@ -20,7 +20,7 @@ from looprl.events.v1 import events_pb2
 from services.environment_sandbox.agent_loop import EpisodeRunner
 from services.environment_sandbox.clients import CURRENT_RUN
 from services.environment_sandbox.config import WorkerConfig
-from services.environment_sandbox.environments import EnvironmentError_
+from services.environment_sandbox.environments import EnvironmentError_, PluginFailure
 from services.kit.run_errors import describe
 
 log = logging.getLogger("looprl.environment_sandbox.worker")
@@ -110,7 +110,17 @@ class EpisodeWorker:
                     }
                 )
             CURRENT_RUN.set(task.run_id)  # this handler's own context: one episode task
+            if task.evaluation:
+                raise EnvironmentError_(
+                    "task.evaluation: evaluation episodes are run by RunEpisode, never trained"
+                )
             rollouts = await self.runner.run_all(task)
+        except PluginFailure as exc:  # the user's code is broken: the run cannot go on
+            span.set_status(telemetry.error_status(exc))
+            await delivery.term(f"plugin failed: {exc}")
+            self.failed += 1
+            await self._report(delivery, str(exc), fatal=True)
+            return
         except (PoisonMessage, EnvironmentError_, json.JSONDecodeError) as exc:
             span.set_status(telemetry.error_status(exc))
             await delivery.term(f"bad episode task: {exc}")
@@ -156,7 +166,7 @@ class EpisodeWorker:
         # stream drops as duplicates; confirming cost a round trip per task.
         await delivery.ack(confirm=False)
 
-    async def _report(self, delivery: Any, message: str) -> None:
+    async def _report(self, delivery: Any, message: str, fatal: bool = False) -> None:
         from services.kit import subjects
 
         if self.reporter is None:
@@ -165,7 +175,7 @@ class EpisodeWorker:
             run_id = subjects.run_of(delivery.subject)
         except ValueError:
             return
-        await self.reporter.report(run_id, message)
+        await self.reporter.report(run_id, message, fatal=fatal)
 
     async def _heartbeat(self, delivery: Any) -> None:
         while True:

@@ -38,7 +38,10 @@ class Score:
     components: dict[str, float] = field(default_factory=dict)
     ok: bool = True
     reasons: dict[str, str] = field(default_factory=dict)
+    # A plugin reward's own code failed (ScoreResponse.plugin_error): the run cannot be scored.
+    plugin_error: str = ""
 
 
-# (reward name, task json, completion, rollout id, transcript, environment reward) -> Score
-Scorer = Callable[[str, str, str, str, str, float | None], Awaitable[Score]]
+# (reward name, task json, completion, rollout id, transcript, environment reward) -> Score; a plugin
+# reward's settings come as the keyword config_json.
+Scorer = Callable[..., Awaitable[Score]]

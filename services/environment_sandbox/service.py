@@ -21,11 +21,13 @@ async def serve(cfg: EnvServiceConfig) -> None:
         RewardClient,
         RouterGenerator,
     )
-    from services.environment_sandbox.environments import EnvContext
+    from services.environment_sandbox.environments import EnvContext, set_plugin_dirs
     from services.environment_sandbox.episode_worker import EpisodeWorker
     from services.environment_sandbox.ratelimit import RateLimiter, rate_limiter_actor
+    from services.environment_sandbox.run_dataset import DatasetCache
     from services.environment_sandbox.sandbox import SandboxPool, SandboxUnavailable
     from services.environment_sandbox.servicer import EnvironmentSandboxServicer
+    from services.kit.plugins import plugin_dirs_from
     from services.kit.ray_utils import connect_ray
     from services.kit.server import Service, open_channel
     from services.modeling.tokenizer import TokenizerCache
@@ -49,6 +51,9 @@ async def serve(cfg: EnvServiceConfig) -> None:
         else RateLimiter.local()
     )
     runner = None
+    plugin_dirs = plugin_dirs_from(cfg.plugin_dirs)
+    set_plugin_dirs(plugin_dirs)
+    datasets = DatasetCache(plugin_dirs)
     tokenizers = TokenizerCache(cfg.tokenizer)
     tokenizers.get()  # a default that does not load fails at start-up, not on the first task naming none
     if cfg.router_address:
@@ -61,11 +66,14 @@ async def serve(cfg: EnvServiceConfig) -> None:
             cfg.loop,
             limiter=limiter,
             rate_limits=cfg.parsed_rate_limits,
+            datasets=datasets,
         )
     service = Service("environment-sandbox", cfg)
     service.add(
         environment_pb2_grpc.add_EnvironmentSandboxServiceServicer_to_server,
-        EnvironmentSandboxServicer(pool, runner, cfg.max_sessions, cfg.exec_max_code_bytes),
+        EnvironmentSandboxServicer(
+            pool, runner, cfg.max_sessions, cfg.exec_max_code_bytes, datasets, tokenizers
+        ),
     )
     state: dict = {}
 

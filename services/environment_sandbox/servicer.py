@@ -1,8 +1,12 @@
-"""EnvironmentSandboxService over gRPC: RunEpisode, Reset/Step sessions, Exec, ListEnvironments."""
+"""EnvironmentSandboxService over gRPC: RunEpisode, Reset/Step sessions, Exec, ListEnvironments,
+LoadEnvironment (a run's environment, plugin or built in, and its dataset, before its first episode)."""
 
 from __future__ import annotations
 
+import inspect
+import json
 import math
+import random
 import uuid
 from collections import OrderedDict
 from typing import Any
@@ -13,12 +17,16 @@ from services.environment_sandbox.environments import (
     EnvContext,
     Environment,
     EnvironmentError_,
+    PluginFailure,
     UnknownEnvironment,
     environment_class,
     environment_names,
     make_environment,
     parse_task,
+    plugin_of,
 )
+from services.environment_sandbox.environments.base import parse_config
+from services.environment_sandbox.run_dataset import DatasetCache
 from services.environment_sandbox.sandbox import ExecJob, SandboxPool
 from services.environment_sandbox.sandbox.fleet import SandboxFleet
 from services.environment_sandbox.sandbox.job import (
@@ -27,11 +35,17 @@ from services.environment_sandbox.sandbox.job import (
     SandboxUnavailable,
     validate_files,
 )
+from services.kit import plugins
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
+from services.modeling.tokenizer import TokenizerCache
 
 
 def _status(exc: EnvironmentError_) -> Exception:
-    return NotFound(str(exc)) if isinstance(exc, UnknownEnvironment) else InvalidArgument(str(exc))
+    if isinstance(exc, UnknownEnvironment):
+        return NotFound(str(exc))
+    if isinstance(exc, PluginFailure):
+        return FailedPrecondition(str(exc))
+    return InvalidArgument(str(exc))
 
 
 class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceServicer):
@@ -41,9 +55,13 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
         runner: EpisodeRunner | None,
         max_sessions: int = 4096,
         max_code_bytes: int = 1 << 20,
+        datasets: DatasetCache | None = None,
+        tokenizers: TokenizerCache | None = None,
     ) -> None:
         self.pool = pool
         self.runner = runner
+        self.datasets = datasets or (runner.datasets if runner is not None else DatasetCache())
+        self.tokenizers = tokenizers or (runner.tokenizers if runner is not None else TokenizerCache())
         self.context = EnvContext(executor=pool.run_code)
         self.sessions: OrderedDict[str, Environment] = OrderedDict()
         self.max_sessions = max_sessions
@@ -56,12 +74,12 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
         if not task.environment:
             raise InvalidArgument("task.environment: required")
         try:
-            rollout = await self.runner.run(task)
+            rollouts = await self.runner.run_all(task)
         except EnvironmentError_ as exc:
             raise _status(exc) from None
         except SandboxError as exc:
             raise _sandbox_status(exc) from None
-        return environment_pb2.RunEpisodeResponse(rollout=rollout)
+        return environment_pb2.RunEpisodeResponse(rollout=rollouts[0], rollouts=rollouts)
 
     async def Reset(self, request, context: Any) -> environment_pb2.ResetResponse:
         try:
@@ -141,17 +159,7 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
         )
 
     async def ListEnvironments(self, request, context: Any) -> environment_pb2.ListEnvironmentsResponse:
-        infos = []
-        for name in environment_names():
-            cls = environment_class(name)
-            infos.append(
-                environment_pb2.EnvironmentInfo(
-                    name=name,
-                    description=cls.description,
-                    multi_turn=cls.multi_turn,
-                    default_reward=cls.default_reward,
-                )
-            )
+        infos = [_info(name, environment_class(name)) for name in environment_names()]
         status = self.pool.isolation_status()
         sandbox = environment_pb2.SandboxStatus(
             isolation_level=status["level"],
@@ -165,6 +173,84 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             cgroup=status["cgroup"],
         )
         return environment_pb2.ListEnvironmentsResponse(environments=infos, sandbox=sandbox)
+
+    async def LoadEnvironment(self, request, context: Any) -> environment_pb2.LoadEnvironmentResponse:
+        if not request.environment:
+            raise InvalidArgument("environment: required")
+        if request.max_prompt_tokens < 0:
+            raise InvalidArgument(f"max_prompt_tokens: must be >= 0, got {request.max_prompt_tokens}")
+        config_json = request.environment_config_json or None
+        try:
+            cls = environment_class(request.environment, reload=True)
+            config = parse_config(cls, config_json)
+            try:
+                tokenizer = await self.tokenizers.aget(request.tokenizer)
+            except ValueError as exc:
+                raise EnvironmentError_(f"model.tokenizer: {exc}") from None
+            reply = environment_pb2.LoadEnvironmentResponse(environment=_info(request.environment, cls))
+            if request.dataset_json:
+                dataset = await self.datasets.get(
+                    request.dataset_json,
+                    request.environment,
+                    config_json,
+                    request.tokenizer,
+                    tokenizer,
+                    refresh=True,
+                )
+                first = dataset.task("train", 0)
+                reply.dataset.CopyFrom(
+                    environment_pb2.DatasetSummary(
+                        rows=dataset.rows,
+                        train_rows=len(dataset.train),
+                        eval_rows=len(dataset.eval),
+                        filtered_too_long=dataset.filtered_too_long,
+                        max_prompt_tokens=dataset.max_prompt_tokens,
+                        longest_prompt_tokens=dataset.longest_prompt_tokens,
+                        sources=dataset.sources,
+                    )
+                )
+            else:
+                first = await _trial(
+                    cls, lambda: cls.generate(random.Random(f"{request.environment}:0:0"), config)
+                )
+            env = cls(config, self.context)
+            await _trial(cls, lambda: env.reset(dict(first)))
+        except EnvironmentError_ as exc:
+            raise _status(exc) from None
+        except plugins.PluginError as exc:  # a task source plugin
+            raise FailedPrecondition(f"dataset.source: plugin {exc}") from None
+        reply.first_task_json = json.dumps(first)
+        if "answer" in first:
+            reply.first_answer = str(first["answer"])
+        return reply
+
+
+def _info(name: str, cls: type[Environment]) -> environment_pb2.EnvironmentInfo:
+    loaded = plugin_of(cls)
+    return environment_pb2.EnvironmentInfo(
+        name=name,
+        description=getattr(cls, "description", "") or (cls.__doc__ or "").strip().split("\n")[0],
+        multi_turn=cls.multi_turn,
+        default_reward=cls.default_reward,
+        plugin=loaded.origin if loaded is not None else "",
+    )
+
+
+async def _trial(cls: type[Environment], call: Any) -> Any:
+    """Run one call of an environment's code (its generator, a reset) before a run relies on it: a
+    plugin that raises is a FAILED_PRECONDITION naming its file and line."""
+    try:
+        result = call()
+        return await result if inspect.isawaitable(result) else result
+    except EnvironmentError_:
+        raise
+    except Exception as exc:
+        loaded = plugin_of(cls)
+        if loaded is None:
+            raise
+        raise PluginFailure(
+            f"environment.name: plugin {loaded.reference!r} failed its trial: {plugins.describe(exc, loaded.root)}"
+        ) from None
 
 
 def _sandbox_status(exc: SandboxError) -> ServiceError:

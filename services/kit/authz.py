@@ -40,16 +40,19 @@ POLICY: dict[str, dict[str, frozenset[str]]] = {
         "RegisterDeployment": frozenset({OPERATOR}),
     },
     "looprl.environment.v1.EnvironmentSandboxService": {
-        "RunEpisode": frozenset({OPERATOR}),
+        # The gateway runs a run's evaluation episodes (never published, never trained).
+        "RunEpisode": frozenset({"gateway", OPERATOR}),
         "Reset": frozenset({OPERATOR}),
         "Step": frozenset({OPERATOR}),
         "Exec": frozenset({"reward"}),
         "ListEnvironments": frozenset({"gateway", OPERATOR}),
+        "LoadEnvironment": frozenset({"gateway", OPERATOR}),
     },
     "looprl.reward.v1.RewardService": {
         "Score": frozenset({"environment-sandbox"}),
         "ScoreBatch": frozenset({"environment-sandbox"}),
         "ListRewards": frozenset({"environment-sandbox", "gateway", OPERATOR}),
+        "LoadReward": frozenset({"gateway", OPERATOR}),
     },
     "looprl.packer.v1.RolloutPackerService": {
         "NextBatch": frozenset({"trainer"}),

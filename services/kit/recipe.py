@@ -205,6 +205,133 @@ class EnvironmentSection(Section):
         return value
 
 
+# How a dataset is stored: auto tells by the path (a .jsonl/.json or .parquet file or glob, or a
+# Hugging Face `datasets` directory written by save_to_disk).
+DatasetFormat = Literal["auto", "jsonl", "parquet", "hf"]
+
+
+class DatasetSection(Section):
+    """Where a run's prompts come from when not from the environment's own generator: a local JSONL
+    or parquet file (or a glob of them), a Hugging Face `datasets` directory (save_to_disk), or a task
+    source plugin. Each row becomes a task for the environment: its prompt (or chat messages), its
+    reference answer and its metadata, plus every column as it is."""
+
+    path: str = ""
+    """Local .jsonl/.json or .parquet file, a glob of them (data/train-*.parquet), or a `datasets`
+    directory (save_to_disk); relative to the recipe's directory, else to the services' working
+    directory. Empty (and no source): the environment's own task generator."""
+    format: DatasetFormat = "auto"
+    """jsonl, parquet, hf (a save_to_disk directory), or auto: by the path's suffix, a directory being hf."""
+    split: str = "train"
+    """Split of a `datasets` directory holding several (a DatasetDict)."""
+    source: str = ""
+    """Task source plugin instead of a path: `module:function`, `file.py:function` or a
+    `looprl.task_sources` entry point; called with source_config as keyword arguments, it returns the
+    rows (an iterable of dicts)."""
+    source_config: dict[str, Any] = {}
+    """Keyword arguments of the task source plugin."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt text (shown as one user message)."""
+    messages_field: str = "messages"
+    """Column holding the prompt as chat messages ([{"role", "content"}, ...]); used when present."""
+    answer_field: str = "answer"
+    """Column holding the reference answer (the reward's `answer`)."""
+    metadata_fields: list[str] = []
+    """Columns passed to the reward as metadata; empty: every column but the prompt and the answer."""
+    source_field: str = "source"
+    """Column naming a row's task source (evaluation reports each apart); rows without it belong to
+    the environment's name."""
+    shuffle: bool = True
+    """Visit the rows in a seeded random order, a new order each epoch (seed: run.seed)."""
+    epochs: Annotated[int, Field(ge=0), AtMost("max_steps")] = 0
+    """Passes over the training rows the run may make; 0: as many as run.steps takes. A run whose
+    steps need more rows than epochs x train rows is refused."""
+    max_prompt_tokens: Count = 0
+    """Rows whose prompt, rendered by the run's chat template, is longer are left out (and counted);
+    0: the longest prompt a deployment accepts (max_model_len - sampling.max_tokens, within its
+    max_prompt_tokens)."""
+    eval_size: Count = 0
+    """Rows held out of training for evaluation (a seeded draw after filtering)."""
+    eval_path: str = ""
+    """A separate file or directory of held-out rows (same format and fields); used instead of
+    eval_size."""
+
+    @field_validator("source_config")
+    @classmethod
+    def _finite(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = _first_non_finite(value, "")
+        if bad is not None:
+            raise field_error(bad[0], f"must be a finite number, got {bad[1]}")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path or self.source)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSection:
+        if self.path and self.source:
+            raise field_error("source", "set dataset.path or dataset.source, not both")
+        if not self.enabled and (self.eval_path or self.eval_size):
+            raise field_error("path", "a held-out split needs a dataset: set dataset.path or dataset.source")
+        if self.eval_path and self.eval_size:
+            raise field_error("eval_size", "set dataset.eval_size or dataset.eval_path, not both")
+        if self.source_config and not self.source:
+            raise field_error("source_config", "only for a task source plugin (dataset.source)")
+        return self
+
+
+class RewardSection(Section):
+    """A reward from the user's own code, instead of environment.reward."""
+
+    function: str = ""
+    """`module:function`, `file.py:function` (in the reward service's plugin directories) or a
+    `looprl.rewards` entry point: `score(prompt, completion, answer, **metadata) -> float | dict`
+    (a dict holds "score" and other named components)."""
+    config: dict[str, Any] = {}
+    """Settings passed to the function as keyword arguments, each a parameter it declares (checked
+    against its annotations when the run is created)."""
+
+    @field_validator("config")
+    @classmethod
+    def _finite(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = _first_non_finite(value, "")
+        if bad is not None:
+            raise field_error(bad[0], f"must be a finite number, got {bad[1]}")
+        return value
+
+
+class EvalSection(Section):
+    """Evaluation on the held-out split while the run trains (and by `looprl eval` after it)."""
+
+    every: Annotated[int, Field(ge=0), AtMost("max_steps")] = 0
+    """Evaluate after every k-th step, and after the last one; 0: no evaluation during the run."""
+    before_training: bool = True
+    """Evaluate the initial weights too (step 0), when every > 0."""
+    prompts: Annotated[int, Field(ge=0), AtMost("max_rollouts_per_step")] = 0
+    """Held-out prompts per evaluation: 0 takes the dataset's whole held-out split, or 64 generated
+    ones for an environment without a dataset."""
+    greedy: bool = True
+    """Sample each prompt greedily once (pass@1 is its pass rate)."""
+    samples: Annotated[int, Field(ge=0), AtMost("max_group_size")] = 0
+    """Seeded samples per prompt at sampling.temperature (pass@k with k = samples)."""
+    pass_threshold: float = Field(1.0, ge=-1e9, le=1e9)
+    """An episode passes when its reward is at least this."""
+    checkpoint_step: int = Field(-1, ge=-1, le=INT32_MAX)
+    """-1 for a training run. Otherwise the run trains nothing: it evaluates the weights of
+    model.path once and records them as this step (what `looprl eval RUN --step N` submits)."""
+
+    @model_validator(mode="after")
+    def _something(self) -> EvalSection:
+        if not self.greedy and self.samples == 0:
+            raise field_error("samples", "must be > 0 when greedy = false (nothing would be sampled)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0 or self.checkpoint_step >= 0
+
+
 class SamplingSection(Section):
     """How the deployments sample completions for training."""
 
@@ -418,6 +545,26 @@ class Recipe(Section):
     deployments: list[DeploymentSpec] = Field([DeploymentSpec()], min_length=1)
     """The inference deployments that sample the run ([[deployments]] tables), each tuned to a
     length profile."""
+    dataset: DatasetSection = DatasetSection()
+    """The run's prompts from a dataset; without path or source: the environment's own generator."""
+    reward: RewardSection = RewardSection()
+    eval: EvalSection = EvalSection()
+
+    @property
+    def reward_name(self) -> str:
+        """The reward episodes are scored by: reward.function, else environment.reward (empty: the
+        environment's default)."""
+        return self.reward.function or self.environment.reward
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt (tokens) a deployment of the run serves with room for sampling.max_tokens;
+        dataset.max_prompt_tokens when smaller."""
+        served = max(
+            min(d.max_model_len - self.sampling.max_tokens, d.max_prompt_tokens) for d in self.deployments
+        )
+        limit = self.dataset.max_prompt_tokens
+        return max(0, min(served, limit) if limit else served)
 
     @property
     def groups_per_step(self) -> int:
@@ -437,6 +584,10 @@ class Recipe(Section):
                 f"must be at most {limits.max_deployments} (this cluster's max_deployments), "
                 f"got {len(self.deployments)}",
             )
+        if self.reward.function and self.environment.reward:
+            raise field_error("reward.function", "set reward.function or environment.reward, not both")
+        if self.reward.config and not self.reward.function:
+            raise field_error("reward.config", "settings of a reward plugin: set reward.function too")
         names: set[str] = set()
         for i, d in enumerate(self.deployments):
             if d.name in names:
@@ -467,6 +618,32 @@ def parse_recipe(text: str, base_dir: Path | None = None, limits: RecipeLimits |
     if "deployments" in data and isinstance(data["deployments"], dict):
         raise RecipeError("deployments: use [[deployments]] (an array of tables)")
     return parse(Recipe, data, RecipeError, "recipe", limits=limits, base_dir=base_dir)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+def recipe_toml(recipe: Recipe) -> str:
+    """The recipe as TOML text that parses back to an equal recipe (comments are not kept)."""
+    lines: list[str] = []
+    for name, value in recipe.model_dump().items():
+        if name == "deployments":
+            for table in value:
+                lines += ["", "[[deployments]]", *(f"{k} = {_toml_value(v)}" for k, v in table.items())]
+            continue
+        lines += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in value.items())]
+    return "\n".join(lines).lstrip() + "\n"
 
 
 def load_recipe(path: str | Path, limits: RecipeLimits | None = None) -> Recipe:

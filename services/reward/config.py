@@ -61,3 +61,7 @@ class RewardConfig(ServiceConfig):
     fields as ModelPoolConfig); needs Ray."""
     namespace: str = "looprl-reward"
     """Ray namespace of the replicas."""
+    plugin_dirs: str = ""
+    """Directories (':'- or ','-separated) plugin rewards are loaded from: a recipe's
+    `file.py:function` and `module:function` must lie in one (each is put on sys.path); installed
+    packages declaring a looprl entry point need none. Empty: only those packages."""

@@ -1,4 +1,5 @@
-"""Rewards by name: verifiers, reward models, and weighted compositions of them.
+"""Rewards by name: verifiers, reward models, weighted compositions of them, and plugins (the user's
+reward functions, services/reward/functions.py), loaded on first use by reference and settings.
 
 Every reward is scored as a composition (a single verifier is a composition of one). Each
 component runs under its own timeout; one that times out or raises becomes a failed component
@@ -11,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from services.kit import plugins
 from services.reward import metrics
 from services.reward import verifiers as v
+from services.reward.functions import FunctionReward, load_function
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ class Outcome:
     score: float
     components: list[Component]
     ok: bool
+    plugin_error: str = ""  # a plugin's own code failed: the run cannot be scored by it
 
     def as_dict(self) -> dict[str, float]:
         return {c.name: c.score for c in self.components if c.ok}
@@ -51,9 +56,12 @@ class RewardSpec:
 
 
 class RewardRegistry:
-    def __init__(self, timeout_s: float = 10.0) -> None:
+    def __init__(self, timeout_s: float = 10.0, plugin_dirs: tuple[Path, ...] = ()) -> None:
         self.timeout_s = timeout_s
+        self.plugin_dirs = plugin_dirs
         self._specs: dict[str, RewardSpec] = {}
+        # Plugins by (reference, settings JSON): one load per process, not per score.
+        self._plugins: dict[tuple[str, str], FunctionReward] = {}
 
     def add_verifier(self, name: str, verifier: v.Verifier, description: str, kind: str = "verifier") -> None:
         self._specs[name] = RewardSpec(name, kind, description, verifier=verifier)
@@ -73,10 +81,26 @@ class RewardRegistry:
             return self._specs[name]
         except KeyError:
             raise UnknownReward(
-                f"reward: unknown reward {name!r}; known: {', '.join(sorted(self._specs))}"
+                f"reward: unknown reward {name!r}; known: {', '.join(sorted(self._specs))}; or name a "
+                "plugin as 'module:function', 'file.py:function' or a looprl.rewards entry point"
             ) from None
 
-    async def score(self, name: str, inp: v.ScoreInput) -> Outcome:
+    def is_plugin(self, name: str) -> bool:
+        return name not in self._specs and (
+            plugins.is_reference(name) or name in plugins.entry_point_names(plugins.REWARDS_GROUP)
+        )
+
+    def plugin(self, name: str, config_json: str = "", reload: bool = False) -> FunctionReward:
+        """The plugin reward `name` with its settings, loaded once (again with `reload`); PluginError or
+        BadRewardConfig say why not."""
+        key = (name, config_json)
+        if reload or key not in self._plugins:
+            self._plugins[key] = load_function(name, config_json, self.plugin_dirs)
+        return self._plugins[key]
+
+    async def score(self, name: str, inp: v.ScoreInput, config_json: str = "") -> Outcome:
+        if self.is_plugin(name):
+            return await self._score_plugin(name, inp, config_json)
         spec = self.get(name)
         parts = spec.parts if spec.kind == "composite" else [(name, 1.0)]
         components = await asyncio.gather(*(self._component(part, weight, inp) for part, weight in parts))
@@ -100,16 +124,33 @@ class RewardRegistry:
             return Component(name, 0.0, weight, False, f"crashed: {type(exc).__name__}: {exc}")
         return Component(name, float(score), weight, True)
 
+    async def _score_plugin(self, name: str, inp: v.ScoreInput, config_json: str) -> Outcome:
+        try:
+            fn = self.plugin(name, config_json)
+            score, parts = await fn(inp, self.timeout_s)
+        except (plugins.PluginError, ValueError) as exc:
+            metrics.FAILURES.labels(name, "crashed").inc()
+            reason = str(exc)
+            return Outcome(0.0, [Component(name, 0.0, 1.0, False, reason)], False, reason)
+        components = [
+            Component(name, score, 1.0, True),
+            *(Component(k, x, 0.0, True) for k, x in parts.items()),
+        ]
+        return Outcome(score, components, True)
+
 
 def _describe(parts: list[tuple[str, float]]) -> str:
     return " + ".join(f"{w:g}*{n}" for n, w in parts)
 
 
 def default_registry(
-    code_executor: v.CodeExecutor | None = None, timeout_s: float = 10.0, code_timeout_s: float = 5.0
+    code_executor: v.CodeExecutor | None = None,
+    timeout_s: float = 10.0,
+    code_timeout_s: float = 5.0,
+    plugin_dirs: tuple[Path, ...] = (),
 ) -> RewardRegistry:
     """The built-in verifiers and the per-environment compositions the recipes name."""
-    reg = RewardRegistry(timeout_s)
+    reg = RewardRegistry(timeout_s, plugin_dirs)
     reg.add_verifier(
         "exact", v.exact_match, "1 if the completion equals task.answer (case/space-insensitive)"
     )

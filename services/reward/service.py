@@ -17,7 +17,11 @@ async def serve(cfg: RewardConfig) -> None:
     from services.reward.servicer import RewardServicer, SandboxExecutor
 
     executor = SandboxExecutor(open_channel(cfg.sandbox_address)) if cfg.sandbox_address else None
-    registry = default_registry(executor, cfg.verifier_timeout_s, cfg.code_timeout_s)
+    from services.kit.plugins import plugin_dirs_from
+
+    registry = default_registry(
+        executor, cfg.verifier_timeout_s, cfg.code_timeout_s, plugin_dirs_from(cfg.plugin_dirs)
+    )
     service = Service("reward", cfg)
     service.add(reward_pb2_grpc.add_RewardServiceServicer_to_server, RewardServicer(registry))
     pools = []

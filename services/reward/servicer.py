@@ -1,4 +1,5 @@
-"""RewardService over gRPC: Score and ScoreBatch (by reward name) and ListRewards."""
+"""RewardService over gRPC: Score and ScoreBatch (by reward name or plugin reference), ListRewards and
+LoadReward (a run's reward, its settings and a trial score, before the run starts)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import time
 from typing import Any
 
 from looprl.reward.v1 import reward_pb2, reward_pb2_grpc
-from services.kit.errors import InvalidArgument, NotFound
+from services.kit import plugins
+from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.kit.metric_names import observe
 from services.reward import metrics
+from services.reward.functions import BadRewardConfig
 from services.reward.registry import RewardRegistry, UnknownReward
 from services.reward.verifiers import ScoreInput
 
@@ -34,16 +37,19 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             raise InvalidArgument(f"requests: {len(request.requests)} requests, at most {MAX_BATCH} per call")
         # All validated before any is scored: a bad request fails the call without side effects.
         inputs = [self._validated(r, f"requests[{i}].") for i, r in enumerate(request.requests)]
-        responses = await asyncio.gather(*(self._score(name, item) for name, item in inputs))
+        responses = await asyncio.gather(*(self._score(*item) for item in inputs))
         return reward_pb2.ScoreBatchResponse(responses=responses)
 
-    def _validated(self, request: reward_pb2.ScoreRequest, where: str = "") -> tuple[str, ScoreInput]:
+    def _validated(self, request: reward_pb2.ScoreRequest, where: str = "") -> tuple[str, ScoreInput, str]:
         if not request.reward:
             raise InvalidArgument(f"{where}reward: required (name of a registered reward)")
-        try:
-            self.registry.get(request.reward)
-        except UnknownReward as exc:
-            raise NotFound(f"{where}{exc.args[0]}") from None
+        if request.reward_config_json and not self.registry.is_plugin(request.reward):
+            raise InvalidArgument(f"{where}reward_config_json: only a plugin reward takes settings")
+        if not self.registry.is_plugin(request.reward):
+            try:
+                self.registry.get(request.reward)
+            except UnknownReward as exc:
+                raise NotFound(f"{where}{exc.args[0]}") from None
         try:
             task = json.loads(request.task_json) if request.task_json else {}
         except json.JSONDecodeError as exc:
@@ -55,13 +61,15 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         env_reward = request.environment_reward if request.HasField("environment_reward") else None
         if env_reward is not None and not math.isfinite(env_reward):
             raise InvalidArgument(f"{where}environment_reward: must be finite")
-        return request.reward, ScoreInput(
-            task, request.completion, request.transcript, env_reward, request.rollout_id
+        return (
+            request.reward,
+            ScoreInput(task, request.completion, request.transcript, env_reward, request.rollout_id),
+            request.reward_config_json,
         )
 
-    async def _score(self, reward: str, item: ScoreInput) -> reward_pb2.ScoreResponse:
+    async def _score(self, reward: str, item: ScoreInput, config_json: str = "") -> reward_pb2.ScoreResponse:
         started = time.perf_counter()
-        outcome = await self.registry.score(reward, item)
+        outcome = await self.registry.score(reward, item, config_json)
         observe(metrics.SECONDS.labels(reward), time.perf_counter() - started)
         metrics.SCORES.labels(reward).observe(outcome.score)
         return reward_pb2.ScoreResponse(
@@ -73,7 +81,46 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 )
                 for c in outcome.components
             ],
+            plugin_error=outcome.plugin_error,
         )
+
+    async def LoadReward(
+        self, request: reward_pb2.LoadRewardRequest, context: Any
+    ) -> reward_pb2.LoadRewardResponse:
+        if not request.reward:
+            raise InvalidArgument("reward: required")
+        if not self.registry.is_plugin(request.reward):
+            if request.config_json:
+                raise InvalidArgument("reward.config: only a plugin reward (reward.function) takes settings")
+            try:
+                spec = self.registry.get(request.reward)
+            except UnknownReward as exc:
+                raise NotFound(exc.args[0]) from None
+            return reward_pb2.LoadRewardResponse(
+                reward=reward_pb2.RewardInfo(name=spec.name, kind=spec.kind, description=spec.description)
+            )
+        try:
+            fn = await asyncio.to_thread(self.registry.plugin, request.reward, request.config_json, True)
+        except BadRewardConfig as exc:
+            raise InvalidArgument(str(exc)) from None
+        except plugins.PluginError as exc:
+            raise FailedPrecondition(f"reward.function: plugin {exc}") from None
+        # Trials are validated like scores, then scored: a plugin that fails one fails the run now.
+        trials = [self._validated(t, f"trials[{i}].") for i, t in enumerate(request.trials)]
+        reply = reward_pb2.LoadRewardResponse(
+            reward=reward_pb2.RewardInfo(
+                name=request.reward,
+                kind="plugin",
+                description=(fn.fn.__doc__ or "").strip().split("\n")[0],
+                plugin=fn.loaded.origin,
+            )
+        )
+        for _, item, _ in trials:
+            response = await self._score(request.reward, item, request.config_json)
+            if response.plugin_error:
+                raise FailedPrecondition(f"reward.function: plugin {response.plugin_error} (on a trial task)")
+            reply.trials.append(response)
+        return reply
 
     async def ListRewards(
         self, request: reward_pb2.ListRewardsRequest, context: Any

@@ -1,17 +1,27 @@
 """Text environments: the interface, the registry, the built-ins (digits, guess, code), datasets."""
 
-from services.environment_sandbox.environments import code, digits, guess, math_word  # noqa: F401 - registers
+from services.environment_sandbox.environments import (  # noqa: F401 - registers
+    code,
+    digits,
+    guess,
+    math_word,
+    single_turn,
+)
 from services.environment_sandbox.environments.base import (
     EnvConfig,
     EnvContext,
     Environment,
     EnvironmentError_,
+    PluginFailure,
     StepResult,
     UnknownEnvironment,
     environment_class,
     environment_names,
     make_environment,
     parse_task,
+    plugin_dirs,
+    plugin_of,
+    set_plugin_dirs,
 )
 from services.environment_sandbox.environments.datasets import generate_tasks, load_jsonl, load_tasks
 
@@ -20,6 +30,7 @@ __all__ = [
     "EnvContext",
     "Environment",
     "EnvironmentError_",
+    "PluginFailure",
     "StepResult",
     "UnknownEnvironment",
     "environment_class",
@@ -29,4 +40,7 @@ __all__ = [
     "load_tasks",
     "make_environment",
     "parse_task",
+    "plugin_dirs",
+    "plugin_of",
+    "set_plugin_dirs",
 ]

@@ -13,13 +13,15 @@ import copy
 import json
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from services.environment_sandbox.ratelimit import Limit, LimitError, parse_limits
+from services.kit import plugins
 from services.kit.schema import Schema, explain, field_error
 
 Message = dict[str, str]
@@ -148,7 +150,15 @@ class Environment(ABC):
         return copy.deepcopy(self, {id(self.context): self.context, id(self.config): self.config})
 
 
+class PluginFailure(EnvironmentError_):
+    """A plugin's own code failed during an episode (an environment raised, a reward raised or gave
+    no finite number): the run cannot go on, and the episode worker fails it naming the cause."""
+
+
 _REGISTRY: dict[str, type[Environment]] = {}
+# Plugin environments loaded by this process, by the reference a recipe names them by.
+_PLUGINS: dict[str, tuple[type[Environment], plugins.Loaded]] = {}
+_PLUGIN_DIRS: list[Path] = []
 
 
 def register(cls: type[Environment]) -> type[Environment]:
@@ -156,17 +166,63 @@ def register(cls: type[Environment]) -> type[Environment]:
     return cls
 
 
+def set_plugin_dirs(dirs: Sequence[Path]) -> None:
+    """The directories plugin environments (and task sources) load from (the service's setting)."""
+    _PLUGIN_DIRS[:] = list(dirs)
+
+
+def plugin_dirs() -> tuple[Path, ...]:
+    return tuple(_PLUGIN_DIRS)
+
+
 def environment_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def environment_class(name: str) -> type[Environment]:
+def _load_plugin(name: str) -> tuple[type[Environment], plugins.Loaded]:
     try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise UnknownEnvironment(
-            f"environment: unknown environment {name!r}; known: {', '.join(environment_names())}"
-        ) from None
+        loaded = plugins.load(name, plugins.ENVIRONMENTS_GROUP, _PLUGIN_DIRS)
+    except plugins.PluginError as exc:
+        raise PluginFailure(f"environment.name: plugin {exc}") from None
+    cls = loaded.obj
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise PluginFailure(
+            f"environment.name: plugin {name!r} ({loaded.origin}) is {cls!r}, not a subclass of "
+            "services.environment_sandbox.environments.Environment"
+        )
+    missing = [m for m in ("generate", "validate_task", "_reset", "_step") if m in cls.__abstractmethods__]
+    if missing:
+        raise PluginFailure(
+            f"environment.name: plugin {name!r} ({plugins.call_site(cls) or loaded.origin}) does not "
+            f"define {', '.join(missing)}"
+        )
+    return cls, loaded
+
+
+def environment_class(name: str, reload: bool = False) -> type[Environment]:
+    """A built-in environment by name, else a plugin (import path or `looprl.environments` entry
+    point) loaded once per process; `reload` loads a plugin again (a run being created)."""
+    cls = _REGISTRY.get(name)
+    if cls is not None:
+        return cls
+    if reload or name not in _PLUGINS:
+        if not plugins.is_reference(name) and name not in plugins.entry_point_names(
+            plugins.ENVIRONMENTS_GROUP
+        ):
+            raise UnknownEnvironment(
+                f"environment: unknown environment {name!r}; built in: {', '.join(environment_names())}; "
+                "or name a plugin as 'module:Class', 'file.py:Class' or a looprl.environments entry point"
+            )
+        _PLUGINS[name] = _load_plugin(name)
+    return _PLUGINS[name][0]
+
+
+def plugin_of(cls: type[Environment]) -> plugins.Loaded | None:
+    """Where a plugin environment class came from; None for a built-in one."""
+    for plugin_cls, loaded in _PLUGINS.values():
+        if plugin_cls is cls:
+            return loaded
+    return None
 
 
 def parse_config(cls: type[Environment], config_json: str | dict | None) -> EnvConfig:

@@ -24,11 +24,12 @@ def generate_tasks(
     return [cls.generate(rng, config) for _ in range(count)]
 
 
-INDEX_KEYS = frozenset({"index", "seed"})
+INDEX_KEYS = frozenset({"index", "seed", "split"})
 
 
 def is_index_task(task: dict[str, Any]) -> bool:
-    """True for a task that only names a dataset position, as the gateway publishes them."""
+    """True for a task that only names a dataset position ({"index", "seed"}, and the split of a
+    recipe's dataset), as the gateway publishes them."""
     return "index" in task and set(task) <= INDEX_KEYS
 
 

@@ -26,7 +26,7 @@ from looprl.common.v1 import common_pb2 as looprl_dot_common_dot_v1_dot_common__
 from looprl.events.v1 import events_pb2 as looprl_dot_events_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'looprl/environment/v1/environment.proto\x12\x15looprl.environment.v1\x1a\x1dlooprl/common/v1/common.proto\x1a\x1dlooprl/events/v1/events.proto\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"@\n\x11RunEpisodeRequest\x12+\n\x04task\x18\x01 \x01(\x0b\x32\x1d.looprl.events.v1.EpisodeTask\"@\n\x12RunEpisodeResponse\x12*\n\x07rollout\x18\x01 \x01(\x0b\x32\x19.looprl.common.v1.Rollout\"J\n\x0cResetRequest\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x11\n\ttask_json\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\"X\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x0bobservation\x18\x02 \x03(\x0b\x32\x1e.looprl.environment.v1.Message\"1\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\"\xcb\x01\n\x0cStepResponse\x12\x33\n\x0bobservation\x18\x01 \x03(\x0b\x32\x1e.looprl.environment.v1.Message\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12;\n\x04info\x18\x04 \x03(\x0b\x32-.looprl.environment.v1.StepResponse.InfoEntry\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd7\x01\n\x0b\x45xecRequest\x12\x10\n\x08language\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\r\n\x05stdin\x18\x03 \x01(\t\x12<\n\x05\x66iles\x18\x04 \x03(\x0b\x32-.looprl.environment.v1.ExecRequest.FilesEntry\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x06 \x01(\x03\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf2\x01\n\x0c\x45xecResponse\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x0e\n\x06stdout\x18\x02 \x01(\t\x12\x0e\n\x06stderr\x18\x03 \x01(\t\x12\x11\n\ttimed_out\x18\x04 \x01(\x08\x12\x15\n\rkilled_reason\x18\x05 \x01(\t\x12\x14\n\x0cwall_seconds\x18\x06 \x01(\x01\x12\x18\n\x10output_truncated\x18\x07 \x01(\x08\x12\x11\n\tisolation\x18\x08 \x03(\t\x12\x19\n\x11missing_isolation\x18\t \x03(\t\x12\x0c\n\x04warm\x18\n \x01(\x08\x12\x19\n\x11memory_peak_bytes\x18\x0b \x01(\x03\"`\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nmulti_turn\x18\x03 \x01(\x08\x12\x16\n\x0e\x64\x65\x66\x61ult_reward\x18\x04 \x01(\t\"\x19\n\x17ListEnvironmentsRequest\"\x8f\x01\n\x18ListEnvironmentsResponse\x12<\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32&.looprl.environment.v1.EnvironmentInfo\x12\x35\n\x07sandbox\x18\x02 \x01(\x0b\x32$.looprl.environment.v1.SandboxStatus\"\xcb\x01\n\rSandboxStatus\x12\x17\n\x0fisolation_level\x18\x01 \x01(\t\x12\x11\n\tisolation\x18\x02 \x03(\t\x12\x19\n\x11missing_isolation\x18\x03 \x03(\t\x12\x13\n\x0bunavailable\x18\x04 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\x0c\n\x04pids\x18\x06 \x01(\x05\x12\x11\n\tcpu_quota\x18\x07 \x01(\x01\x12\x17\n\x0fworkspace_bytes\x18\x08 \x01(\x03\x12\x0e\n\x06\x63group\x18\t \x01(\t2\xe9\x03\n\x19\x45nvironmentSandboxService\x12\x61\n\nRunEpisode\x12(.looprl.environment.v1.RunEpisodeRequest\x1a).looprl.environment.v1.RunEpisodeResponse\x12R\n\x05Reset\x12#.looprl.environment.v1.ResetRequest\x1a$.looprl.environment.v1.ResetResponse\x12O\n\x04Step\x12\".looprl.environment.v1.StepRequest\x1a#.looprl.environment.v1.StepResponse\x12O\n\x04\x45xec\x12\".looprl.environment.v1.ExecRequest\x1a#.looprl.environment.v1.ExecResponse\x12s\n\x10ListEnvironments\x12..looprl.environment.v1.ListEnvironmentsRequest\x1a/.looprl.environment.v1.ListEnvironmentsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'looprl/environment/v1/environment.proto\x12\x15looprl.environment.v1\x1a\x1dlooprl/common/v1/common.proto\x1a\x1dlooprl/events/v1/events.proto\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"@\n\x11RunEpisodeRequest\x12+\n\x04task\x18\x01 \x01(\x0b\x32\x1d.looprl.events.v1.EpisodeTask\"m\n\x12RunEpisodeResponse\x12*\n\x07rollout\x18\x01 \x01(\x0b\x32\x19.looprl.common.v1.Rollout\x12+\n\x08rollouts\x18\x02 \x03(\x0b\x32\x19.looprl.common.v1.Rollout\"J\n\x0cResetRequest\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x11\n\ttask_json\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\"X\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x33\n\x0bobservation\x18\x02 \x03(\x0b\x32\x1e.looprl.environment.v1.Message\"1\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\"\xcb\x01\n\x0cStepResponse\x12\x33\n\x0bobservation\x18\x01 \x03(\x0b\x32\x1e.looprl.environment.v1.Message\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12;\n\x04info\x18\x04 \x03(\x0b\x32-.looprl.environment.v1.StepResponse.InfoEntry\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd7\x01\n\x0b\x45xecRequest\x12\x10\n\x08language\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\r\n\x05stdin\x18\x03 \x01(\t\x12<\n\x05\x66iles\x18\x04 \x03(\x0b\x32-.looprl.environment.v1.ExecRequest.FilesEntry\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x06 \x01(\x03\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf2\x01\n\x0c\x45xecResponse\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x0e\n\x06stdout\x18\x02 \x01(\t\x12\x0e\n\x06stderr\x18\x03 \x01(\t\x12\x11\n\ttimed_out\x18\x04 \x01(\x08\x12\x15\n\rkilled_reason\x18\x05 \x01(\t\x12\x14\n\x0cwall_seconds\x18\x06 \x01(\x01\x12\x18\n\x10output_truncated\x18\x07 \x01(\x08\x12\x11\n\tisolation\x18\x08 \x03(\t\x12\x19\n\x11missing_isolation\x18\t \x03(\t\x12\x0c\n\x04warm\x18\n \x01(\x08\x12\x19\n\x11memory_peak_bytes\x18\x0b \x01(\x03\"p\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nmulti_turn\x18\x03 \x01(\x08\x12\x16\n\x0e\x64\x65\x66\x61ult_reward\x18\x04 \x01(\t\x12\x0e\n\x06plugin\x18\x05 \x01(\t\"\x92\x01\n\x16LoadEnvironmentRequest\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x1f\n\x17\x65nvironment_config_json\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x61taset_json\x18\x03 \x01(\t\x12\x11\n\ttokenizer\x18\x04 \x01(\t\x12\x19\n\x11max_prompt_tokens\x18\x05 \x01(\x05\"\xab\x01\n\x0e\x44\x61tasetSummary\x12\x0c\n\x04rows\x18\x01 \x01(\x03\x12\x12\n\ntrain_rows\x18\x02 \x01(\x03\x12\x11\n\teval_rows\x18\x03 \x01(\x03\x12\x19\n\x11\x66iltered_too_long\x18\x04 \x01(\x03\x12\x19\n\x11max_prompt_tokens\x18\x05 \x01(\x05\x12\x1d\n\x15longest_prompt_tokens\x18\x06 \x01(\x05\x12\x0f\n\x07sources\x18\x07 \x03(\t\"\xbd\x01\n\x17LoadEnvironmentResponse\x12;\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32&.looprl.environment.v1.EnvironmentInfo\x12\x36\n\x07\x64\x61taset\x18\x02 \x01(\x0b\x32%.looprl.environment.v1.DatasetSummary\x12\x17\n\x0f\x66irst_task_json\x18\x03 \x01(\t\x12\x14\n\x0c\x66irst_answer\x18\x04 \x01(\t\"\x19\n\x17ListEnvironmentsRequest\"\x8f\x01\n\x18ListEnvironmentsResponse\x12<\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32&.looprl.environment.v1.EnvironmentInfo\x12\x35\n\x07sandbox\x18\x02 \x01(\x0b\x32$.looprl.environment.v1.SandboxStatus\"\xcb\x01\n\rSandboxStatus\x12\x17\n\x0fisolation_level\x18\x01 \x01(\t\x12\x11\n\tisolation\x18\x02 \x03(\t\x12\x19\n\x11missing_isolation\x18\x03 \x03(\t\x12\x13\n\x0bunavailable\x18\x04 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x03\x12\x0c\n\x04pids\x18\x06 \x01(\x05\x12\x11\n\tcpu_quota\x18\x07 \x01(\x01\x12\x17\n\x0fworkspace_bytes\x18\x08 \x01(\x03\x12\x0e\n\x06\x63group\x18\t \x01(\t2\xdb\x04\n\x19\x45nvironmentSandboxService\x12\x61\n\nRunEpisode\x12(.looprl.environment.v1.RunEpisodeRequest\x1a).looprl.environment.v1.RunEpisodeResponse\x12R\n\x05Reset\x12#.looprl.environment.v1.ResetRequest\x1a$.looprl.environment.v1.ResetResponse\x12O\n\x04Step\x12\".looprl.environment.v1.StepRequest\x1a#.looprl.environment.v1.StepResponse\x12O\n\x04\x45xec\x12\".looprl.environment.v1.ExecRequest\x1a#.looprl.environment.v1.ExecResponse\x12s\n\x10ListEnvironments\x12..looprl.environment.v1.ListEnvironmentsRequest\x1a/.looprl.environment.v1.ListEnvironmentsResponse\x12p\n\x0fLoadEnvironment\x12-.looprl.environment.v1.LoadEnvironmentRequest\x1a..looprl.environment.v1.LoadEnvironmentResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,31 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNEPISODEREQUEST']._serialized_start=170
   _globals['_RUNEPISODEREQUEST']._serialized_end=234
   _globals['_RUNEPISODERESPONSE']._serialized_start=236
-  _globals['_RUNEPISODERESPONSE']._serialized_end=300
-  _globals['_RESETREQUEST']._serialized_start=302
-  _globals['_RESETREQUEST']._serialized_end=376
-  _globals['_RESETRESPONSE']._serialized_start=378
-  _globals['_RESETRESPONSE']._serialized_end=466
-  _globals['_STEPREQUEST']._serialized_start=468
-  _globals['_STEPREQUEST']._serialized_end=517
-  _globals['_STEPRESPONSE']._serialized_start=520
-  _globals['_STEPRESPONSE']._serialized_end=723
-  _globals['_STEPRESPONSE_INFOENTRY']._serialized_start=680
-  _globals['_STEPRESPONSE_INFOENTRY']._serialized_end=723
-  _globals['_EXECREQUEST']._serialized_start=726
-  _globals['_EXECREQUEST']._serialized_end=941
-  _globals['_EXECREQUEST_FILESENTRY']._serialized_start=897
-  _globals['_EXECREQUEST_FILESENTRY']._serialized_end=941
-  _globals['_EXECRESPONSE']._serialized_start=944
-  _globals['_EXECRESPONSE']._serialized_end=1186
-  _globals['_ENVIRONMENTINFO']._serialized_start=1188
-  _globals['_ENVIRONMENTINFO']._serialized_end=1284
-  _globals['_LISTENVIRONMENTSREQUEST']._serialized_start=1286
-  _globals['_LISTENVIRONMENTSREQUEST']._serialized_end=1311
-  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_start=1314
-  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=1457
-  _globals['_SANDBOXSTATUS']._serialized_start=1460
-  _globals['_SANDBOXSTATUS']._serialized_end=1663
-  _globals['_ENVIRONMENTSANDBOXSERVICE']._serialized_start=1666
-  _globals['_ENVIRONMENTSANDBOXSERVICE']._serialized_end=2155
+  _globals['_RUNEPISODERESPONSE']._serialized_end=345
+  _globals['_RESETREQUEST']._serialized_start=347
+  _globals['_RESETREQUEST']._serialized_end=421
+  _globals['_RESETRESPONSE']._serialized_start=423
+  _globals['_RESETRESPONSE']._serialized_end=511
+  _globals['_STEPREQUEST']._serialized_start=513
+  _globals['_STEPREQUEST']._serialized_end=562
+  _globals['_STEPRESPONSE']._serialized_start=565
+  _globals['_STEPRESPONSE']._serialized_end=768
+  _globals['_STEPRESPONSE_INFOENTRY']._serialized_start=725
+  _globals['_STEPRESPONSE_INFOENTRY']._serialized_end=768
+  _globals['_EXECREQUEST']._serialized_start=771
+  _globals['_EXECREQUEST']._serialized_end=986
+  _globals['_EXECREQUEST_FILESENTRY']._serialized_start=942
+  _globals['_EXECREQUEST_FILESENTRY']._serialized_end=986
+  _globals['_EXECRESPONSE']._serialized_start=989
+  _globals['_EXECRESPONSE']._serialized_end=1231
+  _globals['_ENVIRONMENTINFO']._serialized_start=1233
+  _globals['_ENVIRONMENTINFO']._serialized_end=1345
+  _globals['_LOADENVIRONMENTREQUEST']._serialized_start=1348
+  _globals['_LOADENVIRONMENTREQUEST']._serialized_end=1494
+  _globals['_DATASETSUMMARY']._serialized_start=1497
+  _globals['_DATASETSUMMARY']._serialized_end=1668
+  _globals['_LOADENVIRONMENTRESPONSE']._serialized_start=1671
+  _globals['_LOADENVIRONMENTRESPONSE']._serialized_end=1860
+  _globals['_LISTENVIRONMENTSREQUEST']._serialized_start=1862
+  _globals['_LISTENVIRONMENTSREQUEST']._serialized_end=1887
+  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_start=1890
+  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=2033
+  _globals['_SANDBOXSTATUS']._serialized_start=2036
+  _globals['_SANDBOXSTATUS']._serialized_end=2239
+  _globals['_ENVIRONMENTSANDBOXSERVICE']._serialized_start=2242
+  _globals['_ENVIRONMENTSANDBOXSERVICE']._serialized_end=2845
 # @@protoc_insertion_point(module_scope)

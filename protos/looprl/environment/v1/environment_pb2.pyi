@@ -23,10 +23,12 @@ class RunEpisodeRequest(_message.Message):
     def __init__(self, task: _Optional[_Union[_events_pb2.EpisodeTask, _Mapping]] = ...) -> None: ...
 
 class RunEpisodeResponse(_message.Message):
-    __slots__ = ("rollout",)
+    __slots__ = ("rollout", "rollouts")
     ROLLOUT_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     rollout: _common_pb2.Rollout
-    def __init__(self, rollout: _Optional[_Union[_common_pb2.Rollout, _Mapping]] = ...) -> None: ...
+    rollouts: _containers.RepeatedCompositeFieldContainer[_common_pb2.Rollout]
+    def __init__(self, rollout: _Optional[_Union[_common_pb2.Rollout, _Mapping]] = ..., rollouts: _Optional[_Iterable[_Union[_common_pb2.Rollout, _Mapping]]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("environment", "task_json", "session_id")
@@ -123,16 +125,62 @@ class ExecResponse(_message.Message):
     def __init__(self, exit_code: _Optional[int] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., timed_out: _Optional[bool] = ..., killed_reason: _Optional[str] = ..., wall_seconds: _Optional[float] = ..., output_truncated: _Optional[bool] = ..., isolation: _Optional[_Iterable[str]] = ..., missing_isolation: _Optional[_Iterable[str]] = ..., warm: _Optional[bool] = ..., memory_peak_bytes: _Optional[int] = ...) -> None: ...
 
 class EnvironmentInfo(_message.Message):
-    __slots__ = ("name", "description", "multi_turn", "default_reward")
+    __slots__ = ("name", "description", "multi_turn", "default_reward", "plugin")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     MULTI_TURN_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_REWARD_FIELD_NUMBER: _ClassVar[int]
+    PLUGIN_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     multi_turn: bool
     default_reward: str
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., multi_turn: _Optional[bool] = ..., default_reward: _Optional[str] = ...) -> None: ...
+    plugin: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., multi_turn: _Optional[bool] = ..., default_reward: _Optional[str] = ..., plugin: _Optional[str] = ...) -> None: ...
+
+class LoadEnvironmentRequest(_message.Message):
+    __slots__ = ("environment", "environment_config_json", "dataset_json", "tokenizer", "max_prompt_tokens")
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    DATASET_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    environment: str
+    environment_config_json: str
+    dataset_json: str
+    tokenizer: str
+    max_prompt_tokens: int
+    def __init__(self, environment: _Optional[str] = ..., environment_config_json: _Optional[str] = ..., dataset_json: _Optional[str] = ..., tokenizer: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class DatasetSummary(_message.Message):
+    __slots__ = ("rows", "train_rows", "eval_rows", "filtered_too_long", "max_prompt_tokens", "longest_prompt_tokens", "sources")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_TOO_LONG_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LONGEST_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    train_rows: int
+    eval_rows: int
+    filtered_too_long: int
+    max_prompt_tokens: int
+    longest_prompt_tokens: int
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rows: _Optional[int] = ..., train_rows: _Optional[int] = ..., eval_rows: _Optional[int] = ..., filtered_too_long: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., longest_prompt_tokens: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadEnvironmentResponse(_message.Message):
+    __slots__ = ("environment", "dataset", "first_task_json", "first_answer")
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TASK_JSON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    environment: EnvironmentInfo
+    dataset: DatasetSummary
+    first_task_json: str
+    first_answer: str
+    def __init__(self, environment: _Optional[_Union[EnvironmentInfo, _Mapping]] = ..., dataset: _Optional[_Union[DatasetSummary, _Mapping]] = ..., first_task_json: _Optional[str] = ..., first_answer: _Optional[str] = ...) -> None: ...
 
 class ListEnvironmentsRequest(_message.Message):
     __slots__ = ()

@@ -59,6 +59,11 @@ class EnvironmentSandboxServiceStub:
                 request_serializer=looprl_dot_environment_dot_v1_dot_environment__pb2.ListEnvironmentsRequest.SerializeToString,
                 response_deserializer=looprl_dot_environment_dot_v1_dot_environment__pb2.ListEnvironmentsResponse.FromString,
                 _registered_method=True)
+        self.LoadEnvironment = channel.unary_unary(
+                '/looprl.environment.v1.EnvironmentSandboxService/LoadEnvironment',
+                request_serializer=looprl_dot_environment_dot_v1_dot_environment__pb2.LoadEnvironmentRequest.SerializeToString,
+                response_deserializer=looprl_dot_environment_dot_v1_dot_environment__pb2.LoadEnvironmentResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentSandboxServiceServicer:
@@ -98,6 +103,18 @@ class EnvironmentSandboxServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadEnvironment(self, request, context):
+        """Load what a run's episodes need before the first one: its environment (built in, or a plugin
+        named by import path or entry point), its config validated against the environment's own
+        schema, and its dataset (read, mapped, filtered by prompt length, split); one trial reset on
+        the first task. INVALID_ARGUMENT for a bad config or dataset, NOT_FOUND for an unknown
+        environment, FAILED_PRECONDITION for a plugin that fails to import or to reset, each naming
+        the recipe field, the plugin, its file and line.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentSandboxServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +142,11 @@ def add_EnvironmentSandboxServiceServicer_to_server(servicer, server):
                     servicer.ListEnvironments,
                     request_deserializer=looprl_dot_environment_dot_v1_dot_environment__pb2.ListEnvironmentsRequest.FromString,
                     response_serializer=looprl_dot_environment_dot_v1_dot_environment__pb2.ListEnvironmentsResponse.SerializeToString,
+            ),
+            'LoadEnvironment': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadEnvironment,
+                    request_deserializer=looprl_dot_environment_dot_v1_dot_environment__pb2.LoadEnvironmentRequest.FromString,
+                    response_serializer=looprl_dot_environment_dot_v1_dot_environment__pb2.LoadEnvironmentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +284,33 @@ class EnvironmentSandboxService:
             '/looprl.environment.v1.EnvironmentSandboxService/ListEnvironments',
             looprl_dot_environment_dot_v1_dot_environment__pb2.ListEnvironmentsRequest.SerializeToString,
             looprl_dot_environment_dot_v1_dot_environment__pb2.ListEnvironmentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadEnvironment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/looprl.environment.v1.EnvironmentSandboxService/LoadEnvironment',
+            looprl_dot_environment_dot_v1_dot_environment__pb2.LoadEnvironmentRequest.SerializeToString,
+            looprl_dot_environment_dot_v1_dot_environment__pb2.LoadEnvironmentResponse.FromString,
             options,
             channel_credentials,
             insecure,

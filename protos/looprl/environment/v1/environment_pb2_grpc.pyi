@@ -40,6 +40,14 @@ class EnvironmentSandboxServiceStub:
     Exec: _grpc.UnaryUnaryMultiCallable[_environment_pb2.ExecRequest, _environment_pb2.ExecResponse]
     """Run untrusted code in the sandbox."""
     ListEnvironments: _grpc.UnaryUnaryMultiCallable[_environment_pb2.ListEnvironmentsRequest, _environment_pb2.ListEnvironmentsResponse]
+    LoadEnvironment: _grpc.UnaryUnaryMultiCallable[_environment_pb2.LoadEnvironmentRequest, _environment_pb2.LoadEnvironmentResponse]
+    """Load what a run's episodes need before the first one: its environment (built in, or a plugin
+    named by import path or entry point), its config validated against the environment's own
+    schema, and its dataset (read, mapped, filtered by prompt length, split); one trial reset on
+    the first task. INVALID_ARGUMENT for a bad config or dataset, NOT_FOUND for an unknown
+    environment, FAILED_PRECONDITION for a plugin that fails to import or to reset, each naming
+    the recipe field, the plugin, its file and line.
+    """
 
 @_typing.type_check_only
 class EnvironmentSandboxServiceAsyncStub(EnvironmentSandboxServiceStub):
@@ -53,6 +61,14 @@ class EnvironmentSandboxServiceAsyncStub(EnvironmentSandboxServiceStub):
     Exec: _aio.UnaryUnaryMultiCallable[_environment_pb2.ExecRequest, _environment_pb2.ExecResponse]  # type: ignore[assignment]
     """Run untrusted code in the sandbox."""
     ListEnvironments: _aio.UnaryUnaryMultiCallable[_environment_pb2.ListEnvironmentsRequest, _environment_pb2.ListEnvironmentsResponse]  # type: ignore[assignment]
+    LoadEnvironment: _aio.UnaryUnaryMultiCallable[_environment_pb2.LoadEnvironmentRequest, _environment_pb2.LoadEnvironmentResponse]  # type: ignore[assignment]
+    """Load what a run's episodes need before the first one: its environment (built in, or a plugin
+    named by import path or entry point), its config validated against the environment's own
+    schema, and its dataset (read, mapped, filtered by prompt length, split); one trial reset on
+    the first task. INVALID_ARGUMENT for a bad config or dataset, NOT_FOUND for an unknown
+    environment, FAILED_PRECONDITION for a plugin that fails to import or to reset, each naming
+    the recipe field, the plugin, its file and line.
+    """
 
 class EnvironmentSandboxServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -93,5 +109,19 @@ class EnvironmentSandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _environment_pb2.ListEnvironmentsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_environment_pb2.ListEnvironmentsResponse, _abc.Awaitable[_environment_pb2.ListEnvironmentsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def LoadEnvironment(
+        self,
+        request: _environment_pb2.LoadEnvironmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_pb2.LoadEnvironmentResponse, _abc.Awaitable[_environment_pb2.LoadEnvironmentResponse]]:
+        """Load what a run's episodes need before the first one: its environment (built in, or a plugin
+        named by import path or entry point), its config validated against the environment's own
+        schema, and its dataset (read, mapped, filtered by prompt length, split); one trial reset on
+        the first task. INVALID_ARGUMENT for a bad config or dataset, NOT_FOUND for an unknown
+        environment, FAILED_PRECONDITION for a plugin that fails to import or to reset, each naming
+        the recipe field, the plugin, its file and line.
+        """
 
 def add_EnvironmentSandboxServiceServicer_to_server(servicer: EnvironmentSandboxServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EpisodeTask(_message.Message):
-    __slots__ = ("run_id", "task_id", "group_id", "environment", "task_json", "group_size", "sample_index", "sampling", "min_weight_version", "reward", "step", "environment_config_json", "branch_at_turn", "branches", "tokenizer")
+    __slots__ = ("run_id", "task_id", "group_id", "environment", "task_json", "group_size", "sample_index", "sampling", "min_weight_version", "reward", "step", "environment_config_json", "branch_at_turn", "branches", "tokenizer", "dataset_json", "reward_config_json", "evaluation")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,9 @@ class EpisodeTask(_message.Message):
     BRANCH_AT_TURN_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    DATASET_JSON_FIELD_NUMBER: _ClassVar[int]
+    REWARD_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     task_id: str
     group_id: str
@@ -39,7 +42,10 @@ class EpisodeTask(_message.Message):
     branch_at_turn: int
     branches: int
     tokenizer: str
-    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., environment: _Optional[str] = ..., task_json: _Optional[str] = ..., group_size: _Optional[int] = ..., sample_index: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., reward: _Optional[str] = ..., step: _Optional[int] = ..., environment_config_json: _Optional[str] = ..., branch_at_turn: _Optional[int] = ..., branches: _Optional[int] = ..., tokenizer: _Optional[str] = ...) -> None: ...
+    dataset_json: str
+    reward_config_json: str
+    evaluation: bool
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., environment: _Optional[str] = ..., task_json: _Optional[str] = ..., group_size: _Optional[int] = ..., sample_index: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., reward: _Optional[str] = ..., step: _Optional[int] = ..., environment_config_json: _Optional[str] = ..., branch_at_turn: _Optional[int] = ..., branches: _Optional[int] = ..., tokenizer: _Optional[str] = ..., dataset_json: _Optional[str] = ..., reward_config_json: _Optional[str] = ..., evaluation: _Optional[bool] = ...) -> None: ...
 
 class WeightsPublished(_message.Message):
     __slots__ = ("run_id", "version", "deployment", "sync_seconds", "bytes")

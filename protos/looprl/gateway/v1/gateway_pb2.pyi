@@ -85,7 +85,7 @@ class WeightSync(_message.Message):
     def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "state", "recipe_toml", "step", "total_steps", "weight_version", "deployments", "history", "episodes_published", "rollouts_trained", "rollouts_dropped", "error", "queued_episodes", "duplicate_deliveries", "weight_syncs", "last_error", "stalled_reason", "step_records_ignored", "tenant", "queue_position", "queued_reason")
+    __slots__ = ("run_id", "state", "recipe_toml", "step", "total_steps", "weight_version", "deployments", "history", "episodes_published", "rollouts_trained", "rollouts_dropped", "error", "queued_episodes", "duplicate_deliveries", "weight_syncs", "last_error", "stalled_reason", "step_records_ignored", "tenant", "queue_position", "queued_reason", "evaluations", "dataset")
     class RolloutsDroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,8 @@ class Run(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REASON_FIELD_NUMBER: _ClassVar[int]
+    EVALUATIONS_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     recipe_toml: str
@@ -135,7 +137,74 @@ class Run(_message.Message):
     tenant: str
     queue_position: int
     queued_reason: str
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., recipe_toml: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., deployments: _Optional[_Iterable[_Union[DeploymentVersion, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., episodes_published: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., rollouts_dropped: _Optional[_Mapping[str, int]] = ..., error: _Optional[str] = ..., queued_episodes: _Optional[int] = ..., duplicate_deliveries: _Optional[int] = ..., weight_syncs: _Optional[_Iterable[_Union[WeightSync, _Mapping]]] = ..., last_error: _Optional[_Union[ComponentError, _Mapping]] = ..., stalled_reason: _Optional[str] = ..., step_records_ignored: _Optional[int] = ..., tenant: _Optional[str] = ..., queue_position: _Optional[int] = ..., queued_reason: _Optional[str] = ...) -> None: ...
+    evaluations: _containers.RepeatedCompositeFieldContainer[Evaluation]
+    dataset: RunDataset
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., recipe_toml: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., deployments: _Optional[_Iterable[_Union[DeploymentVersion, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., episodes_published: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., rollouts_dropped: _Optional[_Mapping[str, int]] = ..., error: _Optional[str] = ..., queued_episodes: _Optional[int] = ..., duplicate_deliveries: _Optional[int] = ..., weight_syncs: _Optional[_Iterable[_Union[WeightSync, _Mapping]]] = ..., last_error: _Optional[_Union[ComponentError, _Mapping]] = ..., stalled_reason: _Optional[str] = ..., step_records_ignored: _Optional[int] = ..., tenant: _Optional[str] = ..., queue_position: _Optional[int] = ..., queued_reason: _Optional[str] = ..., evaluations: _Optional[_Iterable[_Union[Evaluation, _Mapping]]] = ..., dataset: _Optional[_Union[RunDataset, _Mapping]] = ...) -> None: ...
+
+class Evaluation(_message.Message):
+    __slots__ = ("step", "prompts", "samples_per_prompt", "pass_at_1", "pass_at_k", "k", "mean_reward", "mean_response_tokens", "sources", "seconds", "unix_time", "greedy")
+    class SourcesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: EvaluationSource
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[EvaluationSource, _Mapping]] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PASS_AT_1_FIELD_NUMBER: _ClassVar[int]
+    PASS_AT_K_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    MEAN_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    prompts: int
+    samples_per_prompt: int
+    pass_at_1: float
+    pass_at_k: float
+    k: int
+    mean_reward: float
+    mean_response_tokens: float
+    sources: _containers.MessageMap[str, EvaluationSource]
+    seconds: float
+    unix_time: float
+    greedy: bool
+    def __init__(self, step: _Optional[int] = ..., prompts: _Optional[int] = ..., samples_per_prompt: _Optional[int] = ..., pass_at_1: _Optional[float] = ..., pass_at_k: _Optional[float] = ..., k: _Optional[int] = ..., mean_reward: _Optional[float] = ..., mean_response_tokens: _Optional[float] = ..., sources: _Optional[_Mapping[str, EvaluationSource]] = ..., seconds: _Optional[float] = ..., unix_time: _Optional[float] = ..., greedy: _Optional[bool] = ...) -> None: ...
+
+class EvaluationSource(_message.Message):
+    __slots__ = ("prompts", "pass_at_1", "pass_at_k", "mean_reward", "mean_response_tokens")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    PASS_AT_1_FIELD_NUMBER: _ClassVar[int]
+    PASS_AT_K_FIELD_NUMBER: _ClassVar[int]
+    MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    MEAN_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompts: int
+    pass_at_1: float
+    pass_at_k: float
+    mean_reward: float
+    mean_response_tokens: float
+    def __init__(self, prompts: _Optional[int] = ..., pass_at_1: _Optional[float] = ..., pass_at_k: _Optional[float] = ..., mean_reward: _Optional[float] = ..., mean_response_tokens: _Optional[float] = ...) -> None: ...
+
+class RunDataset(_message.Message):
+    __slots__ = ("rows", "train_rows", "eval_rows", "filtered_too_long", "max_prompt_tokens", "longest_prompt_tokens")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_TOO_LONG_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LONGEST_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    train_rows: int
+    eval_rows: int
+    filtered_too_long: int
+    max_prompt_tokens: int
+    longest_prompt_tokens: int
+    def __init__(self, rows: _Optional[int] = ..., train_rows: _Optional[int] = ..., eval_rows: _Optional[int] = ..., filtered_too_long: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., longest_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ComponentError(_message.Message):
     __slots__ = ("component", "message", "occurrences", "unix_time")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dlooprl/reward/v1/reward.proto\x12\x10looprl.reward.v1\"\xa5\x01\n\x0cScoreRequest\x12\x0e\n\x06reward\x18\x01 \x01(\t\x12\x11\n\ttask_json\x18\x02 \x01(\t\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x12\n\nrollout_id\x18\x04 \x01(\t\x12\x12\n\ntranscript\x18\x05 \x01(\t\x12\x1f\n\x12\x65nvironment_reward\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x15\n\x13_environment_reward\"Y\n\x0e\x43omponentScore\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\"`\n\rScoreResponse\x12\r\n\x05score\x18\x01 \x01(\x01\x12\x34\n\ncomponents\x18\x02 \x03(\x0b\x32 .looprl.reward.v1.ComponentScore\x12\n\n\x02ok\x18\x03 \x01(\x08\"E\n\x11ScoreBatchRequest\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.looprl.reward.v1.ScoreRequest\"H\n\x12ScoreBatchResponse\x12\x32\n\tresponses\x18\x01 \x03(\x0b\x32\x1f.looprl.reward.v1.ScoreResponse\"=\n\nRewardInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"\x14\n\x12ListRewardsRequest\"D\n\x13ListRewardsResponse\x12-\n\x07rewards\x18\x01 \x03(\x0b\x32\x1c.looprl.reward.v1.RewardInfo2\x8e\x02\n\rRewardService\x12H\n\x05Score\x12\x1e.looprl.reward.v1.ScoreRequest\x1a\x1f.looprl.reward.v1.ScoreResponse\x12W\n\nScoreBatch\x12#.looprl.reward.v1.ScoreBatchRequest\x1a$.looprl.reward.v1.ScoreBatchResponse\x12Z\n\x0bListRewards\x12$.looprl.reward.v1.ListRewardsRequest\x1a%.looprl.reward.v1.ListRewardsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dlooprl/reward/v1/reward.proto\x12\x10looprl.reward.v1\"\xc1\x01\n\x0cScoreRequest\x12\x0e\n\x06reward\x18\x01 \x01(\t\x12\x11\n\ttask_json\x18\x02 \x01(\t\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x12\n\nrollout_id\x18\x04 \x01(\t\x12\x12\n\ntranscript\x18\x05 \x01(\t\x12\x1f\n\x12\x65nvironment_reward\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\x12reward_config_json\x18\x07 \x01(\tB\x15\n\x13_environment_reward\"Y\n\x0e\x43omponentScore\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0e\n\x06reason\x18\x05 \x01(\t\"v\n\rScoreResponse\x12\r\n\x05score\x18\x01 \x01(\x01\x12\x34\n\ncomponents\x18\x02 \x03(\x0b\x32 .looprl.reward.v1.ComponentScore\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x14\n\x0cplugin_error\x18\x04 \x01(\t\"E\n\x11ScoreBatchRequest\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.looprl.reward.v1.ScoreRequest\"H\n\x12ScoreBatchResponse\x12\x32\n\tresponses\x18\x01 \x03(\x0b\x32\x1f.looprl.reward.v1.ScoreResponse\"M\n\nRewardInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x0e\n\x06plugin\x18\x04 \x01(\t\"h\n\x11LoadRewardRequest\x12\x0e\n\x06reward\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12.\n\x06trials\x18\x03 \x03(\x0b\x32\x1e.looprl.reward.v1.ScoreRequest\"s\n\x12LoadRewardResponse\x12,\n\x06reward\x18\x01 \x01(\x0b\x32\x1c.looprl.reward.v1.RewardInfo\x12/\n\x06trials\x18\x02 \x03(\x0b\x32\x1f.looprl.reward.v1.ScoreResponse\"\x14\n\x12ListRewardsRequest\"D\n\x13ListRewardsResponse\x12-\n\x07rewards\x18\x01 \x03(\x0b\x32\x1c.looprl.reward.v1.RewardInfo2\xe7\x02\n\rRewardService\x12H\n\x05Score\x12\x1e.looprl.reward.v1.ScoreRequest\x1a\x1f.looprl.reward.v1.ScoreResponse\x12W\n\nScoreBatch\x12#.looprl.reward.v1.ScoreBatchRequest\x1a$.looprl.reward.v1.ScoreBatchResponse\x12Z\n\x0bListRewards\x12$.looprl.reward.v1.ListRewardsRequest\x1a%.looprl.reward.v1.ListRewardsResponse\x12W\n\nLoadReward\x12#.looprl.reward.v1.LoadRewardRequest\x1a$.looprl.reward.v1.LoadRewardResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'looprl.reward.v1.reward_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCOREREQUEST']._serialized_start=52
-  _globals['_SCOREREQUEST']._serialized_end=217
-  _globals['_COMPONENTSCORE']._serialized_start=219
-  _globals['_COMPONENTSCORE']._serialized_end=308
-  _globals['_SCORERESPONSE']._serialized_start=310
-  _globals['_SCORERESPONSE']._serialized_end=406
-  _globals['_SCOREBATCHREQUEST']._serialized_start=408
-  _globals['_SCOREBATCHREQUEST']._serialized_end=477
-  _globals['_SCOREBATCHRESPONSE']._serialized_start=479
-  _globals['_SCOREBATCHRESPONSE']._serialized_end=551
-  _globals['_REWARDINFO']._serialized_start=553
-  _globals['_REWARDINFO']._serialized_end=614
-  _globals['_LISTREWARDSREQUEST']._serialized_start=616
-  _globals['_LISTREWARDSREQUEST']._serialized_end=636
-  _globals['_LISTREWARDSRESPONSE']._serialized_start=638
-  _globals['_LISTREWARDSRESPONSE']._serialized_end=706
-  _globals['_REWARDSERVICE']._serialized_start=709
-  _globals['_REWARDSERVICE']._serialized_end=979
+  _globals['_SCOREREQUEST']._serialized_end=245
+  _globals['_COMPONENTSCORE']._serialized_start=247
+  _globals['_COMPONENTSCORE']._serialized_end=336
+  _globals['_SCORERESPONSE']._serialized_start=338
+  _globals['_SCORERESPONSE']._serialized_end=456
+  _globals['_SCOREBATCHREQUEST']._serialized_start=458
+  _globals['_SCOREBATCHREQUEST']._serialized_end=527
+  _globals['_SCOREBATCHRESPONSE']._serialized_start=529
+  _globals['_SCOREBATCHRESPONSE']._serialized_end=601
+  _globals['_REWARDINFO']._serialized_start=603
+  _globals['_REWARDINFO']._serialized_end=680
+  _globals['_LOADREWARDREQUEST']._serialized_start=682
+  _globals['_LOADREWARDREQUEST']._serialized_end=786
+  _globals['_LOADREWARDRESPONSE']._serialized_start=788
+  _globals['_LOADREWARDRESPONSE']._serialized_end=903
+  _globals['_LISTREWARDSREQUEST']._serialized_start=905
+  _globals['_LISTREWARDSREQUEST']._serialized_end=925
+  _globals['_LISTREWARDSRESPONSE']._serialized_start=927
+  _globals['_LISTREWARDSRESPONSE']._serialized_end=995
+  _globals['_REWARDSERVICE']._serialized_start=998
+  _globals['_REWARDSERVICE']._serialized_end=1357
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,11 @@ class RewardServiceStub:
                 request_serializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ListRewardsRequest.SerializeToString,
                 response_deserializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ListRewardsResponse.FromString,
                 _registered_method=True)
+        self.LoadReward = channel.unary_unary(
+                '/looprl.reward.v1.RewardService/LoadReward',
+                request_serializer=looprl_dot_reward_dot_v1_dot_reward__pb2.LoadRewardRequest.SerializeToString,
+                response_deserializer=looprl_dot_reward_dot_v1_dot_reward__pb2.LoadRewardResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
@@ -75,6 +80,17 @@ class RewardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadReward(self, request, context):
+        """Load a reward (registered, or a plugin named by import path or entry point), validate its
+        config against the plugin's own schema and, for a plugin, score the trial inputs once. NOT_FOUND
+        for an unknown reward, INVALID_ARGUMENT for a bad config, FAILED_PRECONDITION for a plugin that
+        fails to import or whose trial raises or returns no finite number, each naming the plugin,
+        its file and line, and the cause.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RewardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +108,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.ListRewards,
                     request_deserializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ListRewardsRequest.FromString,
                     response_serializer=looprl_dot_reward_dot_v1_dot_reward__pb2.ListRewardsResponse.SerializeToString,
+            ),
+            'LoadReward': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadReward,
+                    request_deserializer=looprl_dot_reward_dot_v1_dot_reward__pb2.LoadRewardRequest.FromString,
+                    response_serializer=looprl_dot_reward_dot_v1_dot_reward__pb2.LoadRewardResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +196,33 @@ class RewardService:
             '/looprl.reward.v1.RewardService/ListRewards',
             looprl_dot_reward_dot_v1_dot_reward__pb2.ListRewardsRequest.SerializeToString,
             looprl_dot_reward_dot_v1_dot_reward__pb2.ListRewardsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadReward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/looprl.reward.v1.RewardService/LoadReward',
+            looprl_dot_reward_dot_v1_dot_reward__pb2.LoadRewardRequest.SerializeToString,
+            looprl_dot_reward_dot_v1_dot_reward__pb2.LoadRewardResponse.FromString,
             options,
             channel_credentials,
             insecure,

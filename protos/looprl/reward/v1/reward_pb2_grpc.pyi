@@ -38,6 +38,13 @@ class RewardServiceStub:
     NOT_FOUND naming it as requests[i].
     """
     ListRewards: _grpc.UnaryUnaryMultiCallable[_reward_pb2.ListRewardsRequest, _reward_pb2.ListRewardsResponse]
+    LoadReward: _grpc.UnaryUnaryMultiCallable[_reward_pb2.LoadRewardRequest, _reward_pb2.LoadRewardResponse]
+    """Load a reward (registered, or a plugin named by import path or entry point), validate its
+    config against the plugin's own schema and, for a plugin, score the trial inputs once. NOT_FOUND
+    for an unknown reward, INVALID_ARGUMENT for a bad config, FAILED_PRECONDITION for a plugin that
+    fails to import or whose trial raises or returns no finite number, each naming the plugin,
+    its file and line, and the cause.
+    """
 
 @_typing.type_check_only
 class RewardServiceAsyncStub(RewardServiceStub):
@@ -49,6 +56,13 @@ class RewardServiceAsyncStub(RewardServiceStub):
     NOT_FOUND naming it as requests[i].
     """
     ListRewards: _aio.UnaryUnaryMultiCallable[_reward_pb2.ListRewardsRequest, _reward_pb2.ListRewardsResponse]  # type: ignore[assignment]
+    LoadReward: _aio.UnaryUnaryMultiCallable[_reward_pb2.LoadRewardRequest, _reward_pb2.LoadRewardResponse]  # type: ignore[assignment]
+    """Load a reward (registered, or a plugin named by import path or entry point), validate its
+    config against the plugin's own schema and, for a plugin, score the trial inputs once. NOT_FOUND
+    for an unknown reward, INVALID_ARGUMENT for a bad config, FAILED_PRECONDITION for a plugin that
+    fails to import or whose trial raises or returns no finite number, each naming the plugin,
+    its file and line, and the cause.
+    """
 
 class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -75,5 +89,18 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _reward_pb2.ListRewardsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_reward_pb2.ListRewardsResponse, _abc.Awaitable[_reward_pb2.ListRewardsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def LoadReward(
+        self,
+        request: _reward_pb2.LoadRewardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_reward_pb2.LoadRewardResponse, _abc.Awaitable[_reward_pb2.LoadRewardResponse]]:
+        """Load a reward (registered, or a plugin named by import path or entry point), validate its
+        config against the plugin's own schema and, for a plugin, score the trial inputs once. NOT_FOUND
+        for an unknown reward, INVALID_ARGUMENT for a bad config, FAILED_PRECONDITION for a plugin that
+        fails to import or whose trial raises or returns no finite number, each naming the plugin,
+        its file and line, and the cause.
+        """
 
 def add_RewardServiceServicer_to_server(servicer: RewardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
