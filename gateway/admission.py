@@ -11,8 +11,9 @@ A recipe can be valid on its own and still be unable to make progress here: no d
 inference-router serves it, the environment-sandbox does not know its environment, the reward
 service does not know its reward, or its tokenizer's vocabulary does not fit the model's. Each
 is refused with FAILED_PRECONDITION naming the recipe field and what is missing, before the run
-exists. The services are asked over their own RPCs (ListDeployments, ListEnvironments,
-ListRewards); a service whose address the gateway was not given is not asked.
+exists. The services are asked over their own RPCs (ListDeployments here; LoadEnvironment and
+LoadReward, which also load and check user code, in gateway/task_code.py); a service whose address
+the gateway was not given is not asked.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import Tenant
-from looprl.environment.v1 import environment_pb2, environment_pb2_grpc
+from looprl.environment.v1 import environment_pb2_grpc
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from looprl.reward.v1 import reward_pb2, reward_pb2_grpc
+from looprl.reward.v1 import reward_pb2_grpc
 from services.kit.errors import FailedPrecondition, ResourceExhausted
 from services.kit.recipe import Recipe
 
@@ -204,10 +205,6 @@ async def admit(recipe: Recipe, peers: Peers, base_dir: Path) -> bool:
     shared = False
     if peers.router is not None:
         shared = await _check_deployments(recipe, peers)
-    if peers.sandbox is not None:
-        await _check_environment(recipe, peers)
-    if peers.reward is not None and recipe.environment.reward:
-        await _check_reward(recipe, peers)
     return shared
 
 
@@ -238,31 +235,6 @@ async def _check_deployments(recipe: Recipe, peers: Peers) -> bool:
             f"inference-router serves {have} (it serves only its configured deployments)"
         )
     return True
-
-
-async def _check_environment(recipe: Recipe, peers: Peers) -> None:
-    reply = await _ask(
-        "environment-sandbox",
-        peers.sandbox.ListEnvironments,
-        environment_pb2.ListEnvironmentsRequest(),
-        peers.timeout_s,
-    )
-    known = sorted(e.name for e in reply.environments)
-    if recipe.environment.name not in known:
-        raise FailedPrecondition(
-            f"environment.name: unknown environment {recipe.environment.name!r}: the environment-sandbox "
-            f"serves {', '.join(known) or 'none'}"
-        )
-
-
-async def _check_reward(recipe: Recipe, peers: Peers) -> None:
-    reply = await _ask("reward", peers.reward.ListRewards, reward_pb2.ListRewardsRequest(), peers.timeout_s)
-    known = sorted(r.name for r in reply.rewards)
-    if recipe.environment.reward not in known:
-        raise FailedPrecondition(
-            f"environment.reward: unknown reward {recipe.environment.reward!r}: the reward service "
-            f"serves {', '.join(known) or 'none'}"
-        )
 
 
 def model_vocab_size(recipe: Recipe, base_dir: Path) -> int:

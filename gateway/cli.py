@@ -1,4 +1,4 @@
-"""The `looprl` command line: local stack (up/down/status) and runs (run/runs/watch/stop).
+"""The `looprl` command line: local stack (up/down/status) and runs (run/runs/watch/stop/eval).
 
 Argument parsing happens before any heavy import, so `looprl --help` is instant.
 """
@@ -46,7 +46,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     state = up(
         _state_dir(args),
         _ports(args),
-        _recipe_env(args.recipe),
+        {**_recipe_env(args.recipe), **_plugin_env(args.plugin_dir)},
         keep_state=args.keep_state,
         host=args.host,
         ray_resources=json.loads(args.ray_resources) if args.ray_resources else None,
@@ -124,6 +124,16 @@ def _recipe_env(recipe: str | None) -> dict[str, str]:
     return {"LOOPRL_INFERENCE_ROUTER_RECIPE": str(Path(recipe).resolve())}
 
 
+def _plugin_env(dirs: list[str]) -> dict[str, str]:
+    """The plugin directories the environment-sandbox and the reward service load user code from."""
+    if not dirs:
+        return {}
+    missing = [d for d in dirs if not Path(d).is_dir()]
+    if missing:
+        sys.exit(f"looprl: --plugin-dir {missing[0]!r} is not a directory")
+    return {"LOOPRL_PLUGIN_DIRS": os.pathsep.join(str(Path(d).resolve()) for d in dirs)}
+
+
 def cmd_certs(args: argparse.Namespace) -> int:
     """A development CA and one certificate per service (for docker compose or a Kubernetes Secret)."""
     from services.kit import nats_auth, tls
@@ -153,7 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     existing = StackState.load(_state_dir(args).resolve())
     if args.local and (existing is None or not existing.running()):
         print("bringing the local stack up ...")
-        up(_state_dir(args), _ports(args))  # the run brings its own deployments
+        up(_state_dir(args), _ports(args), _plugin_env(args.plugin_dir))  # the run brings its own deployments
         started_here = True
     try:
         stub, metadata = _gateway(args)
@@ -194,6 +204,62 @@ def _watch_request(run_id: str):
     from looprl.gateway.v1 import gateway_pb2
 
     return gateway_pb2.WatchRunRequest(run_id=run_id)
+
+
+def hf_export_dir(state_dir: Path, run_id: str, step: int) -> Path:
+    """Where the local stack's trainer writes a run's Hugging Face export of a step (at its end)."""
+    return state_dir / "trainer" / run_id / "hf" / f"step_{step:08d}"
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a run's weights of one step on its held-out split, as its evaluations during the run
+    did: a run that trains nothing (eval.checkpoint_step) from the step's Hugging Face export."""
+    import grpc
+
+    from looprl.gateway.v1 import gateway_pb2
+    from services.kit.limits import RecipeLimits
+    from services.kit.recipe import Recipe, parse_recipe, recipe_toml
+
+    stub, metadata = _gateway(args)
+    source = stub.GetRun(gateway_pb2.GetRunRequest(run_id=args.run_id), metadata=metadata).run
+    recipe = parse_recipe(source.recipe_toml, limits=RecipeLimits.ceilings())
+    step = source.weight_version if args.step is None else args.step
+    model_dir = Path(args.model_dir) if args.model_dir else hf_export_dir(_state_dir(args), args.run_id, step)
+    deadline = time.monotonic() + args.wait
+    while not (model_dir / "config.json").is_file() and time.monotonic() < deadline:
+        time.sleep(0.5)  # the trainer writes the final export as the run ends
+    if not (model_dir / "config.json").is_file():
+        print(
+            f"looprl eval: no Hugging Face export of run {args.run_id} at step {step} in {model_dir} (the "
+            "trainer writes one at a run's end; name another with --model-dir)",
+            file=sys.stderr,
+        )
+        return 2
+    data = recipe.model_dump()
+    data["run"]["name"] = f"{recipe.run.name}-eval{step}"
+    data["model"]["path"] = str(model_dir.resolve())
+    data["eval"].update(checkpoint_step=step, every=0)
+    if data["eval"]["samples"] == 0 and not data["eval"]["greedy"]:
+        data["eval"]["greedy"] = True
+    text = recipe_toml(Recipe.model_validate(data, context={"limits": RecipeLimits.ceilings()}))
+    try:
+        reply = stub.CreateRun(gateway_pb2.CreateRunRequest(recipe_toml=text), metadata=metadata)
+    except grpc.RpcError as exc:
+        print(f"the gateway refused the evaluation: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    print(f"run {reply.run.run_id} evaluates {args.run_id} at step {step} ({model_dir})")
+    status = _follow(stub, metadata, reply.run.run_id, Path(args.report_dir))
+    final = stub.GetRun(gateway_pb2.GetRunRequest(run_id=reply.run.run_id), metadata=metadata).run
+    recorded = {e.step: e for e in source.evaluations}
+    for e in final.evaluations:
+        line = f"evaluation of {args.run_id} at step {e.step}: pass@1 {e.pass_at_1:.4f}"
+        line += f", pass@{e.k} {e.pass_at_k:.4f}" if e.k else ""
+        line += f", mean reward {e.mean_reward:.4f} over {e.prompts} prompts"
+        if e.step in recorded:
+            r = recorded[e.step]
+            line += f" (the run recorded pass@1 {r.pass_at_1:.4f}, mean reward {r.mean_reward:.4f})"
+        print(line)
+    return status
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -283,6 +349,12 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
     )
     p.add_argument("--keep-state", action="store_true", help="keep the JetStream state of the last stack")
     p.add_argument(
+        "--plugin-dir",
+        action="append",
+        default=[],
+        help="directory of user code (environments, rewards, task sources) the services may load",
+    )
+    p.add_argument(
         "--host",
         default="127.0.0.1",
         help="address every process listens on; this host's own address makes it the head of several hosts",
@@ -323,9 +395,22 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
         "--local", action="store_true", help="bring a local stack up (and down after) unless one is running"
     )
     p.add_argument("--keep-up", action="store_true", help="with --local, leave the stack running")
+    p.add_argument(
+        "--plugin-dir",
+        action="append",
+        default=[],
+        help="with --local, a directory of user code the services may load",
+    )
     p.add_argument("--report-dir", default="reports")
     p.set_defaults(func=cmd_run)
     add_command("runs", help="list runs").set_defaults(func=cmd_runs)
+    p = add_command("eval", help="evaluate a run's weights of one step on its held-out split")
+    p.add_argument("run_id")
+    p.add_argument("--step", type=int, default=None, help="the step whose weights (default: the run's last)")
+    p.add_argument("--model-dir", default="", help="its Hugging Face export (default: the local trainer's)")
+    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the export to appear")
+    p.add_argument("--report-dir", default="reports")
+    p.set_defaults(func=cmd_eval)
     for name, func, text in (("watch", cmd_watch, "follow a run"), ("stop", cmd_stop, "stop a run")):
         p = add_command(name, help=text)
         p.add_argument("run_id")

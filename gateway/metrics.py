@@ -23,6 +23,8 @@ log = logging.getLogger("looprl.gateway.metrics")
 RUNS = gauge("looprl_gateway_runs")
 RUN_STEP = gauge("looprl_gateway_run_step")
 RUN_WEIGHT_VERSION = gauge("looprl_gateway_run_weight_version")
+RUN_EVAL_PASS_AT_1 = gauge("looprl_gateway_run_eval_pass_at_1")
+RUN_EVAL_MEAN_REWARD = gauge("looprl_gateway_run_eval_mean_reward")
 HTTP_REQUESTS = counter("looprl_gateway_http_requests_total")
 HTTP_SECONDS = histogram("looprl_gateway_http_request_seconds")
 OPENAI_REQUESTS = counter("looprl_gateway_openai_requests_total")
@@ -94,6 +96,10 @@ def record_runs(records: list[Any]) -> None:
         counts[state] = counts.get(state, 0) + 1
         RUN_STEP.labels(record.run_id).set(record.step)
         RUN_WEIGHT_VERSION.labels(record.run_id).set(record.weight_version)
+        evaluations = record.extra.get("evaluations")
+        if evaluations:
+            RUN_EVAL_PASS_AT_1.labels(record.run_id).set(evaluations[-1]["pass_at_1"])
+            RUN_EVAL_MEAN_REWARD.labels(record.run_id).set(evaluations[-1]["mean_reward"])
     for state, count in counts.items():
         RUNS.labels(state).set(count)
 

@@ -24,9 +24,16 @@ def progress_line(run: gateway_pb2.Run) -> str:
             f"train {last.train_tokens_per_second:7.0f} tok/s",
             f"staleness {last.mean_staleness:.2f}",
         ]
+    if run.evaluations:
+        ev = run.evaluations[-1]
+        parts.append(
+            f"eval@{ev.step} pass@1 {ev.pass_at_1:.3f}" + (f" pass@{ev.k} {ev.pass_at_k:.3f}" if ev.k else "")
+        )
     versions = " ".join(f"{d.deployment}=v{d.version}" for d in run.deployments)
     parts.append(f"trainer v{run.weight_version}" + (f" | {versions}" if versions else ""))
     parts.append(f"episodes {run.episodes_published} trained {run.rollouts_trained}")
+    if run.dataset.filtered_too_long:
+        parts.append(f"prompts too long {run.dataset.filtered_too_long}")
     if run.rollouts_dropped:
         parts.append("dropped " + ",".join(f"{k}={v}" for k, v in run.rollouts_dropped.items()))
     if run.duplicate_deliveries:

@@ -61,6 +61,34 @@ def panels(run: gateway_pb2.Run) -> list[Panel]:
     syncs: dict[str, list[gateway_pb2.WeightSync]] = {}
     for w in sorted(run.weight_syncs, key=lambda w: (w.deployment, w.version)):
         syncs.setdefault(w.deployment, []).append(w)
+    return [*_core_panels(run, one, steps, syncs), *_evaluation_panels(run)]
+
+
+def _evaluation_panels(run: gateway_pb2.Run) -> list[Panel]:
+    """pass@1 (and pass@k, mean reward) of each held-out evaluation, and pass@1 per task source."""
+    if not run.evaluations:
+        return []
+    at = [float(e.step) for e in run.evaluations]
+    series = [Series("pass@1", at, [e.pass_at_1 for e in run.evaluations])]
+    if run.evaluations[-1].k:
+        series.append(Series(f"pass@{run.evaluations[-1].k}", at, [e.pass_at_k for e in run.evaluations]))
+    series.append(Series("mean reward", at, [e.mean_reward for e in run.evaluations]))
+    sources = sorted({name for e in run.evaluations for name in e.sources})
+    by_source = [
+        Series(
+            name,
+            [float(e.step) for e in run.evaluations if name in e.sources],
+            [e.sources[name].pass_at_1 for e in run.evaluations if name in e.sources],
+        )
+        for name in sources
+    ]
+    return [
+        Panel("held-out evaluation", "trainer step", "pass rate / reward", series, legend=True),
+        Panel("held-out pass@1 by task source", "trainer step", "pass@1", by_source, legend=True),
+    ]
+
+
+def _core_panels(run: gateway_pb2.Run, one, steps: list[float], syncs: dict) -> list[Panel]:
     return [
         Panel(
             "reward",
@@ -191,6 +219,8 @@ def summary_lines(run: gateway_pb2.Run) -> list[str]:
         f"- deployments: {', '.join(f'{d.deployment}=v{d.version}' for d in run.deployments) or 'n/a'}",
         f"- weight syncs: {len(syncs)}"
         + (f", {sum(syncs) / len(syncs):.3f} s mean, {max(syncs):.3f} s max" if syncs else ""),
+        *_dataset_lines(run),
+        *_evaluation_lines(run),
         "",
         f"{len(shown)} of {len(run.history)} steps ({_which_steps(len(run.history))}); every step is in "
         f"{HISTORY_CSV}.",
@@ -201,6 +231,43 @@ def summary_lines(run: gateway_pb2.Run) -> list[str]:
     for i in shown:
         h = run.history[i]
         lines.append("| " + " | ".join(fmt.format(getattr(h, f)) for _, f, fmt in TABLE_COLUMNS) + " |")
+    return lines
+
+
+def _dataset_lines(run: gateway_pb2.Run) -> list[str]:
+    if not run.HasField("dataset"):
+        return []
+    d = run.dataset
+    return [
+        f"- dataset: {d.rows} rows, {d.train_rows} trained on, {d.eval_rows} held out, "
+        f"{d.filtered_too_long} left out as longer than {d.max_prompt_tokens} prompt tokens "
+        f"(longest kept {d.longest_prompt_tokens})"
+    ]
+
+
+def _evaluation_lines(run: gateway_pb2.Run) -> list[str]:
+    """The held-out evaluations as a table: overall figures, then pass@1 per task source."""
+    if not run.evaluations:
+        return []
+    k = run.evaluations[-1].k
+    sources = sorted({name for e in run.evaluations for name in e.sources})
+    lines = [
+        "",
+        "Held-out evaluation (greedy pass@1" + (f", pass@{k} of {k} samples" if k else "") + "):",
+        "",
+        "| step | prompts | pass@1 |"
+        + (f" pass@{k} |" if k else "")
+        + " mean reward | mean length | "
+        + " | ".join(f"pass@1 {name}" for name in sources)
+        + (" |" if sources else ""),
+        "|" + "---:|" * (5 + bool(k) + len(sources)),
+    ]
+    for e in run.evaluations:
+        cells = [str(e.step), str(e.prompts), f"{e.pass_at_1:.3f}"]
+        cells += [f"{e.pass_at_k:.3f}"] if k else []
+        cells += [f"{e.mean_reward:.3f}", f"{e.mean_response_tokens:.1f}"]
+        cells += [f"{e.sources[n].pass_at_1:.3f}" if n in e.sources else "" for n in sources]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 

@@ -29,9 +29,12 @@ from collections.abc import Awaitable, Callable
 
 from opentelemetry import trace
 
+from gateway.evaluation import EVALUATIONS_KEY, eval_versions, evaluate
 from gateway.run_store import ACTIVE, FINAL, RunStore
 from gateway.stalls import STALLED_KEY, ProgressClock, fail, follow_errors, watch_stalls
+from gateway.task_code import DATASET_JSON_KEY, DATASET_KEY
 from looprl.common.v1 import common_pb2
+from looprl.environment.v1 import environment_pb2_grpc
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import subjects, telemetry, trainer_epochs
@@ -89,6 +92,8 @@ def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[st
     (one forking task per group, or one task per sample)."""
     tasks = []
     env = recipe.environment
+    dataset_json = record.extra.get(DATASET_JSON_KEY, "")
+    reward_config = json.dumps(recipe.reward.config) if recipe.reward.config else ""
     sampling = common_pb2.SamplingParams(
         temperature=recipe.sampling.temperature,
         top_p=recipe.sampling.top_p,
@@ -113,12 +118,18 @@ def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[st
                 group_id=group_id,
                 environment=env.name,
                 # The environment resolves the prompt from its dataset by index and seed.
-                task_json=json.dumps({"index": index, "seed": recipe.run.seed}),
+                task_json=json.dumps(
+                    {"index": index, "seed": recipe.run.seed, "split": "train"}
+                    if dataset_json
+                    else {"index": index, "seed": recipe.run.seed}
+                ),
                 group_size=group_size // per_task,
                 sample_index=sample,
                 sampling=params,
                 min_weight_version=max(0, step - recipe.run.max_staleness),
-                reward=env.reward,
+                reward=recipe.reward_name,
+                reward_config_json=reward_config,
+                dataset_json=dataset_json,
                 step=step,
                 environment_config_json=json.dumps({**env.config, "max_turns": env.max_turns}),
                 branches=per_task if per_task > 1 else 0,
@@ -141,8 +152,10 @@ class RunDriver:
         run_id: str,
         packer: packer_pb2_grpc.RolloutPackerServiceStub | None = None,
         not_serving: Callable[[], Awaitable[list[str]]] | None = None,
+        sandbox: environment_pb2_grpc.EnvironmentSandboxServiceStub | None = None,
     ) -> None:
         self.bus, self.store, self.run_id, self.packer = bus, store, run_id, packer
+        self.sandbox = sandbox  # runs the evaluation episodes (RunEpisode)
         self.not_serving = not_serving  # the services of the run that are not serving, for stall reasons
         self.changed = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -290,9 +303,25 @@ class RunDriver:
             self._lifecycle("run started", steps=recipe.run.steps)
         else:
             self._lifecycle("run resumed", fed_steps=fed)
+        evals = eval_versions(recipe)
         while True:
             if record is None or record.state not in ACTIVE:
                 return
+            trained = max(record.weight_version, self._trained_version)
+            if recipe.eval.checkpoint_step >= 0:  # `looprl eval`: one evaluation, no training
+                if not record.extra.get(EVALUATIONS_KEY):
+                    record = await self._evaluate(record, recipe, 0, recipe.eval.checkpoint_step)
+                await self.store.update(self.run_id, _complete)
+                self._lifecycle("run completed", evaluated_step=recipe.eval.checkpoint_step)
+                self.changed.set()
+                return
+            # The next version to evaluate: the feed holds before its step, so no later version can be
+            # trained while the replicas serve it.
+            done = {int(e["step"]) for e in record.extra.get(EVALUATIONS_KEY, ())} if evals else set()
+            due = next((v for v in evals if v not in done), None)
+            if due is not None and trained >= due:
+                record = await self._evaluate(record, recipe, due, due)
+                continue
             if record.weight_version >= recipe.run.steps:
                 await self._drain_followers()
                 dropped = await self._dropped(fresh=True)
@@ -300,8 +329,9 @@ class RunDriver:
                 self._lifecycle("run completed", steps=record.weight_version)
                 self.changed.set()
                 return
-            trained = max(record.weight_version, self._trained_version)
             horizon = feed_horizon(trained, self._planned_step, recipe.run.max_staleness)
+            if due is not None:
+                horizon = min(horizon, due - 1)
             if fed < recipe.run.steps and fed <= horizon:
                 await self._publish_step(record, recipe, fed)
                 self.progress.mark()
@@ -317,6 +347,28 @@ class RunDriver:
             except TimeoutError:
                 pass
             record = await self.store.get(self.run_id)
+
+    async def _evaluate(self, record: RunRecord, recipe: Recipe, version: int, step: int) -> RunRecord:
+        """Evaluate weight `version` on the held-out split and record it as `step`'s evaluation."""
+        if self.sandbox is None:
+            raise RuntimeError(
+                "eval: the gateway has no environment-sandbox address to run evaluation episodes"
+            )
+        figures = await evaluate(
+            self.sandbox,
+            record,
+            recipe,
+            version,
+            step,
+            record.extra.get(DATASET_JSON_KEY, ""),
+            int(record.extra.get(DATASET_KEY, {}).get("eval_rows", 0)),
+            on_episode=self.progress.mark,
+        )
+        self._lifecycle("run evaluated", step=step, pass_at_1=figures["pass_at_1"])
+        log.info("run %s: evaluation of step %d: pass@1 %.3f", self.run_id, step, figures["pass_at_1"])
+        record = await self.store.update(self.run_id, lambda r, f=figures: _add_evaluation(r, f))
+        self.changed.set()
+        return record
 
     async def _drain_followers(self) -> None:
         """Let the followers record what the bus already holds, so that a run reading COMPLETED holds
@@ -425,6 +477,12 @@ class RunDriver:
                         await self.store.update(self.run_id, lambda r, e=event: _apply_weights(r, e))
                     await delivery.ack()
                     self.changed.set()
+
+
+def _add_evaluation(record: RunRecord, figures: dict) -> None:
+    evaluations = record.extra.setdefault(EVALUATIONS_KEY, [])
+    if not any(e["step"] == figures["step"] for e in evaluations):
+        evaluations.append(figures)
 
 
 def _start(record: RunRecord) -> None:

@@ -11,10 +11,12 @@ from pathlib import Path
 from gateway.admission import Demand, Peers, admit, check_cluster, check_quota, run_demand
 from gateway.auth import TokenAuth
 from gateway.config import Tenant, tokens_tenant
+from gateway.evaluation import EVALUATIONS_KEY, evaluation_to_proto
 from gateway.queue import QUEUED, STARTED, ClusterResources, Waiting, plan, queue_order
 from gateway.run_store import ACTIVE, FINAL, RunStore, new_run_id
 from gateway.runs import RUN_TRACE_KEY, RunDriver
 from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
+from gateway.task_code import DATASET_KEY, load_task_code
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.kit import subjects, telemetry
 from services.kit.bus import Bus
@@ -100,6 +102,15 @@ def run_to_proto(
         )
     for reason, count in extra.get("dropped", {}).items():
         run.rollouts_dropped[reason] = int(count)
+    for evaluation in extra.get(EVALUATIONS_KEY, []):
+        run.evaluations.append(evaluation_to_proto(evaluation))
+    if extra.get(DATASET_KEY):
+        d = extra[DATASET_KEY]
+        run.dataset.CopyFrom(
+            gateway_pb2.RunDataset(
+                **{k: v for k, v in d.items() if k in gateway_pb2.RunDataset.DESCRIPTOR.fields_by_name}
+            )
+        )
     run.duplicate_deliveries = int(extra.get("duplicate_deliveries", 0))
     run.step_records_ignored = int(extra.get("step_records_ignored", 0))
     if record.state == "running" and extra.get(STALLED_KEY):
@@ -179,7 +190,9 @@ class RunManager:
         await self._admit_logged()  # a cluster not answering yet: the periodic pass starts them
 
     def _drive(self, run_id: str) -> None:
-        driver = RunDriver(self.bus, self.store, run_id, self.packer, self.peers.not_serving)
+        driver = RunDriver(
+            self.bus, self.store, run_id, self.packer, self.peers.not_serving, sandbox=self.peers.sandbox
+        )
         driver.on_end = self._ended
         self.drivers[run_id] = driver
         driver.start()
@@ -313,10 +326,11 @@ class RunManager:
         if total is not None:
             check_cluster(demand, total)
         shared = await admit(recipe, self.peers, self.base_dir)
+        loaded = await load_task_code(recipe, self.peers, self.base_dir)
         async with self._admission:
             if shared:
                 await self._refuse_sharing(tenant)
-            return await self._create(recipe_toml, recipe, run_id, tenant, demand, shared)
+            return await self._create(recipe_toml, recipe, run_id, tenant, demand, shared, loaded)
 
     async def _refuse_sharing(self, tenant: Tenant) -> None:
         """A router that serves only its configured deployments holds one run's weights, numbered
@@ -334,7 +348,14 @@ class RunManager:
         )
 
     async def _create(
-        self, recipe_toml: str, recipe, run_id: str, tenant: Tenant, demand: Demand, shared: bool
+        self,
+        recipe_toml: str,
+        recipe,
+        run_id: str,
+        tenant: Tenant,
+        demand: Demand,
+        shared: bool,
+        extra: dict | None = None,
     ) -> RunRecord:
         record = RunRecord(
             run_id=run_id or new_run_id(recipe.run.name),
@@ -342,6 +363,7 @@ class RunManager:
             state=QUEUED,
             created_at=time.time(),
             tenant=tenant.name,
+            extra=dict(extra or {}),
         )
         if shared:
             # Its deployments are the router's configured ones, already placed: Ray counts them in use.

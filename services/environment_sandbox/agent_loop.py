@@ -172,7 +172,7 @@ class EpisodeRunner:
         if branches > MAX_BRANCHES:
             raise EnvironmentError_(f"task.branches: at most {MAX_BRANCHES}, got {branches}")
         tokenizer = await self._tokenizer(task)
-        env, payload = await self._environment(task, tokenizer)
+        env, payload, source = await self._environment(task, tokenizer)
         task_json = json.dumps(payload)
         # One session for the prefix and every branch: the router keeps them on the replica
         # whose prefix cache holds the shared tokens.
@@ -181,6 +181,7 @@ class EpisodeRunner:
         )
         sampling = self._sampling(task, tokenizer)
         episode = await self._start(task, env, payload, tokenizer)
+        episode.rollout.task_source = source
         if branches == 1:
             await self._play(episode, task, sampling, session_id, 0)
             return [await self._finish(episode, task, task_json, None, 1)]
@@ -214,9 +215,11 @@ class EpisodeRunner:
 
     async def _environment(
         self, task: events_pb2.EpisodeTask, tokenizer: Tokenizer
-    ) -> tuple[Environment, dict]:
+    ) -> tuple[Environment, dict, str]:
+        """The task's environment, its task and, for a dataset row, its task source."""
         env = make_environment(task.environment, task.environment_config_json or None, self.env_context)
         payload = parse_task(task.task_json)
+        source = ""
         if is_index_task(payload):
             if task.dataset_json:  # a row of the run's dataset
                 dataset = await self.datasets.get(
@@ -227,6 +230,7 @@ class EpisodeRunner:
                     tokenizer,
                 )
                 payload = dataset.task(payload.get("split", "train"), payload["index"])
+                source = str(payload.get(dataset.source_field, task.environment))
             else:
                 payload = task_by_index(
                     task.environment,
@@ -234,7 +238,7 @@ class EpisodeRunner:
                     payload.get("seed", 0),
                     task.environment_config_json or None,
                 )
-        return env, payload
+        return env, payload, source
 
     def _sampling(self, task: events_pb2.EpisodeTask, tokenizer: Tokenizer) -> common_pb2.SamplingParams:
         sampling = common_pb2.SamplingParams()

@@ -48,6 +48,7 @@ class RunDataset:
     sources: list[str]
     seed: int
     shuffle: bool
+    source_field: str = "source"
     _orders: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)
 
     def task(self, split: str, index: int) -> dict[str, Any]:
@@ -273,6 +274,7 @@ async def load_dataset(
         sources=sources,
         seed=seed,
         shuffle=spec.shuffle,
+        source_field=spec.source_field,
     )
 
 

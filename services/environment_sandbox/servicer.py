@@ -13,6 +13,7 @@ from typing import Any
 
 from looprl.environment.v1 import environment_pb2, environment_pb2_grpc
 from services.environment_sandbox.agent_loop import EpisodeRunner
+from services.environment_sandbox.clients import CURRENT_RUN
 from services.environment_sandbox.environments import (
     EnvContext,
     Environment,
@@ -73,6 +74,7 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
         task = request.task
         if not task.environment:
             raise InvalidArgument("task.environment: required")
+        CURRENT_RUN.set(task.run_id)  # this call's own context: the router serves the run's deployments
         try:
             rollouts = await self.runner.run_all(task)
         except EnvironmentError_ as exc:
@@ -181,7 +183,14 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             raise InvalidArgument(f"max_prompt_tokens: must be >= 0, got {request.max_prompt_tokens}")
         config_json = request.environment_config_json or None
         try:
-            cls = environment_class(request.environment, reload=True)
+            try:
+                cls = environment_class(request.environment, reload=True)
+            except UnknownEnvironment:
+                raise UnknownEnvironment(
+                    f"environment.name: unknown environment {request.environment!r}: the environment-sandbox "
+                    f"serves {', '.join(environment_names())}; a plugin is named 'module:Class', "
+                    "'file.py:Class' or by a looprl.environments entry point"
+                ) from None
             config = parse_config(cls, config_json)
             try:
                 tokenizer = await self.tokenizers.aget(request.tokenizer)

@@ -79,6 +79,20 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Newest weight version trained by the run",
         "gateway",
     ),
+    _g(
+        "looprl_gateway_run_eval_pass_at_1",
+        "ratio",
+        RUN,
+        "pass@1 on the run's held-out split at its latest evaluation (eval.every)",
+        "gateway",
+    ),
+    _g(
+        "looprl_gateway_run_eval_mean_reward",
+        "reward",
+        RUN,
+        "Mean reward on the run's held-out split at its latest evaluation",
+        "gateway",
+    ),
     _c(
         "looprl_gateway_http_requests_total",
         "requests",

@@ -94,8 +94,12 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 raise InvalidArgument("reward.config: only a plugin reward (reward.function) takes settings")
             try:
                 spec = self.registry.get(request.reward)
-            except UnknownReward as exc:
-                raise NotFound(exc.args[0]) from None
+            except UnknownReward:
+                known = ", ".join(s.name for s in self.registry.specs())
+                raise NotFound(
+                    f"unknown reward {request.reward!r}: the reward service serves {known}; a plugin is "
+                    "named 'module:function', 'file.py:function' or by a looprl.rewards entry point"
+                ) from None
             return reward_pb2.LoadRewardResponse(
                 reward=reward_pb2.RewardInfo(name=spec.name, kind=spec.kind, description=spec.description)
             )

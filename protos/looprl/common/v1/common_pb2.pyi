@@ -96,7 +96,7 @@ class Turn(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., trainable: _Optional[bool] = ..., weight_version: _Optional[int] = ..., text: _Optional[str] = ..., deployment: _Optional[str] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("rollout_id", "run_id", "group_id", "task_id", "environment", "turns", "reward", "reward_components", "group_size", "sample_index", "min_weight_version", "max_weight_version", "generation_seconds", "environment_seconds", "finish_reason")
+    __slots__ = ("rollout_id", "run_id", "group_id", "task_id", "environment", "turns", "reward", "reward_components", "group_size", "sample_index", "min_weight_version", "max_weight_version", "generation_seconds", "environment_seconds", "finish_reason", "task_source")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class Rollout(_message.Message):
     GENERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TASK_SOURCE_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     run_id: str
     group_id: str
@@ -134,7 +135,8 @@ class Rollout(_message.Message):
     generation_seconds: float
     environment_seconds: float
     finish_reason: str
-    def __init__(self, rollout_id: _Optional[str] = ..., run_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., environment: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., group_size: _Optional[int] = ..., sample_index: _Optional[int] = ..., min_weight_version: _Optional[int] = ..., max_weight_version: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., environment_seconds: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    task_source: str
+    def __init__(self, rollout_id: _Optional[str] = ..., run_id: _Optional[str] = ..., group_id: _Optional[str] = ..., task_id: _Optional[str] = ..., environment: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., group_size: _Optional[int] = ..., sample_index: _Optional[int] = ..., min_weight_version: _Optional[int] = ..., max_weight_version: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., environment_seconds: _Optional[float] = ..., finish_reason: _Optional[str] = ..., task_source: _Optional[str] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
     __slots__ = ("rollouts",)
