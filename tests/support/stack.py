@@ -84,16 +84,18 @@ def _ray_processes(port: int) -> list[str]:
 
 
 @contextmanager
-def local_stack(state_dir: Path, recipe_text: str | None = None) -> Iterator[Stack]:
+def local_stack(
+    state_dir: Path, recipe_text: str | None = None, up_args: tuple[str, ...] = ()
+) -> Iterator[Stack]:
     """`looprl up` on free ports, yielding the Stack; `looprl down` after, checking nothing is left.
     `recipe_text`: the recipe whose deployments the stack serves from the start; None: none, every
-    run brings its own."""
+    run brings its own. `up_args`: more options of `looprl up` (e.g. --plugin-dir)."""
     recipe_args = []
     if recipe_text is not None:
         recipe = state_dir / "recipe.toml"
         recipe.write_text(recipe_text)
         recipe_args = ["--recipe", str(recipe)]
-    started = looprl_cli(state_dir, "up", *recipe_args, *free_port_args())
+    started = looprl_cli(state_dir, "up", *recipe_args, *up_args, *free_port_args())
     assert started.returncode == 0, started.stdout + started.stderr
     state = StackState.load(state_dir.resolve())
     assert state is not None
