@@ -222,6 +222,15 @@ def load(reference: str, group: str, dirs: Sequence[Path]) -> Loaded:
         return _load_module(target, attr, reference, dirs)
 
 
+def kind_of(obj: Any) -> str:
+    """What an object is, in a few words ("a function", "the class Foo", "a dict")."""
+    if inspect.isclass(obj):
+        return f"the class {obj.__qualname__}"
+    if inspect.isroutine(obj):
+        return f"the function {getattr(obj, '__qualname__', obj)}"
+    return f"a {type(obj).__name__}"
+
+
 def call_site(obj: Any) -> str:
     """'file:line' where a plugin object is defined (for messages about its signature or schema)."""
     try:

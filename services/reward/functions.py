@@ -190,7 +190,8 @@ def load_function(reference: str, config_json: str, dirs: Sequence[Path]) -> Fun
     site = plugins.call_site(loaded.obj) or loaded.origin
     if inspect.isclass(loaded.obj) or not callable(loaded.obj):
         raise plugins.PluginError(
-            f"{reference!r} ({site}) is {loaded.obj!r}, not a function score(prompt, completion, answer, **metadata)"
+            f"{reference!r} ({site}) is {plugins.kind_of(loaded.obj)}, not a function "
+            "score(prompt, completion, answer, **metadata)"
         )
     named, any_keyword = _signature(loaded.obj, reference, site)
     try:

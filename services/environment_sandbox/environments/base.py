@@ -187,7 +187,7 @@ def _load_plugin(name: str) -> tuple[type[Environment], plugins.Loaded]:
     cls = loaded.obj
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise PluginFailure(
-            f"environment.name: plugin {name!r} ({loaded.origin}) is {cls!r}, not a subclass of "
+            f"environment.name: plugin {name!r} ({loaded.origin}) is {plugins.kind_of(cls)}, not a subclass of "
             "services.environment_sandbox.environments.Environment"
         )
     missing = [m for m in ("generate", "validate_task", "_reset", "_step") if m in cls.__abstractmethods__]
