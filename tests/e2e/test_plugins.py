@@ -263,7 +263,11 @@ def test_a_reward_that_raises_on_the_models_answers_fails_the_run_and_frees_it(p
             break
         time.sleep(0.2)
     assert run.state == gateway_pb2.RUN_STATE_FAILED, run.error
-    assert running_at is not None and time.monotonic() - running_at < FAIL_S + 20  # replica start included
+    assert running_at is not None
+    failed_after = time.monotonic() - running_at
+    print(f"failed {time.monotonic() - started:.1f}s after CreateRun, {failed_after:.1f}s after it ran")
+    # From the run's start: its replicas load and sample before the first score can fail it.
+    assert failed_after < FAIL_S, run.error
     for text in ("'bad_rewards.py:raises_on_model_output' raised", "bad_rewards.py:18", "KeyError"):
         assert text in run.error, run.error
     assert run.rollouts_trained == 0
