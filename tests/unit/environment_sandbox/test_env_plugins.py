@@ -83,7 +83,7 @@ async def test_load_environment_loads_a_plugin_and_its_dataset(servicer) -> None
 
 
 async def test_load_environment_refuses_naming_the_field_file_and_line(servicer) -> None:
-    with pytest.raises(InvalidArgument, match="environment_config.lone_digit_credit: .*1"):
+    with pytest.raises(InvalidArgument, match=r"environment_config.lone_digit_credit: .*1"):
         await servicer.LoadEnvironment(_request("envs.py:Relay", {"lone_digit_credit": 5}), None)
     with pytest.raises(
         FailedPrecondition, match=r"'flaky.py:ResetFails' failed its trial: .*flaky.py:30: KeyError"
@@ -91,10 +91,10 @@ async def test_load_environment_refuses_naming_the_field_file_and_line(servicer)
         await servicer.LoadEnvironment(_request("flaky.py:ResetFails"), None)
     with pytest.raises(FailedPrecondition, match=r"'flaky.py:Nope': .*flaky.py has no attribute 'Nope'"):
         await servicer.LoadEnvironment(_request("flaky.py:Nope"), None)
-    with pytest.raises(FailedPrecondition, match="is the function helper, not a subclass of"):
+    with pytest.raises(FailedPrecondition, match=r"is the function helper, not a subclass of"):
         await servicer.LoadEnvironment(_request("flaky.py:helper"), None)
     with pytest.raises(
-        NotFound, match="environment.name: unknown environment 'sudoku': the environment-sandbox serves"
+        NotFound, match=r"environment.name: unknown environment 'sudoku': the environment-sandbox serves"
     ):
         await servicer.LoadEnvironment(_request("sudoku"), None)
 

@@ -49,9 +49,9 @@ def test_jsonl_parquet_and_a_datasets_directory_read_the_same_rows(tmp_path: Pat
     pq.write_table(pa.Table.from_pylist(ROWS[:10]), tmp_path / "part-0.parquet")
     pq.write_table(pa.Table.from_pylist(ROWS[10:]), tmp_path / "part-1.parquet")
     assert read_rows(str(tmp_path / "part-*.parquet"), "auto", "train") == ROWS
-    with pytest.raises(DatasetError, match="dataset.split: .* holds splits train, test, not 'val'"):
+    with pytest.raises(DatasetError, match=r"dataset.split: .* holds splits train, test, not 'val'"):
         read_rows(str(tmp_path / "dict"), "auto", "val")
-    with pytest.raises(DatasetError, match="dataset.path: .*missing.jsonl' does not exist"):
+    with pytest.raises(DatasetError, match=r"dataset.path: .*missing.jsonl' does not exist"):
         read_rows(str(tmp_path / "missing.jsonl"), "auto", "train")
 
 
@@ -83,7 +83,7 @@ async def test_fields_map_to_prompt_messages_answer_and_metadata(tmp_path: Path)
     assert first["prompt"] == "rev 12" and first["answer"] == "21" and first["metadata"] == {"level": 1}
     assert second["messages"][1]["content"] == "rev 34" and second["answer"] == "43"
     spec = spec.model_copy(update={"prompt_field": "nope", "messages_field": "none"})
-    with pytest.raises(DatasetError, match="row 0: no prompt: needs a string 'nope' or a list 'none'"):
+    with pytest.raises(DatasetError, match=r"row 0: no prompt: needs a string 'nope' or a list 'none'"):
         await _load(spec)
 
 
@@ -93,7 +93,7 @@ async def test_too_long_prompts_are_left_out_and_counted(tmp_path: Path) -> None
     assert data.rows == 12 and data.filtered_too_long == 2 and len(data.train) == 10
     assert 0 < data.longest_prompt_tokens <= 64
     assert all(len(t["prompt"]) < 100 for t in data.train)
-    with pytest.raises(DatasetError, match="none of the 2 rows .* longer than 8 tokens"):
+    with pytest.raises(DatasetError, match=r"none of the 2 rows .* longer than 8 tokens"):
         await _load(DatasetSection(path=str(_jsonl(tmp_path / "e.jsonl", rows[10:]))), limit=8)
 
 
@@ -111,7 +111,7 @@ async def test_held_out_rows_never_train_and_epochs_shuffle_by_seed(tmp_path: Pa
     assert [again.task("train", i)["prompt"] for i in range(64)] == epoch0 + epoch1  # same seed, same order
     other = await _load(spec, seed=4)
     assert [other.task("train", i)["prompt"] for i in range(32)] != epoch0
-    with pytest.raises(DatasetError, match="past the 8 held-out rows"):
+    with pytest.raises(DatasetError, match=r"past the 8 held-out rows"):
         data.task("eval", 8)
 
 

@@ -64,7 +64,7 @@ async def test_a_function_scores_with_its_metadata_and_settings(plugin_dir: Path
 
 
 def test_settings_are_checked_against_the_functions_parameters(plugin_dir: Path) -> None:
-    with pytest.raises(BadRewardConfig, match="reward.config.bonus: .*valid number"):
+    with pytest.raises(BadRewardConfig, match=r"reward.config.bonus: .*valid number"):
         load_function("rewards.py:score", json.dumps({"bonus": "lots"}), (plugin_dir,))
     with pytest.raises(
         BadRewardConfig,
@@ -93,16 +93,16 @@ async def test_a_failing_function_is_a_plugin_error_naming_file_and_line(
 
 def test_only_code_the_operator_placed_loads(plugin_dir: Path, tmp_path_factory) -> None:
     with pytest.raises(
-        plugins.PluginError, match="'broken.py:x' failed to import: .*broken.py:2: ModuleNotFoundError"
+        plugins.PluginError, match=r"'broken.py:x' failed to import: .*broken.py:2: ModuleNotFoundError"
     ):
         load_function("broken.py:x", "", (plugin_dir,))
-    with pytest.raises(plugins.PluginError, match="neither in a plugin directory"):
+    with pytest.raises(plugins.PluginError, match=r"neither in a plugin directory"):
         load_function("os:system", "", (plugin_dir,))
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     (elsewhere / "other.py").write_text("def score(p, c, a):\n    return 1.0\n")
-    with pytest.raises(plugins.PluginError, match="not inside a plugin directory"):
+    with pytest.raises(plugins.PluginError, match=r"not inside a plugin directory"):
         load_function(f"{elsewhere / 'other.py'}:score", "", (plugin_dir,))
-    with pytest.raises(plugins.PluginError, match="no entry point of that name in looprl.rewards"):
+    with pytest.raises(plugins.PluginError, match=r"no entry point of that name in looprl.rewards"):
         load_function("no_such_reward", "", (plugin_dir,))
 
 
@@ -133,11 +133,11 @@ async def test_load_reward_scores_the_trials_and_refuses_a_broken_plugin(plugin_
     assert reply.trials[0].score == 1.0
     with pytest.raises(FailedPrecondition, match=r"reward.function: plugin 'rewards.py:nan' .* returned nan"):
         await servicer.LoadReward(reward_pb2.LoadRewardRequest(reward="rewards.py:nan", trials=[trial]), None)
-    with pytest.raises(InvalidArgument, match="reward.config.bonus"):
+    with pytest.raises(InvalidArgument, match=r"reward.config.bonus"):
         await servicer.LoadReward(
             reward_pb2.LoadRewardRequest(reward="rewards.py:score", config_json='{"bonus": "x"}'), None
         )
-    with pytest.raises(NotFound, match="unknown reward 'nope': the reward service serves "):
+    with pytest.raises(NotFound, match=r"unknown reward 'nope': the reward service serves "):
         await servicer.LoadReward(reward_pb2.LoadRewardRequest(reward="nope"), None)
 
 
@@ -147,7 +147,7 @@ async def test_a_score_of_a_broken_plugin_says_so_instead_of_a_silent_zero(plugi
         reward_pb2.ScoreRequest(reward="rewards.py:boom", task_json="{}", completion="x"), None
     )
     assert not reply.ok and "RuntimeError: table missing" in reply.plugin_error
-    with pytest.raises(InvalidArgument, match="reward_config_json: only a plugin reward takes settings"):
+    with pytest.raises(InvalidArgument, match=r"reward_config_json: only a plugin reward takes settings"):
         await servicer.Score(
             reward_pb2.ScoreRequest(reward="digits", reward_config_json="{}", completion="1"), None
         )
