@@ -3,6 +3,7 @@ LoadEnvironment (a run's environment, plugin or built in, and its dataset, befor
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import math
@@ -184,7 +185,8 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
         config_json = request.environment_config_json or None
         try:
             try:
-                cls = environment_class(request.environment, reload=True)
+                # In a thread: a plugin whose import hangs must not stop this service's event loop.
+                cls = await asyncio.to_thread(environment_class, request.environment, True)
             except UnknownEnvironment:
                 raise UnknownEnvironment(
                     f"environment.name: unknown environment {request.environment!r}: the environment-sandbox "
