@@ -1,4 +1,5 @@
-"""Every shipped recipe parses; the GPU recipe only lacks its checkpoint on machines without one."""
+"""Every shipped recipe (configs/ and the examples) parses; the GPU recipe only lacks its checkpoint on
+machines without one."""
 
 from pathlib import Path
 
@@ -6,10 +7,12 @@ import pytest
 
 from services.kit.recipe import RecipeError, load_recipe
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
+SHIPPED = [*sorted(CONFIGS.glob("*.toml")), *sorted((ROOT / "examples").glob("*/recipe.toml"))]
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_shipped_recipes_are_valid(path: Path) -> None:
     try:
         recipe = load_recipe(path)
