@@ -27,11 +27,13 @@ duplicate publish that the stream deduplicates, never a lost or doubled rollout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -440,22 +442,18 @@ class EpisodeRunner:
         return rollout
 
 
-class _plugin_code:
-    """Around a call into an environment: an exception a plugin environment's own code raises (not
-    an EnvironmentError_, its way of refusing input) fails the run, naming the plugin's file and line."""
-
-    def __init__(self, env: Environment) -> None:
-        self.env = env
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is None or isinstance(exc, EnvironmentError_) or not isinstance(exc, Exception):
-            return False
-        loaded = plugin_of(type(self.env))
+@contextlib.contextmanager
+def _plugin_code(env: Environment) -> Iterator[None]:
+    """Around a call into an environment: an exception a plugin environment's own code raises (not an
+    EnvironmentError_, its way of refusing input) fails the run, naming the plugin's file and line."""
+    try:
+        yield
+    except EnvironmentError_:
+        raise
+    except Exception as exc:
+        loaded = plugin_of(type(env))
         if loaded is None:
-            return False
+            raise
         raise PluginFailure(
             f"environment.name: plugin {loaded.reference!r} raised: {plugins.describe(exc, loaded.root)}"
         ) from None

@@ -70,7 +70,8 @@ class EnvironmentSandboxServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def RunEpisode(self, request, context):
-        """Run one episode end to end (agent loop, reward) and return its rollout.
+        """Run one episode end to end (agent loop, reward) and return its rollouts (one, or a forking
+        task's branches); nothing is published, so they are never trained.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

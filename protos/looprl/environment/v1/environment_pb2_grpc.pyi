@@ -32,7 +32,9 @@ class EnvironmentSandboxServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> EnvironmentSandboxServiceAsyncStub: ...
     RunEpisode: _grpc.UnaryUnaryMultiCallable[_environment_pb2.RunEpisodeRequest, _environment_pb2.RunEpisodeResponse]
-    """Run one episode end to end (agent loop, reward) and return its rollout."""
+    """Run one episode end to end (agent loop, reward) and return its rollouts (one, or a forking
+    task's branches); nothing is published, so they are never trained.
+    """
     Reset: _grpc.UnaryUnaryMultiCallable[_environment_pb2.ResetRequest, _environment_pb2.ResetResponse]
     """Start an interactive session of an environment."""
     Step: _grpc.UnaryUnaryMultiCallable[_environment_pb2.StepRequest, _environment_pb2.StepResponse]
@@ -53,7 +55,9 @@ class EnvironmentSandboxServiceStub:
 class EnvironmentSandboxServiceAsyncStub(EnvironmentSandboxServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     RunEpisode: _aio.UnaryUnaryMultiCallable[_environment_pb2.RunEpisodeRequest, _environment_pb2.RunEpisodeResponse]  # type: ignore[assignment]
-    """Run one episode end to end (agent loop, reward) and return its rollout."""
+    """Run one episode end to end (agent loop, reward) and return its rollouts (one, or a forking
+    task's branches); nothing is published, so they are never trained.
+    """
     Reset: _aio.UnaryUnaryMultiCallable[_environment_pb2.ResetRequest, _environment_pb2.ResetResponse]  # type: ignore[assignment]
     """Start an interactive session of an environment."""
     Step: _aio.UnaryUnaryMultiCallable[_environment_pb2.StepRequest, _environment_pb2.StepResponse]  # type: ignore[assignment]
@@ -77,7 +81,9 @@ class EnvironmentSandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _environment_pb2.RunEpisodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_environment_pb2.RunEpisodeResponse, _abc.Awaitable[_environment_pb2.RunEpisodeResponse]]:
-        """Run one episode end to end (agent loop, reward) and return its rollout."""
+        """Run one episode end to end (agent loop, reward) and return its rollouts (one, or a forking
+        task's branches); nothing is published, so they are never trained.
+        """
 
     @_abc_1.abstractmethod
     def Reset(
