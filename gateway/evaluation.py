@@ -34,8 +34,6 @@ from services.kit.recipe import Recipe, RunRecord, sampling_seed
 
 log = logging.getLogger("looprl.gateway.evaluation")
 
-# Record keys: the evaluations so far, and the dataset section episode tasks carry.
-EVALUATIONS_KEY = "evaluations"
 # Held-out prompts of an environment without a dataset: generated from this index on, far past any
 # index a run trains on, so they are tasks the run never sees.
 GENERATED_EVAL_INDEX = 1 << 40

@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.run_store import LAST_EVALUATION_KEY
 from gateway.stalls import STALLED_KEY
 from services.kit.metric_names import counter, gauge, histogram, observe
 
@@ -96,10 +97,10 @@ def record_runs(records: list[Any]) -> None:
         counts[state] = counts.get(state, 0) + 1
         RUN_STEP.labels(record.run_id).set(record.step)
         RUN_WEIGHT_VERSION.labels(record.run_id).set(record.weight_version)
-        evaluations = record.extra.get("evaluations")
-        if evaluations:
-            RUN_EVAL_PASS_AT_1.labels(record.run_id).set(evaluations[-1]["pass_at_1"])
-            RUN_EVAL_MEAN_REWARD.labels(record.run_id).set(evaluations[-1]["mean_reward"])
+        latest = record.extra.get(LAST_EVALUATION_KEY)
+        if latest:
+            RUN_EVAL_PASS_AT_1.labels(record.run_id).set(latest["pass_at_1"])
+            RUN_EVAL_MEAN_REWARD.labels(record.run_id).set(latest["mean_reward"])
     for state, count in counts.items():
         RUNS.labels(state).set(count)
 

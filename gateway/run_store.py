@@ -24,6 +24,10 @@ def new_run_id(name: str) -> str:
 
 # Steps per history chunk: a step rewrites one chunk, never the whole history.
 HISTORY_CHUNK = 100
+# RunRecord.extra: the steps whose weights were evaluated, in order, and the latest figures (the
+# evaluations themselves are chunks beside the record).
+EVALUATED_KEY = "evaluated_steps"
+LAST_EVALUATION_KEY = "last_evaluation"
 
 
 class RunStore:
@@ -78,6 +82,17 @@ class RunStore:
         """Add one delivery (idempotent per deployment and version), in chunks by version beside the
         record like the history. Only the run's driver writes them."""
         await self._append_once(run_id, "syncs", entry["version"], entry, ("version", "deployment"))
+
+    async def evaluations(self, record: RunRecord) -> list[dict]:
+        """The run's held-out evaluations (gateway/evaluation.py), oldest first."""
+        count = len(record.extra.get(EVALUATED_KEY, ()))
+        out = await self._read_chunks(record.run_id, "evals", -(-count // HISTORY_CHUNK))
+        return sorted(out, key=lambda e: e["step"])
+
+    async def add_evaluation(self, run_id: str, ordinal: int, entry: dict) -> None:
+        """Add the run's `ordinal`-th evaluation (idempotent per step), in chunks beside the record
+        like the history; the record lists the steps evaluated (EVALUATED_KEY)."""
+        await self._append_once(run_id, "evals", ordinal, entry, ("step",))
 
     async def _read_chunks(self, run_id: str, kind: str, chunks: int) -> list[dict]:
         out: list[dict] = []

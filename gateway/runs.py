@@ -29,8 +29,8 @@ from collections.abc import Awaitable, Callable
 
 from opentelemetry import trace
 
-from gateway.evaluation import EVALUATIONS_KEY, eval_versions, evaluate
-from gateway.run_store import ACTIVE, FINAL, RunStore
+from gateway.evaluation import eval_versions, evaluate
+from gateway.run_store import ACTIVE, EVALUATED_KEY, FINAL, LAST_EVALUATION_KEY, RunStore
 from gateway.stalls import STALLED_KEY, ProgressClock, fail, follow_errors, watch_stalls
 from gateway.task_code import DATASET_JSON_KEY, DATASET_KEY
 from looprl.common.v1 import common_pb2
@@ -309,7 +309,7 @@ class RunDriver:
                 return
             trained = max(record.weight_version, self._trained_version)
             if recipe.eval.checkpoint_step >= 0:  # `looprl eval`: one evaluation, no training
-                if not record.extra.get(EVALUATIONS_KEY):
+                if not record.extra.get(EVALUATED_KEY):
                     record = await self._evaluate(record, recipe, 0, recipe.eval.checkpoint_step)
                 await self.store.update(self.run_id, _complete)
                 self._lifecycle("run completed", evaluated_step=recipe.eval.checkpoint_step)
@@ -317,7 +317,7 @@ class RunDriver:
                 return
             # The next version to evaluate: the feed holds before its step, so no later version can be
             # trained while the replicas serve it.
-            done = {int(e["step"]) for e in record.extra.get(EVALUATIONS_KEY, ())} if evals else set()
+            done = record.extra.get(EVALUATED_KEY, ()) if evals else ()
             due = next((v for v in evals if v not in done), None)
             if due is not None and trained >= due:
                 record = await self._evaluate(record, recipe, due, due)
@@ -366,7 +366,8 @@ class RunDriver:
         )
         self._lifecycle("run evaluated", step=step, pass_at_1=figures["pass_at_1"])
         log.info("run %s: evaluation of step %d: pass@1 %.3f", self.run_id, step, figures["pass_at_1"])
-        record = await self.store.update(self.run_id, lambda r, f=figures: _add_evaluation(r, f))
+        await self.store.add_evaluation(self.run_id, len(record.extra.get(EVALUATED_KEY, ())), figures)
+        record = await self.store.update(self.run_id, lambda r, f=figures: _evaluated(r, f))
         self.changed.set()
         return record
 
@@ -479,10 +480,11 @@ class RunDriver:
                     self.changed.set()
 
 
-def _add_evaluation(record: RunRecord, figures: dict) -> None:
-    evaluations = record.extra.setdefault(EVALUATIONS_KEY, [])
-    if not any(e["step"] == figures["step"] for e in evaluations):
-        evaluations.append(figures)
+def _evaluated(record: RunRecord, figures: dict) -> None:
+    steps = record.extra.setdefault(EVALUATED_KEY, [])
+    if figures["step"] not in steps:
+        steps.append(figures["step"])
+    record.extra[LAST_EVALUATION_KEY] = {k: figures[k] for k in ("step", "pass_at_1", "mean_reward")}
 
 
 def _start(record: RunRecord) -> None:

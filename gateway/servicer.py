@@ -11,9 +11,9 @@ from pathlib import Path
 from gateway.admission import Demand, Peers, admit, check_cluster, check_quota, run_demand
 from gateway.auth import TokenAuth
 from gateway.config import Tenant, tokens_tenant
-from gateway.evaluation import EVALUATIONS_KEY, evaluation_to_proto
+from gateway.evaluation import evaluation_to_proto
 from gateway.queue import QUEUED, STARTED, ClusterResources, Waiting, plan, queue_order
-from gateway.run_store import ACTIVE, FINAL, RunStore, new_run_id
+from gateway.run_store import ACTIVE, EVALUATED_KEY, FINAL, RunStore, new_run_id
 from gateway.runs import RUN_TRACE_KEY, RunDriver
 from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
 from gateway.task_code import DATASET_KEY, load_task_code
@@ -54,6 +54,7 @@ def run_to_proto(
     history: Sequence[dict] = (),
     weight_syncs: Sequence[dict] = (),
     queued: tuple[int, str] = (0, ""),
+    evaluations: Sequence[dict] = (),
 ) -> gateway_pb2.Run:
     """The public Run: the record, plus its per-step history, weight deliveries and (queue position,
     why it waits) when given (RunManager.proto finds them)."""
@@ -102,7 +103,7 @@ def run_to_proto(
         )
     for reason, count in extra.get("dropped", {}).items():
         run.rollouts_dropped[reason] = int(count)
-    for evaluation in extra.get(EVALUATIONS_KEY, []):
+    for evaluation in evaluations:
         run.evaluations.append(evaluation_to_proto(evaluation))
     if extra.get(DATASET_KEY):
         d = extra[DATASET_KEY]
@@ -162,6 +163,7 @@ class RunManager:
             await self.store.history(record),
             await self.store.weight_syncs(record),
             (queue or {}).get(record.run_id, (0, "")),
+            await self.store.evaluations(record) if record.extra.get(EVALUATED_KEY) else (),
         )
 
     async def watch(
