@@ -108,21 +108,22 @@ class FunctionReward:
 
 
 def _number(value: Any, where: str, reference: str, site: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        try:  # numpy and torch scalars
-            value = (
-                float(value) if hasattr(value, "__float__") and not isinstance(value, (str, bytes)) else value
-            )
+    """A result as a finite float: numbers, bools and numpy/torch scalars; a string or anything else
+    that is not a number is the plugin's error."""
+    number = None
+    if not isinstance(value, (str, bytes)):
+        try:
+            number = float(value)
         except (TypeError, ValueError):
-            pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+            number = None
+    if number is None:
         raise plugins.PluginError(
             f"{reference!r} ({site}) returned{where} {value!r} ({type(value).__name__}), not a number "
             "(a reward returns a float or a dict with 'score')"
         )
-    if not math.isfinite(value):
-        raise plugins.PluginError(f"{reference!r} ({site}) returned{where} {value}, not a finite number")
-    return float(value)
+    if not math.isfinite(number):
+        raise plugins.PluginError(f"{reference!r} ({site}) returned{where} {number}, not a finite number")
+    return number
 
 
 def _signature(fn: Any, reference: str, site: str) -> tuple[frozenset[str], bool]:
@@ -142,12 +143,6 @@ def _signature(fn: Any, reference: str, site: str) -> tuple[frozenset[str], bool
     named = frozenset(
         p.name for p in params[3:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ) | frozenset(p.name for p in params if p.kind == p.KEYWORD_ONLY)
-    required = [p.name for p in params[3:] if p.default is p.empty and p.kind == p.KEYWORD_ONLY]
-    if required:
-        raise plugins.PluginError(
-            f"{reference!r} ({site}): keyword parameters without a default ({', '.join(required)}) "
-            "would fail every call: give them defaults, or set them in reward.config"
-        )
     return named, any(p.kind == p.VAR_KEYWORD for p in params)
 
 
@@ -200,6 +195,19 @@ def load_function(reference: str, config_json: str, dirs: Sequence[Path]) -> Fun
         raise BadRewardConfig(f"reward.config: not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise BadRewardConfig("reward.config: must be a table")
+    try:
+        parameters = inspect.signature(loaded.obj).parameters.values()
+    except (TypeError, ValueError):
+        parameters = []
+    required = [
+        p.name
+        for p in parameters
+        if p.kind == p.KEYWORD_ONLY and p.default is p.empty and p.name not in config
+    ]
+    if required:
+        raise BadRewardConfig(
+            f"reward.config.{required[0]}: required by {site} (a parameter without a default)"
+        )
     return FunctionReward(
         reference, loaded, validate_config(loaded.obj, config, named, any_keyword), named, any_keyword
     )

@@ -42,6 +42,14 @@ def words(prompt, completion, answer):
 
 def two(prompt, completion):
     return 1.0
+
+
+def strict(prompt, completion, answer, *, table: str):
+    return 1.0 if table else 0.0
+
+
+def verdict(prompt, completion, answer):
+    return completion == answer
 """
 
 
@@ -61,6 +69,8 @@ async def test_a_function_scores_with_its_metadata_and_settings(plugin_dir: Path
     assert await fn(_input(level=3), 5.0) == (pytest.approx(1.55), {})
     parts = load_function("rewards.py:parts", "", (plugin_dir,))
     assert await parts(_input(), 5.0) == (0.5, {"format": 1.0})
+    verdict = load_function("rewards.py:verdict", "", (plugin_dir,))  # a bool is 0 or 1
+    assert await verdict(_input(), 5.0) == (1.0, {})
 
 
 def test_settings_are_checked_against_the_functions_parameters(plugin_dir: Path) -> None:
@@ -71,6 +81,9 @@ def test_settings_are_checked_against_the_functions_parameters(plugin_dir: Path)
         match=r"reward.config.bonsu: the function has no such parameter \(its settings: bonus\)",
     ):
         load_function("rewards.py:score", json.dumps({"bonsu": 1}), (plugin_dir,))
+    with pytest.raises(BadRewardConfig, match=r"reward.config.table: required by .*rewards.py:28"):
+        load_function("rewards.py:strict", "", (plugin_dir,))
+    assert load_function("rewards.py:strict", '{"table": "t"}', (plugin_dir,)).config == {"table": "t"}
     with pytest.raises(plugins.PluginError, match=r"takes \(prompt, completion\); a reward is called as"):
         load_function("rewards.py:two", "", (plugin_dir,))
 
