@@ -109,3 +109,27 @@ def test_up_where_a_stack_is_already_up_says_so(tmp_path: Path, capsys) -> None:
     assert cli.main(["up", "--state-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("looprl: a stack is already up") and "run `looprl down` first" in err
+
+
+def test_plugin_directories_reach_the_services_as_one_setting(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    env = cli._plugin_env([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert env == {"LOOPRL_PLUGIN_DIRS": f"{tmp_path / 'a'}{os.pathsep}{tmp_path / 'b'}"}
+    with pytest.raises(SystemExit, match=r"--plugin-dir .*missing' is not a directory"):
+        cli._plugin_env([str(tmp_path / "missing")])
+
+
+def test_eval_without_the_steps_export_says_where_it_looked(tmp_path: Path, monkeypatch, capsys) -> None:
+    from looprl.gateway.v1 import gateway_pb2
+
+    class Gateway:
+        def GetRun(self, request, metadata=None):
+            return gateway_pb2.GetRunResponse(
+                run=gateway_pb2.Run(run_id=request.run_id, recipe_toml="", weight_version=7)
+            )
+
+    monkeypatch.setattr(cli, "_gateway", lambda args: (Gateway(), ()))
+    assert cli.main(["--state-dir", str(tmp_path), "eval", "r1", "--wait", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"no Hugging Face export of run r1 at step 7 in {tmp_path / 'trainer/r1/hf/step_00000007'}" in err
