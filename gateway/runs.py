@@ -519,6 +519,10 @@ def history_entry(step: events_pb2.TrainStepRecord) -> dict:
         "entropy": step.entropy,
         "grad_norm": step.grad_norm,
         "mean_response_tokens": step.response_tokens / max(step.num_rollouts, 1),
+        "importance_ratio_mean": step.importance_ratio_mean,
+        "importance_ratio_max": step.importance_ratio_max,
+        "importance_ratio_min": step.importance_ratio_min,
+        "importance_ratio_clipped": step.importance_ratio_clipped,
         "at": time.time(),
     }
 

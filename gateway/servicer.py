@@ -96,6 +96,11 @@ def run_to_proto(
             grad_norm=h.get("grad_norm", 0.0),
             mean_response_tokens=h.get("mean_response_tokens", 0.0),
             unix_time=h.get("at", 0.0),
+            importance_ratio_mean=h.get("importance_ratio_mean", 0.0),
+            importance_ratio_max=h.get("importance_ratio_max", 0.0),
+            importance_ratio_min=h.get("importance_ratio_min", 0.0),
+            importance_ratio_clipped=h.get("importance_ratio_clipped", 0.0),
+            resampled_groups=h.get("resampled_groups", 0),
         )
     for w in weight_syncs:
         run.weight_syncs.add(

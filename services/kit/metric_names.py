@@ -138,6 +138,14 @@ CATALOG: tuple[MetricSpec, ...] = (
         "looprl_trainer_reward_mean", "reward", RUN, "Mean reward of the rollouts of the last step", "trainer"
     ),
     _g(
+        "looprl_trainer_importance_ratio",
+        "ratio",
+        ("run", "stat"),
+        "exp(trainer log-prob - sampler log-prob) over the last step's trained tokens, before its update "
+        "(stat: mean | max | min | clipped, the share outside the PPO clip range)",
+        "trainer",
+    ),
+    _g(
         "looprl_trainer_staleness_steps",
         "steps",
         ("run", "stat"),

@@ -412,6 +412,10 @@ class RunTrainer:
             reward_mean=m.get("reward_mean", 0.0),
             reward_std=m.get("reward_std", 0.0),
             trainer_epoch=self.epoch,
+            importance_ratio_mean=m.get("ratio", 0.0),
+            importance_ratio_max=m.get("ratio_max", 0.0),
+            importance_ratio_min=m.get("ratio_min", 0.0),
+            importance_ratio_clipped=m.get("ratio_clipped", 0.0),
         )
         try:
             # Retried through a nats-server restart: nothing publishes a lost record again, and the

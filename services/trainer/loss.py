@@ -33,6 +33,7 @@ ranks and divided once at the end (see :class:`LossMetrics`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -55,21 +56,36 @@ METRIC_COUNTS = {
     "clip_fraction": "tokens",
     "tis_fraction": "tokens",
     "ratio": "tokens",
+    "ratio_clipped": "tokens",
     "kl": "tokens",
     "entropy": "tokens",
     "staleness": "tokens",
 }
 
 
+# Metrics reduced by their largest value across micro-batches and ranks, not summed (the smallest
+# ratio travels negated, so that one MAX all-reduce takes both).
+METRIC_MAXIMA = ("ratio_max", "neg_ratio_min")
+
+
 @dataclass
 class LossMetrics:
-    """Additive metric sums (token-weighted) and counts; reduce across ranks with one all-reduce."""
+    """Additive metric sums (token-weighted) and counts; reduce across ranks with one all-reduce.
+    `maxima` (METRIC_MAXIMA) reduce with a MAX all-reduce of their own."""
 
     sums: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)
 
     def add(self, other: dict[str, float]) -> None:
         for key, value in other.items():
-            self.sums[key] = self.sums.get(key, 0.0) + float(value)
+            if key in METRIC_MAXIMA:
+                self.maxima[key] = max(self.maxima.get(key, -math.inf), float(value))
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + float(value)
+
+    def maxima_tensor(self) -> torch.Tensor:
+        """METRIC_MAXIMA in order (-inf for none seen), for a MAX all-reduce."""
+        return torch.tensor([self.maxima.get(k, -math.inf) for k in METRIC_MAXIMA], dtype=torch.float64)
 
     def keys(self) -> list[str]:
         return ["loss", "tokens", "sequences", *METRIC_COUNTS]
@@ -83,12 +99,16 @@ class LossMetrics:
         out.sums = {k: float(v) for k, v in zip(out.keys(), values.tolist(), strict=True)}
         return out
 
-    def finalize(self) -> dict[str, float]:
-        """Means per token; ``loss`` is already the step loss (a sum of shares)."""
+    def finalize(self, maxima: torch.Tensor | None = None) -> dict[str, float]:
+        """Means per token; ``loss`` is already the step loss (a sum of shares). `maxima`: the
+        all-reduced `maxima_tensor()` (this object's own when None); 0 where no token was seen."""
         result = {"loss": self.sums.get("loss", 0.0)}
         tokens = max(self.sums.get("tokens", 0.0), 1.0)
         for key in METRIC_COUNTS:
             result[key] = self.sums.get(key, 0.0) / tokens
+        values = (self.maxima_tensor() if maxima is None else maxima).tolist()
+        seen = dict(zip(METRIC_MAXIMA, (v if math.isfinite(v) else 0.0 for v in values), strict=True))
+        result["ratio_max"], result["ratio_min"] = seen["ratio_max"], -seen["neg_ratio_min"]
         result["loss_tokens"] = self.sums.get("tokens", 0.0)
         result["sequences"] = self.sums.get("sequences", 0.0)
         return result
@@ -165,6 +185,7 @@ def policy_loss(
         raise ValueError(f"algorithm.loss_aggregation: unknown aggregation {aggregation!r}")
 
     with torch.no_grad():
+        trained = loss_mask > 0
         is_clipped = ((adv > 0) & (ratio > upper)) | ((adv < 0) & (ratio < lower))
         metrics = {
             "loss": float(share),
@@ -175,6 +196,10 @@ def policy_loss(
             if cfg.tis_cap > 0
             else 0.0,
             "ratio": float((ratio * mask).sum()),
+            # Outside the trust region whatever the advantage's sign: the sampler/trainer mismatch.
+            "ratio_clipped": float((((ratio < lower) | (ratio > upper)).to(mask.dtype) * mask).sum()),
+            "ratio_max": float(ratio[trained].max()) if bool(trained.any()) else -math.inf,
+            "neg_ratio_min": -float(ratio[trained].min()) if bool(trained.any()) else -math.inf,
             "kl": float((kl * mask).sum()) if kl is not None else 0.0,
             "entropy": float((entropy.detach() * mask).sum()) if entropy is not None else 0.0,
             "staleness": 0.0,

@@ -15,6 +15,7 @@ KL = gauge("looprl_trainer_kl")
 ENTROPY = gauge("looprl_trainer_entropy")
 GRAD_NORM = gauge("looprl_trainer_grad_norm")
 CLIP_FRACTION = gauge("looprl_trainer_clip_fraction")
+IMPORTANCE_RATIO = gauge("looprl_trainer_importance_ratio")
 REWARD_MEAN = gauge("looprl_trainer_reward_mean")
 STALENESS = gauge("looprl_trainer_staleness_steps")
 TOKENS_PER_SECOND = gauge("looprl_trainer_tokens_per_second")
@@ -26,6 +27,8 @@ CHECKPOINT_SECONDS = histogram("looprl_trainer_checkpoint_seconds")
 
 PHASES = ("pull", "train", "push", "step")
 CHECKPOINT_KINDS = ("checkpoint", "hf_export")
+# stat label of IMPORTANCE_RATIO -> the step result's key.
+RATIO_STATS = {"mean": "ratio", "max": "ratio_max", "min": "ratio_min", "clipped": "ratio_clipped"}
 
 
 def init_run(run_id: str) -> None:
@@ -45,6 +48,8 @@ def record_step(run_id: str, m: dict[str, Any], step_seconds: float) -> None:
     ENTROPY.labels(run_id).set(m["entropy"])
     GRAD_NORM.labels(run_id).set(m["grad_norm"])
     CLIP_FRACTION.labels(run_id).set(m["clip_fraction"])
+    for stat, key in RATIO_STATS.items():
+        IMPORTANCE_RATIO.labels(run_id, stat).set(m.get(key, 0.0))
     REWARD_MEAN.labels(run_id).set(m.get("reward_mean", 0.0))
     STALENESS.labels(run_id, "mean").set(m["staleness"])
     STALENESS.labels(run_id, "max").set(m["max_staleness"])
@@ -64,6 +69,7 @@ def forget_run(run_id: str) -> None:
         *((m, ()) for m in (LOSS, KL, ENTROPY, GRAD_NORM, CLIP_FRACTION, REWARD_MEAN, TOKENS_PER_SECOND)),
         *((m, ()) for m in (WEIGHT_VERSION, STEPS, TOKENS)),
         *((STALENESS, (kind,)) for kind in ("mean", "max")),
+        *((IMPORTANCE_RATIO, (stat,)) for stat in RATIO_STATS),
         *((STEP_SECONDS, (phase,)) for phase in PHASES),
         *((CHECKPOINT_SECONDS, (kind,)) for kind in CHECKPOINT_KINDS),
     ]

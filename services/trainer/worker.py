@@ -266,8 +266,12 @@ class TrainerWorker:
             torch.cat([sums.as_tensor(), torch.tensor([float(local_tokens)], dtype=torch.float64)]),
             dist.ReduceOp.SUM,
         )
-        max_staleness = int(self._all_reduce(torch.tensor([max_staleness]), dist.ReduceOp.MAX)[0])
-        result = LossMetrics.from_tensor(totals[:-1]).finalize()
+        maxima = self._all_reduce(
+            torch.cat([torch.tensor([float(max_staleness)], dtype=torch.float64), sums.maxima_tensor()]),
+            dist.ReduceOp.MAX,
+        )
+        max_staleness = int(maxima[0])
+        result = LossMetrics.from_tensor(totals[:-1]).finalize(maxima[1:])
         seconds = time.perf_counter() - start
         result.update(
             step=expected,

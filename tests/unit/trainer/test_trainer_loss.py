@@ -174,3 +174,31 @@ def test_bad_aggregation_is_named() -> None:
     """The recipe rejects it (the loss takes the recipe's section as is)."""
     with pytest.raises(RecipeError, match=r"algorithm\.loss_aggregation"):
         parse_recipe('[algorithm]\nloss_aggregation = "mean"\n')
+
+
+def test_importance_ratio_statistics_of_a_step_do_not_depend_on_its_micro_batches() -> None:
+    """The sampler/trainer importance ratio's mean, max, min and share outside the clip range, over a
+    step split into micro-batches, are those of the step's trained tokens taken together."""
+    sequences, base = _make_step(seed=11, num_seqs=8)
+    cfg = CONFIGS[0]
+    whole = _packed(sequences, base, 0, len(sequences))
+    trained = whole["loss_mask"] > 0
+    ratio = torch.exp(whole["logprobs"] - whole["behaviour_logprobs"])[trained]
+    outside = (ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)
+    assert 0 < int(outside.sum()) < ratio.numel()  # the fixture has tokens on both sides
+
+    norm = StepNorm(int(trained.sum()), len(sequences))
+    total = LossMetrics()
+    for lo, hi in ((0, 3), (3, 4), (4, 8)):
+        mb = _packed(sequences, base, lo, hi)
+        _, metrics = policy_loss(
+            mb["logprobs"], mb["behaviour_logprobs"], mb["advantages"], mb["loss_mask"], mb["cu_seqlens"], cfg, norm
+        )
+        total.add(metrics)
+    # Across ranks the sums travel through a SUM all-reduce and the extremes through a MAX one.
+    result = LossMetrics.from_tensor(total.as_tensor()).finalize(total.maxima_tensor())
+    assert result["ratio"] == pytest.approx(float(ratio.mean()))
+    assert result["ratio_max"] == pytest.approx(float(ratio.max()))
+    assert result["ratio_min"] == pytest.approx(float(ratio.min()))
+    assert result["ratio_clipped"] == pytest.approx(float(outside.double().mean()))
+    assert total.finalize() == result

@@ -76,7 +76,7 @@ class WeightsRejected(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., deployment: _Optional[str] = ..., drift: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class TrainStepRecord(_message.Message):
-    __slots__ = ("run_id", "step", "version", "loss", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_second", "mean_staleness", "reward_mean", "reward_std", "num_rollouts", "num_tokens", "step_seconds", "rollout_ids", "max_staleness", "response_tokens", "trainer_epoch")
+    __slots__ = ("run_id", "step", "version", "loss", "clip_fraction", "kl", "entropy", "grad_norm", "tokens_per_second", "mean_staleness", "reward_mean", "reward_std", "num_rollouts", "num_tokens", "step_seconds", "rollout_ids", "max_staleness", "response_tokens", "trainer_epoch", "importance_ratio_mean", "importance_ratio_max", "importance_ratio_min", "importance_ratio_clipped")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,10 @@ class TrainStepRecord(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRAINER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_RATIO_MEAN_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_RATIO_MAX_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_RATIO_MIN_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_RATIO_CLIPPED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     version: int
@@ -115,7 +119,11 @@ class TrainStepRecord(_message.Message):
     max_staleness: int
     response_tokens: int
     trainer_epoch: str
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., loss: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., num_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., max_staleness: _Optional[int] = ..., response_tokens: _Optional[int] = ..., trainer_epoch: _Optional[str] = ...) -> None: ...
+    importance_ratio_mean: float
+    importance_ratio_max: float
+    importance_ratio_min: float
+    importance_ratio_clipped: float
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., version: _Optional[int] = ..., loss: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., num_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., max_staleness: _Optional[int] = ..., response_tokens: _Optional[int] = ..., trainer_epoch: _Optional[str] = ..., importance_ratio_mean: _Optional[float] = ..., importance_ratio_max: _Optional[float] = ..., importance_ratio_min: _Optional[float] = ..., importance_ratio_clipped: _Optional[float] = ...) -> None: ...
 
 class RunError(_message.Message):
     __slots__ = ("run_id", "component", "message", "occurrences", "unix_time", "fatal")

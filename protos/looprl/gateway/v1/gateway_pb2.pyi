@@ -37,7 +37,7 @@ class DeploymentVersion(_message.Message):
     def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class StepSummary(_message.Message):
-    __slots__ = ("step", "reward_mean", "reward_std", "loss", "mean_staleness", "train_tokens_per_second", "generation_tokens_per_second", "num_rollouts", "seconds", "max_staleness", "clip_fraction", "kl", "entropy", "grad_norm", "mean_response_tokens", "unix_time")
+    __slots__ = ("step", "reward_mean", "reward_std", "loss", "mean_staleness", "train_tokens_per_second", "generation_tokens_per_second", "num_rollouts", "seconds", "max_staleness", "clip_fraction", "kl", "entropy", "grad_norm", "mean_response_tokens", "unix_time", "importance_ratio_mean", "importance_ratio_max", "importance_ratio_min", "importance_ratio_clipped", "resampled_groups")
     STEP_FIELD_NUMBER: _ClassVar[int]
     REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
     REWARD_STD_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,11 @@ class StepSummary(_message.Message):
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     MEAN_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_RATIO_MEAN_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_RATIO_MAX_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_RATIO_MIN_FIELD_NUMBER: _ClassVar[int]
+    IMPORTANCE_RATIO_CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    RESAMPLED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     step: int
     reward_mean: float
     reward_std: float
@@ -70,7 +75,36 @@ class StepSummary(_message.Message):
     grad_norm: float
     mean_response_tokens: float
     unix_time: float
-    def __init__(self, step: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., loss: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., train_tokens_per_second: _Optional[float] = ..., generation_tokens_per_second: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., mean_response_tokens: _Optional[float] = ..., unix_time: _Optional[float] = ...) -> None: ...
+    importance_ratio_mean: float
+    importance_ratio_max: float
+    importance_ratio_min: float
+    importance_ratio_clipped: float
+    resampled_groups: int
+    def __init__(self, step: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., loss: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., train_tokens_per_second: _Optional[float] = ..., generation_tokens_per_second: _Optional[float] = ..., num_rollouts: _Optional[int] = ..., seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., entropy: _Optional[float] = ..., grad_norm: _Optional[float] = ..., mean_response_tokens: _Optional[float] = ..., unix_time: _Optional[float] = ..., importance_ratio_mean: _Optional[float] = ..., importance_ratio_max: _Optional[float] = ..., importance_ratio_min: _Optional[float] = ..., importance_ratio_clipped: _Optional[float] = ..., resampled_groups: _Optional[int] = ...) -> None: ...
+
+class SampleCompletion(_message.Message):
+    __slots__ = ("step", "rollout_id", "group_id", "prompt", "completion", "reward", "advantage", "response_tokens", "tokens", "weight_version")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rollout_id: str
+    group_id: str
+    prompt: str
+    completion: str
+    reward: float
+    advantage: float
+    response_tokens: int
+    tokens: int
+    weight_version: int
+    def __init__(self, step: _Optional[int] = ..., rollout_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt: _Optional[str] = ..., completion: _Optional[str] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., response_tokens: _Optional[int] = ..., tokens: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class WeightSync(_message.Message):
     __slots__ = ("deployment", "version", "sync_seconds", "bytes")
@@ -85,7 +119,7 @@ class WeightSync(_message.Message):
     def __init__(self, deployment: _Optional[str] = ..., version: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "state", "recipe_toml", "step", "total_steps", "weight_version", "deployments", "history", "episodes_published", "rollouts_trained", "rollouts_dropped", "error", "queued_episodes", "duplicate_deliveries", "weight_syncs", "last_error", "stalled_reason", "step_records_ignored", "tenant", "queue_position", "queued_reason", "evaluations", "dataset")
+    __slots__ = ("run_id", "state", "recipe_toml", "step", "total_steps", "weight_version", "deployments", "history", "episodes_published", "rollouts_trained", "rollouts_dropped", "error", "queued_episodes", "duplicate_deliveries", "weight_syncs", "last_error", "stalled_reason", "step_records_ignored", "tenant", "queue_position", "queued_reason", "evaluations", "dataset", "resampled_groups", "samples")
     class RolloutsDroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +150,8 @@ class Run(_message.Message):
     QUEUED_REASON_FIELD_NUMBER: _ClassVar[int]
     EVALUATIONS_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
+    RESAMPLED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     recipe_toml: str
@@ -139,7 +175,9 @@ class Run(_message.Message):
     queued_reason: str
     evaluations: _containers.RepeatedCompositeFieldContainer[Evaluation]
     dataset: RunDataset
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., recipe_toml: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., deployments: _Optional[_Iterable[_Union[DeploymentVersion, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., episodes_published: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., rollouts_dropped: _Optional[_Mapping[str, int]] = ..., error: _Optional[str] = ..., queued_episodes: _Optional[int] = ..., duplicate_deliveries: _Optional[int] = ..., weight_syncs: _Optional[_Iterable[_Union[WeightSync, _Mapping]]] = ..., last_error: _Optional[_Union[ComponentError, _Mapping]] = ..., stalled_reason: _Optional[str] = ..., step_records_ignored: _Optional[int] = ..., tenant: _Optional[str] = ..., queue_position: _Optional[int] = ..., queued_reason: _Optional[str] = ..., evaluations: _Optional[_Iterable[_Union[Evaluation, _Mapping]]] = ..., dataset: _Optional[_Union[RunDataset, _Mapping]] = ...) -> None: ...
+    resampled_groups: int
+    samples: _containers.RepeatedCompositeFieldContainer[SampleCompletion]
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., recipe_toml: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., deployments: _Optional[_Iterable[_Union[DeploymentVersion, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., episodes_published: _Optional[int] = ..., rollouts_trained: _Optional[int] = ..., rollouts_dropped: _Optional[_Mapping[str, int]] = ..., error: _Optional[str] = ..., queued_episodes: _Optional[int] = ..., duplicate_deliveries: _Optional[int] = ..., weight_syncs: _Optional[_Iterable[_Union[WeightSync, _Mapping]]] = ..., last_error: _Optional[_Union[ComponentError, _Mapping]] = ..., stalled_reason: _Optional[str] = ..., step_records_ignored: _Optional[int] = ..., tenant: _Optional[str] = ..., queue_position: _Optional[int] = ..., queued_reason: _Optional[str] = ..., evaluations: _Optional[_Iterable[_Union[Evaluation, _Mapping]]] = ..., dataset: _Optional[_Union[RunDataset, _Mapping]] = ..., resampled_groups: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[SampleCompletion, _Mapping]]] = ...) -> None: ...
 
 class Evaluation(_message.Message):
     __slots__ = ("step", "prompts", "samples_per_prompt", "pass_at_1", "pass_at_k", "k", "mean_reward", "mean_response_tokens", "sources", "seconds", "unix_time", "greedy")
