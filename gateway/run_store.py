@@ -28,6 +28,12 @@ HISTORY_CHUNK = 100
 # evaluations themselves are chunks beside the record).
 EVALUATED_KEY = "evaluated_steps"
 LAST_EVALUATION_KEY = "last_evaluation"
+# Sample tables per chunk (tables are larger than steps: up to logging.samples_per_step rows of text).
+SAMPLE_TABLES_PER_CHUNK = 10
+
+
+def _sample_order(row: dict) -> tuple[int, int]:
+    return row["step"], row.get("row", 0)
 
 
 class RunStore:
@@ -93,6 +99,28 @@ class RunStore:
         """Add the run's `ordinal`-th evaluation (idempotent per step), in chunks beside the record
         like the history; the record lists the steps evaluated (EVALUATED_KEY)."""
         await self._append_once(run_id, "evals", ordinal, entry, ("step",))
+
+    async def samples(self, record: RunRecord, every: int) -> list[dict]:
+        """The sample tables of a run that records one every `every` steps, in (step, row) order."""
+        if every <= 0:
+            return []
+        chunks = max(record.step, 0) // every // SAMPLE_TABLES_PER_CHUNK + 1
+        return sorted(await self._read_chunks(record.run_id, "samples", chunks), key=_sample_order)
+
+    async def add_samples(self, run_id: str, step: int, rows: list[dict], every: int) -> None:
+        """Add one step's samples table (idempotent per step), SAMPLE_TABLES_PER_CHUNK tables a chunk.
+        Only the run's driver writes them."""
+        key = f"{run_id}.samples.{step // every // SAMPLE_TABLES_PER_CHUNK}"
+        entries = self._chunks.get(key)
+        if entries is None:
+            raw = await self.kv.get(key)
+            entries = json.loads(raw) if raw else []
+        if any(e["step"] == step for e in entries):
+            return
+        entries = [*entries, *({**row, "step": step, "row": i} for i, row in enumerate(rows))]
+        await self.kv.put(key, json.dumps(entries).encode())
+        self._chunks = {k: v for k, v in self._chunks.items() if not k.startswith(f"{run_id}.samples.")}
+        self._chunks[key] = entries
 
     async def _read_chunks(self, run_id: str, kind: str, chunks: int) -> list[dict]:
         out: list[dict] = []

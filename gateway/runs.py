@@ -8,7 +8,9 @@ follows the run through the TRAIN and WEIGHTS streams and keeps the run record (
 up to date; a restarted gateway re-creates the drivers of running runs and continues where the
 record says.
 The driver also keeps the errors components report for the run and marks it stalled when it stops
-progressing (gateway/stalls.py).
+progressing (gateway/stalls.py), replaces every group the packer drops whole with a newly sampled
+one so that each step trains a full batch (gateway/resample.py), and copies the packer's sample
+tables into the run.
 Episode tasks carry deterministic message ids, so a feed repeated after a crash is deduped.
 
 Tracing: a driver runs outside the CreateRun call that started it. The run's trace (the one
@@ -29,6 +31,7 @@ from collections.abc import Awaitable, Callable
 
 from opentelemetry import trace
 
+from gateway import metrics, resample
 from gateway.evaluation import eval_versions, evaluate
 from gateway.run_store import ACTIVE, EVALUATED_KEY, FINAL, LAST_EVALUATION_KEY, RunStore
 from gateway.stalls import STALLED_KEY, ProgressClock, fail, follow_errors, watch_stalls
@@ -37,7 +40,7 @@ from looprl.common.v1 import common_pb2
 from looprl.environment.v1 import environment_pb2_grpc
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
-from services.kit import subjects, telemetry, trainer_epochs
+from services.kit import packer_reports, subjects, telemetry, trainer_epochs
 from services.kit.bus import BUS_UNAVAILABLE, Bus, Consumer, Delivery
 from services.kit.kv import KV
 from services.kit.recipe import Recipe, RunRecord, sampling_seed
@@ -90,6 +93,19 @@ _tracer = trace.get_tracer("looprl.gateway.runs")
 def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[str, events_pb2.EpisodeTask]]:
     """The (msg_id, task) pairs of one trainer step: groups_per_step prompts x group_size samples
     (one forking task per group, or one task per sample)."""
+    return [
+        task
+        for group in range(recipe.groups_per_step)
+        for task in group_tasks(
+            record, recipe, step, f"{record.run_id}.s{step}.g{group}", step * recipe.groups_per_step + group
+        )
+    ]
+
+
+def group_tasks(
+    record: RunRecord, recipe: Recipe, step: int, group_id: str, index: int
+) -> list[tuple[str, events_pb2.EpisodeTask]]:
+    """The (msg_id, task) pairs of one group of `step`: the run's `index`-th task, group_size samples."""
     tasks = []
     env = recipe.environment
     dataset_json = record.extra.get(DATASET_JSON_KEY, "")
@@ -105,40 +121,37 @@ def episode_tasks(record: RunRecord, recipe: Recipe, step: int) -> list[tuple[st
     # Forked groups: one task per group, played to the first model turn once, then `group_size`
     # continuations share the prompt's prefill on one replica (EpisodeTask.branches).
     per_task = group_size if recipe.batch.fork_groups else 1
-    for group in range(recipe.groups_per_step):
-        index = step * recipe.groups_per_step + group
-        group_id = f"{record.run_id}.s{step}.g{group}"
-        for sample in range(group_size // per_task):
-            params = common_pb2.SamplingParams()
-            params.CopyFrom(sampling)
-            params.seed = sampling_seed(recipe.run.seed, index, sample)
-            task = events_pb2.EpisodeTask(
-                run_id=record.run_id,
-                task_id=f"{group_id}.i{sample}",
-                group_id=group_id,
-                environment=env.name,
-                # The environment resolves the prompt from its dataset by index and seed.
-                task_json=json.dumps(
-                    {"index": index, "seed": recipe.run.seed, "split": "train"}
-                    if dataset_json
-                    else {"index": index, "seed": recipe.run.seed}
-                ),
-                group_size=group_size // per_task,
-                sample_index=sample,
-                sampling=params,
-                min_weight_version=max(0, step - recipe.run.max_staleness),
-                reward=recipe.reward_name,
-                reward_config_json=reward_config,
-                dataset_json=dataset_json,
-                step=step,
-                environment_config_json=json.dumps({**env.config, "max_turns": env.max_turns}),
-                branches=per_task if per_task > 1 else 0,
-                branch_at_turn=0,
-                # The run's tokenizer travels with each task, so an environment serving several runs
-                # renders each with its own chat template without reading run records.
-                tokenizer=recipe.model.tokenizer,
-            )
-            tasks.append((task.task_id, task))
+    for sample in range(group_size // per_task):
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(sampling)
+        params.seed = sampling_seed(recipe.run.seed, index, sample)
+        task = events_pb2.EpisodeTask(
+            run_id=record.run_id,
+            task_id=f"{group_id}.i{sample}",
+            group_id=group_id,
+            environment=env.name,
+            # The environment resolves the prompt from its dataset by index and seed.
+            task_json=json.dumps(
+                {"index": index, "seed": recipe.run.seed, "split": "train"}
+                if dataset_json
+                else {"index": index, "seed": recipe.run.seed}
+            ),
+            group_size=group_size // per_task,
+            sample_index=sample,
+            sampling=params,
+            min_weight_version=max(0, step - recipe.run.max_staleness),
+            reward=recipe.reward_name,
+            reward_config_json=reward_config,
+            dataset_json=dataset_json,
+            step=step,
+            environment_config_json=json.dumps({**env.config, "max_turns": env.max_turns}),
+            branches=per_task if per_task > 1 else 0,
+            branch_at_turn=0,
+            # The run's tokenizer travels with each task, so an environment serving several runs
+            # renders each with its own chat template without reading run records.
+            tokenizer=recipe.model.tokenizer,
+        )
+        tasks.append((task.task_id, task))
     return tasks
 
 
@@ -164,6 +177,8 @@ class RunDriver:
         # waits on it, and the next step's tasks go out before the accounting is written.
         self._trained_version = 0
         self._planned_step = -1  # newest step the packer planned (feed_horizon)
+        # The groups the packer dropped whole, by the step that was filling (gateway/resample.py).
+        self._drops: dict[int, list[packer_reports.GroupDrop]] = {}
         self._run_trace: dict[str, str] | None = None  # the run's trace context, from its record
         self.progress = ProgressClock()  # fed steps, trained steps and weight versions mark it
         self._epochs_kv: KV | None = None
@@ -207,7 +222,7 @@ class RunDriver:
                 )
             ),
             asyncio.create_task(self._keep("stall watch", self._watch_stalls)),
-            asyncio.create_task(self._keep("packer plan watch", self._follow_plans)),
+            asyncio.create_task(self._keep("packer watch", self._follow_packer)),
         ]
         try:
             # nats-server restarting: feeding resumes from the record (fed_steps), and a step
@@ -269,26 +284,47 @@ class RunDriver:
         ):
             pass
 
-    async def _publish_step(self, record: RunRecord, recipe: Recipe, step: int) -> None:
+    async def _publish_step(
+        self, step: int, tasks: list[tuple[str, events_pb2.EpisodeTask]], name: str = "feed step"
+    ) -> None:
         """One step's episode tasks, in a trace of their own linked to the run's."""
         run_ctx = telemetry.remote_span_context(self._run_trace)
         with _tracer.start_as_current_span(
-            "feed step",
+            name,
             context=telemetry.new_trace(),
             links=[trace.Link(run_ctx)] if run_ctx is not None else [],
             attributes={
                 telemetry.ATTR.RUN_ID: self.run_id,
                 telemetry.ATTR.STEP: step,
-                telemetry.ATTR.ROLLOUTS: recipe.batch.rollouts_per_step,
+                telemetry.ATTR.ROLLOUTS: sum(max(1, t.branches) for _, t in tasks),
             },
         ):
             subject = subjects.episodes(self.run_id)
-            await asyncio.gather(
-                *(
-                    self.bus.publish(subject, task, msg_id=mid)
-                    for mid, task in episode_tasks(record, recipe, step)
-                )
+            await asyncio.gather(*(self.bus.publish(subject, task, msg_id=mid) for mid, task in tasks))
+
+    async def _resample(self, record: RunRecord, recipe: Recipe) -> RunRecord | None:
+        """Feed a new group for each group the packer dropped whole, in order; the record as written,
+        or None when nothing was owed. A step that needs more than the recipe allows fails the run."""
+        why = resample.refusal(self._drops, recipe)
+        if why is not None:
+            record = await self.store.update(
+                self.run_id, lambda r, e=why: fail(r, e) if r.state in ACTIVE else None
             )
+            self._lifecycle("run failed", error=why)
+            return record
+        fed = int(record.extra.get(resample.RESAMPLED_KEY, 0))
+        owed = resample.owed(self._drops, fed, recipe.run.steps)
+        if not owed:
+            return None
+        for step, i in owed:
+            group_id, index = resample.replacement(self.run_id, recipe, step, i)
+            await self._publish_step(
+                step, group_tasks(record, recipe, step, group_id, index), "resample group"
+            )
+        self.progress.mark()
+        metrics.RESAMPLED_GROUPS.labels(self.run_id).inc(len(owed))
+        total = fed + len(owed)
+        return await self.store.update(self.run_id, lambda r, t=total: _resampled(r, t, recipe))
 
     async def _feed(self) -> None:
         record = await self.store.get(self.run_id)
@@ -329,16 +365,21 @@ class RunDriver:
                 self._lifecycle("run completed", steps=record.weight_version)
                 self.changed.set()
                 return
+            if self._drops:  # only a run whose packer dropped a group whole
+                resampled = await self._resample(record, recipe)
+                if resampled is not None:
+                    record = resampled
+                    self.changed.set()
+                    continue
             horizon = feed_horizon(trained, self._planned_step, recipe.run.max_staleness)
             if due is not None:
                 horizon = min(horizon, due - 1)
             if fed < recipe.run.steps and fed <= horizon:
-                await self._publish_step(record, recipe, fed)
+                await self._publish_step(fed, episode_tasks(record, recipe, fed))
                 self.progress.mark()
                 fed += 1
-                count = recipe.batch.rollouts_per_step
                 # The record as written: what the next pass decides on, without reading it back.
-                record = await self.store.update(self.run_id, lambda r, f=fed, c=count: _fed(r, f, c))
+                record = await self.store.update(self.run_id, lambda r, f=fed: _fed(r, f, recipe))
                 self.changed.set()
                 continue
             self._feed_due.clear()
@@ -416,7 +457,8 @@ class RunDriver:
                         dropped = await self._dropped()
                         # History and counters are each idempotent, so a crash between the two writes
                         # and the redelivery that follows leaves both right.
-                        await self.store.add_history(self.run_id, history_entry(step))
+                        entry = history_entry(step, resample.per_step(self._drops, step.step))
+                        await self.store.add_history(self.run_id, entry)
                         await self.store.update(
                             self.run_id, lambda r, s=step, d=dropped: _apply_step(r, s, d)
                         )
@@ -424,15 +466,27 @@ class RunDriver:
                         self._feed_due.set()
                         self.changed.set()
 
-    async def _follow_plans(self) -> None:
-        """Note the newest step the packer planned for this run (feed_horizon)."""
+    async def _follow_packer(self) -> None:
+        """What the packer writes for this run: the newest step it planned (feed_horizon), the groups
+        it dropped whole (replaced by `_resample`) and the sample tables (kept with the run)."""
+        record = await self.store.get(self.run_id)
+        every = record.recipe().logging.samples_every if record is not None else 0
         kv = await self.bus.kv(subjects.PACKER_STEPS)
-        async with kv.watch(subjects.packer_step_key(self.run_id, "*")) as watch:
+        async with kv.watch(subjects.packer_run_keys(self.run_id)) as watch:
             async for entry in watch:
-                step = entry.key.rpartition(".")[2]
-                if not entry.deleted and step.isdigit() and int(step) > self._planned_step:
-                    self._planned_step = int(step)
+                kind = entry.key.split(".")[-2]
+                step = packer_reports.key_step(entry.key)
+                if entry.deleted or step is None:
+                    continue
+                if kind == "step" and step > self._planned_step:
+                    self._planned_step = step
                     self._feed_due.set()
+                elif kind == "drops":
+                    self._drops[step] = packer_reports.parse_drops(entry.value)
+                    self._feed_due.set()
+                elif kind == "samples" and every:
+                    await self.store.add_samples(self.run_id, step, json.loads(entry.value), every)
+                    self.changed.set()
 
     async def _genuine(self, step: events_pb2.TrainStepRecord) -> bool:
         """Whether a trainer epoch vouches for the record, by the epochs as they are now (a cached
@@ -496,13 +550,26 @@ def _ignored(record: RunRecord) -> None:
     record.extra["step_records_ignored"] = int(record.extra.get("step_records_ignored", 0)) + 1
 
 
-def _fed(record: RunRecord, fed_steps: int, per_step: int) -> None:
+def _published(record: RunRecord, recipe: Recipe) -> None:
+    record.episodes_published = (
+        int(record.extra.get("fed_steps", 0)) * recipe.batch.rollouts_per_step
+        + int(record.extra.get(resample.RESAMPLED_KEY, 0)) * recipe.batch.group_size
+    )
+
+
+def _fed(record: RunRecord, fed_steps: int, recipe: Recipe) -> None:
     record.extra.pop(STALLED_KEY, None)
     record.extra["fed_steps"] = max(fed_steps, int(record.extra.get("fed_steps", 0)))
-    record.episodes_published = record.extra["fed_steps"] * per_step
+    _published(record, recipe)
 
 
-def history_entry(step: events_pb2.TrainStepRecord) -> dict:
+def _resampled(record: RunRecord, total: int, recipe: Recipe) -> None:
+    record.extra.pop(STALLED_KEY, None)
+    record.extra[resample.RESAMPLED_KEY] = max(total, int(record.extra.get(resample.RESAMPLED_KEY, 0)))
+    _published(record, recipe)
+
+
+def history_entry(step: events_pb2.TrainStepRecord, resampled_groups: int = 0) -> dict:
     return {
         "step": step.step,
         "reward_mean": step.reward_mean,
@@ -523,6 +590,7 @@ def history_entry(step: events_pb2.TrainStepRecord) -> dict:
         "importance_ratio_max": step.importance_ratio_max,
         "importance_ratio_min": step.importance_ratio_min,
         "importance_ratio_clipped": step.importance_ratio_clipped,
+        "resampled_groups": resampled_groups,
         "at": time.time(),
     }
 

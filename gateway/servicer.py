@@ -13,6 +13,7 @@ from gateway.auth import TokenAuth
 from gateway.config import Tenant, tokens_tenant
 from gateway.evaluation import evaluation_to_proto
 from gateway.queue import QUEUED, STARTED, ClusterResources, Waiting, plan, queue_order
+from gateway.resample import RESAMPLED_KEY
 from gateway.run_store import ACTIVE, EVALUATED_KEY, FINAL, RunStore, new_run_id
 from gateway.runs import RUN_TRACE_KEY, RunDriver
 from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
@@ -49,15 +50,20 @@ STATES = {
 }
 
 
+# The fields of a samples row (services/kit/packer_reports.py) that a SampleCompletion holds.
+SAMPLE_FIELDS = tuple(gateway_pb2.SampleCompletion.DESCRIPTOR.fields_by_name)
+
+
 def run_to_proto(
     record: RunRecord,
     history: Sequence[dict] = (),
     weight_syncs: Sequence[dict] = (),
     queued: tuple[int, str] = (0, ""),
     evaluations: Sequence[dict] = (),
+    samples: Sequence[dict] = (),
 ) -> gateway_pb2.Run:
-    """The public Run: the record, plus its per-step history, weight deliveries and (queue position,
-    why it waits) when given (RunManager.proto finds them)."""
+    """The public Run: the record, plus its per-step history, weight deliveries, (queue position,
+    why it waits) and sample tables when given (RunManager.proto finds them)."""
     extra = record.extra
     run = gateway_pb2.Run(
         run_id=record.run_id,
@@ -106,6 +112,9 @@ def run_to_proto(
         run.weight_syncs.add(
             deployment=w["deployment"], version=w["version"], sync_seconds=w["sync_seconds"], bytes=w["bytes"]
         )
+    for row in samples:
+        run.samples.add(**{name: row[name] for name in SAMPLE_FIELDS if name in row})
+    run.resampled_groups = int(extra.get(RESAMPLED_KEY, 0))
     for reason, count in extra.get("dropped", {}).items():
         run.rollouts_dropped[reason] = int(count)
     for evaluation in evaluations:
@@ -163,12 +172,17 @@ class RunManager:
     ) -> gateway_pb2.Run:
         if record.state == QUEUED and queue is None:
             queue = await self.queue()
+        try:
+            every = record.recipe().logging.samples_every
+        except RecipeError:
+            every = 0
         return run_to_proto(
             record,
             await self.store.history(record),
             await self.store.weight_syncs(record),
             (queue or {}).get(record.run_id, (0, "")),
             await self.store.evaluations(record) if record.extra.get(EVALUATED_KEY) else (),
+            await self.store.samples(record, every),
         )
 
     async def watch(

@@ -94,6 +94,13 @@ CATALOG: tuple[MetricSpec, ...] = (
         "gateway",
     ),
     _c(
+        "looprl_gateway_resampled_groups_total",
+        "groups",
+        RUN,
+        "Groups fed to replace groups the packer dropped, so that every step trains a full batch",
+        "gateway",
+    ),
+    _c(
         "looprl_gateway_http_requests_total",
         "requests",
         ("route", "method", "status"),
@@ -340,6 +347,13 @@ CATALOG: tuple[MetricSpec, ...] = (
         "rollouts",
         ("run", "reason"),
         "Rollouts dropped, by reason",
+        "rollout-packer",
+    ),
+    _c(
+        "looprl_packer_dropped_groups_total",
+        "groups",
+        ("run", "reason"),
+        "Groups dropped whole while a step filled (the gateway replaces each), by reason",
         "rollout-packer",
     ),
     _g(

@@ -357,6 +357,12 @@ class BatchSection(Section):
     fork_groups: bool = True
     """One episode task per group that forks into group_size samples of the same prompt (one prefill,
     one request); false publishes one task per sample."""
+    max_resample_batches: int = Field(4, ge=0, le=1000)
+    """Every step trains a full batch: a group the packer drops while the step fills (equal rewards
+    under algorithm.filter_equal_rewards, too stale under run.max_staleness, a straggler) is replaced
+    by a newly sampled task, up to this many steps' worth of groups per step (DAPO's
+    max_num_gen_batches less the first); a step that needs more fails the run, saying why its groups
+    were dropped. 0: the first dropped group fails the run."""
 
     @model_validator(mode="after")
     def _whole_groups(self) -> BatchSection:
@@ -391,6 +397,41 @@ class AlgorithmSection(Section):
     disables."""
     group_timeout_seconds: Seconds = 120.0
     """A group still incomplete after this is released as is."""
+
+
+# Where `looprl run` and `looprl watch` log a run (gateway/run_logs.py).
+Logger = Literal["console", "tensorboard", "mlflow", "jsonl"]
+
+
+class LoggingSection(Section):
+    """What the run logs and where, beside the report `looprl run` writes (docs/logging.md)."""
+
+    logger: list[Logger] = Field(["console", "tensorboard", "jsonl"], max_length=4)
+    """Where the client following the run (`looprl run`, `looprl watch`) logs every scalar of the
+    run's history and the sample tables: console (a progress line per update), tensorboard (event
+    files in the run's report directory), mlflow (mlflow_tracking_uri; needs the MLflow client,
+    `pip install -c requirements.lock -e '.[mlflow]'`), jsonl (metrics.jsonl and samples.jsonl in
+    the report directory)."""
+    samples_every: Annotated[int, Field(ge=0), AtMost("max_steps")] = 10
+    """Record a table of sample completions every k steps (step 0 included); 0 records none."""
+    samples_per_step: int = Field(8, ge=1, le=256)
+    """Rows of a samples table: the step's first rollouts in its canonical order (by group id, then
+    sample index), so a group's samples appear together with their advantages."""
+    sample_chars: int = Field(2000, ge=16, le=65536)
+    """Longest prompt or completion text a sample keeps (the rest is cut, with '...')."""
+    mlflow_tracking_uri: str = Field("", max_length=2048)
+    """MLflow tracking URI (http(s)://host:port, file:/path, sqlite:///path); empty: a file store
+    `mlruns` in the run's report directory."""
+    mlflow_experiment: str = Field("", max_length=256)
+    """MLflow experiment the run logs to (created when missing); empty: the recipe's run.name."""
+
+    @field_validator("logger")
+    @classmethod
+    def _once_each(cls, value: list[str]) -> list[str]:
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} named more than once")
+        return value
 
 
 class OptimizerSection(Section):
@@ -542,6 +583,7 @@ class Recipe(Section):
     algorithm: AlgorithmSection = AlgorithmSection()
     optimizer: OptimizerSection = OptimizerSection()
     trainer: TrainerSection = TrainerSection()
+    logging: LoggingSection = LoggingSection()
     deployments: list[DeploymentSpec] = Field([DeploymentSpec()], min_length=1)
     """The inference deployments that sample the run ([[deployments]] tables), each tuned to a
     length profile."""
@@ -569,6 +611,11 @@ class Recipe(Section):
     @property
     def groups_per_step(self) -> int:
         return self.batch.rollouts_per_step // self.batch.group_size
+
+    @property
+    def resampled_groups_per_step(self) -> int:
+        """The most groups fed to replace dropped ones while one step fills (batch.max_resample_batches)."""
+        return self.batch.max_resample_batches * self.groups_per_step
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

@@ -196,12 +196,28 @@ def packer_step_key(run_id: str, step: int | str) -> str:
     return f"{validate_run_id(run_id)}.step.{step}"
 
 
+def packer_drops_key(run_id: str, step: int | str) -> str:
+    """The groups the packer dropped whole while `step` filled, in PACKER_STEPS
+    (services/rollout_packer/reports.py; `*` as step: all of the run's)."""
+    return f"{validate_run_id(run_id)}.drops.{step}"
+
+
+def packer_samples_key(run_id: str, step: int | str) -> str:
+    """The sample completions of one step, in PACKER_STEPS (services/rollout_packer/reports.py)."""
+    return f"{validate_run_id(run_id)}.samples.{step}"
+
+
+def packer_run_keys(run_id: str) -> str:
+    """Every key the packer writes for a run in PACKER_STEPS: plans, drops and samples."""
+    return f"{validate_run_id(run_id)}.>"
+
+
 BUCKETS: tuple[BucketSpec, ...] = (
     BucketSpec(RUNS, history=5, description="run id -> run state (gateway)"),
     BucketSpec(DEPLOYMENTS, history=1, description="deployment id -> registration and heartbeat"),
     BucketSpec(WEIGHTS_KV, history=5, description="run id / version -> weight manifest"),
     BucketSpec(TRAINER_EPOCHS, history=1, description="run id -> the trainer epochs that trained it"),
-    BucketSpec(PACKER_STEPS, history=1, description="packer step plans and acks"),
+    BucketSpec(PACKER_STEPS, history=1, description="packer step plans and acks, dropped groups, samples"),
 )
 
 

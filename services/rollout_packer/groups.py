@@ -104,7 +104,8 @@ class GroupCollector:
                     f"group {gid}: {len(g.members)}/{g.expected} samples after {self.straggler_timeout_s}s"
                 )
                 drops.extend(
-                    Rejected(m.rollout_id, DropReason.STRAGGLER_TIMEOUT, detail) for m in g.members.values()
+                    Rejected(m.rollout_id, DropReason.STRAGGLER_TIMEOUT, detail, gid)
+                    for m in g.members.values()
                 )
         return partial, drops
 

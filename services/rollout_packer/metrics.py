@@ -10,6 +10,14 @@ PADDING_FRACTION = gauge("looprl_packer_padding_fraction")
 RANK_IMBALANCE = gauge("looprl_packer_rank_imbalance")
 SYNC_IDLE = gauge("looprl_packer_sync_idle_fraction")
 DROPPED = counter("looprl_packer_dropped_rollouts_total")
+DROPPED_GROUPS = counter("looprl_packer_dropped_groups_total")
+# Reasons a group is dropped whole (and replaced by the gateway).
+GROUP_DROP_REASONS = (
+    DropReason.ZERO_VARIANCE_GROUP,
+    DropReason.STALE,
+    DropReason.GROUP_TOO_SMALL,
+    DropReason.STRAGGLER_TIMEOUT,
+)
 QUEUE_DEPTH = gauge("looprl_packer_queued_rollouts")
 PENDING_GROUPS = gauge("looprl_packer_pending_groups")
 STEPS_PLANNED = counter("looprl_packer_steps_planned_total")
@@ -23,6 +31,8 @@ def init_run(run_id: str) -> None:
     """Every series of a run, at zero (the gauges until its first step sets them)."""
     for reason in DropReason:
         DROPPED.labels(run_id, reason.value)
+    for reason in GROUP_DROP_REASONS:
+        DROPPED_GROUPS.labels(run_id, reason.value)
     for metric in (
         PADDING_FRACTION,
         RANK_IMBALANCE,

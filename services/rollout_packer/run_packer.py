@@ -13,7 +13,10 @@ it had come alone, and the message is settled once none of its rollouts needs it
 
 Steps: the first NextBatch of a step plans it from the oldest complete groups (FIFO), after the
 staleness filter, once `prompts_per_step` groups are there; the plan is saved before it is served.
-Every rank of the step is served from the same deterministic StepBatch.
+Every rank of the step is served from the same deterministic StepBatch. A group dropped whole (no
+signal, too stale, a straggler) is recorded in KV before its rollouts are acked (reports.py): the
+gateway feeds a new group for it, so the step still fills. Every `samples_every` steps the step's
+first rollouts are recorded as a samples table.
 
 Tracing: taking in a rollout is a CONSUMER span in the rollout's own trace (a child of its
 publish); building a step is a "packer step" span linked to the publish of every rollout in it,
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import Counter, deque
@@ -35,8 +39,10 @@ from services.kit import rollout_messages, subjects, telemetry
 from services.kit.bus import Bus, Consumer, Delivery, PoisonMessage, batch_process_span, by_producer
 from services.kit.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from services.kit.metric_names import observe
+from services.kit.packer_reports import GroupDrop
 from services.rollout_packer import metrics
 from services.rollout_packer.groups import Group, GroupCollector
+from services.rollout_packer.reports import DroppedGroups, sample_row
 from services.rollout_packer.sequences import DropReason, Rejected, TokenSequence, sequence_from_rollout
 from services.rollout_packer.state import StepRecord, StepStore
 from services.rollout_packer.step import PackerSettings, StepBatch, build_step, filter_stale, screen_group
@@ -87,6 +93,8 @@ class RunPacker:
         self.max_ack_pending = max_ack_pending
         self.fetch_batch = fetch_batch
         self.collector = GroupCollector(settings.straggler_timeout_s, settings.min_group_size)
+        self.group_drops = DroppedGroups(store.kv, self.run_id)
+        self._background: set[asyncio.Task] = set()  # sample tables being written
         self.ready: deque[Group] = deque()
         self.held: dict[str, Delivery] = {}  # rollout id -> its unsettled delivery
         # A RolloutGroup message -> the ids of its rollouts still needing it (settled when empty).
@@ -116,6 +124,7 @@ class RunPacker:
         self.records = await self.store.load()
         for record in self.records.values():
             self._register(record)
+        await self.group_drops.load()
         self._consumer = await self.bus.pull_consumer(
             subjects.ROLLOUTS,
             f"packer-{self.run_id}",
@@ -277,13 +286,42 @@ class RunPacker:
 
     async def _screen(self, groups: list[Group]) -> None:
         for group in groups:
+            if group.group_id in self.group_drops:
+                # Dropped (and replaced) before this packer restarted; its redelivery trains nothing.
+                await self._drop_many(self._dropped_again(group))
+                continue
             kept, drops = screen_group(group, self.settings)
+            if kept is None:
+                await self._group_dropped(group.group_id, drops)
             await self._drop_many(drops)
             if kept is not None:
                 self.ready.append(kept)
 
+    def _dropped_again(self, group: Group) -> list[Rejected]:
+        drop = next(d for ds in self.group_drops.by_step.values() for d in ds if d.group_id == group.group_id)
+        detail = f"group {group.group_id} was dropped before: {drop.detail}"
+        return [
+            Rejected(m.rollout_id, DropReason(drop.reason), detail, group.group_id) for m in group.members
+        ]
+
+    @property
+    def filling_step(self) -> int:
+        """The step being filled: the one after the newest planned."""
+        return max(self.records, default=-1) + 1
+
+    async def _group_dropped(self, group_id: str, drops: list[Rejected], step: int | None = None) -> None:
+        """Record a group dropped whole, before any of its rollouts is acked, so the gateway replaces it."""
+        if not drops:
+            return
+        first = drops[0]
+        drop = GroupDrop(group_id, first.reason.value, first.detail)
+        if await self.group_drops.record(self.filling_step if step is None else step, drop):
+            metrics.DROPPED_GROUPS.labels(self.run_id, drop.reason).inc()
+
     async def _expire_stragglers(self) -> None:
         partial, drops = self.collector.expire()
+        for gid in dict.fromkeys(r.group_id for r in drops):
+            await self._group_dropped(gid, [r for r in drops if r.group_id == gid])
         await self._drop_many(drops)
         await self._screen(self.collector.take_ready())
         if partial:
@@ -375,7 +413,10 @@ class RunPacker:
             try:
                 while len(selected) < self.settings.prompts_per_step:
                     await self._wait_for(lambda: bool(self.ready), deadline, step, selected)
-                    kept, drops = filter_stale(self.ready.popleft(), trainer_version, self.settings)
+                    group = self.ready.popleft()
+                    kept, drops = filter_stale(group, trainer_version, self.settings)
+                    if kept is None:
+                        await self._group_dropped(group.group_id, drops, step)
                     await self._drop_many(drops)
                     if kept is not None:
                         selected.append(kept)
@@ -431,12 +472,46 @@ class RunPacker:
                 )
             observe(metrics.PLAN_SECONDS.labels(self.run_id), time.perf_counter() - started)
         metrics.STALENESS.labels(self.run_id).set(record.trainer_version - oldest)
+        every = self.settings.samples_every
+        if every and record.step % every == 0:
+            self._save_samples(record.step, batch)
         self.built[record.step] = batch
         self.last_batch = batch
         metrics.PADDING_FRACTION.labels(self.run_id).set(batch.plan.padding_fraction)
         metrics.RANK_IMBALANCE.labels(self.run_id).set(batch.plan.rank_imbalance)
         metrics.SYNC_IDLE.labels(self.run_id).set(batch.plan.sync_idle_fraction)
         return batch
+
+    def _save_samples(self, step: int, batch: StepBatch) -> None:
+        """The step's samples table, read from the held messages now (the ack releases them) and
+        written in the background: a table must never hold up or fail the step."""
+        try:
+            rows, parsed = [], {}
+            for i, seq in enumerate(batch.sequences[: self.settings.samples_per_step]):
+                d = self.held.get(seq.rollout_id)
+                if d is None:
+                    continue
+                if d not in parsed:
+                    parsed[d] = {r.rollout_id: r for r in rollout_messages.rollouts_in(d)}
+                rollout = parsed[d].get(seq.rollout_id)
+                if rollout is not None:
+                    advantage = float(batch.advantages[i])
+                    chars = self.settings.sample_chars
+                    rows.append(sample_row(rollout, step, advantage, seq.length, seq.loss_tokens, chars))
+        except Exception:
+            log.exception("run %s: no samples table for step %d", self.run_id, step)
+            return
+        if rows:
+            key = subjects.packer_samples_key(self.run_id, step)
+            task = asyncio.create_task(self._put_quietly(key, json.dumps(rows).encode()))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _put_quietly(self, key: str, value: bytes) -> None:
+        try:
+            await self.store.kv.put(key, value)
+        except Exception as exc:
+            log.warning("run %s: a samples table was not saved: %s", self.run_id, exc)
 
     async def _wait_for(self, ready, deadline: float | None, step: int, selected: list | None = None) -> None:
         async with self._changed:

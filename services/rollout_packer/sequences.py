@@ -52,6 +52,7 @@ class Rejected:
     rollout_id: str
     reason: DropReason
     detail: str = ""
+    group_id: str = ""  # set where a whole group is judged (signal, staleness, stragglers)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

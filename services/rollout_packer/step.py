@@ -36,6 +36,9 @@ class PackerSettings:
     attention_weight: float = 0.0
     pad_token_id: int = 0
     world_size: int = 1
+    samples_every: int = 0  # a samples table every k steps (logging.samples_every); 0: none
+    samples_per_step: int = 8
+    sample_chars: int = 2000
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "estimator", Estimator(self.estimator))
@@ -64,6 +67,9 @@ def settings_from_recipe(recipe, **overrides) -> PackerSettings:
         "straggler_timeout_s": recipe.algorithm.group_timeout_seconds,
         "max_tokens_per_microbatch": recipe.batch.max_tokens_per_microbatch,
         "world_size": recipe.trainer.world_size,
+        "samples_every": recipe.logging.samples_every,
+        "samples_per_step": recipe.logging.samples_per_step,
+        "sample_chars": recipe.logging.sample_chars,
     }
     values.update(overrides)
     return PackerSettings(**values)
@@ -73,7 +79,10 @@ def screen_group(group: Group, settings: PackerSettings) -> tuple[Group | None, 
     """Drop a finished group that carries no learning signal (all rewards equal), when configured."""
     if settings.filter_zero_variance and not has_signal(np.array([m.reward for m in group.members])):
         detail = f"group {group.group_id}: all {len(group.members)} rewards equal"
-        return None, [Rejected(m.rollout_id, DropReason.ZERO_VARIANCE_GROUP, detail) for m in group.members]
+        return None, [
+            Rejected(m.rollout_id, DropReason.ZERO_VARIANCE_GROUP, detail, group.group_id)
+            for m in group.members
+        ]
     return group, []
 
 
@@ -87,7 +96,12 @@ def filter_stale(
         staleness = trainer_version - m.min_version
         if staleness > settings.max_staleness:
             drops.append(
-                Rejected(m.rollout_id, DropReason.STALE, f"staleness {staleness} > {settings.max_staleness}")
+                Rejected(
+                    m.rollout_id,
+                    DropReason.STALE,
+                    f"staleness {staleness} > {settings.max_staleness}",
+                    group.group_id,
+                )
             )
         else:
             keep.append(m)
@@ -97,7 +111,7 @@ def filter_stale(
         detail = (
             f"group {group.group_id}: {len(keep)} fresh samples < min_group_size {settings.min_group_size}"
         )
-        drops.extend(Rejected(m.rollout_id, DropReason.GROUP_TOO_SMALL, detail) for m in keep)
+        drops.extend(Rejected(m.rollout_id, DropReason.GROUP_TOO_SMALL, detail, group.group_id) for m in keep)
         return None, drops
     survivor = Group(group.group_id, keep, partial=True)
     if settings.filter_zero_variance:

@@ -129,6 +129,9 @@ class MemoryStore:
     def forget(self, run_id: str) -> None:
         pass
 
+    async def samples(self, record: RunRecord, every: int) -> list[dict]:
+        return []
+
     async def weight_syncs(self, record: RunRecord) -> list[dict]:
         return []
 
