@@ -1,10 +1,15 @@
-"""Runs recipes through a real local stack for the loop benchmarks (async_vs_sync, loop_vs_single_process)."""
+"""Runs recipes through a real local stack for the loop benchmarks (async_vs_sync, loop_vs_single_process).
+
+A run that stops progressing (the gateway reads it STALLED, or nothing moves for `stall_s`) is
+stopped and raises RunStalled with the run's own reason, instead of holding the benchmark forever.
+"""
 
 from __future__ import annotations
 
 import random
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -102,24 +107,91 @@ def local_stack(
             down(state_dir, log=lambda *_: None)
 
 
+# How long a benchmark's run may go without a step, a fed episode or a weight delivery before the
+# harness stops it (the first step loads the model and starts every replica).
+STALL_S = 180.0
+
+
+class RunStalled(RuntimeError):
+    """A run stopped progressing; it was stopped, and the message says where and why."""
+
+
+def _progress(run: gateway_pb2.Run) -> tuple[int, ...]:
+    return (
+        run.step,
+        run.episodes_published,
+        len(run.weight_syncs),
+        run.rollouts_trained,
+        run.resampled_groups,
+    )
+
+
+def stalled_message(run: gateway_pb2.Run, quiet_s: float) -> str:
+    """Where the run stopped and why, in the run's own words."""
+    if run.stalled_reason:
+        why = run.stalled_reason
+    elif run.last_error.component:
+        why = f"last error from {run.last_error.component}: {run.last_error.message}"
+    else:
+        why = "no component reported an error"
+    return (
+        f"run {run.run_id} stalled at step {run.step}/{run.total_steps} (nothing progressed for "
+        f"{quiet_s:.0f}s): {why}; episodes published {run.episodes_published}, trained "
+        f"{run.rollouts_trained}, dropped {dict(run.rollouts_dropped) or 'none'}, groups resampled "
+        f"{run.resampled_groups}"
+    )
+
+
 def run_recipe(
     stub: gateway_pb2_grpc.GatewayServiceStub,
     metadata: tuple,
     recipe_text: str,
     run_id: str,
     on_update: Callable[[gateway_pb2.Run], None] | None = None,
+    stall_s: float = STALL_S,
 ) -> RunResult:
     """Create the run and follow it to completion, noting when each step is reported (and handing
-    each update of the run to `on_update`)."""
+    each update of the run to `on_update`); a run that stalls is stopped and raises RunStalled."""
     start = time.perf_counter()
     stub.CreateRun(gateway_pb2.CreateRunRequest(recipe_toml=recipe_text, run_id=run_id), metadata=metadata)
     final, done_at = None, {}
-    for update in stub.WatchRun(gateway_pb2.WatchRunRequest(run_id=run_id), metadata=metadata):
-        final = update.run
-        if on_update is not None:
-            on_update(final)
-        for h in final.history:
-            done_at.setdefault(h.step, time.perf_counter())
+    watch = stub.WatchRun(gateway_pb2.WatchRunRequest(run_id=run_id), metadata=metadata)
+    # WatchRun answers only when the run changes: a quiet run is noticed by the clock beside it.
+    last = [time.monotonic()]
+    stop = threading.Event()
+
+    def watchdog() -> None:
+        while not stop.wait(1.0):
+            if time.monotonic() - last[0] > stall_s:
+                watch.cancel()
+                return
+
+    threading.Thread(target=watchdog, name=f"watchdog-{run_id}", daemon=True).start()
+    stalled = False
+    try:
+        for update in watch:
+            if final is None or _progress(update.run) != _progress(final):
+                last[0] = time.monotonic()
+            final = update.run
+            if on_update is not None:
+                on_update(final)
+            for h in final.history:
+                done_at.setdefault(h.step, time.perf_counter())
+            if final.state == gateway_pb2.RUN_STATE_STALLED:
+                stalled = True
+                break
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.CANCELLED:
+            raise
+        stalled = True
+    finally:
+        stop.set()
+        watch.cancel()
+    if stalled:
+        quiet = time.monotonic() - last[0]
+        run = stub.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), metadata=metadata).run
+        stub.StopRun(gateway_pb2.StopRunRequest(run_id=run_id), metadata=metadata, timeout=30)
+        raise RunStalled(stalled_message(run, quiet))
     elapsed = time.perf_counter() - start
     if final is None or final.state != gateway_pb2.RUN_STATE_COMPLETED:
         raise RuntimeError(

@@ -192,7 +192,13 @@ def test_importance_ratio_statistics_of_a_step_do_not_depend_on_its_micro_batche
     for lo, hi in ((0, 3), (3, 4), (4, 8)):
         mb = _packed(sequences, base, lo, hi)
         _, metrics = policy_loss(
-            mb["logprobs"], mb["behaviour_logprobs"], mb["advantages"], mb["loss_mask"], mb["cu_seqlens"], cfg, norm
+            mb["logprobs"],
+            mb["behaviour_logprobs"],
+            mb["advantages"],
+            mb["loss_mask"],
+            mb["cu_seqlens"],
+            cfg,
+            norm,
         )
         total.add(metrics)
     # Across ranks the sums travel through a SUM all-reduce and the extremes through a MAX one.
