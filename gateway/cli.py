@@ -148,6 +148,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import grpc
 
+    from gateway.run_logs import MissingDependency, check_available
     from gateway.stack import StackState, down, up
     from looprl.gateway.v1 import gateway_pb2
     from services.kit.limits import RecipeLimits
@@ -155,8 +156,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         # The widest limits here: the gateway holds its cluster's, and says which one a recipe exceeds.
-        load_recipe(args.recipe, limits=RecipeLimits.ceilings())
-    except RecipeError as exc:
+        recipe = load_recipe(args.recipe, limits=RecipeLimits.ceilings())
+        check_available(recipe.logging.logger)  # before the run exists, not after it trained
+    except (RecipeError, MissingDependency) as exc:
         print(f"invalid recipe {args.recipe}: {exc}", file=sys.stderr)
         return 2
     started_here = False
@@ -185,18 +187,26 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _follow(stub, metadata, run_id: str, report_root: Path) -> int:
     from gateway.progress import STATE_NAMES, progress_line, reward_gain
     from gateway.report import GRID_IMAGE, write_report
+    from gateway.run_logs import RunLogs, describe
 
-    final = None
+    final, logs = None, None
     started = time.monotonic()
     for update in stub.WatchRun(_watch_request(run_id), metadata=metadata):
         final = update.run
-        print(f"{time.monotonic() - started:6.0f}s {progress_line(final)}", flush=True)
-    if final is None:
+        if logs is None:  # the run's recipe says where it logs
+            logs = RunLogs(report_root / run_id, final)
+        if "console" in logs.cfg.logger:
+            print(f"{time.monotonic() - started:6.0f}s {progress_line(final)}", flush=True)
+        logs.update(final)
+    if final is None or logs is None:
         return 1
+    logs.close(final)
     summary = write_report(final, report_root / run_id)
     first, last = reward_gain(final)
     print(f"reward: first steps {first:.3f} -> last steps {last:.3f} ({last - first:+.3f})")
     print(f"report: {summary.parent / GRID_IMAGE} and {summary}")
+    if logs.sinks:
+        print(f"logs: {describe(logs)}")
     return 0 if STATE_NAMES.get(final.state) == "completed" else 1
 
 

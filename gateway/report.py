@@ -1,10 +1,13 @@
-"""The end-of-run report: one grid image of what RL practitioners watch, a condensed summary table
-and the full per-step history as CSV, all drawn from the run as GetRun returns it.
+"""The end-of-run report: one grid image of what RL practitioners watch, a condensed summary table,
+the full per-step history as CSV and the sample completions, all drawn from the run as GetRun
+returns it.
 
 Panels: reward with its spread, loss, entropy, KL, clip fraction, response length, trained
-tokens/s, staleness, and weight-sync seconds per version (one line per deployment). Each panel is
-a list of `Series` computed from the run's records (`panels`), so what is drawn can be checked
-against the records.
+tokens/s, staleness, the sampler/trainer importance ratio, groups resampled per step, and
+weight-sync seconds per version (one line per deployment). Each panel is a list of `Series`
+computed from the run's records (`panels`), each naming the scalar it draws (`scalars`: every
+number of the run's history, which the loggers of gateway/run_logs.py write), so what is drawn can
+be checked against the records and against what was logged.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from google.protobuf.descriptor import FieldDescriptor
 
 from gateway.progress import STATE_NAMES, reward_gain
 from looprl.gateway.v1 import gateway_pb2
@@ -25,6 +30,70 @@ TABLE_TAIL = 5
 GRID_IMAGE = "report.png"
 SUMMARY = "summary.md"
 HISTORY_CSV = "history.csv"
+SAMPLES = "samples.md"
+
+# StepSummary fields that are not scalars of the step.
+NOT_SCALARS = frozenset({"step", "unix_time"})
+# A samples table's columns: (header, SampleCompletion field, format).
+SAMPLE_COLUMNS = (
+    ("prompt", "prompt", "{}"),
+    ("completion", "completion", "{}"),
+    ("reward", "reward", "{:.3f}"),
+    ("advantage", "advantage", "{:+.3f}"),
+    ("length", "response_tokens", "{:d}"),
+    ("version", "weight_version", "{:d}"),
+)
+
+
+def history_tag(field: str) -> str:
+    """The logged name of a StepSummary field."""
+    return f"train/{field}"
+
+
+def sync_tag(deployment: str) -> str:
+    """The logged name of a deployment's weight-sync seconds (stepped by weight version)."""
+    return f"weight_sync/{deployment}/seconds"
+
+
+def scalars(run: gateway_pb2.Run) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the run, by logged name, as (step, value) in step order: each number of its
+    history (`train/<field>`; a field added to StepSummary is logged without a change here, and a
+    map of numbers by its keys), each number of any other repeated record of the run that carries
+    a step (`<field>/<name>`), and each deployment's weight-sync seconds by version."""
+    out: dict[str, list[tuple[int, float]]] = {}
+
+    def add(records, prefix: str) -> None:
+        for record in records:
+            step = int(record.step)
+            for fd in record.DESCRIPTOR.fields:  # every field: zeros are values too
+                if fd.name in NOT_SCALARS:
+                    continue
+                value = getattr(record, fd.name)
+                if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+                    for key, number in value.items():
+                        if isinstance(number, int | float):
+                            out.setdefault(key, []).append((step, float(number)))
+                elif not fd.is_repeated and fd.type in _NUMBERS:
+                    out.setdefault(prefix + fd.name, []).append((step, float(value)))
+
+    add(run.history, history_tag(""))
+    for fd in run.DESCRIPTOR.fields:
+        if (
+            fd.is_repeated
+            and fd.message_type is not None
+            and fd.name not in ("history", "samples")
+            and "step" in fd.message_type.fields_by_name
+        ):
+            add(getattr(run, fd.name), f"{fd.name}/")
+    for w in run.weight_syncs:
+        out.setdefault(sync_tag(w.deployment), []).append((int(w.version), float(w.sync_seconds)))
+    return {tag: sorted(points) for tag, points in out.items()}
+
+
+_NUMBERS = frozenset(
+    getattr(FieldDescriptor, name)
+    for name in ("TYPE_DOUBLE", "TYPE_FLOAT", "TYPE_INT64", "TYPE_INT32", "TYPE_UINT64", "TYPE_UINT32")
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +105,8 @@ class Series:
     y: list[float]
     spread: list[float] | None = None
     steps: bool = False  # drawn as a step function (integer quantities)
+    tag: str = ""  # the scalar it draws (`scalars`)
+    spread_tag: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,8 +126,11 @@ def panels(run: gateway_pb2.Run) -> list[Panel]:
     """The grid's panels, in reading order, from the run's history and weight deliveries."""
     steps = [float(h.step) for h in run.history]
 
-    def one(title: str, field: str, ylabel: str, label: str = "") -> Panel:
-        return Panel(title, "trainer step", ylabel, [Series(label or field, steps, _per_step(run, field))])
+    def line(field: str, label: str = "", stepped: bool = False) -> Series:
+        return Series(label or field, steps, _per_step(run, field), steps=stepped, tag=history_tag(field))
+
+    def one(title: str, field: str, ylabel: str) -> Panel:
+        return Panel(title, "trainer step", ylabel, [line(field)])
 
     syncs: dict[str, list[gateway_pb2.WeightSync]] = {}
     for w in sorted(run.weight_syncs, key=lambda w: (w.deployment, w.version)):
@@ -94,7 +168,16 @@ def _core_panels(run: gateway_pb2.Run, one, steps: list[float], syncs: dict) -> 
             "reward",
             "trainer step",
             "reward",
-            [Series("mean ± std", steps, _per_step(run, "reward_mean"), _per_step(run, "reward_std"))],
+            [
+                Series(
+                    "mean ± std",
+                    steps,
+                    _per_step(run, "reward_mean"),
+                    _per_step(run, "reward_std"),
+                    tag=history_tag("reward_mean"),
+                    spread_tag=history_tag("reward_std"),
+                )
+            ],
             legend=True,
         ),
         one("loss", "loss", "policy loss"),
@@ -107,18 +190,28 @@ def _core_panels(run: gateway_pb2.Run, one, steps: list[float], syncs: dict) -> 
             "staleness",
             "trainer step",
             "versions",
+            [line("mean_staleness", "mean"), line("max_staleness", "max", stepped=True)],
+            legend=True,
+        ),
+        Panel(
+            "importance ratio (trainer / sampler)",
+            "trainer step",
+            "ratio",
             [
-                Series("mean", steps, _per_step(run, "mean_staleness")),
-                Series("max", steps, _per_step(run, "max_staleness"), steps=True),
+                line("importance_ratio_mean", "mean"),
+                line("importance_ratio_max", "max"),
+                line("importance_ratio_min", "min"),
+                line("importance_ratio_clipped", "outside the clip range"),
             ],
             legend=True,
         ),
+        one("groups resampled", "resampled_groups", "groups replaced / step"),
         Panel(
             "weight-sync seconds per version",
             "weight version",
             "seconds",
             [
-                Series(name, [float(w.version) for w in ws], [w.sync_seconds for w in ws])
+                Series(name, [float(w.version) for w in ws], [w.sync_seconds for w in ws], tag=sync_tag(name))
                 for name, ws in sorted(syncs.items())
             ],
             legend=True,
@@ -195,6 +288,8 @@ TABLE_COLUMNS = (
     ("grad norm", "grad_norm", "{:.3f}"),
     ("resp len", "mean_response_tokens", "{:.1f}"),
     ("staleness", "mean_staleness", "{:.2f}"),
+    ("ratio max", "importance_ratio_max", "{:.3f}"),
+    ("resampled", "resampled_groups", "{:d}"),
     ("train tok/s", "train_tokens_per_second", "{:.0f}"),
     ("rollouts", "num_rollouts", "{:d}"),
     ("seconds", "seconds", "{:.2f}"),
@@ -214,8 +309,8 @@ def summary_lines(run: gateway_pb2.Run) -> list[str]:
         f"- steps: {run.step}/{run.total_steps}, trainer weight version {run.weight_version}",
         f"- reward: first steps {first:.3f} -> last steps {last:.3f} ({last - first:+.3f})",
         f"- episodes published {run.episodes_published}, rollouts trained {run.rollouts_trained}",
-        f"- dropped: {dict(run.rollouts_dropped) or 'none'}; redelivered duplicates recognised: "
-        f"{run.duplicate_deliveries}",
+        f"- dropped: {dict(run.rollouts_dropped) or 'none'}; groups resampled to fill steps: "
+        f"{run.resampled_groups}; redelivered duplicates recognised: {run.duplicate_deliveries}",
         f"- deployments: {', '.join(f'{d.deployment}=v{d.version}' for d in run.deployments) or 'n/a'}",
         f"- weight syncs: {len(syncs)}"
         + (f", {sum(syncs) / len(syncs):.3f} s mean, {max(syncs):.3f} s max" if syncs else ""),
@@ -231,6 +326,53 @@ def summary_lines(run: gateway_pb2.Run) -> list[str]:
     for i in shown:
         h = run.history[i]
         lines.append("| " + " | ".join(fmt.format(getattr(h, f)) for _, f, fmt in TABLE_COLUMNS) + " |")
+    tables = sample_tables(run)
+    if tables:
+        step, rows = list(tables.items())[-1]
+        lines += [
+            "",
+            f"## Sample completions of step {step}",
+            "",
+            f"The last of {len(tables)} tables; every one is in {SAMPLES}.",
+            "",
+            samples_markdown(rows),
+        ]
+    return lines
+
+
+def sample_tables(run: gateway_pb2.Run) -> dict[int, list[gateway_pb2.SampleCompletion]]:
+    """The run's samples tables by step, in step order."""
+    tables: dict[int, list[gateway_pb2.SampleCompletion]] = {}
+    for row in run.samples:
+        tables.setdefault(row.step, []).append(row)
+    return dict(sorted(tables.items()))
+
+
+def _cell(text: str) -> str:
+    """Text as one markdown table cell: pipes escaped, line breaks kept as <br>."""
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>") or " "
+
+
+def samples_markdown(rows: list[gateway_pb2.SampleCompletion]) -> str:
+    """One step's samples as a markdown table (the report's, and TensorBoard's text panel)."""
+    lines = [
+        "| " + " | ".join(header for header, _, _ in SAMPLE_COLUMNS) + " |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        cells = [
+            _cell(getattr(row, f)) if fmt == "{}" else fmt.format(getattr(row, f))
+            for _, f, fmt in SAMPLE_COLUMNS
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def samples_lines(run: gateway_pb2.Run) -> list[str]:
+    """samples.md: every samples table of the run, by step."""
+    lines = [f"# Sample completions of run {run.run_id}", ""]
+    for step, rows in sample_tables(run).items():
+        lines += [f"## step {step}", "", samples_markdown(rows), ""]
     return lines
 
 
@@ -289,4 +431,6 @@ def write_report(run: gateway_pb2.Run, out_dir: Path) -> Path:
     write_history_csv(run, out_dir / HISTORY_CSV)
     summary = out_dir / SUMMARY
     summary.write_text("\n".join(summary_lines(run)) + "\n")
+    if run.samples:
+        (out_dir / SAMPLES).write_text("\n".join(samples_lines(run)) + "\n")
     return summary

@@ -16,6 +16,13 @@ PER_STEP_PANELS = {
     "response length": ["mean_response_tokens"],
     "trained tokens/s": ["train_tokens_per_second"],
     "staleness": ["mean_staleness", "max_staleness"],
+    "importance ratio (trainer / sampler)": [
+        "importance_ratio_mean",
+        "importance_ratio_max",
+        "importance_ratio_min",
+        "importance_ratio_clipped",
+    ],
+    "groups resampled": ["resampled_groups"],
 }
 SYNC_PANEL = "weight-sync seconds per version"
 ALL_PANELS = {"reward", *PER_STEP_PANELS, SYNC_PANEL}
