@@ -4,6 +4,7 @@ MLflow's client, checked against the run's records (GetRun's history, deliveries
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,8 @@ def tensorboard_scalars(directory: Path) -> tuple[dict[str, list[tuple[int, floa
 
 def mlflow_run(tracking_uri: str, run_id: str):
     """(client, MLflow run) of the looprl run, found by its tag."""
+    if tracking_uri.startswith("file:"):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads it only when asked
     client = MlflowClient(tracking_uri=tracking_uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
     (found,) = client.search_runs(experiments, f"tags.`{MLFLOW_RUN_TAG}` = '{run_id}'")
