@@ -62,19 +62,23 @@ def scalars(run: gateway_pb2.Run) -> dict[str, list[tuple[int, float]]]:
     a step (`<field>/<name>`), and each deployment's weight-sync seconds by version."""
     out: dict[str, list[tuple[int, float]]] = {}
 
+    def add_one(record, step: int, prefix: str) -> None:
+        for fd in record.DESCRIPTOR.fields:  # every field: zeros are values too
+            if fd.name in NOT_SCALARS:
+                continue
+            value = getattr(record, fd.name)
+            if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+                for key, inner in value.items():
+                    if isinstance(inner, int | float):  # a map of numbers: by its keys
+                        out.setdefault(key, []).append((step, float(inner)))
+                    elif hasattr(inner, "DESCRIPTOR"):  # of records (per source): `<map>/<key>/<name>`
+                        add_one(inner, step, f"{prefix}{fd.name}/{key}/")
+            elif not fd.is_repeated and fd.type in _NUMBERS:
+                out.setdefault(prefix + fd.name, []).append((step, float(value)))
+
     def add(records, prefix: str) -> None:
         for record in records:
-            step = int(record.step)
-            for fd in record.DESCRIPTOR.fields:  # every field: zeros are values too
-                if fd.name in NOT_SCALARS:
-                    continue
-                value = getattr(record, fd.name)
-                if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
-                    for key, number in value.items():
-                        if isinstance(number, int | float):
-                            out.setdefault(key, []).append((step, float(number)))
-                elif not fd.is_repeated and fd.type in _NUMBERS:
-                    out.setdefault(prefix + fd.name, []).append((step, float(value)))
+            add_one(record, int(record.step), prefix)
 
     add(run.history, history_tag(""))
     for fd in run.DESCRIPTOR.fields:
@@ -135,7 +139,7 @@ def panels(run: gateway_pb2.Run) -> list[Panel]:
     syncs: dict[str, list[gateway_pb2.WeightSync]] = {}
     for w in sorted(run.weight_syncs, key=lambda w: (w.deployment, w.version)):
         syncs.setdefault(w.deployment, []).append(w)
-    return [*_core_panels(run, one, steps, syncs), *_evaluation_panels(run)]
+    return [*_core_panels(run, one, line, steps, syncs), *_evaluation_panels(run)]
 
 
 def _evaluation_panels(run: gateway_pb2.Run) -> list[Panel]:
@@ -143,16 +147,26 @@ def _evaluation_panels(run: gateway_pb2.Run) -> list[Panel]:
     if not run.evaluations:
         return []
     at = [float(e.step) for e in run.evaluations]
-    series = [Series("pass@1", at, [e.pass_at_1 for e in run.evaluations])]
+    series = [Series("pass@1", at, [e.pass_at_1 for e in run.evaluations], tag="evaluations/pass_at_1")]
     if run.evaluations[-1].k:
-        series.append(Series(f"pass@{run.evaluations[-1].k}", at, [e.pass_at_k for e in run.evaluations]))
-    series.append(Series("mean reward", at, [e.mean_reward for e in run.evaluations]))
+        series.append(
+            Series(
+                f"pass@{run.evaluations[-1].k}",
+                at,
+                [e.pass_at_k for e in run.evaluations],
+                tag="evaluations/pass_at_k",
+            )
+        )
+    series.append(
+        Series("mean reward", at, [e.mean_reward for e in run.evaluations], tag="evaluations/mean_reward")
+    )
     sources = sorted({name for e in run.evaluations for name in e.sources})
     by_source = [
         Series(
             name,
             [float(e.step) for e in run.evaluations if name in e.sources],
             [e.sources[name].pass_at_1 for e in run.evaluations if name in e.sources],
+            tag=f"evaluations/sources/{name}/pass_at_1",
         )
         for name in sources
     ]
@@ -162,7 +176,7 @@ def _evaluation_panels(run: gateway_pb2.Run) -> list[Panel]:
     ]
 
 
-def _core_panels(run: gateway_pb2.Run, one, steps: list[float], syncs: dict) -> list[Panel]:
+def _core_panels(run: gateway_pb2.Run, one, line, steps: list[float], syncs: dict) -> list[Panel]:
     return [
         Panel(
             "reward",

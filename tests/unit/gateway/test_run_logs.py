@@ -42,6 +42,11 @@ def _run(steps: int) -> gateway_pb2.Run:
         )
         run.weight_syncs.add(deployment="logs-run/default", version=s, sync_seconds=0.01 * (s + 1), bytes=10)
         if s % 5 == 0:
+            # A held-out evaluation: its figures are logged like the history's, by source too.
+            evaluation = run.evaluations.add(
+                step=s, pass_at_1=0.1 * s, pass_at_k=0.2 * s, k=4, mean_reward=0.3
+            )
+            evaluation.sources["arith"].pass_at_1 = 0.05 * s
             for i in range(3):
                 run.samples.add(
                     step=s,
@@ -69,6 +74,7 @@ def test_every_scalar_and_samples_table_reads_back_from_tensorboard_and_mlflow(t
     second.update(later)
     second.close(later)
 
+    assert {"evaluations/pass_at_1", "evaluations/sources/arith/pass_at_1"} <= set(scalars(later))
     # Exactly once each: what the first follower wrote is not written again.
     assert_logs_hold_the_run(tmp_path, (tmp_path / MLFLOW_DIR).resolve().as_uri(), later)
 
