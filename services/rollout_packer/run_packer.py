@@ -564,6 +564,10 @@ class RunPacker:
                 self.trained.pop(rid, None)
             self.plan_groups.difference_update(forgotten.groups)
             self.collector.forget(forgotten.rollout_ids, list(forgotten.groups))
+            every = self.settings.samples_every
+            if every and old % every == 0:  # long copied by the gateway, which watches for it
+                with contextlib.suppress(Exception):
+                    await self.store.kv.delete(subjects.packer_samples_key(self.run_id, old))
         self._update_gauges()
         return acked
 
