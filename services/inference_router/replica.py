@@ -211,6 +211,18 @@ class ReplicaCore:
                     WeightStager(rank_params(config, layout, r), rank=r) for r in range(s.tensor_parallel)
                 ]
                 weights: WeightLifecycle = RankStagedWeights(engine, stagers, layout)
+            elif config.generic:
+                from services.inference_router.engine.generic import GenericEngine
+
+                engine = GenericEngine.create(
+                    config,
+                    None,
+                    dtype=layout.dtype,
+                    max_batch_size=s.max_batch_size,
+                    max_model_len=s.max_model_len,
+                    limits=limits,
+                )
+                weights = LocalWeights(engine, WeightStager(rank_params(config, layout, 0)))
             elif s.tensor_parallel > 1:
                 from services.inference_router.engine.tp import TPEngine
 

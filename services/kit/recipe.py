@@ -17,13 +17,16 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, GetCoreSchemaHandler, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError, core_schema
 
 from services.kit.limits import INT32_MAX, INT64_MAX, RecipeLimits
 from services.kit.schema import Schema, field_error, parse
+
+if TYPE_CHECKING:
+    from services.modeling.config import ModelConfig
 
 
 class RecipeError(ValueError):
@@ -65,7 +68,7 @@ WEIGHT_TRANSPORTS: tuple[str, ...] = WeightTransport.__args__  # type: ignore[at
 # Ray CPUs of each tensor-parallel worker of a cpu replica (ranks 1..tp-1; rank 0 is the replica).
 TP_WORKER_CPUS = 1.0
 # Names of the model configs a recipe can build without a download (see services/modeling).
-ModelPreset = Literal["tiny-qwen2", "small-qwen2"]
+ModelPreset = Literal["tiny-qwen2", "small-qwen2", "tiny-qwen3"]
 MODEL_PRESETS: tuple[str, ...] = ModelPreset.__args__  # type: ignore[attr-defined]
 # Resources Ray schedules by on its own (recipe fields num_gpus_per_rank, tensor_parallel, ...):
 # a custom-resource table must not ask for them a second time.
@@ -140,6 +143,10 @@ class ModelSection(Section):
     """Training and inference dtype."""
     init_std: float = Field(0.02, gt=0.0, le=10.0)
     """Std of the N(0, std) init of a preset model's weight matrices (0.1 suits tiny-qwen2)."""
+    implementation: Literal["auto", "fast", "generic"] = "auto"
+    """Which code trains and serves the model: fast (looprl's own Qwen2/Llama/Qwen3, tensor-parallel
+    layouts, vLLM), generic (transformers' modeling code for any causal LM: tp=1 cpu deployments,
+    slower), or auto (fast where it implements the checkpoint's architecture and features)."""
 
     @model_validator(mode="after")
     def _directories_exist(self, info: ValidationInfo) -> ModelSection:
@@ -150,6 +157,10 @@ class ModelSection(Section):
                 raise field_error("path", f"directory {str(path)!r} does not exist")
             if not (path / "config.json").exists():
                 raise field_error("path", f"{str(path)!r} has no config.json")
+            try:
+                self.architecture(base_dir)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise field_error("implementation", f"{str(path)!r}: {exc}") from None
         if self.tokenizer != "char":
             path = _local_dir(self.tokenizer, base_dir)
             if not path.is_dir():
@@ -160,6 +171,16 @@ class ModelSection(Section):
             if not any((path / name).is_file() for name in TOKENIZER_FILES):
                 raise field_error("tokenizer", f"{str(path)!r} has none of {', '.join(TOKENIZER_FILES)}")
         return self
+
+    def architecture(self, base_dir: Path | None = None) -> ModelConfig:
+        """The model's config: the directory's config.json or the preset, on the path
+        `implementation` says (ValueError when "fast" cannot run the directory's model)."""
+        from services.modeling.causal_lm import read_config, with_implementation
+        from services.modeling.config import model_preset
+
+        if self.path:
+            return read_config(_local_dir(self.path, base_dir), self.implementation)
+        return with_implementation(model_preset(self.preset), self.implementation)
 
 
 def _first_non_finite(node: Any, where: str) -> tuple[str, float] | None:
@@ -640,6 +661,15 @@ class Recipe(Section):
             if d.name in names:
                 raise field_error(f"deployments[{i}].name", f"duplicate deployment name {d.name!r}")
             names.add(d.name)
+        if self.model.implementation != "fast":
+            architecture = self.model.architecture((info.context or {}).get("base_dir"))
+            for i, d in enumerate(self.deployments):
+                if architecture.generic and (d.backend != "cpu" or d.tensor_parallel != 1):
+                    raise field_error(
+                        f"deployments[{i}]",
+                        f"the model ({architecture.model_type!r}) runs on the generic path "
+                        "(transformers' modeling code), served by cpu deployments of tensor_parallel = 1",
+                    )
         return self
 
 

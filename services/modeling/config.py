@@ -1,18 +1,32 @@
 """ModelConfig: the architecture hyper-parameters of a Qwen2-style decoder, and its HF config.json form.
 
 One dataclass that trainer, engines and weight-sync share. It round-trips through the Hugging Face
-`config.json` dictionary (`model_type: "qwen2"`), so a checkpoint written here loads in
-transformers/vLLM and a real Qwen2 checkpoint's config loads here. Llama-style configs (no q/k/v
-bias, `model_type: "llama"`) are accepted too, since the parameter names are the same.
+`config.json` dictionary, so a checkpoint written here loads in transformers/vLLM and a real
+checkpoint's config loads here. The fast path (services/modeling/qwen2.py, engine_model.py,
+layouts.py) implements three families with the same parameter names: Qwen2 (`model_type: "qwen2"`,
+q/k/v biases), Llama (`"llama"`, no biases) and Qwen3 (`"qwen3"`: no biases by default, and a
+per-head RMSNorm on q and k before RoPE, `q_norm`/`k_norm`). Any other causal LM takes the generic
+path (services/modeling/generic.py), which runs transformers' own modeling code.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 # Keys of a HF config.json this code understands; everything else is ignored on load.
-_SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+_SUPPORTED_MODEL_TYPES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+FAST_MODEL_TYPES = tuple(_SUPPORTED_MODEL_TYPES)
+# Which code runs a model: "fast" (looprl's own, tensor-parallel layouts), "generic" (transformers'
+# modeling code, tp=1), "auto" (fast when it implements the checkpoint's architecture and features).
+Implementation = Literal["auto", "fast", "generic"]
+# Key of the config.json a trainer pushes that says the generic path runs it (never exported).
+IMPLEMENTATION_KEY = "looprl_implementation"
 
 
 @dataclass(frozen=True)
@@ -28,11 +42,20 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
-    # Qwen2 has biases on q/k/v; Llama does not.
+    # Qwen2 has biases on q/k/v; Llama does not, Qwen3 only when its config says so.
     attention_bias: bool = True
     model_type: str = "qwen2"
+    # Qwen3: RMSNorm over head_dim of every query and key head (weights q_norm/k_norm [head_dim]).
+    qk_norm: bool = False
+    # The generic path (services/modeling/generic.py): transformers' own code runs the model, built
+    # from hf_config_json (its whole config.json); the fields above are read from it for sizes.
+    generic: bool = False
+    hf_config_json: str = ""
 
     def __post_init__(self) -> None:
+        if self.generic:
+            self._check_generic()
+            return
         for name in (
             "vocab_size",
             "hidden_size",
@@ -62,6 +85,28 @@ class ModelConfig:
                 f"ModelConfig.model_type: {self.model_type!r} is not supported "
                 f"(supported: {sorted(_SUPPORTED_MODEL_TYPES)})"
             )
+        if self.qk_norm != (self.model_type == "qwen3"):
+            raise ValueError(
+                f"ModelConfig.qk_norm: Qwen3 (and only Qwen3) normalises q and k per head; "
+                f"got qk_norm={self.qk_norm} for model_type {self.model_type!r}"
+            )
+        if self.model_type == "qwen2" and not self.attention_bias:
+            raise ValueError("ModelConfig.attention_bias: Qwen2 always has q/k/v biases")
+
+    def _check_generic(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name}: must be a positive integer, got {value!r}")
+        if not self.hf_config_json:
+            raise ValueError("ModelConfig.hf_config_json: the generic path needs the model's config.json")
+        if not self.model_type:
+            raise ValueError("ModelConfig.model_type: the generic path needs config.json's model_type")
+
+    @property
+    def hf_config(self) -> dict[str, Any]:
+        """The generic model's config.json dictionary."""
+        return json.loads(self.hf_config_json)
 
     @property
     def q_size(self) -> int:
@@ -92,6 +137,11 @@ class ModelConfig:
         base.update(overrides)
         return cls(**base)
 
+    @classmethod
+    def tiny_qwen3(cls, **overrides: Any) -> ModelConfig:
+        """`tiny()` as a Qwen3: no q/k/v biases, per-head q/k RMSNorm."""
+        return cls.tiny(**{"model_type": "qwen3", "attention_bias": False, "qk_norm": True, **overrides})
+
     def replace(self, **changes: Any) -> ModelConfig:
         return ModelConfig(**{**asdict(self), **changes})
 
@@ -108,7 +158,10 @@ class ModelConfig:
         return cls(**d)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The Hugging Face config.json dictionary (transformers.Qwen2Config(**d) accepts it)."""
+        """The Hugging Face config.json dictionary (transformers.Qwen2Config(**d) accepts it); a
+        generic model's carries IMPLEMENTATION_KEY, so a receiver takes the same path."""
+        if self.generic:
+            return {**self.hf_config, IMPLEMENTATION_KEY: "generic"}
         d: dict[str, Any] = {
             "architectures": [_SUPPORTED_MODEL_TYPES[self.model_type]],
             "model_type": self.model_type,
@@ -134,11 +187,50 @@ class ModelConfig:
         if self.model_type == "llama":
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
+        if self.model_type == "qwen3":
+            d["attention_bias"] = self.attention_bias
+            d["max_window_layers"] = self.num_hidden_layers
+            d["layer_types"] = ["full_attention"] * self.num_hidden_layers
         return d
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Read a HF config.json dictionary; rejects features this model code does not implement."""
+    def from_hf_dict(cls, d: dict[str, Any], implementation: Implementation = "auto") -> ModelConfig:
+        """Read a HF config.json dictionary. "fast" refuses features looprl's model code does not
+        implement (naming the key), "generic" always takes transformers' code, "auto" (and a
+        dictionary carrying IMPLEMENTATION_KEY) the fast path where it can."""
+        d = dict(d)
+        if d.pop(IMPLEMENTATION_KEY, None) == "generic" or implementation == "generic":
+            return cls.generic_from_hf_dict(d)
+        try:
+            return cls.fast_from_hf_dict(d)
+        except (ValueError, KeyError, TypeError):
+            if implementation == "fast":
+                raise
+            return cls.generic_from_hf_dict(d)
+
+    @classmethod
+    def generic_from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """A config for the generic path: the dictionary as is, sizes read from it."""
+        if not isinstance(d.get("model_type"), str) or not d["model_type"]:
+            raise ValueError("config.json model_type: missing (transformers needs it to pick the model code)")
+        if not isinstance(d.get("vocab_size"), int):
+            raise ValueError("config.json vocab_size: missing (a causal LM's config names its vocabulary)")
+        d = {k: v for k, v in d.items() if k not in ("transformers_version", "_name_or_path")}
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=int(d.get("hidden_size") or d.get("n_embd") or 1),
+            num_hidden_layers=int(d.get("num_hidden_layers") or d.get("n_layer") or 1),
+            max_position_embeddings=int(d.get("max_position_embeddings") or d.get("n_positions") or 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+            model_type=d["model_type"],
+            attention_bias=False,
+            generic=True,
+            hf_config_json=json.dumps(d, sort_keys=True),
+        )
+
+    @classmethod
+    def fast_from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Read a HF config.json dictionary for the fast path; rejects features it does not implement."""
         model_type = d.get("model_type", "qwen2")
         if model_type not in _SUPPORTED_MODEL_TYPES:
             raise ValueError(f"config.json model_type: {model_type!r} is not supported")
@@ -153,6 +245,8 @@ class ModelConfig:
         rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
+        if d.get("layer_types") and set(d["layer_types"]) != {"full_attention"}:
+            raise ValueError("config.json layer_types: only full attention layers are supported")
         if model_type == "qwen2":
             attention_bias = True
         else:
@@ -173,6 +267,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             model_type=model_type,
+            qk_norm=model_type == "qwen3",
         )
 
 
@@ -181,6 +276,8 @@ def model_preset(name: str) -> ModelConfig:
     the run's tokenizer against its vocabulary)."""
     if name == "tiny-qwen2":
         return ModelConfig.tiny()
+    if name == "tiny-qwen3":
+        return ModelConfig.tiny_qwen3()
     if name == "small-qwen2":
         return ModelConfig.tiny(
             hidden_size=256,

@@ -1,4 +1,4 @@
-"""The inference-side Qwen2: one TP rank's shard of the weights, a slot KV cache, prefill and decode.
+"""The inference-side Qwen2 (and Llama, Qwen3): one TP rank's shard of the weights, a slot KV cache, prefill and decode.
 
 An `EngineModel` holds ONLY the tensors `layouts.rank_params(config, layout, rank)` lists (fused or
 HF naming, in the layout's dtype), so a tp=2 deployment really holds its weights column/row-split
@@ -215,6 +215,9 @@ class EngineModel:
             pre = f"model.layers.{layer}."
             h = rms_norm(x, p[pre + "input_layernorm.weight"], c.rms_norm_eps)
             q, k, v = self._qkv(layer, h)
+            if c.qk_norm:  # Qwen3: RMSNorm over head_dim of every head, before RoPE
+                q = rms_norm(q, p[pre + "self_attn.q_norm.weight"], c.rms_norm_eps)
+                k = rms_norm(k, p[pre + "self_attn.k_norm.weight"], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = attend(layer, q, k, v).reshape(x.shape[0], self.q_local * c.head_dim)
             x = x + self._reduce(_linear(attn, p[pre + "self_attn.o_proj.weight"]))

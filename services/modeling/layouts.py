@@ -23,7 +23,8 @@ boundaries equal these only when ceil(V/tp) is a multiple of 64/tp's share; the 
 backend checks each rank's first row against vLLM's shard before loading, see
 services/inference_router/engine/vllm_handoff.py.)
 A tied lm_head is not a target parameter at all (the receiver ties it to its own embed_tokens
-rows), so it is never sent twice. Only the RMSNorm weights are replicated on every rank (and the
+rows), so it is never sent twice. Only the RMSNorm weights (Qwen3's per-head q_norm/k_norm among
+them) are replicated on every rank (and the
 kv heads when tp > num_key_value_heads): a tp>1 deployment receives the model once plus those.
 """
 
@@ -69,6 +70,13 @@ class Layout:
 
     def check(self, config: ModelConfig) -> None:
         """Raise ValueError when this layout cannot shard `config`."""
+        if config.generic:
+            if self.tp_size != 1 or self.naming != "hf":
+                raise ValueError(
+                    f"Layout: a {config.model_type!r} model runs on the generic path (transformers' code), "
+                    f"which serves tp=1 with the checkpoint's names, not tp={self.tp_size} {self.naming}"
+                )
+            return
         tp, heads, kv = self.tp_size, config.num_attention_heads, config.num_key_value_heads
         if heads % tp:
             raise ValueError(f"Layout.tp_size={tp} must divide num_attention_heads={heads}")
@@ -195,6 +203,10 @@ class TargetParam:
 
 def hf_params(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The source parameters (HF names and shapes) in HF state-dict order; a tied lm_head is omitted."""
+    if config.generic:
+        from services.modeling.generic import parameter_shapes
+
+        return parameter_shapes(config)
     c = config
     h, i = c.hidden_size, c.intermediate_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}
@@ -210,6 +222,9 @@ def hf_params(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.attention_bias:
             out[p + "self_attn.v_proj.bias"] = (c.kv_size,)
         out[p + "self_attn.o_proj.weight"] = (h, c.q_size)
+        if c.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            out[p + "self_attn.k_norm.weight"] = (c.head_dim,)
         out[p + "mlp.gate_proj.weight"] = (i, h)
         out[p + "mlp.up_proj.weight"] = (i, h)
         out[p + "mlp.down_proj.weight"] = (h, i)
@@ -253,6 +268,8 @@ def rank_params(config: ModelConfig, layout: Layout, rank: int) -> list[TargetPa
     c, d = config, config.head_dim
     shapes = hf_params(c)
     b = _Builder(shapes, layout.dtype)
+    if c.generic:  # tp=1: every tensor whole, under the checkpoint's name
+        return [b.replicated(name) for name in shapes]
     qh, kvh = layout.q_heads(c, rank), layout.kv_heads(c, rank)
     q_rows = (qh.start * d, qh.stop * d)
     kv_rows = (kvh.start * d, kvh.stop * d)
@@ -278,6 +295,9 @@ def rank_params(config: ModelConfig, layout: Layout, rank: int) -> list[TargetPa
                     name = f"{attn}{n}_proj.{kind}"
                     out.append(b.stacked_rows(name, [(name, *rows)]))
         out.append(b.column_slice(f"{attn}o_proj.weight", f"{attn}o_proj.weight", *q_rows))
+        if c.qk_norm:  # per head, so every rank holds the whole [head_dim] weight
+            out.append(b.replicated(f"{attn}q_norm.weight"))
+            out.append(b.replicated(f"{attn}k_norm.weight"))
         gate, up = f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"
         if fused:
             out.append(b.stacked_rows(f"{mlp}gate_up_proj.weight", [(gate, *i_rows), (up, *i_rows)]))

@@ -1,6 +1,7 @@
 """Qwen2ForCausalLM in plain torch, with Hugging Face parameter names, on packed batches.
 
-The trainer's policy. A forward pass takes ONE packed batch: all sequences concatenated into
+The trainer's policy on the fast path: Qwen2, Llama and Qwen3 (whose attention adds a per-head
+RMSNorm on q and k, `ModelConfig.qk_norm`) share this code. A forward pass takes ONE packed batch: all sequences concatenated into
 `input_ids[T]`, positions restarting per sequence in `position_ids[T]`, and the boundaries in
 `cu_seqlens[S+1]`; attention is causal and block-diagonal, so no token sees another sequence.
 Parameter names equal transformers' Qwen2ForCausalLM, so `state_dict()` is what weight-sync and
@@ -26,6 +27,8 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 LM_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
+# Parameter names of the RMSNorm weights (initialised to ones).
+NORM_SUFFIXES = ("layernorm.weight", "q_norm.weight", "k_norm.weight")
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -90,12 +93,18 @@ class Qwen2Attention(nn.Module):
         self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, blocks: LengthBlocks) -> Tensor:
         c = self.config
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, c.num_attention_heads, c.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim), cos, sin)
+        q = self.q_proj(x).view(t, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim)
         group = c.num_attention_heads // c.num_key_value_heads
         if group > 1:
@@ -235,7 +244,7 @@ class Qwen2ForCausalLM(nn.Module):
         for name, p in self.named_parameters():  # a tied weight appears once
             if p.is_meta:
                 continue
-            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            if name.endswith(NORM_SUFFIXES) or name == "model.norm.weight":
                 value = torch.ones(p.shape)
             elif name.endswith(".bias"):
                 value = torch.zeros(p.shape)
@@ -301,7 +310,7 @@ class Qwen2ForCausalLM(nn.Module):
     ) -> Qwen2ForCausalLM:
         """Load a HF-format directory (single or sharded safetensors); strict about parameter names."""
         path = Path(directory)
-        config = ModelConfig.from_hf_dict(json.loads((path / CONFIG_FILE).read_text()))
+        config = ModelConfig.from_hf_dict(json.loads((path / CONFIG_FILE).read_text()), "fast")
         sd = load_safetensors_dir(path)
         with torch.device("meta"):
             model = cls(config, seed=None)

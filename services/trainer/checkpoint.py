@@ -185,16 +185,17 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
     import torch.distributed as dist
 
     from services.modeling import hf_files
-    from services.modeling.qwen2 import Qwen2ForCausalLM
+    from services.modeling.causal_lm import causal_lm_class
 
     full = worker.full_state_dict(rank0_only=True)
     if worker.rank == 0:
         spec = worker.spec
         tokenizer = spec.recipe.model.tokenizer if spec is not None else "char"
         config = worker.model.config
-        with torch.device("meta"):
-            model = Qwen2ForCausalLM(config, seed=None)
-        model.load_hf_state_dict(full, assign=True)
+        # The generic path's model is built for real: transformers computes buffers at init.
+        with torch.device("cpu" if config.generic else "meta"):
+            model = causal_lm_class(config)(config, seed=None)
+        model.load_hf_state_dict(full, assign=not config.generic)
         model.save_pretrained(directory)
         hf_files.write_tokenizer_files(tokenizer, directory, model_max_length=config.max_position_embeddings)
         ids = hf_files.write_generation_files(directory, tokenizer)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.kit.recipe import Recipe
-from services.modeling.config import ModelConfig, model_preset
+from services.modeling.config import ModelConfig
 
 
 @dataclass
@@ -30,7 +30,7 @@ class TrainerSpec:
     def model_config(self) -> ModelConfig:
         if self.architecture:
             return ModelConfig(**self.architecture)
-        return model_preset(self.recipe.model.preset)
+        return self.recipe.model.architecture()
 
     @property
     def loss_max_tokens(self) -> int:
@@ -67,5 +67,5 @@ def shards_layers(spec: TrainerSpec, parameters: int) -> bool:
 
 def spec_from_recipe(recipe: Recipe, run_id: str) -> TrainerSpec:
     """TrainerSpec from a parsed kit Recipe."""
-    architecture = {} if recipe.model.path else model_preset(recipe.model.preset).to_dict()
+    architecture = {} if recipe.model.path else recipe.model.architecture().to_dict()
     return TrainerSpec(recipe=recipe, run_id=run_id, architecture=architecture)

@@ -25,8 +25,8 @@ from looprl.weightsync.v1 import weightsync_pb2_grpc
 from services.kit import gc_freeze, telemetry, tls
 from services.kit.hosts import interface_of, node_address
 from services.kit.interceptors import traced_channel
+from services.modeling import causal_lm
 from services.modeling.logprobs import token_logprobs
-from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.trainer.batch import PackedMicroBatch, from_proto, validate_rank_batches
 from services.trainer.errors import BatchRejected, PushFailed, StepAborted
 from services.trainer.loss import LossMetrics
@@ -156,11 +156,10 @@ class TrainerWorker:
 
         model_section = spec.recipe.model
         if model_section.path:
-            model = Qwen2ForCausalLM.from_pretrained(model_section.path, dtype=torch.float32)
+            model = causal_lm.load(model_section.path, model_section.implementation, dtype=torch.float32)
         else:
             # Identical on every rank: the init draws from its own seeded generator.
-            model = Qwen2ForCausalLM(spec.model_config(), seed=None)
-            model.init_weights(spec.recipe.run.seed, std=model_section.init_std)
+            model = causal_lm.build(spec.model_config(), spec.recipe.run.seed, model_section.init_std)
         model = model.to(self.device)
         kwargs: dict[str, Any] = {"mesh": self.mesh}
         # model.dtype is the compute dtype (mixed precision on GPU); master weights stay float32.
@@ -171,7 +170,7 @@ class TrainerWorker:
             # (~40% of a tiny model's step on CPU). Pushes, checkpoints and grads handle plain tensors.
             return model
         if shards_layers(spec, sum(p.numel() for p in model.parameters())):
-            for layer in model.model.layers:
+            for layer in causal_lm.decoder_layers(model):
                 fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
         return model

@@ -37,7 +37,11 @@ def test_config_rejects_inconsistent_shapes_and_unsupported_features():
     bad = ModelConfig.tiny().to_hf_dict()
     bad["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
     with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_hf_dict(bad)
+        ModelConfig.from_hf_dict(bad, "fast")
+    # what the fast path does not implement, the generic path (transformers' own code) runs
+    generic = ModelConfig.from_hf_dict(bad)
+    assert generic.generic and generic.hf_config["rope_parameters"]["rope_type"] == "yarn"
+    assert ModelConfig.from_hf_dict(generic.to_hf_dict()) == generic
 
 
 def test_char_tokenizer_roundtrip_specials_and_chat_template():

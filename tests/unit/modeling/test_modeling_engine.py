@@ -313,3 +313,30 @@ def test_vocab_parallel_embeddings_and_untied_lm_head_give_every_rank_the_full_l
             torch.testing.assert_close(step[0], expected[-1], atol=1e-4, rtol=1e-4)
     finally:
         group.close()
+
+
+@pytest.mark.parametrize("layout", [Layout(1, "hf"), Layout(2, "fused")], ids=["hf-tp1", "fused-tp2"])
+def test_qwen3_engine_prefill_and_decode_equal_the_packed_model(layout):
+    # Qwen3's per-head q/k norms are replicated on every rank and applied before RoPE.
+    cfg = ModelConfig.tiny_qwen3(tie_word_embeddings=False)
+    ref = Qwen2ForCausalLM(cfg, seed=8).eval()
+    ref.init_weights(8, std=0.15)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.2)
+    seq = ids_of(14, 3)
+    with torch.no_grad():
+        expected = ref(seq)
+    group = LocalTPGroup(cfg, layout, max_slots=2, max_len=32)
+    try:
+        group.load_full_state_dict(ref.state_dict())
+        slot = group.allocate()
+        torch.testing.assert_close(
+            group.prefill(slot, seq[:9], all_logits=True), expected[:9], atol=1e-4, rtol=1e-4
+        )
+        for t in range(9, len(seq)):
+            step = group.decode(torch.tensor([slot]), seq[t : t + 1], torch.tensor([t]))
+            torch.testing.assert_close(step[0], expected[t], atol=1e-4, rtol=1e-4)
+    finally:
+        group.close()

@@ -26,6 +26,7 @@ CONFIGS = {
         tie_word_embeddings=False, attention_bias=False, model_type="llama", num_key_value_heads=1
     ),
     "mha8": ModelConfig.tiny(num_attention_heads=8, num_key_value_heads=4, head_dim=8, num_hidden_layers=1),
+    "qwen3_untied": ModelConfig.tiny_qwen3(tie_word_embeddings=False),
 }
 CASES = [(cfg_name, tp, naming) for cfg_name in CONFIGS for tp in (1, 2, 4) for naming in ("hf", "fused")]
 

@@ -159,3 +159,59 @@ def test_token_logprobs_are_differentiable_and_sampled_logprobs_agree(model):
     torch.testing.assert_close(per_row, lp.detach()[1:])
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(logits, ids, torch.tensor([0, 8]), 0.0)
+
+
+def _qwen3(seed: int = 9) -> tuple[ModelConfig, Qwen2ForCausalLM]:
+    cfg = ModelConfig.tiny_qwen3(tie_word_embeddings=False)
+    m = Qwen2ForCausalLM(cfg, seed=seed).eval()
+    m.init_weights(seed, std=0.2)
+    with torch.no_grad():  # non-trivial q/k norms, so a missing or misplaced norm would show
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.2)
+    return cfg, m
+
+
+def test_qwen3_logits_and_packed_batches_equal_transformers_qwen3():
+    cfg, m = _qwen3()
+    assert "model.layers.0.self_attn.q_norm.weight" in m.state_dict()
+    assert "model.layers.0.self_attn.q_proj.bias" not in m.state_dict()
+    hf_cfg = transformers.Qwen3Config(**cfg.to_hf_dict())
+    hf_cfg._attn_implementation = "eager"
+    hf = transformers.Qwen3ForCausalLM(hf_cfg).float().eval()
+    missing, unexpected = hf.load_state_dict(m.state_dict(), strict=False)
+    assert not missing and not unexpected
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (7, 15, 2)]
+    ids, pos, cu = pack(seqs)
+    with torch.no_grad():
+        packed = m(ids, pos, cu)
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(packed[cu[i] : cu[i + 1]], hf_logits(hf, s), atol=1e-5, rtol=1e-5)
+
+
+def test_qwen3_exports_to_a_directory_transformers_loads_as_qwen3(tmp_path):
+    cfg, m = _qwen3(seed=4)
+    m.save_pretrained(tmp_path)
+    assert ModelConfig.from_hf_dict(transformers.AutoConfig.from_pretrained(tmp_path).to_dict()) == cfg
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).float().eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    ids = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_logits(hf, ids), m(ids), atol=1e-5, rtol=1e-5)
+        back = Qwen2ForCausalLM.from_pretrained(tmp_path).eval()
+        torch.testing.assert_close(back(ids), m(ids), atol=0, rtol=0)
+
+
+def test_qwen_families_refuse_inconsistent_configs():
+    with pytest.raises(ValueError, match="qk_norm"):
+        ModelConfig.tiny(qk_norm=True)  # a Qwen2 with q/k norms is no checkpoint transformers loads
+    with pytest.raises(ValueError, match="attention_bias"):
+        ModelConfig.tiny(attention_bias=False)  # Qwen2 always has q/k/v biases
+    sliding = {**ModelConfig.tiny_qwen3().to_hf_dict(), "layer_types": ["sliding_attention"] * 2}
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf_dict(sliding, "fast")
+    assert ModelConfig.from_hf_dict(sliding).generic  # auto: transformers' code runs it
+    assert ModelConfig.from_hf_dict(
+        {**ModelConfig.tiny_qwen3().to_hf_dict(), "attention_bias": True}
+    ).attention_bias

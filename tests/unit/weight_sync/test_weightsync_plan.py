@@ -58,8 +58,10 @@ def deliver_in_process(plan_rank, buf, stager, version, parts=False):
     ],
 )
 @pytest.mark.parametrize("parts", [False, True], ids=["fill", "parts"])
-def test_planned_buckets_rebuild_every_rank_exactly(layout, world, parts):
-    config = ModelConfig.tiny(tie_word_embeddings=False, vocab_size=37)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_planned_buckets_rebuild_every_rank_exactly(layout, world, parts, family):
+    make = ModelConfig.tiny_qwen3 if family == "qwen3" else ModelConfig.tiny
+    config = make(tie_word_embeddings=False, vocab_size=37)
     state = random_state(config)
     buf = push_all(state, world)
     plan = build_deployment_plan(buf.layout(), config, layout, bucket_bytes=3000)
