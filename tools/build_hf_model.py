@@ -1,14 +1,16 @@
-"""Build, offline, a small Qwen2 checkpoint in Hugging Face format with a byte-level BPE tokenizer.
+"""Build, offline, a small causal LM checkpoint in Hugging Face format with a byte-level BPE tokenizer.
 
-    python tools/build_hf_model.py --out models/tiny-bpe-qwen2 [--seed 0] [--vocab-size 1024] ...
+    python tools/build_hf_model.py --out models/tiny-bpe-qwen2 [--arch qwen2] [--seed 0] ...
 
-Writes config.json (model_type qwen2, Qwen2ForCausalLM), model.safetensors, generation_config.json
+`--arch` is the architecture: qwen2 (default), qwen3 and llama are built by looprl's fast-path
+model; any other transformers model_type (mistral, gemma, ...) by transformers' own code from its
+config class (the generic path). Writes config.json, model.safetensors, generation_config.json
 (eos/pad/bos ids), tokenizer.json (byte-level BPE trained with `tokenizers` on the shipped corpus
 tools/data/hf_corpus.txt, Qwen's pre-tokenizer regex, <|endoftext|> <|im_start|> <|im_end|> as
 special tokens after the merges), tokenizer_config.json (Qwen2-Instruct's chat template, eos
 <|im_end|>, pad <|endoftext|>) and a README.md model card. The same arguments give the same bytes.
 `transformers.AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(out)` load it; so do
-looprl's `Qwen2ForCausalLM.from_pretrained` and `load_tokenizer`. The weights are a seeded random
+looprl's `causal_lm.load` and `load_tokenizer`. The weights are a seeded random
 init (model.init_std); the default size (~1.1M parameters) trains quickly on CPU.
 """
 
@@ -58,6 +60,23 @@ def train_bpe(corpus: str, vocab_size: int) -> Any:
     return tok
 
 
+def architecture_config(arch: str, sizes: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of a small `arch` model of these sizes (ValueError naming --arch)."""
+    if arch in ("qwen2", "llama"):
+        return ModelConfig(**sizes, model_type=arch, attention_bias=arch == "qwen2")
+    if arch == "qwen3":
+        return ModelConfig(**sizes, model_type="qwen3", attention_bias=False, qk_norm=True)
+    from transformers import AutoConfig
+
+    try:  # transformers' own config class of the architecture, with its defaults for the rest
+        hf = AutoConfig.for_model(arch, **sizes)
+    except ValueError as exc:
+        raise ValueError(f"--arch: transformers has no architecture {arch!r} ({exc})") from None
+    d = hf.to_dict()
+    d.pop("sliding_window", None)  # a window longer than the model: full attention, stated plainly
+    return ModelConfig.from_hf_dict(d, "generic")
+
+
 def build(
     out: Path,
     *,
@@ -74,15 +93,16 @@ def build(
     corpus_path: Path = DEFAULT_CORPUS,
     sft_steps: int = 0,
     sft_examples: list[tuple[list[dict[str, str]], str]] | None = None,
+    arch: str = "qwen2",
 ) -> dict[str, Any]:
     """Write the model directory; returns a summary (parameters, vocabulary, file sizes).
 
     `sft_steps` of warm start learn `sft_examples` ((prompt messages, answer) pairs, e.g. from
     tools.hf_warm_start.environment_examples) when given, else the corpus' worked math problems."""
-    from services.modeling.qwen2 import Qwen2ForCausalLM
+    from services.modeling import causal_lm
 
     # Everything is checked (sizes, corpus, tokenizer training) before anything is written.
-    config = ModelConfig(
+    sizes = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -93,6 +113,7 @@ def build(
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
     )
+    config = architecture_config(arch, sizes)
     if not init_std > 0:
         raise ValueError(f"--init-std: must be > 0, got {init_std}")
     if sft_steps < 0:
@@ -110,8 +131,7 @@ def build(
         chat_template=QWEN_CHAT_TEMPLATE,
         model_max_length=max_positions,
     )
-    model = Qwen2ForCausalLM(config, seed=None)
-    model.init_weights(seed, std=init_std)
+    model = causal_lm.build(config, seed, init_std)
     warm = {}
     if sft_steps:
         examples = chat_examples(corpus) if sft_examples is None else sft_examples
@@ -122,7 +142,7 @@ def build(
     taught = "the corpus' math problems" if sft_examples is None else f"{len(sft_examples)} given answers"
     corpus_sha = hashlib.sha256(corpus_path.read_bytes()).hexdigest()[:16]
     facts = {
-        "architecture": "Qwen2ForCausalLM",
+        "architecture": f"{arch} ({'generic path' if config.generic else 'fast path'})",
         "parameters": f"{params:,}",
         "vocabulary": f"{config.vocab_size} (byte-level BPE, specials {', '.join(SPECIALS)})",
         "layers / hidden / heads / kv heads": f"{num_layers} / {hidden_size} / {num_heads} / {num_kv_heads}",
@@ -139,7 +159,7 @@ def build(
     }
     write_model_card(
         out,
-        title=f"looprl tiny BPE Qwen2 (seed {seed})",
+        title=f"looprl tiny BPE {arch} (seed {seed})",
         facts=facts,
         note="A small model for offline tests and CPU recipes (configs/hf_math_grpo.toml).",
     )
@@ -157,6 +177,11 @@ def build(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="Output directory (created).")
+    parser.add_argument(
+        "--arch",
+        default="qwen2",
+        help="qwen2, qwen3, llama (fast path) or any transformers model_type (generic path), e.g. gemma.",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the weight init.")
     parser.add_argument("--vocab-size", type=int, default=1024, help="Largest vocabulary, specials included.")
     parser.add_argument("--hidden-size", type=int, default=128)
@@ -190,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
             init_std=args.init_std,
             corpus_path=args.corpus,
             sft_steps=args.sft_steps,
+            arch=args.arch,
         )
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))

@@ -143,6 +143,8 @@ class ModelConfig:
         return cls.tiny(**{"model_type": "qwen3", "attention_bias": False, "qk_norm": True, **overrides})
 
     def replace(self, **changes: Any) -> ModelConfig:
+        if self.generic:  # the config.json is the source of truth; the fields are read from it
+            return ModelConfig.generic_from_hf_dict({**self.hf_config, **changes})
         return ModelConfig(**{**asdict(self), **changes})
 
     def to_dict(self) -> dict[str, Any]:

@@ -229,7 +229,9 @@ class GenericEngineModel:
         if cache is None or start == 0:
             cache = DynamicCache(config=self.model.hf.config)
         elif start < cache.get_seq_length():
-            cache.crop(start)  # a rewind: drop the cached tail
+            cache.crop(
+                start - cache.get_seq_length()
+            )  # a rewind: drop the cached tail (negative: tokens to remove)
         positions = torch.arange(start, start + ids.numel())[None]
         out = self.model.hf(
             input_ids=ids[None], position_ids=positions, past_key_values=cache, use_cache=True
