@@ -130,6 +130,30 @@ def _local_dir(value: str, base_dir: Path | None) -> Path:
     return path
 
 
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraSection(Section):
+    """[model.lora]: train low-rank adapters on the frozen base instead of the whole model. A weight
+    version is then the adapter's tensors only, and deployments load the base once (model.path)."""
+
+    rank: int = Field(16, ge=1, le=1024)
+    """Rank r of each adapter (A is [r, in], B is [out, r])."""
+    alpha: float = Field(32.0, gt=0.0, le=1e6)
+    """The update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input while training."""
+    target_modules: list[LoraTarget] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        max_length=7,
+    )
+    """Projections of every decoder layer that get an adapter."""
+    merge_on_export: bool = False
+    """Also export the base with the adapter merged in (a plain Hugging Face model) beside the PEFT
+    adapter directory."""
+
+
 class ModelSection(Section):
     """The policy: a local Hugging Face directory or a built-in preset, and its tokenizer."""
 
@@ -143,6 +167,9 @@ class ModelSection(Section):
     """Training and inference dtype."""
     init_std: float = Field(0.02, gt=0.0, le=10.0)
     """Std of the N(0, std) init of a preset model's weight matrices (0.1 suits tiny-qwen2)."""
+    lora: LoraSection | None = None
+    """Train LoRA adapters instead of the whole model ([model.lora]); needs `path` (the base every
+    deployment loads once)."""
     implementation: Literal["auto", "fast", "generic"] = "auto"
     """Which code trains and serves the model: fast (looprl's own Qwen2/Llama/Qwen3, tensor-parallel
     layouts, vLLM), generic (transformers' modeling code for any causal LM: tp=1 cpu deployments,
@@ -161,6 +188,10 @@ class ModelSection(Section):
                 self.architecture(base_dir)
             except (ValueError, KeyError, TypeError) as exc:
                 raise field_error("implementation", f"{str(path)!r}: {exc}") from None
+        if self.lora is not None and not self.path:
+            raise field_error(
+                "lora", "needs model.path: the base model directory every deployment loads once"
+            )
         if self.tokenizer != "char":
             path = _local_dir(self.tokenizer, base_dir)
             if not path.is_dir():

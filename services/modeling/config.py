@@ -11,9 +11,13 @@ path (services/modeling/generic.py), which runs transformers' own modeling code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from services.modeling.lora import LoraSpec
 
 # Keys of a HF config.json this code understands; everything else is ignored on load.
 _SUPPORTED_MODEL_TYPES = {
@@ -27,6 +31,8 @@ FAST_MODEL_TYPES = tuple(_SUPPORTED_MODEL_TYPES)
 Implementation = Literal["auto", "fast", "generic"]
 # Key of the config.json a trainer pushes that says the generic path runs it (never exported).
 IMPLEMENTATION_KEY = "looprl_implementation"
+# Key of the config.json a LoRA run's trainer pushes: its versions are the adapter's tensors only.
+LORA_KEY = "looprl_lora"
 
 
 @dataclass(frozen=True)
@@ -51,8 +57,16 @@ class ModelConfig:
     # from hf_config_json (its whole config.json); the fields above are read from it for sizes.
     generic: bool = False
     hf_config_json: str = ""
+    # A LoRA adapter of this model (services/modeling/lora.py): rank 0 is the model's own weights;
+    # otherwise the parameters (layouts.hf_params, what weight-sync moves) are the adapter's tensors.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if self.lora_rank:
+            self.lora  # noqa: B018 - validates rank and targets
         if self.generic:
             self._check_generic()
             return
@@ -104,6 +118,25 @@ class ModelConfig:
             raise ValueError("ModelConfig.model_type: the generic path needs config.json's model_type")
 
     @property
+    def lora(self) -> LoraSpec | None:
+        """The adapter this config describes (None: the model's own weights)."""
+        if not self.lora_rank:
+            return None
+        from services.modeling.lora import LoraSpec
+
+        return LoraSpec(self.lora_rank, self.lora_alpha, self.lora_targets)
+
+    @property
+    def base(self) -> ModelConfig:
+        """The model an adapter config adapts (itself when it is no adapter)."""
+        return dataclasses.replace(self, lora_rank=0, lora_alpha=0.0, lora_targets=())
+
+    def with_lora(self, spec: LoraSpec) -> ModelConfig:
+        return dataclasses.replace(
+            self, lora_rank=spec.rank, lora_alpha=float(spec.alpha), lora_targets=tuple(spec.targets)
+        )
+
+    @property
     def hf_config(self) -> dict[str, Any]:
         """The generic model's config.json dictionary."""
         return json.loads(self.hf_config_json)
@@ -144,7 +177,12 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         if self.generic:  # the config.json is the source of truth; the fields are read from it
-            return ModelConfig.generic_from_hf_dict({**self.hf_config, **changes})
+            lora = {k: changes.pop(k) for k in ("lora_rank", "lora_alpha", "lora_targets") if k in changes}
+            config = ModelConfig.generic_from_hf_dict({**self.hf_config, **changes})
+            return dataclasses.replace(
+                config,
+                **{**{k: getattr(self, k) for k in ("lora_rank", "lora_alpha", "lora_targets")}, **lora},
+            )
         return ModelConfig(**{**asdict(self), **changes})
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,6 +200,8 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face config.json dictionary (transformers.Qwen2Config(**d) accepts it); a
         generic model's carries IMPLEMENTATION_KEY, so a receiver takes the same path."""
+        if self.lora_rank:
+            return {**self.base.to_hf_dict(), LORA_KEY: self.lora.to_dict()}  # type: ignore[union-attr]
         if self.generic:
             return {**self.hf_config, IMPLEMENTATION_KEY: "generic"}
         d: dict[str, Any] = {
@@ -201,6 +241,11 @@ class ModelConfig:
         implement (naming the key), "generic" always takes transformers' code, "auto" (and a
         dictionary carrying IMPLEMENTATION_KEY) the fast path where it can."""
         d = dict(d)
+        lora = d.pop(LORA_KEY, None)
+        if lora:
+            from services.modeling.lora import LoraSpec
+
+            return cls.from_hf_dict(d, implementation).with_lora(LoraSpec.from_dict(lora))
         if d.pop(IMPLEMENTATION_KEY, None) == "generic" or implementation == "generic":
             return cls.generic_from_hf_dict(d)
         try:

@@ -26,6 +26,7 @@ call.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,19 @@ from services.modeling.layouts import Layout, TargetParam, rank_params
 from services.modeling.qwen2 import apply_rope, rms_norm, rope_cos_sin
 
 AllReduce = Callable[[Tensor], None]
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter this rank serves: its shard of the tensors (names from `rank_params` of the
+    adapter config) and alpha / rank."""
+
+    params: Mapping[str, Tensor]
+    scaling: float
+
+
+# The adapters of a forward pass: each with the rows (tokens) it applies to, None for all rows.
+AdapterRows = list[tuple[Adapter, Tensor | None]]
 MIN_GEMM_ROWS = 8
 KEY_BLOCK = 64
 # all_gather(t) -> [tp, *t.shape]: every rank's t (all the same shape) stacked in rank order.
@@ -141,10 +155,59 @@ class EngineModel:
         self.kv_local = len(layout.kv_heads(config, rank))
         self.i_local = config.intermediate_size // layout.tp_size
         self.params: dict[str, Tensor] = {}
+        self.adapters: dict[str, Adapter] = {}
 
     @property
     def loaded(self) -> bool:
         return bool(self.params)
+
+    def load_adapter(self, name: str, adapter_config: ModelConfig, state: Mapping[str, Tensor]) -> None:
+        """Serve (or replace) LoRA adapter `name`: this rank's shard of `adapter_config`'s tensors
+        (checked in full before anything changes). Requests then pick it by name."""
+        spec = adapter_config.lora
+        if spec is None or adapter_config.base != self.config:
+            raise ValueError(f"load_adapter {name!r}: its config is not a LoRA adapter of this model")
+        expected = {p.name: p for p in rank_params(adapter_config, self.layout, self.rank)}
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"load_adapter {name!r}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        for key, param in expected.items():
+            if tuple(state[key].shape) != param.shape:
+                raise ValueError(
+                    f"load_adapter {name!r}: {key} has shape {tuple(state[key].shape)}, expected {param.shape}"
+                )
+        params = {k: state[k].detach().to(self.device, self.layout.torch_dtype) for k in expected}
+        self.adapters[name] = Adapter(params, spec.scaling)
+
+    def drop_adapter(self, name: str) -> None:
+        self.adapters.pop(name, None)
+
+    def _adapter_rows(
+        self, adapters: Sequence[str | None] | None, rows_of: Callable[[int], Tensor]
+    ) -> AdapterRows:
+        """(adapter, rows) of a forward whose i-th input uses adapters[i] (rows_of(i): its rows)."""
+        if not adapters or not any(adapters):
+            return []
+        unknown = sorted({a for a in adapters if a and a not in self.adapters})
+        if unknown:
+            raise ValueError(f"adapter: {unknown} not loaded on this replica")
+        by_name: dict[str, list[Tensor]] = {}
+        for i, name in enumerate(adapters):
+            if name:
+                by_name.setdefault(name, []).append(rows_of(i))
+        return [(self.adapters[n], torch.cat(rows).to(self.device)) for n, rows in by_name.items()]
+
+    @staticmethod
+    def _lora(x: Tensor, out: Tensor, module: str, adapters: AdapterRows) -> Tensor:
+        """`out` (the projection of x) plus each adapter's scaling * B(A(x)) on its rows (PEFT's order)."""
+        for adapter, rows in adapters:
+            a = adapter.params.get(module + ".lora_A.weight")
+            if a is None:
+                continue
+            xs = x if rows is None else x.index_select(0, rows)
+            delta = _linear(_linear(xs, a), adapter.params[module + ".lora_B.weight"]) * adapter.scaling
+            out = out + delta if rows is None else out.index_add(0, rows, delta)
+        return out
 
     def new_cache(self, max_slots: int, max_len: int) -> KVCache:
         return KVCache(self.config, self.layout, max_slots, max_len, self.device)
@@ -183,7 +246,7 @@ class EngineModel:
             self.all_reduce(partial)
         return partial
 
-    def _qkv(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(self, layer: int, x: Tensor, adapters: AdapterRows) -> tuple[Tensor, Tensor, Tensor]:
         p, d = self.params, self.config.head_dim
         pre = f"model.layers.{layer}.self_attn."
         if self.layout.naming == "fused":
@@ -191,19 +254,33 @@ class EngineModel:
             q, k, v = qkv.split([self.q_local * d, self.kv_local * d, self.kv_local * d], dim=-1)
         else:
             q, k, v = (_linear(x, p[f"{pre}{n}_proj.weight"], p.get(f"{pre}{n}_proj.bias")) for n in "qkv")
+        if adapters:
+            q, k, v = (
+                self._lora(x, t, f"{pre}{n}_proj", adapters) for n, t in zip("qkv", (q, k, v), strict=True)
+            )
         n = x.shape[0]
         return q.view(n, self.q_local, d), k.view(n, self.kv_local, d), v.view(n, self.kv_local, d)
 
-    def _mlp(self, layer: int, x: Tensor) -> Tensor:
+    def _mlp(self, layer: int, x: Tensor, adapters: AdapterRows) -> Tensor:
         p = self.params
         pre = f"model.layers.{layer}.mlp."
         if self.layout.naming == "fused":
             gate, up = _linear(x, p[pre + "gate_up_proj.weight"]).split(self.i_local, dim=-1)
         else:
             gate, up = _linear(x, p[pre + "gate_proj.weight"]), _linear(x, p[pre + "up_proj.weight"])
-        return self._reduce(_linear(F.silu(gate) * up, p[pre + "down_proj.weight"]))
+        if adapters:
+            gate = self._lora(x, gate, pre + "gate_proj", adapters)
+            up = self._lora(x, up, pre + "up_proj", adapters)
+        h = F.silu(gate) * up
+        # Row-parallel: each rank's delta reads its input columns (its A shard); the partial sums
+        # of base and delta are all-reduced together.
+        return self._reduce(
+            self._lora(h, _linear(h, p[pre + "down_proj.weight"]), pre + "down_proj", adapters)
+        )
 
-    def _run_layers(self, token_ids: Tensor, positions: Tensor, attend: Callable[..., Tensor]) -> Tensor:
+    def _run_layers(
+        self, token_ids: Tensor, positions: Tensor, attend: Callable[..., Tensor], adapters: AdapterRows = ()
+    ) -> Tensor:
         """Shared trunk: `attend(layer, q, k, v)` stores k/v and returns attention output [N, q_local, d]."""
         if not self.params:
             raise RuntimeError("EngineModel: no weights loaded (call load_shard first)")
@@ -214,14 +291,17 @@ class EngineModel:
         for layer in range(c.num_hidden_layers):
             pre = f"model.layers.{layer}."
             h = rms_norm(x, p[pre + "input_layernorm.weight"], c.rms_norm_eps)
-            q, k, v = self._qkv(layer, h)
+            q, k, v = self._qkv(layer, h, adapters)
             if c.qk_norm:  # Qwen3: RMSNorm over head_dim of every head, before RoPE
                 q = rms_norm(q, p[pre + "self_attn.q_norm.weight"], c.rms_norm_eps)
                 k = rms_norm(k, p[pre + "self_attn.k_norm.weight"], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = attend(layer, q, k, v).reshape(x.shape[0], self.q_local * c.head_dim)
-            x = x + self._reduce(_linear(attn, p[pre + "self_attn.o_proj.weight"]))
-            x = x + self._mlp(layer, rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps))
+            o = _linear(attn, p[pre + "self_attn.o_proj.weight"])
+            x = x + self._reduce(self._lora(attn, o, pre + "self_attn.o_proj", adapters) if adapters else o)
+            x = x + self._mlp(
+                layer, rms_norm(x, p[pre + "post_attention_layernorm.weight"], c.rms_norm_eps), adapters
+            )
         return rms_norm(x, p["model.norm.weight"], c.rms_norm_eps)
 
     def _embed(self, ids: Tensor) -> Tensor:
@@ -251,14 +331,26 @@ class EngineModel:
 
     @torch.no_grad()
     def prefill(
-        self, cache: KVCache, slot: int, token_ids: Tensor, start_pos: int = 0, all_logits: bool = False
+        self,
+        cache: KVCache,
+        slot: int,
+        token_ids: Tensor,
+        start_pos: int = 0,
+        all_logits: bool = False,
+        adapter: str | None = None,
     ) -> Tensor:
         """Append `token_ids` [L] to `slot` at positions start_pos.. and return float32 logits of the last
         position [V] (or of every new position [L, V] with all_logits). start_pos <= the slot's cached
         length: equal appends (multi-turn), smaller rewinds (drops the cached tail)."""
-        return self.prefill_batch(cache, [slot], [token_ids], [start_pos], all_logits=all_logits)[0]
+        return self.prefill_batch(cache, [slot], [token_ids], [start_pos], all_logits, [adapter])[0]
 
-    def prefill_prompts(self, cache: KVCache, slots: Sequence[int], prompts: Sequence[list[int]]) -> Tensor:
+    def prefill_prompts(
+        self,
+        cache: KVCache,
+        slots: Sequence[int],
+        prompts: Sequence[list[int]],
+        adapters: Sequence[str | None] | None = None,
+    ) -> Tensor:
         """Fresh prompts (token lists) into `slots`; float32 logits of each one's last position [B, V].
         One tensor per distinct prompt object: the n samples of a request share theirs, so
         prefill_batch checks and hashes it once."""
@@ -267,7 +359,7 @@ class EngineModel:
             if id(p) not in tensors:
                 tensors[id(p)] = torch.tensor(p, dtype=torch.long)
         ids = [tensors[id(p)] for p in prompts]
-        return torch.stack(self.prefill_batch(cache, slots, ids, [0] * len(slots)))
+        return torch.stack(self.prefill_batch(cache, slots, ids, [0] * len(slots), adapters=adapters))
 
     @torch.no_grad()
     def prefill_batch(
@@ -277,10 +369,13 @@ class EngineModel:
         token_ids: Sequence[Tensor],
         start_positions: Sequence[int],
         all_logits: bool = False,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[Tensor]:
         """Prefill several slots in one pass: matmuls over all new tokens, attention slot by slot (each
         prompt's own call, so it does not depend on the others); a fresh prompt given for several slots (the n
-        samples of a request) is computed once and its keys/values copied."""
+        samples of a request) is computed once and its keys/values copied. `adapters[i]` names the
+        LoRA adapter input i runs with (None: the base model)."""
+        adapters = list(adapters) if adapters else [None] * len(slots)
         if not (len(slots) == len(token_ids) == len(start_positions)) or not slots:
             raise ValueError(
                 "prefill: slots, token_ids and start_positions must be non-empty and equally long"
@@ -290,7 +385,7 @@ class EngineModel:
         # Fresh prompts that repeat (the n samples of a GRPO group) are computed once; their other
         # slots get a copy of its keys/values: exact, and n times less prefill. The n samples of a
         # request share one ids tensor, so each distinct tensor is read and checked once.
-        first_of: dict[tuple[int, ...], int] = {}
+        first_of: dict[tuple[str | None, tuple[int, ...]], int] = {}
         keys: dict[int, tuple[int, ...]] = {}
         source = []  # per input: index of the input whose computation it shares (itself if none)
         lengths = cache.lengths.tolist()
@@ -310,7 +405,8 @@ class EngineModel:
                 raise ValueError(
                     f"prefill: slot {slot} would hold {start + len(key)} > max_len={cache.max_len}"
                 )
-            source.append(first_of.setdefault(key, i) if start == 0 else i)
+            # Keys/values depend on the adapter: a prompt is shared only under the same one.
+            source.append(first_of.setdefault((adapters[i], key), i) if start == 0 else i)
         computed = [i for i in range(len(slots)) if source[i] == i]
         segments = []  # (slot, start, offset in the flat batch, length) of each computed input
         offset = 0
@@ -320,7 +416,11 @@ class EngineModel:
             offset += n
         flat = torch.cat([token_ids[i].long() for i in computed])
         positions = torch.cat([torch.arange(s, s + n) for _, s, _, n in segments])
-        hidden = self._run_layers(flat, positions, self._slot_attend(cache, segments))
+        rows = self._adapter_rows(
+            [adapters[i] for i in computed],
+            lambda j: torch.arange(segments[j][2], segments[j][2] + segments[j][3]),
+        )
+        hidden = self._run_layers(flat, positions, self._slot_attend(cache, segments), rows)
         for slot, start, _, n in segments:
             cache.lengths[slot] = start + n
         copies: dict[int, list[int]] = {}  # computed input -> the slots that share its keys/values
@@ -368,9 +468,17 @@ class EngineModel:
         return attend
 
     @torch.no_grad()
-    def decode(self, cache: KVCache, slots: Tensor, token_ids: Tensor, positions: Tensor) -> Tensor:
+    def decode(
+        self,
+        cache: KVCache,
+        slots: Tensor,
+        token_ids: Tensor,
+        positions: Tensor,
+        adapters: Sequence[str | None] | None = None,
+    ) -> Tensor:
         """One token for each of B slots: token_ids[b] goes to positions[b] (normally the slot's cached
-        length). Returns float32 logits [B, V] for the next token of each slot."""
+        length), under LoRA adapter adapters[b] (None: the base). Returns float32 logits [B, V] for
+        the next token of each slot."""
         slots, token_ids, positions = slots.long().cpu(), token_ids.long(), positions.long().cpu()
         if not (slots.dim() == token_ids.dim() == positions.dim() == 1) or not (
             slots.numel() == token_ids.numel() == positions.numel() > 0
@@ -420,7 +528,8 @@ class EngineModel:
             out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, kv_heads, group, d]
             return out.reshape(b, self.q_local, d)
 
-        hidden = self._run_layers(token_ids, positions, attend)
+        rows = self._adapter_rows(adapters, lambda b: torch.tensor([b]))
+        hidden = self._run_layers(token_ids, positions, attend, rows)
         cache.lengths[slots] = positions + 1
         return self._logits(hidden)
 

@@ -202,7 +202,12 @@ class TargetParam:
 
 
 def hf_params(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The source parameters (HF names and shapes) in HF state-dict order; a tied lm_head is omitted."""
+    """The source parameters (HF names and shapes) in HF state-dict order; a tied lm_head is omitted.
+    An adapter config's are the adapter's tensors (services/modeling/lora.py)."""
+    if config.lora is not None:
+        from services.modeling.lora import adapter_params
+
+        return adapter_params(hf_params(config.base), config.lora)
     if config.generic:
         from services.modeling.generic import parameter_shapes
 
@@ -270,6 +275,8 @@ def rank_params(config: ModelConfig, layout: Layout, rank: int) -> list[TargetPa
     b = _Builder(shapes, layout.dtype)
     if c.generic:  # tp=1: every tensor whole, under the checkpoint's name
         return [b.replicated(name) for name in shapes]
+    if c.lora is not None:
+        return _adapter_rank_params(b, c, layout, rank)
     qh, kvh = layout.q_heads(c, rank), layout.kv_heads(c, rank)
     q_rows = (qh.start * d, qh.stop * d)
     kv_rows = (kvh.start * d, kvh.stop * d)
@@ -310,6 +317,34 @@ def rank_params(config: ModelConfig, layout: Layout, rank: int) -> list[TargetPa
     out.append(b.replicated("model.norm.weight"))
     if not c.tie_word_embeddings:
         out.append(b.stacked_rows("lm_head.weight", [("lm_head.weight", *vocab_rows)]))
+    return out
+
+
+def _adapter_rank_params(b: _Builder, config: ModelConfig, layout: Layout, rank: int) -> list[TargetParam]:
+    """A LoRA adapter split as its base layers are: a column-parallel projection's B keeps the rows
+    of the outputs this rank computes (A whole), a row-parallel one's A keeps the columns of the
+    inputs this rank holds (B whole), so each rank's low-rank update lands on its own shard."""
+    c, d = config, config.head_dim
+    qh, kvh = layout.q_heads(c, rank), layout.kv_heads(c, rank)
+    i_per = c.intermediate_size // layout.tp_size
+    rows = {
+        "q_proj": (qh.start * d, qh.stop * d),
+        "k_proj": (kvh.start * d, kvh.stop * d),
+        "v_proj": (kvh.start * d, kvh.stop * d),
+        "gate_proj": (rank * i_per, (rank + 1) * i_per),
+        "up_proj": (rank * i_per, (rank + 1) * i_per),
+    }
+    columns = {"o_proj": rows["q_proj"], "down_proj": rows["gate_proj"]}
+    out = []
+    for name in b.shapes:
+        if not name.endswith(".lora_A.weight"):
+            continue
+        module = name[: -len(".lora_A.weight")]
+        a, bw, proj = name, f"{module}.lora_B.weight", module.rpartition(".")[2]
+        if proj in rows:
+            out += [b.replicated(a), b.stacked_rows(bw, [(bw, *rows[proj])])]
+        else:
+            out += [b.column_slice(a, a, *columns[proj]), b.replicated(bw)]
     return out
 
 

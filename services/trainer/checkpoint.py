@@ -179,37 +179,61 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
     char tokenizer written out as a PreTrainedTokenizerFast), generation_config.json and config.json
     with eos/pad/bos ids (so `generate()` stops where the policy stops), and a README.md model card
     naming the run, the step and the recipe. The one place the trainer gathers the whole model
-    (export is rare and explicit).
+    (export is rare and explicit). A LoRA run exports its adapter in PEFT's format
+    (adapter_config.json, adapter_model.safetensors: what `peft.PeftModel.from_pretrained` and
+    vLLM's LoRA loader read) with the tokenizer, and with `merge_on_export` the merged model in
+    `merged/`.
     """
-    import torch
     import torch.distributed as dist
 
-    from services.modeling import hf_files
-    from services.modeling.causal_lm import causal_lm_class
+    from services.modeling import hf_files, lora
+    from services.modeling.tokenizer import load_tokenizer
 
     full = worker.full_state_dict(rank0_only=True)
     if worker.rank == 0:
         spec = worker.spec
         tokenizer = spec.recipe.model.tokenizer if spec is not None else "char"
+        section = spec.recipe.model.lora if spec is not None else None
         config = worker.model.config
-        # The generic path's model is built for real: transformers computes buffers at init.
-        with torch.device("cpu" if config.generic else "meta"):
-            model = causal_lm_class(config)(config, seed=None)
-        model.load_hf_state_dict(full, assign=not config.generic)
-        model.save_pretrained(directory)
-        hf_files.write_tokenizer_files(tokenizer, directory, model_max_length=config.max_position_embeddings)
-        ids = hf_files.write_generation_files(directory, tokenizer)
+        facts: dict[str, Any] = {}
+        if section is None:
+            parameters = _write_model(directory, config, full, tokenizer)
+        else:
+            adapter = {k: v for k, v in full.items() if lora.is_adapter_param(k)}
+            base = {k: v for k, v in full.items() if not lora.is_adapter_param(k)}
+            lora_spec = lora.spec_of(section)
+            lora.save_peft(
+                directory,
+                adapter,
+                lora_spec,
+                base_model=spec.recipe.model.path if spec is not None else "",
+                architecture=config.to_hf_dict().get("architectures", [""])[0],
+            )
+            hf_files.write_tokenizer_files(
+                tokenizer, directory, model_max_length=config.max_position_embeddings
+            )
+            parameters = sum(t.numel() for t in base.values())
+            facts["adapter"] = (
+                f"LoRA rank {lora_spec.rank}, alpha {lora_spec.alpha:g}, on {', '.join(lora_spec.targets)}: "
+                f"{sum(t.numel() for t in adapter.values()):,} parameters (PEFT format)"
+            )
+            if section.merge_on_export:
+                merged = lora.merged_state_dict(base, adapter, lora_spec)
+                _write_model(str(Path(directory) / "merged"), config, merged, tokenizer)
+                facts["merged model"] = "merged/ (the adapter folded into the base)"
+        ids = hf_files.special_ids(load_tokenizer(Path(directory) if section is None else tokenizer))
         run_id = spec.run_id if spec is not None else ""
         facts = {
             "run id": run_id or "(none)",
             "step": worker.step,
             "weight version": worker.step,
-            "parameters": f"{sum(p.numel() for p in model.parameters()):,}",
+            "parameters": f"{parameters:,}",
             "base model": (
                 spec.recipe.model.path
                 if spec is not None and spec.recipe.model.path
                 else "built from a config"
             ),
+            **facts,
             "tokenizer": tokenizer,
             "eos / pad / bos ids": f"{ids['eos_token_id']} / {ids['pad_token_id']} / {ids['bos_token_id']}",
             "exported at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -219,8 +243,30 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
             title=f"looprl policy {run_id or 'export'} at step {worker.step}",
             facts=facts,
             recipe=spec.recipe.to_dict() if spec is not None else None,
-            note="Trained with looprl (RL post-training). Load with transformers' AutoModelForCausalLM "
-            "and AutoTokenizer; generation_config.json stops on the tokenizer's eos.",
+            note=(
+                "Trained with looprl (RL post-training). Load with transformers' AutoModelForCausalLM "
+                "and AutoTokenizer; generation_config.json stops on the tokenizer's eos."
+                if section is None
+                else "A LoRA adapter trained with looprl (RL post-training). Load it on its base model "
+                "with peft.PeftModel.from_pretrained, or serve it with vLLM's LoRA support."
+            ),
         )
     dist.barrier()
     return directory
+
+
+def _write_model(directory: str, config: Any, state: dict[str, Any], tokenizer: str) -> int:
+    """A complete HF model directory of `state`; returns its parameter count."""
+    import torch
+
+    from services.modeling import hf_files
+    from services.modeling.causal_lm import causal_lm_class
+
+    # The generic path's model is built for real: transformers computes buffers at init.
+    with torch.device("cpu" if config.generic else "meta"):
+        model = causal_lm_class(config)(config, seed=None)
+    model.load_hf_state_dict(state, assign=not config.generic)
+    model.save_pretrained(directory)
+    hf_files.write_tokenizer_files(tokenizer, directory, model_max_length=config.max_position_embeddings)
+    hf_files.write_generation_files(directory, tokenizer)
+    return sum(p.numel() for p in model.parameters())

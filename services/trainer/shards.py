@@ -21,13 +21,18 @@ from services.weights.checksum import hash64
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 
 
-def local_shards(model: nn.Module) -> Iterator[tuple[str, torch.Size, int, torch.Tensor]]:
-    """(HF name, global shape, row offset, local rows) for every parameter this rank holds."""
+def local_shards(
+    model: nn.Module, trainable_only: bool = False
+) -> Iterator[tuple[str, torch.Size, int, torch.Tensor]]:
+    """(HF name, global shape, row offset, local rows) for every parameter this rank holds (with
+    trainable_only, a LoRA run's adapters: the frozen base never changes, so it is never sent)."""
     from torch.distributed.tensor import DTensor
 
     if hasattr(model, "reshard"):  # FSDP2 leaves the root unsharded after a forward without backward
         model.reshard()
     for name, param in model.named_parameters():
+        if trainable_only and not param.requires_grad:
+            continue
         if isinstance(param, DTensor):
             # Under no_grad, to_local skips autograd and detach happens on the plain tensor: a DTensor's
             # own detach goes through sharding propagation (~1 ms a step for a 26-tensor model).
@@ -55,10 +60,13 @@ def _layout(shape: tuple[int, ...], mesh, placements: tuple) -> tuple[tuple[int,
 
 
 def shard_chunks(
-    model: nn.Module, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, dtype: torch.dtype | None = None
+    model: nn.Module,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    dtype: torch.dtype | None = None,
+    trainable_only: bool = False,
 ) -> Iterator[weightsync_pb2.ShardChunk]:
     """ShardChunks of at most ``max_bytes`` of data each (a row is never split)."""
-    for name, global_shape, row_offset, local in local_shards(model):
+    for name, global_shape, row_offset, local in local_shards(model, trainable_only):
         local = local.to(dtype) if dtype is not None else local
         rows = local.shape[0] if local.dim() > 0 else 1
         row_bytes = max(local[0].numel() * local.element_size(), 1) if local.dim() > 0 and rows else 1
@@ -92,6 +100,7 @@ def push_requests(
     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     dtype: torch.dtype | None = None,
     model_config_json: str = "",
+    trainable_only: bool = False,
 ) -> Iterator[weightsync_pb2.PushShardsRequest]:
     """This rank's stream for one version: chunks batched into messages of <= max_bytes of data,
     the last message flagged ``last=True`` (sent even when the rank holds nothing). The first
@@ -114,7 +123,7 @@ def push_requests(
 
     pending: list[weightsync_pb2.ShardChunk] = []
     pending_bytes = 0
-    for chunk in shard_chunks(model, max_bytes, dtype):
+    for chunk in shard_chunks(model, max_bytes, dtype, trainable_only):
         if pending and pending_bytes + len(chunk.data) > max_bytes:
             yield message(pending, last=False)
             pending, pending_bytes = [], 0

@@ -25,7 +25,7 @@ from looprl.weightsync.v1 import weightsync_pb2_grpc
 from services.kit import gc_freeze, telemetry, tls
 from services.kit.hosts import interface_of, node_address
 from services.kit.interceptors import traced_channel
-from services.modeling import causal_lm
+from services.modeling import causal_lm, lora
 from services.modeling.logprobs import token_logprobs
 from services.trainer.batch import PackedMicroBatch, from_proto, validate_rank_batches
 from services.trainer.errors import BatchRejected, PushFailed, StepAborted
@@ -142,8 +142,9 @@ class TrainerWorker:
             self.ref_model = self._build_model(spec)
             self.ref_model.requires_grad_(False)
             self.ref_model.eval()
+        # Only what trains: all of the model, or a LoRA run's adapters (the base is frozen).
         self.optimizer, self.scheduler = build_optimizer(
-            list(self.model.parameters()), spec.recipe.optimizer, spec.total_steps
+            [p for p in self.model.parameters() if p.requires_grad], spec.recipe.optimizer, spec.total_steps
         )
         self.step = 0
         self.last_packer_step = -1
@@ -160,6 +161,8 @@ class TrainerWorker:
         else:
             # Identical on every rank: the init draws from its own seeded generator.
             model = causal_lm.build(spec.model_config(), spec.recipe.run.seed, model_section.init_std)
+        if model_section.lora is not None:  # the same seeded adapter init on every rank
+            lora.inject(model, lora.spec_of(model_section.lora), seed=spec.recipe.run.seed)
         model = model.to(self.device)
         kwargs: dict[str, Any] = {"mesh": self.mesh}
         # model.dtype is the compute dtype (mixed precision on GPU); master weights stay float32.
@@ -410,9 +413,19 @@ class TrainerWorker:
     # ---- weights out -----------------------------------------------------------------------------
 
     def _config_json(self) -> str:
+        """What a version is: the model's config.json, or for a LoRA run its adapter's config (its
+        versions carry the adapter's tensors only)."""
         import json
 
-        return json.dumps(self.model.config.to_hf_dict())
+        config = self.model.config
+        section = self.spec.recipe.model.lora
+        if section is not None:
+            config = config.with_lora(lora.spec_of(section))
+        return json.dumps(config.to_hf_dict())
+
+    @property
+    def _adapters_only(self) -> bool:
+        return self.spec.recipe.model.lora is not None
 
     def _push_dtype(self) -> torch.dtype | None:
         from services.kit.codec import torch_dtype
@@ -432,6 +445,7 @@ class TrainerWorker:
                 max_bytes or self.spec.push_max_bytes,
                 self._push_dtype(),
                 self._config_json(),
+                self._adapters_only,
             )
         ]
 
@@ -450,6 +464,7 @@ class TrainerWorker:
             max_bytes,
             self._push_dtype(),
             self._config_json(),
+            self._adapters_only,
         )
         try:
             response = stub.PushShards(requests, timeout=timeout_s)
