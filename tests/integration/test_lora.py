@@ -146,7 +146,7 @@ def test_engine_with_the_adapter_equals_trainer_and_transformers_peft_on_the_exp
             model.load_adapter("run-a", adapter_config, shard_state_dict(adapter, adapter_config, layout, r))
         slots = [group.allocate(), group.allocate()]
         adapted, bare = group.run(
-            lambda m, c: m.prefill_batch(
+            lambda m, c, slots=slots: m.prefill_batch(
                 c, slots, [ids, ids], [0, 0], all_logits=True, adapters=["run-a", None]
             )
         )[0]
