@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services.modeling.config import ModelConfig
+from services.modeling.lora import LoraSpec
 from services.modeling.layouts import Layout, TargetParam, rank_params
 from services.modeling.qwen2 import apply_rope, rms_norm, rope_cos_sin
 
@@ -164,9 +165,7 @@ class EngineModel:
     def load_adapter(self, name: str, adapter_config: ModelConfig, state: Mapping[str, Tensor]) -> None:
         """Serve (or replace) LoRA adapter `name`: this rank's shard of `adapter_config`'s tensors
         (checked in full before anything changes). Requests then pick it by name."""
-        spec = adapter_config.lora
-        if spec is None or adapter_config.base != self.config:
-            raise ValueError(f"load_adapter {name!r}: its config is not a LoRA adapter of this model")
+        spec = self.check_adapter(name, adapter_config)
         expected = {p.name: p for p in rank_params(adapter_config, self.layout, self.rank)}
         missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         if missing or unexpected:
@@ -178,6 +177,12 @@ class EngineModel:
                 )
         params = {k: state[k].detach().to(self.device, self.layout.torch_dtype) for k in expected}
         self.adapters[name] = Adapter(params, spec.scaling)
+
+    def check_adapter(self, name: str, adapter_config: ModelConfig) -> LoraSpec:
+        spec = adapter_config.lora
+        if spec is None or adapter_config.base != self.config:
+            raise ValueError(f"load_adapter {name!r}: its config is not a LoRA adapter of this model")
+        return spec
 
     def drop_adapter(self, name: str) -> None:
         self.adapters.pop(name, None)

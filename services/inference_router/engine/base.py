@@ -70,6 +70,9 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     session_id: str = ""
     request_id: str = ""
+    adapter: str = ""
+    """The LoRA adapter to sample with (a LoRA run's id on a deployment that serves adapters); empty:
+    the engine's own weights."""
 
 
 @dataclass

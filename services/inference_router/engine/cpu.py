@@ -40,7 +40,10 @@ def to_rank_shard(
 
 
 class LocalExecutor:
-    """Runs one EngineModel (all of tp=1, or rank 0 of a group whose all_reduce is given)."""
+    """Runs one EngineModel (all of tp=1, or rank 0 of a group whose all_reduce is given), with the
+    LoRA adapters it serves over its base."""
+
+    serves_adapters = True
 
     def __init__(
         self,
@@ -55,16 +58,36 @@ class LocalExecutor:
         self.num_slots = num_slots
         self.cache = model.new_cache(num_slots, max_model_len)
 
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        return self.model.prefill_prompts(self.cache, slots, prompts)
+    def prefill(
+        self, slots: list[int], prompts: list[list[int]], adapters: list[str | None] | None = None
+    ) -> torch.Tensor:
+        return self.model.prefill_prompts(self.cache, slots, prompts, adapters)
 
-    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def decode(
+        self,
+        slots: list[int],
+        tokens: list[int],
+        positions: list[int],
+        adapters: list[str | None] | None = None,
+    ) -> torch.Tensor:
         return self.model.decode(
             self.cache,
             torch.tensor(slots, dtype=torch.long),
             torch.tensor(tokens, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
+            adapters,
         )
+
+    def load_adapter(self, name: str, adapter_config: ModelConfig, state: Mapping[str, torch.Tensor]) -> None:
+        """Adapter `name`'s tensors: this rank's shard already, or the whole adapter (sharded here)."""
+        self.model.check_adapter(name, adapter_config)
+        own = {p.name for p in rank_params(adapter_config, self.model.layout, self.model.rank)}
+        if set(state) != own or any(
+            tuple(state[p.name].shape) != p.shape
+            for p in rank_params(adapter_config, self.model.layout, self.model.rank)
+        ):
+            state = shard_state_dict(state, adapter_config, self.model.layout, self.model.rank)
+        self.model.load_adapter(name, adapter_config, state)
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         m = self.model
@@ -80,6 +103,14 @@ class LocalExecutor:
 
 class CPUEngine(ContinuousBatchingEngine):
     """Continuous-batching engine over a local tp=1 EngineModel."""
+
+    async def serve_adapter(
+        self, name: str, version: int, adapter_config: ModelConfig, state: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Serve LoRA adapter `name` (a run's) at `version`, between two steps, beside the others."""
+        executor = self.executor
+        assert isinstance(executor, LocalExecutor)
+        await self.load_adapter(name, version, lambda: executor.load_adapter(name, adapter_config, state))
 
     @classmethod
     def create(

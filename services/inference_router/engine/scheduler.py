@@ -8,6 +8,11 @@ One loop owns the running batch. Each iteration (a "step"):
   4. samples, appends, and retires sequences that hit a stop token or their max_tokens.
 New requests therefore join the batch at the next step and finished ones leave at once.
 
+LoRA: an executor that serves adapters (`serves_adapters`) holds several over one base; each
+request names its own (`EngineRequest.adapter`), sequences of different adapters share every
+batched forward, and each adapter has its own version: a token sampled with an adapter carries
+that adapter's version, installed between two steps like the base's (`load_adapter`).
+
 n > 1 is served with one slot per completion, every slot independent and exact; the model
 computes the shared prompt once and copies its keys/values into the other slots.
 
@@ -101,6 +106,7 @@ class _Seq:
     row: SamplerRow
     stop_ids: frozenset[int]
     max_tokens: int
+    adapter: str = ""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -119,7 +125,8 @@ class ContinuousBatchingEngine(Engine):
         # A heap, lowest slot first: a batch admitted together holds one ascending run of slots,
         # whose keys the executor can read without gathering them.
         self._free_slots = list(range(executor.num_slots))
-        self._swaps: list[tuple[int, Callable[[], None], asyncio.Future]] = []
+        self._swaps: list[tuple[int, Callable[[], None], asyncio.Future, str]] = []
+        self.adapter_versions: dict[str, int] = {}  # LoRA adapter served -> its version
         self._wake = asyncio.Event()
         self._paused = False
         self._closed = False
@@ -162,6 +169,10 @@ class ContinuousBatchingEngine(Engine):
         validate_request(
             request, vocab_size=self.executor.vocab_size, max_model_len=self.executor.max_model_len
         )
+        if request.adapter and request.adapter not in self.adapter_versions:
+            raise FailedPrecondition(
+                f"adapter: {request.adapter!r} is not served here (serving {sorted(self.adapter_versions)})"
+            )
         if request.sampling.n > self.executor.num_slots:
             raise ResourceExhausted(
                 f"sampling.n: {request.sampling.n} completions exceed this engine's {self.executor.num_slots} slots"
@@ -208,7 +219,20 @@ class ContinuousBatchingEngine(Engine):
         continue on the restored weights; their tokens carry the version that sampled them."""
         await self.swap(version, lambda: self.executor.load_weights(state_dict), backwards=True)
 
-    async def swap(self, version: int, apply: Callable[[], None], *, backwards: bool = False) -> None:
+    async def load_adapter(self, name: str, version: int, apply: Callable[[], None]) -> None:
+        """Serve LoRA adapter `name` at `version` from the next step on: `apply` installs it in the
+        executor, between two steps, while requests of other adapters keep running."""
+        if not getattr(self.executor, "serves_adapters", False):
+            raise FailedPrecondition("adapter: this engine serves no LoRA adapters")
+        if version < self.adapter_versions.get(name, -1):
+            raise FailedPrecondition(
+                f"version: {version} is older than adapter {name!r}'s serving version {self.adapter_versions[name]}"
+            )
+        await self.swap(version, apply, adapter=name)
+
+    async def swap(
+        self, version: int, apply: Callable[[], None], *, backwards: bool = False, adapter: str = ""
+    ) -> None:
         """Run `apply` (which installs `version` in the executor) between two steps, then serve `version`.
 
         Runs even while paused (pause stops generation, not weight updates). If `apply` raises,
@@ -216,11 +240,11 @@ class ContinuousBatchingEngine(Engine):
         Only a rollback (`backwards`) may install a version older than the serving one."""
         if self._closed:
             raise Unavailable("engine is closed")
-        if version < self.version and not backwards:
+        if not adapter and version < self.version and not backwards:
             raise FailedPrecondition(f"version: {version} is older than the serving version {self.version}")
         self.start()
         fut = asyncio.get_running_loop().create_future()
-        self._swaps.append((version, apply, fut))
+        self._swaps.append((version, apply, fut, adapter))
         self._wake.set()
         await fut
 
@@ -239,7 +263,11 @@ class ContinuousBatchingEngine(Engine):
             tokens_in_flight=in_flight,
             cache_usage=used / capacity if capacity else 0.0,
             max_model_len=self.executor.max_model_len,
-            extra={"steps": self.steps, "generated_tokens": self.generated_tokens},
+            extra={
+                "steps": self.steps,
+                "generated_tokens": self.generated_tokens,
+                "adapters": len(self.adapter_versions),
+            },
         )
 
     # ---------------------------------------------------------------- scheduler
@@ -260,7 +288,7 @@ class ContinuousBatchingEngine(Engine):
             log.exception("engine scheduler crashed")
             self._closed = True
             self._abort_all(f"engine failed: {exc}")
-            for _, _, fut in self._swaps:
+            for _, _, fut, _ in self._swaps:
                 if not fut.done():
                     fut.set_exception(Unavailable(f"engine failed: {exc}"))
             raise
@@ -268,10 +296,13 @@ class ContinuousBatchingEngine(Engine):
     async def _apply_swaps(self) -> None:
         swaps, self._swaps = self._swaps, []
         loop = asyncio.get_running_loop()
-        for version, apply, fut in swaps:
+        for version, apply, fut, adapter in swaps:
             try:
                 await loop.run_in_executor(self._pool, apply)
-                self.version = version
+                if adapter:
+                    self.adapter_versions[adapter] = version
+                else:
+                    self.version = version
                 fut.set_result(None)
             except Exception as exc:
                 if not fut.done():
@@ -283,7 +314,9 @@ class ContinuousBatchingEngine(Engine):
         if admitted:
             logits = await loop.run_in_executor(
                 self._pool,
+                self._call,
                 self.executor.prefill,
+                admitted,
                 [s.slot for s in admitted],
                 [s.owner.req.prompt_token_ids for s in admitted],
             )
@@ -293,13 +326,23 @@ class ContinuousBatchingEngine(Engine):
         if batch:
             logits = await loop.run_in_executor(
                 self._pool,
+                self._call,
                 self.executor.decode,
+                batch,
                 [s.slot for s in batch],
                 [s.tokens[-1] for s in batch],
                 [s.prompt_len + len(s.tokens) - 1 for s in batch],
             )
             self._sample_and_append(batch, logits)
         self.steps += 1
+
+    @staticmethod
+    def _call(method: Callable[..., torch.Tensor], seqs: list[_Seq], *args: list) -> torch.Tensor:
+        """`method(*args)`, with each sequence's adapter when any has one (only executors that serve
+        adapters take them)."""
+        if any(s.adapter for s in seqs):
+            return method(*args, adapters=[s.adapter or None for s in seqs])
+        return method(*args)
 
     def _admit(self) -> list[_Seq]:
         admitted: list[_Seq] = []
@@ -326,6 +369,7 @@ class ContinuousBatchingEngine(Engine):
                     row,
                     stop_ids,
                     sp.max_tokens,
+                    item.req.adapter,
                 )
                 admitted.append(seq)
                 self._running.append(seq)
@@ -338,7 +382,7 @@ class ContinuousBatchingEngine(Engine):
                 continue
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
-            seq.versions.append(self.version)
+            seq.versions.append(self.adapter_versions[seq.adapter] if seq.adapter else self.version)
             self.generated_tokens += 1
             if tok in seq.stop_ids:
                 seq.finish = FINISH_STOP
