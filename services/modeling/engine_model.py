@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services.modeling.config import ModelConfig
-from services.modeling.lora import LoraSpec
 from services.modeling.layouts import Layout, TargetParam, rank_params
+from services.modeling.lora import LoraSpec
 from services.modeling.qwen2 import apply_rope, rms_norm, rope_cos_sin
 
 AllReduce = Callable[[Tensor], None]
