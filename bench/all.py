@@ -19,6 +19,7 @@ BENCHES = (
     "agent_loop",
     "rollout_messages",
     "weight_sync",
+    "lora",
     "multihost_delivery",
     "async_vs_sync",
     "tracing_cost",

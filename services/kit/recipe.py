@@ -144,11 +144,10 @@ class LoraSection(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter's input while training."""
     target_modules: list[LoraTarget] = Field(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1,
-        max_length=7,
+        ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, max_length=7
     )
-    """Projections of every decoder layer that get an adapter."""
+    """Projections of every decoder layer that get an adapter: the attention's by default; add
+    gate_proj, up_proj and down_proj for every linear layer (about 3x the adapter's bytes)."""
     merge_on_export: bool = False
     """Also export the base with the adapter merged in (a plain Hugging Face model) beside the PEFT
     adapter directory."""
