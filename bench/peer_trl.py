@@ -56,10 +56,10 @@ from bench.peer_shape import Shape, check_same_inputs, prompts
 from bench.peer_trl_realistic import REALISTIC
 from services.environment_sandbox.environments.digits import digits_score
 from services.kit.recipe import Recipe, parse_recipe
+from services.modeling.config import model_preset
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.tokenizer import IM_END, PAD, SPECIAL_TOKENS, CharTokenizer
 from services.trainer.optim import build_optimizer
-from services.trainer.spec import model_preset
 
 BENCH = "peer_trl"
 ROOT = Path(__file__).resolve().parent.parent

@@ -148,7 +148,7 @@ class GRPOSettings:
     def from_recipe(cls, path: str | Path = DEFAULT_RECIPE, **overrides: Any) -> GRPOSettings:
         """Settings of a run recipe (TOML), with `overrides` on top (model overrides go in `model`)."""
         from services.kit.recipe import load_recipe
-        from services.trainer.spec import model_preset
+        from services.modeling.config import model_preset
 
         r = load_recipe(path)
         if r.environment.name != "digits":
