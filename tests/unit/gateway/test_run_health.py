@@ -22,7 +22,7 @@ RECIPE = "[run]\nsteps = 5\n"
 
 
 def _model(tmp_path: Path, vocab_size: int) -> str:
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": vocab_size}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": vocab_size}))
     return str(tmp_path)
 
 
