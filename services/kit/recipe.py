@@ -205,8 +205,7 @@ class ModelSection(Section):
     def architecture(self, base_dir: Path | None = None) -> ModelConfig:
         """The model's config: the directory's config.json or the preset, on the path
         `implementation` says (ValueError when "fast" cannot run the directory's model)."""
-        from services.modeling.causal_lm import read_config, with_implementation
-        from services.modeling.config import model_preset
+        from services.modeling.config import model_preset, read_config, with_implementation
 
         if self.path:
             return read_config(_local_dir(self.path, base_dir), self.implementation)

@@ -10,28 +10,14 @@ where it implements the architecture and every feature of the config, "fast" ins
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.modeling.config import Implementation, ModelConfig
+from services.modeling.config import Implementation, ModelConfig, read_config, with_implementation
 
-CONFIG_FILE = "config.json"
-
-
-def read_config(directory: str | os.PathLike[str], implementation: Implementation = "auto") -> ModelConfig:
-    """The ModelConfig of a checkpoint directory's config.json, on the path `implementation` says."""
-    return ModelConfig.from_hf_dict(json.loads((Path(directory) / CONFIG_FILE).read_text()), implementation)
-
-
-def with_implementation(config: ModelConfig, implementation: Implementation) -> ModelConfig:
-    """`config` (a fast-path preset) on the path `implementation` names."""
-    if implementation == "generic" and not config.generic:
-        return ModelConfig.from_hf_dict(config.to_hf_dict(), "generic")
-    return config
+__all__ = ["build", "causal_lm_class", "decoder_layers", "load", "read_config", "with_implementation"]
 
 
 def causal_lm_class(config: ModelConfig) -> type:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -316,6 +318,18 @@ class ModelConfig:
             model_type=model_type,
             qk_norm=model_type == "qwen3",
         )
+
+
+def read_config(directory: str | os.PathLike[str], implementation: Implementation = "auto") -> ModelConfig:
+    """The ModelConfig of a checkpoint directory's config.json, on the path `implementation` says."""
+    return ModelConfig.from_hf_dict(json.loads((Path(directory) / "config.json").read_text()), implementation)
+
+
+def with_implementation(config: ModelConfig, implementation: Implementation) -> ModelConfig:
+    """`config` (a fast-path preset) on the path `implementation` names."""
+    if implementation == "generic" and not config.generic:
+        return ModelConfig.from_hf_dict(config.to_hf_dict(), "generic")
+    return config
 
 
 def model_preset(name: str) -> ModelConfig:

@@ -108,3 +108,20 @@ def test_weight_sync_plans_the_generic_model_whole_at_tp1_and_refuses_other_layo
     for layout in (Layout(2, "hf"), Layout(1, "fused")):
         with pytest.raises(ValueError, match="generic path"):
             layout.check(MISTRAL)
+
+
+def test_reading_a_recipe_of_a_generic_model_imports_neither_torch_nor_transformers(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps(MISTRAL.hf_config))
+    code = (
+        "import sys\n"
+        "from services.kit.recipe import parse_recipe\n"
+        f"r = parse_recipe('[model]\\npath = \"{tmp_path}\"\\n')\n"
+        "assert r.model.architecture().generic\n"
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
