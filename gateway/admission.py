@@ -201,13 +201,6 @@ async def admit(recipe: Recipe, peers: Peers, base_dir: Path) -> bool:
     """Raise FailedPrecondition naming the first missing prerequisite of `recipe`. Returns whether
     the run would be served by the router's configured deployments, shared by every run of the stack,
     rather than by deployments of its own."""
-    if recipe.model.lora is not None:
-        # The trainer trains and exports adapters and the CPU engine serves them, but no deployment
-        # loads a run's adapter versions yet: refused before anything starts (docs/models.md).
-        raise FailedPrecondition(
-            "model.lora: LoRA runs train and export through the trainer (and the CPU engine serves "
-            "adapters), but the stack's deployments do not receive adapter versions yet"
-        )
     check_vocabulary(recipe, base_dir)
     shared = False
     if peers.router is not None:

@@ -343,6 +343,7 @@ class EpisodeRunner:
                 weight_version=model.weight_version,
                 text=tokenizer.decode(model.token_ids),
                 deployment=model.deployment,
+                adapter=model.adapter,
             )
         )
         episode.context.extend(model.token_ids)

@@ -52,7 +52,12 @@ class RouterGenerator:
             raise RuntimeError(f"router answered {len(response.completions)} completions, asked for {n}")
         return [
             ModelTurn(
-                list(c.token_ids), list(c.logprobs), c.finish_reason, c.weight_version, response.deployment
+                list(c.token_ids),
+                list(c.logprobs),
+                c.finish_reason,
+                c.weight_version,
+                response.deployment,
+                response.adapter,
             )
             for c in response.completions
         ]

@@ -20,6 +20,7 @@ class ModelTurn:
     finish_reason: str
     weight_version: int
     deployment: str = ""
+    adapter: str = ""
 
 
 class Generator(Protocol):

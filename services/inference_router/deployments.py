@@ -25,6 +25,7 @@ from services.inference_router.config import RouterConfig
 from services.inference_router.handles import GrpcReplicaHandle, RayReplicaHandle, ReplicaHandle
 from services.inference_router.policies import DeploymentState, LengthProfile, ReplicaState
 from services.inference_router.router import Router
+from services.inference_router.shared import SharedPool, shared_name
 from services.inference_router.sync_link import WeightSyncLink
 from services.kit import errors, telemetry, tls
 from services.kit.recipe import DeploymentSpec
@@ -79,6 +80,8 @@ class DeploymentManager(WeightSyncLink):
         self._bus: Any = None
         self._subscription: Any = None
         self._registering: dict[str, asyncio.Task] = {}  # target -> its registration, tried again
+        self.shared: dict[str, SharedPool] = {}  # shared deployment -> its actors and runs
+        self._views: dict[str, str] = {}  # a run's view of a shared deployment -> the shared one
 
     # ---- embedded deployments ----------------------------------------------------------------
 
@@ -101,6 +104,7 @@ class DeploymentManager(WeightSyncLink):
             tensor_parallel=spec.tensor_parallel,
             run_id=run_id or self.config.run_id,
             for_run=bool(run_id),
+            adapter=run_id if spec.max_loras else "",
         )
         try:
             return await self._start(spec, state, ready_timeout_s, where)
@@ -114,17 +118,21 @@ class DeploymentManager(WeightSyncLink):
         from services.inference_router.replica_actor import InferenceReplica
 
         handles: list[ReplicaHandle] = []
+        pool = self._join_shared(spec, state, where) if spec.shared else None
         for index in range(spec.replicas):
             name = replica_name(spec.name, index)
-            actor = InferenceReplica.options(**replica_actor_options(spec, self.config, index)).remote(
-                spec=spec,
-                host=self.config.replica_host,
-                replica=name,
-                tracing=telemetry.exporter_settings(),
-                tls_credentials=tls.export(),
-            )
-            self.actors[name] = actor
-            handles.append(RayReplicaHandle(name, actor))
+            if pool is not None:  # a view of the shared replica: the actor is the pool's
+                handles.append(RayReplicaHandle(name, pool.actors[index], adapter=state.adapter))
+            else:
+                actor = InferenceReplica.options(**replica_actor_options(spec, self.config, index)).remote(
+                    spec=spec,
+                    host=self.config.replica_host,
+                    replica=name,
+                    tracing=telemetry.exporter_settings(),
+                    tls_credentials=tls.export(),
+                )
+                self.actors[name] = actor
+                handles.append(RayReplicaHandle(name, actor, adapter=state.adapter))
             state.replicas.append(
                 ReplicaState(
                     name=name, deployment=spec.name, max_outstanding_requests=spec.max_queued_requests
@@ -149,12 +157,67 @@ class DeploymentManager(WeightSyncLink):
         state.layout = status.layout or state.layout
         state.dtype = status.dtype or state.dtype
 
+    def _join_shared(self, spec: DeploymentSpec, state: DeploymentState, where: str) -> SharedPool:
+        """The shared replicas `spec` is a run's view of (created by the first run that names them)."""
+        from services.inference_router.replica_actor import InferenceReplica
+
+        name = shared_name(spec.name)
+        pool = self.shared.get(name)
+        if pool is None:
+            base = spec.model_copy(update={"name": name})
+            actors = [
+                InferenceReplica.options(**replica_actor_options(base, self.config, index)).remote(
+                    spec=base,
+                    host=self.config.replica_host,
+                    replica=replica_name(name, index),
+                    tracing=telemetry.exporter_settings(),
+                    tls_credentials=tls.export(),
+                )
+                for index in range(spec.replicas)
+            ]
+            pool = self.shared[name] = SharedPool(name, base, actors)
+        pool.check_joins(spec.model_copy(update={"name": name}), state.run_id, where or "deployments")
+        pool.runs.add(state.run_id)
+        self._views[spec.name] = name
+        return pool
+
+    async def _leave_shared(self, view: str, run_id: str) -> None:
+        """A run's view is gone: its adapter leaves the replicas; the last run frees them."""
+        import ray
+
+        pool = self.shared.get(self._views.pop(view, ""))
+        if pool is None:
+            return
+        pool.runs.discard(run_id)
+        if pool.runs:
+            for actor in pool.actors:
+                try:
+                    await actor.drop_adapter.remote(run_id)
+                except Exception as exc:  # a dead replica holds no adapter
+                    log.warning("shared %s: dropping adapter %s: %s", pool.name, run_id, exc)
+            return
+        del self.shared[pool.name]
+        for actor in pool.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as exc:
+                log.warning("could not kill shared replica of %s: %s", pool.name, exc)
+
     async def remove(self, name: str, replicas: list[str] | None = None) -> list[str]:
         """Take deployment `name` out of routing and kill its replica actors (without restart, so
         their Ray resources are free); returns its weight-sync targets. `replicas`: the actor names
-        to kill when the deployment never reached the router (a failed start)."""
+        to kill when the deployment never reached the router (a failed start). A run's view of a
+        shared deployment kills nothing while other runs share it."""
         import ray
 
+        if name in self._views:
+            state = await self.router.remove_deployment(name)
+            run_id = state.run_id if state is not None else name.partition("/")[0]
+            await self._leave_shared(name, run_id)
+            self.specs.pop(name, None)
+            self._every_k.pop(name, None)
+            self._where.pop(name, None)
+            return [r.name for r in state.replicas] if state is not None else list(replicas or [])
         state = await self.router.remove_deployment(name)
         if state is not None:
             replicas = [r.name for r in state.replicas]
@@ -184,6 +247,13 @@ class DeploymentManager(WeightSyncLink):
             except Exception as exc:
                 log.warning("could not kill replica: %s", exc)
         self.actors.clear()
+        for pool in self.shared.values():
+            for actor in pool.actors:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception as exc:
+                    log.warning("could not kill shared replica: %s", exc)
+        self.shared.clear()
         if self._subscription is not None:
             await self._subscription.unsubscribe()
         if self._bus is not None:

@@ -62,10 +62,12 @@ class RayReplicaHandle:
     actor call, see bench/router_overhead.py); streaming and status go through Ray, and status
     also tells the handle when a restarted replica came back on a new address."""
 
-    def __init__(self, name: str, actor: Any, direct_grpc: bool = True) -> None:
+    def __init__(self, name: str, actor: Any, direct_grpc: bool = True, adapter: str = "") -> None:
         self.name = name
         self.actor = actor
         self.direct_grpc = direct_grpc
+        # A LoRA run's view of a replica it may share: status reports the run's adapter version.
+        self.adapter = adapter
         self._direct: GrpcReplicaHandle | None = None
 
     async def generate(
@@ -97,7 +99,8 @@ class RayReplicaHandle:
             raise self._failure(exc) from exc
 
     async def status(self, timeout_s: float) -> ReplicaStatus:
-        status: ReplicaStatus = await self._call(self.actor.status.remote(), timeout_s)
+        call = self.actor.status.remote(self.adapter) if self.adapter else self.actor.status.remote()
+        status: ReplicaStatus = await self._call(call, timeout_s)
         address = status.address
         if self.direct_grpc and address and (self._direct is None or self._direct.address != address):
             old, self._direct = self._direct, GrpcReplicaHandle(self.name, address)

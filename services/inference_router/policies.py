@@ -126,6 +126,9 @@ class DeploymentState:
     for_run: bool = False
     # Some replica has been routable: until then a run's requests wait for it rather than fail.
     ever_routable: bool = False
+    # LoRA: the adapter (the run id) its replicas serve this run's requests with; its versions are
+    # that adapter's.
+    adapter: str = ""
 
     @property
     def outstanding_requests(self) -> int:

@@ -41,6 +41,7 @@ import torch
 from opentelemetry import trace
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.inference_router.adapters import Adapters
 from services.inference_router.engine.base import Engine, EngineRequest, SamplingParams
 from services.inference_router.engine.scheduler import SchedulerLimits
 from services.inference_router.replica_status import ReplicaStatus
@@ -89,12 +90,13 @@ def _config_at(path: str) -> ModelConfig:
     return ModelConfig.from_hf_dict(json.loads((Path(path) / CONFIG_FILE).read_text()))
 
 
-def engine_request(req: inference_pb2.GenerateRequest) -> EngineRequest:
+def engine_request(req: inference_pb2.GenerateRequest, adapter: str = "") -> EngineRequest:
     return EngineRequest(
         prompt_token_ids=list(req.prompt_token_ids),
         sampling=SamplingParams.from_proto(req.sampling),
         session_id=req.session_id,
         request_id=req.request_id,
+        adapter=adapter,
     )
 
 
@@ -129,6 +131,7 @@ class ReplicaCore:
         self.config: ModelConfig | None = None
         self.engine: Engine | None = None
         self.weights: WeightLifecycle | None = None  # built with the engine
+        self.adapters: Adapters | None = None  # LoRA runs' adapters over the base (max_loras > 0)
         self._server: grpc.aio.Server | None = None
         self._address = ""
         self._start_lock: asyncio.Lock | None = None
@@ -136,7 +139,7 @@ class ReplicaCore:
         self._paused = False
         self._weights_lock: asyncio.Lock | None = None  # commit and rollback never interleave
         self.rolled_back_version = -1  # the newest version a rollback undid (-1: none)
-        self._stage_locks: dict[int, asyncio.Lock] = {}
+        self._stage_locks: dict[int | str, asyncio.Lock] = {}  # per rank, and per adapter
         # Set (and replaced) by each commit: requests held for a version wait on it.
         self._committed: asyncio.Event | None = None
 
@@ -199,6 +202,15 @@ class ReplicaCore:
                 layout.check(config)
             except ValueError as exc:
                 raise errors.InvalidArgument(f"model_config_json: {exc}") from None
+            if config.lora is not None:
+                raise errors.FailedPrecondition(
+                    "adapter: a LoRA run's replica serves its adapter over a base it loads from "
+                    "model_path, and has none"
+                )
+            if s.max_loras and (s.backend != "cpu" or s.tensor_parallel > 1 or config.generic):
+                raise errors.InvalidArgument(
+                    "max_loras: LoRA adapters are served by fast-path cpu deployments of tensor_parallel = 1"
+                )
             limits = SchedulerLimits(
                 max_waiting_requests=s.max_queued_requests, default_stop_token_ids=self.stop_token_ids
             )
@@ -246,6 +258,8 @@ class ReplicaCore:
                     limits=limits,
                 )
                 weights = LocalWeights(engine, WeightStager(rank_params(config, layout, 0)))
+                if s.max_loras:
+                    self.adapters = Adapters(engine, config, layout, s.max_loras)
             self.config, self.engine, self.weights = config, engine, weights
             if self._paused:
                 engine.pause()
@@ -280,6 +294,8 @@ class ReplicaCore:
         """Stage one bucket (rank 0's locally, rank r's on TP worker r)."""
         if isinstance(msg, bytes | bytearray | memoryview):
             msg = decode_stage_request(bytes(msg))
+        if msg.adapter:
+            return await self._stage_adapter(msg)
         if msg.commit_when_complete and self._receiving_ranks != 1:
             raise errors.InvalidArgument(
                 f"commit_when_complete: a replica of {self._receiving_ranks} ranks commits on "
@@ -309,7 +325,47 @@ class ReplicaCore:
         out["serving_version"] = engine.status().weight_version
         return out
 
-    async def commit_weights(self, version: int) -> int:
+    def _adapters(self) -> Adapters:
+        if self.adapters is None:
+            raise errors.FailedPrecondition(
+                f"adapter: replica {self.name} serves no LoRA adapters (its deployment's max_loras is 0, "
+                "or its base is not loaded yet)"
+            )
+        return self.adapters
+
+    async def _stage_adapter(self, msg: inference_pb2.StageWeightsRequest) -> dict[str, Any]:
+        """One bucket of a run's adapter version, staged beside the base and the other adapters."""
+        adapters = self._adapters()
+        config = None
+        if msg.model_config_json:
+            try:
+                config = ModelConfig.from_hf_dict(json.loads(msg.model_config_json))
+            except ValueError as exc:
+                raise errors.InvalidArgument(f"model_config_json: {exc}") from None
+        if msg.rank != 0:
+            raise errors.InvalidArgument(f"rank: {msg.rank} outside [0, 1)")
+        weights = adapters.get(msg.adapter, config)
+        async with self._stage_locks.setdefault(msg.adapter, asyncio.Lock()):
+            out = await weights.stage(msg)
+        if msg.commit_when_complete and out["complete"]:
+            await self.commit_weights(msg.version, msg.adapter)
+        out["serving_version"] = weights.serving_version()
+        return out
+
+    async def drop_adapter(self, adapter: str) -> None:
+        """A run ended: free its adapter slot (its requests still in flight end as aborted)."""
+        if self.adapters is not None:
+            self.adapters.drop(adapter)
+
+    async def commit_weights(self, version: int, adapter: str = "") -> int:
+        if adapter:
+            weights = self._adapters().of(adapter)
+            async with self._lock():
+                if weights.serving_version() != version:
+                    await weights.commit(version)
+            self._release_held()
+            log.info("replica %s now serves adapter %s at version %d", self.name, adapter, version)
+            return weights.serving_version()
         engine = self.engine
         if engine is None:
             raise errors.FailedPrecondition(
@@ -325,10 +381,16 @@ class ReplicaCore:
         self._annotate(weight_version=version)
         return engine.status().weight_version
 
-    async def rollback_weights(self, version: int) -> int:
+    async def rollback_weights(self, version: int, adapter: str = "") -> int:
         """Stop serving `version` (a canary weight-sync rejected): serve the version before it again,
         swapped in between two decode steps. Returns the version now served; a retried rollback
         (the replica no longer serves `version`) is answered with the current version."""
+        if adapter:
+            weights = self._adapters().of(adapter)
+            async with self._lock():
+                if weights.holds(version):
+                    await weights.rollback(version)
+            return weights.serving_version()
         engine = self.engine
         if engine is None:
             raise errors.FailedPrecondition(
@@ -348,7 +410,11 @@ class ReplicaCore:
             self._weights_lock = asyncio.Lock()
         return self._weights_lock
 
-    async def abort_weights(self, version: int) -> None:
+    async def abort_weights(self, version: int, adapter: str = "") -> None:
+        if adapter:
+            if self.adapters is not None and adapter in self.adapters.lifecycles:
+                await self.adapters.of(adapter).abort(version)
+            return
         if self.weights is not None:
             await self.weights.abort(version)
 
@@ -365,7 +431,7 @@ class ReplicaCore:
     async def _hold_for_version(self, req: inference_pb2.GenerateRequest) -> None:
         """Wait up to req.version_wait_ms for req.min_weight_version to be committed here."""
         wanted, engine = req.min_weight_version, self.engine
-        if req.version_wait_ms <= 0 or engine is None or engine.status().weight_version >= wanted:
+        if req.version_wait_ms <= 0 or engine is None or self._served_version(req) >= wanted:
             return
         if self.spec.canary:
             raise errors.FailedPrecondition(
@@ -374,16 +440,33 @@ class ReplicaCore:
             )
         try:
             async with asyncio.timeout(req.version_wait_ms / 1000):
-                while engine.status().weight_version < wanted:
+                while self._served_version(req) < wanted:
                     if self._committed is None:
                         self._committed = asyncio.Event()
                     await self._committed.wait()
         except TimeoutError:
             raise errors.FailedPrecondition(
                 f"min_weight_version: replica {self.name} still serves version "
-                f"{engine.status().weight_version} after holding the request {req.version_wait_ms} ms "
+                f"{self._served_version(req)} after holding the request {req.version_wait_ms} ms "
                 f"for version {wanted}"
             ) from None
+
+    def _adapter_of(self, req: inference_pb2.GenerateRequest) -> str:
+        """The adapter a request is served with: its run's, on a replica serving LoRA runs."""
+        if self.adapters is None:
+            return ""
+        if not req.run_id:
+            raise errors.InvalidArgument(
+                f"run_id: replica {self.name} serves LoRA runs' adapters; a request names its run"
+            )
+        return req.run_id
+
+    def _served_version(self, req: inference_pb2.GenerateRequest) -> int:
+        assert self.engine is not None
+        adapter = self._adapter_of(req)
+        if adapter:
+            return self.adapters.versions().get(adapter, -1)  # type: ignore[union-attr]
+        return self.engine.status().weight_version
 
     def _serving_engine(self) -> Engine:
         if self.engine is None or not self.engine.status().ready:
@@ -401,7 +484,8 @@ class ReplicaCore:
     async def generate_proto(self, req: inference_pb2.GenerateRequest) -> inference_pb2.GenerateResponse:
         await self._hold_for_version(req)
         engine = self._serving_engine()
-        [result] = await engine.generate([engine_request(req)])
+        adapter = self._adapter_of(req)
+        [result] = await engine.generate([engine_request(req, adapter)])
         self._annotate(
             weight_version=min((c.weight_version for c in result.completions), default=-1),
             tokens=result.prompt_tokens + sum(len(c.token_ids) for c in result.completions),
@@ -419,6 +503,7 @@ class ReplicaCore:
             deployment=self.spec.name,
             replica=self.name,
             prompt_tokens=result.prompt_tokens,
+            adapter=adapter,
         )
 
     async def stream_proto(
@@ -426,7 +511,8 @@ class ReplicaCore:
     ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
         await self._hold_for_version(req)
         engine = self._serving_engine()
-        async for chunk in engine.generate_stream(engine_request(req)):
+        adapter = self._adapter_of(req)
+        async for chunk in engine.generate_stream(engine_request(req, adapter)):
             yield inference_pb2.GenerateStreamResponse(
                 index=chunk.index,
                 token_ids=chunk.token_ids,
@@ -435,6 +521,7 @@ class ReplicaCore:
                 finish_reason=chunk.finish_reason,
                 deployment=self.spec.name,
                 replica=self.name,
+                adapter=adapter,
             )
 
     # ------------------------------------------------------------------ the router's Ray surface
@@ -476,7 +563,9 @@ class ReplicaCore:
         await self.start()
         return self.engine is not None and self.engine.status().ready
 
-    async def status(self) -> ReplicaStatus:
+    async def status(self, adapter: str = "") -> ReplicaStatus:
+        """This replica's status; with `adapter` (a LoRA run's view of a replica it may share), the
+        weight version is that run's adapter's, -1 until it holds one."""
         await self.start()
         s = self.spec
         out = ReplicaStatus(
@@ -506,6 +595,14 @@ class ReplicaCore:
         if self.weights is not None:
             versions = self.weights.versions()
             out.staged_version, out.rollback_version = versions.staged, versions.rollback
+        if self.adapters is not None:
+            out.adapter_versions = self.adapters.versions()
+            if adapter:
+                out.weight_version = out.adapter_versions.get(adapter, -1)
+                lifecycle = self.adapters.lifecycles.get(adapter)
+                versions = lifecycle.versions() if lifecycle is not None else None
+                out.staged_version = versions.staged if versions is not None else -1
+                out.rollback_version = versions.rollback if versions is not None else -1
         return out
 
     async def pause(self) -> None:
@@ -548,15 +645,15 @@ class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
         return inference_pb2.StageWeightsResponse(**last)
 
     async def CommitWeights(self, request, context):
-        version = await self.core.commit_weights(int(request.version))
+        version = await self.core.commit_weights(int(request.version), request.adapter)
         return inference_pb2.CommitWeightsResponse(weight_version=version)
 
     async def AbortWeights(self, request, context):
-        await self.core.abort_weights(int(request.version))
+        await self.core.abort_weights(int(request.version), request.adapter)
         return inference_pb2.AbortWeightsResponse()
 
     async def RollbackWeights(self, request, context):
-        version = await self.core.rollback_weights(int(request.version))
+        version = await self.core.rollback_weights(int(request.version), request.adapter)
         return inference_pb2.RollbackWeightsResponse(weight_version=version)
 
     async def ProbeSharedMemory(self, request, context):

@@ -19,6 +19,7 @@ RAY_SURFACE = (
     "commit_weights",
     "rollback_weights",
     "abort_weights",
+    "drop_adapter",
     "generate_proto",
     "generate",
     "address",

@@ -43,6 +43,8 @@ class ReplicaStatus:
     """Generate holds a request sent ahead of its version (GenerateRequest.version_wait_ms)."""
     engine: dict[str, int | float | str] = field(default_factory=dict)
     """Backend-specific figures (e.g. vLLM's swap seconds), for logs and debugging."""
+    adapter_versions: dict[str, int] = field(default_factory=dict)
+    """LoRA: each run's adapter version this replica serves."""
 
     def to_proto(self) -> inference_pb2.StatusResponse:
         return inference_pb2.StatusResponse(
@@ -55,6 +57,7 @@ class ReplicaStatus:
             rollback_version=self.rollback_version,
             host_id=self.host_id,
             holds_for_version=self.holds_for_version,
+            adapter_versions=self.adapter_versions,
         )
 
     @classmethod
@@ -75,4 +78,5 @@ class ReplicaStatus:
             queued_requests=reply.queued_requests,
             cache_usage=reply.cache_usage,
             holds_for_version=reply.holds_for_version,
+            adapter_versions=dict(reply.adapter_versions),
         )

@@ -26,7 +26,7 @@ from typing import Any
 from services.inference_router.deployments import DeploymentManager, replica_name
 from services.inference_router.router import Router
 from services.kit import subjects
-from services.kit.recipe import DeploymentSpec, RunRecord, run_deployment_name
+from services.kit.recipe import DeploymentSpec, ModelSection, RunRecord, run_deployment_name
 from services.kit.run_errors import describe
 
 log = logging.getLogger("looprl.inference_router.runs")
@@ -35,9 +35,20 @@ SERVED_STATES = frozenset({"pending", "running", "stalled"})
 FINAL_STATES = frozenset({"completed", "failed", "stopped"})
 
 
-def run_specs(run_id: str, specs: list[DeploymentSpec]) -> list[DeploymentSpec]:
-    """The recipe's deployments as the router serves them for `run_id`: named `<run id>/<name>`."""
-    return [spec.model_copy(update={"name": run_deployment_name(run_id, spec.name)}) for spec in specs]
+def run_specs(
+    run_id: str, specs: list[DeploymentSpec], model: ModelSection | None = None
+) -> list[DeploymentSpec]:
+    """The recipe's deployments as the router serves them for `run_id`: named `<run id>/<name>`. A
+    LoRA run's load its base (`model.path`, unless a deployment names its own) and serve at least
+    its adapter (`max_loras` >= 1)."""
+    out = []
+    for spec in specs:
+        update: dict[str, object] = {"name": run_deployment_name(run_id, spec.name)}
+        if model is not None and model.lora is not None:
+            update["model_path"] = spec.model_path or model.path
+            update["max_loras"] = max(1, spec.max_loras)
+        out.append(spec.model_copy(update=update))
+    return out
 
 
 class RunDeployments:
@@ -99,7 +110,8 @@ class RunDeployments:
         run_id = record.run_id
         if run_id in self.served or run_id == self.manager.config.run_id:
             return  # already ours, or the static deployments are this run's
-        specs = run_specs(run_id, list(record.recipe().deployments))
+        recipe = record.recipe()
+        specs = run_specs(run_id, list(recipe.deployments), recipe.model)
         self.served[run_id] = specs
         self.router.runs.begin(run_id, [s.name for s in specs])
         self.router.notify()

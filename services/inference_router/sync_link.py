@@ -116,6 +116,7 @@ class WeightSyncLink:
             ranks=ranks,
             every_k_versions=self._every_k.get(state.name, 1),
             run_id=state.run_id,
+            adapter=state.adapter,
         )
         spec = self.specs.get(state.name)
         if spec is not None:

@@ -587,6 +587,13 @@ class DeploymentSpec(Section):
     default."""
     canary_tokens_per_prompt: Annotated[int, Field(ge=0), AtMost("max_tokens")] = 0
     """Greedy tokens per golden prompt in the canary check; 0: default."""
+    max_loras: int = Field(0, ge=0, le=256)
+    """LoRA runs ([model.lora]): adapters one replica serves at once over its base (one per run;
+    a LoRA run's deployments serve at least its own). 0 for a run that trains the whole model."""
+    shared: bool = False
+    """LoRA runs of one base that name this deployment alike share its replicas: each replica loads
+    the base (model.path) once and serves every such run's adapter, each request with its run's;
+    up to max_loras runs at once, freed when the last of them ends."""
 
     _builtin = field_validator("ray_resources")(_custom_resources)
 
@@ -619,6 +626,8 @@ class DeploymentSpec(Section):
             raise field_error("max_prompt_tokens", "must be >= min_prompt_tokens")
         if self.min_output_tokens > self.max_output_tokens:
             raise field_error("max_output_tokens", "must be >= min_output_tokens")
+        if self.shared and self.max_loras < 1:
+            raise field_error("shared", "a shared deployment serves LoRA runs' adapters: set max_loras >= 1")
         return self
 
 
@@ -690,8 +699,20 @@ class Recipe(Section):
             if d.name in names:
                 raise field_error(f"deployments[{i}].name", f"duplicate deployment name {d.name!r}")
             names.add(d.name)
+        for i, d in enumerate(self.deployments):
+            if self.model.lora is None and (d.max_loras or d.shared):
+                raise field_error(
+                    f"deployments[{i}].max_loras", "serves LoRA runs' adapters; this run has no [model.lora]"
+                )
+            if self.model.lora is not None and (d.backend != "cpu" or d.tensor_parallel != 1):
+                raise field_error(
+                    f"deployments[{i}]",
+                    "a LoRA run's adapters are served by cpu deployments of tensor_parallel = 1",
+                )
         if self.model.implementation != "fast":
             architecture = self.model.architecture((info.context or {}).get("base_dir"))
+            if architecture.generic and self.model.lora is not None:
+                raise field_error("model.lora", "adapters are served on the fast path (Qwen2, Llama, Qwen3)")
             for i, d in enumerate(self.deployments):
                 if architecture.generic and (d.backend != "cpu" or d.tensor_parallel != 1):
                     raise field_error(

@@ -123,7 +123,8 @@ async def check(
 async def rollback(stub: inference_pb2_grpc.InferenceEngineServiceStub, ep: object, version: int) -> str:
     """Roll a rejected version back on one rank: "" when it did, else why not (it still serves it)."""
     try:
-        await stub.RollbackWeights(inference_pb2.RollbackWeightsRequest(version=version), timeout=60)
+        request = inference_pb2.RollbackWeightsRequest(version=version, adapter=getattr(ep, "adapter", ""))
+        await stub.RollbackWeights(request, timeout=60)
     except grpc.aio.AioRpcError as exc:
         log.error(
             "%s: rollback of rejected version %s failed (%s: %s); it still serves it",

@@ -304,6 +304,7 @@ class Deliverer(CanaryCommits):
                                     model_config_json=config_json,
                                     timeout_s=self.stage_timeout_s,
                                     commit=_commits_alone(subset, group),
+                                    adapter=subset[0].adapter,
                                 ),
                                 subset,
                             )

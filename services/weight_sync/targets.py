@@ -117,7 +117,7 @@ def target_from_request(req: weightsync_pb2.RegisterTargetRequest) -> Target:
                 f"ranks.rank: replica {name} must list ranks 0..{tp - 1} once each, got {[r.rank for r in ranks]}"
             )
         endpoints += sorted(
-            (Endpoint(r.address, r.rank, req.deployment, r.host_id, name) for r in ranks),
+            (Endpoint(r.address, r.rank, req.deployment, r.host_id, name, req.adapter) for r in ranks),
             key=lambda e: e.rank,
         )
     transport = req.weight_transport or "auto"

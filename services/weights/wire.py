@@ -49,6 +49,7 @@ def encode_stage_request(
     total_bytes: int = 0,
     slice_data: Sequence | None = None,
     commit_when_complete: bool = False,
+    adapter: str = "",
 ) -> bytes:
     """Serialized StageWeightsRequest carrying the bucket inline (slice checksums must be set).
     The bytes of slice i are `slice_data[i]` when given (contiguous buffers, e.g. the sender's own
@@ -63,6 +64,7 @@ def encode_stage_request(
         rank=rank,
         total_bytes=total_bytes,
         commit_when_complete=commit_when_complete,
+        adapter=adapter,
     ).SerializeToString()
     parts: list[bytes | memoryview] = [head]
     for i, s in enumerate(bucket.slices):

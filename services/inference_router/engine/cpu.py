@@ -105,12 +105,27 @@ class CPUEngine(ContinuousBatchingEngine):
     """Continuous-batching engine over a local tp=1 EngineModel."""
 
     async def serve_adapter(
-        self, name: str, version: int, adapter_config: ModelConfig, state: Mapping[str, torch.Tensor]
+        self,
+        name: str,
+        version: int,
+        adapter_config: ModelConfig,
+        state: Mapping[str, torch.Tensor],
+        backwards: bool = False,
     ) -> None:
-        """Serve LoRA adapter `name` (a run's) at `version`, between two steps, beside the others."""
+        """Serve LoRA adapter `name` (a run's) at `version`, between two steps, beside the others
+        (`backwards`: a rollback to an older version)."""
         executor = self.executor
         assert isinstance(executor, LocalExecutor)
-        await self.load_adapter(name, version, lambda: executor.load_adapter(name, adapter_config, state))
+        await self.load_adapter(
+            name, version, lambda: executor.load_adapter(name, adapter_config, state), backwards=backwards
+        )
+
+    def drop_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (its run ended); requests naming it are refused from now on."""
+        self.abort_adapter(name)
+        executor = self.executor
+        assert isinstance(executor, LocalExecutor)
+        executor.model.drop_adapter(name)
 
     @classmethod
     def create(

@@ -219,12 +219,14 @@ class ContinuousBatchingEngine(Engine):
         continue on the restored weights; their tokens carry the version that sampled them."""
         await self.swap(version, lambda: self.executor.load_weights(state_dict), backwards=True)
 
-    async def load_adapter(self, name: str, version: int, apply: Callable[[], None]) -> None:
+    async def load_adapter(
+        self, name: str, version: int, apply: Callable[[], None], *, backwards: bool = False
+    ) -> None:
         """Serve LoRA adapter `name` at `version` from the next step on: `apply` installs it in the
         executor, between two steps, while requests of other adapters keep running."""
         if not getattr(self.executor, "serves_adapters", False):
             raise FailedPrecondition("adapter: this engine serves no LoRA adapters")
-        if version < self.adapter_versions.get(name, -1):
+        if version < self.adapter_versions.get(name, -1) and not backwards:
             raise FailedPrecondition(
                 f"version: {version} is older than adapter {name!r}'s serving version {self.adapter_versions[name]}"
             )
@@ -438,6 +440,14 @@ class ContinuousBatchingEngine(Engine):
         )
         if item.stream is not None:
             item.stream.put_nowait(None)
+
+    def abort_adapter(self, name: str) -> None:
+        """End every request of adapter `name` (its run ended) as aborted; it is served no longer."""
+        owners = {id(s.owner): s.owner for s in self._running if s.adapter == name}
+        owners.update({id(w): w for w in self._waiting if w.req.adapter == name})
+        for item in owners.values():
+            self._abort_request(item, f"adapter {name!r} is no longer served")
+        self.adapter_versions.pop(name, None)
 
     def _abort_all(self, reason: str) -> None:
         owners = {id(s.owner): s.owner for s in self._running}

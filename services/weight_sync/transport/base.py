@@ -37,6 +37,8 @@ class Endpoint:
     deployment: str = ""
     host_id: str = ""
     replica: str = ""
+    adapter: str = ""
+    """LoRA: the adapter (a run id) the receiver stages this target's versions as; empty: its weights."""
 
     def __str__(self) -> str:
         replica = f"/{self.replica}" if self.replica else ""
@@ -61,6 +63,8 @@ class Delivery:
     commit: bool = False
     """Each receiver commits the version once it holds it complete and verified
     (StageWeightsRequest.commit_when_complete): only for a lone receiver whose own check is all."""
+    adapter: str = ""
+    """LoRA: the adapter every StageWeights message names (StageWeightsRequest.adapter)."""
 
     def request(
         self, bucket: Bucket, slices, *, model_config_json: str = "", endpoint: Endpoint | None = None
@@ -75,6 +79,7 @@ class Delivery:
             model_config_json=model_config_json,
             slices=slices,
             commit_when_complete=self.commit,
+            adapter=self.adapter,
         )
         if endpoint is not None:
             request.rank = endpoint.rank
@@ -139,7 +144,8 @@ class Transport(ABC):
     async def commit(self, endpoint: Endpoint, version: int, timeout_s: float = 60.0) -> int:
         try:
             resp = await self.stub(endpoint.address).CommitWeights(
-                inference_pb2.CommitWeightsRequest(version=version), timeout=timeout_s
+                inference_pb2.CommitWeightsRequest(version=version, adapter=endpoint.adapter),
+                timeout=timeout_s,
             )
         except grpc.aio.AioRpcError as e:
             raise DeliveryError(
@@ -153,7 +159,8 @@ class Transport(ABC):
         """Best effort: the receiver also aborts by itself when a stream breaks."""
         try:
             await self.stub(endpoint.address).AbortWeights(
-                inference_pb2.AbortWeightsRequest(version=version), timeout=timeout_s
+                inference_pb2.AbortWeightsRequest(version=version, adapter=endpoint.adapter),
+                timeout=timeout_s,
             )
             return True
         except grpc.aio.AioRpcError:

@@ -88,6 +88,7 @@ class GrpcTransport(Transport):
                     total_bytes=total_bytes,
                     slice_data=parts,
                     commit_when_complete=delivery.commit,
+                    adapter=delivery.adapter,
                 )
                 for r in ranks
             }

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.admission import Peers, admit, check_cluster, check_quota, concurrency_reason, run_demand
+from gateway.admission import check_cluster, check_quota, concurrency_reason, run_demand
 from gateway.config import Tenant, token_sha256
-from services.kit.errors import FailedPrecondition, ResourceExhausted
+from services.kit.errors import ResourceExhausted
 from services.kit.recipe import parse_recipe
-from services.modeling.config import ModelConfig
-from services.modeling.qwen2 import Qwen2ForCausalLM
 
 
 def team(max_gpus: float = 4, max_cpus: float = 16, runs: int = 2) -> Tenant:
@@ -112,10 +110,3 @@ def test_custom_resources_count_per_rank_and_per_replica_and_a_cluster_without_t
     assert demand.resources()["trainer_node"] == 2 and demand.resources()["zone_b"] == 1.5
     with pytest.raises(ResourceExhausted, match=r"needs 1.5 zone_b .*the cluster's total zone_b=0:"):
         check_cluster(demand, {"CPU": 64, "trainer_node": 2})
-
-
-async def test_a_lora_run_is_refused_before_anything_starts_naming_model_lora(tmp_path):
-    Qwen2ForCausalLM(ModelConfig.tiny(), seed=0).save_pretrained(tmp_path)
-    recipe = parse_recipe(f'[model]\npath = "{tmp_path}"\n[model.lora]\nrank = 8\n')
-    with pytest.raises(FailedPrecondition, match=r"model\.lora"):
-        await admit(recipe, Peers(), tmp_path)

@@ -4,6 +4,8 @@ what it samples has the log-probs the trainer's model with that adapter gives.""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -87,5 +89,26 @@ async def test_unknown_adapters_and_stale_adapter_versions_are_refused():
         with pytest.raises(ValueError, match="not a LoRA adapter of this model"):
             await engine.serve_adapter("run-b", 1, wrong, adapter)
         assert engine.adapter_versions == {"run-a": 4}
+    finally:
+        await engine.close()
+
+
+async def test_dropping_an_adapter_aborts_its_requests_and_leaves_the_others_running():
+    (_, adapter_a), (_, adapter_b) = _policy(7), _policy(8)
+    engine = CPUEngine.create(CONFIG, _base_state(), version=0, max_batch_size=8, max_model_len=64)
+    try:
+        for name, state in (("run-a", adapter_a), ("run-b", adapter_b)):
+            await engine.serve_adapter(name, 1, CONFIG.with_lora(SPEC), state)
+        long = SamplingParams(temperature=1.0, max_tokens=40, n=1, seed=3)
+        a = asyncio.create_task(engine.generate([EngineRequest(PROMPT, long, adapter="run-a")]))
+        b = asyncio.create_task(engine.generate([EngineRequest(PROMPT, long, adapter="run-b")]))
+        while engine.steps < 3:
+            await asyncio.sleep(0.01)
+        engine.drop_adapter("run-a")
+        [done_a], [done_b] = await a, await b
+        assert done_a.completions[0].finish_reason == "abort"
+        assert done_b.completions[0].finish_reason in ("stop", "length")
+        with pytest.raises(FailedPrecondition, match="run-a"):
+            await engine.generate([_request("run-a", 1)])
     finally:
         await engine.close()

@@ -78,7 +78,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Turn(_message.Message):
-    __slots__ = ("role", "token_ids", "logprobs", "trainable", "weight_version", "text", "deployment")
+    __slots__ = ("role", "token_ids", "logprobs", "trainable", "weight_version", "text", "deployment", "adapter")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class Turn(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     role: Role
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -93,7 +94,8 @@ class Turn(_message.Message):
     weight_version: int
     text: str
     deployment: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., trainable: _Optional[bool] = ..., weight_version: _Optional[int] = ..., text: _Optional[str] = ..., deployment: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., trainable: _Optional[bool] = ..., weight_version: _Optional[int] = ..., text: _Optional[str] = ..., deployment: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Rollout(_message.Message):
     __slots__ = ("rollout_id", "run_id", "group_id", "task_id", "environment", "turns", "reward", "reward_components", "group_size", "sample_index", "min_weight_version", "max_weight_version", "generation_seconds", "environment_seconds", "finish_reason", "task_source")

@@ -42,16 +42,18 @@ class Completion(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("completions", "deployment", "replica", "prompt_tokens")
+    __slots__ = ("completions", "deployment", "replica", "prompt_tokens", "adapter")
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     deployment: str
     replica: str
     prompt_tokens: int
-    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., deployment: _Optional[str] = ..., replica: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., deployment: _Optional[str] = ..., replica: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("request",)
@@ -60,7 +62,7 @@ class GenerateStreamRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "weight_version", "finish_reason", "deployment", "replica")
+    __slots__ = ("index", "token_ids", "logprobs", "weight_version", "finish_reason", "deployment", "replica", "adapter")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +70,7 @@ class GenerateStreamResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -75,7 +78,8 @@ class GenerateStreamResponse(_message.Message):
     finish_reason: str
     deployment: str
     replica: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., deployment: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., deployment: _Optional[str] = ..., replica: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class LengthProfile(_message.Message):
     __slots__ = ("min_prompt_tokens", "max_prompt_tokens", "min_output_tokens", "max_output_tokens")
@@ -154,7 +158,14 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("weight_version", "queued_requests", "tokens_in_flight", "cache_usage", "paused", "staged_version", "rollback_version", "host_id", "holds_for_version")
+    __slots__ = ("weight_version", "queued_requests", "tokens_in_flight", "cache_usage", "paused", "staged_version", "rollback_version", "host_id", "holds_for_version", "adapter_versions")
+    class AdapterVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +175,7 @@ class StatusResponse(_message.Message):
     ROLLBACK_VERSION_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     HOLDS_FOR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     queued_requests: int
     tokens_in_flight: int
@@ -173,7 +185,8 @@ class StatusResponse(_message.Message):
     rollback_version: int
     host_id: str
     holds_for_version: bool
-    def __init__(self, weight_version: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., staged_version: _Optional[int] = ..., rollback_version: _Optional[int] = ..., host_id: _Optional[str] = ..., holds_for_version: _Optional[bool] = ...) -> None: ...
+    adapter_versions: _containers.ScalarMap[str, int]
+    def __init__(self, weight_version: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., staged_version: _Optional[int] = ..., rollback_version: _Optional[int] = ..., host_id: _Optional[str] = ..., holds_for_version: _Optional[bool] = ..., adapter_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()
@@ -192,7 +205,7 @@ class ResumeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StageWeightsRequest(_message.Message):
-    __slots__ = ("version", "slices", "bucket_count", "bucket_index", "model_config_json", "deployment", "rank", "total_bytes", "device_handle", "nccl_broadcast", "commit_when_complete")
+    __slots__ = ("version", "slices", "bucket_count", "bucket_index", "model_config_json", "deployment", "rank", "total_bytes", "device_handle", "nccl_broadcast", "commit_when_complete", "adapter")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
     BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +217,7 @@ class StageWeightsRequest(_message.Message):
     DEVICE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     NCCL_BROADCAST_FIELD_NUMBER: _ClassVar[int]
     COMMIT_WHEN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     version: int
     slices: _containers.RepeatedCompositeFieldContainer[WeightSlice]
     bucket_count: int
@@ -215,7 +229,8 @@ class StageWeightsRequest(_message.Message):
     device_handle: bytes
     nccl_broadcast: bool
     commit_when_complete: bool
-    def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ..., model_config_json: _Optional[str] = ..., deployment: _Optional[str] = ..., rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., device_handle: _Optional[bytes] = ..., nccl_broadcast: _Optional[bool] = ..., commit_when_complete: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    def __init__(self, version: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[WeightSlice, _Mapping]]] = ..., bucket_count: _Optional[int] = ..., bucket_index: _Optional[int] = ..., model_config_json: _Optional[str] = ..., deployment: _Optional[str] = ..., rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., device_handle: _Optional[bytes] = ..., nccl_broadcast: _Optional[bool] = ..., commit_when_complete: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class WeightSlice(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "data", "crc32", "shm_name", "shm_offset", "nbytes", "hash64", "shm_rows", "shm_row_stride", "sum64", "shm_adopt")
@@ -262,10 +277,12 @@ class StageWeightsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., complete: _Optional[bool] = ..., serving_version: _Optional[int] = ...) -> None: ...
 
 class CommitWeightsRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "adapter")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, version: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class CommitWeightsResponse(_message.Message):
     __slots__ = ("weight_version",)
@@ -274,10 +291,12 @@ class CommitWeightsResponse(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ...) -> None: ...
 
 class AbortWeightsRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "adapter")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, version: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class AbortWeightsResponse(_message.Message):
     __slots__ = ()
@@ -300,10 +319,12 @@ class ProbeSharedMemoryResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RollbackWeightsRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "adapter")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, version: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class RollbackWeightsResponse(_message.Message):
     __slots__ = ("weight_version",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from looprl.common.v1 import common_pb2 as looprl_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%looprl/weightsync/v1/weightsync.proto\x12\x14looprl.weightsync.v1\x1a\x1dlooprl/common/v1/common.proto\"\xbb\x01\n\nShardChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\x05\x64type\x18\x02 \x01(\x0e\x32\x17.looprl.common.v1.DType\x12\x14\n\x0cglobal_shape\x18\x03 \x03(\x03\x12\x12\n\nrow_offset\x18\x04 \x01(\x03\x12\x0c\n\x04rows\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x11\n\x05\x63rc32\x18\x07 \x01(\rB\x02\x18\x01\x12\x13\n\x06hash64\x18\x08 \x01(\x06H\x00\x88\x01\x01\x42\t\n\x07_hash64\"\xc1\x01\n\x11PushShardsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0ctrainer_rank\x18\x02 \x01(\x05\x12\x1a\n\x12trainer_world_size\x18\x03 \x01(\x05\x12\x30\n\x06shards\x18\x04 \x03(\x0b\x32 .looprl.weightsync.v1.ShardChunk\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x19\n\x11model_config_json\x18\x07 \x01(\t\"W\n\x12PushShardsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\x12\x18\n\x10version_complete\x18\x03 \x01(\x08\"d\n\nTargetRank\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\tsame_host\x18\x03 \x01(\x08\x42\x02\x18\x01\x12\x0f\n\x07replica\x18\x04 \x01(\t\x12\x0f\n\x07host_id\x18\x05 \x01(\t\"_\n\x0cTargetLayout\x12\x17\n\x0ftensor_parallel\x18\x01 \x01(\x05\x12\x0e\n\x06naming\x18\x02 \x01(\t\x12&\n\x05\x64type\x18\x03 \x01(\x0e\x32\x17.looprl.common.v1.DType\"\xba\x02\n\x15RegisterTargetRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x32\n\x06layout\x18\x02 \x01(\x0b\x32\".looprl.weightsync.v1.TargetLayout\x12/\n\x05ranks\x18\x03 \x03(\x0b\x32 .looprl.weightsync.v1.TargetRank\x12\x18\n\x10\x65very_k_versions\x18\x04 \x01(\x05\x12\x0e\n\x06\x63\x61nary\x18\x05 \x01(\x08\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x19\n\x11model_config_json\x18\x07 \x01(\t\x12\x39\n\rcanary_policy\x18\x08 \x01(\x0b\x32\".looprl.weightsync.v1.CanaryPolicy\x12\x18\n\x10weight_transport\x18\t \x01(\t\"!\n\x0cGoldenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"y\n\x0c\x43\x61naryPolicy\x12\x33\n\x07prompts\x18\x01 \x03(\x0b\x32\".looprl.weightsync.v1.GoldenPrompt\x12\x19\n\x11tokens_per_prompt\x18\x02 \x01(\x05\x12\x19\n\x11max_logprob_drift\x18\x03 \x01(\x02\"1\n\x16RegisterTargetResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\"#\n\x11GetVersionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x82\x02\n\rTargetVersion\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x12\n\nlast_error\x18\x04 \x01(\t\x12\x12\n\nlast_bytes\x18\x05 \x01(\x03\x12\x19\n\x11last_sync_seconds\x18\x06 \x01(\x01\x12\x14\n\x0c\x63\x61nary_drift\x18\x07 \x01(\x01\x12\x1f\n\x17\x63\x61nary_rejected_version\x18\x08 \x01(\x03\x12\x33\n\x06routes\x18\t \x03(\x0b\x32#.looprl.weightsync.v1.DeliveryRoute\x12\x0e\n\x06run_id\x18\n \x01(\t\"\x8c\x01\n\rDeliveryRoute\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x17\n\x0f\x62ytes_delivered\x18\x07 \x01(\x03\"\x8e\x01\n\x12GetVersionResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12\x34\n\x07targets\x18\x02 \x03(\x0b\x32#.looprl.weightsync.v1.TargetVersion\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x19\n\x11latest_bytes_held\x18\x04 \x01(\x08\"(\n\x12RequestSyncRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\"&\n\x13RequestSyncResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"-\n\x17UnregisterTargetRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\"\x1a\n\x18UnregisterTargetResponse2\x9b\x04\n\x11WeightSyncService\x12\x61\n\nPushShards\x12\'.looprl.weightsync.v1.PushShardsRequest\x1a(.looprl.weightsync.v1.PushShardsResponse(\x01\x12k\n\x0eRegisterTarget\x12+.looprl.weightsync.v1.RegisterTargetRequest\x1a,.looprl.weightsync.v1.RegisterTargetResponse\x12_\n\nGetVersion\x12\'.looprl.weightsync.v1.GetVersionRequest\x1a(.looprl.weightsync.v1.GetVersionResponse\x12\x62\n\x0bRequestSync\x12(.looprl.weightsync.v1.RequestSyncRequest\x1a).looprl.weightsync.v1.RequestSyncResponse\x12q\n\x10UnregisterTarget\x12-.looprl.weightsync.v1.UnregisterTargetRequest\x1a..looprl.weightsync.v1.UnregisterTargetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%looprl/weightsync/v1/weightsync.proto\x12\x14looprl.weightsync.v1\x1a\x1dlooprl/common/v1/common.proto\"\xbb\x01\n\nShardChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\x05\x64type\x18\x02 \x01(\x0e\x32\x17.looprl.common.v1.DType\x12\x14\n\x0cglobal_shape\x18\x03 \x03(\x03\x12\x12\n\nrow_offset\x18\x04 \x01(\x03\x12\x0c\n\x04rows\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x11\n\x05\x63rc32\x18\x07 \x01(\rB\x02\x18\x01\x12\x13\n\x06hash64\x18\x08 \x01(\x06H\x00\x88\x01\x01\x42\t\n\x07_hash64\"\xc1\x01\n\x11PushShardsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0ctrainer_rank\x18\x02 \x01(\x05\x12\x1a\n\x12trainer_world_size\x18\x03 \x01(\x05\x12\x30\n\x06shards\x18\x04 \x03(\x0b\x32 .looprl.weightsync.v1.ShardChunk\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x19\n\x11model_config_json\x18\x07 \x01(\t\"W\n\x12PushShardsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\x12\x18\n\x10version_complete\x18\x03 \x01(\x08\"d\n\nTargetRank\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\tsame_host\x18\x03 \x01(\x08\x42\x02\x18\x01\x12\x0f\n\x07replica\x18\x04 \x01(\t\x12\x0f\n\x07host_id\x18\x05 \x01(\t\"_\n\x0cTargetLayout\x12\x17\n\x0ftensor_parallel\x18\x01 \x01(\x05\x12\x0e\n\x06naming\x18\x02 \x01(\t\x12&\n\x05\x64type\x18\x03 \x01(\x0e\x32\x17.looprl.common.v1.DType\"\xcb\x02\n\x15RegisterTargetRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x32\n\x06layout\x18\x02 \x01(\x0b\x32\".looprl.weightsync.v1.TargetLayout\x12/\n\x05ranks\x18\x03 \x03(\x0b\x32 .looprl.weightsync.v1.TargetRank\x12\x18\n\x10\x65very_k_versions\x18\x04 \x01(\x05\x12\x0e\n\x06\x63\x61nary\x18\x05 \x01(\x08\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x19\n\x11model_config_json\x18\x07 \x01(\t\x12\x39\n\rcanary_policy\x18\x08 \x01(\x0b\x32\".looprl.weightsync.v1.CanaryPolicy\x12\x18\n\x10weight_transport\x18\t \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\n \x01(\t\"!\n\x0cGoldenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"y\n\x0c\x43\x61naryPolicy\x12\x33\n\x07prompts\x18\x01 \x03(\x0b\x32\".looprl.weightsync.v1.GoldenPrompt\x12\x19\n\x11tokens_per_prompt\x18\x02 \x01(\x05\x12\x19\n\x11max_logprob_drift\x18\x03 \x01(\x02\"1\n\x16RegisterTargetResponse\x12\x17\n\x0f\x63urrent_version\x18\x01 \x01(\x03\"#\n\x11GetVersionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x82\x02\n\rTargetVersion\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x12\n\nlast_error\x18\x04 \x01(\t\x12\x12\n\nlast_bytes\x18\x05 \x01(\x03\x12\x19\n\x11last_sync_seconds\x18\x06 \x01(\x01\x12\x14\n\x0c\x63\x61nary_drift\x18\x07 \x01(\x01\x12\x1f\n\x17\x63\x61nary_rejected_version\x18\x08 \x01(\x03\x12\x33\n\x06routes\x18\t \x03(\x0b\x32#.looprl.weightsync.v1.DeliveryRoute\x12\x0e\n\x06run_id\x18\n \x01(\t\"\x8c\x01\n\rDeliveryRoute\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x17\n\x0f\x62ytes_delivered\x18\x07 \x01(\x03\"\x8e\x01\n\x12GetVersionResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12\x34\n\x07targets\x18\x02 \x03(\x0b\x32#.looprl.weightsync.v1.TargetVersion\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x19\n\x11latest_bytes_held\x18\x04 \x01(\x08\"(\n\x12RequestSyncRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\"&\n\x13RequestSyncResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"-\n\x17UnregisterTargetRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\"\x1a\n\x18UnregisterTargetResponse2\x9b\x04\n\x11WeightSyncService\x12\x61\n\nPushShards\x12\'.looprl.weightsync.v1.PushShardsRequest\x1a(.looprl.weightsync.v1.PushShardsResponse(\x01\x12k\n\x0eRegisterTarget\x12+.looprl.weightsync.v1.RegisterTargetRequest\x1a,.looprl.weightsync.v1.RegisterTargetResponse\x12_\n\nGetVersion\x12\'.looprl.weightsync.v1.GetVersionRequest\x1a(.looprl.weightsync.v1.GetVersionResponse\x12\x62\n\x0bRequestSync\x12(.looprl.weightsync.v1.RequestSyncRequest\x1a).looprl.weightsync.v1.RequestSyncResponse\x12q\n\x10UnregisterTarget\x12-.looprl.weightsync.v1.UnregisterTargetRequest\x1a..looprl.weightsync.v1.UnregisterTargetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,29 +47,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TARGETLAYOUT']._serialized_start=671
   _globals['_TARGETLAYOUT']._serialized_end=766
   _globals['_REGISTERTARGETREQUEST']._serialized_start=769
-  _globals['_REGISTERTARGETREQUEST']._serialized_end=1083
-  _globals['_GOLDENPROMPT']._serialized_start=1085
-  _globals['_GOLDENPROMPT']._serialized_end=1118
-  _globals['_CANARYPOLICY']._serialized_start=1120
-  _globals['_CANARYPOLICY']._serialized_end=1241
-  _globals['_REGISTERTARGETRESPONSE']._serialized_start=1243
-  _globals['_REGISTERTARGETRESPONSE']._serialized_end=1292
-  _globals['_GETVERSIONREQUEST']._serialized_start=1294
-  _globals['_GETVERSIONREQUEST']._serialized_end=1329
-  _globals['_TARGETVERSION']._serialized_start=1332
-  _globals['_TARGETVERSION']._serialized_end=1590
-  _globals['_DELIVERYROUTE']._serialized_start=1593
-  _globals['_DELIVERYROUTE']._serialized_end=1733
-  _globals['_GETVERSIONRESPONSE']._serialized_start=1736
-  _globals['_GETVERSIONRESPONSE']._serialized_end=1878
-  _globals['_REQUESTSYNCREQUEST']._serialized_start=1880
-  _globals['_REQUESTSYNCREQUEST']._serialized_end=1920
-  _globals['_REQUESTSYNCRESPONSE']._serialized_start=1922
-  _globals['_REQUESTSYNCRESPONSE']._serialized_end=1960
-  _globals['_UNREGISTERTARGETREQUEST']._serialized_start=1962
-  _globals['_UNREGISTERTARGETREQUEST']._serialized_end=2007
-  _globals['_UNREGISTERTARGETRESPONSE']._serialized_start=2009
-  _globals['_UNREGISTERTARGETRESPONSE']._serialized_end=2035
-  _globals['_WEIGHTSYNCSERVICE']._serialized_start=2038
-  _globals['_WEIGHTSYNCSERVICE']._serialized_end=2577
+  _globals['_REGISTERTARGETREQUEST']._serialized_end=1100
+  _globals['_GOLDENPROMPT']._serialized_start=1102
+  _globals['_GOLDENPROMPT']._serialized_end=1135
+  _globals['_CANARYPOLICY']._serialized_start=1137
+  _globals['_CANARYPOLICY']._serialized_end=1258
+  _globals['_REGISTERTARGETRESPONSE']._serialized_start=1260
+  _globals['_REGISTERTARGETRESPONSE']._serialized_end=1309
+  _globals['_GETVERSIONREQUEST']._serialized_start=1311
+  _globals['_GETVERSIONREQUEST']._serialized_end=1346
+  _globals['_TARGETVERSION']._serialized_start=1349
+  _globals['_TARGETVERSION']._serialized_end=1607
+  _globals['_DELIVERYROUTE']._serialized_start=1610
+  _globals['_DELIVERYROUTE']._serialized_end=1750
+  _globals['_GETVERSIONRESPONSE']._serialized_start=1753
+  _globals['_GETVERSIONRESPONSE']._serialized_end=1895
+  _globals['_REQUESTSYNCREQUEST']._serialized_start=1897
+  _globals['_REQUESTSYNCREQUEST']._serialized_end=1937
+  _globals['_REQUESTSYNCRESPONSE']._serialized_start=1939
+  _globals['_REQUESTSYNCRESPONSE']._serialized_end=1977
+  _globals['_UNREGISTERTARGETREQUEST']._serialized_start=1979
+  _globals['_UNREGISTERTARGETREQUEST']._serialized_end=2024
+  _globals['_UNREGISTERTARGETRESPONSE']._serialized_start=2026
+  _globals['_UNREGISTERTARGETRESPONSE']._serialized_end=2052
+  _globals['_WEIGHTSYNCSERVICE']._serialized_start=2055
+  _globals['_WEIGHTSYNCSERVICE']._serialized_end=2594
 # @@protoc_insertion_point(module_scope)

@@ -80,7 +80,7 @@ class TargetLayout(_message.Message):
     def __init__(self, tensor_parallel: _Optional[int] = ..., naming: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
 
 class RegisterTargetRequest(_message.Message):
-    __slots__ = ("deployment", "layout", "ranks", "every_k_versions", "canary", "run_id", "model_config_json", "canary_policy", "weight_transport")
+    __slots__ = ("deployment", "layout", "ranks", "every_k_versions", "canary", "run_id", "model_config_json", "canary_policy", "weight_transport", "adapter")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class RegisterTargetRequest(_message.Message):
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     CANARY_POLICY_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     layout: TargetLayout
     ranks: _containers.RepeatedCompositeFieldContainer[TargetRank]
@@ -99,7 +100,8 @@ class RegisterTargetRequest(_message.Message):
     model_config_json: str
     canary_policy: CanaryPolicy
     weight_transport: str
-    def __init__(self, deployment: _Optional[str] = ..., layout: _Optional[_Union[TargetLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[TargetRank, _Mapping]]] = ..., every_k_versions: _Optional[int] = ..., canary: _Optional[bool] = ..., run_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., canary_policy: _Optional[_Union[CanaryPolicy, _Mapping]] = ..., weight_transport: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, deployment: _Optional[str] = ..., layout: _Optional[_Union[TargetLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[TargetRank, _Mapping]]] = ..., every_k_versions: _Optional[int] = ..., canary: _Optional[bool] = ..., run_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., canary_policy: _Optional[_Union[CanaryPolicy, _Mapping]] = ..., weight_transport: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GoldenPrompt(_message.Message):
     __slots__ = ("token_ids",)
