@@ -4,8 +4,9 @@ A replica whose deployment serves LoRA runs (`DeploymentSpec.max_loras` > 0) loa
 (`model_path`) and receives, per run, versions that are the run's adapter tensors only
 (StageWeightsRequest.adapter names the run). Each adapter goes through the same lifecycle as a
 tp=1 engine's weights (`LocalWeights`: a stager beside what is served, commit between two decode
-steps, rollback to the version before): `AdapterSlot` is the Engine face of one adapter of the CPU
-engine, whose weight version is that adapter's. Requests of a run are served with its adapter
+steps, rollback to the version before): `AdapterSlot` is the Engine face of one adapter of an
+engine that serves adapters (the CPU engine: in its batches; vLLM: as LoRA adapters it loads by
+name, engine/vllm_lora.py), whose weight version is that adapter's. Requests of a run are served with its adapter
 (`EngineRequest.adapter`), at that adapter's version.
 """
 

@@ -207,9 +207,9 @@ class ReplicaCore:
                     "adapter: a LoRA run's replica serves its adapter over a base it loads from "
                     "model_path, and has none"
                 )
-            if s.max_loras and (s.backend != "cpu" or s.tensor_parallel > 1 or config.generic):
+            if s.max_loras and (s.tensor_parallel > 1 or config.generic):
                 raise errors.InvalidArgument(
-                    "max_loras: LoRA adapters are served by fast-path cpu deployments of tensor_parallel = 1"
+                    "max_loras: LoRA adapters are served by fast-path deployments of tensor_parallel = 1"
                 )
             limits = SchedulerLimits(
                 max_waiting_requests=s.max_queued_requests, default_stop_token_ids=self.stop_token_ids
@@ -223,6 +223,8 @@ class ReplicaCore:
                     WeightStager(rank_params(config, layout, r), rank=r) for r in range(s.tensor_parallel)
                 ]
                 weights: WeightLifecycle = RankStagedWeights(engine, stagers, layout)
+                if s.max_loras:  # vLLM loads each adapter version by name from a PEFT directory
+                    self.adapters = Adapters(engine, config, layout, s.max_loras)  # type: ignore[arg-type]
             elif config.generic:
                 from services.inference_router.engine.generic import GenericEngine
 

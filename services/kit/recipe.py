@@ -590,6 +590,8 @@ class DeploymentSpec(Section):
     max_loras: int = Field(0, ge=0, le=256)
     """LoRA runs ([model.lora]): adapters one replica serves at once over its base (one per run;
     a LoRA run's deployments serve at least its own). 0 for a run that trains the whole model."""
+    max_lora_rank: int = Field(64, ge=1, le=512)
+    """LoRA runs: the largest adapter rank this deployment serves (vllm reserves memory for it)."""
     shared: bool = False
     """LoRA runs of one base that name this deployment alike share its replicas: each replica loads
     the base (model.path) once and serves every such run's adapter, each request with its run's;
@@ -704,10 +706,15 @@ class Recipe(Section):
                 raise field_error(
                     f"deployments[{i}].max_loras", "serves LoRA runs' adapters; this run has no [model.lora]"
                 )
-            if self.model.lora is not None and (d.backend != "cpu" or d.tensor_parallel != 1):
+            if self.model.lora is not None and d.tensor_parallel != 1:
                 raise field_error(
-                    f"deployments[{i}]",
-                    "a LoRA run's adapters are served by cpu deployments of tensor_parallel = 1",
+                    f"deployments[{i}].tensor_parallel",
+                    "a LoRA run's adapters are served at tensor_parallel = 1",
+                )
+            if self.model.lora is not None and self.model.lora.rank > d.max_lora_rank:
+                raise field_error(
+                    f"deployments[{i}].max_lora_rank",
+                    f"{d.max_lora_rank} is below the run's adapter rank {self.model.lora.rank}",
                 )
         if self.model.implementation != "fast":
             architecture = self.model.architecture((info.context or {}).get("base_dir"))

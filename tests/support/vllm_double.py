@@ -127,6 +127,7 @@ class RecordingAsyncLLM:
         self.fail_update: str = ""  # a phase whose update_weights raises on rank `fail_rank`
         self.fail_rank = 0
         self.prompts: list[list[int]] = []
+        self.lora_requests: list[object] = []  # the lora_request of each generate call
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._abort_epoch = 0
@@ -185,6 +186,7 @@ class RecordingAsyncLLM:
         produced it. Paused steps wait; an abort-mode pause ends the request with "abort"."""
         ids = list(prompt["prompt_token_ids"])
         self.prompts.append(ids)
+        self.lora_requests.append(lora_request)
         if self._abort_paused:  # vLLM rejects new requests during an abort/wait pause
             raise RetryableRequestError("Request failed; please retry")
         epoch, starts, count = self._abort_epoch, [], 0

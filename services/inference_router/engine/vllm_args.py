@@ -18,6 +18,22 @@ STATUS_RPC = "looprl_weight_status"  # WorkerRegistration's method: each rank's 
 
 # vLLM's own default share of each GPU's memory, taken when a deployment asks for 0.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.85
+# The ranks vLLM's LoRA config accepts as max_lora_rank (vllm/config/lora.py MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that serves adapters of `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"max_lora_rank: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, got {rank}")
+
+
+def lora_request_args(run: str, version: int, int_id: int, path: str) -> dict[str, Any]:
+    """LoRARequest keywords for version `version` of run `run`'s adapter, written at `path`: a new
+    name and id per version, so vLLM loads it rather than reusing an adapter it cached."""
+    return {"lora_name": f"{run}@{version}", "lora_int_id": int_id, "lora_path": path}
 
 
 def engine_args(model_path: str, load_format: str, spec: DeploymentSpec) -> dict[str, Any]:
@@ -36,6 +52,15 @@ def engine_args(model_path: str, load_format: str, spec: DeploymentSpec) -> dict
         "weight_transfer_config": {"backend": TRANSFER_BACKEND},
         "enable_prefix_caching": True,
         "enforce_eager": spec.enforce_eager,
+        **(
+            {
+                "enable_lora": True,
+                "max_loras": spec.max_loras,
+                "max_lora_rank": vllm_lora_rank(spec.max_lora_rank),
+            }
+            if spec.max_loras
+            else {}
+        ),
     }
 
 

@@ -74,6 +74,7 @@ from services.inference_router.engine.vllm_args import (
     token_versions_of,
 )
 from services.inference_router.engine.vllm_handoff import RankHandoff, manifest_of
+from services.inference_router.engine.vllm_lora import VLLMAdapters
 from services.kit.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.kit.recipe import DeploymentSpec
 from services.modeling.config import ModelConfig
@@ -149,6 +150,32 @@ class VLLMEngine(Engine):
         self._active: dict[str, dict[str, Any]] = {}
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.swap_seconds: dict[int, float] = {}
+        self._adapter_dir: tempfile.TemporaryDirectory | None = None
+        self.lora: VLLMAdapters | None = None  # LoRA runs' adapters (enable_lora)
+
+    # ---------------------------------------------------------------- LoRA
+    @property
+    def adapter_versions(self) -> dict[str, int]:
+        return self.lora.versions if self.lora is not None else {}
+
+    async def serve_adapter(
+        self,
+        name: str,
+        version: int,
+        adapter_config: ModelConfig,
+        state: Mapping[str, torch.Tensor],
+        backwards: bool = False,
+    ) -> None:
+        """Serve version `version` of run `name`'s adapter to its next requests (vllm_lora.py)."""
+        if self.lora is None:
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="looprl-vllm-lora-")
+            self.lora = VLLMAdapters(Path(self._adapter_dir.name))
+        lora = self.lora
+        await asyncio.to_thread(lora.install, name, version, adapter_config, state, backwards)
+
+    def drop_adapter(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.drop(name)
 
     @classmethod
     async def create(
@@ -219,6 +246,11 @@ class VLLMEngine(Engine):
         if len(self._active) >= self.max_waiting:
             raise ResourceExhausted(f"engine queue full ({len(self._active)} requests)", retry_after_s=0.5)
         s = request.sampling
+        lora, adapter_version = None, None
+        if request.adapter:
+            if self.lora is None:
+                raise FailedPrecondition(f"adapter: {request.adapter!r} is not served here")
+            lora, adapter_version = self.lora.request_of(request.adapter)
         rid = f"{request.request_id or uuid.uuid4().hex}-{uuid.uuid4().hex[:6]}"
         self._active[rid] = {"tokens": s.max_tokens * s.n}
         try:
@@ -230,7 +262,9 @@ class VLLMEngine(Engine):
                 swaps_at_start = self._swaps
                 params = self._sampling(request, s.n, s.seed, s.max_tokens - produced)
                 retry, sampled = False, []
-                stream = self._stream(prompt, params, f"{rid}-{produced}-{self._swaps}", produced)
+                stream = self._stream(
+                    prompt, params, f"{rid}-{produced}-{self._swaps}", produced, lora, adapter_version
+                )
                 async for chunk, spans in admitted(stream):
                     if chunk is None:  # refused by an abort-mode pause it raced with: wait it out
                         retry = True
@@ -262,9 +296,18 @@ class VLLMEngine(Engine):
             self._active.pop(rid, None)
 
     async def _stream(
-        self, prompt: list[int], params: Any, rid: str, offset: int
+        self,
+        prompt: list[int],
+        params: Any,
+        rid: str,
+        offset: int,
+        lora: Any = None,
+        adapter_version: int | None = None,
     ) -> AsyncIterator[tuple[StreamChunk, Any]]:
-        async for out in self.llm.generate(tokens_prompt(prompt), params, rid):
+        """`lora`: the request's LoRARequest; its tokens are then at `adapter_version` (vLLM's
+        version spans label the base weights', which an adapter request's version is not)."""
+        extra = {"lora_request": lora} if lora is not None else {}
+        async for out in self.llm.generate(tokens_prompt(prompt), params, rid, **extra):
             for comp in out.outputs:
                 lps = [
                     float(step[tok].logprob) if step is not None and tok in step else float("nan")
@@ -278,9 +321,10 @@ class VLLMEngine(Engine):
                     (int(sp.version), int(sp.start) + offset, int(sp.end) + offset)
                     for sp in getattr(comp, "weight_versions", None) or ()
                 ]
-                chunk = StreamChunk(
-                    comp.index, list(comp.token_ids), lps, self.version, comp.finish_reason or ""
-                )
+                version = self.version
+                if adapter_version is not None:
+                    spans, version = [], adapter_version
+                chunk = StreamChunk(comp.index, list(comp.token_ids), lps, version, comp.finish_reason or "")
                 yield chunk, spans
 
     async def generate_stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
@@ -453,3 +497,5 @@ class VLLMEngine(Engine):
         self.llm.shutdown()
         if self._tmp is not None:
             self._tmp.cleanup()
+        if self._adapter_dir is not None:
+            self._adapter_dir.cleanup()
