@@ -310,6 +310,50 @@ TABLE_COLUMNS = (
 )
 
 
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def weights_lines(run: gateway_pb2.Run) -> list[str]:
+    """What one weight version costs each deployment, what a LoRA run's adapter is, and the run's
+    generation traffic (on a shared deployment: its share)."""
+    import tomllib
+
+    try:
+        recipe = tomllib.loads(run.recipe_toml) if run.recipe_toml else {}
+    except tomllib.TOMLDecodeError:
+        recipe = {}
+    per_deployment: dict[str, list[int]] = {}
+    for w in run.weight_syncs:
+        if w.bytes:
+            per_deployment.setdefault(w.deployment, []).append(w.bytes)
+    lines = []
+    if per_deployment:
+        lines.append(
+            "- bytes per weight version: "
+            + ", ".join(f"{d} {_mb(sum(b) / len(b))}" for d, b in sorted(per_deployment.items()))
+        )
+    lora = recipe.get("model", {}).get("lora")
+    if isinstance(lora, dict):
+        targets = lora.get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj"])
+        sizes = [b for bs in per_deployment.values() for b in bs]
+        size = f", {_mb(max(sizes))} per version (the adapter's tensors only)" if sizes else ""
+        lines.append(
+            f"- LoRA adapter: rank {lora.get('rank', 16)}, alpha {lora.get('alpha', 32.0):g}, on "
+            f"{', '.join(targets)}{size}"
+        )
+    tokens = sum(h.num_rollouts * h.mean_response_tokens for h in run.history)
+    shared = [d.get("name", "default") for d in recipe.get("deployments", []) if d.get("shared")]
+    if tokens:
+        where = (
+            f" (on shared deployment{'s' if len(shared) > 1 else ''} {', '.join(shared)}: this run's share)"
+            if shared
+            else ""
+        )
+        lines.append(f"- generated tokens trained: {tokens:,.0f}{where}")
+    return lines
+
+
 def summary_lines(run: gateway_pb2.Run) -> list[str]:
     first, last = reward_gain(run)
     syncs = [w.sync_seconds for w in run.weight_syncs]
@@ -330,6 +374,7 @@ def summary_lines(run: gateway_pb2.Run) -> list[str]:
         + (f", {sum(syncs) / len(syncs):.3f} s mean, {max(syncs):.3f} s max" if syncs else ""),
         *_dataset_lines(run),
         *_evaluation_lines(run),
+        *weights_lines(run),
         "",
         f"{len(shown)} of {len(run.history)} steps ({_which_steps(len(run.history))}); every step is in "
         f"{HISTORY_CSV}.",

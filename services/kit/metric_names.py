@@ -202,6 +202,13 @@ CATALOG: tuple[MetricSpec, ...] = (
     _c(
         "looprl_weight_sync_pushed_bytes_total", "bytes", RUN, "Bytes the trainer ranks pushed", "weight-sync"
     ),
+    _g(
+        "looprl_weight_sync_version_bytes",
+        "bytes",
+        RUN,
+        "Bytes of the run's newest complete version as the trainer pushed it (a LoRA run's: its adapter's tensors)",
+        "weight-sync",
+    ),
     _h(
         "looprl_weight_sync_sync_seconds",
         "seconds",

@@ -11,6 +11,7 @@ from services.kit.metric_names import counter, gauge, histogram, observe
 LATEST_VERSION = gauge("looprl_weight_sync_latest_version")
 DEPLOYMENT_VERSION = gauge("looprl_weight_sync_deployment_version")
 PUSHED_BYTES = counter("looprl_weight_sync_pushed_bytes_total")
+VERSION_BYTES = gauge("looprl_weight_sync_version_bytes")
 SYNC_SECONDS = histogram("looprl_weight_sync_sync_seconds")
 REJECTED = counter("looprl_weight_sync_rejected_versions_total")
 FAILED = counter("looprl_weight_sync_failed_syncs_total")

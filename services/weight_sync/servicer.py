@@ -88,6 +88,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
                 buf.ranks_done.clear()
                 raise
             self.store.completed(buf)
+            metrics.VERSION_BYTES.labels(buf.run_id).set(buf.bytes_received)
             metrics.LATEST_VERSION.labels(buf.run_id).set(buf.version)
             log.info(
                 "version %s complete: %d bytes from %d ranks", buf.version, buf.bytes_received, buf.world_size

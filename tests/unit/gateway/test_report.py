@@ -94,3 +94,21 @@ def test_a_run_without_records_still_gets_a_report(tmp_path: Path) -> None:
     summary = write_report(run, tmp_path)
     assert (tmp_path / GRID_IMAGE).exists()
     assert "no deployment" in summary.read_text()
+
+
+def test_a_lora_runs_summary_shows_its_adapter_its_bytes_per_version_and_its_share_of_a_shared_deployment(
+    tmp_path: Path,
+) -> None:
+    run = _run(20)
+    run.recipe_toml = (
+        '[model]\npath = "m"\n[model.lora]\nrank = 8\nalpha = 16.0\n'
+        '[[deployments]]\nname = "lora"\nshared = true\nmax_loras = 2\n'
+    )
+    del run.weight_syncs[:]
+    for v in range(3):
+        run.weight_syncs.add(deployment="run/lora", version=v, sync_seconds=0.01, bytes=1_376_256)
+    text = write_report(run, tmp_path).read_text()
+    assert "- bytes per weight version: run/lora 1.38 MB" in text
+    assert "- LoRA adapter: rank 8, alpha 16, on q_proj, k_proj, v_proj, o_proj, 1.38 MB per version" in text
+    tokens = sum(64 * (8 + s % 4) for s in range(20))
+    assert f"- generated tokens trained: {tokens:,} (on shared deployment lora: this run's share)" in text
