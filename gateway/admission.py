@@ -78,6 +78,11 @@ class Part:
     cpus_how: str
     gpus_how: str
     custom: Mapping[str, float] = field(default_factory=dict)  # custom Ray resources, by name
+    # A deployment shared by LoRA runs (`shared = true`): its replicas are held once, whichever runs
+    # use them (this key), and each run takes one of its adapter slots (`slots`: the capacity of
+    # the virtual resource LORA_SLOTS + name, its max_loras).
+    shared: str = ""
+    slots: Mapping[str, float] = field(default_factory=dict)
 
     def amount(self, resource: str) -> float:
         """What this part asks of one Ray resource ("CPU", "GPU" or a custom one)."""
@@ -94,11 +99,28 @@ class Demand:
 
     parts: tuple[Part, ...]
 
-    def resources(self) -> dict[str, float]:
-        """Every Ray resource the run asks for, by Ray's name ("CPU", "GPU", custom ones), amounts > 0."""
+    def resources(self, held_shared: frozenset[str] = frozenset()) -> dict[str, float]:
+        """Every Ray resource the run asks for, by Ray's name ("CPU", "GPU", custom ones), amounts > 0;
+        the replicas of a shared deployment in `held_shared` are held already (its adapter slot is
+        still asked for)."""
         names = ["CPU", "GPU", *sorted({n for p in self.parts for n in p.custom})]
-        out = {n: sum(p.amount(n) for p in self.parts) for n in names}
+        out = {
+            n: sum(
+                p.amount(n)
+                for p in self.parts
+                if not (p.shared in held_shared and p.shared and n not in p.slots)
+            )
+            for n in names
+        }
         return {n: v for n, v in out.items() if v > 0}
+
+    def capacities(self) -> dict[str, float]:
+        """The adapter slots of the shared deployments the run names (virtual resources)."""
+        return {name: cap for p in self.parts for name, cap in p.slots.items()}
+
+    @property
+    def shared(self) -> frozenset[str]:
+        return frozenset(p.shared for p in self.parts if p.shared)
 
     def without_deployments(self) -> Demand:
         """The trainer's part only: for a run served by deployments the router already runs."""
@@ -111,6 +133,10 @@ class Demand:
     @property
     def gpus(self) -> float:
         return sum(p.gpus for p in self.parts)
+
+
+# The adapter slots of a shared deployment, counted like a Ray resource of max_loras units.
+LORA_SLOTS = "lora-slots:"
 
 
 def _n(value: float) -> str:
@@ -141,6 +167,11 @@ def run_demand(recipe: Recipe) -> Demand:
             gpus_how = f"replicas {d.replicas} x gpu_memory_utilization {d.gpu_memory_utilization!r}, vllm"
         else:
             gpus_how = f"replicas {d.replicas} x tensor_parallel {d.tensor_parallel}, {d.backend}"
+        custom = {name: d.replicas * amount for name, amount in d.ray_resources.items()}
+        slots: dict[str, float] = {}
+        if d.shared:
+            custom[LORA_SLOTS + d.name] = 1.0
+            slots[LORA_SLOTS + d.name] = float(d.max_loras)
         parts.append(
             Part(
                 f"deployments[{i}] {d.name!r}",
@@ -148,7 +179,9 @@ def run_demand(recipe: Recipe) -> Demand:
                 d.replicas * per_gpus,
                 cpus_how,
                 gpus_how,
-                {name: d.replicas * amount for name, amount in d.ray_resources.items()},
+                custom,
+                shared=d.name if d.shared else "",
+                slots=slots,
             )
         )
     return Demand(tuple(parts))
@@ -176,6 +209,7 @@ def check_quota(demand: Demand, tenant: Tenant) -> None:
 def check_cluster(demand: Demand, total: Mapping[str, float]) -> None:
     """ResourceExhausted when the run asks for more of a Ray resource than the whole cluster has
     (`total`: every alive node's resources): it could never start."""
+    total = {**total, **demand.capacities()}
     for resource, amount in demand.resources().items():
         have = total.get(resource, 0.0)
         if amount <= have + 1e-9:

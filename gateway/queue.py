@@ -147,12 +147,21 @@ def plan(
     Ray holds now, which counts where it exceeds their demand (workers no run asked for)."""
     active: dict[str, int] = {}
     held: dict[str, float] = {}
+    shared: frozenset[str] = frozenset()  # shared deployments whose replicas a started run holds
+    capacities: dict[str, float] = {}  # adapter slots of shared deployments (virtual resources)
     for record in started:
         active[record.tenant] = active.get(record.tenant, 0) + 1
-        for resource, amount in demand_of(record).resources().items():
+        demand = demand_of(record)
+        for resource, amount in demand.resources(shared).items():
             held[resource] = held.get(resource, 0.0) + amount
+        shared |= demand.shared
+        capacities.update(demand.capacities())
+    for w in waiting:
+        capacities.update(w.demand.capacities())
     free = None
-    if total is not None:
+    only_slots = total is None  # no cluster to read: the tenants' quotas and the adapter slots apply
+    if total is not None or capacities:
+        total = {**(total or {}), **capacities}
         taken = {r: max(held.get(r, 0.0), (in_use or {}).get(r, 0.0)) for r in {*held, *(in_use or {})}}
         free = {r: total.get(r, 0.0) - taken.get(r, 0.0) for r in {*total, *taken}}
     blocked_by = ""  # the first resource a run ahead waits for: nobody behind takes the cluster
@@ -163,7 +172,9 @@ def plan(
             if blocked_by:
                 reason = f"cluster {blocked_by}: behind a run queued ahead of it that waits for {blocked_by}"
             else:
-                for resource, amount in w.demand.resources().items():
+                for resource, amount in w.demand.resources(shared).items():
+                    if only_slots and resource not in capacities:
+                        continue
                     have = free.get(resource, 0.0)
                     if amount > have + 1e-9:
                         blocked_by = resource
@@ -175,7 +186,8 @@ def plan(
         if not reason:
             active[w.tenant.name] = active.get(w.tenant.name, 0) + 1
             if free is not None:
-                for resource, amount in w.demand.resources().items():
+                for resource, amount in w.demand.resources(shared).items():
                     free[resource] = free.get(resource, 0.0) - amount
+            shared |= w.demand.shared
         out.append((w, reason))
     return out

@@ -279,3 +279,29 @@ def test_with_nothing_queued_admission_does_not_ask_the_cluster() -> None:
     runs.cluster = Unanswered()  # type: ignore[assignment]
     asyncio.run(runs.admit_queued())
     assert Unanswered.asked == 0 and driven == []
+
+
+def test_lora_runs_of_a_shared_deployment_hold_its_replicas_once_and_wait_for_an_adapter_slot(
+    tmp_path,
+) -> None:
+    from services.modeling.config import ModelConfig
+    from services.modeling.qwen2 import Qwen2ForCausalLM
+
+    Qwen2ForCausalLM(ModelConfig.tiny(), seed=0).save_pretrained(tmp_path)
+    lora = (
+        RECIPE
+        + f'[model]\npath = "{tmp_path}"\n[model.lora]\nrank = 8\n'
+        + '[[deployments]]\nname = "lora"\nshared = true\nmax_loras = 2\n'
+    )
+    a = team("a", runs=5)
+    running = RunRecord("r-1", lora.format(name="r-1"), state="running", created_at=0.0, tenant="a")
+    waiting = [queued("r-2", 1.0, a, lora), queued("r-3", 2.0, a, lora)]
+    # r-1 holds the shared replica (1 CPU) and its trainer (1): r-2 needs only a trainer and a slot.
+    decided = dict((w.record.run_id, why) for w, why in plan(waiting, [running], demand_of, {"CPU": 8}))
+    # CPUs: r-1 and r-2 hold 3 of 8 (the shared replica once); r-3 would fit them, not a slot
+    assert waiting[0].demand.resources()["CPU"] == 2.0
+    assert waiting[0].demand.resources(frozenset({"lora"}))["CPU"] == 1.0
+    assert decided == {"r-2": "", "r-3": "cluster lora-slots:lora: needs 1, 0 of 2 free"}
+    # without a cluster to read, the slots still count
+    unread = dict((w.record.run_id, why) for w, why in plan(waiting, [running], demand_of, None))
+    assert unread == {"r-2": "", "r-3": "cluster lora-slots:lora: needs 1, 0 of 2 free"}
