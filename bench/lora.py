@@ -14,6 +14,11 @@
    request with its own, batched together) vs two engines, one per run, generating at once. The
    figure is steps/s of the generation phase of a step of both runs (each run's group of requests),
    `lora_shared_over_separate_generation_steps_per_s`.
+3. With `--stack`: two LoRA runs of the 10M model (built by `make math-10m-model` when missing, a
+   few minutes) on the default task (configs/digits_grpo.toml's digit reversal), side by side on
+   a local stack, once sharing one deployment (`shared = true`) and once with a deployment each:
+   `lora_shared_over_separate_steps_per_s` (the two runs' mean steps/s), with each run's reward
+   over its first and last steps printed beside it.
 """
 
 from __future__ import annotations
@@ -139,8 +144,94 @@ def generation_steps_per_s(
     return asyncio.run(run())
 
 
+def _stack_recipe(model: str, name: str, seed: int, steps: int, shared: bool) -> str:
+    import tomllib
+
+    from bench.loop_harness import ROOT
+
+    environment = tomllib.loads((ROOT / "configs" / "digits_grpo.toml").read_text())["environment"]
+    config = ", ".join(f"{k} = {json.dumps(v)}" for k, v in environment["config"].items())
+    deployment = 'name = "lora"\nshared = true\nmax_loras = 2' if shared else 'name = "lora"'
+    return f"""
+[run]
+name = "{name}"
+seed = {seed}
+steps = {steps}
+[model]
+path = "{model}"
+tokenizer = "{model}"
+[model.lora]
+rank = {RANK}
+alpha = {2.0 * RANK}
+[environment]
+name = "{environment["name"]}"
+reward = "{environment["reward"]}"
+config = {{ {config} }}
+[sampling]
+max_tokens = 8
+[batch]
+rollouts_per_step = 64
+group_size = 8
+[optimizer]
+lr = 5e-3
+warmup_steps = 2
+[trainer]
+world_size = 1
+[[deployments]]
+{deployment}
+max_model_len = 256
+max_batch_size = 64
+"""
+
+
+def two_runs_on_a_stack(model: str, steps: int, shared: bool) -> list:
+    """Two LoRA runs of `model` side by side on a fresh local stack; their RunResults."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench.loop_harness import local_stack, run_recipe
+
+    with local_stack(None) as (stub, metadata), ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(
+                run_recipe, stub, metadata, _stack_recipe(model, f"lora-{i}", i, steps, shared), f"lora-{i}"
+            )
+            for i in range(2)
+        ]
+        return [f.result() for f in futures]
+
+
+def stack_figures(quick: bool) -> None:
+    from bench.peer_trl_realistic import ensure_model
+
+    model = str(ensure_model())
+    steps = 6 if quick else 30
+    rates = {}
+    for shared in (True, False):
+        results = two_runs_on_a_stack(model, steps, shared)
+        rates[shared] = sum(r.steps_per_second for r in results) / len(results)
+        for r in results:
+            rewards = [h.reward_mean for h in r.run.history]
+            k = max(1, len(rewards) // 5)
+            print(
+                f"{'shared' if shared else 'own'} deployment, {r.run.run_id}: {r.steps_per_second:.2f} steps/s, "
+                f"reward first {k} steps {sum(rewards[:k]) / k:.3f} -> last {k} {sum(rewards[-k:]) / k:.3f}"
+            )
+    emit(
+        BENCH,
+        "lora_shared_over_separate_steps_per_s",
+        rates[True],
+        rates[False],
+        rates[True] / rates[False],
+        "steps/s",
+        ">= 1 (one base for both runs)",
+    )
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(
+        __doc__.splitlines()[0],
+        lambda p: p.add_argument("--stack", action="store_true", help="also two LoRA runs on a local stack"),
+    )
     from bench.peer_trl_realistic import MODEL
     from services.kit.recipe import LoraSection
     from services.modeling.config import ModelConfig
@@ -198,6 +289,8 @@ def main() -> None:
         "steps/s",
         ">= 1 (one base, both runs in one batch)",
     )
+    if args.stack:
+        stack_figures(args.quick)
 
 
 if __name__ == "__main__":
