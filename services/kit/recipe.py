@@ -711,6 +711,11 @@ class Recipe(Section):
                     f"deployments[{i}].tensor_parallel",
                     "a LoRA run's adapters are served at tensor_parallel = 1",
                 )
+            if self.model.lora is not None and d.weight_transport == "shared_copy":
+                raise field_error(
+                    f"deployments[{i}].weight_transport",
+                    "shared_copy replicas serve from weight-sync's copies; a LoRA run's adapters are staged by each",
+                )
             if self.model.lora is not None and self.model.lora.rank > d.max_lora_rank:
                 raise field_error(
                     f"deployments[{i}].max_lora_rank",

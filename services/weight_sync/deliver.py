@@ -357,7 +357,9 @@ class Deliverer(CanaryCommits):
                 status = await self.grpc.stub(ep.address).Status(inference_pb2.StatusRequest(), timeout=10)
             except grpc.aio.AioRpcError:
                 return None
-            return ep if status.weight_version >= version else None
+            # A LoRA target's receiver serves the run's adapter beside its own weights.
+            served = status.adapter_versions.get(ep.adapter, -1) if ep.adapter else status.weight_version
+            return ep if served >= version else None
 
         found = await asyncio.gather(*(at(e) for t in targets for e in t.endpoints))
         return {e for e in found if e is not None}
