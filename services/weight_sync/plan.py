@@ -140,11 +140,21 @@ class PlanError(ValueError):
     """The trainer's parameters do not match the model the target layout describes."""
 
 
+def pushed_params(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The names and shapes a trainer may push for `config`: its parameters, and a tied lm_head
+    under its own name too (a LoRA run pushes its adapter's tensors only)."""
+    expected = dict(hf_params(config))
+    if config.tie_word_embeddings and config.lora is None and "model.embed_tokens.weight" in expected:
+        expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    return expected
+
+
 def check_trainer_layout(layout: TrainerLayout, config: ModelConfig) -> None:
     """Every HF parameter of the config is pushed with its shape, and chunks tile its rows."""
     expected = hf_params(config)
+    allowed = pushed_params(config)
     for name in layout.params:
-        if name not in expected and not (name == "lm_head.weight" and config.tie_word_embeddings):
+        if name not in allowed:
             raise PlanError(f"shards: unknown parameter name {name!r} for this model")
     for name, shape in expected.items():
         p = layout.params.get(name)
@@ -154,9 +164,6 @@ def check_trainer_layout(layout: TrainerLayout, config: ModelConfig) -> None:
             raise PlanError(
                 f"shards[{name}].global_shape: {list(p.shape)}, the model config says {list(shape)}"
             )
-    for name in layout.params:
-        if name not in expected and not (name == "lm_head.weight" and config.tie_word_embeddings):
-            raise PlanError(f"shards: unknown parameter name {name!r} for this model")
 
 
 def plan_rank(

@@ -15,12 +15,11 @@ from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit import telemetry
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.modeling.config import ModelConfig
-from services.modeling.layouts import hf_params
 from services.weights.wire import decode_push_request
 
 from . import metrics
 from .deliver import Deliverer
-from .plan import PlanError, check_trainer_layout
+from .plan import PlanError, check_trainer_layout, pushed_params
 from .targets import target_from_request
 from .versions import VersionBuffer, VersionStore
 
@@ -50,10 +49,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServiceServicer):
                 if fresh:
                     config = self.deliverer.model_config(buf)
                     if config is not None:
-                        expected = dict(hf_params(config))
-                        if config.tie_word_embeddings:
-                            expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
-                        buf.expected = expected
+                        buf.expected = pushed_params(config)
                     self.deliverer.version_started(buf)
                 rank = req.trainer_rank
                 received += await asyncio.to_thread(_add_all, buf, rank, req)

@@ -4,6 +4,7 @@ and serves each run's requests with that run's adapter at that run's version, be
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -132,4 +133,54 @@ async def test_one_replica_serves_two_runs_adapters_each_at_its_own_version(base
         with pytest.raises(errors.InvalidArgument, match="adapter"):
             await core.stage_weights(bad)
     finally:
+        await core.shutdown()
+
+
+async def test_weight_sync_delivers_each_runs_adapter_versions_to_one_shared_replica(base_dir) -> None:
+    from looprl.weightsync.v1 import weightsync_pb2
+    from tests.integration.test_weightsync_service import Harness
+
+    spec = DeploymentSpec(name="shared/lora", model_path=str(base_dir), max_loras=2, max_model_len=48)
+    core = ReplicaCore(spec, replica="shared/lora-r0")
+    address = await core.start()
+    sync = await Harness().start()
+    try:
+        runs = {"run-a": policy(7), "run-b": policy(8)}
+        for run in runs:  # one target per (replica, run), both at the shared replica's address
+            await sync.stub.RegisterTarget(
+                weightsync_pb2.RegisterTargetRequest(
+                    deployment=f"{run}/lora-r0",
+                    run_id=run,
+                    adapter=run,
+                    every_k_versions=1,
+                    layout=weightsync_pb2.TargetLayout(
+                        tensor_parallel=1, naming="hf", dtype=common_pb2.D_TYPE_FLOAT32
+                    ),
+                    ranks=[weightsync_pb2.TargetRank(rank=0, address=address)],
+                )
+            )
+        config_json = json.dumps(CONFIG.with_lora(SPEC).to_hf_dict())
+        for version in (0, 1):
+            for run, model in runs.items():
+                requests = push_requests(model, version, 0, 1, run, 4096, None, config_json, True)
+                reply = await sync.stub.PushShards(iter(list(requests)))
+                assert reply.version_complete
+        deadline = asyncio.get_running_loop().time() + 20
+        while (await core.status()).adapter_versions != {"run-a": 1, "run-b": 1}:
+            assert asyncio.get_running_loop().time() < deadline, (await core.status()).adapter_versions
+            await asyncio.sleep(0.05)
+        for run, model in runs.items():
+            response = await core.generate_proto(request(run, 3))
+            assert response.adapter == run
+            for completion in response.completions:
+                ids = torch.tensor(PROMPT + list(completion.token_ids))
+                with torch.no_grad():
+                    ref = token_logprobs(model(ids), ids, torch.tensor([0, len(ids)]))[len(PROMPT) :]
+                torch.testing.assert_close(torch.tensor(list(completion.logprobs)), ref, atol=1e-4, rtol=0)
+        targets = {
+            t.deployment: t for t in (await sync.stub.GetVersion(weightsync_pb2.GetVersionRequest())).targets
+        }
+        assert {targets[f"{r}/lora-r0"].version for r in runs} == {1}
+    finally:
+        await sync.stop()
         await core.shutdown()
