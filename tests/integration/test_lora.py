@@ -157,3 +157,35 @@ def test_engine_with_the_adapter_equals_trainer_and_transformers_peft_on_the_exp
         # requests on the bare base, in the same batch, get the base's log-probs
         torch.testing.assert_close(token_logprobs(bare, ids, cu), hf_base_logp, atol=1e-4, rtol=0)
         assert not torch.allclose(hf_base_logp, peft_logp, atol=1e-3)  # the adapter changed the policy
+
+
+def _fsdp_rank(rank: int, port: int, base: str, results) -> None:
+    worker = TrainerWorker(rank=rank, world_size=2, threads=1)
+    worker.init_process_group("127.0.0.1", port, timeout_s=60)
+    try:
+        text = _recipe(Path(base)).replace("[optimizer]", "[trainer]\nworld_size = 2\n[optimizer]")
+        worker.setup(spec_from_recipe(parse_recipe(text), "lora-fsdp"))
+        before = {k: v.clone() for k, v in (worker.full_state_dict() or {}).items()}
+        for step in range(2):
+            worker.train_step(
+                make_step(step=step, world_size=2, micro_per_rank=1, seqs_per_micro=4, seed=20 + step)[0][
+                    rank
+                ]
+            )
+        after = worker.full_state_dict()
+        pushed = [PushShardsRequest.FromString(r) for r in worker.shard_requests(2)]
+        if rank == 0:
+            changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
+            results.put((changed, sorted({c.name for r in pushed for c in r.shards})))
+    finally:
+        worker.shutdown()
+
+
+def test_two_fsdp_ranks_train_and_push_only_the_adapters(base):
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_fsdp_rank, args=(free_port(), str(base), results), nprocs=2)
+    changed, pushed = results.get()
+    assert changed and all(lora.is_adapter_param(k) for k in changed)
+    assert pushed and all(lora.is_adapter_param(k) for k in pushed)
