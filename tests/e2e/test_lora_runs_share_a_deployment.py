@@ -1,7 +1,9 @@
 """LoRA runs of one base share a deployment on `looprl up`: its replicas load the base once and
 serve every run's adapter, each request with its own run's adapter at its own run's version.
 
-Three LoRA runs of one Hugging Face-format base name the same `shared` deployment; only one set of
+Three LoRA runs of one Hugging Face-format base (the tiny Qwen2 with the char tokenizer, warm-started
+on the copy task: LoRA learns from there, where a base near uniform over its vocabulary gives it too
+little signal) name the same `shared` deployment; only one set of
 replica actors exists (`shared/<name>`), none per run. The third is stopped after a few steps and
 the other two train on, to the end, and both learn (the mean reward of the last 10 steps above that
 of the first 10). Every model turn on the bus records the adapter that sampled it: its own run's,
@@ -18,23 +20,32 @@ from pathlib import Path
 import pytest
 
 from looprl.gateway.v1 import gateway_pb2
+from services.modeling.config import ModelConfig
+from services.modeling.hf_files import write_char_tokenizer
+from services.modeling.qwen2 import Qwen2ForCausalLM
+from services.modeling.tokenizer import CharTokenizer
 from tests.e2e.test_runs_side_by_side import _final, _model_turns, _ray_view
 from tests.support.runs import assert_accounting
 from tests.support.stack import Stack, local_stack
-from tools.build_hf_model import build
-from tools.hf_warm_start import environment_examples
+from tools.hf_warm_start import environment_examples, warm_start
 
 pytestmark = pytest.mark.slow
 
-STEPS, MARGIN = 80, 0.05
+# Single-process GRPO with this base and these settings (bench/single_process_grpo.py with the
+# adapter injected): seeds 0 and 1 go from 0.73 to 0.92 over 60 steps.
+STEPS, MARGIN = 60, 0.08
 TASK_TOML = '{ min_len = 1, max_len = 1, ops = ["copy"] }'
 TASK = tomllib.loads(f"task = {TASK_TOML}")["task"]
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("lora-base") / "tiny-bpe"
-    build(out, seed=0, sft_steps=10, sft_examples=environment_examples("digits", TASK, 512, seed=1))
+    out = tmp_path_factory.mktemp("lora-base") / "tiny-char"
+    model = Qwen2ForCausalLM(ModelConfig.tiny(), seed=None)
+    model.init_weights(0, std=0.1)
+    warm_start(model, CharTokenizer(), environment_examples("digits", TASK, 512, seed=1), 40, 0)
+    model.save_pretrained(out)
+    write_char_tokenizer(out)
     return out
 
 
@@ -56,12 +67,12 @@ name = "digits"
 reward = "digits"
 config = {TASK_TOML}
 [sampling]
-max_tokens = 8
+max_tokens = 6
 [batch]
 rollouts_per_step = 64
 group_size = 8
 [optimizer]
-lr = 5e-3
+lr = 3e-3
 warmup_steps = 2
 [trainer]
 world_size = 1
