@@ -217,3 +217,30 @@ def test_shard_state_dict_casts_to_layout_dtype_and_rejects_wrong_shapes():
     full["model.norm.weight"] = torch.zeros(3)
     with pytest.raises(ValueError, match=r"model\.norm\.weight"):
         shard_state_dict(full, TINY, Layout(), 0)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("naming", ["hf", "fused"])
+def test_a_lora_adapter_splits_as_its_base_layers_do_and_reassembles(tp, naming):
+    from services.modeling.lora import TARGETS, LoraSpec
+
+    adapter = TINY.with_lora(LoraSpec(4, 8.0, TARGETS))
+    layout = Layout(tp_size=tp, naming=naming)
+    full = full_state_dict(adapter)
+    assert set(full) == {n for n in full if ".lora_A." in n or ".lora_B." in n}  # the adapter only
+    shards = [shard_state_dict(full, adapter, layout, r) for r in range(tp)]
+    back = unshard_state_dict(shards, adapter, layout)
+    assert all(torch.equal(back[n], full[n]) for n in full)
+    base = {p.name: p for p in rank_params(TINY, Layout(tp_size=tp, naming="hf"), 0)}
+    mine = {p.name: p for p in rank_params(adapter, layout, 0)}
+    for proj in ("q_proj", "k_proj", "gate_proj"):  # column-parallel: B has the base rank's output rows
+        name = f"model.layers.0.{'mlp' if proj == 'gate_proj' else 'self_attn'}.{proj}"
+        assert mine[f"{name}.lora_B.weight"].shape[0] == base[f"{name}.weight"].shape[0]
+        assert mine[f"{name}.lora_A.weight"].shape == (4, TINY.hidden_size)
+    for proj, side in (
+        ("o_proj", "self_attn"),
+        ("down_proj", "mlp"),
+    ):  # row-parallel: A has its input columns
+        name = f"model.layers.0.{side}.{proj}"
+        assert mine[f"{name}.lora_A.weight"].shape[1] == base[f"{name}.weight"].shape[1]
+        assert mine[f"{name}.lora_B.weight"].shape == (TINY.hidden_size, 4)

@@ -58,10 +58,14 @@ def deliver_in_process(plan_rank, buf, stager, version, parts=False):
     ],
 )
 @pytest.mark.parametrize("parts", [False, True], ids=["fill", "parts"])
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "lora"])
 def test_planned_buckets_rebuild_every_rank_exactly(layout, world, parts, family):
+    from services.modeling.lora import TARGETS, LoraSpec
+
     make = ModelConfig.tiny_qwen3 if family == "qwen3" else ModelConfig.tiny
     config = make(tie_word_embeddings=False, vocab_size=37)
+    if family == "lora":  # a LoRA run's version: the adapter's tensors, split as the base is
+        config = config.with_lora(LoraSpec(4, 8.0, TARGETS))
     state = random_state(config)
     buf = push_all(state, world)
     plan = build_deployment_plan(buf.layout(), config, layout, bucket_bytes=3000)
