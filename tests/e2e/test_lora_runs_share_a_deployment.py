@@ -7,7 +7,8 @@ little signal) name the same `shared` deployment; only one set of
 replica actors exists (`shared/<name>`), none per run. The third is stopped after a few steps and
 the other two train on, to the end, and both learn (the mean reward of the last 10 steps above that
 of the first 10). Every model turn on the bus records the adapter that sampled it: its own run's,
-at a version of its own run (synchronous runs: step s sampled at version s). When the last run has
+at a version of its own run (synchronous runs: step s sampled at version s), through its own view
+of the shared deployment (`<run id>/<name>`). When the last run has
 ended the shared replicas are gone.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from looprl.gateway.v1 import gateway_pb2
+from services.kit.recipe import run_deployment_name
 from services.modeling.config import ModelConfig
 from services.modeling.hf_files import write_char_tokenizer
 from services.modeling.qwen2 import Qwen2ForCausalLM
@@ -130,11 +132,11 @@ def test_lora_runs_of_one_base_share_a_deployment_and_never_mix_adapters(tmp_pat
             rewards = [h.reward_mean for h in run.history]
             first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
             assert last > first + MARGIN, f"{run_id}: first 10 steps {first:.3f}, last 10 {last:.3f}"
-            # Every model turn: sampled by the shared replicas with this run's adapter, at this
-            # run's versions (step s at version s).
+            # Every model turn: sampled through the run's view of the shared replicas with this run's
+            # adapter, at this run's versions (step s at version s).
             turns = _model_turns(stack, run_id)
             assert turns and {t.adapter for t in turns} == {run_id}
-            assert {t.deployment for t in turns} == {"shared/lora"}
+            assert {t.deployment for t in turns} == {run_deployment_name(run_id, "lora")}
             assert max(t.weight_version for t in turns) == run.total_steps - 1
         deadline = time.monotonic() + 60
         while any(n.startswith("shared/lora/") for n in _ray_view(stack)["actors"]):
