@@ -781,7 +781,8 @@ def recipe_toml(recipe: Recipe) -> str:
             for table in value:
                 lines += ["", "[[deployments]]", *(f"{k} = {_toml_value(v)}" for k, v in table.items())]
             continue
-        lines += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in value.items())]
+        # An optional section left out (model.lora) is omitted: TOML has no null, absent is None.
+        lines += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None)]
     return "\n".join(lines).lstrip() + "\n"
 
 

@@ -60,3 +60,13 @@ def test_a_recipe_written_as_toml_parses_back_equal() -> None:
     )
     recipe = parse_recipe(text)
     assert parse_recipe(recipe_toml(recipe)) == recipe
+
+
+def test_a_lora_recipe_written_as_toml_parses_back_equal(tmp_path) -> None:
+    from services.modeling.config import ModelConfig
+    from services.modeling.qwen2 import Qwen2ForCausalLM
+
+    Qwen2ForCausalLM(ModelConfig.tiny(), seed=0).save_pretrained(tmp_path)
+    text = f'[model]\npath = "{tmp_path}"\n[model.lora]\nrank = 8\ntarget_modules = ["q_proj", "v_proj"]\n'
+    recipe = parse_recipe(text)
+    assert parse_recipe(recipe_toml(recipe)) == recipe
