@@ -54,18 +54,18 @@ class Adapters:
         self.engine, self.base, self.layout, self.slots = engine, base, layout, slots
         self.lifecycles: dict[str, LocalWeights] = {}
 
-    def get(self, name: str, config_json_config: ModelConfig | None) -> LocalWeights:
+    def get(self, name: str, config: ModelConfig | None) -> LocalWeights:
         """The lifecycle of adapter `name`, created from the adapter config its first bucket carries."""
         weights = self.lifecycles.get(name)
         if weights is not None:
-            if config_json_config is not None and config_json_config != weights.engine.config:  # type: ignore[attr-defined]
+            if config is not None and config != weights.engine.config:  # type: ignore[attr-defined]
                 raise errors.InvalidArgument(f"model_config_json: adapter {name!r} changed its configuration")
             return weights
-        if config_json_config is None:
+        if config is None:
             raise errors.FailedPrecondition(
                 f"model_config_json: adapter {name!r} is new here; its first bucket must carry its config"
             )
-        if config_json_config.lora is None or config_json_config.base != self.base:
+        if config.lora is None or config.base != self.base:
             raise errors.InvalidArgument(
                 f"adapter: {name!r}'s config is not a LoRA adapter of the base this replica serves"
             )
@@ -73,8 +73,8 @@ class Adapters:
             raise errors.ResourceExhausted(
                 f"adapter: all {self.slots} adapter slots (max_loras) of this replica hold other runs' adapters"
             )
-        slot = AdapterSlot(self.engine, name, config_json_config)
-        weights = LocalWeights(slot, WeightStager(rank_params(config_json_config, self.layout, 0)))  # type: ignore[arg-type]
+        slot = AdapterSlot(self.engine, name, config)
+        weights = LocalWeights(slot, WeightStager(rank_params(config, self.layout, 0)))  # type: ignore[arg-type]
         self.lifecycles[name] = weights
         return weights
 
