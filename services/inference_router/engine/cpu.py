@@ -125,7 +125,7 @@ class CPUEngine(ContinuousBatchingEngine):
         self.abort_adapter(name)
         executor = self.executor
         assert isinstance(executor, LocalExecutor)
-        executor.model.drop_adapter(name)
+        self.when_no_step_runs(lambda: executor.model.drop_adapter(name))
 
     @classmethod
     def create(

@@ -132,6 +132,10 @@ class ContinuousBatchingEngine(Engine):
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
+        # Executor changes that must not race a step running in the worker thread (dropping an
+        # adapter a dispatched batch still uses): applied as soon as no step is in flight.
+        self._stepping = False
+        self._after_step: list[Callable[[], None]] = []
         self.steps = 0
         self.generated_tokens = 0
 
@@ -283,7 +287,12 @@ class ContinuousBatchingEngine(Engine):
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                await self._step()
+                self._stepping = True
+                try:
+                    await self._step()
+                finally:
+                    self._stepping = False
+                    self._run_after_step()
                 # Give queued callers (new requests, status, swaps) a turn between steps.
                 await asyncio.sleep(0)
         except Exception as exc:
@@ -440,6 +449,19 @@ class ContinuousBatchingEngine(Engine):
         )
         if item.stream is not None:
             item.stream.put_nowait(None)
+
+    def when_no_step_runs(self, apply: Callable[[], None]) -> None:
+        """Run `apply` on the event loop while no step is in the executor: now when none is, else
+        right after the one in flight returns."""
+        if self._stepping:
+            self._after_step.append(apply)
+        else:
+            apply()
+
+    def _run_after_step(self) -> None:
+        pending, self._after_step = self._after_step, []
+        for apply in pending:
+            apply()
 
     def abort_adapter(self, name: str) -> None:
         """End every request of adapter `name` (its run ended) as aborted; it is served no longer."""

@@ -5,6 +5,7 @@ what it samples has the log-probs the trainer's model with that adapter gives.""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -110,5 +111,37 @@ async def test_dropping_an_adapter_aborts_its_requests_and_leaves_the_others_run
         assert done_b.completions[0].finish_reason in ("stop", "length")
         with pytest.raises(FailedPrecondition, match="run-a"):
             await engine.generate([_request("run-a", 1)])
+    finally:
+        await engine.close()
+
+
+async def test_an_adapter_dropped_while_a_step_uses_it_ends_only_its_own_requests():
+    """The drop lands while a decode step holding the adapter's sequence runs in the worker thread:
+    that step still finds the adapter, and the other run's request continues."""
+    (_, adapter_a), (_, adapter_b) = _policy(7), _policy(8)
+    engine = CPUEngine.create(CONFIG, _base_state(), version=0, max_batch_size=8, max_model_len=64)
+    try:
+        for name, state in (("run-a", adapter_a), ("run-b", adapter_b)):
+            await engine.serve_adapter(name, 1, CONFIG.with_lora(SPEC), state)
+        model = engine.executor.model
+        decode, inside, release = model.decode, threading.Event(), threading.Event()
+
+        def held_decode(*args, **kwargs):
+            if engine.steps == 2:
+                inside.set()
+                release.wait(10)
+            return decode(*args, **kwargs)
+
+        model.decode = held_decode
+        long = SamplingParams(temperature=1.0, max_tokens=40, n=1, seed=3)
+        a = asyncio.create_task(engine.generate([EngineRequest(PROMPT, long, adapter="run-a")]))
+        b = asyncio.create_task(engine.generate([EngineRequest(PROMPT, long, adapter="run-b")]))
+        assert await asyncio.to_thread(inside.wait, 10)
+        engine.drop_adapter("run-a")
+        release.set()
+        [done_a], [done_b] = await a, await b
+        assert done_a.completions[0].finish_reason == "abort"
+        assert done_b.completions[0].finish_reason in ("stop", "length")
+        assert "run-a" not in model.adapters
     finally:
         await engine.close()
