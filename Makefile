@@ -55,6 +55,7 @@ protos: setup
 check: setup lint
 	$(PY) tools/gen_protos.py --check
 	$(PY) tools/gen_config_docs.py --check
+	$(PY) tools/gen_conformance_docs.py --check
 
 # Breaking-change check of the contracts against main.
 breaking: setup

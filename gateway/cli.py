@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from conformance.cli import add_arguments as conformance_arguments
+
 
 def _state_dir(args: argparse.Namespace) -> Path:
     return Path(args.state_dir or os.environ.get("LOOPRL_STATE_DIR", ".looprl"))
@@ -311,6 +313,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from conformance.cli import run
+
+    return run(args, _state_dir(args))
+
+
 def _common_options(with_defaults: bool) -> argparse.ArgumentParser:
     """--state-dir, --gateway and --token, before or after the subcommand; after it they carry no
     defaults, so they only override what was given before it."""
@@ -429,6 +437,13 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
         else:
             p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the stop")
         p.set_defaults(func=func)
+    p = add_command(
+        "conformance",
+        help="check a server against a looprl contract (docs/conformance.md)",
+        description="Run a contract's conformance cases against a server by address.",
+    )
+    conformance_arguments(p)
+    p.set_defaults(func=cmd_conformance)
     return parser
 
 

@@ -26,7 +26,15 @@ if _version_not_supported:
 
 
 class EnvironmentSandboxServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Plays episodes (the agent loop, calling the inference-router and the reward service), serves
+    interactive sessions of an environment, and runs untrusted code in its sandbox.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -67,39 +75,52 @@ class EnvironmentSandboxServiceStub:
 
 
 class EnvironmentSandboxServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Plays episodes (the agent loop, calling the inference-router and the reward service), serves
+    interactive sessions of an environment, and runs untrusted code in its sandbox.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
+    """
 
     def RunEpisode(self, request, context):
         """Run one episode end to end (agent loop, reward) and return its rollouts (one, or a forking
-        task's branches); nothing is published, so they are never trained.
+        task's branches); nothing is published, so they are never trained. Errors: INVALID_ARGUMENT or
+        NOT_FOUND naming the task's field; a refusal by the router or the reward service of the
+        episode's own request keeps its status; any other failure of theirs is UNAVAILABLE (retry
+        later); FAILED_PRECONDITION when the service has no router to play with.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Reset(self, request, context):
-        """Start an interactive session of an environment.
+        """Start an interactive session of an environment: its opening messages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Apply one action to a session.
+        """Apply one action to a session; a session ends (and is forgotten) when its episode is done.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Exec(self, request, context):
-        """Run untrusted code in the sandbox.
+        """Run untrusted code in the sandbox, isolated and limited (see SandboxStatus); the program's own
+        failure (an exception, a non-zero exit, a timeout) is an answer, not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListEnvironments(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The environments this service plays, and how its sandbox isolates code.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -158,7 +179,15 @@ def add_EnvironmentSandboxServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class EnvironmentSandboxService:
-    """Missing associated documentation comment in .proto file."""
+    """Plays episodes (the agent loop, calling the inference-router and the reward service), serves
+    interactive sessions of an environment, and runs untrusted code in its sandbox.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
+    """
 
     @staticmethod
     def RunEpisode(request,

@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class GatewayServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Users reach it with a bearer token (metadata `authorization: Bearer <token>`), which names their
+    tenant: without a known token every RPC is UNAUTHENTICATED. A tenant sees only its own runs
+    (another tenant's is NOT_FOUND, as if it did not exist); an admin token sees every run. Served
+    with grpc.health.v1 and server reflection, without client certificates.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -62,28 +66,41 @@ class GatewayServiceStub:
 
 
 class GatewayServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Users reach it with a bearer token (metadata `authorization: Bearer <token>`), which names their
+    tenant: without a known token every RPC is UNAUTHENTICATED. A tenant sees only its own runs
+    (another tenant's is NOT_FOUND, as if it did not exist); an admin token sees every run. Served
+    with grpc.health.v1 and server reflection, without client certificates.
+    """
 
     def CreateRun(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Admit a run from its recipe, checked before any record exists: a bad recipe or run_id is
+        INVALID_ARGUMENT naming the field; a missing prerequisite (a deployment, environment, reward or
+        tokenizer the stack does not serve) FAILED_PRECONDITION naming it; a run that can never fit
+        its tenant's quota or the cluster RESOURCE_EXHAUSTED naming the resource; a taken run_id
+        ALREADY_EXISTS. A run that fits, but not now, is created QUEUED.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetRun(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One run, as it is now; NOT_FOUND naming run_id when the tenant has no such run.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListRuns(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The tenant's runs (an admin's: every run), oldest first.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def StopRun(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Stop a run and answer once it stopped; a run that already ended: FAILED_PRECONDITION naming
+        run_id.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -132,7 +149,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class GatewayService:
-    """Missing associated documentation comment in .proto file."""
+    """Users reach it with a bearer token (metadata `authorization: Bearer <token>`), which names their
+    tenant: without a known token every RPC is UNAUTHENTICATED. A tenant sees only its own runs
+    (another tenant's is NOT_FOUND, as if it did not exist); an admin token sees every run. Served
+    with grpc.health.v1 and server reflection, without client certificates.
+    """
 
     @staticmethod
     def CreateRun(request,

@@ -28,6 +28,12 @@ if _version_not_supported:
 class InferenceRouterServiceStub:
     """Routes generation requests across deployments by length profile, load, session
     affinity and weight version.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
     def __init__(self, channel):
@@ -61,17 +67,27 @@ class InferenceRouterServiceStub:
 class InferenceRouterServiceServicer:
     """Routes generation requests across deployments by length profile, load, session
     affinity and weight version.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
     def Generate(self, request, context):
-        """Generate completions for one prompt (n samples share the prompt).
+        """Generate completions for one prompt (n samples share the prompt). Every field is checked
+        before routing (INVALID_ARGUMENT naming it). UNAVAILABLE when no replica can serve it (none
+        healthy, or all failed: the router tries up to its max_attempts replicas); RESOURCE_EXHAUSTED
+        with a retry-after-ms trailer when every candidate is full; for min_weight_version see there.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
-        """Same as Generate, streaming tokens as they are sampled.
+        """Same as Generate, streaming tokens as they are sampled. A cancelled stream stops generating
+        (its replica's slots are freed) and leaves the router serving.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,7 +101,9 @@ class InferenceRouterServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterDeployment(self, request, context):
-        """Register an external deployment that implements InferenceEngineService.
+        """Register an external deployment that implements InferenceEngineService: the router routes to
+        its replicas by address and registers them with weight-sync, which delivers its run's versions
+        (every run's, without run_id). It stays registered until the router restarts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,6 +143,12 @@ def add_InferenceRouterServiceServicer_to_server(servicer, server):
 class InferenceRouterService:
     """Routes generation requests across deployments by length profile, load, session
     affinity and weight version.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
     @staticmethod
@@ -238,7 +262,15 @@ class InferenceRouterService:
 
 class InferenceEngineServiceStub:
     """The contract of one inference replica. Weights are staged beside the serving version
-    and switched atomically on commit.
+    and switched atomically on commit. The router calls Generate and Status; weight-sync stages,
+    commits, aborts and rolls back (and calls Status); health is SERVING as soon as the replica
+    answers, with or without weights.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
     def __init__(self, channel):
@@ -296,49 +328,70 @@ class InferenceEngineServiceStub:
 
 class InferenceEngineServiceServicer:
     """The contract of one inference replica. Weights are staged beside the serving version
-    and switched atomically on commit.
+    and switched atomically on commit. The router calls Generate and Status; weight-sync stages,
+    commits, aborts and rolls back (and calls Status); health is SERVING as soon as the replica
+    answers, with or without weights.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Completions of one prompt from the weights served now, each carrying that version. Fields are
+        checked as the router checks them (INVALID_ARGUMENT naming the field); UNAVAILABLE while the
+        engine holds no weights; RESOURCE_EXHAUSTED when n exceeds its slots or its queue is full.
+        min_weight_version is the router's to honour, except while version_wait_ms > 0 (see there).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """What the replica serves and holds, and its load.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Pause(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Stop generating: running and new requests wait until Resume (they are not refused; a caller's
+        deadline still ends them). Weight RPCs keep working while paused. Idempotent.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Resume(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Generate again after Pause; the requests that waited go on. Idempotent.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def StageWeights(self, request_iterator, context):
-        """Stream the buckets of a new weight version; nothing serves them until CommitWeights.
+        """Stream the buckets of a new weight version; nothing serves them until CommitWeights. Each
+        slice is verified against its checksum as it lands: a mismatch is DATA_LOSS, and that version
+        is never committed (staging it again from the start may succeed). A stream without a bucket:
+        INVALID_ARGUMENT. A broken stream leaves what arrived staged for a retry of the same version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CommitWeights(self, request, context):
-        """Switch to a fully staged and verified version.
+        """Switch to a fully staged and verified version, between two decode steps: every completion
+        started after the answer carries it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AbortWeights(self, request, context):
-        """Drop a staged version.
+        """Drop a staged version (its buffers are reused); the version served is untouched. Aborting a
+        version that is not staged does nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -419,7 +472,15 @@ def add_InferenceEngineServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class InferenceEngineService:
     """The contract of one inference replica. Weights are staged beside the serving version
-    and switched atomically on commit.
+    and switched atomically on commit. The router calls Generate and Status; weight-sync stages,
+    commits, aborts and rolls back (and calls Status); health is SERVING as soon as the replica
+    answers, with or without weights.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
     @staticmethod

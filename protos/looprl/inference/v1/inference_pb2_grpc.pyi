@@ -3,6 +3,7 @@
 isort:skip_file
 Inference: the router in front of every deployment, and the engine contract each
 deployment (embedded CPU engine, vLLM, or an external server) implements.
+Versioning: as every looprl.*.v1 file (see looprl/common/v1/common.proto): additive only.
 """
 
 from collections import abc as _abc
@@ -31,6 +32,12 @@ GRPC_VERSION: str
 class InferenceRouterServiceStub:
     """Routes generation requests across deployments by length profile, load, session
     affinity and weight version.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
     @_typing.overload
@@ -38,33 +45,63 @@ class InferenceRouterServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> InferenceRouterServiceAsyncStub: ...
     Generate: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.GenerateResponse]
-    """Generate completions for one prompt (n samples share the prompt)."""
+    """Generate completions for one prompt (n samples share the prompt). Every field is checked
+    before routing (INVALID_ARGUMENT naming it). UNAVAILABLE when no replica can serve it (none
+    healthy, or all failed: the router tries up to its max_attempts replicas); RESOURCE_EXHAUSTED
+    with a retry-after-ms trailer when every candidate is full; for min_weight_version see there.
+    """
     GenerateStream: _grpc.UnaryStreamMultiCallable[_inference_pb2.GenerateStreamRequest, _inference_pb2.GenerateStreamResponse]
-    """Same as Generate, streaming tokens as they are sampled."""
+    """Same as Generate, streaming tokens as they are sampled. A cancelled stream stops generating
+    (its replica's slots are freed) and leaves the router serving.
+    """
     ListDeployments: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ListDeploymentsRequest, _inference_pb2.ListDeploymentsResponse]
     """Deployments, their replicas, health and weight versions."""
     RegisterDeployment: _grpc.UnaryUnaryMultiCallable[_inference_pb2.RegisterDeploymentRequest, _inference_pb2.RegisterDeploymentResponse]
-    """Register an external deployment that implements InferenceEngineService."""
+    """Register an external deployment that implements InferenceEngineService: the router routes to
+    its replicas by address and registers them with weight-sync, which delivers its run's versions
+    (every run's, without run_id). It stays registered until the router restarts.
+    """
 
 @_typing.type_check_only
 class InferenceRouterServiceAsyncStub(InferenceRouterServiceStub):
     """Routes generation requests across deployments by length profile, load, session
     affinity and weight version.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryUnaryMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.GenerateResponse]  # type: ignore[assignment]
-    """Generate completions for one prompt (n samples share the prompt)."""
+    """Generate completions for one prompt (n samples share the prompt). Every field is checked
+    before routing (INVALID_ARGUMENT naming it). UNAVAILABLE when no replica can serve it (none
+    healthy, or all failed: the router tries up to its max_attempts replicas); RESOURCE_EXHAUSTED
+    with a retry-after-ms trailer when every candidate is full; for min_weight_version see there.
+    """
     GenerateStream: _aio.UnaryStreamMultiCallable[_inference_pb2.GenerateStreamRequest, _inference_pb2.GenerateStreamResponse]  # type: ignore[assignment]
-    """Same as Generate, streaming tokens as they are sampled."""
+    """Same as Generate, streaming tokens as they are sampled. A cancelled stream stops generating
+    (its replica's slots are freed) and leaves the router serving.
+    """
     ListDeployments: _aio.UnaryUnaryMultiCallable[_inference_pb2.ListDeploymentsRequest, _inference_pb2.ListDeploymentsResponse]  # type: ignore[assignment]
     """Deployments, their replicas, health and weight versions."""
     RegisterDeployment: _aio.UnaryUnaryMultiCallable[_inference_pb2.RegisterDeploymentRequest, _inference_pb2.RegisterDeploymentResponse]  # type: ignore[assignment]
-    """Register an external deployment that implements InferenceEngineService."""
+    """Register an external deployment that implements InferenceEngineService: the router routes to
+    its replicas by address and registers them with weight-sync, which delivers its run's versions
+    (every run's, without run_id). It stays registered until the router restarts.
+    """
 
 class InferenceRouterServiceServicer(metaclass=_abc_1.ABCMeta):
     """Routes generation requests across deployments by length profile, load, session
     affinity and weight version.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
     @_abc_1.abstractmethod
@@ -73,7 +110,11 @@ class InferenceRouterServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _inference_pb2.GenerateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.GenerateResponse, _abc.Awaitable[_inference_pb2.GenerateResponse]]:
-        """Generate completions for one prompt (n samples share the prompt)."""
+        """Generate completions for one prompt (n samples share the prompt). Every field is checked
+        before routing (INVALID_ARGUMENT naming it). UNAVAILABLE when no replica can serve it (none
+        healthy, or all failed: the router tries up to its max_attempts replicas); RESOURCE_EXHAUSTED
+        with a retry-after-ms trailer when every candidate is full; for min_weight_version see there.
+        """
 
     @_abc_1.abstractmethod
     def GenerateStream(
@@ -81,7 +122,9 @@ class InferenceRouterServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _inference_pb2.GenerateStreamRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_inference_pb2.GenerateStreamResponse], _abc.AsyncIterator[_inference_pb2.GenerateStreamResponse]]:
-        """Same as Generate, streaming tokens as they are sampled."""
+        """Same as Generate, streaming tokens as they are sampled. A cancelled stream stops generating
+        (its replica's slots are freed) and leaves the router serving.
+        """
 
     @_abc_1.abstractmethod
     def ListDeployments(
@@ -97,13 +140,24 @@ class InferenceRouterServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _inference_pb2.RegisterDeploymentRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.RegisterDeploymentResponse, _abc.Awaitable[_inference_pb2.RegisterDeploymentResponse]]:
-        """Register an external deployment that implements InferenceEngineService."""
+        """Register an external deployment that implements InferenceEngineService: the router routes to
+        its replicas by address and registers them with weight-sync, which delivers its run's versions
+        (every run's, without run_id). It stays registered until the router restarts.
+        """
 
 def add_InferenceRouterServiceServicer_to_server(servicer: InferenceRouterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class InferenceEngineServiceStub:
     """The contract of one inference replica. Weights are staged beside the serving version
-    and switched atomically on commit.
+    and switched atomically on commit. The router calls Generate and Status; weight-sync stages,
+    commits, aborts and rolls back (and calls Status); health is SERVING as soon as the replica
+    answers, with or without weights.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
     @_typing.overload
@@ -111,15 +165,33 @@ class InferenceEngineServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> InferenceEngineServiceAsyncStub: ...
     Generate: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.GenerateResponse]
+    """Completions of one prompt from the weights served now, each carrying that version. Fields are
+    checked as the router checks them (INVALID_ARGUMENT naming the field); UNAVAILABLE while the
+    engine holds no weights; RESOURCE_EXHAUSTED when n exceeds its slots or its queue is full.
+    min_weight_version is the router's to honour, except while version_wait_ms > 0 (see there).
+    """
     Status: _grpc.UnaryUnaryMultiCallable[_inference_pb2.StatusRequest, _inference_pb2.StatusResponse]
+    """What the replica serves and holds, and its load."""
     Pause: _grpc.UnaryUnaryMultiCallable[_inference_pb2.PauseRequest, _inference_pb2.PauseResponse]
+    """Stop generating: running and new requests wait until Resume (they are not refused; a caller's
+    deadline still ends them). Weight RPCs keep working while paused. Idempotent.
+    """
     Resume: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ResumeRequest, _inference_pb2.ResumeResponse]
+    """Generate again after Pause; the requests that waited go on. Idempotent."""
     StageWeights: _grpc.StreamUnaryMultiCallable[_inference_pb2.StageWeightsRequest, _inference_pb2.StageWeightsResponse]
-    """Stream the buckets of a new weight version; nothing serves them until CommitWeights."""
+    """Stream the buckets of a new weight version; nothing serves them until CommitWeights. Each
+    slice is verified against its checksum as it lands: a mismatch is DATA_LOSS, and that version
+    is never committed (staging it again from the start may succeed). A stream without a bucket:
+    INVALID_ARGUMENT. A broken stream leaves what arrived staged for a retry of the same version.
+    """
     CommitWeights: _grpc.UnaryUnaryMultiCallable[_inference_pb2.CommitWeightsRequest, _inference_pb2.CommitWeightsResponse]
-    """Switch to a fully staged and verified version."""
+    """Switch to a fully staged and verified version, between two decode steps: every completion
+    started after the answer carries it.
+    """
     AbortWeights: _grpc.UnaryUnaryMultiCallable[_inference_pb2.AbortWeightsRequest, _inference_pb2.AbortWeightsResponse]
-    """Drop a staged version."""
+    """Drop a staged version (its buffers are reused); the version served is untouched. Aborting a
+    version that is not staged does nothing.
+    """
     RollbackWeights: _grpc.UnaryUnaryMultiCallable[_inference_pb2.RollbackWeightsRequest, _inference_pb2.RollbackWeightsResponse]
     """Undo the commit of `version` (a canary whose golden-prompt check failed): serve the version
     that served before it again. FAILED_PRECONDITION once the replica no longer holds that
@@ -133,20 +205,46 @@ class InferenceEngineServiceStub:
 @_typing.type_check_only
 class InferenceEngineServiceAsyncStub(InferenceEngineServiceStub):
     """The contract of one inference replica. Weights are staged beside the serving version
-    and switched atomically on commit.
+    and switched atomically on commit. The router calls Generate and Status; weight-sync stages,
+    commits, aborts and rolls back (and calls Status); health is SERVING as soon as the replica
+    answers, with or without weights.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryUnaryMultiCallable[_inference_pb2.GenerateRequest, _inference_pb2.GenerateResponse]  # type: ignore[assignment]
+    """Completions of one prompt from the weights served now, each carrying that version. Fields are
+    checked as the router checks them (INVALID_ARGUMENT naming the field); UNAVAILABLE while the
+    engine holds no weights; RESOURCE_EXHAUSTED when n exceeds its slots or its queue is full.
+    min_weight_version is the router's to honour, except while version_wait_ms > 0 (see there).
+    """
     Status: _aio.UnaryUnaryMultiCallable[_inference_pb2.StatusRequest, _inference_pb2.StatusResponse]  # type: ignore[assignment]
+    """What the replica serves and holds, and its load."""
     Pause: _aio.UnaryUnaryMultiCallable[_inference_pb2.PauseRequest, _inference_pb2.PauseResponse]  # type: ignore[assignment]
+    """Stop generating: running and new requests wait until Resume (they are not refused; a caller's
+    deadline still ends them). Weight RPCs keep working while paused. Idempotent.
+    """
     Resume: _aio.UnaryUnaryMultiCallable[_inference_pb2.ResumeRequest, _inference_pb2.ResumeResponse]  # type: ignore[assignment]
+    """Generate again after Pause; the requests that waited go on. Idempotent."""
     StageWeights: _aio.StreamUnaryMultiCallable[_inference_pb2.StageWeightsRequest, _inference_pb2.StageWeightsResponse]  # type: ignore[assignment]
-    """Stream the buckets of a new weight version; nothing serves them until CommitWeights."""
+    """Stream the buckets of a new weight version; nothing serves them until CommitWeights. Each
+    slice is verified against its checksum as it lands: a mismatch is DATA_LOSS, and that version
+    is never committed (staging it again from the start may succeed). A stream without a bucket:
+    INVALID_ARGUMENT. A broken stream leaves what arrived staged for a retry of the same version.
+    """
     CommitWeights: _aio.UnaryUnaryMultiCallable[_inference_pb2.CommitWeightsRequest, _inference_pb2.CommitWeightsResponse]  # type: ignore[assignment]
-    """Switch to a fully staged and verified version."""
+    """Switch to a fully staged and verified version, between two decode steps: every completion
+    started after the answer carries it.
+    """
     AbortWeights: _aio.UnaryUnaryMultiCallable[_inference_pb2.AbortWeightsRequest, _inference_pb2.AbortWeightsResponse]  # type: ignore[assignment]
-    """Drop a staged version."""
+    """Drop a staged version (its buffers are reused); the version served is untouched. Aborting a
+    version that is not staged does nothing.
+    """
     RollbackWeights: _aio.UnaryUnaryMultiCallable[_inference_pb2.RollbackWeightsRequest, _inference_pb2.RollbackWeightsResponse]  # type: ignore[assignment]
     """Undo the commit of `version` (a canary whose golden-prompt check failed): serve the version
     that served before it again. FAILED_PRECONDITION once the replica no longer holds that
@@ -159,7 +257,15 @@ class InferenceEngineServiceAsyncStub(InferenceEngineServiceStub):
 
 class InferenceEngineServiceServicer(metaclass=_abc_1.ABCMeta):
     """The contract of one inference replica. Weights are staged beside the serving version
-    and switched atomically on commit.
+    and switched atomically on commit. The router calls Generate and Status; weight-sync stages,
+    commits, aborts and rolls back (and calls Status); health is SERVING as soon as the replica
+    answers, with or without weights.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
     @_abc_1.abstractmethod
@@ -167,28 +273,38 @@ class InferenceEngineServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _inference_pb2.GenerateRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_inference_pb2.GenerateResponse, _abc.Awaitable[_inference_pb2.GenerateResponse]]: ...
+    ) -> _typing.Union[_inference_pb2.GenerateResponse, _abc.Awaitable[_inference_pb2.GenerateResponse]]:
+        """Completions of one prompt from the weights served now, each carrying that version. Fields are
+        checked as the router checks them (INVALID_ARGUMENT naming the field); UNAVAILABLE while the
+        engine holds no weights; RESOURCE_EXHAUSTED when n exceeds its slots or its queue is full.
+        min_weight_version is the router's to honour, except while version_wait_ms > 0 (see there).
+        """
 
     @_abc_1.abstractmethod
     def Status(
         self,
         request: _inference_pb2.StatusRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_inference_pb2.StatusResponse, _abc.Awaitable[_inference_pb2.StatusResponse]]: ...
+    ) -> _typing.Union[_inference_pb2.StatusResponse, _abc.Awaitable[_inference_pb2.StatusResponse]]:
+        """What the replica serves and holds, and its load."""
 
     @_abc_1.abstractmethod
     def Pause(
         self,
         request: _inference_pb2.PauseRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_inference_pb2.PauseResponse, _abc.Awaitable[_inference_pb2.PauseResponse]]: ...
+    ) -> _typing.Union[_inference_pb2.PauseResponse, _abc.Awaitable[_inference_pb2.PauseResponse]]:
+        """Stop generating: running and new requests wait until Resume (they are not refused; a caller's
+        deadline still ends them). Weight RPCs keep working while paused. Idempotent.
+        """
 
     @_abc_1.abstractmethod
     def Resume(
         self,
         request: _inference_pb2.ResumeRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_inference_pb2.ResumeResponse, _abc.Awaitable[_inference_pb2.ResumeResponse]]: ...
+    ) -> _typing.Union[_inference_pb2.ResumeResponse, _abc.Awaitable[_inference_pb2.ResumeResponse]]:
+        """Generate again after Pause; the requests that waited go on. Idempotent."""
 
     @_abc_1.abstractmethod
     def StageWeights(
@@ -196,7 +312,11 @@ class InferenceEngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_inference_pb2.StageWeightsRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.StageWeightsResponse, _abc.Awaitable[_inference_pb2.StageWeightsResponse]]:
-        """Stream the buckets of a new weight version; nothing serves them until CommitWeights."""
+        """Stream the buckets of a new weight version; nothing serves them until CommitWeights. Each
+        slice is verified against its checksum as it lands: a mismatch is DATA_LOSS, and that version
+        is never committed (staging it again from the start may succeed). A stream without a bucket:
+        INVALID_ARGUMENT. A broken stream leaves what arrived staged for a retry of the same version.
+        """
 
     @_abc_1.abstractmethod
     def CommitWeights(
@@ -204,7 +324,9 @@ class InferenceEngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _inference_pb2.CommitWeightsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.CommitWeightsResponse, _abc.Awaitable[_inference_pb2.CommitWeightsResponse]]:
-        """Switch to a fully staged and verified version."""
+        """Switch to a fully staged and verified version, between two decode steps: every completion
+        started after the answer carries it.
+        """
 
     @_abc_1.abstractmethod
     def AbortWeights(
@@ -212,7 +334,9 @@ class InferenceEngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _inference_pb2.AbortWeightsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.AbortWeightsResponse, _abc.Awaitable[_inference_pb2.AbortWeightsResponse]]:
-        """Drop a staged version."""
+        """Drop a staged version (its buffers are reused); the version served is untouched. Aborting a
+        version that is not staged does nothing.
+        """
 
     @_abc_1.abstractmethod
     def RollbackWeights(

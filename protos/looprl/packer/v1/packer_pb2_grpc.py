@@ -26,7 +26,17 @@ if _version_not_supported:
 
 
 class RolloutPackerServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Turns a run's rollouts (the ROLLOUTS stream) into trainer steps: complete groups, advantages,
+    the staleness filter, and per data-parallel rank packed micro-batches. A step's rollouts stay
+    unacknowledged on the bus until the trainer acknowledges the step, so a crash loses nothing.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing. Every field is
+    checked before the run is looked up.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,24 +62,37 @@ class RolloutPackerServiceStub:
 
 
 class RolloutPackerServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Turns a run's rollouts (the ROLLOUTS stream) into trainer steps: complete groups, advantages,
+    the staleness filter, and per data-parallel rank packed micro-batches. A step's rollouts stay
+    unacknowledged on the bus until the trainer acknowledges the step, so a crash loses nothing.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing. Every field is
+    checked before the run is looked up.
+    """
 
     def NextBatch(self, request, context):
-        """Stream the micro-batches of a trainer step for one data-parallel rank.
+        """Stream the micro-batches of a trainer step for one data-parallel rank. The first rank to ask
+        for the next step plans it (which rollouts, which rank); a step is served as the same
+        micro-batches until AckStep, however often and by whichever rank it is asked for.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AckStep(self, request, context):
-        """The trainer finished the step: the packer acks its rollouts on the bus.
+        """The trainer finished the step: the packer acks its rollouts on the bus. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Counters of one run's packing.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -101,7 +124,17 @@ def add_RolloutPackerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RolloutPackerService:
-    """Missing associated documentation comment in .proto file."""
+    """Turns a run's rollouts (the ROLLOUTS stream) into trainer steps: complete groups, advantages,
+    the staleness filter, and per data-parallel rank packed micro-batches. A step's rollouts stay
+    unacknowledged on the bus until the trainer acknowledges the step, so a crash loses nothing.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing. Every field is
+    checked before the run is looked up.
+    """
 
     @staticmethod
     def NextBatch(request,

@@ -26,7 +26,15 @@ if _version_not_supported:
 
 
 class RewardServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Scores a finished episode with a reward named by the run's recipe. Scoring is a pure function of
+    the request (the same request always scores the same), so callers may retry any call.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -57,10 +65,20 @@ class RewardServiceStub:
 
 
 class RewardServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Scores a finished episode with a reward named by the run's recipe. Scoring is a pure function of
+    the request (the same request always scores the same), so callers may retry any call.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
+    """
 
     def Score(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One episode's score. Errors: INVALID_ARGUMENT or NOT_FOUND naming the field (see
+        ScoreRequest); a verifier that cannot score is not an error but a failed component.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -68,14 +86,17 @@ class RewardServiceServicer:
     def ScoreBatch(self, request, context):
         """Several scores in one call (e.g. the samples of a GRPO group): one round trip instead of one per
         rollout. Every request is validated first; a bad one fails the call with INVALID_ARGUMENT or
-        NOT_FOUND naming it as requests[i].
+        NOT_FOUND naming it as requests[i], and nothing is scored. Callers fall back to Score when a
+        server answers UNIMPLEMENTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListRewards(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Every reward this service scores with, by name (the names a recipe's `environment.reward` may
+        use; the gateway refuses a run naming one not listed).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -123,7 +144,15 @@ def add_RewardServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RewardService:
-    """Missing associated documentation comment in .proto file."""
+    """Scores a finished episode with a reward named by the run's recipe. Scoring is a pure function of
+    the request (the same request always scores the same), so callers may retry any call.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
+    """
 
     @staticmethod
     def Score(request,

@@ -26,7 +26,15 @@ if _version_not_supported:
 
 
 class TrainerServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The runs the trainer trains (one rank group each): their progress, checkpoints and settings.
+    Nothing here changes a run but Checkpoint, which only writes one.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,23 +60,33 @@ class TrainerServiceStub:
 
 
 class TrainerServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The runs the trainer trains (one rank group each): their progress, checkpoints and settings.
+    Nothing here changes a run but Checkpoint, which only writes one.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
+    """
 
     def Status(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A run's progress (or every run's).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Checkpoint(self, request, context):
-        """Write a checkpoint now.
+        """Write a checkpoint now (also a Hugging Face export when asked); answers once it is on disk.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetConfig(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The trainer's effective configuration, and a run's spec.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -100,7 +118,15 @@ def add_TrainerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TrainerService:
-    """Missing associated documentation comment in .proto file."""
+    """The runs the trainer trains (one rank group each): their progress, checkpoints and settings.
+    Nothing here changes a run but Checkpoint, which only writes one.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
+    """
 
     @staticmethod
     def Status(request,

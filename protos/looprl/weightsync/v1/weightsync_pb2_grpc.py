@@ -26,7 +26,17 @@ if _version_not_supported:
 
 
 class WeightSyncServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Takes each version of a run's weights from the trainer's ranks, verifies it, and delivers it to
+    every deployment registered for the run in that deployment's own layout: staged on every rank of a
+    replica (InferenceEngineService.StageWeights), then committed. Versions are numbered per run and
+    only move forward.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -62,17 +72,30 @@ class WeightSyncServiceStub:
 
 
 class WeightSyncServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Takes each version of a run's weights from the trainer's ranks, verifies it, and delivers it to
+    every deployment registered for the run in that deployment's own layout: staged on every rank of a
+    replica (InferenceEngineService.StageWeights), then committed. Versions are numbered per run and
+    only move forward.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
+    """
 
     def PushShards(self, request_iterator, context):
-        """Each trainer rank streams its own FSDP shards of one version.
+        """Each trainer rank streams its own FSDP shards of one version. A stream without a message:
+        INVALID_ARGUMENT; any refused message fails the version's push (the trainer pushes it again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RegisterTarget(self, request, context):
-        """A deployment registers its layout and its ranks' receive addresses.
+        """A deployment registers its layout and its ranks' receive addresses. From then on the target
+        receives every version of its run (or of any run, when run_id is empty), starting with the
+        latest complete one; registering the same deployment again replaces its registration.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -136,7 +159,17 @@ def add_WeightSyncServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class WeightSyncService:
-    """Missing associated documentation comment in .proto file."""
+    """Takes each version of a run's weights from the trainer's ranks, verifies it, and delivers it to
+    every deployment registered for the run in that deployment's own layout: staged on every rank of a
+    replica (InferenceEngineService.StageWeights), then committed. Versions are numbered per run and
+    only move forward.
+
+    Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
+    answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
+    a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
+    """
 
     @staticmethod
     def PushShards(request_iterator,

@@ -1,0 +1,199 @@
+"""Render docs/conformance.md from the conformance kit's cases, after checking each case against the
+contract it cites: the proto element it names exists and its comment holds the case's quote.
+
+Also lists what protos/ leaves undocumented (`undocumented()`: every RPC, message field and enum
+value carries a comment; tests/unit/conformance/test_docs.py holds both to it).
+
+    python tools/gen_conformance_docs.py          # write docs/conformance.md
+    python tools/gen_conformance_docs.py --check  # fail when it is stale or a quote is missing
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROTOS = ROOT / "protos"
+DOC = ROOT / "docs" / "conformance.md"
+
+# FileDescriptorProto / DescriptorProto / ServiceDescriptorProto field numbers (descriptor.proto).
+_FILE_MESSAGE, _FILE_ENUM, _FILE_SERVICE = 4, 5, 6
+_MESSAGE_FIELD, _MESSAGE_NESTED, _MESSAGE_ENUM = 2, 3, 4
+_SERVICE_METHOD, _ENUM_VALUE = 2, 2
+
+
+def _descriptor_set():
+    from google.protobuf import descriptor_pb2
+    from grpc_tools import protoc
+
+    include = Path(protoc.__file__).parent / "_proto"
+    sources = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "set.pb"
+        args = [
+            "protoc",
+            f"-I{PROTOS}",
+            f"-I{include}",
+            "--include_source_info",
+            f"--descriptor_set_out={out}",
+            *sources,
+        ]
+        if protoc.main(args) != 0:
+            sys.exit("protoc failed")
+        return descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+
+
+def proto_comments() -> dict[str, tuple[str, str]]:
+    """Every service, RPC, message, field, enum and enum value of protos/ by full name ->
+    (kind, its comment: the leading and trailing comments joined, whitespace collapsed)."""
+    out: dict[str, tuple[str, str]] = {}
+    for f in _descriptor_set().file:
+        _file_comments(f, out)
+    return out
+
+
+def _file_comments(f, out: dict[str, tuple[str, str]]) -> None:
+    comments = {
+        tuple(loc.path): " ".join((loc.leading_comments + " " + loc.trailing_comments).split())
+        for loc in f.source_code_info.location
+    }
+
+    def note(path: tuple[int, ...], name: str, kind: str) -> None:
+        out[name] = (kind, comments.get(path, ""))
+
+    def message(msg, path: tuple[int, ...], scope: str) -> None:
+        name = f"{scope}.{msg.name}"
+        note(path, name, "message")
+        for i, field in enumerate(msg.field):
+            note((*path, _MESSAGE_FIELD, i), f"{name}.{field.name}", "field")
+        for i, nested in enumerate(msg.nested_type):
+            if not nested.options.map_entry:
+                message(nested, (*path, _MESSAGE_NESTED, i), name)
+        for i, enum in enumerate(msg.enum_type):
+            enum_type(enum, (*path, _MESSAGE_ENUM, i), name)
+
+    def enum_type(enum, path: tuple[int, ...], scope: str) -> None:
+        name = f"{scope}.{enum.name}"
+        note(path, name, "enum")
+        for i, value in enumerate(enum.value):
+            note((*path, _ENUM_VALUE, i), f"{scope}.{value.name}", "enum value")
+
+    for i, msg in enumerate(f.message_type):
+        message(msg, (_FILE_MESSAGE, i), f.package)
+    for i, enum in enumerate(f.enum_type):
+        enum_type(enum, (_FILE_ENUM, i), f.package)
+    for i, svc in enumerate(f.service):
+        name = f"{f.package}.{svc.name}"
+        note((_FILE_SERVICE, i), name, "service")
+        for j, method in enumerate(svc.method):
+            note((_FILE_SERVICE, i, _SERVICE_METHOD, j), f"{name}.{method.name}", "rpc")
+
+
+def quote_problems(comments: dict[str, tuple[str, str]]) -> list[str]:
+    """Cases whose proto element is missing, or whose comment lacks the case's quote."""
+    import conformance
+
+    problems = []
+    for name in conformance.NAMES:
+        for case in conformance.contract(name).cases:
+            if case.proto not in comments:
+                problems.append(f"{case.id}: no proto element {case.proto}")
+                continue
+            quote = " ".join(case.quote.split())
+            if quote not in comments[case.proto][1]:
+                problems.append(f'{case.id}: the comment of {case.proto} does not say "{quote}"')
+    return problems
+
+
+def undocumented(comments: dict[str, tuple[str, str]]) -> list[str]:
+    """RPCs, fields and enum values of protos/ without a comment of their own (zero enum values,
+    `*_UNSPECIFIED`, say nothing by convention and are left out)."""
+    return sorted(
+        name
+        for name, (kind, text) in comments.items()
+        if kind in ("rpc", "field", "enum value") and not text and not name.endswith("_UNSPECIFIED")
+    )
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render() -> str:
+    import conformance
+
+    lines = [
+        "# Conformance kit",
+        "",
+        "<!-- Generated by tools/gen_conformance_docs.py from conformance/ and protos/; do not edit. -->",
+        "",
+        "Every contract in `protos/` comes with the cases a server of it must pass, written from the",
+        "contract's own documentation: each case below names the proto element whose comment promises",
+        "the behaviour, and quotes it. Run them against any server by address:",
+        "",
+        "```bash",
+        "looprl conformance reward --address 127.0.0.1:7000 --tls-dir certs/     # text, exit 1 on a failed case",
+        "looprl conformance reward --list                                          # the cases and options",
+        "pytest -p conformance.pytest_plugin --conformance reward=127.0.0.1:7000 --conformance-tls-dir certs/",
+        "```",
+        "",
+        "`--tls-dir` is a directory laid out as `looprl certs DIR` writes it (`ca.crt`, and",
+        "`<identity>.crt`/`.key` per identity): each RPC is called as an identity",
+        "`services/kit/authz.py` allows to call it, and the authorization cases call as one it does",
+        "not. `--ca/--cert/--key` give one identity instead; `--insecure` checks a plaintext server",
+        "(the TLS and authorization cases are skipped). Without `--address` the local stack's",
+        "service is checked with the stack's certificates. Cases run in the order below and share",
+        "what earlier ones established; a case whose prerequisite failed is skipped naming it, so the",
+        "first broken promise is the one reported. Contracts whose cases change state say so under",
+        "their name: run those against a server no run is using.",
+        "",
+    ]
+    for name in conformance.NAMES:
+        contract = conformance.contract(name)
+        module = sys.modules[conformance.MODULES[name]]
+        doc = " ".join((module.__doc__ or "").split())
+        lines += [f"## {name}", "", f"`{contract.service}`: {doc}", ""]
+        if contract.options:
+            lines += ["| option | meaning |", "|---|---|"]
+            lines += [f"| `{k}` | {_cell(v)} |" for k, v in contract.options.items()]
+            lines.append("")
+        lines += ["| case | RPC | behaviour | status | promised by |", "|---|---|---|---|---|"]
+        for case in contract.cases:
+            lines.append(
+                f"| `{case.id}` | {case.rpc} | {_cell(case.behaviour)} | {case.status} | "
+                f'`{case.proto}`: "{_cell(case.quote)}" |'
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail when stale or a quote is missing")
+    args = parser.parse_args()
+    problems = quote_problems(proto_comments())
+    if problems:
+        print(
+            "conformance cases that cite what protos/ does not say:", *problems, sep="\n  ", file=sys.stderr
+        )
+        return 1
+    page = render()
+    if args.check:
+        if not DOC.exists() or DOC.read_text() != page:
+            print(
+                f"{DOC.relative_to(ROOT)} is stale: run python tools/gen_conformance_docs.py", file=sys.stderr
+            )
+            return 1
+        return 0
+    DOC.write_text(page)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
