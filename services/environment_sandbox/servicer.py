@@ -12,6 +12,8 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+import grpc
+
 from looprl.environment.v1 import environment_pb2, environment_pb2_grpc
 from services.environment_sandbox.agent_loop import EpisodeRunner
 from services.environment_sandbox.clients import CURRENT_RUN
@@ -82,6 +84,8 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             raise _status(exc) from None
         except SandboxError as exc:
             raise _sandbox_status(exc) from None
+        except grpc.aio.AioRpcError as exc:
+            raise _dependency_status(exc) from None
         return environment_pb2.RunEpisodeResponse(rollout=rollouts[0], rollouts=rollouts)
 
     async def Reset(self, request, context: Any) -> environment_pb2.ResetResponse:
@@ -262,6 +266,16 @@ async def _trial(cls: type[Environment], call: Any) -> Any:
         raise PluginFailure(
             f"environment.name: plugin {loaded.reference!r} failed its trial: {plugins.describe(exc, loaded.root)}"
         ) from None
+
+
+def _dependency_status(exc: grpc.aio.AioRpcError) -> ServiceError:
+    """A refusal of the episode's own request by the router or reward service is the caller's to
+    fix (the same status); any other failure of theirs is worth retrying (UNAVAILABLE)."""
+    code, details = exc.code(), exc.details() or exc.code().name
+    for refusal in (InvalidArgument, NotFound, FailedPrecondition):
+        if code == refusal.code:
+            return refusal(f"a call of the episode was refused: {details}")
+    return Unavailable(f"a service the episode needs failed ({code.name}): {details}")
 
 
 def _sandbox_status(exc: SandboxError) -> ServiceError:

@@ -165,6 +165,7 @@ class ReplicaCore:
             options=[*tls.message_limits(256 * 1024 * 1024), ("grpc.so_reuseport", 0)],
         )
         add_engine_servicer(server, _EngineServicer(self))
+        await _add_health_and_reflection(server)
         host = _bind_host(self.host)
         port = tls.add_port(server, f"{host}:0")
         await server.start()
@@ -616,6 +617,20 @@ class ReplicaCore:
         self._paused = False
         if self.engine is not None:
             self.engine.resume()
+
+
+async def _add_health_and_reflection(server: grpc.aio.Server) -> None:
+    """The standard health service (SERVING as soon as the server answers: a replica without weights
+    says so through Status and UNAVAILABLE from Generate) and reflection, as the contract asks."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    name = inference_pb2.DESCRIPTOR.services_by_name["InferenceEngineService"].full_name
+    for service in ("", name):
+        await servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
 
 
 class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
