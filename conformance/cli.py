@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from pathlib import Path
+from collections.abc import Callable
 
 from conformance import NAMES
 
@@ -40,7 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON line per case instead of text")
 
 
-def target_from_args(args: argparse.Namespace, state_dir: Path | None = None):
+# The local stack's service of a contract: name -> (address, certificates directory); ("", "") for none.
+LocalStack = Callable[[str], tuple[str, str]]
+
+
+def target_from_args(args: argparse.Namespace, local: LocalStack | None = None):
     """The Target the arguments name; ValueError with a sentence when they do not add up."""
     from conformance.target import Credentials, Target
 
@@ -51,8 +56,9 @@ def target_from_args(args: argparse.Namespace, state_dir: Path | None = None):
             raise ValueError(f"--option {item!r}: expected NAME=VALUE")
         options[name] = value
     address, tls_dir = args.address, args.tls_dir
-    if not address and state_dir is not None:
-        address, tls_dir = _local_service(args.contract, state_dir, tls_dir)
+    if not address and local is not None:
+        address, stack_tls = local(args.contract)
+        tls_dir = tls_dir or stack_tls
     if not address:
         raise ValueError("--address HOST:PORT is required (no local stack serves this contract)")
     if args.insecure:
@@ -68,18 +74,6 @@ def target_from_args(args: argparse.Namespace, state_dir: Path | None = None):
     return Target(address, credentials, args.server_name, args.timeout, options)
 
 
-def _local_service(contract: str, state_dir: Path, tls_dir: str | None) -> tuple[str, str | None]:
-    from gateway.stack import StackState
-
-    state = StackState.load(state_dir.resolve())
-    if state is None or contract in ("inference-engine",):
-        return "", tls_dir
-    try:
-        return state.service(contract).address, tls_dir or str(state.tls_dir)
-    except StopIteration:
-        return "", tls_dir
-
-
 def list_cases(name: str, out=sys.stdout) -> None:
     import conformance
 
@@ -91,14 +85,16 @@ def list_cases(name: str, out=sys.stdout) -> None:
         print(f"  {case.id:<48} {case.rpc:<20} {case.status:<20} {case.behaviour}", file=out)
 
 
-def run(args: argparse.Namespace, state_dir: Path | None = None) -> int:
+def run(args: argparse.Namespace, local: LocalStack | None = None) -> int:
+    # The kit provokes failed handshakes on purpose; gRPC's own log lines about them are noise here.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     import conformance
 
     if args.list:
         list_cases(args.contract)
         return 0
     try:
-        target = target_from_args(args, state_dir)
+        target = target_from_args(args, local)
     except ValueError as exc:
         print(f"looprl conformance: {exc}", file=sys.stderr)
         return 2

@@ -43,16 +43,25 @@ def _ports(args: argparse.Namespace):
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from gateway import external
     from gateway.stack import status_rows, up
 
+    try:
+        use = external.parse_all(args.use)
+        router_env = external.router_env(use, args.recipe)
+    except ValueError as exc:
+        print(f"looprl up: {exc}", file=sys.stderr)
+        return 2
     state = up(
         _state_dir(args),
         _ports(args),
-        {**_recipe_env(args.recipe), **_plugin_env(args.plugin_dir)},
+        {**(router_env or _recipe_env(args.recipe)), **_plugin_env(args.plugin_dir)},
         keep_state=args.keep_state,
         host=args.host,
         ray_resources=json.loads(args.ray_resources) if args.ray_resources else None,
         cert_hosts=tuple(args.cert_host),
+        use=tuple(use),
+        engine_recipe=str(Path(args.recipe).resolve()) if router_env else "",
     )
     _print_rows(status_rows(state))
     print(f"gateway token: {state.gateway_token}  (HTTP on {state.host}:{state.http_port})")
@@ -74,6 +83,13 @@ def cmd_restart(args: argparse.Namespace) -> int:
         print("no local stack is up (run `looprl up`)", file=sys.stderr)
         return 1
     names = [s.name for s in state.services] + list(INFRASTRUCTURE)
+    outside = {p.role: p.address for p in state.external_parts}
+    if args.service in outside:
+        print(
+            f"{args.service} is not looprl's here (--use, at {outside[args.service]}): restart it where it runs",
+            file=sys.stderr,
+        )
+        return 2
     if args.service not in names:
         print(f"unknown service {args.service!r}; the stack runs: {', '.join(names)}", file=sys.stderr)
         return 2
@@ -140,6 +156,11 @@ def cmd_certs(args: argparse.Namespace) -> int:
     """A development CA and one certificate per service (for docker compose or a Kubernetes Secret)."""
     from services.kit import nats_auth, tls
 
+    if args.identity:
+        # A part written outside looprl gets its own certificate from the same CA (reused).
+        out = tls.generate_dev_pki(Path(args.out), identities=args.identity, hosts=args.host)
+        print(f"certificates for {', '.join(args.identity)} in {out} (CA {out / 'ca.crt'})")
+        return 0
     out = tls.generate_dev_pki(Path(args.out), hosts=args.host)
     print(f"CA and certificates for {', '.join(tls.IDENTITIES)} in {out}")
     users = nats_auth.write_credentials(out, [i for i in tls.IDENTITIES if i != tls.OPERATOR])
@@ -316,7 +337,17 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_conformance(args: argparse.Namespace) -> int:
     from conformance.cli import run
 
-    return run(args, _state_dir(args))
+    def local(contract: str) -> tuple[str, str]:
+        """The local stack's service of that name, and the stack's certificates."""
+        from gateway.stack import StackState
+
+        state = StackState.load(_state_dir(args).resolve())
+        names = [s.name for s in state.services] if state is not None else []
+        if contract not in names:
+            return "", ""
+        return state.service(contract).address, str(state.tls_dir)
+
+    return run(args, local)
 
 
 def _common_options(with_defaults: bool) -> argparse.ArgumentParser:
@@ -373,6 +404,15 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
         help="directory of user code (environments, rewards, task sources) the services may load",
     )
     p.add_argument(
+        "--use",
+        action="append",
+        default=[],
+        metavar="ROLE=HOST:PORT[@IDENTITY]",
+        help="a part started elsewhere in place of looprl's: a service (reward, environment-sandbox, ...; its "
+        "certificate issued to IDENTITY, the service's name by default) or an inference-engine serving --recipe's "
+        "deployment; checked (TLS, health, contract) before the stack is ready",
+    )
+    p.add_argument(
         "--host",
         default="127.0.0.1",
         help="address every process listens on; this host's own address makes it the head of several hosts",
@@ -400,6 +440,12 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
     )
     p.add_argument("out", help="directory (an existing ca.crt/ca.key there is reused)")
     p.add_argument("--host", action="append", default=[], help="extra DNS name or IP for every certificate")
+    p.add_argument(
+        "--identity",
+        action="append",
+        default=[],
+        help="issue only this identity's certificate (e.g. for a part written outside looprl), from DIR's CA",
+    )
     p.set_defaults(func=cmd_certs)
     p = add_command(
         "run",

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway import external
 from services.kit import nats_auth, registry, tls
 from services.kit.local import (
     RAY_GRACE_S,
@@ -85,6 +86,13 @@ class StackState:
     """The address every process of the stack listens on (see `up`)."""
     ray_resources: dict[str, float] = field(default_factory=dict)
     """Custom resources of the Ray head (see `up`), offered again after a restart."""
+    external: list[dict[str, str]] = field(default_factory=list)
+    """Parts `up` started nothing for (`--use`, gateway/external.py), and the recipe engines serve."""
+    engine_recipe: str = ""
+
+    @property
+    def external_parts(self) -> list[external.ExternalPart]:
+        return [external.ExternalPart(**p) for p in self.external]
 
     @property
     def nats_url(self) -> str:
@@ -167,6 +175,8 @@ def up(
     host: str = "127.0.0.1",
     ray_resources: dict[str, float] | None = None,
     cert_hosts: tuple[str, ...] = (),
+    use: tuple[external.ExternalPart, ...] = (),
+    engine_recipe: str = "",
 ) -> StackState:
     """Start everything and wait until every service reports SERVING.
 
@@ -177,7 +187,9 @@ def up(
     `ray_resources`: custom resources the head node offers (the recipe's ray_resources fields place
     replicas and trainer ranks by them). `cert_hosts`: the addresses of the other hosts, which every
     certificate names too (replicas there serve with the router's certificate, ranks call with the
-    trainer's, and their peers verify the address they dial).
+    trainer's, and their peers verify the address they dial). `use`: parts started elsewhere in place
+    of looprl's (gateway/external.py), checked before the stack is ready; engines among them serve
+    `engine_recipe`'s deployment.
     """
     state_dir = state_dir.resolve()
     existing = StackState.load(state_dir)
@@ -190,8 +202,11 @@ def up(
     logs = state_dir / "logs"
     logs.mkdir(exist_ok=True)
     # The registry's order: callees first, the gateway (the front door) last.
+    outside = {p.role for p in use}
     plan = [
-        (s.name, s.package, ports.base + i, ports.base + 100 + i) for i, s in enumerate(registry.SERVICES)
+        (s.name, s.package, ports.base + i, ports.base + 100 + i)
+        for i, s in enumerate(registry.SERVICES)
+        if s.name not in outside
     ]
     for name, _, grpc_port, metrics_port in plan:
         require_free(grpc_port, f"{name} gRPC", host)
@@ -219,6 +234,8 @@ def up(
         nats_passwords=nats_passwords,
         host=host,
         ray_resources=dict(ray_resources or {}),
+        external=[asdict(p) for p in use],
+        engine_recipe=engine_recipe,
     )
     state.save()
     tls.generate_dev_pki(state.tls_dir, hosts=[*([] if _loopback(host) else [host]), *cert_hosts])
@@ -243,6 +260,7 @@ def up(
     for name, _, grpc_port, _ in plan:
         if name in PEER_VARIABLES:
             env[PEER_VARIABLES[name]] = f"{host}:{grpc_port}"
+    env.update(external.service_env(list(use), PEER_VARIABLES))
     state.service_env = env
     try:
         for name, module, grpc_port, metrics_port in plan:
@@ -254,11 +272,21 @@ def up(
             )
             state.save()
         wait_serving(state, timeout - (time.monotonic() - started))
+        if use:
+            external.wait_ready(list(use), state.credentials(), timeout - (time.monotonic() - started), log)
+            _register_engines(state)
     except BaseException:
         down(state_dir, log=lambda *_: None)
         raise
-    log(f"all {len(state.services)} services SERVING in {time.monotonic() - started:.1f}s")
+    log(f"all {len(state.services) + len(use)} services SERVING in {time.monotonic() - started:.1f}s")
     return state
+
+
+def _register_engines(state: StackState) -> None:
+    """External engines serve the recipe's deployment: the router knows them only once told."""
+    if any(p.role == external.ENGINE for p in state.external_parts):
+        with state.channel("inference-router") as channel:
+            external.register_engines(state.external_parts, state.engine_recipe, channel)
 
 
 def _loopback(host: str) -> bool:
@@ -305,6 +333,8 @@ def restart(state_dir: Path, name: str, kill: bool = False, timeout: float = 120
     _launch(state, svc)
     state.save()
     wait_serving(StackState(**{**asdict(state), "services": [svc]}), timeout)
+    if name == "inference-router":
+        _register_engines(state)
     return svc
 
 
@@ -437,6 +467,8 @@ def status_rows(state: StackState) -> list[dict[str, str]]:
     for svc in state.services:
         health = _health(state, svc) if pid_alive(svc.pid) else "DOWN (no process)"
         rows.append({"name": svc.name, "health": health, "address": svc.address, "pid": str(svc.pid)})
+    if state.external:
+        rows += external.status_rows(state.external_parts, state.credentials())
     return rows
 
 

@@ -71,12 +71,28 @@ class ServiceConfig(Schema):
     """PEM certificate of this service; its common name is the identity."""
     tls_key_file: str = ""
     """PEM private key of tls_cert_file."""
+    external_identities: dict[str, str] = {}
+    """Certificate identities of parts that are not looprl's own, each with the service it stands in for
+    (e.g. {"acme-reward": "reward"}): a caller presenting that certificate is authorized as that service.
+    Set by `looprl up --use`."""
     insecure_plaintext: bool = Field(
         default_factory=lambda: _env_flag("LOOPRL_INSECURE_PLAINTEXT"),
         json_schema_extra={"shown_default": "LOOPRL_INSECURE_PLAINTEXT, else False"},
     )
     """Serve and call gRPC without TLS or caller checks (local development only; logged as a warning). Without
     it a service with no certificates refuses to start."""
+
+    @field_validator("external_identities")
+    @classmethod
+    def _stands_in_for_a_service(cls, value: dict[str, str]) -> dict[str, str]:
+        from services.kit.registry import NAMES
+
+        for identity, service in value.items():
+            if identity in NAMES or identity == "operator":
+                raise ValueError(f"{identity!r} is looprl's own identity and cannot stand in for another")
+            if service not in NAMES or service == "gateway":
+                raise ValueError(f"{identity!r} stands in for {service!r}, not a service behind the gateway")
+        return value
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -132,9 +132,15 @@ def resolve(identity: str, config: ServiceConfig) -> Credentials | None:
     )
 
 
+# Certificate identities of external parts -> the service each stands in for (config.external_identities).
+_stand_ins: dict[str, str] = {}
+
+
 def configure(identity: str, config: ServiceConfig) -> Credentials | None:
     """Adopt identity for this process from config (see resolve); idempotent for the same one."""
     global _process
+    _stand_ins.clear()
+    _stand_ins.update(config.external_identities)
     if isinstance(_process, Credentials) and _process.identity == identity:
         return _process
     creds = resolve(identity, config)
@@ -239,10 +245,14 @@ def sync_channel(
 
 
 def peer_identity(context: grpc.aio.ServicerContext) -> str | None:
-    """The verified common name of the caller's certificate, or None (plaintext, or no certificate)."""
+    """The verified common name of the caller's certificate, or None (plaintext, or no certificate);
+    an external part's identity reads as the service it stands in for (config.external_identities)."""
     auth = context.auth_context() or {}
     names = auth.get("x509_common_name") or []
-    return names[0].decode() if names else None
+    if not names:
+        return None
+    name = names[0].decode()
+    return _stand_ins.get(name, name)
 
 
 # ---- the development CA ---------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def local_stack(
 ) -> Iterator[Stack]:
     """`looprl up` on free ports, yielding the Stack; `looprl down` after, checking nothing is left.
     `recipe_text`: the recipe whose deployments the stack serves from the start; None: none, every
-    run brings its own. `up_args`: more options of `looprl up` (e.g. --plugin-dir)."""
+    run brings its own. `up_args`: more options of `looprl up` (e.g. --plugin-dir, --use)."""
     recipe_args = []
     if recipe_text is not None:
         recipe = state_dir / "recipe.toml"

@@ -5,7 +5,7 @@ ones inside functions and `if TYPE_CHECKING:` blocks (a lazy import is still a d
 still closes a cycle). Rules:
 
 - a service (gateway, or a package under services/ that is not shared) imports no other service;
-- a shared package (services.kit, services.modeling, ...) imports no service;
+- a shared package (services.kit, services.modeling, ..., the conformance kit) imports no service;
 - nothing but bench imports bench (benchmarks are harnesses, not parts of the product);
 - no two modules reach each other through imports (a cycle is reported module by module).
 """
@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ("services", "gateway", "bench")
+SCANNED = ("services", "gateway", "bench", "conformance")
 # Packages under services/ that every service may use; every other package there is a service.
-# A new shared package is added here, or its users fail.
-SHARED = frozenset({"services.kit", "services.modeling", "services.weights"})
+# A new shared package is added here, or its users fail. The conformance kit is a client of the
+# contracts any service or tool may run, so it too imports no service.
+SHARED = frozenset({"services.kit", "services.modeling", "services.weights", "conformance"})
 HARNESSES = frozenset({"bench"})
 
 
