@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 
@@ -86,8 +85,6 @@ def list_cases(name: str, out=sys.stdout) -> None:
 
 
 def run(args: argparse.Namespace, local: LocalStack | None = None) -> int:
-    # The kit provokes failed handshakes on purpose; gRPC's own log lines about them are noise here.
-    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     import conformance
 
     if args.list:

@@ -380,3 +380,89 @@ def _episode_id(s: Session) -> None:
         "RunEpisode", pb.RunEpisodeRequest(task=_task(s, name, task, 1)), pb.RunEpisodeResponse, timeout=60
     )
     check(other.rollout.rollout_id != first.rollout_id, "another task got the same rollout_id")
+
+
+@contract.case(
+    "load.required",
+    "LoadEnvironment",
+    "an empty environment name is refused naming `environment`",
+    "INVALID_ARGUMENT",
+    "looprl.environment.v1.LoadEnvironmentRequest.environment",
+    "empty: INVALID_ARGUMENT naming environment",
+)
+def _load_required(s: Session) -> None:
+    s.refused(
+        "INVALID_ARGUMENT",
+        lambda: s.unary("LoadEnvironment", pb.LoadEnvironmentRequest(), pb.LoadEnvironmentResponse),
+        naming="environment",
+    )
+
+
+@contract.case(
+    "load.unknown",
+    "LoadEnvironment",
+    "an environment that is neither built in nor a plugin is refused",
+    "NOT_FOUND",
+    "looprl.environment.v1.EnvironmentSandboxService.LoadEnvironment",
+    "NOT_FOUND for an unknown environment",
+)
+def _load_unknown(s: Session) -> None:
+    request = pb.LoadEnvironmentRequest(environment="conformance-no-such-environment")
+    s.refused("NOT_FOUND", lambda: s.unary("LoadEnvironment", request, pb.LoadEnvironmentResponse))
+
+
+@contract.case(
+    "load.max_prompt_tokens",
+    "LoadEnvironment",
+    "a negative prompt limit is refused naming it",
+    "INVALID_ARGUMENT",
+    "looprl.environment.v1.LoadEnvironmentRequest.max_prompt_tokens",
+    "negative: INVALID_ARGUMENT naming max_prompt_tokens",
+)
+def _load_limit(s: Session) -> None:
+    name, _ = _environment(s)
+    request = pb.LoadEnvironmentRequest(environment=name, max_prompt_tokens=-1)
+    s.refused(
+        "INVALID_ARGUMENT",
+        lambda: s.unary("LoadEnvironment", request, pb.LoadEnvironmentResponse),
+        naming="max_prompt_tokens",
+    )
+
+
+@contract.case(
+    "load.bad_config",
+    "LoadEnvironment",
+    "a config the environment cannot take is refused",
+    "INVALID_ARGUMENT",
+    "looprl.environment.v1.EnvironmentSandboxService.LoadEnvironment",
+    "INVALID_ARGUMENT for a bad config or dataset",
+)
+def _load_bad_config(s: Session) -> None:
+    name, _ = _environment(s)
+    for bad in ("{not json", '{"conformance_no_such_setting": 1}'):
+        request = pb.LoadEnvironmentRequest(environment=name, environment_config_json=bad)
+        s.refused(
+            "INVALID_ARGUMENT", lambda r=request: s.unary("LoadEnvironment", r, pb.LoadEnvironmentResponse)
+        )
+
+
+@contract.case(
+    "load.first_task",
+    "LoadEnvironment",
+    "loads a listed environment and answers a first task that Reset accepts",
+    "OK",
+    "looprl.environment.v1.LoadEnvironmentResponse.first_task_json",
+    "The first task a run of this recipe plays (JSON)",
+)
+def _load(s: Session) -> None:
+    name, _ = _environment(s)
+    reply = s.unary(
+        "LoadEnvironment", pb.LoadEnvironmentRequest(environment=name), pb.LoadEnvironmentResponse, timeout=60
+    )
+    check(reply.environment.name == name, f"loaded {reply.environment.name!r}, asked for {name!r}")
+    task = json.loads(reply.first_task_json)
+    check(isinstance(task, dict), f"first_task_json is not a JSON object: {reply.first_task_json!r}")
+    started = s.unary(
+        "Reset", pb.ResetRequest(environment=name, task_json=reply.first_task_json), pb.ResetResponse
+    )
+    check(started.observation, "Reset of the first task answered no observation")

@@ -26,7 +26,7 @@ contract = Contract(
 )
 add_common(contract, "ListRewards", pb.ListRewardsRequest())
 
-KINDS = ("verifier", "model", "composite")
+KINDS = ("verifier", "model", "composite", "plugin")
 MAX_BATCH = 1024
 
 
@@ -63,7 +63,7 @@ def _check_response(r: pb.ScoreResponse, where: str) -> None:
     "lists at least one reward, each with a unique non-empty name and a known kind",
     "OK",
     "looprl.reward.v1.RewardInfo.kind",
-    '"verifier", "model" or "composite"',
+    '"verifier", "model", "composite" or "plugin"',
 )
 def _list(s: Session) -> None:
     reply = s.unary("ListRewards", pb.ListRewardsRequest(), pb.ListRewardsResponse)
@@ -74,6 +74,7 @@ def _list(s: Session) -> None:
     for r in reply.rewards:
         check(r.kind in KINDS, f"reward {r.name!r} has kind {r.kind!r}, not one of {KINDS}")
     s.facts["rewards"] = names
+    s.facts["kinds"] = {r.name: r.kind for r in reply.rewards}
 
 
 @contract.case(
@@ -276,3 +277,73 @@ def _batch_limit(s: Session) -> None:
     s.refused(
         "INVALID_ARGUMENT", lambda: s.unary("ScoreBatch", request, pb.ScoreBatchResponse), naming="requests"
     )
+
+
+@contract.case(
+    "load.registered",
+    "LoadReward",
+    "loading a listed reward answers it as ListRewards lists it",
+    "OK",
+    "looprl.reward.v1.LoadRewardResponse.reward",
+    "as ListRewards lists it",
+)
+def _load(s: Session) -> None:
+    listed = s.unary("ListRewards", pb.ListRewardsRequest(), pb.ListRewardsResponse)
+    for info in listed.rewards:
+        if info.kind == "plugin":
+            continue
+        reply = s.unary("LoadReward", pb.LoadRewardRequest(reward=info.name), pb.LoadRewardResponse)
+        check(
+            reply.reward.name == info.name and reply.reward.kind == info.kind,
+            f"LoadReward({info.name!r}) answered {reply.reward.name!r} ({reply.reward.kind}), ListRewards says {info.kind}",
+        )
+        check(
+            not reply.trials,
+            f"LoadReward({info.name!r}) scored {len(reply.trials)} trials for a reward that is not a plugin",
+        )
+
+
+@contract.case(
+    "load.required",
+    "LoadReward",
+    "an empty reward name is refused naming `reward`",
+    "INVALID_ARGUMENT",
+    "looprl.reward.v1.LoadRewardRequest.reward",
+    "empty: INVALID_ARGUMENT naming reward",
+)
+def _load_required(s: Session) -> None:
+    s.refused(
+        "INVALID_ARGUMENT",
+        lambda: s.unary("LoadReward", pb.LoadRewardRequest(), pb.LoadRewardResponse),
+        naming="reward",
+    )
+
+
+@contract.case(
+    "load.unknown",
+    "LoadReward",
+    "a reward that is neither registered nor a plugin is refused",
+    "NOT_FOUND",
+    "looprl.reward.v1.RewardService.LoadReward",
+    "NOT_FOUND for an unknown reward",
+)
+def _load_unknown(s: Session) -> None:
+    request = pb.LoadRewardRequest(reward="conformance-no-such-reward")
+    s.refused("NOT_FOUND", lambda: s.unary("LoadReward", request, pb.LoadRewardResponse))
+
+
+@contract.case(
+    "load.settings",
+    "LoadReward",
+    "settings for a reward that is not a plugin are refused",
+    "INVALID_ARGUMENT",
+    "looprl.reward.v1.LoadRewardRequest.config_json",
+    "settings for it are INVALID_ARGUMENT",
+)
+def _load_settings(s: Session) -> None:
+    kinds = s.facts.get("kinds") or {}
+    names = [n for n in _rewards(s) if kinds.get(n, "verifier") != "plugin"]
+    if not names:
+        skip("every reward listed is a plugin")
+    request = pb.LoadRewardRequest(reward=names[0], config_json='{"conformance": 1}')
+    s.refused("INVALID_ARGUMENT", lambda: s.unary("LoadReward", request, pb.LoadRewardResponse))

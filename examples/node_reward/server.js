@@ -28,6 +28,7 @@ const CALLERS = {
   Score: ['environment-sandbox'],
   ScoreBatch: ['environment-sandbox'],
   ListRewards: ['environment-sandbox', 'gateway', 'operator'],
+  LoadReward: ['gateway', 'operator'],
 };
 
 // ---- the reward ---------------------------------------------------------------------------------
@@ -144,6 +145,22 @@ const handlers = {
       .sort()
       .map((name) => ({ name, kind: REWARDS[name].kind, description: REWARDS[name].description }));
     return { rewards };
+  },
+  // The gateway loads a run's reward before the run exists. This service has no plugins: a reward
+  // is one of its own, which takes no settings and scores no trials.
+  LoadReward(request) {
+    if (!request.reward) {
+      throw new Refusal(grpc.status.INVALID_ARGUMENT, 'reward: required');
+    }
+    const reward = REWARDS[request.reward];
+    if (reward === undefined) {
+      const known = Object.keys(REWARDS).sort().join(', ');
+      throw new Refusal(grpc.status.NOT_FOUND, `unknown reward ${JSON.stringify(request.reward)}: this reward service serves ${known}`);
+    }
+    if (request.config_json) {
+      throw new Refusal(grpc.status.INVALID_ARGUMENT, 'reward.config: only a plugin reward takes settings, and this service has none');
+    }
+    return { reward: { name: request.reward, kind: reward.kind, description: reward.description }, trials: [] };
   },
 };
 
