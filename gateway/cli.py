@@ -129,9 +129,10 @@ def _weight_versions(state) -> dict[str, int]:
 
 
 def _print_rows(rows: list[dict[str, str]]) -> None:
-    print(f"{'SERVICE':<22}{'HEALTH':<24}{'ADDRESS':<24}PID")
+    width = max(22, *(len(r["name"]) + 2 for r in rows))
+    print(f"{'SERVICE':<{width}}{'HEALTH':<24}{'ADDRESS':<24}PID")
     for r in rows:
-        print(f"{r['name']:<22}{r['health']:<24}{r['address']:<24}{r['pid']}")
+        print(f"{r['name']:<{width}}{r['health']:<24}{r['address']:<24}{r['pid']}")
 
 
 def _recipe_env(recipe: str | None) -> dict[str, str]:

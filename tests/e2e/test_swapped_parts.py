@@ -66,6 +66,7 @@ def test_the_default_recipe_learns_with_a_foreign_reward_and_engine(swapped: Swa
     assert_accounting(run)
     rewards = [h.reward_mean for h in run.history]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
     assert last >= 1.5 * first and last - first >= 0.015, (
         f"reward did not rise: first 10 {first:.3f}, last 10 {last:.3f}"
     )

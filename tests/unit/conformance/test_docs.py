@@ -6,12 +6,15 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 import conformance
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _generator():
+@pytest.fixture(scope="module")
+def generator():
     spec = importlib.util.spec_from_file_location(
         "gen_conformance_docs", ROOT / "tools" / "gen_conformance_docs.py"
     )
@@ -20,9 +23,13 @@ def _generator():
     return module
 
 
-def test_every_case_quotes_the_proto_comment_it_checks_and_the_table_is_fresh() -> None:
-    generator = _generator()
-    comments = generator.proto_comments()
+@pytest.fixture(scope="module")
+def comments(generator) -> dict:
+    """protos/ as protoc reads it, comments included (one protoc run for the module)."""
+    return generator.proto_comments()
+
+
+def test_every_case_quotes_the_proto_comment_it_checks_and_the_table_is_fresh(generator, comments) -> None:
     assert generator.quote_problems(comments) == []
     page = (ROOT / "docs" / "conformance.md").read_text()
     assert page == generator.render(), (
@@ -30,14 +37,12 @@ def test_every_case_quotes_the_proto_comment_it_checks_and_the_table_is_fresh() 
     )
 
 
-def test_protos_document_every_rpc_field_and_enum_value() -> None:
-    generator = _generator()
-    assert generator.undocumented(generator.proto_comments()) == []
+def test_protos_document_every_rpc_field_and_enum_value(generator, comments) -> None:
+    assert generator.undocumented(comments) == []
 
 
-def test_a_missing_quote_is_reported_naming_the_case(monkeypatch) -> None:
-    generator = _generator()
-    comments = generator.proto_comments()
+def test_a_missing_quote_is_reported_naming_the_case(generator, comments) -> None:
+    comments = dict(comments)
     name = "looprl.reward.v1.ScoreResponse.score"
     kind, _ = comments[name]
     comments[name] = (kind, "The reward.")
