@@ -58,7 +58,10 @@ def test_an_identity_may_not_stand_in_for_looprls_own_or_the_gateway() -> None:
             config(bad)
 
 
-def test_a_caller_with_a_stand_in_identity_reads_as_its_role(tmp_path) -> None:
+def test_a_caller_with_a_stand_in_identity_reads_as_its_role(tmp_path, monkeypatch) -> None:
+    # configure() sets this process's identity: put it back after (other tests run plaintext).
+    monkeypatch.setattr(tls, "_process", tls._process)
+    monkeypatch.setattr(tls, "_stand_ins", dict(tls._stand_ins))
     cfg = load_config(
         RewardConfig,
         "REWARD",
