@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import grpc
-
-from conformance.case import CaseFailed, Contract, check
+from conformance.case import Contract, check
 from conformance.served import contract_problems
 from conformance.target import Session
 
@@ -118,9 +116,3 @@ def add_common(contract: Contract, probe: str, probe_request: Any) -> None:
         s.refused("INVALID_ARGUMENT", lambda: s.unary(probe, GARBAGE, type(probe_request)))
         status = health(s)
         check(status == "SERVING", f"after a malformed request Health.Check is {status}")
-
-
-def rpc_code(exc: BaseException) -> str:
-    if isinstance(exc, grpc.RpcError):
-        return exc.code().name
-    raise CaseFailed(f"{type(exc).__name__}: {exc}")

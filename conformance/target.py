@@ -10,7 +10,6 @@ and authorization are skipped then.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,7 +256,3 @@ def _serialize(message: Any) -> bytes:
 def _short(reply: Any) -> str:
     text = str(reply).replace("\n", " ")
     return text if len(text) < 160 else text[:157] + "..."
-
-
-def finite(value: float) -> bool:
-    return math.isfinite(value)
