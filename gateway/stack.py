@@ -87,8 +87,9 @@ class StackState:
     ray_resources: dict[str, float] = field(default_factory=dict)
     """Custom resources of the Ray head (see `up`), offered again after a restart."""
     external: list[dict[str, str]] = field(default_factory=list)
-    """Parts `up` started nothing for (`--use`, gateway/external.py), and the recipe engines serve."""
+    """Parts `up` started nothing for (`--use`, gateway/external.py)."""
     engine_recipe: str = ""
+    """The recipe whose deployment external engines serve (registered again after a router restart)."""
 
     @property
     def external_parts(self) -> list[external.ExternalPart]:
