@@ -8,6 +8,7 @@ The shared stack serves no run and has no weights: the cases here change nothing
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -54,7 +55,10 @@ def test_the_pytest_plugin_checks_a_service_from_a_users_own_ci(stack, tmp_path)
             "-p",
             "no:cacheprovider",
         ]
-        return subprocess.run([*command, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        env = {**os.environ, "COLUMNS": "250"}  # the summary lines whole
+        return subprocess.run(
+            [*command, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
 
     passed = pytest_run("--conformance", f"reward={address}", "--conformance-tls-dir", tls)
     cases = len(conformance.contract("reward").cases)
@@ -67,5 +71,5 @@ def test_the_pytest_plugin_checks_a_service_from_a_users_own_ci(stack, tmp_path)
             "--conformance", f"reward={broken.address}", "--conformance-tls-dir", tls, "-k", "score"
         )
     assert failed.returncode == 1, failed.stdout
-    assert f"FAILED conformance::reward.score.finite@{broken.address}" in failed.stdout
+    assert f"conformance::reward.score.finite@{broken.address} - reward.score.finite" in failed.stdout
     assert 'promised by looprl.reward.v1.ScoreResponse.score: "always finite"' in failed.stdout
