@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import time
@@ -39,6 +40,7 @@ from typing import Any
 
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
+from services.decisions.length_prediction import LengthKey, LengthPredictor, prompt_digest
 from services.environment_sandbox.clients import RewardClient, RouterGenerator  # noqa: F401 - re-exported
 from services.environment_sandbox.config import LoopConfig
 from services.environment_sandbox.environments import (
@@ -71,6 +73,24 @@ _ROLLOUT_NS = uuid.UUID("5b3f1c4e-0d5a-4d0b-9a57-3f1f6f0e2a11")
 MAX_BRANCHES = 256
 
 
+def task_source(environment: str, task: dict[str, Any]) -> str:
+    """Where a task comes from, for per-source statistics: the task's "source" (or verl's
+    "data_source") field when it names one, else its environment."""
+    for name in ("source", "data_source"):
+        value = task.get(name)
+        if isinstance(value, str) and value:
+            return value[:128]
+    return environment
+
+
+def _accepts(function: Any, name: str) -> bool:
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
 def rollout_id_for(
     run_id: str, task_id: str, group_id: str, sample_index: int, branch: int | None = None
 ) -> str:
@@ -92,6 +112,9 @@ class _Episode:
     # The conversation so far as chat messages (the model's turns as their decoded text): what the
     # chat template continues from when the environment answers.
     messages: list[dict[str, str]]
+    # The task's source (its dataset's "source"/"data_source" field, else the environment): output
+    # lengths are predicted per source.
+    source: str = ""
     env_reward: float = 0.0
     versions: list[int] = field(default_factory=list)
     last_action: str = ""
@@ -136,6 +159,12 @@ class EpisodeRunner:
         # Without a shared (Ray) limiter the limits still hold within this process.
         self.limiter = limiter or RateLimiter.local()
         self.rate_limits = dict(rate_limits or {})  # the service's: they win over an environment's
+        # Each model turn's expected output length, sent to generators that take it (the router
+        # routes on it): learned from the completions this process has seen.
+        self.lengths = LengthPredictor() if self.config.predict_output_lengths else None
+        self._hint_one = _accepts(generate, "expected_output_tokens")
+        many = getattr(generate, "generate_n", None)
+        self._hint_many = many is not None and _accepts(many, "expected_output_tokens")
 
     async def _limits_for(self, env: Any) -> dict[str, Limit]:
         limits = {**env.config.rate_limits, **self.rate_limits}
@@ -291,7 +320,14 @@ class EpisodeRunner:
             )
         )
         return _Episode(
-            env, rollout, list(prompt_ids), limits, tokenizer, list(observation), env_seconds=env_seconds
+            env,
+            rollout,
+            list(prompt_ids),
+            limits,
+            tokenizer,
+            list(observation),
+            source=task_source(task.environment, payload),
+            env_seconds=env_seconds,
         )
 
     async def _sample(
@@ -309,22 +345,35 @@ class EpisodeRunner:
         params = common_pb2.SamplingParams()
         params.CopyFrom(sampling)
         params.seed = seed
+        key = LengthKey.of(task.run_id, episode.source, episode.turn, sampling.max_tokens)
+        digest = prompt_digest(episode.context) if self.lengths is not None else b""
+        expected = self.lengths.predict(key, task.group_id, digest).tokens if self.lengths is not None else 0
         started = time.perf_counter()
         many = getattr(self.generate, "generate_n", None)
         if n == 1:
-            turns = [await self.generate(episode.context, params, session_id, task.min_weight_version)]
+            hint = {"expected_output_tokens": expected} if self._hint_one else {}
+            turns = [
+                await self.generate(episode.context, params, session_id, task.min_weight_version, **hint)
+            ]
         elif many is not None:
-            turns = await many(episode.context, params, session_id, task.min_weight_version, n)
+            hint = {"expected_output_tokens": expected} if self._hint_many else {}
+            turns = await many(episode.context, params, session_id, task.min_weight_version, n, **hint)
         else:
+            hint = {"expected_output_tokens": expected} if self._hint_one else {}
 
             async def one(b: int) -> ModelTurn:
                 single = common_pb2.SamplingParams()
                 single.CopyFrom(params)
                 single.seed = seed + b if seed else 0
-                return await self.generate(episode.context, single, session_id, task.min_weight_version)
+                return await self.generate(
+                    episode.context, single, session_id, task.min_weight_version, **hint
+                )
 
             turns = list(await asyncio.gather(*(one(b) for b in range(n))))
         episode.gen_seconds += time.perf_counter() - started
+        if self.lengths is not None:
+            done = [len(t.token_ids) for t in turns if t.finish_reason != "abort"]
+            self.lengths.observe(key, done, task.group_id, digest)
         return turns
 
     async def _apply(self, episode: _Episode, model: ModelTurn, sampling: common_pb2.SamplingParams) -> None:

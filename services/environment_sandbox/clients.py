@@ -28,11 +28,19 @@ class RouterGenerator:
         self.stub = inference_pb2_grpc.InferenceRouterServiceStub(channel)
         self.timeout_s = timeout_s
 
-    async def __call__(self, prompt_ids, sampling, session_id, min_weight_version):
-        return (await self.generate_n(prompt_ids, sampling, session_id, min_weight_version, 1))[0]
+    async def __call__(self, prompt_ids, sampling, session_id, min_weight_version, expected_output_tokens=0):
+        return (
+            await self.generate_n(
+                prompt_ids, sampling, session_id, min_weight_version, 1, expected_output_tokens
+            )
+        )[0]
 
-    async def generate_n(self, prompt_ids, sampling, session_id, min_weight_version, n: int) -> list:
-        """n completions of one prompt in one request (a fork: the prefix is prefilled once)."""
+    async def generate_n(
+        self, prompt_ids, sampling, session_id, min_weight_version, n: int, expected_output_tokens: int = 0
+    ) -> list:
+        """n completions of one prompt in one request (a fork: the prefix is prefilled once);
+        `expected_output_tokens` is the predicted length of each (0: unknown), what the router
+        routes by."""
         from looprl.common.v1 import common_pb2
         from looprl.inference.v1 import inference_pb2
 
@@ -46,6 +54,7 @@ class RouterGenerator:
             min_weight_version=min_weight_version,
             request_id=uuid.uuid4().hex,
             run_id=CURRENT_RUN.get(),
+            expected_output_tokens=max(0, int(expected_output_tokens)),
         )
         response = await self.stub.Generate(request, timeout=self.timeout_s)
         if len(response.completions) != n:

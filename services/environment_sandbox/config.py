@@ -131,6 +131,10 @@ class LoopConfig(Schema):
     """Per-turn max_tokens when a task sets none."""
     max_episode_tokens: int = Field(2048, ge=1)
     """Most tokens (prompt and completions) of one episode."""
+    predict_output_lengths: bool = True
+    """Send each model turn's predicted output length (GenerateRequest.expected_output_tokens), learned
+    per task source from earlier completions, so the router routes it to the deployment whose length
+    profile fits; false sends none (the router then routes by max_tokens)."""
 
 
 class EnvServiceConfig(ServiceConfig):

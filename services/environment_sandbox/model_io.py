@@ -24,6 +24,9 @@ class ModelTurn:
 
 
 class Generator(Protocol):
+    """Samples one model turn. A generator may also take `expected_output_tokens=` (the turn's
+    predicted length, which the router routes by); the agent loop passes it only to those that do."""
+
     async def __call__(
         self,
         prompt_ids: list[int],

@@ -24,10 +24,13 @@ RETRIES = counter("looprl_router_retries_total")
 REJECTIONS = counter("looprl_router_rejections_total")
 REPLICA_VERSION = gauge("looprl_router_replica_weight_version")
 REPLICA_ROUTABLE = gauge("looprl_router_replica_routable")
+LENGTH_ERROR = histogram("looprl_router_length_prediction_error_tokens")
+LENGTH_PREDICTIONS = counter("looprl_router_length_predictions_total")
 
 OUTCOMES = ("ok", "failed", "rejected")
 TOKEN_KINDS = ("prompt", "completion")
 REJECTION_REASONS = ("unavailable", "invalid", "backpressure", "version", "attempts")
+PREDICTION_OUTCOMES = ("in_profile", "outside_profile", "unpredicted")
 DECISION_REASONS = tuple(
     getattr(policies, name) for name in sorted(dir(policies)) if name.startswith("REASON_")
 )
@@ -39,6 +42,9 @@ for _reason in REJECTION_REASONS:
 def init_deployment(deployment: str, replicas: Sequence[str]) -> None:
     """Every series of a deployment and its replicas, at zero."""
     LATENCY.labels(deployment)
+    LENGTH_ERROR.labels(deployment)
+    for outcome in PREDICTION_OUTCOMES:
+        LENGTH_PREDICTIONS.labels(deployment, outcome)
     for reason in DECISION_REASONS:
         DECISIONS.labels(deployment, reason)
     for replica in replicas:

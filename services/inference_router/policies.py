@@ -57,6 +57,10 @@ class LengthProfile:
             output_tokens, self.min_output_tokens, self.max_output_tokens
         )
 
+    def fits_output(self, output_tokens: int) -> bool:
+        """The output length lies inside this profile's output range."""
+        return _outside(output_tokens, self.min_output_tokens, self.max_output_tokens) == 0
+
     def validate(self, where: str) -> None:
         for name in ("min_prompt_tokens", "max_prompt_tokens", "min_output_tokens", "max_output_tokens"):
             if getattr(self, name) < 0:

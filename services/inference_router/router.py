@@ -286,6 +286,7 @@ class Router(ReplicaHealth):
             start = time.perf_counter()
             sent = 0
             tokens = 0
+            lengths: dict[int, int] = {}
             try:
                 stream = self.handles[replica.name].generate_stream(
                     request, min(self.config.request_timeout_s, max(0.01, deadline - loop.time()))
@@ -294,6 +295,7 @@ class Router(ReplicaHealth):
                     chunk.deployment = dep.name
                     chunk.replica = replica.name
                     tokens += len(chunk.token_ids)
+                    lengths[chunk.index] = lengths.get(chunk.index, 0) + len(chunk.token_ids)
                     sent += 1
                     yield chunk
             except ReplicaFailure as exc:
@@ -315,6 +317,7 @@ class Router(ReplicaHealth):
             metrics.TOKENS.labels(dep.name, replica.name, "completion").inc(tokens)
             metrics.TOKENS.labels(dep.name, replica.name, "prompt").inc(len(request.prompt_token_ids))
             observe(metrics.LATENCY.labels(dep.name), time.perf_counter() - start)
+            _judge_prediction(dep, request, list(lengths.values()))
             return
         raise errors.Unavailable(
             f"request failed on {self.config.max_attempts} replicas; last error: {last_failure}",
@@ -386,6 +389,7 @@ class Router(ReplicaHealth):
             sum(len(c.token_ids) for c in response.completions)
         )
         observe(metrics.LATENCY.labels(dep.name), seconds)
+        _judge_prediction(dep, request, [len(c.token_ids) for c in response.completions])
 
     async def _unless_unreachable(self, name: str, call: Awaitable[Any]) -> Any:
         """`call`'s result, or ReplicaFailure once the replica's status poll fails meanwhile (the
@@ -413,6 +417,21 @@ class Router(ReplicaHealth):
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+def _judge_prediction(
+    dep: DeploymentState, request: inference_pb2.GenerateRequest, lengths: Sequence[int]
+) -> None:
+    """The prediction error of each completion, and whether its real length fit the profile of the
+    deployment it was routed to by that prediction."""
+    expected = request.expected_output_tokens
+    for n in lengths:
+        if expected <= 0:
+            metrics.LENGTH_PREDICTIONS.labels(dep.name, "unpredicted").inc()
+            continue
+        observe(metrics.LENGTH_ERROR.labels(dep.name), abs(n - expected))
+        outcome = "in_profile" if dep.profile.fits_output(n) else "outside_profile"
+        metrics.LENGTH_PREDICTIONS.labels(dep.name, outcome).inc()
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> bool:

@@ -317,6 +317,24 @@ CATALOG: tuple[MetricSpec, ...] = (
         "inference-router",
     ),
     _c("looprl_router_rejections_total", "requests", ("reason",), "Requests refused", "inference-router"),
+    _h(
+        "looprl_router_length_prediction_error_tokens",
+        "tokens",
+        ("deployment",),
+        "|actual - predicted| output tokens of each completion whose request carried a predicted length "
+        "(GenerateRequest.expected_output_tokens)",
+        "inference-router",
+        (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+    ),
+    _c(
+        "looprl_router_length_predictions_total",
+        "completions",
+        ("deployment", "outcome"),
+        "Completions by whether their actual length fell inside the output-length profile of the "
+        "deployment that served them (in_profile | outside_profile), or came without a predicted "
+        "length (unpredicted)",
+        "inference-router",
+    ),
     _g(
         "looprl_router_replica_weight_version",
         "version",

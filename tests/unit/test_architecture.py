@@ -23,7 +23,9 @@ SCANNED = ("services", "gateway", "bench", "conformance")
 # Packages under services/ that every service may use; every other package there is a service.
 # A new shared package is added here, or its users fail. The conformance kit is a client of the
 # contracts any service or tool may run, so it too imports no service.
-SHARED = frozenset({"services.kit", "services.modeling", "services.weights", "conformance"})
+SHARED = frozenset(
+    {"services.kit", "services.modeling", "services.weights", "services.decisions", "conformance"}
+)
 HARNESSES = frozenset({"bench"})
 
 

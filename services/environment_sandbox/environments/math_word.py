@@ -33,7 +33,8 @@ class MathConfig(EnvConfig):
     """Word problems with a numeric answer, from a dataset file or generated."""
 
     dataset: str = ""
-    """Local JSONL/parquet file of {"question", "answer"}; empty generates arithmetic problems."""
+    """Local JSONL/parquet file of {"question", "answer"} (and optionally "source", the row's task
+    source); empty generates arithmetic problems."""
     instruction: str = "Solve the problem. End with '#### <number>'."
     """What the prompt asks of the model after the problem."""
     max_number: int = Field(50, ge=2, le=1_000_000)
@@ -52,6 +53,11 @@ def _dataset(path: str) -> tuple[dict[str, Any], ...]:
         task = {"question": row["question"], "answer": answer.rsplit("####", 1)[-1].strip()}
         if "####" in answer:
             task["solution"] = answer.strip()
+        # A row's source (a mixture of datasets in one file) travels with the task: the agent loop
+        # predicts output lengths per source.
+        for key in ("source", "data_source"):
+            if isinstance(row.get(key), str) and row[key]:
+                task[key] = row[key]
         tasks.append(task)
     if not tasks:
         raise EnvironmentError_(f"environment.config.dataset: {path!r} holds no tasks")
