@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from services.decisions.cost_model import CostModel, decode_tokens_per_s, prefill_tokens_per_s
+
 REASON_INITIAL = "initial"
 REASON_REBALANCED = "rebalanced"
 REASON_BOUNDED = "rebalanced_bounded"
@@ -71,18 +73,24 @@ class Ratio:
 
 @dataclass(frozen=True)
 class LengthStats:
-    """The lengths of the requests routed to the deployment since the last decision."""
+    """The lengths of the requests routed to the deployment since the last decision. A request of n
+    completions (a GRPO group) is prefilled once and decoded n times: its output tokens are those of
+    all its completions."""
 
     requests: int
     mean_prompt_tokens: float
     mean_output_tokens: float
+    completions_per_request: float = 1.0
 
     @classmethod
-    def of(cls, prompts: Sequence[int], outputs: Sequence[int]) -> LengthStats:
+    def of(
+        cls, prompts: Sequence[int], outputs: Sequence[int], completions_per_request: float = 1.0
+    ) -> LengthStats:
+        """From each request's prompt tokens and output tokens (summed over its completions)."""
         n = len(outputs)
         if n == 0:
-            return cls(0, 0.0, 0.0)
-        return cls(n, sum(prompts) / max(1, len(prompts)), sum(outputs) / n)
+            return cls(0, 0.0, 0.0, completions_per_request)
+        return cls(n, sum(prompts) / max(1, len(prompts)), sum(outputs) / n, completions_per_request)
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,7 @@ class TuningInputs:
     current: Ratio | None
     lengths: LengthStats
     rates: StageRates
-    # Sequences in flight in the deployment on average (0: enough to fill every decode worker).
+    # Sequences (completions) in flight in the deployment (0: enough to fill every decode worker).
     in_flight: float = 0.0
 
 
@@ -277,3 +285,25 @@ def tune(
         chosen_requests_per_s=chosen.requests_per_s,
         **facts,
     )
+
+
+def rates_from_cost_model(
+    cost: CostModel,
+    lengths: LengthStats,
+    max_decode_batch: int,
+    kv_tokens: int = 0,
+    prefill_tokens_per_batch: int = 8192,
+) -> StageRates:
+    """The stage speeds a cost model predicts at these lengths: what a deployment that has not
+    measured itself yet (or the simulator) gives the tuner. The decode batch is bounded by the
+    slots and, when `kv_tokens` is set, by how many sequences of this length its KV cache holds."""
+    prompt = max(1, round(lengths.mean_prompt_tokens))
+    output = max(1.0, lengths.mean_output_tokens / max(lengths.completions_per_request, 1.0))
+    per_batch = max(1, prefill_tokens_per_batch // prompt)
+    cap = max_decode_batch
+    if kv_tokens:
+        cap = max(1, min(cap, int(kv_tokens // (prompt + output))))
+    context = int(prompt + output / 2)
+    batches = sorted({*(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if b < cap), cap})
+    points = tuple((b, decode_tokens_per_s(cost, b, context)) for b in batches)
+    return StageRates(prefill_tokens_per_s(cost, prompt, per_batch), points, cap)

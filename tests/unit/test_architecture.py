@@ -1,12 +1,13 @@
 """The architecture, pinned: which packages may import which, and no import cycles.
 
-An ast walk over every .py file in services/, gateway/ and bench/ collects every import, also the
-ones inside functions and `if TYPE_CHECKING:` blocks (a lazy import is still a dependency and
-still closes a cycle). Rules:
+An ast walk over every .py file in services/, gateway/, bench/, sim/ and conformance/ collects
+every import, also the ones inside functions and `if TYPE_CHECKING:` blocks (a lazy import is still
+a dependency and still closes a cycle). Rules:
 
 - a service (gateway, or a package under services/ that is not shared) imports no other service;
 - a shared package (services.kit, services.modeling, ..., the conformance kit) imports no service;
-- nothing but bench imports bench (benchmarks are harnesses, not parts of the product);
+- nothing but a harness imports a harness (bench: benchmarks; sim: the simulator), so no service
+  depends on one;
 - no two modules reach each other through imports (a cycle is reported module by module).
 """
 
@@ -19,14 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ("services", "gateway", "bench", "conformance")
+SCANNED = ("services", "gateway", "bench", "sim", "conformance")
 # Packages under services/ that every service may use; every other package there is a service.
 # A new shared package is added here, or its users fail. The conformance kit is a client of the
 # contracts any service or tool may run, so it too imports no service.
 SHARED = frozenset(
     {"services.kit", "services.modeling", "services.weights", "services.decisions", "conformance"}
 )
-HARNESSES = frozenset({"bench"})
+HARNESSES = frozenset({"bench", "sim"})
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,9 @@ def layering_violations(imports: list[Import], shared: frozenset[str] = SHARED) 
             continue
         if target in HARNESSES:
             if source not in HARNESSES:
-                problems.append(f"{imp.where}: {imp.source} imports {imp.target} (only benches import bench)")
+                problems.append(
+                    f"{imp.where}: {imp.source} imports {imp.target} (only harnesses import {target})"
+                )
         elif source in shared or source == "services":
             problems.append(f"{imp.where}: shared {source} imports service {target} ({imp.target})")
         elif source not in HARNESSES:
@@ -270,7 +273,7 @@ def test_shared_packages_and_gateway_may_not_import_services_but_bench_may(tmp_p
         "(services.trainer.worker)",
         "services/modeling/__init__.py:3: shared services.modeling imports service services.reward "
         "(services.reward.verifiers)",
-        "services/trainer/worker.py:1: services.trainer.worker imports bench.common (only benches import bench)",
+        "services/trainer/worker.py:1: services.trainer.worker imports bench.common (only harnesses import bench)",
     ]
     # Declaring a package shared makes it importable by everyone (and holds it to the shared rule).
     assert not any(
