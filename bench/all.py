@@ -15,6 +15,8 @@ BENCHES = (
     "engine_batching",
     "router_overhead",
     "length_routing",
+    "pd_disaggregation",
+    "sim_fidelity",
     "sandbox_exec",
     "agent_loop",
     "rollout_messages",

@@ -8,8 +8,9 @@ Two kinds, one interface (`CostModel`):
   bandwidth-bound (every weight and the batch's KV cache read once, at `mbu` of peak) or
   compute-bound at large batches, whichever is slower, plus a fixed per-step overhead.
 - `MeasuredCost`: fitted to a cost-model file's measured points (tools/gpu_torch_check.py writes
-  one on a GPU, and on the CPU engine with `--cpu`): prefill seconds = a + b tokens + c sum(len^2),
-  a decode step = a + b batch + c context tokens, each coefficient non-negative (least squares).
+  one on a GPU, and on the CPU engine with `--cpu`): prefill seconds = a + b prompts + c tokens +
+  d sum(len^2), a decode step = a + b batch + c context tokens, each coefficient non-negative (least
+  squares, relative error).
 
 The file format (JSON, `FORMAT`; `read_cost_file` checks every field and names the one that is wrong):
 
@@ -273,15 +274,15 @@ class MeasuredCost:
 
     name: str
     source: str
-    prefill_coef: tuple[float, float, float]  # seconds = a + b tokens + c sum(len^2)
+    prefill_coef: tuple[float, float, float, float]  # seconds = a + b prompts + c tokens + d sum(len^2)
     decode_coef: tuple[float, float, float]  # seconds = a + b batch + c context tokens
     kv_bytes_per_token: int = 0
     kv_gb_per_s: float = 0.0
     data: dict[str, Any] | None = None
 
     def prefill_seconds(self, prompt_lengths: Sequence[int]) -> float:
-        a, b, c = self.prefill_coef
-        return a + b * sum(prompt_lengths) + c * sum(n * n for n in prompt_lengths)
+        a, b, c, d = self.prefill_coef
+        return a + b * len(prompt_lengths) + c * sum(prompt_lengths) + d * sum(n * n for n in prompt_lengths)
 
     def decode_step_seconds(self, batch: int, context_tokens: int) -> float:
         a, b, c = self.decode_coef
@@ -296,7 +297,7 @@ class MeasuredCost:
     def from_data(cls, data: dict[str, Any], source: str = "measured") -> MeasuredCost:
         data = validate_cost_data(data)
         prefill_rows = [
-            [1.0, p["batch"] * p["prompt_tokens"], p["batch"] * p["prompt_tokens"] ** 2]
+            [1.0, p["batch"], p["batch"] * p["prompt_tokens"], p["batch"] * p["prompt_tokens"] ** 2]
             for p in data["prefill"]
         ]
         prefill = _fit_nonnegative(prefill_rows, [p["seconds"] for p in data["prefill"]])
@@ -312,7 +313,7 @@ class MeasuredCost:
         return cls(
             data["device"],
             source,
-            (prefill[0], prefill[1], prefill[2]),
+            (prefill[0], prefill[1], prefill[2], prefill[3]),
             (decode[0], decode[1], decode[2]),
             kv_bytes,
             float(data.get("transfer", {}).get("kv_gb_per_s", 0.0)),

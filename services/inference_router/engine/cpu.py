@@ -138,11 +138,14 @@ class CPUEngine(ContinuousBatchingEngine):
         max_batch_size: int = 32,
         max_model_len: int | None = None,
         limits: SchedulerLimits | None = None,
+        device: str = "cpu",
     ) -> CPUEngine:
+        """`device`: where the model and its KV cache live ("cuda" runs the same engine on a GPU,
+        as tools/gpu_torch_check.py measures it)."""
         layout = layout or Layout()
         if layout.tp_size != 1:
             raise ValueError("CPUEngine runs tp=1; use engine.tp.TPEngine for tensor parallelism")
-        model = EngineModel(config, layout, rank=0)
+        model = EngineModel(config, layout, rank=0, device=device)
         if weights is not None:
             model.load_shard(to_rank_shard(weights, config, layout, 0))
         max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)

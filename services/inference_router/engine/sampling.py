@@ -41,7 +41,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> tuple[list[int],
     searchsorted pick every row's token. One small tensor op per row instead of a multinomial call
     per row: the sampler was ~6 ms of a 64-sequence decode step."""
     logits = logits.float()
-    temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], dtype=torch.float32)
+    device = logits.device  # the engine's (a CUDA engine samples on its GPU)
+    temps = torch.tensor(
+        [r.temperature if r.temperature > 0 else 1.0 for r in rows], dtype=torch.float32, device=device
+    )
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
     probs = logp.exp()
     for i, row in enumerate(rows):
@@ -50,9 +53,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> tuple[list[int],
     uniforms = torch.tensor(
         [0.0 if row.temperature == 0.0 else float(torch.rand((), generator=row.generator)) for row in rows],
         dtype=torch.float64,
+        device=device,
     )
     cdf = probs.double().cumsum(dim=-1)
-    sampled = torch.tensor([row.temperature > 0.0 for row in rows])
+    sampled = torch.tensor([row.temperature > 0.0 for row in rows], device=device)
     if not bool(torch.isfinite(cdf[sampled, -1]).all()):
         raise RuntimeError("sampling: the model's logits hold NaN or inf; no token can be drawn")
     # The first token whose cumulative mass exceeds u * total: a zero-probability token never is.
