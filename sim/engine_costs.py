@@ -58,17 +58,21 @@ async def measure_engine(
     repeat: int = 3,
     deadline: float | None = None,
     synchronize: Callable[[], None] | None = None,
+    max_prefill_tokens: int = 0,
     log: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Prefill and decode points of the engine `make_engine` builds; `deadline` (perf_counter time)
-    skips the points that would start after it."""
+    skips the points that would start after it. `max_prefill_tokens` bounds one prefill step (0: a
+    whole batch at once); a batch beyond it is prefilled over several steps, as the engine would."""
     if decode_steps < 2:
         raise ValueError("decode_steps: at least 2 (one decode step after the prefill)")
     prefill_points, decode_points, skipped = [], [], []
     longest = max(prompt_lengths) + decode_steps
-    engine = make_engine(max(batches), longest, max(batches) * max(prompt_lengths))
+    engine = make_engine(max(batches), longest, max_prefill_tokens or max(batches) * max(prompt_lengths))
     try:
-        await _serve(engine, 1, min(prompt_lengths), decode_steps, vocab_size, 0)  # warm-up
+        # Warm-up: kernels, and the allocator grown to the largest batch.
+        await _serve(engine, 1, min(prompt_lengths), decode_steps, vocab_size, 0)
+        await _serve(engine, max(batches), min(prompt_lengths), decode_steps, vocab_size, 0)
         for batch in batches:
             for prompt in prompt_lengths:
                 if deadline is not None and time.perf_counter() > deadline:

@@ -20,11 +20,12 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from services.kit.config import ConfigError, ServiceConfig
+if TYPE_CHECKING:  # the schema (pydantic) loads only where a service configures itself
+    from services.kit.config import ServiceConfig
 
 log = logging.getLogger("looprl.tls")
 
@@ -47,6 +48,12 @@ INSECURE_WARNING = (
     "%s: TLS is OFF (insecure_plaintext): gRPC is served and called in plaintext and no caller is "
     "authenticated. Local development only."
 )
+
+
+def _config_error(message: str) -> Exception:
+    from services.kit.config import ConfigError
+
+    return ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -79,10 +86,10 @@ class Credentials:
             try:
                 parts[label] = Path(path).read_bytes()
             except OSError as exc:
-                raise ConfigError(f"{identity}: {label}: cannot read {path!r}: {exc.strerror}") from exc
+                raise _config_error(f"{identity}: {label}: cannot read {path!r}: {exc.strerror}") from exc
         found = certificate_identity(parts["tls_cert_file"])
         if found != identity:
-            raise ConfigError(
+            raise _config_error(
                 f"{identity}: tls_cert_file {cert_file!r} is issued to {found!r}, not to {identity!r}"
             )
         return cls(identity, parts["tls_ca_file"], parts["tls_cert_file"], parts["tls_key_file"])
@@ -119,13 +126,13 @@ def resolve(identity: str, config: ServiceConfig) -> Credentials | None:
     if any(files.values()):
         missing = [name for name, value in files.items() if not value]
         if missing:
-            raise ConfigError(f"{identity}: {', '.join(missing)} not set (tls_* files go together)")
+            raise _config_error(f"{identity}: {', '.join(missing)} not set (tls_* files go together)")
         return Credentials.from_files(identity, config.tls_ca_file, config.tls_cert_file, config.tls_key_file)
     if config.tls_dir:
         return Credentials.from_dir(identity, config.tls_dir)
     if config.insecure_plaintext:
         return None
-    raise ConfigError(
+    raise _config_error(
         f"{identity}: no TLS certificates configured. Set LOOPRL_TLS_DIR (ca.crt, {identity}.crt, "
         f"{identity}.key; `looprl up` writes them) or LOOPRL_TLS_CA_FILE/LOOPRL_TLS_CERT_FILE/"
         "LOOPRL_TLS_KEY_FILE; or, for local development only, LOOPRL_INSECURE_PLAINTEXT=true"

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from services.kit.recipe import AlgorithmSection
+if TYPE_CHECKING:  # the recipe schema (pydantic) is the caller's; the step only reads its fields
+    from services.kit.recipe import AlgorithmSection
 
 
 @dataclass

@@ -16,17 +16,19 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from services.kit.recipe import AlgorithmSection
 from services.modeling.logprobs import rows_entropy, sampled_logprobs
 from services.modeling.shared_prefix import SharedPrefixLayout, share_prefixes
 from services.trainer.batch import PackedMicroBatch
 from services.trainer.loss import LossMetrics, StepNorm, policy_loss
+
+if TYPE_CHECKING:  # the recipe schema (pydantic) is the caller's; the step only reads its fields
+    from services.kit.recipe import AlgorithmSection
 
 
 @dataclass

@@ -18,7 +18,6 @@ import grpc
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.kit import tls
-from services.kit.interceptors import client_interceptors
 from services.weights.bucket import Bucket
 from services.weights.errors import DeliveryError
 
@@ -130,6 +129,10 @@ class Transport(ABC):
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
+            # Imported here: the transports' own code needs only torch and gRPC (tools/gpu_torch_check.py
+            # runs them on a bare CUDA image), the tracing interceptors need OpenTelemetry.
+            from services.kit.interceptors import client_interceptors
+
             ch = tls.aio_channel(address, tls.message_limits(self.max_message_bytes), client_interceptors())
             self._channels[address] = ch
         return ch
