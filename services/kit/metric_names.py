@@ -349,27 +349,6 @@ CATALOG: tuple[MetricSpec, ...] = (
         "1 when the replica takes traffic",
         "inference-router",
     ),
-    _g(
-        "looprl_router_pd_workers",
-        "workers",
-        ("deployment", "stage"),
-        "Prefill or decode workers of a deployment by the P:D ratio tuner's last decision",
-        "inference-router",
-    ),
-    _c(
-        "looprl_router_pd_decisions_total",
-        "decisions",
-        ("deployment", "reason"),
-        "P:D ratio tuner decisions at weight-version boundaries, by reason (services/decisions/pd_ratio.py)",
-        "inference-router",
-    ),
-    _g(
-        "looprl_router_pd_predicted_requests_per_second",
-        "requests/s",
-        ("deployment", "split"),
-        "Requests/s the tuner predicts for the split in force (current) and the one it chose (chosen)",
-        "inference-router",
-    ),
     # ---- rollout-packer
     _g(
         "looprl_packer_padding_fraction",
