@@ -74,8 +74,9 @@ MAX_BRANCHES = 256
 
 
 def task_source(environment: str, task: dict[str, Any]) -> str:
-    """Where a task comes from, for per-source statistics: the task's "source" (or verl's
-    "data_source") field when it names one, else its environment."""
+    """Where a task comes from, for per-source length predictions when the run's dataset section
+    does not say: the task's "source" (or verl's "data_source") field when it names one (an
+    environment's own dataset file, such as math's), else its environment."""
     for name in ("source", "data_source"):
         value = task.get(name)
         if isinstance(value, str) and value:
@@ -213,6 +214,8 @@ class EpisodeRunner:
         sampling = self._sampling(task, tokenizer)
         episode = await self._start(task, env, payload, tokenizer)
         episode.rollout.task_source = source
+        if source:  # the run's dataset names the row's source (dataset.source_field)
+            episode.source = source
         if branches == 1:
             await self._play(episode, task, sampling, session_id, 0)
             return [await self._finish(episode, task, task_json, None, 1)]
