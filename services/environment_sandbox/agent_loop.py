@@ -351,25 +351,25 @@ class EpisodeRunner:
         key = LengthKey.of(task.run_id, episode.source, episode.turn, sampling.max_tokens)
         digest = prompt_digest(episode.context) if self.lengths is not None else b""
         expected = self.lengths.predict(key, task.group_id, digest).tokens if self.lengths is not None else 0
+        hint = {"expected_output_tokens": expected}
+        one_hint = hint if self._hint_one else {}
         started = time.perf_counter()
         many = getattr(self.generate, "generate_n", None)
         if n == 1:
-            hint = {"expected_output_tokens": expected} if self._hint_one else {}
             turns = [
-                await self.generate(episode.context, params, session_id, task.min_weight_version, **hint)
+                await self.generate(episode.context, params, session_id, task.min_weight_version, **one_hint)
             ]
         elif many is not None:
-            hint = {"expected_output_tokens": expected} if self._hint_many else {}
-            turns = await many(episode.context, params, session_id, task.min_weight_version, n, **hint)
+            many_hint = hint if self._hint_many else {}
+            turns = await many(episode.context, params, session_id, task.min_weight_version, n, **many_hint)
         else:
-            hint = {"expected_output_tokens": expected} if self._hint_one else {}
 
             async def one(b: int) -> ModelTurn:
                 single = common_pb2.SamplingParams()
                 single.CopyFrom(params)
                 single.seed = seed + b if seed else 0
                 return await self.generate(
-                    episode.context, single, session_id, task.min_weight_version, **hint
+                    episode.context, single, session_id, task.min_weight_version, **one_hint
                 )
 
             turns = list(await asyncio.gather(*(one(b) for b in range(n))))
