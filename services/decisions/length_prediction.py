@@ -6,27 +6,29 @@ every request of a run carries the run's `max_tokens` and lands on the deploymen
 longest outputs. The agent loop asks a `LengthPredictor` before each model turn and tells it each
 completion's length afterwards.
 
-What a prediction rests on, from weakest to strongest evidence:
+The prediction is a **median**: a profile boundary asks on which side most of a request's
+completions will land, and one completion that runs away to max_tokens (or stops at once) must not
+move its whole source across the boundary, as it would move a mean. What it rests on:
 
-- the **source estimate**: the mean output length of the source's (task source, profile) key, a
-  running mean over its first completions that becomes an exponentially weighted one (weight
-  `min_alpha`), so it follows the policy as training moves its lengths;
-- **the same prompt** seen before (an earlier step or epoch asked it) and **the same group** (earlier
-  samples of a GRPO group, or earlier branches of a forked episode): their mean length, shrunk toward
-  the source estimate with the weight of `prior_strength` observations (empirical Bayes: one sample
-  moves the prediction a third of the way with the default 2, eight samples 80%).
+- the **source window**: the last `window` completion lengths of the (task source, profile) key,
+  so the estimate follows the policy as training moves its lengths;
+- the **same prompt** seen before (an earlier step or epoch asked it) and the **same group**
+  (earlier samples of a GRPO group, earlier branches of a forked episode): their lengths, pooled
+  with the source window weighted as `prior_strength` observations (a weighted median: one sample
+  against the default 2 does not move it, three or more that agree outvote it).
 
 With no evidence at all the prediction is 0 ("unknown": the router falls back to max_tokens).
-Completions cut at max_tokens count as max_tokens: that is the work they cost. Keys, groups and
-prompts are bounded LRU tables, so a long run holds constant memory.
+Completions cut at max_tokens count as max_tokens. Keys, groups and prompts are bounded LRU tables
+of bounded windows, so a long run holds constant memory.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 BASIS_NONE = "none"
 BASIS_SOURCE = "source"
@@ -34,6 +36,8 @@ BASIS_PROMPT = "prompt"
 BASIS_GROUP = "group"
 # Model turns past this index share one key: later turns of long episodes look alike.
 MAX_TURN_KEY = 3
+# Lengths kept per group or prompt: their latest samples are the evidence.
+EVIDENCE_WINDOW = 32
 
 
 @dataclass(frozen=True)
@@ -57,42 +61,22 @@ class Prediction:
 
     tokens: int
     basis: str
-    source_mean: float | None = None
-    evidence: int = 0  # observations of the same group or prompt that went into it
+    source_median: float | None = None
+    evidence: int = 0  # lengths of the same group or prompt that went into it
 
 
-@dataclass
-class RunningMean:
-    """The plain mean of the first 1/min_alpha values, an exponentially weighted one after."""
-
-    count: int = 0
-    mean: float = 0.0
-
-    def add(self, value: float, min_alpha: float) -> None:
-        self.count += 1
-        self.mean += (value - self.mean) * max(1.0 / self.count, min_alpha)
-
-
-@dataclass
-class _Evidence:
-    count: int = 0
-    total: float = 0.0
-
-    def add(self, values: Iterable[float]) -> None:
-        for v in values:
-            self.count += 1
-            self.total += v
-
-    @property
-    def mean(self) -> float:
-        return self.total / self.count if self.count else 0.0
-
-
-@dataclass
-class _GroupEvidence(_Evidence):
-    # What of the group's evidence was also recorded under each prompt, so that a prediction taking
-    # both the group's and the prompt's samples counts none of them twice.
-    by_prompt: dict[bytes, _Evidence] = field(default_factory=dict)
+def weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
+    """The median of (value, weight) pairs; half way between two values that split the weight evenly."""
+    ordered = sorted(pairs)
+    half = sum(w for _, w in ordered) / 2.0
+    seen = 0.0
+    for i, (value, weight) in enumerate(ordered):
+        seen += weight
+        if seen > half + 1e-12:
+            return value
+        if abs(seen - half) <= 1e-12 and i + 1 < len(ordered):
+            return (value + ordered[i + 1][0]) / 2.0
+    return ordered[-1][0]
 
 
 class _Lru(OrderedDict):
@@ -100,7 +84,7 @@ class _Lru(OrderedDict):
         super().__init__()
         self.limit = limit
 
-    def take(self, key, factory):
+    def take(self, key: Any, factory: Callable[[], Any]) -> Any:
         value = self.get(key)
         if value is None:
             value = self[key] = factory()
@@ -125,8 +109,8 @@ class LengthPredictor:
     """Predicts and learns output lengths; one per process (the agent loop's runner holds one)."""
 
     prior_strength: float = 2.0
-    min_alpha: float = 0.05
-    max_keys: int = 4096
+    window: int = 128
+    max_keys: int = 1024
     max_groups: int = 16_384
     max_prompts: int = 65_536
     _sources: _Lru = field(init=False, repr=False)
@@ -134,64 +118,53 @@ class LengthPredictor:
     _prompts: _Lru = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.prior_strength < 0 or not 0 < self.min_alpha <= 1:
-            raise ValueError("prior_strength must be >= 0 and min_alpha in (0, 1]")
+        if self.prior_strength < 0 or self.window < 1:
+            raise ValueError("prior_strength must be >= 0 and window >= 1")
         self._sources = _Lru(self.max_keys)
         self._groups = _Lru(self.max_groups)
-        self._prompts = _Lru(self.max_prompts)
+        self._prompts = _Lru(self.max_prompts)  # (key, prompt) -> deque of (group, length)
 
     def predict(self, key: LengthKey, group: str = "", prompt: bytes = b"") -> Prediction:
         """Expected tokens per completion of a request with this key (clamped to key.max_tokens when
-        that is set), from the source estimate and the group's and prompt's earlier samples."""
+        that is set), from the source window and the group's and prompt's earlier samples."""
         source = self._sources.get(key)
-        source_mean = source.mean if source is not None and source.count else None
-        basis = BASIS_SOURCE if source_mean is not None else BASIS_NONE
-        evidence = _Evidence()
+        source_median = weighted_median([(n, 1.0) for n in source]) if source else None
+        basis = BASIS_SOURCE if source_median is not None else BASIS_NONE
+        evidence: list[float] = []
         # The prompt's samples from other groups (earlier steps or epochs asked it), then the
         # group's own (same prompt or episode, same policy version): the sharper evidence.
-        seen_group = self._groups.get((key, group)) if group else None
-        seen_prompt = self._prompts.get((key, prompt)) if prompt else None
-        if seen_prompt is not None:
-            own = seen_group.by_prompt.get(prompt) if seen_group is not None else None
-            count = seen_prompt.count - (own.count if own else 0)
-            if count > 0:
-                evidence.count += count
-                evidence.total += seen_prompt.total - (own.total if own else 0.0)
+        if prompt and (seen := self._prompts.get((key, prompt))):
+            others = [n for g, n in seen if not group or g != group]
+            if others:
+                evidence += others
                 basis = BASIS_PROMPT
-        if seen_group is not None and seen_group.count:
-            evidence.count += seen_group.count
-            evidence.total += seen_group.total
+        if group and (own := self._groups.get((key, group))):
+            evidence += own
             basis = BASIS_GROUP
-        if evidence.count == 0:
-            if source_mean is None:
-                return Prediction(0, BASIS_NONE)
-            value = source_mean
-        elif source_mean is None:
-            value = evidence.mean
-        else:
-            k = self.prior_strength
-            value = (k * source_mean + evidence.total) / (k + evidence.count)
-        tokens = max(1, round(value))
+        if not evidence and source_median is None:
+            return Prediction(0, BASIS_NONE)
+        pairs = [(n, 1.0) for n in evidence]
+        if source:
+            weight = self.prior_strength / len(source)
+            pairs += [(n, weight) for n in source]
+        tokens = max(1, round(weighted_median(pairs)))
         if key.max_tokens:
             tokens = min(tokens, key.max_tokens)
-        return Prediction(tokens, basis, source_mean, evidence.count)
+        return Prediction(tokens, basis, source_median, len(evidence))
 
     def observe(self, key: LengthKey, lengths: Sequence[int], group: str = "", prompt: bytes = b"") -> None:
         """Learn the output lengths of a request's completions (each one an observation)."""
         if not lengths:
             return
         capped = [min(n, key.max_tokens) if key.max_tokens else n for n in lengths]
-        source = self._sources.take(key, RunningMean)
-        for n in capped:
-            source.add(float(n), self.min_alpha)
-        if prompt:
-            self._prompts.take((key, prompt), _Evidence).add(capped)
+        self._sources.take(key, lambda: deque(maxlen=self.window)).extend(capped)
         if group:
-            entry = self._groups.take((key, group), _GroupEvidence)
-            entry.add(capped)
-            if prompt:
-                entry.by_prompt.setdefault(prompt, _Evidence()).add(capped)
+            self._groups.take((key, group), lambda: deque(maxlen=EVIDENCE_WINDOW)).extend(capped)
+        if prompt:
+            seen = self._prompts.take((key, prompt), lambda: deque(maxlen=EVIDENCE_WINDOW))
+            seen.extend((group, n) for n in capped)
 
     def source_estimate(self, key: LengthKey) -> float | None:
+        """The median of the key's window (None before any completion)."""
         source = self._sources.get(key)
-        return source.mean if source is not None and source.count else None
+        return weighted_median([(n, 1.0) for n in source]) if source else None

@@ -8,7 +8,9 @@ sends it as GenerateRequest.expected_output_tokens; the router routes by it. Wha
 routed to comes from the run's rollouts on the bus (every model turn names its deployment).
 
 1. A run with a deployment for short outputs and one for long ones: each source lands on its own
-   deployment (>= 90% of its requests; the first step's requests come before any prediction).
+   deployment (>= 90% of the requests routed by a predicted length). The first step's requests go
+   out before any completion has come back: they carry no prediction, and the router reads their
+   max_tokens as their length (the long deployment).
 2. configs/gpu_vllm_gsm8k.toml's two deployments, on the CPU backend with the recipe's own length
    profiles (short <= 384 output tokens, long >= 384) and sampling.max_tokens: both serve the run.
 """
@@ -75,9 +77,9 @@ def _recipe(name: str, model: Path, dataset: Path, steps: int, deployments: list
     )
 
 
-def _requests(stack: Stack, run_id: str) -> list[tuple[str, str, int]]:
-    """(source, deployment, mean completion tokens) of each request of the run: a group's samples
-    are one request (one prefill, n completions), read back from its rollouts on the bus."""
+def _requests(stack: Stack, run_id: str) -> list[tuple[int, str, str, int]]:
+    """(step, source, deployment, mean completion tokens) of each request of the run: a group's
+    samples are one request (one prefill, n completions), read back from its rollouts on the bus."""
 
     async def read() -> list[common_pb2.Rollout]:
         bus = await Bus.connect(stack.state.nats_url_for(nats_auth.OPERATOR), name="e2e-length-routing")
@@ -101,7 +103,9 @@ def _requests(stack: Stack, run_id: str) -> list[tuple[str, str, int]]:
         prompt = members[0].turns[0].text
         answers = [next(t for t in r.turns if t.trainable) for r in members]
         (deployment,) = {a.deployment for a in answers}
-        out.append((source_of(prompt), deployment, sum(len(a.token_ids) for a in answers) // len(answers)))
+        step = int(members[0].group_id.rsplit(".s", 1)[1].split(".")[0])  # <run>.s<step>.g<group>
+        mean = sum(len(a.token_ids) for a in answers) // len(answers)
+        out.append((step, source_of(prompt), deployment, mean))
     return out
 
 
@@ -133,9 +137,12 @@ def test_each_source_goes_to_the_deployment_its_predicted_length_fits(platform, 
     requests = _requests(platform, run_id)
     assert len(requests) == 8 * 8  # 8 steps of 8 groups, one request each
     home = {BRIEF: run_deployment_name(run_id, "terse"), WORKED: run_deployment_name(run_id, "verbose")}
-    by_source = Counter(source for source, _, _ in requests)
-    matched = Counter(source for source, deployment, _ in requests if deployment == home[source])
-    lengths = {s: sorted(n for src, _, n in requests if src == s) for s in (BRIEF, WORKED)}
+    unpredicted = [r for r in requests if r[0] == 0]
+    assert {deployment for _, _, deployment, _ in unpredicted} == {home[WORKED]}
+    predicted = [r for r in requests if r[0] > 0]
+    by_source = Counter(source for _, source, _, _ in predicted)
+    matched = Counter(source for _, source, deployment, _ in predicted if deployment == home[source])
+    lengths = {s: sorted(n for _, src, _, n in predicted if src == s) for s in (BRIEF, WORKED)}
     for source in (BRIEF, WORKED):
         share = matched[source] / by_source[source]
         assert share >= 0.9, (
@@ -179,6 +186,6 @@ def test_the_gpu_recipes_two_deployments_both_serve_a_run_on_the_cpu_backend(pla
         platform.stub, platform.metadata, _recipe(run_id, model, dataset, 6, deployments), run_id, 600
     )
     assert_accounting(run)
-    served = Counter(deployment for _, deployment, _ in _requests(platform, run_id))
+    served = Counter(deployment for _, _, deployment, _ in _requests(platform, run_id))
     for name in ("short", "long"):
         assert served[run_deployment_name(run_id, name)] > 0, f"{name} served nothing: {dict(served)}"
