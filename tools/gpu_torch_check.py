@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
@@ -45,37 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
+from tools.gpu_torch_steps import model_configs, section_parity, section_train, synchronize  # noqa: E402
+from tools.gpu_weight_transport import section_transport  # noqa: E402
+
 SECTIONS = ("tests", "parity", "engine", "train", "transport")
-
-
-def model_configs() -> dict[str, Any]:
-    """The models measured: the 10M recipe's shape and Qwen2.5-0.5B's (positions for 4k prompts)."""
-    from services.modeling.config import ModelConfig
-
-    return {
-        "qwen2-10m": ModelConfig.tiny(
-            vocab_size=1024,
-            hidden_size=256,
-            intermediate_size=768,
-            num_hidden_layers=12,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=32,
-            max_position_embeddings=8192,
-        ),
-        "qwen2.5-0.5b": ModelConfig(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=32768,
-            rope_theta=1_000_000.0,
-            tie_word_embeddings=True,
-        ),
-    }
 
 
 class Report:
@@ -159,172 +131,6 @@ def section_tests(device: str) -> dict[str, Any]:
     return {"status": status, "modules": [str(m.relative_to(ROOT)) for m in modules], "output": tail}
 
 
-# ---- 2. parity ------------------------------------------------------------------------------------
-
-
-def _packed(config: Any, lengths: list[int], seed: int):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, config.vocab_size, (sum(lengths),), generator=g)
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    return ids, positions, cu
-
-
-def _micro_batch(config: Any, lengths: list[int], prompt: int, seed: int):
-    import torch
-
-    from services.trainer.batch import PackedMicroBatch
-
-    ids, positions, cu = _packed(config, lengths, seed)
-    mask = torch.zeros(len(ids))
-    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
-        mask[start + prompt : end] = 1.0
-    g = torch.Generator().manual_seed(seed + 1)
-    advantages = torch.randn(len(ids), generator=g) * mask
-    behaviour = -torch.rand(len(ids), generator=g) * mask
-    return PackedMicroBatch(
-        step=0,
-        input_ids=ids,
-        position_ids=positions,
-        cu_seqlens=cu,
-        loss_mask=mask,
-        advantages=advantages,
-        behaviour_logprobs=behaviour,
-        versions=torch.zeros(len(ids), dtype=torch.long),
-        global_loss_tokens=int(mask.sum()),
-        global_sequences=len(lengths),
-    )
-
-
-def _loss_settings() -> Any:
-    """The recipe's default [algorithm] section; its plain values when pydantic is not installed."""
-    from services.trainer.step import StepSettings
-
-    try:
-        from services.kit.recipe import AlgorithmSection
-
-        loss: Any = AlgorithmSection()
-    except ImportError:
-        from types import SimpleNamespace
-
-        loss = SimpleNamespace(
-            advantage="grpo",
-            filter_equal_rewards=False,
-            loss_aggregation="token-mean",
-            clip_low=0.2,
-            clip_high=0.28,
-            tis_cap=2.0,
-            kl_coef=0.0,
-            entropy_coef=0.0,
-            group_timeout_seconds=120.0,
-        )
-    return StepSettings(loss=loss)
-
-
-def _optimizer(model: Any, lr: float) -> tuple[Any, Any]:
-    import torch
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-
-
-def _train_once(
-    model: Any, mb: Any, lr: float = 1e-3, optimizer: tuple[Any, Any] | None = None
-) -> tuple[float, float]:
-    """One step of the trainer's own code (accumulate, clip, AdamW); (loss, grad norm)."""
-    from services.trainer.step import accumulate, apply_gradients
-
-    opt, scheduler = optimizer or _optimizer(model, lr)
-    sums = accumulate(model, [mb], _loss_settings(), trainer_version=0)
-    norm, _, _ = apply_gradients(model, opt, scheduler, grad_clip=1.0)
-    return float(sums.metrics.sums["loss"]), norm
-
-
-def section_parity(device: str, cpu_mode: bool) -> dict[str, Any]:
-    import torch
-
-    from services.modeling.logprobs import token_logprobs
-    from services.modeling.qwen2 import Qwen2ForCausalLM
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    configs = model_configs()
-    names = ["qwen2-10m"] if cpu_mode else list(configs)
-    results: dict[str, Any] = {}
-    bounds = {"float32": 2e-3, "bfloat16": 0.15}  # max |log-prob difference| allowed, nats
-    failed = []
-    for name in names:
-        config = configs[name]
-        ref = Qwen2ForCausalLM(config, seed=None)
-        ref.init_weights(0, std=0.02)
-        ids, positions, cu = _packed(config, [17, 64, 130], seed=1)
-        with torch.no_grad():
-            ref_logits = ref(ids, positions, cu)
-            ref_lp = token_logprobs(ref_logits, ids, cu)
-        train_ref = None
-        if name == "qwen2-10m":
-            mb = _micro_batch(config, [48, 80, 96], prompt=32, seed=2)
-            train_model = Qwen2ForCausalLM(config, seed=None)
-            train_model.load_state_dict(ref.state_dict())
-            train_ref = (
-                _train_once(train_model, mb),
-                {k: v.detach().clone() for k, v in train_model.state_dict().items()},
-            )
-        for dtype_name in ("float32", "bfloat16"):
-            dtype = getattr(torch, dtype_name)
-            model = Qwen2ForCausalLM(config, seed=None)
-            model.load_state_dict(ref.state_dict())
-            model = model.to(device=device, dtype=dtype)
-            with torch.no_grad():
-                logits = model(ids.to(device), positions.to(device), cu.to(device)).float().cpu()
-                lp = token_logprobs(logits, ids, cu)
-            row = {
-                "logits_max_abs_diff": float((logits - ref_logits).abs().max()),
-                "logprob_max_abs_diff": float((lp - ref_lp).abs().max()),
-                "logprob_mean_abs_diff": float((lp - ref_lp).abs().mean()),
-            }
-            if train_ref is not None:
-                (ref_loss, ref_norm), ref_weights = train_ref
-                (loss, norm) = _train_once(model, mb.to(device))
-                moved = max(
-                    float((v.float().cpu() - ref_weights[k]).abs().max())
-                    for k, v in model.state_dict().items()
-                )
-                row.update(
-                    loss=loss,
-                    loss_cpu=ref_loss,
-                    grad_norm=norm,
-                    grad_norm_cpu=ref_norm,
-                    weights_max_abs_diff=moved,
-                )
-            ok = row["logprob_max_abs_diff"] <= bounds[dtype_name]
-            row["ok"] = ok
-            if not ok:
-                failed.append(f"{name} {dtype_name}")
-            results[f"{name}/{dtype_name}"] = row
-            print(
-                f"   {name:<13} {dtype_name:<9} "
-                + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if k != "ok")
-            )
-    out: dict[str, Any] = {"device": device, "results": results, "bounds_logprob_max_abs_diff": bounds}
-    if failed:
-        out.update(status="failed", why=f"log-probs off beyond the bound: {', '.join(failed)}")
-    return out
-
-
-# ---- 3. the engine, and 4. the training step ----------------------------------------------------------
-
-
-def _synchronize(device: str) -> Callable[[], None] | None:
-    if device != "cuda":
-        return None
-    import torch
-
-    return torch.cuda.synchronize
-
-
 def section_engine(device: str, cpu_mode: bool, deadline: float, gpu: str) -> dict[str, Any]:
     from services.decisions.cost_model import MeasuredCost
     from sim.engine_costs import cpu_engine_factory, measure_engine
@@ -351,7 +157,7 @@ def section_engine(device: str, cpu_mode: bool, deadline: float, gpu: str) -> di
                 decode_steps=steps,
                 repeat=2,
                 deadline=share,
-                synchronize=_synchronize(device),
+                synchronize=synchronize(device),
                 max_prefill_tokens=0 if cpu_mode else 1 << 16,  # a 256 x 4k batch in 16 prefill steps
                 log=lambda line: print("   " + line, flush=True),
             )
@@ -372,229 +178,6 @@ def _parameters(config: Any) -> int:
     from services.decisions.cost_model import ModelShape
 
     return int(ModelShape.from_hf_config(config.to_hf_dict(), config.model_type, 2).parameters)
-
-
-def section_train(device: str, cpu_mode: bool) -> dict[str, Any]:
-    import torch
-
-    from services.modeling.qwen2 import Qwen2ForCausalLM
-
-    configs = model_configs()
-    shapes = (
-        {"qwen2-10m": ([64] * 4, 16)}
-        if cpu_mode
-        else {"qwen2-10m": ([1024] * 8, 256), "qwen2.5-0.5b": ([1024] * 8, 256)}
-    )
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    results = {}
-    for name, (lengths, prompt) in shapes.items():
-        model = Qwen2ForCausalLM(configs[name], seed=None)
-        model.init_weights(0, std=0.02)
-        model = model.to(device=device, dtype=dtype)
-        mb = _micro_batch(configs[name], lengths, prompt, seed=3).to(device)
-        sync = _synchronize(device) or (lambda: None)
-        optimizer = _optimizer(model, 1e-6)
-        _train_once(model, mb, optimizer=optimizer)  # warm-up (kernels, allocator, AdamW state)
-        sync()
-        times = []
-        for _ in range(3):
-            started = time.perf_counter()
-            _train_once(model, mb, optimizer=optimizer)
-            sync()
-            times.append(time.perf_counter() - started)
-        tokens = sum(lengths)
-        best = min(times)
-        results[name] = {
-            "tokens": tokens,
-            "tokens_per_s": tokens / best,
-            "seconds": best,
-            "dtype": str(dtype),
-        }
-        print(f"   {name:<13} {tokens} tokens/step: {tokens / best:,.0f} tokens/s ({best * 1e3:.1f} ms)")
-        del model
-    return {"train": results}
-
-
-# ---- 5. the weight transport between two processes -------------------------------------------------
-
-
-def _digests(state: dict[str, Any]) -> dict[str, str]:
-    from services.weights.checksum import hash64
-
-    return {
-        k: format(
-            hash64(v.detach().contiguous().cpu().view(-1).view(__import__("torch").uint8).numpy().tobytes()),
-            "016x",
-        )
-        for k, v in sorted(state.items())
-    }
-
-
-def receiver_main(config_json: str, device: str) -> None:
-    """The receiving process: a replica rank that holds weights (services/weights), serving
-    StageWeights/CommitWeights; prints its address, then each committed version's digests on request."""
-    from services.modeling.config import ModelConfig
-    from services.modeling.layouts import Layout, rank_params
-    from services.weights import WeightOnlyEngine, WeightStager, serve_engine
-
-    config = ModelConfig.from_dict(json.loads(config_json))
-
-    async def main() -> None:
-        engine = WeightOnlyEngine(
-            WeightStager(rank_params(config, Layout(1, "hf"), 0), rank=0, device=device)
-        )
-        server, address = await serve_engine(engine)
-        print(f"ADDRESS {address}", flush=True)
-        loop = asyncio.get_running_loop()
-        while True:
-            line = await loop.run_in_executor(None, sys.stdin.readline)
-            if not line:
-                break
-            print(
-                "DIGESTS " + json.dumps({"version": engine.version, "digests": _digests(engine.weights)}),
-                flush=True,
-            )
-        await server.stop(None)
-
-    asyncio.run(main())
-
-
-def _transport(device: str) -> Any:
-    """The transport under test, talking over a plain channel when the tracing interceptors cannot be
-    imported (a bare CUDA image has no OpenTelemetry)."""
-    from services.kit import tls
-    from services.weight_sync.transport.gpu import CudaIpcTransport
-    from services.weight_sync.transport.grpc_stream import GrpcTransport
-
-    base = CudaIpcTransport if device == "cuda" else GrpcTransport
-
-    class Transport(base):  # type: ignore[misc, valid-type]
-        def channel(self, address: str) -> Any:
-            try:
-                return super().channel(address)
-            except ImportError:
-                ch = self._channels.get(address)
-                if ch is None:
-                    ch = self._channels[address] = tls.aio_channel(
-                        address, tls.message_limits(self.max_message_bytes)
-                    )
-                return ch
-
-    return Transport(device) if device == "cuda" else Transport()
-
-
-def section_transport(device: str, cpu_mode: bool) -> dict[str, Any]:
-    from services.kit import tls
-    from services.modeling.layouts import Layout
-    from services.modeling.qwen2 import Qwen2ForCausalLM
-    from services.trainer.shards import push_requests
-    from services.weight_sync.plan import build_deployment_plan
-    from services.weight_sync.planned_bucket import PlannedBucket
-    from services.weight_sync.transport import Delivery, Endpoint
-    from services.weight_sync.versions import VersionStore
-
-    tls.adopt({"insecure": True})  # this check's own loopback channel to the receiver it starts
-    name = "qwen2-10m" if cpu_mode else "qwen2.5-0.5b"
-    config = model_configs()[name]
-    model = Qwen2ForCausalLM(config, seed=None)
-    model.init_weights(0, std=0.02)
-    store = VersionStore(shm=False)
-    for req in push_requests(model, version=0, rank=0, world_size=1):
-        buf = store.buffer_for(req)
-        for i, chunk in enumerate(req.shards):
-            buf.add_chunk(0, chunk, i)
-    buf.ranks_done.add(0)
-    plan = build_deployment_plan(buf.layout(), config, Layout(1, "hf"), 64 << 20)
-    (rank_plan,) = plan.ranks
-    # A receiver on loopback, started by this check alone: no certificates to check it against.
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "LOOPRL_INSECURE_PLAINTEXT": "true", "PYTHONPATH": path}
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tools.gpu_torch_check",
-            "--receiver",
-            json.dumps(config.to_dict()),
-            "--device",
-            device,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = child.stdout.readline()
-        if not line.startswith("ADDRESS "):
-            raise RuntimeError(f"the receiver did not start: {line!r}")
-        endpoint = Endpoint(line.split()[1], 0, "check")
-
-        async def deliver() -> tuple[float, int, int]:
-            transport = _transport(device)
-            try:
-                buckets = [PlannedBucket(spec, rank_plan.dtype, buf.chunks) for spec in rank_plan.buckets]
-                started = time.perf_counter()
-                (result,) = (await transport.stage(Delivery(0, buckets), [endpoint])).values()
-                seconds = time.perf_counter() - started
-                if result.error is not None or not result.complete:
-                    raise RuntimeError(f"staging failed: {result.error}")
-                committed = await transport.commit(endpoint, 0)
-                return seconds, committed, sum(b.nbytes for b in buckets)
-            finally:
-                await transport.close()
-
-        seconds, committed, nbytes = asyncio.run(deliver())
-        child.stdin.write("digests\n")
-        child.stdin.flush()
-        reply = json.loads(child.stdout.readline().split(" ", 1)[1])
-    finally:
-        child.stdin.close()
-        child.wait(timeout=60)
-    # The receiver holds its layout's parameters (a tied lm_head is embed_tokens, never sent twice).
-    want = _digests(model.state_dict())
-    got = reply["digests"]
-    equal = [k for k, v in got.items() if want.get(k) == v]
-    copy_gbps = _device_copy_gb_per_s(nbytes, device)
-    gbps = nbytes / seconds / 1e9
-    result = {
-        "model": name,
-        "transport": "cuda_ipc" if device == "cuda" else "grpc",
-        "bytes": nbytes,
-        "stage_seconds": seconds,
-        "gb_per_s": gbps,
-        "device_copy_gb_per_s": copy_gbps,
-        "fraction_of_device_copy": gbps / copy_gbps,
-        "committed_version": committed,
-        "tensors_equal": len(equal),
-        "tensors": len(got),
-    }
-    print(
-        f"   {result['transport']}: {nbytes / 1e6:.1f} MB staged in {seconds:.3f}s = {gbps:.2f} GB/s, "
-        f"{gbps / copy_gbps:.1%} of a {'device' if device == 'cuda' else 'memory'} copy ({copy_gbps:.1f} GB/s); "
-        f"{len(equal)}/{len(got)} tensors equal after commit"
-    )
-    if committed != 0 or not got or len(equal) != len(got):
-        result.update(status="failed", why="the receiver does not hold exactly the sent weights")
-    return result
-
-
-def _device_copy_gb_per_s(nbytes: int, device: str) -> float:
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync = _synchronize(device) or (lambda: None)
-    sync()
-    best = float("inf")
-    for _ in range(5):
-        started = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        best = min(best, time.perf_counter() - started)
-    return nbytes / best / 1e9
 
 
 # ---- the run ----------------------------------------------------------------------------------------
@@ -630,12 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--budget-s", type=float, default=420.0, help="seconds the measurements may take")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run ({', '.join(SECTIONS)})")
-    parser.add_argument("--receiver", help=argparse.SUPPRESS)
-    parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.receiver:
-        receiver_main(args.receiver, args.device)
-        return 0
     unknown = set(args.only.split(",")) - set(SECTIONS)
     if unknown:
         parser.error(f"--only: unknown sections {sorted(unknown)} (known: {', '.join(SECTIONS)})")
