@@ -143,6 +143,11 @@ def test_each_source_goes_to_the_deployment_its_predicted_length_fits(platform, 
     by_source = Counter(source for _, source, _, _ in predicted)
     matched = Counter(source for _, source, deployment, _ in predicted if deployment == home[source])
     lengths = {s: sorted(n for _, src, _, n in predicted if src == s) for s in (BRIEF, WORKED)}
+    print(
+        "routed by predicted length: "
+        + ", ".join(f"{s} {matched[s]}/{by_source[s]} on {home[s]}" for s in (BRIEF, WORKED))
+        + f"; first step (no prediction yet): {len(unpredicted)} requests on {home[WORKED]}"
+    )
     for source in (BRIEF, WORKED):
         share = matched[source] / by_source[source]
         assert share >= 0.9, (
@@ -187,5 +192,6 @@ def test_the_gpu_recipes_two_deployments_both_serve_a_run_on_the_cpu_backend(pla
     )
     assert_accounting(run)
     served = Counter(deployment for _, _, deployment, _ in _requests(platform, run_id))
+    print(f"the GPU recipe's deployments served: {dict(served)}")
     for name in ("short", "long"):
         assert served[run_deployment_name(run_id, name)] > 0, f"{name} served nothing: {dict(served)}"
