@@ -159,10 +159,11 @@ def run_rl(
     seed: int = 0,
     prefill_limits: WorkerLimits | None = None,
     deployment: str = "sim",
+    start: Ratio | None = None,
 ) -> RunResult:
     """A run of synchronous steps (each releases its groups at once; the next starts when all are
-    done). `fixed` keeps the split the tuner picks for the first step's lengths; `tuned` lets the
-    tuner re-decide at every weight-version boundary (after each step) from the lengths the
+    done). `fixed` keeps the split the tuner picks for the first step's lengths (or `start`, a split
+    set by hand); `tuned` starts there and lets the tuner re-decide at every weight-version boundary (after each step) from the lengths the
     deployment served and the cost model's stage speeds at them, as a service would from its
     measurements. A group is one request of `group_size` completions (one prefill)."""
     policy = policy or TunerPolicy()
@@ -177,9 +178,12 @@ def run_rl(
     result = RunResult(mode)
     ratio: Ratio | None = None
     last: RatioDecision | None = None
-    if mode != "colocated":
-        start = inputs(0, None, workload.groups(0, groups_per_step, group_size, seed))
-        last = tune(start, policy)
+    if mode != "colocated" and start is not None:
+        if start.workers != workers or start.prefill < 1 or start.decode < 1:
+            raise ValueError(f"start {start}: {workers} workers, at least one of each stage")
+        ratio = start
+    elif mode != "colocated":
+        last = tune(inputs(0, None, workload.groups(0, groups_per_step, group_size, seed)), policy)
         if last.reason != REASON_INITIAL:
             raise ValueError(f"workers: {last.detail}")
         ratio = last.ratio

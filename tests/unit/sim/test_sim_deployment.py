@@ -107,7 +107,7 @@ H100 = RooflineCost(GPUS["H100"], MODELS["qwen2.5-7b"])
 AGENT = DriftingLengths("agent", Lengths(2000, 800), Lengths(32000, 250), 1, 4)
 
 
-def _run(mode: str):
+def _run(mode: str, start: Ratio | None = None):
     return run_rl(
         H100,
         AGENT,
@@ -118,6 +118,7 @@ def _run(mode: str):
         limits=WorkerLimits(max_batch=256, max_prefill_tokens=16384, kv_tokens=H100.kv_capacity_tokens()),
         mode=mode,
         policy=TunerPolicy(min_requests=32),
+        start=start,
     )
 
 
@@ -129,6 +130,16 @@ def test_a_tuned_run_follows_the_drift_and_a_fixed_one_keeps_its_first_split():
     assert all(s.decision.inputs.weight_version == s.step + 1 for s in tuned.steps)
     assert tuned.tokens_per_s > fixed.tokens_per_s
     assert fixed.output_tokens == tuned.output_tokens  # the same requests, served at another speed
+
+
+def test_a_split_set_by_hand_is_kept_when_fixed_and_left_when_tuned():
+    even = _run("fixed", Ratio(4, 4))
+    assert set(even.ratios) == {"4:4"}
+    tuned = _run("tuned", Ratio(1, 7))  # far too few prefill workers for contexts that grow
+    assert tuned.ratios[0] == "1:7" and tuned.steps[-1].ratio.prefill > 1
+    assert tuned.tokens_per_s > _run("fixed", Ratio(1, 7)).tokens_per_s
+    with pytest.raises(ValueError, match="at least one of each stage"):
+        _run("fixed", Ratio(8, 0))
 
 
 def test_the_same_seed_gives_the_same_workload_and_result():
