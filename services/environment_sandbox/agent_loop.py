@@ -27,14 +27,12 @@ duplicate publish that the stream deduplicates, never a lost or doubled rollout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import inspect
 import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +48,7 @@ from services.environment_sandbox.environments import (
     PluginFailure,
     make_environment,
     parse_task,
-    plugin_of,
+    plugin_code,
 )
 from services.environment_sandbox.environments.datasets import is_index_task, task_by_index
 from services.environment_sandbox.model_io import (
@@ -61,7 +59,6 @@ from services.environment_sandbox.model_io import (
 )
 from services.environment_sandbox.ratelimit import Limit, RateLimiter
 from services.environment_sandbox.run_dataset import DatasetCache
-from services.kit import plugins
 from services.modeling.tokenizer import Tokenizer, TokenizerCache
 
 log = logging.getLogger(__name__)
@@ -307,7 +304,7 @@ class EpisodeRunner:
             environment=task.environment,
         )
         started = time.perf_counter()
-        with _plugin_code(env):
+        with plugin_code(type(env), "raised"):
             observation = await env.reset(payload)
         env_seconds = time.perf_counter() - started
         try:
@@ -402,7 +399,7 @@ class EpisodeRunner:
         episode.finish = model.finish_reason
         started = time.perf_counter()
         try:
-            with _plugin_code(episode.env):
+            with plugin_code(type(episode.env), "raised"):
                 step = await episode.env.step(episode.last_action)
         except PluginFailure:
             raise
@@ -493,20 +490,3 @@ class EpisodeRunner:
             rollout.reward = episode.env_reward
             rollout.reward_components["environment"] = episode.env_reward
         return rollout
-
-
-@contextlib.contextmanager
-def _plugin_code(env: Environment) -> Iterator[None]:
-    """Around a call into an environment: an exception a plugin environment's own code raises (not an
-    EnvironmentError_, its way of refusing input) fails the run, naming the plugin's file and line."""
-    try:
-        yield
-    except EnvironmentError_:
-        raise
-    except Exception as exc:
-        loaded = plugin_of(type(env))
-        if loaded is None:
-            raise
-        raise PluginFailure(
-            f"environment.name: plugin {loaded.reference!r} raised: {plugins.describe(exc, loaded.root)}"
-        ) from None

@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.environment_sandbox.environments import EnvironmentError_, environment_class
+from services.environment_sandbox.environments import (
+    EnvironmentError_,
+    PluginFailure,
+    environment_class,
+    plugin_code,
+)
 from services.environment_sandbox.environments.base import parse_config
 from services.environment_sandbox.environments.datasets import load_jsonl
 from services.kit import plugins
@@ -154,8 +159,8 @@ def source_rows(spec: DatasetSection, dirs: Sequence[Path]) -> list[dict[str, An
     if not callable(loaded.obj):
         raise plugins.PluginError(f"{spec.source!r} ({loaded.origin}) is not callable")
     try:
-        rows = loaded.obj(**spec.source_config)
-        rows = list(rows) if isinstance(rows, Iterable) else rows
+        rows = plugins.call_contained(loaded.obj, **spec.source_config)
+        rows = plugins.call_contained(list, rows) if isinstance(rows, Iterable) else rows
     except Exception as exc:
         raise plugins.PluginError(f"{spec.source!r} failed: {plugins.describe(exc, loaded.root)}") from None
     if not isinstance(rows, list):
@@ -211,8 +216,9 @@ async def prompt_lengths(
     cls = environment_class(environment)
     env = cls(parse_config(cls, config_json))
     lengths = []
-    for task in tasks:
-        observation = await env.reset(task)
+    for i, task in enumerate(tasks):
+        with plugin_code(cls, f"failed to reset on dataset task {i}"):
+            observation = await env.reset(task)
         lengths.append(len(tokenizer.apply_chat_template(observation, add_generation_prompt=True)))
     return lengths
 
@@ -242,6 +248,8 @@ async def load_dataset(
     held = [to_task(r, spec, f"dataset.eval_path {spec.eval_path} row {i}") for i, r in enumerate(held_raw)]
     try:
         lengths = await prompt_lengths(environment, config_json, tasks + held, tokenizer)
+    except PluginFailure:
+        raise
     except EnvironmentError_ as exc:
         raise DatasetError(f"dataset: a row is not a task of environment {environment!r}: {exc}") from None
     limit = max_prompt_tokens or 1 << 62

@@ -27,6 +27,7 @@ from services.environment_sandbox.environments import (
     environment_names,
     make_environment,
     parse_task,
+    plugin_code,
     plugin_of,
 )
 from services.environment_sandbox.environments.base import parse_config
@@ -254,18 +255,9 @@ def _info(name: str, cls: type[Environment]) -> environment_pb2.EnvironmentInfo:
 async def _trial(cls: type[Environment], call: Any) -> Any:
     """Run one call of an environment's code (its generator, a reset) before a run relies on it: a
     plugin that raises is a FAILED_PRECONDITION naming its file and line."""
-    try:
+    with plugin_code(cls, "failed its trial"):
         result = call()
         return await result if inspect.isawaitable(result) else result
-    except EnvironmentError_:
-        raise
-    except Exception as exc:
-        loaded = plugin_of(cls)
-        if loaded is None:
-            raise
-        raise PluginFailure(
-            f"environment.name: plugin {loaded.reference!r} failed its trial: {plugins.describe(exc, loaded.root)}"
-        ) from None
 
 
 def _dependency_status(exc: grpc.aio.AioRpcError) -> ServiceError:

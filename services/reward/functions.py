@@ -80,10 +80,12 @@ class FunctionReward:
         args = (prompt, inp.completion, task.get("answer"))
         kwargs = self._kwargs(inp)
         try:
+            # Contained: SystemExit from a plugin ends its call, never this service's event loop.
             if inspect.iscoroutinefunction(self.fn):
-                result = await asyncio.wait_for(self.fn(*args, **kwargs), timeout_s)
+                call = plugins.await_contained(self.fn(*args, **kwargs))
             else:
-                result = await asyncio.wait_for(asyncio.to_thread(self.fn, *args, **kwargs), timeout_s)
+                call = asyncio.to_thread(plugins.call_contained, self.fn, *args, **kwargs)
+            result = await asyncio.wait_for(call, timeout_s)
         except TimeoutError:
             raise plugins.PluginError(
                 f"{self.reference!r} ({self.loaded.origin}) did not return within {timeout_s:g}s"

@@ -9,11 +9,12 @@ name so a typo in a recipe fails loudly instead of silently using a default.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -223,6 +224,24 @@ def plugin_of(cls: type[Environment]) -> plugins.Loaded | None:
         if plugin_cls is cls:
             return loaded
     return None
+
+
+@contextlib.contextmanager
+def plugin_code(cls: type[Environment], failed: str) -> Iterator[None]:
+    """Around a call into an environment's code: what a plugin environment's own code raises (not an
+    EnvironmentError_, its way of refusing input) is a PluginFailure naming the plugin, its file and
+    line; SystemExit and KeyboardInterrupt too, which must not end this service."""
+    try:
+        yield
+    except (EnvironmentError_, *plugins.PASSED_THROUGH):
+        raise
+    except BaseException as exc:
+        loaded = plugin_of(cls)
+        if loaded is None:
+            raise
+        raise PluginFailure(
+            f"environment.name: plugin {loaded.reference!r} {failed}: {plugins.describe(exc, loaded.root)}"
+        ) from None
 
 
 def parse_config(cls: type[Environment], config_json: str | dict | None) -> EnvConfig:

@@ -17,6 +17,7 @@ from services.environment_sandbox.agent_loop import EpisodeRunner
 from services.environment_sandbox.config import SandboxConfig
 from services.environment_sandbox.environments import PluginFailure, set_plugin_dirs
 from services.environment_sandbox.model_io import ModelTurn
+from services.environment_sandbox.run_dataset import DatasetCache
 from services.environment_sandbox.sandbox import SandboxPool
 from services.environment_sandbox.servicer import EnvironmentSandboxServicer
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -62,7 +63,7 @@ def servicer(tmp_path: Path):
     (tmp_path / "flaky.py").write_text(FLAKY)
     dirs = (tmp_path, ROOT / "examples" / "multi_turn")
     set_plugin_dirs(dirs)
-    yield EnvironmentSandboxServicer(SandboxPool(SandboxConfig()), None)
+    yield EnvironmentSandboxServicer(SandboxPool(SandboxConfig()), None, datasets=DatasetCache(dirs))
     set_plugin_dirs(())
 
 
@@ -119,3 +120,65 @@ async def test_an_environment_raising_mid_episode_stops_the_run(servicer) -> Non
         PluginFailure, match=r"'flaky.py:Flaky' raised: .*flaky.py:20: ValueError: state machine broke"
     ):
         await runner.run_all(task)
+
+
+EXITS = """import sys
+
+from flaky import Flaky
+
+
+class ExitsMidEpisode(Flaky):
+    async def _step(self, action):
+        sys.exit(3)
+
+
+class ExitsOnReset(Flaky):
+    async def _reset(self):
+        raise SystemExit(4)
+
+
+class RefusesSevens(Flaky):
+    async def _reset(self):
+        if self.task["prompt"] == "7":
+            raise ValueError("no sevens")
+        return [{"role": "user", "content": self.task["prompt"]}]
+
+
+def source_exits():
+    sys.exit(5)
+"""
+
+
+async def test_plugin_code_that_exits_fails_its_run_not_the_service(servicer, tmp_path: Path) -> None:
+    (tmp_path / "exits.py").write_text(EXITS)
+    runner = EpisodeRunner(_Model(), None, CharTokenizer())
+    task = events_pb2.EpisodeTask(
+        run_id="r",
+        task_id="t",
+        group_id="g",
+        environment="exits.py:ExitsMidEpisode",
+        task_json=json.dumps({"prompt": "go"}),
+        environment_config_json=json.dumps({"max_turns": 4}),
+        sampling=common_pb2.SamplingParams(max_tokens=1),
+    )
+    with pytest.raises(
+        PluginFailure, match=r"'exits.py:ExitsMidEpisode' raised: .*exits.py:8: SystemExit: 3"
+    ):
+        await runner.run_all(task)
+    with pytest.raises(
+        FailedPrecondition, match=r"'exits.py:ExitsOnReset' failed its trial: .*SystemExit: 4"
+    ):
+        await servicer.LoadEnvironment(_request("exits.py:ExitsOnReset"), None)
+    source = json.dumps({"source": "exits.py:source_exits", "seed": 1})
+    with pytest.raises(FailedPrecondition, match=r"dataset.source: .*exits.py:24: SystemExit: 5"):
+        await servicer.LoadEnvironment(_request("envs.py:Relay", dataset_json=source), None)
+
+
+async def test_a_plugin_environment_refusing_a_dataset_row_is_named(servicer, tmp_path: Path) -> None:
+    (tmp_path / "exits.py").write_text(EXITS)
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in "1237"))
+    dataset = json.dumps({"path": str(tmp_path / "rows.jsonl"), "seed": 1})
+    with pytest.raises(
+        FailedPrecondition, match=r"'exits.py:RefusesSevens' .*exits.py:19: ValueError: no sevens"
+    ):
+        await servicer.LoadEnvironment(_request("exits.py:RefusesSevens", dataset_json=dataset), None)

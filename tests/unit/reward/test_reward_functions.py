@@ -113,7 +113,7 @@ def test_only_code_the_operator_placed_loads(plugin_dir: Path, tmp_path_factory)
         load_function("os:system", "", (plugin_dir,))
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     (elsewhere / "other.py").write_text("def score(p, c, a):\n    return 1.0\n")
-    with pytest.raises(plugins.PluginError, match=r"not inside a plugin directory"):
+    with pytest.raises(plugins.PluginError, match=r"no file .* in the plugin directories"):
         load_function(f"{elsewhere / 'other.py'}:score", "", (plugin_dir,))
     with pytest.raises(plugins.PluginError, match=r"no entry point of that name in looprl.rewards"):
         load_function("no_such_reward", "", (plugin_dir,))
@@ -164,3 +164,38 @@ async def test_a_score_of_a_broken_plugin_says_so_instead_of_a_silent_zero(plugi
         await servicer.Score(
             reward_pb2.ScoreRequest(reward="digits", reward_config_json="{}", completion="1"), None
         )
+
+
+EXITS = """import sys
+
+
+def exits(prompt, completion, answer):
+    sys.exit(3)
+
+
+async def exits_async(prompt, completion, answer):
+    raise SystemExit(4)
+
+
+class Odd(BaseException):
+    pass
+
+
+def odd(prompt, completion, answer):
+    raise Odd("not an Exception")
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "cause"),
+    [("exits", "SystemExit: 3"), ("exits_async", "SystemExit: 4"), ("odd", "Odd: not an Exception")],
+)
+async def test_a_function_that_exits_is_a_plugin_error_not_the_services_exit(
+    tmp_path: Path, name: str, cause: str
+) -> None:
+    (tmp_path / "exits.py").write_text(EXITS)
+    servicer = RewardServicer(default_registry(plugin_dirs=(tmp_path,)))
+    reply = await servicer.Score(
+        reward_pb2.ScoreRequest(reward=f"exits.py:{name}", task_json="{}", completion="x"), None
+    )
+    assert not reply.ok and "exits.py:" in reply.plugin_error and cause in reply.plugin_error
