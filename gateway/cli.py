@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from conformance.cli import add_arguments as conformance_arguments
@@ -55,7 +56,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     state = up(
         _state_dir(args),
         _ports(args),
-        {**(router_env or _recipe_env(args.recipe)), **_plugin_env(args.plugin_dir)},
+        {**(router_env or _recipe_env(args.recipe)), **_plugin_env(args.plugin_dir, args.data_dir)},
         keep_state=args.keep_state,
         host=args.host,
         ray_resources=json.loads(args.ray_resources) if args.ray_resources else None,
@@ -143,14 +144,20 @@ def _recipe_env(recipe: str | None) -> dict[str, str]:
     return {"LOOPRL_INFERENCE_ROUTER_RECIPE": str(Path(recipe).resolve())}
 
 
-def _plugin_env(dirs: list[str]) -> dict[str, str]:
-    """The plugin directories the environment-sandbox and the reward service load user code from."""
-    if not dirs:
-        return {}
-    missing = [d for d in dirs if not Path(d).is_dir()]
-    if missing:
-        sys.exit(f"looprl: --plugin-dir {missing[0]!r} is not a directory")
-    return {"LOOPRL_PLUGIN_DIRS": os.pathsep.join(str(Path(d).resolve()) for d in dirs)}
+def _plugin_env(dirs: Sequence[str], data_dirs: Sequence[str] = ()) -> dict[str, str]:
+    """The plugin directories the environment-sandbox and the reward service load user code from, and
+    the data directories recipes' datasets may be read from."""
+    env = {}
+    for flag, variable, given in (
+        ("--plugin-dir", "LOOPRL_PLUGIN_DIRS", dirs),
+        ("--data-dir", "LOOPRL_DATA_DIRS", data_dirs),
+    ):
+        missing = [d for d in given if not Path(d).is_dir()]
+        if missing:
+            sys.exit(f"looprl: {flag} {missing[0]!r} is not a directory")
+        if given:
+            env[variable] = os.pathsep.join(str(Path(d).resolve()) for d in given)
+    return env
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
@@ -189,7 +196,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     existing = StackState.load(_state_dir(args).resolve())
     if args.local and (existing is None or not existing.running()):
         print("bringing the local stack up ...")
-        up(_state_dir(args), _ports(args), _plugin_env(args.plugin_dir))  # the run brings its own deployments
+        up(
+            _state_dir(args), _ports(args), _plugin_env(args.plugin_dir, args.data_dir)
+        )  # the run brings its own deployments
         started_here = True
     try:
         stub, metadata = _gateway(args)
@@ -414,6 +423,12 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
         "deployment; checked (TLS, health, contract) before the stack is ready",
     )
     p.add_argument(
+        "--data-dir",
+        action="append",
+        default=[],
+        help="directory recipes' datasets may be read from (besides the plugin directories)",
+    )
+    p.add_argument(
         "--host",
         default="127.0.0.1",
         help="address every process listens on; this host's own address makes it the head of several hosts",
@@ -465,6 +480,12 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="with --local, a directory of user code the services may load",
+    )
+    p.add_argument(
+        "--data-dir",
+        action="append",
+        default=[],
+        help="with --local, a directory recipes' datasets may be read from",
     )
     p.add_argument("--report-dir", default="reports")
     p.set_defaults(func=cmd_run)

@@ -62,9 +62,15 @@ def dataset_json(recipe: Recipe, base_dir: Path) -> str:
     return json.dumps(data, sort_keys=True)
 
 
-def _refusal(service: str, what: str, exc: grpc.aio.AioRpcError) -> Exception:
-    """The service's refusal as the gateway's own status, its message kept (it names the field)."""
+def _refusal(
+    service: str, what: str, exc: grpc.aio.AioRpcError, given: dict[str, str] | None = None
+) -> Exception:
+    """The service's refusal as the gateway's own status, its message kept (it names the field), with
+    the paths this gateway resolved named as the recipe gave them (`given`): whether a file exists on
+    the gateway's host, and where the gateway runs, are not the recipe's to learn."""
     code, details = exc.code(), exc.details() or ""
+    for resolved, value in (given or {}).items():
+        details = details.replace(resolved, value)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgument(details)
     if code == grpc.StatusCode.NOT_FOUND:
@@ -100,7 +106,12 @@ async def load_task_code(recipe: Recipe, peers: Any, base_dir: Path) -> dict[str
                 timeout=LOAD_TIMEOUT_S,
             )
         except grpc.aio.AioRpcError as exc:
-            raise _refusal("environment-sandbox", "environment.name", exc) from None
+            given = {
+                _service_path(value, base_dir): value
+                for value in (recipe.dataset.path, recipe.dataset.eval_path)
+                if value and _service_path(value, base_dir) != value
+            }
+            raise _refusal("environment-sandbox", "environment.name", exc, given) from None
         first_task, first_answer = reply.first_task_json, reply.first_answer
         default_reward = reply.environment.default_reward
         if data_json:

@@ -177,6 +177,10 @@ class EnvServiceConfig(ServiceConfig):
     """Directories (':'- or ','-separated) plugin environments and task sources are loaded from: a
     recipe's `file.py:Class` and `module:Class` must lie in one (each is put on sys.path); installed
     packages declaring a looprl entry point need none. Empty: only those packages."""
+    data_dirs: str = ""
+    """Directories (':'- or ','-separated) a recipe's dataset.path and dataset.eval_path may read
+    (symlinks and '..' resolved; a path outside answers as a missing one), besides the plugin
+    directories. Empty: only the plugin directories."""
 
     @field_validator("tokenizer")
     @classmethod

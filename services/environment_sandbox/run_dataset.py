@@ -82,26 +82,36 @@ class RunDataset:
         return order
 
 
-def _hf_directory(path: Path, split: str) -> list[dict[str, Any]]:
+def _inside(path: Path, roots: Sequence[Path]) -> bool:
+    return any(path == r or r in path.parents for r in roots)
+
+
+def _hf_directory(path: Path, split: str, field_name: str, given: str) -> list[dict[str, Any]]:
     """Rows of a `datasets` save_to_disk directory (a Dataset, or a DatasetDict's `split`), read with
-    pyarrow as `datasets.load_from_disk` reads them: the Arrow stream files state.json lists."""
+    pyarrow as `datasets.load_from_disk` reads them: the Arrow stream files state.json lists, each
+    of them a file of the directory."""
     import pyarrow as pa
 
+    top = path
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-        if split not in splits:
-            raise DatasetError(
-                f"dataset.split: {str(path)!r} holds splits {', '.join(splits)}, not {split!r}"
-            )
-        path = path / split
+        if split not in splits or not _inside((path / split).resolve(), [top]):
+            raise DatasetError(f"dataset.split: {given!r} holds splits {', '.join(splits)}, not {split!r}")
+        path = (path / split).resolve()
     state = path / "state.json"
     if state.is_file():
-        files = [path / f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
+        names = [str(f.get("filename", "")) for f in json.loads(state.read_text()).get("_data_files", [])]
+        files = [(path / name).resolve() for name in names]
+        for name, file in zip(names, files, strict=True):
+            if not (_inside(file, [top]) and file.is_file()):
+                raise DatasetError(
+                    f"{field_name}: {given!r}: state.json names {name!r}, not a file of the directory"
+                )
     else:
         files = sorted(path.glob("*.arrow"))
     if not files:
         raise DatasetError(
-            f"dataset.path: {str(path)!r} is not a `datasets` directory (no state.json or .arrow files)"
+            f"{field_name}: {given!r} is not a `datasets` directory (no state.json or .arrow files)"
         )
     rows: list[dict[str, Any]] = []
     for file in files:
@@ -116,18 +126,42 @@ def _parquet(path: Path) -> list[dict[str, Any]]:
     return pq.read_table(path).to_pylist()
 
 
+def _confined(path_text: str, roots: Sequence[Path]) -> list[Path]:
+    """What a dataset path names inside the data directories, symlinks and '..' resolved: the one
+    file or directory, or a glob's matching files (its directory must be inside one). Empty when
+    nothing there: a path outside them is not looked at, so it answers as a missing one."""
+    parts = Path(path_text).parts
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    base = Path(*parts[:fixed]) if fixed else Path(".")
+    if not _inside(base.resolve(), roots):
+        return []
+    if fixed == len(parts):
+        return [base.resolve()] if base.exists() else []
+    matches = [Path(p).resolve() for p in sorted(glob.glob(path_text))]
+    return [m for m in matches if _inside(m, roots) and m.is_file()]
+
+
 def read_rows(
-    path_text: str, format: str, split: str, field_name: str = "dataset.path"
+    path_text: str,
+    format: str,
+    split: str,
+    field_name: str = "dataset.path",
+    *,
+    roots: Sequence[Path],
 ) -> list[dict[str, Any]]:
-    """Every row of a file, a glob of files or a `datasets` directory, in order."""
-    path = Path(path_text)
-    if format in ("auto", "hf") and path.is_dir():
-        return _hf_directory(path, split)
+    """Every row of a file, a glob of files or a `datasets` directory, in order; only inside `roots`
+    (the sandbox's data and plugin directories)."""
+    files = _confined(path_text, roots)
+    if len(files) == 1 and files[0].is_dir() and format in ("auto", "hf"):
+        return _hf_directory(files[0], split, field_name, path_text)
+    if not files or not all(f.is_file() for f in files):
+        where = ", ".join(str(r) for r in roots) or "none configured: LOOPRL_DATA_DIRS"
+        raise DatasetError(
+            f"{field_name}: {path_text!r} does not exist in the data directories ({where}), "
+            "or matches no file there"
+        )
     if format == "hf":
         raise DatasetError(f"{field_name}: {path_text!r} is not a directory (format 'hf')")
-    files = [Path(p) for p in sorted(glob.glob(path_text))] if glob.has_magic(path_text) else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise DatasetError(f"{field_name}: {path_text!r} does not exist (or matches no file)")
     rows: list[dict[str, Any]] = []
     for file in files:
         kind = (
@@ -231,18 +265,21 @@ async def load_dataset(
     tokenizer: Any,
     max_prompt_tokens: int,
     dirs: Sequence[Path],
+    data_dirs: Sequence[Path] = (),
 ) -> RunDataset:
-    """Read, map, filter and split a run's dataset."""
+    """Read, map, filter and split a run's dataset: a task source from the plugin directories
+    `dirs`, files only inside `data_dirs` and `dirs`."""
+    roots = (*data_dirs, *dirs)
     if spec.source:
         raw = await asyncio.to_thread(source_rows, spec, dirs)
         label = spec.source
     else:
-        raw = await asyncio.to_thread(read_rows, spec.path, spec.format, spec.split)
+        raw = await asyncio.to_thread(read_rows, spec.path, spec.format, spec.split, roots=roots)
         label = spec.path
     held_raw: list = []
     if spec.eval_path:
         held_raw = await asyncio.to_thread(
-            read_rows, spec.eval_path, spec.format, spec.split, "dataset.eval_path"
+            read_rows, spec.eval_path, spec.format, spec.split, "dataset.eval_path", roots=roots
         )
     tasks = [to_task(r, spec, f"dataset {label} row {i}") for i, r in enumerate(raw)]
     held = [to_task(r, spec, f"dataset.eval_path {spec.eval_path} row {i}") for i, r in enumerate(held_raw)]
@@ -302,8 +339,11 @@ class DatasetCache:
     """Loaded datasets of this process, by everything that decides their tasks (one load however
     many episodes ask at once)."""
 
-    def __init__(self, plugin_dirs: Sequence[Path] = (), capacity: int = 8) -> None:
+    def __init__(
+        self, plugin_dirs: Sequence[Path] = (), capacity: int = 8, data_dirs: Sequence[Path] = ()
+    ) -> None:
         self.plugin_dirs = tuple(plugin_dirs)
+        self.data_dirs = tuple(data_dirs)
         self.capacity = capacity
         self._loaded: OrderedDict[tuple, asyncio.Future] = OrderedDict()
 
@@ -323,7 +363,9 @@ class DatasetCache:
         if refresh or future is None or (future.done() and future.exception() is not None):
             spec, seed, limit = parse_spec(dataset_json)
             future = asyncio.ensure_future(
-                load_dataset(spec, seed, environment, config_json, tokenizer, limit, self.plugin_dirs)
+                load_dataset(
+                    spec, seed, environment, config_json, tokenizer, limit, self.plugin_dirs, self.data_dirs
+                )
             )
             self._loaded[key] = future
             while len(self._loaded) > self.capacity:

@@ -53,7 +53,7 @@ async def serve(cfg: EnvServiceConfig) -> None:
     runner = None
     plugin_dirs = plugin_dirs_from(cfg.plugin_dirs)
     set_plugin_dirs(plugin_dirs)
-    datasets = DatasetCache(plugin_dirs)
+    datasets = DatasetCache(plugin_dirs, data_dirs=plugin_dirs_from(cfg.data_dirs))
     tokenizers = TokenizerCache(cfg.tokenizer)
     tokenizers.get()  # a default that does not load fails at start-up, not on the first task naming none
     if cfg.router_address:

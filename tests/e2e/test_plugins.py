@@ -98,7 +98,7 @@ def plugin_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Sta
     shutil.copy(EXAMPLES / "multi_turn" / "train.jsonl", root / "relay.jsonl")
     pq.write_table(pa.Table.from_pylist(rows), root / "relay.parquet")
     dirs = (files, site, EXAMPLES / "single_turn")
-    up_args = tuple(arg for d in dirs for arg in ("--plugin-dir", str(d)))
+    up_args = (*(arg for d in dirs for arg in ("--plugin-dir", str(d))), "--data-dir", str(root))
     with local_stack(root / "state", up_args=up_args) as stack:
         yield stack, root
 

@@ -27,7 +27,8 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 async def _load(spec: DatasetSection, environment: str = "single_turn", limit: int = 0, seed: int = 3):
-    return await load_dataset(spec, seed, environment, None, CharTokenizer(), limit, ())
+    roots = [Path(p).parent for p in (spec.path, spec.eval_path) if p]
+    return await load_dataset(spec, seed, environment, None, CharTokenizer(), limit, (), data_dirs=roots)
 
 
 def test_jsonl_parquet_and_a_datasets_directory_read_the_same_rows(tmp_path: Path) -> None:
@@ -38,28 +39,28 @@ def test_jsonl_parquet_and_a_datasets_directory_read_the_same_rows(tmp_path: Pat
     datasets.DatasetDict(
         {"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:3])}
     ).save_to_disk(str(tmp_path / "dict"))
-    assert read_rows(str(tmp_path / "train.jsonl"), "auto", "train") == ROWS
-    assert read_rows(str(tmp_path / "train.parquet"), "auto", "train") == ROWS
+    assert read_rows(str(tmp_path / "train.jsonl"), "auto", "train", roots=(tmp_path,)) == ROWS
+    assert read_rows(str(tmp_path / "train.parquet"), "auto", "train", roots=(tmp_path,)) == ROWS
     # The directory reads as `datasets.load_from_disk` reads it, without importing `datasets`.
-    assert read_rows(str(tmp_path / "saved"), "auto", "train") == list(
+    assert read_rows(str(tmp_path / "saved"), "auto", "train", roots=(tmp_path,)) == list(
         datasets.load_from_disk(str(tmp_path / "saved"))
     )
-    assert read_rows(str(tmp_path / "dict"), "hf", "test") == ROWS[:3]
+    assert read_rows(str(tmp_path / "dict"), "hf", "test", roots=(tmp_path,)) == ROWS[:3]
     # load_dataset("parquet", data_files=...) offline: a glob of files, in order.
     pq.write_table(pa.Table.from_pylist(ROWS[:10]), tmp_path / "part-0.parquet")
     pq.write_table(pa.Table.from_pylist(ROWS[10:]), tmp_path / "part-1.parquet")
-    assert read_rows(str(tmp_path / "part-*.parquet"), "auto", "train") == ROWS
+    assert read_rows(str(tmp_path / "part-*.parquet"), "auto", "train", roots=(tmp_path,)) == ROWS
     with pytest.raises(DatasetError, match=r"dataset.split: .* holds splits train, test, not 'val'"):
-        read_rows(str(tmp_path / "dict"), "auto", "val")
+        read_rows(str(tmp_path / "dict"), "auto", "val", roots=(tmp_path,))
     with pytest.raises(DatasetError, match=r"dataset.path: .*missing.jsonl' does not exist"):
-        read_rows(str(tmp_path / "missing.jsonl"), "auto", "train")
+        read_rows(str(tmp_path / "missing.jsonl"), "auto", "train", roots=(tmp_path,))
 
 
 def test_bad_rows_are_refused_naming_the_file_and_row(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a"}\n{"prompt": \n')
     with pytest.raises(DatasetError, match=r"bad.jsonl:2: not valid JSON"):
-        read_rows(str(path), "auto", "train")
+        read_rows(str(path), "auto", "train", roots=(tmp_path,))
 
 
 async def test_fields_map_to_prompt_messages_answer_and_metadata(tmp_path: Path) -> None:
@@ -138,7 +139,7 @@ async def test_the_cache_loads_a_dataset_once_for_concurrent_episodes(tmp_path: 
 
     spec = DatasetSection(path=str(_jsonl(tmp_path / "d.jsonl", ROWS)))
     text = json.dumps({**spec.model_dump(), "seed": 1})
-    cache = DatasetCache()
+    cache = DatasetCache(data_dirs=(tmp_path,))
     loaded = await asyncio.gather(
         *(cache.get(text, "single_turn", None, "char", CharTokenizer()) for _ in range(5))
     )
@@ -146,3 +147,48 @@ async def test_the_cache_loads_a_dataset_once_for_concurrent_episodes(tmp_path: 
     assert (await cache.get(text, "single_turn", None, "char", CharTokenizer(), refresh=True)) is not loaded[
         0
     ]
+
+
+def test_a_path_outside_the_data_directories_answers_as_a_missing_one(tmp_path: Path) -> None:
+    """A recipe's dataset.path reads only the operator's data directories: another tenant's data, or
+    any JSON file of the sandbox's host, would otherwise become prompts the recipe's owner reads back
+    in samples; and a missing file and a forbidden one answer alike (no oracle of the host's files)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    _jsonl(data / "mine.jsonl", ROWS[:2])
+    secret = _jsonl(tmp_path / "secret.jsonl", [{"prompt": "someone else's row"}])
+    (data / "link.jsonl").symlink_to(secret)
+    pq.write_table(pa.Table.from_pylist(ROWS[:2]), tmp_path / "outside.parquet")
+    roots = (data,)
+    assert read_rows(str(data / "mine.jsonl"), "auto", "train", roots=roots) == ROWS[:2]
+    answers = []
+    for given in (
+        str(secret),
+        str(data / ".." / "secret.jsonl"),
+        str(data / "link.jsonl"),
+        str(tmp_path / "*.jsonl"),  # a glob whose directory is outside
+        str(tmp_path / "outside.parquet"),
+        str(tmp_path / "missing.jsonl"),
+        str(data / "missing.jsonl"),
+    ):
+        with pytest.raises(DatasetError) as caught:
+            read_rows(given, "auto", "train", roots=roots)
+        answers.append(str(caught.value).replace(given, "PATH"))
+    assert len(set(answers)) == 1, answers
+    assert "does not exist in the data directories" in answers[0]
+    # Inside, a glob leaves out what a symlink leads out to.
+    assert read_rows(str(data / "*.jsonl"), "auto", "train", roots=roots) == ROWS[:2]
+
+
+def test_a_datasets_directory_reads_only_its_own_files(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(ROWS[:2]).save_to_disk(str(tmp_path / "saved"))
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "elsewhere.arrow")
+    state = tmp_path / "saved" / "state.json"
+    listing = json.loads(state.read_text())
+    listing["_data_files"] = [{"filename": "../elsewhere.arrow"}]
+    state.write_text(json.dumps(listing))
+    with pytest.raises(
+        DatasetError, match=r"dataset.path: .*state.json names '../elsewhere.arrow', not a file of"
+    ):
+        read_rows(str(tmp_path / "saved"), "auto", "train", roots=(tmp_path,))

@@ -111,13 +111,17 @@ def test_up_where_a_stack_is_already_up_says_so(tmp_path: Path, capsys) -> None:
     assert err.startswith("looprl: a stack is already up") and "run `looprl down` first" in err
 
 
-def test_plugin_directories_reach_the_services_as_one_setting(tmp_path: Path) -> None:
+def test_plugin_and_data_directories_reach_the_services_as_one_setting_each(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     env = cli._plugin_env([str(tmp_path / "a"), str(tmp_path / "b")])
     assert env == {"LOOPRL_PLUGIN_DIRS": f"{tmp_path / 'a'}{os.pathsep}{tmp_path / 'b'}"}
     with pytest.raises(SystemExit, match=r"--plugin-dir .*missing' is not a directory"):
         cli._plugin_env([str(tmp_path / "missing")])
+    both = cli._plugin_env([str(tmp_path / "a")], [str(tmp_path / "b")])
+    assert both == {"LOOPRL_PLUGIN_DIRS": str(tmp_path / "a"), "LOOPRL_DATA_DIRS": str(tmp_path / "b")}
+    with pytest.raises(SystemExit, match=r"--data-dir .*missing' is not a directory"):
+        cli._plugin_env([], [str(tmp_path / "missing")])
 
 
 def test_eval_without_the_steps_export_says_where_it_looked(tmp_path: Path, monkeypatch, capsys) -> None:
