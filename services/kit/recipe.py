@@ -152,6 +152,14 @@ class LoraSection(Section):
     """Also export the base with the adapter merged in (a plain Hugging Face model) beside the PEFT
     adapter directory."""
 
+    @field_validator("target_modules")
+    @classmethod
+    def _once_each(cls, value: list[str]) -> list[str]:
+        twice = next((t for i, t in enumerate(value) if t in value[:i]), None)
+        if twice is not None:
+            raise ValueError(f"{twice!r} is named twice")
+        return value
+
 
 class ModelSection(Section):
     """The policy: a local Hugging Face directory or a built-in preset, and its tokenizer."""
@@ -716,6 +724,12 @@ class Recipe(Section):
                     f"deployments[{i}].weight_transport",
                     "shared_copy replicas serve from weight-sync's copies; a LoRA run's adapters are staged by each",
                 )
+            if self.model.lora is not None and d.model_path and not self._same_base(d.model_path, info):
+                # One answer whatever the directory holds (missing, unreadable, another model).
+                raise field_error(
+                    f"deployments[{i}].model_path",
+                    "is not the base model.path names (a LoRA run's adapters apply to that base only)",
+                )
             if self.model.lora is not None and self.model.lora.rank > d.max_lora_rank:
                 raise field_error(
                     f"deployments[{i}].max_lora_rank",
@@ -733,6 +747,17 @@ class Recipe(Section):
                         "(transformers' modeling code), served by cpu deployments of tensor_parallel = 1",
                     )
         return self
+
+    def _same_base(self, model_path: str, info: ValidationInfo) -> bool:
+        """Whether a deployment's model directory holds the architecture of model.path."""
+        from services.modeling.config import read_config
+
+        base_dir = (info.context or {}).get("base_dir")
+        try:
+            theirs = read_config(_local_dir(model_path, base_dir), self.model.implementation)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return theirs == self.model.architecture(base_dir)
 
 
 def sampling_seed(run_seed: int, task_index: int, sample: int = 0) -> int:

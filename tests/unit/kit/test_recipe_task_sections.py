@@ -70,3 +70,54 @@ def test_a_lora_recipe_written_as_toml_parses_back_equal(tmp_path) -> None:
     text = f'[model]\npath = "{tmp_path}"\n[model.lora]\nrank = 8\ntarget_modules = ["q_proj", "v_proj"]\n'
     recipe = parse_recipe(text)
     assert parse_recipe(recipe_toml(recipe)) == recipe
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory) -> tuple[str, str]:
+    """A base model directory, and one of another architecture (three layers)."""
+    from services.modeling.config import ModelConfig
+    from services.modeling.qwen2 import Qwen2ForCausalLM
+
+    base, other = tmp_path_factory.mktemp("base"), tmp_path_factory.mktemp("other")
+    Qwen2ForCausalLM(ModelConfig.tiny(), seed=0).save_pretrained(base)
+    Qwen2ForCausalLM(ModelConfig.tiny(num_hidden_layers=3), seed=0).save_pretrained(other)
+    return str(base), str(other)
+
+
+NOT_THE_BASE = "deployments[0].model_path: is not the base model.path names (a LoRA run's adapters apply to that base only)"
+
+
+@pytest.mark.parametrize(
+    ("lora", "deployment", "message"),
+    [
+        ('target_modules = ["q_proj", "q_proj"]', "", "model.lora.target_modules: 'q_proj' is named twice"),
+        ("", 'model_path = "{other}"', NOT_THE_BASE),
+        ("", 'model_path = "{base}/missing"', NOT_THE_BASE),
+        ("", "tensor_parallel = 2", "deployments[0].tensor_parallel: a LoRA run's adapters are served at"),
+        ("", 'weight_transport = "shared_copy"', "deployments[0].weight_transport: shared_copy replicas"),
+        ("rank = 128", "", "deployments[0].max_lora_rank: 64 is below the run's adapter rank 128"),
+    ],
+)
+def test_a_lora_recipe_that_cannot_serve_its_adapter_is_refused_naming_the_field(
+    bases: tuple[str, str], lora: str, deployment: str, message: str
+) -> None:
+    base, other = bases
+    text = (
+        f'[model]\npath = "{base}"\n[model.lora]\n{lora}\n'
+        f'[[deployments]]\nname = "a"\n{deployment.format(base=base, other=other)}\n'
+    )
+    with pytest.raises(RecipeError) as refused:
+        parse_recipe(text)
+    assert message in str(refused.value)
+
+
+def test_a_lora_deployment_may_name_its_base_by_another_path(bases: tuple[str, str], tmp_path) -> None:
+    base, _ = bases
+    (tmp_path / "link").symlink_to(base)
+    recipe = parse_recipe(
+        f'[model]\npath = "{base}"\n[model.lora]\n[[deployments]]\nname = "a"\nmodel_path = "{tmp_path / "link"}"\n'
+    )
+    assert recipe.deployments[0].model_path == str(tmp_path / "link")
+    assert parse_recipe(f'[model]\npath = "{base}"\n[model.lora]\n').model.lora is not None
+    with pytest.raises(RecipeError, match=r"deployments\[0\]\.max_loras: serves LoRA runs' adapters"):
+        parse_recipe(f'[model]\npath = "{base}"\n[[deployments]]\nname = "a"\nshared = true\nmax_loras = 2\n')
