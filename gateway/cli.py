@@ -269,9 +269,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     step = source.weight_version if args.step is None else args.step
     model_dir = Path(args.model_dir) if args.model_dir else hf_export_dir(_state_dir(args), args.run_id, step)
     deadline = time.monotonic() + args.wait
-    while not (model_dir / "config.json").is_file() and time.monotonic() < deadline:
+
+    def exported() -> bool:
+        return (model_dir / "config.json").is_file() or (model_dir / "adapter_config.json").is_file()
+
+    while not exported() and time.monotonic() < deadline:
         time.sleep(0.5)  # the trainer writes the final export as the run ends
-    if not (model_dir / "config.json").is_file():
+    if not exported():
         print(
             f"looprl eval: no Hugging Face export of run {args.run_id} at step {step} in {model_dir} (the "
             "trainer writes one at a run's end; name another with --model-dir)",
@@ -279,6 +283,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
         return 2
     data = recipe.model_dump()
+    if recipe.model.lora is not None and (model_dir / "adapter_config.json").is_file():
+        # A LoRA run's export is its adapter; what evaluates as the run's policy is the merged model.
+        if not (model_dir / "merged" / "config.json").is_file():
+            print(
+                f"looprl eval: run {args.run_id} trains a LoRA adapter: its export of step {step} ({model_dir}) "
+                "is the adapter; evaluating it needs the merged model (model.lora.merge_on_export = true "
+                "writes it to merged/, or name one with --model-dir)",
+                file=sys.stderr,
+            )
+            return 2
+        model_dir = model_dir / "merged"
+    if recipe.model.lora is not None:
+        data["model"]["lora"] = None
+        for d in data["deployments"]:
+            d.update(shared=False, max_loras=0, model_path="")  # its replicas serve the merged model
     data["run"]["name"] = f"{recipe.run.name}-eval{step}"
     data["model"]["path"] = str(model_dir.resolve())
     data["eval"].update(checkpoint_step=step, every=0)

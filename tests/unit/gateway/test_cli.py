@@ -137,3 +137,46 @@ def test_eval_without_the_steps_export_says_where_it_looked(tmp_path: Path, monk
     assert cli.main(["--state-dir", str(tmp_path), "eval", "r1", "--wait", "0"]) == 2
     err = capsys.readouterr().err
     assert f"no Hugging Face export of run r1 at step 7 in {tmp_path / 'trainer/r1/hf/step_00000007'}" in err
+
+
+def test_eval_of_a_lora_run_evaluates_its_merged_export(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A LoRA run's export of a step is its adapter (PEFT), with the merged model in merged/ when
+    model.lora.merge_on_export: the evaluation run loads that, a plain model."""
+    from looprl.gateway.v1 import gateway_pb2
+    from services.kit.recipe import parse_recipe
+    from services.modeling.config import ModelConfig
+    from services.modeling.qwen2 import Qwen2ForCausalLM
+
+    base = tmp_path / "base"
+    Qwen2ForCausalLM(ModelConfig.tiny(), seed=0).save_pretrained(base)
+    recipe = (
+        f'[model]\npath = "{base}"\n[model.lora]\nrank = 4\n'
+        '[[deployments]]\nname = "lora"\nshared = true\nmax_loras = 4\n'
+    )
+    export = tmp_path / "trainer/r1/hf/step_00000005"
+    export.mkdir(parents=True)
+    (export / "adapter_config.json").write_text("{}")
+    submitted = []
+
+    class Gateway:
+        def GetRun(self, request, metadata=None):
+            return gateway_pb2.GetRunResponse(
+                run=gateway_pb2.Run(run_id="r1", recipe_toml=recipe, weight_version=5)
+            )
+
+        def CreateRun(self, request, metadata=None):
+            submitted.append(request.recipe_toml)
+            raise SystemExit(0)  # far enough: what was submitted
+
+    monkeypatch.setattr(cli, "_gateway", lambda args: (Gateway(), ()))
+    argv = ["--state-dir", str(tmp_path), "eval", "r1", "--wait", "0"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "run r1 trains a LoRA adapter: its export of step 5" in err and "merge_on_export" in err
+    Qwen2ForCausalLM(ModelConfig.tiny(), seed=0).save_pretrained(export / "merged")
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    evaluated = parse_recipe(submitted[0])
+    assert evaluated.model.lora is None and evaluated.model.path == str((export / "merged").resolve())
+    assert (evaluated.deployments[0].shared, evaluated.deployments[0].max_loras) == (False, 0)
+    assert evaluated.eval.checkpoint_step == 5
