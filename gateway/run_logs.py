@@ -244,6 +244,14 @@ class RunLogs:
             except MissingDependency as exc:
                 print(f"looprl: {exc}; not logging to {name}", file=sys.stderr)
                 continue
+            except Exception as exc:  # a tracking server that does not answer must not stop the follower
+                # Its progress stays as it was: a later follower writes exactly what it missed.
+                print(
+                    f"looprl: logging to {name} is off for this follower: it could not be opened ({exc!r}); "
+                    f"`looprl watch {run.run_id}` writes what it missed once it can",
+                    file=sys.stderr,
+                )
+                continue
             if sink is not None:
                 self.sinks.append(sink)
         self._warned: set[str] = set()

@@ -97,3 +97,24 @@ def test_a_run_whose_recipe_logs_nowhere_writes_no_logs(tmp_path: Path) -> None:
     logs.update(run)
     assert not logs.sinks
     assert not any(p.name != "logged.json" for p in tmp_path.iterdir())
+
+
+def test_a_tracking_server_that_cannot_be_reached_leaves_the_other_logs_and_the_follower_running(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    run = _run(3)
+    run.recipe_toml = RECIPE.replace("samples_every = 5", f'mlflow_tracking_uri = "http://127.0.0.1:{port}"')
+    logs = RunLogs(tmp_path, run)
+    logs.update(run)
+    logs.close(run)
+    assert [s.name for s in logs.sinks] == ["tensorboard", "jsonl"]
+    assert "logging to mlflow is off" in capsys.readouterr().err
+    assert len((tmp_path / METRICS_JSONL).read_text().splitlines()) == 3
+    # What MLflow missed is still owed: `looprl watch` backfills it once the server answers.
+    assert not json.loads((tmp_path / "logged.json").read_text()).get("mlflow", {}).get("through")
