@@ -174,9 +174,8 @@ class ContinuousBatchingEngine(Engine):
             request, vocab_size=self.executor.vocab_size, max_model_len=self.executor.max_model_len
         )
         if request.adapter and request.adapter not in self.adapter_versions:
-            raise FailedPrecondition(
-                f"adapter: {request.adapter!r} is not served here (serving {sorted(self.adapter_versions)})"
-            )
+            # Not the adapters it does serve: on a shared replica they are other tenants' runs.
+            raise FailedPrecondition(f"adapter: {request.adapter!r} is not served here")
         if request.sampling.n > self.executor.num_slots:
             raise ResourceExhausted(
                 f"sampling.n: {request.sampling.n} completions exceed this engine's {self.executor.num_slots} slots"

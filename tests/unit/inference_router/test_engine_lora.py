@@ -84,6 +84,10 @@ async def test_unknown_adapters_and_stale_adapter_versions_are_refused():
         with pytest.raises(FailedPrecondition, match="adapter: 'run-x' is not served"):
             await engine.generate([_request("run-x", 1)])
         await engine.serve_adapter("run-a", 4, CONFIG.with_lora(SPEC), adapter)
+        # A shared replica serves other tenants' runs: a refusal names none of them.
+        with pytest.raises(FailedPrecondition) as refused:
+            await engine.generate([_request("run-x", 1)])
+        assert "run-a" not in str(refused.value)
         with pytest.raises(FailedPrecondition, match="older"):
             await engine.serve_adapter("run-a", 3, CONFIG.with_lora(SPEC), adapter)
         wrong = CONFIG.replace(hidden_size=32, head_dim=8).with_lora(SPEC)
