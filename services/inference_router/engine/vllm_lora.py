@@ -44,9 +44,8 @@ class VLLMAdapters:
     def request_of(self, name: str) -> tuple[Any, int]:
         """(LoRARequest, version) a request of adapter `name` runs with."""
         if name not in self._requests:
-            raise FailedPrecondition(
-                f"adapter: {name!r} is not served here (serving {sorted(self.versions)})"
-            )
+            # Not the adapters it does serve: on a shared replica they are other tenants' runs.
+            raise FailedPrecondition(f"adapter: {name!r} is not served here")
         return self._requests[name], self.versions[name]
 
     def install(

@@ -88,6 +88,9 @@ def test_runs_requests_carry_their_adapter_at_its_version_beside_base_requests(m
             await engine.generate([EngineRequest([1, 2], SamplingParams(max_tokens=2), adapter="run-a")])
         await engine.serve_adapter("run-a", 3, ADAPTER, states["run-a"])
         await engine.serve_adapter("run-b", 5, ADAPTER, states["run-b"])
+        with pytest.raises(FailedPrecondition) as refused:  # naming none of the runs it serves
+            await engine.generate([EngineRequest([1, 2], SamplingParams(max_tokens=2), adapter="run-c")])
+        assert "run-a" not in str(refused.value) and "run-b" not in str(refused.value)
         with pytest.raises(FailedPrecondition, match="older"):
             await engine.serve_adapter("run-b", 4, ADAPTER, states["run-b"])
         requests = [
