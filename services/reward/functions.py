@@ -18,10 +18,13 @@ error: the run cannot be scored by it, and fails naming the plugin, its file and
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import inspect
 import json
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,15 @@ class BadRewardConfig(ValueError):
     """reward.config does not fit the function's parameters; the message names the key."""
 
 
+# Threads a plain (not async) reward function's calls run on at once. Each function has its own: a
+# call that never returns keeps its thread, and only that function's calls may then wait for one.
+THREADS_PER_FUNCTION = 8
+
+
+def function_threads(reference: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(THREADS_PER_FUNCTION, thread_name_prefix=f"reward {reference}")
+
+
 @dataclass
 class FunctionReward:
     reference: str
@@ -48,6 +60,7 @@ class FunctionReward:
     named: frozenset[str]
     any_keyword: bool
     calls: int = field(default=0)
+    threads: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     @property
     def fn(self) -> Callable[..., Any]:
@@ -84,7 +97,11 @@ class FunctionReward:
             if inspect.iscoroutinefunction(self.fn):
                 call = plugins.await_contained(self.fn(*args, **kwargs))
             else:
-                call = asyncio.to_thread(plugins.call_contained, self.fn, *args, **kwargs)
+                if self.threads is None:
+                    self.threads = function_threads(self.reference)
+                context = contextvars.copy_context()  # as asyncio.to_thread: the caller's trace
+                work = functools.partial(context.run, plugins.call_contained, self.fn, *args, **kwargs)
+                call = asyncio.get_running_loop().run_in_executor(self.threads, work)
             result = await asyncio.wait_for(call, timeout_s)
         except TimeoutError:
             raise plugins.PluginError(

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.kit import plugins
 from services.reward import metrics
 from services.reward import verifiers as v
-from services.reward.functions import FunctionReward, load_function
+from services.reward.functions import FunctionReward, function_threads, load_function
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class RewardRegistry:
         self._specs: dict[str, RewardSpec] = {}
         # Plugins by (reference, settings JSON): one load per process, not per score.
         self._plugins: dict[tuple[str, str], FunctionReward] = {}
+        # Each reference's threads, kept across reloads (a call of the version before may still run).
+        self._threads: dict[str, ThreadPoolExecutor] = {}
 
     def add_verifier(self, name: str, verifier: v.Verifier, description: str, kind: str = "verifier") -> None:
         self._specs[name] = RewardSpec(name, kind, description, verifier=verifier)
@@ -95,7 +98,9 @@ class RewardRegistry:
         BadRewardConfig say why not."""
         key = (name, config_json)
         if reload or key not in self._plugins:
-            self._plugins[key] = load_function(name, config_json, self.plugin_dirs)
+            fn = load_function(name, config_json, self.plugin_dirs)
+            fn.threads = self._threads.setdefault(name, function_threads(name))
+            self._plugins[key] = fn
         return self._plugins[key]
 
     async def score(self, name: str, inp: v.ScoreInput, config_json: str = "") -> Outcome:
@@ -126,7 +131,9 @@ class RewardRegistry:
 
     async def _score_plugin(self, name: str, inp: v.ScoreInput, config_json: str) -> Outcome:
         try:
-            fn = self.plugin(name, config_json)
+            fn = self._plugins.get((name, config_json))
+            if fn is None:  # not loaded in this process yet: its import must not stop the event loop
+                fn = await asyncio.to_thread(self.plugin, name, config_json)
             score, parts = await fn(inp, self.timeout_s)
         except (plugins.PluginError, ValueError) as exc:
             metrics.FAILURES.labels(name, "crashed").inc()

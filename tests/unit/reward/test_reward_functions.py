@@ -199,3 +199,54 @@ async def test_a_function_that_exits_is_a_plugin_error_not_the_services_exit(
         reward_pb2.ScoreRequest(reward=f"exits.py:{name}", task_json="{}", completion="x"), None
     )
     assert not reply.ok and "exits.py:" in reply.plugin_error and cause in reply.plugin_error
+
+
+HANGS = """import threading
+
+RELEASE = threading.Event()
+
+
+def hangs(prompt, completion, answer):
+    RELEASE.wait(60)
+    return 0.0
+
+
+def quick(prompt, completion, answer):
+    return 1.0
+"""
+
+
+async def test_a_function_that_hangs_times_out_its_own_calls_and_no_other_plugins(tmp_path: Path) -> None:
+    """A reward stuck on some answers (a catastrophic regex) keeps its calls' threads: it must not
+    take the threads another run's plugin scores with, which would then time out and fail that run."""
+    import asyncio
+
+    (tmp_path / "slow.py").write_text(HANGS)
+    registry = default_registry(timeout_s=0.5, plugin_dirs=(tmp_path,))
+    servicer = RewardServicer(registry)
+
+    def score(name: str) -> reward_pb2.ScoreRequest:
+        return reward_pb2.ScoreRequest(reward=f"slow.py:{name}", task_json="{}", completion="x")
+
+    try:
+        # More hung calls than any thread pool asyncio.to_thread would use has threads.
+        hung = await asyncio.gather(*(servicer.Score(score("hangs"), None) for _ in range(40)))
+        assert all("did not return within 0.5s" in r.plugin_error for r in hung)
+        reply = await servicer.Score(score("quick"), None)
+        assert reply.ok and reply.score == 1.0, reply.plugin_error
+    finally:
+        registry.plugin("slow.py:hangs").fn.__globals__["RELEASE"].set()
+
+
+async def test_a_reward_first_scored_here_is_imported_off_the_event_loop(tmp_path: Path) -> None:
+    """A reward service replica that did not answer the run's LoadReward imports the plugin at its
+    first score: a slow import must not stop every other score of this process meanwhile."""
+    (tmp_path / "where.py").write_text(
+        "import threading\n\nON_LOOP = threading.current_thread() is threading.main_thread()\n\n\n"
+        "def score(prompt, completion, answer):\n    return float(ON_LOOP)\n"
+    )
+    servicer = RewardServicer(default_registry(plugin_dirs=(tmp_path,)))
+    reply = await servicer.Score(
+        reward_pb2.ScoreRequest(reward="where.py:score", task_json="{}", completion="x"), None
+    )
+    assert reply.ok and reply.score == 0.0, "the plugin was imported on the event loop's thread"
