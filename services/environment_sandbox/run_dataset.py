@@ -34,6 +34,7 @@ from services.kit.recipe import DatasetSection
 from services.kit.schema import explain
 
 SPLITS = ("train", "eval")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class DatasetError(EnvironmentError_):
@@ -211,11 +212,23 @@ def to_task(row: Any, spec: DatasetSection, where: str) -> dict[str, Any]:
     task: dict[str, Any] = json.loads(json.dumps(row, default=str))
     messages = task.get(spec.messages_field)
     if messages is not None:
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
         ):
-            raise DatasetError(f"{where}.{spec.messages_field}: must be a list of {{role, content}} strings")
+            raise DatasetError(
+                f"{where}.{spec.messages_field}: must be a non-empty list of {{role, content}} strings"
+            )
+        for i, m in enumerate(messages):
+            if m["role"] not in ROLES:  # ShareGPT's human/gpt would render as roles no template knows
+                raise DatasetError(
+                    f"{where}.{spec.messages_field}[{i}].role: must be system, user, assistant or tool, "
+                    f"got {m['role']!r}"
+                )
         task["messages"] = messages
     elif isinstance(task.get(spec.prompt_field), str):
         task["prompt"] = task[spec.prompt_field]
@@ -281,6 +294,9 @@ async def load_dataset(
         held_raw = await asyncio.to_thread(
             read_rows, spec.eval_path, spec.format, spec.split, "dataset.eval_path", roots=roots
         )
+    if not raw:
+        field_name = "dataset.source" if spec.source else "dataset.path"
+        raise DatasetError(f"{field_name}: {label!r} holds no rows")
     tasks = [to_task(r, spec, f"dataset {label} row {i}") for i, r in enumerate(raw)]
     held = [to_task(r, spec, f"dataset.eval_path {spec.eval_path} row {i}") for i, r in enumerate(held_raw)]
     try:

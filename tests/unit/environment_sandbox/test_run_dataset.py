@@ -88,6 +88,30 @@ async def test_fields_map_to_prompt_messages_answer_and_metadata(tmp_path: Path)
         await _load(spec)
 
 
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([], "dataset.path: '{path}' holds no rows"),
+        ([{"messages": []}], "row 0.messages: must be a non-empty list of {role, content} strings"),
+        (
+            [ROWS[0], {"messages": [{"from": "human", "value": "rev 12"}]}],
+            "row 1.messages: must be a non-empty list of {role, content} strings",
+        ),
+        (
+            [{"messages": [{"role": "human", "content": "rev 12"}]}],
+            "row 0.messages[0].role: must be system, user, assistant or tool, got 'human'",
+        ),
+    ],
+)
+async def test_a_dataset_without_rows_or_with_rows_no_template_renders_is_refused_naming_them(
+    tmp_path: Path, rows: list, message: str
+) -> None:
+    path = _jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DatasetError) as refused:
+        await _load(DatasetSection(path=str(path)))
+    assert message.replace("{path}", str(path)) in str(refused.value)
+
+
 async def test_too_long_prompts_are_left_out_and_counted(tmp_path: Path) -> None:
     rows = [*ROWS[:10], {"prompt": "x" * 200, "answer": "1"}, {"prompt": "y" * 300, "answer": "2"}]
     data = await _load(DatasetSection(path=str(_jsonl(tmp_path / "d.jsonl", rows))), limit=64)
