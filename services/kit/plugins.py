@@ -251,8 +251,11 @@ def _load_module(
         # nothing, and refused unless the operator placed it.
         top = module_name.partition(".")[0]
         top_places = _located(importlib.util.find_spec(top))
-        if not (any(_inside(p, dirs) for p in top_places) or _opted_in(top)):
-            raise refused
+    except (ImportError, ValueError):
+        raise refused from None
+    if not (any(_inside(p, dirs) for p in top_places) or _opted_in(top)):
+        raise refused
+    try:
         spec = importlib.util.find_spec(module_name)
     except (ImportError, ValueError) as exc:
         raise PluginError(f"{reference!r} failed to import: {describe(exc)}") from None
@@ -307,10 +310,14 @@ def load(reference: str, group: str, dirs: Sequence[Path]) -> Loaded:
             path = Path(target)
             candidates = [path] if path.is_absolute() else [d / path for d in dirs]
             for candidate in candidates:
-                resolved = candidate.resolve()
-                # A file outside the plugin directories answers as a missing one: the message must
-                # not tell a recipe which files exist on the service's host.
-                if _inside(resolved, dirs) and resolved.is_file():
+                try:
+                    resolved = candidate.resolve()
+                    # A file outside the plugin directories answers as a missing one: the message
+                    # must not tell a recipe which files exist on the service's host.
+                    found = _inside(resolved, dirs) and resolved.is_file()
+                except (OSError, ValueError):  # a name no file can have (a NUL byte, too long)
+                    found = False
+                if found:
                     return _load_file(resolved, attr, reference, dirs)
             searched = ", ".join(str(d) for d in dirs) or "none configured"
             raise PluginError(f"{reference!r}: no file {target!r} in the plugin directories ({searched})")
