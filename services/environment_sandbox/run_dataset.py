@@ -134,12 +134,15 @@ def _confined(path_text: str, roots: Sequence[Path]) -> list[Path]:
     parts = Path(path_text).parts
     fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
     base = Path(*parts[:fixed]) if fixed else Path(".")
-    if not _inside(base.resolve(), roots):
+    try:
+        if not _inside(base.resolve(), roots):
+            return []
+        if fixed == len(parts):
+            return [base.resolve()] if base.exists() else []
+        matches = [Path(p).resolve() for p in sorted(glob.glob(path_text))]
+        return [m for m in matches if _inside(m, roots) and m.is_file()]
+    except (OSError, ValueError):  # a name no file can have (a NUL byte, too long)
         return []
-    if fixed == len(parts):
-        return [base.resolve()] if base.exists() else []
-    matches = [Path(p).resolve() for p in sorted(glob.glob(path_text))]
-    return [m for m in matches if _inside(m, roots) and m.is_file()]
 
 
 def read_rows(

@@ -194,10 +194,11 @@ def test_a_path_outside_the_data_directories_answers_as_a_missing_one(tmp_path: 
         str(tmp_path / "outside.parquet"),
         str(tmp_path / "missing.jsonl"),
         str(data / "missing.jsonl"),
+        str(data / "nul\x00.jsonl"),  # a name no file can have
     ):
         with pytest.raises(DatasetError) as caught:
             read_rows(given, "auto", "train", roots=roots)
-        answers.append(str(caught.value).replace(given, "PATH"))
+        answers.append(str(caught.value).replace(repr(given)[1:-1], "PATH"))
     assert len(set(answers)) == 1, answers
     assert "does not exist in the data directories" in answers[0]
     # Inside, a glob leaves out what a symlink leads out to.
