@@ -485,7 +485,16 @@ class RunDriver:
                     self._drops[step] = packer_reports.parse_drops(entry.value)
                     self._feed_due.set()
                 elif kind == "samples" and every:
-                    await self.store.add_samples(self.run_id, step, json.loads(entry.value), every)
+                    try:
+                        await self.store.add_samples(self.run_id, step, json.loads(entry.value), every)
+                    except (
+                        ValueError
+                    ) as exc:  # its chunk past the server's max_payload (PayloadTooLarge), bad JSON
+                        # A table must never hold up the run: the plans and drops after it still count.
+                        log.warning(
+                            "run %s: the samples table of step %d is not kept: %r", self.run_id, step, exc
+                        )
+                        continue
                     self.changed.set()
 
     async def _genuine(self, step: events_pb2.TrainStepRecord) -> bool:

@@ -11,6 +11,10 @@ class BusUnavailable(BusError, ConnectionError):
     """No NATS server answered."""
 
 
+class PayloadTooLarge(BusError, ValueError):
+    """A message or KV value is larger than the server's max_payload; retrying will not help."""
+
+
 class KVConflict(BusError):
     """A compare-and-set write lost: the key is no longer at the revision the caller read."""
 

@@ -11,7 +11,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from services.kit.bus_errors import KVConflict
+from services.kit.bus_errors import KVConflict, PayloadTooLarge
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,13 @@ class KV:
         return KVEntry(key, e.value or b"", e.revision or 0)
 
     async def put(self, key: str, value: bytes) -> int:
-        """Write unconditionally; returns the new revision."""
-        return await self._store.put(_check_key(key), value)
+        """Write unconditionally; returns the new revision. PayloadTooLarge past max_payload."""
+        try:
+            return await self._store.put(_check_key(key), value)
+        except nats.errors.MaxPayloadError as err:
+            raise PayloadTooLarge(
+                f"KV {self.bucket}/{key}: {len(value)} bytes, over the server's max_payload"
+            ) from err
 
     async def create(self, key: str, value: bytes) -> int:
         """Write only if the key does not exist; KVConflict otherwise."""
