@@ -31,6 +31,10 @@ DATASET_JSON_KEY = "dataset_json"
 DATASET_KEY = "dataset"
 # A plugin that loads, validates and scores in more than this is refused: a run must fail fast.
 LOAD_TIMEOUT_S = 8.0
+# A dataset is read, mapped and measured row by row when the run is created (about 0.1 ms a row on
+# one core): a large one takes longer than an import may. The sandbox holds the environment's
+# import to its own deadline (IMPORT_TIMEOUT_S), so a hanging import is still refused at once.
+DATASET_LOAD_TIMEOUT_S = 300.0
 
 
 def _service_path(value: str, base_dir: Path) -> str:
@@ -63,7 +67,11 @@ def dataset_json(recipe: Recipe, base_dir: Path) -> str:
 
 
 def _refusal(
-    service: str, what: str, exc: grpc.aio.AioRpcError, given: dict[str, str] | None = None
+    service: str,
+    what: str,
+    exc: grpc.aio.AioRpcError,
+    given: dict[str, str] | None = None,
+    timeout_s: float = LOAD_TIMEOUT_S,
 ) -> Exception:
     """The service's refusal as the gateway's own status, its message kept (it names the field), with
     the paths this gateway resolved named as the recipe gave them (`given`): whether a file exists on
@@ -77,7 +85,8 @@ def _refusal(
         return FailedPrecondition(details)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return FailedPrecondition(
-            f"{what}: the {service} did not load it within {LOAD_TIMEOUT_S:g}s (a hanging import?)"
+            f"{what}: the {service} did not load it within {timeout_s:g}s (a hanging import, or a "
+            "dataset too large to read in that time?)"
         )
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return FailedPrecondition(details)
@@ -94,6 +103,7 @@ async def load_task_code(recipe: Recipe, peers: Any, base_dir: Path) -> dict[str
         extra[DATASET_JSON_KEY] = data_json
     first_task, first_answer, default_reward = "", "", ""
     if peers.sandbox is not None:
+        timeout_s = DATASET_LOAD_TIMEOUT_S if data_json else LOAD_TIMEOUT_S
         try:
             reply = await peers.sandbox.LoadEnvironment(
                 environment_pb2.LoadEnvironmentRequest(
@@ -103,7 +113,7 @@ async def load_task_code(recipe: Recipe, peers: Any, base_dir: Path) -> dict[str
                     tokenizer=recipe.model.tokenizer,
                     max_prompt_tokens=min(recipe.max_prompt_tokens, 2**31 - 1),
                 ),
-                timeout=LOAD_TIMEOUT_S,
+                timeout=timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
             given = {
@@ -111,7 +121,7 @@ async def load_task_code(recipe: Recipe, peers: Any, base_dir: Path) -> dict[str
                 for value in (recipe.dataset.path, recipe.dataset.eval_path)
                 if value and _service_path(value, base_dir) != value
             }
-            raise _refusal("environment-sandbox", "environment.name", exc, given) from None
+            raise _refusal("environment-sandbox", "environment.name", exc, given, timeout_s) from None
         first_task, first_answer = reply.first_task_json, reply.first_answer
         default_reward = reply.environment.default_reward
         if data_json:

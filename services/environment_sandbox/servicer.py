@@ -44,6 +44,11 @@ from services.kit import plugins
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
 from services.modeling.tokenizer import TokenizerCache
 
+# A plugin environment that does not import in this long is refused (LoadEnvironment), within the
+# gateway's deadline for the whole load without a dataset (gateway/task_code.py LOAD_TIMEOUT_S, 8 s),
+# so that the refusal names the plugin.
+IMPORT_TIMEOUT_S = 6.0
+
 
 def _status(exc: EnvironmentError_) -> Exception:
     if isinstance(exc, UnknownEnvironment):
@@ -190,8 +195,15 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
         config_json = request.environment_config_json or None
         try:
             try:
-                # In a thread: a plugin whose import hangs must not stop this service's event loop.
-                cls = await asyncio.to_thread(environment_class, request.environment, True)
+                # In a thread: a plugin whose import hangs must not stop this service's event loop;
+                # and refused at once (the dataset that follows may take longer, in rows).
+                load = asyncio.to_thread(environment_class, request.environment, True)
+                cls = await asyncio.wait_for(load, IMPORT_TIMEOUT_S)
+            except TimeoutError:
+                raise PluginFailure(
+                    f"environment.name: plugin {request.environment!r} did not import within "
+                    f"{IMPORT_TIMEOUT_S:g}s (a hanging import?)"
+                ) from None
             except UnknownEnvironment:
                 raise UnknownEnvironment(
                     f"environment.name: unknown environment {request.environment!r}: the environment-sandbox "

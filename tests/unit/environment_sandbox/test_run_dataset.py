@@ -217,3 +217,30 @@ def test_a_datasets_directory_reads_only_its_own_files(tmp_path: Path) -> None:
         DatasetError, match=r"dataset.path: .*state.json names '../elsewhere.arrow', not a file of"
     ):
         read_rows(str(tmp_path / "saved"), "auto", "train", roots=(tmp_path,))
+
+
+async def test_measuring_a_large_dataset_leaves_the_event_loop_to_the_episodes_now_and_then() -> None:
+    """The sandbox measures every row's prompt when a run is created (0.1 ms a row, seconds for a
+    large dataset): the episodes of other runs on the same event loop must go on meanwhile."""
+    import asyncio
+
+    from services.environment_sandbox.run_dataset import prompt_lengths
+
+    ticks = 0
+
+    async def episode() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(episode())
+    await asyncio.sleep(0)
+    before = ticks
+    tasks = [{"prompt": f"rev {i}", "answer": str(i)[::-1]} for i in range(4096)]
+    lengths = await prompt_lengths("single_turn", None, tasks, CharTokenizer())
+    other.cancel()
+    assert len(lengths) == 4096
+    assert ticks - before >= 8, (
+        f"the loop ran other work {ticks - before} times while 4096 rows were measured"
+    )
