@@ -8,7 +8,8 @@ but not now (its tenant at max_concurrent_runs, `concurrency_reason`, or too few
 waits in the run queue (gateway/queue.py).
 
 A recipe can be valid on its own and still be unable to make progress here: no deployment of the
-inference-router serves it, the environment-sandbox does not know its environment, the reward
+inference-router serves it (or none holds a prompt and a turn of sampling.max_tokens), the
+environment-sandbox does not know its environment, the reward
 service does not know its reward, or its tokenizer's vocabulary does not fit the model's. Each
 is refused with FAILED_PRECONDITION naming the recipe field and what is missing, before the run
 exists. The services are asked over their own RPCs (ListDeployments here; LoadEnvironment and
@@ -32,7 +33,7 @@ from looprl.environment.v1 import environment_pb2_grpc
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from looprl.reward.v1 import reward_pb2_grpc
 from services.kit.errors import FailedPrecondition, ResourceExhausted
-from services.kit.recipe import Recipe
+from services.kit.recipe import Recipe, unservable_max_tokens
 
 log = logging.getLogger("looprl.gateway.admission")
 
@@ -268,6 +269,15 @@ async def _check_deployments(recipe: Recipe, peers: Peers) -> bool:
             f"deployments: no deployment serves this run: the recipe asks for {', '.join(wanted)}; the "
             f"inference-router serves {have} (it serves only its configured deployments)"
         )
+    # The run's requests go to any of the stack's deployments: one of them must hold a prompt and
+    # a turn of sampling.max_tokens.
+    longest = max(d.max_model_len for d in reply.deployments if d.replicas)
+    if recipe.sampling.max_tokens >= longest:
+        raise FailedPrecondition(
+            "sampling.max_tokens: "
+            + unservable_max_tokens(recipe.sampling.max_tokens, longest)
+            + " (the inference-router's configured deployments)"
+        )
     return True
 
 
@@ -284,7 +294,7 @@ def model_vocab_size(recipe: Recipe, base_dir: Path) -> int:
         return int(json.loads((path / "config.json").read_text())["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise FailedPrecondition(
-            f"model.path: cannot read vocab_size from {path / 'config.json'}: {exc}"
+            f"model.path: cannot read vocab_size from {recipe.model.path!r}'s config.json: {exc}"
         ) from None
 
 

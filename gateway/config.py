@@ -130,6 +130,10 @@ class GatewayConfig(ServiceConfig):
     (or not host:port): only the tenants' quotas apply. The gateway never joins the cluster."""
     recipe_base_dir: str = "."
     """Relative model paths in recipes resolve here."""
+    model_dirs: list[str] = []
+    """Directories a recipe's model.path and model.tokenizer must lie under (symlinks resolved), e.g.
+    ["/models"]; empty: any directory the gateway can read. A path that is missing, unreadable,
+    outside them or not a model directory gets one and the same answer."""
     recipe_limits: RecipeLimits = RecipeLimits()
     """What a recipe may ask of this cluster, as JSON overriding the defaults of services.kit.limits.RecipeLimits (e.g.
     {"max_rollouts_per_step": 4096, "max_world_size": 8, "max_replicas": 16}); a recipe over a limit is

@@ -17,11 +17,13 @@ import grpc
 from aiohttp import web
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from gateway.auth import TokenAuth
 from gateway.metrics import http_metrics, init_routes
 from gateway.openai_api import TENANT, OpenAIEndpoints, OpenAIError, json_body
 from gateway.servicer import RunManager
+from looprl.gateway.v1 import gateway_pb2
 from looprl.inference.v1 import inference_pb2_grpc
 from services.kit.errors import InvalidArgument, ServiceError
 from services.modeling.tokenizer import TokenizerCache
@@ -117,6 +119,31 @@ def _integers_as_numbers(descriptor, value: dict) -> None:
             value[f.name] = [int(v) for v in value[f.name]] if f.is_repeated else int(value[f.name])
 
 
+_JSON_KINDS = {
+    FieldDescriptor.TYPE_STRING: (str, "a string"),
+    FieldDescriptor.TYPE_BOOL: (bool, "a boolean"),
+}
+
+
+def request_message(body: dict, message_type: type[Message]) -> Message:
+    """The JSON body as a `message_type` request: every key a field of it and every value of its
+    field's type (null: the field's default), else INVALID_ARGUMENT naming the field. Nothing is
+    dropped or coerced on the way, as a lenient JSON-to-protobuf parse would."""
+    fields = message_type.DESCRIPTOR.fields_by_name
+    message = message_type()
+    for key, value in body.items():
+        field = fields.get(key)
+        if field is None:
+            raise InvalidArgument(f"{key}: unknown field (the body's fields are {', '.join(fields)})")
+        if value is None:
+            continue
+        kind, words = _JSON_KINDS[field.type]  # a request field of another type needs a row here
+        if field.is_repeated or not isinstance(value, kind):
+            raise InvalidArgument(f"{key}: must be {words}, got {json.dumps(value)[:80]}")
+        setattr(message, key, value)
+    return message
+
+
 class HttpApi:
     def __init__(
         self,
@@ -156,10 +183,10 @@ class HttpApi:
         return web.json_response({"status": "ok"})
 
     async def create_run(self, request: web.Request) -> web.Response:
-        body = await json_body(request)
-        if not isinstance(body.get("recipe_toml"), str):
-            raise InvalidArgument("recipe_toml: required string")
-        record = await self.runs.create(body["recipe_toml"], str(body.get("run_id", "")), request[TENANT])
+        create = request_message(await json_body(request), gateway_pb2.CreateRunRequest)
+        if not create.recipe_toml:
+            raise InvalidArgument("recipe_toml: required string (the recipe's TOML text)")
+        record = await self.runs.create(create.recipe_toml, create.run_id, request[TENANT])
         return web.json_response(_run_json(await self.runs.proto(record)), status=201)
 
     async def list_runs(self, request: web.Request) -> web.Response:

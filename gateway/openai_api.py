@@ -8,20 +8,25 @@ serves (by name) while the run it serves is one the caller may see: a run's own 
 Another tenant's run is an unknown model, as if it did not exist. `model` picks one: a run id means
 that run's tokenizer and chat template, and the router is asked for that run's own deployments
 (GenerateRequest.run_id); a deployment name also pins the request to that deployment; an unknown
-model is OpenAI's 404 `model_not_found`. The endpoints tokenize, call the router's
-Generate (GenerateStream for `stream: true`, sent as server-sent events) and decode. `stop` strings
-end a choice at their first occurrence (finish_reason "stop"); `logprobs` report the sampled tokens'
-log-probs (the engine returns no alternatives, so `top_logprobs` above 0 is refused). Every field is
-checked against its type and range before anything is forwarded; errors are OpenAI-shaped.
+model is OpenAI's 404 `model_not_found`. Without `model` the request goes to the caller's one
+active run (400 naming `model` when it may reach several), else to the stack's deployments if it may
+use them; the reply's `model` is the run or deployment that served it. The endpoints tokenize, call
+the router's Generate (GenerateStream for `stream: true`, sent as server-sent events) and decode.
+`stop` strings end a choice at their first occurrence (finish_reason "stop"); `logprobs` report the
+sampled tokens' log-probs (the engine returns no alternatives, so `top_logprobs` above 0 is refused).
+Every field is checked against its type and range before anything is forwarded, and one looprl does
+not serve is refused naming it (gateway/openai_fields.py); errors are OpenAI-shaped.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -29,17 +34,21 @@ from aiohttp import web
 
 from gateway.config import Tenant
 from gateway.metrics import count_openai_tokens
+from gateway.openai_fields import CHAT, COMPLETION, check_fields, identifiers, log_request
 from gateway.openai_shapes import (
-    OPENAI_FIELDS,
     Choice,
-    check_unsupported,
+    best_of_n,
+    bool_field,
+    cache_session,
+    chat_messages,
     choice_json,
     delta,
     int_field,
     logprobs_json,
     model_entry,
-    sampling_value,
+    sampling_values,
     stop_strings,
+    stream_options,
 )
 from gateway.run_store import ACTIVE
 from gateway.servicer import RunManager
@@ -61,6 +70,17 @@ class OpenAIError(Exception):
     def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+
+
+@dataclass(frozen=True)
+class Target:
+    """What serves a request: the reply's `model` ("": the deployment that served it), the tokenizer,
+    the deployment pinned ("" for none) and the run whose deployments serve it ("" for the stack's)."""
+
+    label: str
+    tokenizer: Tokenizer
+    deployment: str
+    run_id: str
 
 
 class OpenAIEndpoints:
@@ -133,60 +153,76 @@ class OpenAIEndpoints:
             return web.json_response(model_entry(name, 0, "deployment"))
         raise _not_found(name)
 
-    async def _resolve(self, body: dict, tenant: Tenant) -> tuple[str, Tokenizer, str, str]:
-        """(model id, its tokenizer, the deployment to pin or "", the run whose deployments serve it or
-        "" for the stack's) for the request's `model`."""
+    async def _resolve(self, body: dict, tenant: Tenant) -> Target:
+        """What serves the request's `model`: a run id (that run's own deployments, or the stack's
+        while it has none of its own), a deployment name (pinned), or, without `model`, the caller's
+        one active run. A caller that may reach several active runs must name one; one that may
+        reach none samples the stack's deployments, if it may use them."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidArgument(f"model: must be a string, got {model!r}")
-        runs, deployments, usable = await self._policies(tenant)
-        run = next((r for r in runs if r.run_id == model), None)
-        if model and run is None and model not in deployments:
-            raise _not_found(model)
-        if not model and not usable:
-            # The default is what the deployments serve: another tenant's policy.
+        runs, deployments, _ = await self._policies(tenant)
+        if model:
+            run = next((r for r in runs if r.run_id == model), None)
+            if run is not None:
+                return Target(model, await self._tokenizer(run), "", run.run_id)
+            if model not in deployments:
+                raise _not_found(model)
+            owner = deployments[model]  # a run's own deployment serves that run only
+            if owner is None:  # a deployment of the stack serves the newest run's policy
+                return Target(model, await self._tokenizer(runs[-1] if runs else None), model, "")
+            return Target(model, await self._tokenizer(owner), model, owner.run_id)
+        active = [r for r in runs if r.state in ACTIVE]
+        if len(active) > 1:
+            names = ", ".join(r.run_id for r in active[-5:])
+            raise InvalidArgument(
+                f"model: required: {len(active)} runs you may sample from are active ({names}); "
+                "name one (GET /v1/models lists them)"
+            )
+        if active:
+            return Target(active[0].run_id, await self._tokenizer(active[0]), "", active[0].run_id)
+        if not any(owner is None for owner in deployments.values()):
+            # Unscoped, the router would take any deployment: another run's, maybe another tenant's.
             raise OpenAIError(
                 404,
                 "model: no model you may use is the default (see GET /v1/models)",
                 "model_not_found",
                 "model",
             )
-        pinned = model if run is None and model in deployments else ""
-        # The router serves a run the request names from that run's own deployments; a run's own
-        # deployment is that run's policy.
-        run_id = run.run_id if run is not None else ""
-        if pinned and deployments[pinned] is not None:
-            run = deployments[pinned]
-            run_id = run.run_id
-        if run is None and runs:
-            run = runs[-1]  # a deployment serves the newest run's policy
+        # The stack's deployments; the reply names the one that served it.
+        return Target("", await self._tokenizer(runs[-1] if runs else None), "", "")
+
+    async def _tokenizer(self, run: Any) -> Tokenizer:
+        """The run's tokenizer (its recipe's model.tokenizer); the gateway's default without a run."""
         if run is None:
-            return model or "default", await self.tokenizers.aget(), pinned, run_id
+            return await self.tokenizers.aget()
         spec = self._run_tokenizers.get(run.run_id)
         try:
             if spec is None:
                 spec = self._run_tokenizers[run.run_id] = run.recipe().model.tokenizer
-            tokenizer = await self.tokenizers.aget(spec)
+            return await self.tokenizers.aget(spec)
         except (RecipeError, ValueError) as exc:
             raise FailedPrecondition(
                 f"model: the tokenizer of run {run.run_id!r} does not load: {exc}"
             ) from exc
-        return model or run.run_id, tokenizer, pinned, run_id
 
     # ---- requests ---------------------------------------------------------------------------------
 
     def _request(
-        self, body: dict, ids: list[int], tokenizer: Tokenizer, deployment: str, run_id: str
+        self, body: dict, ids: list[int], target: Target, tenant: Tenant, n: int = 0
     ) -> inference_pb2.GenerateRequest:
-        check_unsupported(body)
-        values = {name: sampling_value(body, name, self.runs.limits) for name in OPENAI_FIELDS}
-        sampling = common_pb2.SamplingParams(**values, stop_token_ids=[tokenizer.eos_token_id])
+        """The router request; `n` (best_of) overrides the body's n."""
+        values = sampling_values(body, self.runs.limits)
+        if n:
+            values["n"] = n
+        sampling = common_pb2.SamplingParams(**values, stop_token_ids=[target.tokenizer.eos_token_id])
         return inference_pb2.GenerateRequest(
             prompt_token_ids=ids,
             sampling=sampling,
             request_id=uuid.uuid4().hex,
-            deployment=deployment,
-            run_id=run_id,
+            deployment=target.deployment,
+            run_id=target.run_id,
+            session_id=cache_session(body, tenant.name),
         )
 
     def _check_ids(self, field: str, ids: list[int]) -> None:
@@ -204,16 +240,14 @@ class OpenAIEndpoints:
             raise Unavailable("no inference-router configured (LOOPRL_GATEWAY_ROUTER_ADDRESS)")
         return self.router
 
-    async def _generate(
-        self, request: inference_pb2.GenerateRequest, field: str
-    ) -> inference_pb2.GenerateResponse:
+    async def _generate(self, request: inference_pb2.GenerateRequest, names: dict[str, str]) -> Any:
         try:
             return await self._router().Generate(request, timeout=120)
         except grpc.aio.AioRpcError as exc:
-            raise _renamed(exc, field) from exc
+            raise _renamed(exc, names) from exc
 
     async def _stream(
-        self, request: inference_pb2.GenerateRequest, field: str
+        self, request: inference_pb2.GenerateRequest, names: dict[str, str]
     ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
         call = self._router().GenerateStream(
             inference_pb2.GenerateStreamRequest(request=request), timeout=120
@@ -222,92 +256,80 @@ class OpenAIEndpoints:
             async for chunk in call:
                 yield chunk
         except grpc.aio.AioRpcError as exc:
-            raise _renamed(exc, field) from exc
+            raise _renamed(exc, names) from exc
 
     # ---- completions ------------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
-        model, tokenizer, deployment, run_id = await self._resolve(body, request[TENANT])
+        check_fields(body, COMPLETION)
+        target = await self._resolve(body, request[TENANT])
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            ids = tokenizer.encode(prompt)
+            ids = target.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
         else:
             raise InvalidArgument("prompt: must be a string or a list of token ids")
         self._check_ids("prompt", ids)
         logprobs = int_field(body, "logprobs", 0, 0)
-        return await self._serve(
-            request, body, "text_completion", model, tokenizer, (deployment, run_id), ids, "prompt", logprobs
-        )
+        echo = bool_field(body, "echo")
+        if echo and logprobs is not None:
+            raise InvalidArgument(
+                "echo: with logprobs it needs the prompt's log-probs, which the engines do not return"
+            )
+        prefix = (prompt if isinstance(prompt, str) else target.tokenizer.decode(ids)) if echo else ""
+        return await self._serve(request, body, COMPLETION, target, ids, "prompt", logprobs, prefix)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request)
-        model, tokenizer, deployment, run_id = await self._resolve(body, request[TENANT])
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise InvalidArgument("messages: must be a non-empty list")
-        for i, m in enumerate(messages):
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise InvalidArgument(f"messages[{i}]: needs string 'role' and 'content'")
+        check_fields(body, CHAT)
+        target = await self._resolve(body, request[TENANT])
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = target.tokenizer.apply_chat_template(chat_messages(body), add_generation_prompt=True)
         except ValueError as exc:  # the model's chat template refused the conversation
             raise InvalidArgument(f"messages: {exc}") from exc
         self._check_ids("messages", ids)
-        want = body.get("logprobs")
-        if want is not None and not isinstance(want, bool):
-            raise InvalidArgument(f"logprobs: must be a boolean, got {want!r}")
+        want = bool_field(body, "logprobs")
         int_field(body, "top_logprobs", 0, 0)
-        return await self._serve(
-            request,
-            body,
-            "chat.completion",
-            model,
-            tokenizer,
-            (deployment, run_id),
-            ids,
-            "messages",
-            0 if want else None,
-        )
+        return await self._serve(request, body, CHAT, target, ids, "messages", 0 if want else None)
 
     async def _serve(
         self,
         http_request: web.Request,
         body: dict,
         kind: str,
-        model: str,
-        tokenizer: Tokenizer,
-        target: tuple[str, str],
+        target: Target,
         ids: list[int],
         field: str,
         logprobs: int | None,
+        prefix: str = "",
     ) -> web.StreamResponse:
-        """Answer the request from the router: `target` is (deployment to pin or "", run id or "")."""
+        """Answer the request from the router. `prefix`: text every choice starts with (echo)."""
         stops = stop_strings(body)
-        request = self._request(body, ids, tokenizer, *target)
-        stream = body.get("stream")
-        if stream is not None and not isinstance(stream, bool):
-            raise InvalidArgument(f"stream: must be a boolean, got {stream!r}")
-        envelope = {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "created": int(time.time()), "model": model}
-        choices = [Choice(tokenizer, stops) for _ in range(request.sampling.n)]
+        stream = bool_field(body, "stream")
+        options = stream_options(body, stream)
+        n, best_of = best_of_n(body, self.runs.limits, stream)
+        request = self._request(body, ids, target, request_tenant(http_request), n=best_of)
+        names = {"prompt_token_ids": field}
+        if body.get("max_completion_tokens") is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        log_request(kind, request_tenant(http_request).name, target.label, identifiers(body))
+        envelope = {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "created": int(time.time()), "model": target.label}
+        choices = [Choice(target.tokenizer, stops) for _ in range(request.sampling.n)]
         if stream:
-            options = body.get("stream_options") or {}
-            usage = isinstance(options, dict) and options.get("include_usage") is True
             return await self._sse(
-                http_request, request, field, kind, envelope, choices, ids, logprobs, usage
+                http_request, request, names, kind, envelope, choices, ids, logprobs, options, prefix
             )
-        reply = await self._generate(request, field)
+        reply = await self._generate(request, names)
         for choice, completion in zip(choices, reply.completions, strict=False):
             choice.add(list(completion.token_ids), list(completion.logprobs), completion.finish_reason)
-        out = [choice_json(kind, i, c, logprobs) for i, c in enumerate(choices)]
+        if best_of:  # the n with the highest log-prob per token, as OpenAI's best_of
+            choices = sorted(choices, key=Choice.mean_logprob, reverse=True)[:n]
+        out = [choice_json(kind, i, c, logprobs, prefix) for i, c in enumerate(choices)]
         version = max((c.weight_version for c in reply.completions), default=0)
         usage = _usage(kind, ids, choices)
+        envelope["model"] = target.label or reply.deployment  # what served it, never a guess
         return web.json_response(
             {**envelope, "object": kind, "choices": out, "usage": usage, "weight_version": version}
         )
@@ -316,28 +338,34 @@ class OpenAIEndpoints:
         self,
         http_request: web.Request,
         request: inference_pb2.GenerateRequest,
-        field: str,
+        names: dict[str, str],
         kind: str,
         envelope: dict,
         choices: list[Choice],
         ids: list[int],
         logprobs: int | None,
-        include_usage: bool,
+        options: dict[str, bool],
+        prefix: str,
     ) -> web.StreamResponse:
-        chunks = self._stream(request, field)
+        chunks = self._stream(request, names)
         first = await anext(chunks, None)  # router errors still become an HTTP status
+        if not envelope["model"]:
+            envelope["model"] = first.deployment if first is not None else ""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(http_request)
-        obj = "chat.completion.chunk" if kind == "chat.completion" else kind
+        obj = "chat.completion.chunk" if kind == CHAT else kind
 
         async def send(payload: dict | str) -> None:
-            data = payload if isinstance(payload, str) else json.dumps({**envelope, "object": obj, **payload})
-            await response.write(f"data: {data}\n\n".encode())
+            if not isinstance(payload, str):
+                if options.get("include_obfuscation"):  # random padding: chunk sizes tell nothing
+                    payload = {**payload, "obfuscation": secrets.token_urlsafe(1 + secrets.randbelow(24))}
+                payload = json.dumps({**envelope, "object": obj, **payload})
+            await response.write(f"data: {payload}\n\n".encode())
 
-        if kind == "chat.completion":
-            for i in range(len(choices)):
+        for i in range(len(choices)):
+            if kind == CHAT:
                 await send(
                     {
                         "choices": [
@@ -345,6 +373,8 @@ class OpenAIEndpoints:
                         ]
                     }
                 )
+            elif prefix:
+                await send({"choices": [delta(kind, i, prefix, None)]})
         done: set[int] = set()
 
         async def forward(chunk: inference_pb2.GenerateStreamResponse) -> None:
@@ -366,13 +396,17 @@ class OpenAIEndpoints:
             await forward(first)
         async for chunk in chunks:
             await forward(chunk)
-        if include_usage:
+        if options.get("include_usage"):
             await send({"choices": [], "usage": _usage(kind, ids, choices)})
         else:
             _usage(kind, ids, choices)  # counted in the metrics either way
         await send("[DONE]")
         await response.write_eof()
         return response
+
+
+def request_tenant(request: web.Request) -> Tenant:
+    return request[TENANT]
 
 
 async def json_body(request: web.Request) -> dict:
@@ -394,12 +428,15 @@ def _not_found(model: str) -> OpenAIError:
     )
 
 
-def _renamed(exc: grpc.aio.AioRpcError, field: str) -> Exception:
+def _renamed(exc: grpc.aio.AioRpcError, names: dict[str, str]) -> Exception:
+    """The router's INVALID_ARGUMENT in the request's own words: it names its fields
+    (sampling.max_tokens, prompt_token_ids[3]); `names` maps them to the OpenAI field the caller set."""
     if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
         return exc
-    # The router names its own fields (sampling.max_tokens, prompt_token_ids[3]): say the OpenAI ones.
     detail = re.sub(r"^sampling\.", "", exc.details() or "")
-    return InvalidArgument(re.sub(r"^prompt_token_ids", field, detail))
+    for ours, theirs in names.items():
+        detail = re.sub(rf"^{ours}\b", theirs, detail)
+    return InvalidArgument(detail)
 
 
 def _usage(kind: str, ids: list[int], choices: list[Choice]) -> dict:

@@ -1,5 +1,6 @@
-"""The OpenAI request fields looprl accepts and the response shapes it returns (completions, chat,
-their streamed chunks and log-probs), kept apart from the endpoints that serve them."""
+"""How looprl reads the OpenAI request fields it serves (sampling, messages, stream options, best_of)
+and the response shapes it returns (completions, chat, their streamed chunks and log-probs), kept
+apart from the endpoints that serve them. Which fields are served at all: gateway/openai_fields.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 from typing import Any
 
 from services.kit.errors import InvalidArgument
-from services.kit.limits import INT64_MAX
+from services.kit.limits import INT32_MAX, INT64_MAX
 from services.modeling.tokenizer import Tokenizer
 
 # The request fields forwarded as SamplingParams: (kind, default, smallest, largest); a str largest
@@ -19,16 +20,18 @@ OPENAI_FIELDS: dict[str, tuple[type, float, float, float | str]] = {
     "max_tokens": (int, 16, 1, "max_tokens"),
     "n": (int, 1, 1, 128),
     "seed": (int, 0, 0, INT64_MAX),
+    "top_k": (int, 0, 0, INT32_MAX),  # not OpenAI's; vLLM's server takes it too (0: off)
 }
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
-# Sampling features the engines do not implement: refused when set, never silently ignored.
-UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "best_of": 1, "echo": False}
+MAX_CACHE_KEY_CHARS = 256
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-def sampling_value(body: dict, name: str, limits: Any) -> Any:
-    """One OPENAI_FIELDS field of the body, checked; InvalidArgument names it otherwise."""
-    kind, default, low, high = OPENAI_FIELDS[name]
+def sampling_value(body: dict, name: str, limits: Any, rule: str = "") -> Any:
+    """One OPENAI_FIELDS field of the body (read under `rule`'s bounds when given), checked;
+    InvalidArgument names it otherwise."""
+    kind, default, low, high = OPENAI_FIELDS[rule or name]
     value = body.get(name)
     if value is None:  # absent or null: OpenAI's default
         return default
@@ -59,11 +62,109 @@ def stop_strings(body: dict) -> list[str]:
     return stops
 
 
-def check_unsupported(body: dict) -> None:
-    for name, neutral in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and value != neutral and value != {}:
-            raise InvalidArgument(f"{name}: not supported by looprl's engines (leave it unset)")
+def sampling_values(body: dict, limits: Any) -> dict[str, Any]:
+    """The SamplingParams fields of the body. `max_completion_tokens` (chat) is OpenAI's newer name
+    of `max_tokens`: either sets it, and both set must agree."""
+    values = {name: sampling_value(body, name, limits) for name in OPENAI_FIELDS}
+    if body.get("max_completion_tokens") is not None:
+        wanted = sampling_value(body, "max_completion_tokens", limits, rule="max_tokens")
+        if body.get("max_tokens") is not None and wanted != values["max_tokens"]:
+            raise InvalidArgument(
+                f"max_completion_tokens: {wanted} differs from max_tokens {values['max_tokens']}; set one"
+            )
+        values["max_tokens"] = wanted
+    return values
+
+
+def bool_field(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidArgument(f"{name}: must be a boolean, got {value!r}")
+    return bool(value)
+
+
+def stream_options(body: dict, stream: bool) -> dict[str, bool]:
+    """`stream_options` (include_usage, include_obfuscation), allowed only with stream, as OpenAI."""
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    if not stream:
+        raise InvalidArgument("stream_options: only allowed with stream: true")
+    if not isinstance(options, dict):
+        raise InvalidArgument("stream_options: must be an object")
+    for key, value in options.items():
+        if key not in ("include_usage", "include_obfuscation"):
+            raise InvalidArgument(
+                f"stream_options.{key}: unknown option (include_usage, include_obfuscation)"
+            )
+        if value is not None and not isinstance(value, bool):
+            raise InvalidArgument(f"stream_options.{key}: must be a boolean, got {value!r}")
+    return {k: bool(v) for k, v in options.items()}
+
+
+def best_of_n(body: dict, limits: Any, stream: bool) -> tuple[int, int]:
+    """(n, best_of or 0): a completions request samples best_of choices and returns the n with the
+    highest log-prob per token; not with stream (the best are known only at the end), as OpenAI."""
+    n = sampling_value(body, "n", limits)
+    best_of = int_field(body, "best_of", 1, 128)
+    if best_of is None or best_of == n:
+        return n, 0
+    if best_of < n:
+        raise InvalidArgument(f"best_of: must be >= n ({n}), got {best_of}")
+    if stream:
+        raise InvalidArgument("best_of: cannot be used with stream (the best choices are known at the end)")
+    return n, best_of
+
+
+def cache_session(body: dict, tenant: str) -> str:
+    """The router session of `prompt_cache_key`: requests sharing it go to the replica that holds
+    their prefix in its cache (affinity), as OpenAI's key routes to its cache. Scoped by tenant, so
+    one tenant's key never steers another's requests."""
+    key = body.get("prompt_cache_key")
+    if key is None:
+        return ""
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_CACHE_KEY_CHARS:
+        raise InvalidArgument(f"prompt_cache_key: must be a string of 1 to {MAX_CACHE_KEY_CHARS} characters")
+    return f"openai/{tenant}/{key}"
+
+
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    """The conversation as the chat template takes it: role and text content per message. Text
+    content parts are joined; `developer` is the system role under its newer name. Anything else a
+    message carries (images, audio, tool calls, names) is refused naming it, never dropped."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("messages: must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidArgument(f"messages[{i}]: needs string 'role' and 'content'")
+        for key, value in m.items():
+            if key not in ("role", "content") and value is not None:
+                raise InvalidArgument(
+                    f"messages[{i}].{key}: not supported (a message is its role and content)"
+                )
+        role = CHAT_ROLES.get(m["role"])
+        if role is None:
+            raise InvalidArgument(
+                f"messages[{i}].role: {m['role']!r} is not served (system, developer, user, assistant)"
+            )
+        out.append({"role": role, "content": _text(m.get("content"), f"messages[{i}].content")})
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidArgument(f"{where}: must be a string or a list of text parts")
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise InvalidArgument(f"{where}[{j}].type: only text parts are served, got {kind!r}")
+        parts.append(part["text"])
+    return "".join(parts)
 
 
 class Choice:
@@ -104,6 +205,10 @@ class Choice:
             return ""
         out, self.sent = self.text[self.sent : end], end
         return out
+
+    def mean_logprob(self) -> float:
+        """Log-prob per token of what it sampled (best_of ranks choices by it)."""
+        return sum(self.logprobs) / len(self.logprobs) if self.logprobs else 0.0
 
     def pieces(self, start: int) -> list[tuple[str, float]]:
         """(token text, log-prob) of the tokens from `start` on."""
@@ -159,13 +264,14 @@ def logprobs_json(kind: str, pieces: list[tuple[str, float]]) -> dict:
     }
 
 
-def choice_json(kind: str, index: int, choice: Choice, logprobs: int | None) -> dict:
+def choice_json(kind: str, index: int, choice: Choice, logprobs: int | None, prefix: str = "") -> dict:
+    """One choice of the reply; a completion's text after `prefix` (its prompt, with echo)."""
     lp = logprobs_json(kind, choice.token_logprobs()) if logprobs is not None else None
     finish = choice.finish or "length"
     if kind == "chat.completion":
         message = {"role": "assistant", "content": choice.text}
         return {"index": index, "message": message, "finish_reason": finish, "logprobs": lp}
-    return {"index": index, "text": choice.text, "finish_reason": finish, "logprobs": lp}
+    return {"index": index, "text": prefix + choice.text, "finish_reason": finish, "logprobs": lp}
 
 
 def delta(kind: str, index: int, text: str, finish: str | None) -> dict:

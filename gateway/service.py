@@ -72,6 +72,7 @@ async def serve(config: GatewayConfig) -> None:
             peers,
             {tenant.name: tenant for _, tenant in config.tenant_table()},
             ClusterResources(config.ray_address),
+            path_roots=tuple(Path(d) for d in config.model_dirs),
         )
         servicer.runs = runs
         tokenizers = TokenizerCache(config.tokenizer)

@@ -154,8 +154,10 @@ class RunManager:
         peers: Peers | None = None,
         tenants: dict[str, Tenant] | None = None,
         cluster: ClusterResources | None = None,
+        path_roots: tuple[Path, ...] = (),
     ) -> None:
         self.bus, self.store, self.base_dir, self.packer = bus, store, recipe_base_dir, packer
+        self.path_roots = path_roots  # where recipes' model directories may lie (none: anywhere)
         self.limits = limits or RecipeLimits()
         self.peers = peers or Peers()
         self.tenants = tenants or {}  # by name: the quota and priority of a queued run's tenant
@@ -331,7 +333,9 @@ class RunManager:
         total resources, the services' prerequisites) passes before its record is written; it then
         starts ("pending") if it fits now, else waits ("queued")."""
         try:
-            recipe = parse_recipe(recipe_toml, base_dir=self.base_dir, limits=self.limits)
+            recipe = parse_recipe(
+                recipe_toml, base_dir=self.base_dir, limits=self.limits, path_roots=self.path_roots
+            )
         except RecipeError as exc:
             raise InvalidArgument(f"recipe_toml: {exc}") from exc
         if run_id:

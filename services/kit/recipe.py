@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +162,27 @@ class LoraSection(Section):
         return value
 
 
+def usable_dir(value: str, base_dir: Path | None, roots: tuple[Path, ...], files: tuple[str, ...]) -> bool:
+    """Whether the recipe's directory `value` exists, lies under one of `roots` (symlinks resolved;
+    any directory when there are none) and holds a readable one of `files`."""
+    try:
+        real = _local_dir(value, base_dir).resolve(strict=True)
+        if roots and not any(real.is_relative_to(root.resolve()) for root in roots):
+            return False
+        return real.is_dir() and any(
+            (real / name).is_file() and os.access(real / name, os.R_OK) for name in files
+        )
+    except (OSError, RuntimeError):  # missing, unreadable, a symlink loop
+        return False
+
+
+def _unusable(field: str, value: str, what: str, roots: tuple[Path, ...]) -> PydanticCustomError:
+    """One answer for a directory that is missing, unreadable, outside the allowed roots or not of
+    the right kind: a gateway answering each differently would tell a tenant what its host holds."""
+    where = f" under {', '.join(map(str, roots))}" if roots else ""
+    return field_error(field, f"{value!r} is not {what}{where} that this stack can read")
+
+
 class ModelSection(Section):
     """The policy: a local Hugging Face directory or a built-in preset, and its tokenizer."""
 
@@ -184,30 +206,27 @@ class ModelSection(Section):
 
     @model_validator(mode="after")
     def _directories_exist(self, info: ValidationInfo) -> ModelSection:
-        base_dir = (info.context or {}).get("base_dir")
+        context = info.context or {}
+        base_dir = context.get("base_dir")
+        roots = tuple(context.get("path_roots") or ())
         if self.path:
-            path = _local_dir(self.path, base_dir)
-            if not path.is_dir():
-                raise field_error("path", f"directory {str(path)!r} does not exist")
-            if not (path / "config.json").exists():
-                raise field_error("path", f"{str(path)!r} has no config.json")
+            if not usable_dir(self.path, base_dir, roots, ("config.json",)):
+                raise _unusable("path", self.path, "a model directory (holding config.json)", roots)
             try:
                 self.architecture(base_dir)
             except (ValueError, KeyError, TypeError) as exc:
-                raise field_error("implementation", f"{str(path)!r}: {exc}") from None
+                raise field_error("implementation", f"{self.path!r}: {exc}") from None
         if self.lora is not None and not self.path:
             raise field_error(
                 "lora", "needs model.path: the base model directory every deployment loads once"
             )
-        if self.tokenizer != "char":
-            path = _local_dir(self.tokenizer, base_dir)
-            if not path.is_dir():
-                raise field_error(
-                    "tokenizer",
-                    f"must be 'char' or a local tokenizer directory; {str(path)!r} does not exist",
-                )
-            if not any((path / name).is_file() for name in TOKENIZER_FILES):
-                raise field_error("tokenizer", f"{str(path)!r} has none of {', '.join(TOKENIZER_FILES)}")
+        if self.tokenizer != "char" and not usable_dir(self.tokenizer, base_dir, roots, TOKENIZER_FILES):
+            raise _unusable(
+                "tokenizer",
+                self.tokenizer,
+                f"'char' or a tokenizer directory (holding {' or '.join(TOKENIZER_FILES)})",
+                roots,
+            )
         return self
 
     def architecture(self, base_dir: Path | None = None) -> ModelConfig:
@@ -746,6 +765,11 @@ class Recipe(Section):
                         f"the model ({architecture.model_type!r}) runs on the generic path "
                         "(transformers' modeling code), served by cpu deployments of tensor_parallel = 1",
                     )
+        longest = max(d.max_model_len for d in self.deployments)
+        if self.sampling.max_tokens >= longest:
+            # Every request would be refused by the router (prompt + max_tokens > max_model_len): a
+            # run that could never sample a token.
+            raise field_error("sampling.max_tokens", unservable_max_tokens(self.sampling.max_tokens, longest))
         return self
 
     def _same_base(self, model_path: str, info: ValidationInfo) -> bool:
@@ -760,6 +784,14 @@ class Recipe(Section):
         return theirs == self.model.architecture(base_dir)
 
 
+def unservable_max_tokens(max_tokens: int, longest: int) -> str:
+    """Why `max_tokens` per turn cannot be served by deployments of at most `longest` tokens."""
+    return (
+        f"{max_tokens} tokens per turn leave no room for a prompt in any deployment (the longest "
+        f"max_model_len is {longest}): no request of this run could be served"
+    )
+
+
 def sampling_seed(run_seed: int, task_index: int, sample: int = 0) -> int:
     """The seed of sample `sample` of the run's `task_index`-th task: never 0 (0 means unseeded), the
     same in every process, so a run's samples depend on its seed alone. An n-completion request
@@ -767,8 +799,14 @@ def sampling_seed(run_seed: int, task_index: int, sample: int = 0) -> int:
     return (run_seed * 1_000_003 + task_index * 1009 + sample) % (2**62) + 1
 
 
-def parse_recipe(text: str, base_dir: Path | None = None, limits: RecipeLimits | None = None) -> Recipe:
-    """Parse and validate recipe TOML text (against `limits`, the defaults when None)."""
+def parse_recipe(
+    text: str,
+    base_dir: Path | None = None,
+    limits: RecipeLimits | None = None,
+    path_roots: tuple[Path, ...] = (),
+) -> Recipe:
+    """Parse and validate recipe TOML text (against `limits`, the defaults when None). `path_roots`:
+    the directories its model and tokenizer directories must lie under (none: anywhere)."""
     limits = limits or RecipeLimits()
     size = len(text.encode())
     if size > limits.max_recipe_bytes:
@@ -781,7 +819,7 @@ def parse_recipe(text: str, base_dir: Path | None = None, limits: RecipeLimits |
         raise RecipeError(f"recipe: not valid TOML: {exc}") from exc
     if "deployments" in data and isinstance(data["deployments"], dict):
         raise RecipeError("deployments: use [[deployments]] (an array of tables)")
-    return parse(Recipe, data, RecipeError, "recipe", limits=limits, base_dir=base_dir)
+    return parse(Recipe, data, RecipeError, "recipe", limits=limits, base_dir=base_dir, path_roots=path_roots)
 
 
 def _toml_value(value: Any) -> str:

@@ -142,8 +142,10 @@ async def test_each_tokenizer_is_loaded_once_however_many_episodes_ask_at_once(h
 
 
 def test_a_recipe_naming_a_missing_tokenizer_directory_is_refused(tmp_path, hf_dir):
-    with pytest.raises(RecipeError, match=r"^model\.tokenizer: .*does not exist"):
-        parse_recipe(f'[model]\ntokenizer = "{tmp_path / "nope"}"\n')
-    with pytest.raises(RecipeError, match=r"^model\.tokenizer: .*has none of tokenizer.json"):
-        parse_recipe(f'[model]\ntokenizer = "{tmp_path}"\n')
+    refusals = []
+    for spec in (tmp_path / "nope", tmp_path):  # missing, and a directory without a tokenizer
+        with pytest.raises(RecipeError, match=r"^model\.tokenizer: .*tokenizer directory") as err:
+            parse_recipe(f'[model]\ntokenizer = "{spec}"\n')
+        refusals.append(str(err.value).replace(str(spec), "<spec>"))
+    assert refusals[0] == refusals[1]  # one answer: it tells nothing of what the host holds
     assert parse_recipe(f'[model]\ntokenizer = "{hf_dir}"\n').model.tokenizer == str(hf_dir)

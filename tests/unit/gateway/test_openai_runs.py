@@ -1,6 +1,6 @@
 """The OpenAI-compatible endpoint with several runs on one stack: `model=<run id>` asks the router for
 that run's own deployments, a run's own deployment is listed only to tenants that may see the run,
-and the stack's deployments as before."""
+and the stack's deployments as before (without `model`: test_openai_default_model.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import Tenant, token_sha256
-from gateway.openai_api import OpenAIEndpoints, OpenAIError
+from gateway.openai_api import OpenAIEndpoints, OpenAIError, Target
 from gateway.servicer import RunManager
 from looprl.inference.v1 import inference_pb2
 from services.kit.recipe import RunRecord
@@ -66,13 +66,13 @@ def test_model_set_to_a_run_or_its_deployment_asks_the_router_for_that_runs_depl
     api = endpoints()
 
     async def check() -> None:
-        model, _, pinned, run_id = await api._resolve({"model": "run-a"}, team("team-a"))
-        assert (model, pinned, run_id) == ("run-a", "", "run-a")
-        model, _, pinned, run_id = await api._resolve({"model": "run-a/default"}, team("team-a"))
-        assert (pinned, run_id) == ("run-a/default", "run-a")
-        _, _, pinned, run_id = await api._resolve({"model": "default"}, team("team-b"))
-        assert (pinned, run_id) == ("default", "")  # the stack's deployment serves any run
-        request = api._request({}, [1, 2], await api.tokenizers.aget(), "", "run-a")
+        target = await api._resolve({"model": "run-a"}, team("team-a"))
+        assert (target.label, target.deployment, target.run_id) == ("run-a", "", "run-a")
+        target = await api._resolve({"model": "run-a/default"}, team("team-a"))
+        assert (target.deployment, target.run_id) == ("run-a/default", "run-a")
+        target = await api._resolve({"model": "default"}, team("team-b"))
+        assert (target.deployment, target.run_id) == ("default", "")  # the stack's serves any run
+        request = api._request({}, [1, 2], Target("run-a", target.tokenizer, "", "run-a"), team("team-a"))
         assert request.run_id == "run-a" and request.deployment == ""
         for model in ("run-b", "run-b/default"):
             with pytest.raises(OpenAIError) as err:
