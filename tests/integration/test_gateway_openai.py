@@ -160,3 +160,149 @@ def test_the_official_openai_client_lists_models_and_samples_with_every_document
         _client(gateway, key="wrong").models.list()
     # and it still serves
     assert client.completions.create(model="d", prompt="12", max_tokens=2).choices
+
+
+# Every field of the official client's chat and completions requests (tests/unit/gateway/
+# test_openai_fields.py reads them from the installed package and fails on one missing here): a value
+# that asks for something, and what must come of it. Served: the reply shows the field's effect.
+# Refused: a 400 naming the field, and nothing generated.
+MESSAGES = [{"role": "user", "content": "12"}]
+PROMPT = "12"
+
+
+def ok(reply) -> bool:
+    return bool(reply.choices)
+
+
+def refuse(value):
+    return ("refused", value, None)
+
+
+def serve(value, check=ok):
+    return ("served", value, check)
+
+
+CHAT_SENT = {
+    "audio": refuse({"voice": "alloy", "format": "wav"}),
+    "frequency_penalty": refuse(0.5),
+    "function_call": refuse("auto"),
+    "functions": refuse([{"name": "f", "parameters": {"type": "object"}}]),
+    "logit_bias": refuse({"5": 10}),
+    "logprobs": serve(True, lambda r: all(t.logprob <= 0 for t in r.choices[0].logprobs.content)),
+    # Sent without max_tokens: OpenAI's newer name for it caps the completion.
+    "max_completion_tokens": serve(
+        3, lambda r: r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    ),
+    "max_tokens": serve(5, lambda r: r.usage.completion_tokens == 5),
+    "messages": serve(
+        [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "12"}]},
+        ]
+    ),
+    "metadata": serve({"experiment": "a"}),
+    "modalities": refuse(["text", "audio"]),
+    "model": serve("d", lambda r: r.model == "d"),
+    "moderation": refuse({"model": "omni-moderation-latest"}),
+    "n": serve(2, lambda r: len(r.choices) == 2),
+    "parallel_tool_calls": refuse(False),
+    "prediction": refuse({"type": "content", "content": "12"}),
+    "presence_penalty": refuse(0.5),
+    "prompt_cache_key": serve("conversation-1"),
+    "prompt_cache_options": refuse({"mode": "explicit"}),
+    "prompt_cache_retention": refuse("24h"),
+    "reasoning_effort": refuse("low"),
+    "response_format": refuse({"type": "json_object"}),
+    "safety_identifier": serve("end-user-1"),
+    "seed": serve(11),
+    "service_tier": refuse("flex"),
+    "stop": serve(["\n"]),
+    "store": refuse(True),
+    "stream": serve(True),
+    "stream_options": serve({"include_usage": True}),
+    "temperature": serve(0.5),
+    "tool_choice": refuse("required"),
+    "tools": refuse([{"type": "function", "function": {"name": "f"}}]),
+    "top_logprobs": refuse(2),
+    "top_p": serve(0.5),
+    "user": serve("end-user-1"),
+    "verbosity": refuse("low"),
+    "web_search_options": refuse({"search_context_size": "low"}),
+}
+
+COMPLETION_SENT = {
+    "best_of": serve(3, lambda r: len(r.choices) == 1),
+    "echo": serve(True, lambda r: r.choices[0].text.startswith(PROMPT)),
+    "frequency_penalty": refuse(0.5),
+    "logit_bias": refuse({"5": 10}),
+    "logprobs": serve(0, lambda r: len(r.choices[0].logprobs.tokens) >= 1),
+    "max_tokens": serve(3, lambda r: r.usage.completion_tokens <= 3),
+    "model": serve("d", lambda r: r.model == "d"),
+    "n": serve(2, lambda r: len(r.choices) == 2),
+    "presence_penalty": refuse(0.5),
+    "prompt": serve([1, 2, 3]),
+    "seed": serve(7),
+    "stop": serve(["\n"]),
+    "stream": serve(True),
+    "stream_options": serve({"include_usage": True}),
+    "suffix": refuse("tail"),
+    "temperature": serve(0.5),
+    "top_p": serve(0.5),
+    "user": serve("end-user-1"),
+}
+
+
+def _send(create, base: dict, field: str, value, check) -> str:
+    """Send `base` with `field` set through the client's `create`; "" when it did what was expected,
+    else what happened."""
+    import openai
+
+    request = {**base, field: value}
+    if field == "max_completion_tokens":
+        request.pop("max_tokens")
+    if field == "stream_options":
+        request["stream"] = True
+    if field == "top_logprobs":
+        request["logprobs"] = True
+    try:
+        reply = create(**request)
+    except openai.BadRequestError as exc:
+        return "" if check is None and exc.param == field else f"400 {exc.param}: {exc.message}"
+    if check is None:
+        return "served, not refused"
+    if request.get("stream"):
+        chunks = list(reply)
+        if field == "stream_options" and not chunks[-1].usage:
+            return "no usage chunk"
+        return "" if any(c.choices for c in chunks) else "nothing streamed"
+    return "" if check(reply) else f"served without its effect: {reply}"
+
+
+def test_every_field_of_the_official_client_is_served_or_refused_naming_it(served) -> None:
+    from tests.unit.gateway.test_openai_fields import CHAT, COMPLETION, client_fields
+
+    gateway, _config = served
+    _completion(gateway)  # the replica has its weights
+    client = _client(gateway)
+    assert set(CHAT_SENT) == client_fields(CHAT) and set(COMPLETION_SENT) == client_fields(COMPLETION)
+    base = {"model": "d", "messages": MESSAGES, "max_tokens": 8, "seed": 11}
+    wrong = {
+        f"chat {field}": what
+        for field, (_, value, check) in CHAT_SENT.items()
+        if (what := _send(client.chat.completions.create, base, field, value, check))
+    }
+    base = {"model": "d", "prompt": PROMPT, "max_tokens": 4, "seed": 7}
+    wrong |= {
+        f"completions {field}": what
+        for field, (_, value, check) in COMPLETION_SENT.items()
+        if (what := _send(client.completions.create, base, field, value, check))
+    }
+    assert wrong == {}
+    # Beyond the client's types: vLLM's top_k is served, anything else is refused naming it.
+    greedy = [client.completions.create(**{**base, "seed": seed}, extra_body={"top_k": 1}) for seed in (7, 8)]
+    assert greedy[0].choices[0].text == greedy[1].choices[0].text  # top_k = 1: whatever the seed
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.completions.create(**base, extra_body={"repetition_penalty": 1.2})
+    assert unknown.value.param == "repetition_penalty"
