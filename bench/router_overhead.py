@@ -83,7 +83,9 @@ def main() -> None:
     decisions = decision_times(20_000 if not args.quick else 5_000)
 
     state = Path(tempfile.mkdtemp(prefix="bench-router-"))
-    port = next(p for p in range(26600, 26700) if _free(p))
+    port = next(
+        p for p in range(26600, 26700, 7) if all(_free(q) for q in range(p, p + 7))
+    )  # the head's 7 ports
     head = RayHead(state_dir=state / "ray", port=port, num_cpus=4).start()
     os.environ.update(head.env())
     import ray  # after the head's auth settings are in the environment: Ray reads them on import

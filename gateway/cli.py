@@ -106,12 +106,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     if state is None:
         print("nothing is up")
         return 1
+    if args.listeners:
+        return _print_listeners(state)
     rows = status_rows(state)
     _print_rows(rows)
     versions = _weight_versions(state)
     if versions:
         print("weight versions: " + ", ".join(f"{k}=v{v}" for k, v in versions.items()))
     return 0 if all(r["health"] in ("SERVING", "UP") for r in rows) else 1
+
+
+def _print_listeners(state) -> int:
+    """Every port of the stack, its interface and its guard (docs/listeners.md)."""
+    from gateway.listeners import listener_rows
+
+    rows = listener_rows(state)
+    print(f"{'PORT':<7}{'INTERFACE':<16}{'PART':<21}{'PROCESS':<26}{'SERVES':<58}GUARD")
+    for r in rows:
+        print(
+            f"{r['port']:<7}{r['interface']:<16}{r['part']:<21}{r['process']:<26}{r['what']:<58}{r['guard']}"
+        )
+    return 0 if all(r["guard"] != "unknown" for r in rows) else 1
 
 
 def _weight_versions(state) -> dict[str, int]:
@@ -400,6 +415,14 @@ def _recipe_fields() -> str:
     return "recipe fields (TOML tables; docs/configuration.md):\n" + help_text(Recipe)
 
 
+def _default_ports():
+    """StackPorts' defaults, without importing the stack module (it loads grpc): `looprl --help` stays
+    instant. tests/unit/gateway/test_stack_ports.py checks they are StackPorts'."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(nats=4222, ray=26379, base=20050, http=8080)
+
+
 def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
     """`recipe_help`: list the recipe's fields under `looprl run --help`."""
     parser = argparse.ArgumentParser(
@@ -413,11 +436,22 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
     def add_command(name: str, parents: tuple = (after,), **kwargs) -> argparse.ArgumentParser:
         return commands.add_parser(name, parents=list(parents), **kwargs)
 
+    defaults = _default_ports()
     ports = argparse.ArgumentParser(add_help=False)  # where a local stack listens (up, run --local)
-    ports.add_argument("--nats-port", type=int, default=4222)
-    ports.add_argument("--ray-port", type=int, default=26379)
-    ports.add_argument("--base-port", type=int, default=50050, help="first gRPC port; metrics at +100")
-    ports.add_argument("--http-port", type=int, default=8080)
+    ports.add_argument("--nats-port", type=int, default=defaults.nats)
+    ports.add_argument(
+        "--ray-port",
+        type=int,
+        default=defaults.ray,
+        help="the Ray head's GCS; its other ports are the next six",
+    )
+    ports.add_argument(
+        "--base-port",
+        type=int,
+        default=defaults.base,
+        help="first gRPC port; metrics at +100 (keep them below the kernel's ephemeral range, 32768+)",
+    )
+    ports.add_argument("--http-port", type=int, default=defaults.http)
     p = add_command(
         "up", help="start nats-server, a Ray head and every service locally", parents=[after, ports]
     )
@@ -465,7 +499,13 @@ def build_parser(recipe_help: bool = False) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_up)
     add_command("down", help="stop everything `up` started").set_defaults(func=cmd_down)
-    add_command("status", help="health, address and pid of every service").set_defaults(func=cmd_status)
+    p = add_command("status", help="health, address and pid of every service")
+    p.add_argument(
+        "--listeners",
+        action="store_true",
+        help="every port the stack listens on, its interface and what guards it (docs/listeners.md)",
+    )
+    p.set_defaults(func=cmd_status)
     p = add_command("restart", help="restart one service of the local stack on the same ports")
     p.add_argument("service", help="service name as `looprl status` shows it (or nats-server, ray-head)")
     p.add_argument("--kill", action="store_true", help="SIGKILL it first, as a crash would")
@@ -544,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     import grpc
 
     from gateway.stack import StackAlreadyUp, unwind_on_terminate
-    from services.kit.local import PortInUseError
+    from services.kit.local import PortInUseError, StartupFailed
 
     try:
         with unwind_on_terminate():
@@ -557,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     except StackAlreadyUp as exc:
         print(f"looprl: {exc}", file=sys.stderr)
         return 2
+    except StartupFailed as exc:  # what the part that died said; `up` brought the rest down
+        print(f"looprl: {exc}", file=sys.stderr)
+        return 1
     except grpc.RpcError as exc:  # the gateway's refusal, in its own words
         print(f"looprl: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

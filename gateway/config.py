@@ -114,7 +114,9 @@ class GatewayConfig(ServiceConfig):
     """File of [[tenants]] tables (TOML; JSON {"tenants": [...]} when it ends in .json), besides tenants and
     tokens; read at start-up."""
     router_address: str = ""
-    """inference-router gRPC address host:port."""
+    """inference-router gRPC address host:port. CreateRun also reads the Ray cluster's total resources
+    from it, refuses a run that could never fit and queues one that does not fit now; without it only
+    the tenants' quotas apply. The gateway never joins the cluster nor holds its token."""
     sandbox_address: str = ""
     """environment-sandbox gRPC address; CreateRun refuses environments it does not serve."""
     reward_address: str = ""
@@ -124,10 +126,6 @@ class GatewayConfig(ServiceConfig):
     tokenizer: str = "char"
     """Tokenizer of the OpenAI-compatible endpoint while the stack has no run ('char' or a local directory);
     with a run it is the run's model.tokenizer."""
-    ray_address: str = ""
-    """Ray head GCS address host:port (as `looprl up` sets LOOPRL_RAY_ADDRESS): CreateRun reads the cluster's
-    total resources there, refuses a run that could never fit and queues one that does not fit now. Empty
-    (or not host:port): only the tenants' quotas apply. The gateway never joins the cluster."""
     recipe_base_dir: str = "."
     """Relative model paths in recipes resolve here."""
     model_dirs: list[str] = []

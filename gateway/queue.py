@@ -2,7 +2,8 @@
 
 A run starts when it fits: its tenant has fewer than max_concurrent_runs started runs, and the
 cluster's free Ray resources hold its demand (gateway/admission.py `run_demand`). Free is the
-cluster's total (`ClusterResources`, every alive node's resources in the Ray GCS) minus the larger of
+cluster's total (`ClusterResources`, every alive node's resources, as the inference-router reads
+them from the Ray cluster it joined) minus the larger of
 two counts of what is taken: the demand of every run the gateway started and has not ended (from
 their recipes: Ray's own count lags behind runs whose actors are still being created), and what Ray
 says is in use now (which also holds what no run asked for: the services' own workers, such as
@@ -15,21 +16,23 @@ that order and starts every run that fits. A run waiting for cluster resources h
 it back from the cluster, so a large run of a high-priority tenant is not starved by smaller later
 ones; a run waiting only for its own tenant's max_concurrent_runs holds back no one else.
 
-Without a Ray address only the tenants' quotas apply; a cluster that cannot be read admits nothing
-new until it answers (`ClusterResources`).
+Without an inference-router only the tenants' quotas apply; a cluster that cannot be read admits
+nothing new until it answers (`ClusterResources`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import grpc
+
 from gateway.admission import Demand, concurrency_reason
 from gateway.config import Tenant
+from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.kit.errors import Unavailable
 from services.kit.recipe import RunRecord
 
@@ -52,14 +55,19 @@ class ClusterState:
 
 
 class ClusterResources:
-    """The Ray cluster's resources (summed over alive nodes), read from the GCS at `address`
-    (host:port) without joining the cluster as a driver; cached for CLUSTER_TTL_S. None when no
-    address is given (or one that is not a GCS host:port, such as ray://): then only the tenants'
-    quotas apply. A cluster that does not answer is never taken for an unlimited one: the last state
-    read stands in, and before any read succeeded `state` raises Unavailable (nothing is admitted)."""
+    """The Ray cluster's resources (summed over alive nodes), as the inference-router reports them
+    (GetClusterResources: it is a Ray driver; the gateway holds no Ray token and never joins the
+    cluster); cached for CLUSTER_TTL_S. None without a router: then only the tenants' quotas apply. A
+    cluster that does not answer is never taken for an unlimited one: the last state read stands in,
+    and before any read succeeded `state` raises Unavailable (nothing is admitted)."""
 
-    def __init__(self, address: str, ttl_s: float = CLUSTER_TTL_S, attempts: int = 3) -> None:
-        self.address, self.ttl_s, self.attempts = address, ttl_s, attempts
+    def __init__(
+        self,
+        router: inference_pb2_grpc.InferenceRouterServiceStub | None,
+        ttl_s: float = CLUSTER_TTL_S,
+        attempts: int = 3,
+    ) -> None:
+        self.router, self.ttl_s, self.attempts = router, ttl_s, attempts
         self._read_at = float("-inf")
         self._state: ClusterState | None = None
 
@@ -68,53 +76,27 @@ class ClusterResources:
         return None if state is None else state.total
 
     async def state(self) -> ClusterState | None:
-        host, _, port = self.address.rpartition(":")
-        if "://" in self.address or not host or not port.isdigit():
+        if self.router is None:
             return None
         if time.monotonic() - self._read_at < self.ttl_s:
             return self._state
         why = ""
         for attempt in range(self.attempts):
             try:
-                self._state = await asyncio.to_thread(read_cluster, host, int(port))
+                reply = await self.router.GetClusterResources(
+                    inference_pb2.GetClusterResourcesRequest(), timeout=10.0
+                )
+                self._state = ClusterState(dict(reply.total), dict(reply.in_use))
                 self._read_at = time.monotonic()
                 return self._state
-            except Exception as exc:  # down, restarting, or no node registered yet
-                why = str(exc) or repr(exc)
+            except grpc.aio.AioRpcError as exc:  # down, restarting, or no node registered yet
+                why = f"{exc.code().name}: {exc.details()}"
                 if attempt + 1 < self.attempts:
                     await asyncio.sleep(1.0)
-        log.warning("cannot read the Ray cluster's resources at %s: %s", self.address, why)
+        log.warning("cannot read the Ray cluster's resources from the inference-router: %s", why)
         if self._state is not None:
             return self._state
-        raise Unavailable(f"ray_address: the Ray cluster at {self.address} did not say its resources ({why})")
-
-
-def read_cluster(host: str, port: int) -> ClusterState:
-    """Every alive node's resources summed, in all and in use, from the GCS at host:port; raises when
-    the GCS does not answer or no node is alive yet (a head just started registers its own node
-    seconds later)."""
-    # A GcsClient waits ~40 s for a GCS that is down: check its port first.
-    with socket.create_connection((host, port), timeout=2.0):
-        pass
-    from ray._raylet import GcsClient
-    from ray.autoscaler.v2.sdk import get_cluster_resource_state
-    from ray.core.generated.autoscaler_pb2 import NodeStatus
-
-    total: dict[str, float] = {}
-    in_use: dict[str, float] = {}
-    alive = [
-        node
-        for node in get_cluster_resource_state(GcsClient(address=f"{host}:{port}")).node_states
-        if node.status in (NodeStatus.RUNNING, NodeStatus.IDLE)
-    ]
-    if not alive:
-        raise RuntimeError("no Ray node is alive yet")
-    for node in alive:
-        for name, amount in node.total_resources.items():
-            total[name] = total.get(name, 0.0) + amount
-            used = amount - node.available_resources.get(name, 0.0)
-            in_use[name] = in_use.get(name, 0.0) + max(used, 0.0)
-    return ClusterState(total, in_use)
+        raise Unavailable(f"cluster: the inference-router did not say the Ray cluster's resources ({why})")
 
 
 def _n(value: float) -> str:

@@ -71,7 +71,7 @@ async def serve(config: GatewayConfig) -> None:
             config.recipe_limits,
             peers,
             {tenant.name: tenant for _, tenant in config.tenant_table()},
-            ClusterResources(config.ray_address),
+            ClusterResources(router),
             path_roots=tuple(Path(d) for d in config.model_dirs),
         )
         servicer.runs = runs

@@ -29,9 +29,14 @@ from gateway import external
 from services.kit import nats_auth, registry, tls
 from services.kit.local import (
     RAY_GRACE_S,
+    RAY_VARIABLES,
+    USER_TOKEN_VARIABLES,
     NatsServer,
     RayHead,
+    StartupFailed,
+    ephemeral_range,
     keep_ray_logs,
+    log_excerpt,
     pid_alive,
     port_is_free,
     require_free,
@@ -79,7 +84,9 @@ class StackState:
     http_port: int
     services: list[ServiceProcess] = field(default_factory=list)
     service_env: dict[str, str] = field(default_factory=dict)
-    """What `up` adds to the environment of every service (so a restart gets the same)."""
+    """What `up` adds to the environment of every service (so a restart gets the same); the Ray
+    cluster's address and token and the users' tokens are not in it: `service_environment` gives
+    them to the services that need them only."""
     nats_passwords: dict[str, str] = field(default_factory=dict)
     """Each service's NATS password (and the operator's), from kit/nats_auth.py."""
     host: str = "127.0.0.1"
@@ -144,11 +151,33 @@ class StackState:
 
 @dataclass
 class StackPorts:
+    """Where `up` listens. Every default lies below the kernel's ephemeral range (32768+ on Linux by
+    default, /proc/sys/net/ipv4/ip_local_port_range), whose ports outgoing connections take at any
+    moment: one chosen there can be taken between the check that it is free and the bind. They also
+    stay clear of Ray's worker ports (10002-19999)."""
+
     nats: int = 4222
     ray: int = 26379
-    base: int = 50050
+    """The Ray head's GCS; its other ports are the next six (RayHead.ports)."""
+    base: int = 20050
     """gRPC ports are base, base+1, ...; metrics ports base+100, base+101, ..."""
     http: int = 8080
+
+    def planned(self, host: str = "127.0.0.1") -> dict[str, int]:
+        """Every port `up` binds, by what listens on it."""
+        out = {"nats-server": self.nats, "gateway HTTP": self.http}
+        out |= {
+            f"ray head {name}": port for name, port in RayHead(Path("."), self.ray, host=host).ports().items()
+        }
+        for i, spec in enumerate(registry.SERVICES):
+            out[f"{spec.name} gRPC"], out[f"{spec.name} metrics"] = self.base + i, self.base + 100 + i
+        return out
+
+
+def in_ephemeral_range(ports: dict[str, int]) -> dict[str, int]:
+    """The ports that lie in this host's ephemeral range (see StackPorts)."""
+    low, high = ephemeral_range()
+    return {what: port for what, port in ports.items() if low <= port <= high}
 
 
 def health_status(address: str, timeout: float = 1.0, creds: tls.Credentials | None = None) -> str:
@@ -202,6 +231,12 @@ def up(
         shutil.rmtree(state_dir / "jetstream", ignore_errors=True)
     logs = state_dir / "logs"
     logs.mkdir(exist_ok=True)
+    for what, port in in_ephemeral_range(ports.planned(host)).items():
+        low, high = ephemeral_range()
+        log(
+            f"warning: {what} port {port} lies in the kernel's ephemeral range {low}-{high}: an outgoing "
+            "connection may take it before it is bound (the defaults lie below it)"
+        )
     # The registry's order: callees first, the gateway (the front door) last.
     outside = {p.role for p in use}
     plan = [
@@ -217,12 +252,19 @@ def up(
     nats_passwords = nats_auth.new_passwords(list(registry.NAMES))
     nats = NatsServer(
         state_dir=state_dir, port=ports.nats, config=nats_auth.server_config(nats_passwords), host=host
-    ).start()
-    log(f"nats-server   {nats.url} (pid {nats.proc.pid})")
+    )
     ray = RayHead(
         state_dir=state_dir, port=ports.ray, num_cpus=RAY_HEAD_CPUS, host=host, resources=ray_resources or {}
-    ).start()
-    log(f"ray head      {ray.address} (pid {ray.proc.pid})")
+    )
+    try:
+        nats.start()
+        log(f"nats-server   {nats.url} (pid {nats.proc.pid})")
+        ray.start()
+        log(f"ray head      {ray.address} (pid {ray.proc.pid})")
+    except BaseException:
+        ray.stop()
+        nats.stop()
+        raise
     state = StackState(
         state_dir=str(state_dir),
         nats_port=nats.port,
@@ -241,15 +283,12 @@ def up(
     state.save()
     tls.generate_dev_pki(state.tls_dir, hosts=[*([] if _loopback(host) else [host]), *cert_hosts])
     env = {
-        **ray.env(),
         "LOOPRL_TLS_DIR": str(state.tls_dir),
         # `up` is secure whatever the caller's environment says; extra_env may still opt out.
         "LOOPRL_INSECURE_PLAINTEXT": "false",
         "LOOPRL_NATS_URL": nats.url,
-        "LOOPRL_RAY_ADDRESS": ray.address,
         "LOOPRL_STATE_DIR": str(state_dir),
         "LOOPRL_HOST": host,
-        registry.service("gateway").env_var("tokens"): state.gateway_token,
         registry.service("gateway").env_var("http_port"): str(ports.http),
         registry.service("gateway").env_var("recipe_base_dir"): os.getcwd(),
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -294,20 +333,38 @@ def _loopback(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
-def _launch(state: StackState, svc: ServiceProcess) -> ServiceProcess:
-    """Start one service process in its own process group; returns svc with its pid."""
-    env = {
-        **os.environ,
-        **state.service_env,
+def service_environment(state: StackState, svc: ServiceProcess) -> dict[str, str]:
+    """The environment of one service: the caller's and the stack's settings, its own NATS user and
+    ports, the Ray cluster's address and token only for a Ray driver (registry `ray_driver`), and the
+    users' tokens only for the gateway (least privilege: whatever runs in another service, user code
+    among it, cannot read them)."""
+    spec = registry.service(svc.name)
+    held = (RAY_VARIABLES if spec.ray_driver else ()) + (
+        USER_TOKEN_VARIABLES if svc.name == "gateway" else ()
+    )
+    withheld = set(RAY_VARIABLES + USER_TOKEN_VARIABLES) - set(held)
+    env = {k: v for k, v in {**os.environ, **state.service_env}.items() if k not in withheld}
+    if spec.ray_driver:
+        address = f"{state.host}:{state.ray_port}"
+        env |= {"RAY_ADDRESS": address, "LOOPRL_RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
+        env["RAY_AUTH_TOKEN"] = state.ray_token
+    if svc.name == "gateway":
+        env.setdefault(spec.env_var("tokens"), state.gateway_token)
+    env |= {
         "LOOPRL_NATS_URL": state.nats_url_for(svc.name),  # its own NATS user
         "LOOPRL_GRPC_PORT": str(svc.grpc_port),
         "LOOPRL_METRICS_PORT": str(svc.metrics_port),
     }
+    return env
+
+
+def _launch(state: StackState, svc: ServiceProcess) -> ServiceProcess:
+    """Start one service process in its own process group; returns svc with its pid."""
     with open(svc.log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", svc.module],
             cwd=ROOT,
-            env=env,
+            env=service_environment(state, svc),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -389,13 +446,26 @@ def _restart_infrastructure(state: StackState, name: str, kill: bool) -> Service
 
 
 def wait_serving(state: StackState, timeout: float) -> None:
+    """Until every service is SERVING; StartupFailed, with the end of its own log, as soon as any
+    process the stack started (a service, nats-server, the Ray head) has died."""
     deadline = time.monotonic() + timeout
     pending = {s.name: s for s in state.services}
+    state_dir = Path(state.state_dir)
+    infrastructure = [
+        ("nats-server", state.nats_pid, state_dir / "nats-server.log"),
+        ("ray head", state.ray_pid, state_dir / "ray-head.log"),
+    ]
     while pending:
+        for name, pid, log in infrastructure:
+            if not pid_alive(pid):
+                raise StartupFailed(
+                    f"{name} exited while the services started; its log says:\n{log_excerpt(log)}"
+                )
         for name, svc in list(pending.items()):
             if not pid_alive(svc.pid):
-                tail = Path(svc.log).read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited during start-up; last log lines:\n{tail}")
+                raise StartupFailed(
+                    f"{name} exited during start-up; last log lines:\n{log_excerpt(Path(svc.log))}"
+                )
             if _health(state, svc, timeout=0.5) == "SERVING":
                 del pending[name]
         if pending and time.monotonic() > deadline:

@@ -59,10 +59,11 @@ def nats_url(nats_server: NatsServer) -> str:
 def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
     """A real Ray head (token auth on); its connection settings are exported to the environment
     so that ray.init() in tests and in service subprocesses joins it."""
-    port = next(p for p in range(26400, 26500) if _free(p))
-    head = RayHead(
-        state_dir=tmp_path_factory.mktemp("ray"), port=port, num_cpus=16, token=SESSION_RAY_TOKEN
-    ).start()
+    state_dir = tmp_path_factory.mktemp("ray")
+    port = next(
+        p for p in range(26400, 26500, 7) if all(_free(q) for q in RayHead(state_dir, p).ports().values())
+    )
+    head = RayHead(state_dir=state_dir, port=port, num_cpus=16, token=SESSION_RAY_TOKEN).start()
     saved = {k: os.environ.get(k) for k in head.env()}
     os.environ.update(head.env())
     yield head

@@ -95,6 +95,7 @@ class ReplicaState:
     resync_to_version: int | None = None
     sync_requested: bool = False
     address: str = ""
+    metrics_address: str = ""  # its Prometheus /metrics, from its status ("" when it serves none)
     last_error: str = ""
     # It holds a request sent ahead of its version until that version commits (its status says so).
     holds_for_version: bool = False

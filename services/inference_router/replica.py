@@ -4,7 +4,8 @@
 with serialized protos (`generate`, `generate_stream`, `status`, ...); the same replica ALSO serves
 InferenceEngineService on its host's address:<free port> (Generate, Status, Pause, Resume,
 StageWeights, CommitWeights, AbortWeights, RollbackWeights, ProbeSharedMemory) so weight-sync can deliver weights to it and
-benchmarks can call it directly. StageWeights is registered to receive raw bytes
+benchmarks can call it directly, with health, reflection and a /metrics port of its own
+(replica_server.py). StageWeights is registered to receive raw bytes
 (`add_engine_servicer`) and decoded without protobuf copying the payload; a bucket for another TP
 rank is forwarded as received.
 
@@ -44,6 +45,7 @@ from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.adapters import Adapters
 from services.inference_router.engine.base import Engine, EngineRequest, SamplingParams
 from services.inference_router.engine.scheduler import SchedulerLimits
+from services.inference_router.replica_server import ReplicaServer
 from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.weights import LocalWeights, RankStagedWeights, TPGroupWeights, WeightLifecycle
 from services.kit import errors, gc_freeze, telemetry, tls
@@ -133,6 +135,7 @@ class ReplicaCore:
         self.weights: WeightLifecycle | None = None  # built with the engine
         self.adapters: Adapters | None = None  # LoRA runs' adapters over the base (max_loras > 0)
         self._server: grpc.aio.Server | None = None
+        self._doors: ReplicaServer | None = None  # health, reflection, /metrics
         self._address = ""
         self._start_lock: asyncio.Lock | None = None
         self._build_lock: asyncio.Lock | None = None
@@ -165,13 +168,19 @@ class ReplicaCore:
             options=[*tls.message_limits(256 * 1024 * 1024), ("grpc.so_reuseport", 0)],
         )
         add_engine_servicer(server, _EngineServicer(self))
-        await _add_health_and_reflection(server)
+        self._doors = ReplicaServer(server, self.spec.name, self.name)
         host = _bind_host(self.host)
         port = tls.add_port(server, f"{host}:0")
         await server.start()
+        await self._doors.start(host)
         self._server = server
         self._address = f"{host}:{port}"
-        log.info("replica %s serving InferenceEngineService on %s", self.name, self._address)
+        log.info(
+            "replica %s serving InferenceEngineService on %s, /metrics on %s",
+            self.name,
+            self._address,
+            self._doors.metrics_address,
+        )
 
     async def _load_model_path(self, path: str) -> None:
         from pathlib import Path
@@ -182,6 +191,8 @@ class ReplicaCore:
         await self.load_state_dict(0, state, config=_config_at(path))
 
     async def shutdown(self) -> None:
+        if self._doors is not None:
+            await self._doors.stop()
         if self.engine is not None:
             await self.engine.close()
         if self._server is not None:
@@ -606,6 +617,9 @@ class ReplicaCore:
                 versions = lifecycle.versions() if lifecycle is not None else None
                 out.staged_version = versions.staged if versions is not None else -1
                 out.rollback_version = versions.rollback if versions is not None else -1
+        if self._doors is not None:
+            out.metrics_address = self._doors.metrics_address
+            self._doors.update(out)
         return out
 
     async def pause(self) -> None:
@@ -617,20 +631,6 @@ class ReplicaCore:
         self._paused = False
         if self.engine is not None:
             self.engine.resume()
-
-
-async def _add_health_and_reflection(server: grpc.aio.Server) -> None:
-    """The standard health service (SERVING as soon as the server answers: a replica without weights
-    says so through Status and UNAVAILABLE from Generate) and reflection, as the contract asks."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
-
-    servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    name = inference_pb2.DESCRIPTOR.services_by_name["InferenceEngineService"].full_name
-    for service in ("", name):
-        await servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection([name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
 
 
 class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):

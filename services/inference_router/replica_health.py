@@ -105,6 +105,7 @@ class ReplicaHealth:
             replica.healthy = status.ready
             replica.holds_for_version = status.holds_for_version
             replica.address = status.address or replica.address
+            replica.metrics_address = status.metrics_address
             broken = str((status.engine or {}).get("broken", ""))
             if broken:
                 # Its engine may hold mixed weights or stale KV (vllm_engine.py): never route to it,

@@ -16,6 +16,8 @@ class ReplicaStatus:
     deployment: str = ""
     address: str = ""
     """Where its InferenceEngineService listens."""
+    metrics_address: str = ""
+    """Where its Prometheus /metrics listens ("" for a replica that serves none)."""
     rank_addresses: list[str] = field(default_factory=list)
     """Where weight-sync delivers each TP rank's weights (one server serves every rank today)."""
     host_id: str = ""
@@ -58,6 +60,7 @@ class ReplicaStatus:
             host_id=self.host_id,
             holds_for_version=self.holds_for_version,
             adapter_versions=self.adapter_versions,
+            metrics_address=self.metrics_address,
         )
 
     @classmethod
@@ -79,4 +82,5 @@ class ReplicaStatus:
             cache_usage=reply.cache_usage,
             holds_for_version=reply.holds_for_version,
             adapter_versions=dict(reply.adapter_versions),
+            metrics_address=reply.metrics_address,
         )

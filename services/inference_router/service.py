@@ -22,6 +22,7 @@ def build_router(cfg: RouterConfig):
 
 async def serve(cfg: RouterConfig) -> None:
     from looprl.inference.v1 import inference_pb2_grpc
+    from services.inference_router import targets
     from services.inference_router.deployments import DeploymentManager
     from services.inference_router.runs import RunDeployments
     from services.inference_router.servicer import InferenceRouterServicer
@@ -40,6 +41,8 @@ async def serve(cfg: RouterConfig) -> None:
 
     background: list[asyncio.Task] = []
     runs = None
+    # Prometheus finds every replica's /metrics here (HTTP service discovery).
+    service.metrics_routes[targets.PATH] = targets.targets_route(router, asyncio.get_running_loop())
 
     async def setup(_: Service) -> None:
         if cfg.deployments:

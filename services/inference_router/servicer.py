@@ -8,6 +8,7 @@ name) use what the deployments reported about themselves.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator
 
@@ -16,7 +17,7 @@ import grpc
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.deployments import DeploymentManager
 from services.inference_router.router import Router
-from services.kit.errors import InvalidArgument
+from services.kit.errors import InvalidArgument, Unavailable
 
 # Group sampling beyond this is almost certainly a mistake and would pin a replica for long.
 MAX_N = 256
@@ -53,6 +54,23 @@ class InferenceRouterServicer(inference_pb2_grpc.InferenceRouterServiceServicer)
     ) -> inference_pb2.RegisterDeploymentResponse:
         await self.deployments.register_external(request.deployment)
         return inference_pb2.RegisterDeploymentResponse()
+
+    async def GetClusterResources(
+        self, request: inference_pb2.GetClusterResourcesRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.GetClusterResourcesResponse:
+        from services.kit.ray_utils import cluster_resources, connect_ray
+
+        cfg = self.router.config
+
+        def read() -> tuple[dict[str, float], dict[str, float]]:
+            connect_ray(cfg.ray_address, cfg.namespace)  # once per process: a no-op when joined
+            return cluster_resources()
+
+        try:
+            total, in_use = await asyncio.to_thread(read)
+        except Exception as exc:  # the head down or restarting, no node registered yet
+            raise Unavailable(f"the Ray cluster did not say its resources: {exc}") from exc
+        return inference_pb2.GetClusterResourcesResponse(total=total, in_use=in_use)
 
     def validate(self, request: inference_pb2.GenerateRequest, prefix: str = "") -> None:
         validate_request(request, self.router, prefix)
@@ -143,6 +161,7 @@ def describe(router: Router) -> list[inference_pb2.DeploymentInfo]:
                         outstanding_tokens=r.outstanding_tokens,
                         outstanding_requests=r.outstanding_requests,
                         address=r.address,
+                        metrics_address=r.metrics_address,
                     )
                     for r in dep.replicas
                 ],

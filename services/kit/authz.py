@@ -38,6 +38,7 @@ POLICY: dict[str, dict[str, frozenset[str]]] = {
         "GenerateStream": frozenset({"environment-sandbox", "gateway"}),
         "ListDeployments": frozenset({"environment-sandbox", "gateway", OPERATOR}),
         "RegisterDeployment": frozenset({OPERATOR}),
+        "GetClusterResources": frozenset({"gateway", OPERATOR}),
     },
     "looprl.environment.v1.EnvironmentSandboxService": {
         # The gateway runs a run's evaluation episodes (never published, never trained).

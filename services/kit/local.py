@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -16,8 +17,32 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# Least privilege: the Ray cluster's address and token go only to Ray's own processes and the services
+# that drive it (registry.ServiceSpec.ray_driver), users' tokens only to the gateway. Every other
+# process the stack starts inherits the caller's environment without them.
+RAY_VARIABLES = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "LOOPRL_RAY_ADDRESS")
+USER_TOKEN_VARIABLES = ("LOOPRL_GATEWAY_TOKENS", "LOOPRL_GATEWAY_TENANTS", "LOOPRL_TOKEN")
+
+
+def environ_without(names: tuple[str, ...]) -> dict[str, str]:
+    """This process's environment less `names`: what a child that must not hold them starts with."""
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
+class StartupFailed(RuntimeError):
+    """A process the stack started died (or never listened) while starting; the message holds its own
+    words (the end of its log)."""
+
+
+def log_excerpt(path: Path, chars: int = 3000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-chars:].strip()
+    except OSError:
+        return ""
 
 
 class PortInUseError(RuntimeError):
@@ -44,11 +69,13 @@ _FREE_PORTS_FROM = 28000
 _handed_out: set[int] = set()
 
 
-def _ephemeral_start() -> int:
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections (Linux's default: 32768-60999)."""
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2]
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def free_port() -> int:
@@ -56,7 +83,7 @@ def free_port() -> int:
     kernel's ephemeral range where there is room: the kernel hands those ports to outgoing
     connections, so one chosen there can be taken by any connect() before its listener binds it.
     A process never gets the same port twice."""
-    span = _ephemeral_start() - _FREE_PORTS_FROM
+    span = ephemeral_range()[0] - _FREE_PORTS_FROM
     for _ in range(200 if span >= 1000 else 0):
         port = _FREE_PORTS_FROM + secrets.randbelow(span)
         if port not in _handed_out and port_is_free(port):
@@ -74,16 +101,56 @@ def require_free(port: int, what: str, host: str = "127.0.0.1") -> None:
         )
 
 
+def process_tree(pid: int) -> set[int]:
+    """`pid` and every process descended from it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(") ", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        tree.add(p)
+        todo.extend(children.get(p, ()))
+    return tree
+
+
 def wait_for_port(
-    port: int, timeout: float, proc: subprocess.Popen | None = None, what: str = "", host: str = "127.0.0.1"
+    port: int,
+    timeout: float,
+    proc: subprocess.Popen | None = None,
+    what: str = "",
+    host: str = "127.0.0.1",
+    log: Path | None = None,
+    failed: Callable[[], str] | None = None,
 ) -> None:
+    """Wait until `port` is listened on: by `proc` or one of its descendants when given (a port some
+    other process answers on, or a client socket connected to itself, is not `proc` listening), else
+    by anyone. StartupFailed when `proc` exits first, or `failed()` names why it cannot start,
+    with the end of its `log`; TimeoutError after `timeout`."""
+    from services.kit.listeners import listens
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode} before listening on {port}")
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            if sock.connect_ex((host, port)) == 0:
+        if proc is not None:
+            why = f"it exited with code {proc.returncode}" if proc.poll() is not None else ""
+            why = why or (failed() if failed is not None else "")
+            if why:
+                excerpt = log_excerpt(log) if log is not None else ""
+                where = f"\n{excerpt}\n(its log: {log})" if excerpt else ""
+                raise StartupFailed(f"{what} did not start: {why} before listening on port {port}{where}")
+            if listens(process_tree(proc.pid), port):
                 return
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                if sock.connect_ex((host, port)) == 0:
+                    return
         time.sleep(0.05)
     raise TimeoutError(f"{what} did not listen on port {port} within {timeout:.0f}s")
 
@@ -141,14 +208,16 @@ class NatsServer:
             conf.touch(mode=0o600)  # it holds every service's password
             conf.write_text(self.config)
             args += ["-c", str(conf)]
-        log = open(self.state_dir / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
+        log_path = self.state_dir / "nats-server.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
             args,
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=environ_without(RAY_VARIABLES + USER_TOKEN_VARIABLES),
             start_new_session=True,
         )
-        wait_for_port(self.port, timeout, self.proc, "nats-server", self.host)
+        wait_for_port(self.port, timeout, self.proc, "nats-server", self.host, log=log_path)
         return self
 
     def stop(self, grace: float = 10.0) -> None:
@@ -185,15 +254,23 @@ class RayHead:
         """Environment a client needs to connect to this head."""
         return {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
 
+    def ports(self) -> dict[str, int]:
+        """Every port the head listens on, by Ray's option (fixed: Ray picks the ones it is not given by
+        binding a free port and closing it, in the kernel's ephemeral range, where any connect() can
+        take it before the component binds it)."""
+        return {"port": self.port, **{name: self.port + 1 + i for i, name in enumerate(RAY_HEAD_PORTS)}}
+
     def start(self, timeout: float = 60.0) -> RayHead:
         if self.port != 6379 and self.port <= 20000:
             raise ValueError(f"Ray head port must be 6379 or above 20000, got {self.port}")
-        require_free(self.port, "ray head", self.host)
+        for option, port in self.ports().items():
+            require_free(port, f"ray head ({option}, its port + {port - self.port})", self.host)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         temp_dir = ray_temp_dir(self.port)
-        env = {**os.environ, **self.env(), "RAY_USAGE_STATS_ENABLED": "0"}
+        env = {**environ_without(USER_TOKEN_VARIABLES), **self.env(), "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS")
-        log = open(self.state_dir / "ray-head.log", "ab")  # noqa: SIM115 - owned by the child
+        log_path = self.state_dir / "ray-head.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -213,6 +290,11 @@ class RayHead:
                 "--disable-usage-stats",
                 f"--node-ip-address={self.host}",
                 f"--temp-dir={temp_dir}",
+                *(
+                    f"--{option.replace('_', '-')}={port}"
+                    for option, port in self.ports().items()
+                    if option != "port"
+                ),
                 *([f"--resources={json.dumps(self.resources)}"] if self.resources else []),
             ],
             stdout=log,
@@ -220,7 +302,15 @@ class RayHead:
             env=env,
             start_new_session=True,
         )
-        wait_for_port(self.port, timeout, self.proc, "ray head", self.host)
+        wait_for_port(
+            self.port,
+            timeout,
+            self.proc,
+            "ray head",
+            self.host,
+            log=log_path,
+            failed=_GcsWatch(self.proc.pid, self.port),
+        )
         return self
 
     def stop(self, grace: float = RAY_GRACE_S) -> None:
@@ -228,6 +318,47 @@ class RayHead:
             stop_session(self.proc.pid, grace)
             self.proc.wait(timeout=5)
             keep_ray_logs(self.port, self.state_dir)
+
+
+# Ray's other fixed ports of the head, at the head's port + 1, + 2, ... (`ray start` options).
+RAY_HEAD_PORTS = (
+    "node_manager_port",
+    "object_manager_port",
+    "runtime_env_agent_port",
+    "dashboard_agent_grpc_port",
+    "dashboard_agent_listen_port",
+    "metrics_export_port",
+)
+
+
+class _GcsWatch:
+    """Why a starting head cannot come up: its GCS (gcs_server) ran and exited. `ray start` itself
+    notices only after its own ~40 s wait; the GCS's log already says why (e.g. its port taken)."""
+
+    def __init__(self, pid: int, port: int) -> None:
+        self.pid, self.port, self.seen = pid, port, False
+
+    def __call__(self) -> str:
+        alive = any(_comm(p) == "gcs_server" for p in process_tree(self.pid))
+        self.seen |= alive
+        if alive or not self.seen:
+            return ""
+        logs = ray_temp_dir(self.port) / "session_latest" / "logs"
+        said = [
+            line
+            for name in ("gcs_server.out", "gcs_server.err")
+            for line in log_excerpt(logs / name, 20_000).splitlines()
+            if re.match(r"^\[[^\]]* [EC] \d+ \d+\]", line)  # Ray's error and fatal log lines
+        ]
+        return "its GCS (gcs_server) exited" + (f": {said[-1]}" if said else "")
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def ray_temp_dir(port: int) -> Path:

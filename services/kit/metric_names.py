@@ -349,6 +349,36 @@ CATALOG: tuple[MetricSpec, ...] = (
         "1 when the replica takes traffic",
         "inference-router",
     ),
+    # ---- each inference replica (its own /metrics: ReplicaInfo.metrics_address, found through the
+    # router's /targets; its RPCs are looprl_rpc_* with service "replica/<name>")
+    _g(
+        "looprl_replica_ready",
+        "bool",
+        ("deployment", "replica"),
+        "1 when it holds weights and serves",
+        "inference-replica",
+    ),
+    _g(
+        "looprl_replica_queued_requests",
+        "requests",
+        ("deployment", "replica"),
+        "Requests waiting in the engine for a batch slot",
+        "inference-replica",
+    ),
+    _g(
+        "looprl_replica_tokens_in_flight",
+        "tokens",
+        ("deployment", "replica"),
+        "Prompt and completion tokens of the sequences in the engine",
+        "inference-replica",
+    ),
+    _g(
+        "looprl_replica_cache_usage",
+        "ratio",
+        ("deployment", "replica"),
+        "Share of the KV cache in use",
+        "inference-replica",
+    ),
     # ---- rollout-packer
     _g(
         "looprl_packer_padding_fraction",

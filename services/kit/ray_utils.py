@@ -45,3 +45,15 @@ def disconnect_ray() -> None:
     if ray.is_initialized():
         ray.shutdown()
     ray_head.left()
+
+
+def cluster_resources() -> tuple[dict[str, float], dict[str, float]]:
+    """(total, in use) of every alive node's resources, from the joined cluster; RuntimeError while
+    no node is alive (a head just started registers its own node seconds later)."""
+    import ray
+
+    total = {name: float(v) for name, v in ray.cluster_resources().items()}
+    if not total:
+        raise RuntimeError("no Ray node is alive yet")
+    free = ray.available_resources()
+    return total, {name: max(amount - float(free.get(name, 0.0)), 0.0) for name, amount in total.items()}

@@ -42,6 +42,10 @@ class ServiceSpec:
     service calls it."""
     peers: tuple[str, ...] = ()
     """Services it calls over gRPC, each through that service's address_field in its own config."""
+    ray_driver: bool = False
+    """It joins the Ray cluster as a driver (its replicas, ranks or workers are Ray actors): only these
+    services are given the cluster's address and token (RAY_AUTH_TOKEN), in `looprl up`, compose and
+    Kubernetes alike."""
 
     def config_class(self) -> type:
         return _resolve(self.config)
@@ -79,6 +83,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         grpc_service="looprl.inference.v1.InferenceRouterService",
         address_field="router_address",
         peers=("weight-sync",),
+        ray_driver=True,
     ),
     ServiceSpec(
         name="reward",
@@ -89,6 +94,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         grpc_service="looprl.reward.v1.RewardService",
         address_field="reward_address",
         peers=("environment-sandbox",),  # code rewards run their tests in the sandbox
+        ray_driver=True,
     ),
     ServiceSpec(
         name="environment-sandbox",
@@ -99,6 +105,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         grpc_service="looprl.environment.v1.EnvironmentSandboxService",
         address_field="sandbox_address",
         peers=("inference-router", "reward"),
+        ray_driver=True,
     ),
     ServiceSpec(
         name="rollout-packer",
@@ -117,6 +124,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
         serve="services.trainer.service:serve",
         grpc_service="looprl.trainer.v1.TrainerService",
         peers=("rollout-packer", "weight-sync"),
+        ray_driver=True,
     ),
     ServiceSpec(
         name="gateway",

@@ -13,14 +13,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from services.kit import gc_freeze, tls
 from services.kit.config import ServiceConfig, advertised_host
@@ -38,6 +42,36 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [*tls.message_limits(max_message_bytes), ("grpc.so_reuseport", 0)]
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def start_metrics_server(
+    port: int, host: str, routes: Mapping[str, Callable[[], bytes]] | None = None
+) -> ThreadingWSGIServer:
+    """Prometheus /metrics (any path but `routes`') on host:port (0: a port the kernel picks, read
+    from the returned server's server_port), in a daemon thread; each of `routes` answers its path
+    with the JSON its function returns (the router's scrape targets)."""
+    metrics = make_wsgi_app()
+    extra = dict(routes or {})
+
+    def app(environ: dict, start_response: Callable) -> list[bytes]:
+        route = extra.get(environ.get("PATH_INFO", ""))
+        if route is None:
+            return metrics(environ, start_response)
+        body = route()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
+    return httpd
 
 
 def open_channel(address: str, max_message_bytes: int = 64 * 1024 * 1024) -> grpc.aio.Channel:
@@ -65,6 +99,8 @@ class Service:
         self._service_names: list[str] = []
         self._adders: list[tuple[Callable[[Any, grpc.aio.Server], None], Any]] = []
         self._shutdown_hooks: list[Callable[[], Awaitable[None]]] = []
+        # Paths of the metrics port besides /metrics, each answered with its function's JSON.
+        self.metrics_routes: dict[str, Callable[[], bytes]] = {}
         self._state = "starting"
         self._stopping = asyncio.Event() if _has_loop() else None
         self.health = health.aio.HealthServicer()
@@ -141,7 +177,7 @@ class Service:
             raise PortInUseError(
                 f"{self.name}: metrics port {self.metrics_port} is already in use", self.metrics_port
             )
-        self._metrics_server, _ = start_http_server(self.metrics_port, addr=self.config.host)
+        self._metrics_server = start_metrics_server(self.metrics_port, self.config.host, self.metrics_routes)
         await self.server.start()
         await self.set_serving(False)
         log.info(

@@ -32,9 +32,17 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 
 
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+def scrape(port: int | str) -> str:
+    """/metrics at a port of 127.0.0.1, or at host:port."""
+    address = port if isinstance(port, str) else f"127.0.0.1:{port}"
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
         return reply.read().decode()
+
+
+def replica_targets(router_metrics_port: int) -> list[dict]:
+    """The replicas' scrape targets, as Prometheus discovers them (the router's /targets)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{router_metrics_port}/targets", timeout=10) as reply:
+        return json.loads(reply.read())
 
 
 def samples(exposition: str) -> dict[str, list]:
@@ -83,16 +91,20 @@ def test_every_dashboard_query_has_a_series_from_a_live_run(tmp_path, monkeypatc
     # The recipe's deployments are the stack's: they still serve the run's policy after it ends.
     with local_stack(tmp_path / "stack", DEFAULT_RECIPE) as stack:
         ports = {svc.name: svc.metrics_port for svc in stack.state.services}
+        router_metrics = ports["inference-router"]
         if server is not None:
             targets = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
             started = time.time()
-            with prometheus.running(server, targets, tmp_path / "prometheus") as prom:
+            # Replicas bind a port the kernel picks: Prometheus finds them through the router.
+            discovered = {"inference-replica": f"http://127.0.0.1:{router_metrics}/targets"}
+            with prometheus.running(server, targets, tmp_path / "prometheus", discovered=discovered) as prom:
                 run_started = time.monotonic()
                 run = run_to_end(stack.stub, stack.metadata, recipe, "e2e-metrics", timeout=300)
                 usage = openai_completion(stack, "e2e-metrics")["usage"]
                 checks_started = time.monotonic()
                 time.sleep(3)  # two more scrapes after the last step and the request
                 results = {q: prom.query(q) for q in queries}
+                replicas_up = prom.query('up{job="inference-replica"}')
                 exemplars = prom.exemplars('{__name__=~"looprl_.+_bucket"}', started, time.time())
             print(
                 f"run {checks_started - run_started:.1f}s; {len(queries)} dashboard queries evaluated "
@@ -102,6 +114,8 @@ def test_every_dashboard_query_has_a_series_from_a_live_run(tmp_path, monkeypatc
             run = run_to_end(stack.stub, stack.metadata, recipe, "e2e-metrics", timeout=300)
             usage = openai_completion(stack, "e2e-metrics")["usage"]
         expositions = {name: scrape(port) for name, port in ports.items()}
+        replicas = replica_targets(router_metrics)
+        expositions |= {f"replica {t['labels']['replica']}": scrape(t["targets"][0]) for t in replicas}
     traced = {json.loads(line)["trace_id"] for line in span_log.read_text().splitlines() if line}
     found: dict[str, list] = {}
     for exposition in expositions.values():
@@ -139,6 +153,12 @@ def test_every_dashboard_query_has_a_series_from_a_live_run(tmp_path, monkeypatc
     )
     # A forked group is one Generate for all its samples: at least one per step, plus the OpenAI one.
     assert total(found, "looprl_router_requests_total", outcome="ok") >= STEPS + 1
+    # Each replica exports its own series on the port the router lists for it.
+    assert [t["labels"]["deployment"] for t in replicas] == ["short"], replicas
+    replica = replicas[0]["labels"]["replica"]
+    assert total(found, "looprl_replica_ready", replica=replica) == 1
+    # Weight-sync delivered every version to it over its gRPC port: counted by the replica itself.
+    assert total(found, "looprl_rpc_requests_total", service=f"replica/{replica}") >= STEPS
     # Zeroed series exist before anything happens to them.
     assert found.get("looprl_router_retries_total") and found.get("looprl_packer_dropped_rollouts_total")
 
@@ -154,6 +174,7 @@ def test_every_dashboard_query_has_a_series_from_a_live_run(tmp_path, monkeypatc
     else:
         empty = [q for q, series in results.items() if not series]
         assert not empty, f"dashboard queries with no series: {empty}"
+        assert [s["value"][1] for s in replicas_up] == ["1"], f"replicas scraped: {replicas_up}"
         # Latency histograms carry trace ids, of traces the services really recorded.
         by_metric = {
             e["seriesLabels"]["__name__"]: {x["labels"].get("trace_id") for x in e["exemplars"]}

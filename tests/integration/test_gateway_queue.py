@@ -1,7 +1,8 @@
 """The run queue of a real gateway process against a real nats-server: several runs of a tenant run at
 once up to its max_concurrent_runs, the next ones are QUEUED in order (tenant priority, then age) with
 their position and reason, ending a run starts the next, a queued run can be stopped, and a run that
-can never fit the Ray cluster's total is refused naming the resource."""
+can never fit the Ray cluster's total (which the gateway asks the inference-router for: it holds no
+Ray token) is refused naming the resource."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import grpc
 import pytest
 
 from gateway.config import token_sha256
-from gateway.queue import CLUSTER_TTL_S, ClusterState, read_cluster
+from gateway.queue import CLUSTER_TTL_S, ClusterState
 from looprl.gateway.v1 import gateway_pb2
+from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.kit import tls
 from tests.support.gateway import AUTH, GatewayProcess, http
+from tests.support.local_fleet import RouterProcess
 
 Q_TOKEN, VIP_TOKEN = "token-of-team-q", "token-of-team-vip"
 RECIPE = '[run]\nname = "{name}"\nsteps = 50\n[batch]\nrollouts_per_step = 4\ngroup_size = 2\n'
@@ -110,24 +114,36 @@ def test_a_restarted_gateway_keeps_the_queue_and_starts_it_when_a_run_ends(gatew
     assert get(gateway, waiting.run_id).state in STARTED
 
 
-def cluster(ray_head) -> ClusterState:
+@pytest.fixture(scope="module")
+def router(ray_head, tmp_path_factory: pytest.TempPathFactory):
+    """An inference-router with no deployments of its own, joined to the session's Ray head."""
+    process = RouterProcess([], tmp_path_factory.mktemp("router") / "router.log").wait_serving()
+    yield process
+    process.stop()
+
+
+def cluster(router: RouterProcess) -> ClusterState:
+    """The cluster's resources as the gateway reads them: from the router."""
     deadline = time.monotonic() + 60
-    while True:  # the head registers its node after a while
-        try:
-            return read_cluster(*ray_head.address.rsplit(":", 1))
-        except Exception:
-            assert time.monotonic() < deadline, "the Ray head's node never registered"
-            time.sleep(0.5)
+    with tls.sync_channel(router.address) as channel:
+        stub = inference_pb2_grpc.InferenceRouterServiceStub(channel)
+        while True:  # the head registers its node after a while
+            try:
+                reply = stub.GetClusterResources(inference_pb2.GetClusterResourcesRequest(), timeout=30)
+                return ClusterState(dict(reply.total), dict(reply.in_use))
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, (
+                    f"the router never said the cluster's resources: {router.tail()}"
+                )
+                time.sleep(0.5)
 
 
 @pytest.mark.slow
 def test_a_run_over_the_clusters_total_is_refused_naming_the_resource(
-    nats_url: str, tmp_path: Path, ray_head
+    nats_url: str, tmp_path: Path, router: RouterProcess
 ) -> None:
-    cluster(ray_head)
-    gw = GatewayProcess(nats_url, tmp_path)
-    gw.env["LOOPRL_GATEWAY_RAY_ADDRESS"] = ray_head.address
-    gw.start()
+    cluster(router)
+    gw = GatewayProcess(nats_url, tmp_path, router_address=router.address).start()
     try:
         gpus = RECIPE + "[trainer]\nworld_size = 2\nnum_gpus_per_rank = 1.0\n"
         with pytest.raises(grpc.RpcError) as err:
@@ -166,7 +182,7 @@ def test_a_removed_tenants_queued_run_fails_naming_the_tenant_and_its_started_ru
 
 @pytest.mark.slow
 def test_workers_no_run_asked_for_take_their_share_and_a_queued_run_starts_when_they_go(
-    nats_url: str, tmp_path: Path, ray_head, ray_client
+    nats_url: str, tmp_path: Path, router: RouterProcess, ray_client
 ) -> None:
     import ray
 
@@ -174,17 +190,15 @@ def test_workers_no_run_asked_for_take_their_share_and_a_queued_run_starts_when_
         def ping(self) -> bool:
             return True
 
-    before = cluster(ray_head)
+    before = cluster(router)
     free = before.total["CPU"] - before.in_use.get("CPU", 0.0)
     workers = ray.remote(num_cpus=free - 1.0)(Worker).remote()  # all the CPUs but one
     ray.get(workers.ping.remote())
-    gw = GatewayProcess(nats_url, tmp_path)
-    gw.env["LOOPRL_GATEWAY_RAY_ADDRESS"] = ray_head.address
-    gw.start()
+    gw = GatewayProcess(nats_url, tmp_path, router_address=router.address).start()
     run_id = ""
     try:
         deadline = time.monotonic() + 30
-        while cluster(ray_head).in_use.get("CPU", 0.0) < before.total["CPU"] - 1.0 - 1e-6:
+        while cluster(router).in_use.get("CPU", 0.0) < before.total["CPU"] - 1.0 - 1e-6:
             assert time.monotonic() < deadline, "Ray never counted the workers' CPUs as in use"
             time.sleep(0.2)
         time.sleep(CLUSTER_TTL_S)  # the gateway's last read is from before the workers
@@ -209,6 +223,6 @@ def test_workers_no_run_asked_for_take_their_share_and_a_queued_run_starts_when_
         gw.kill()
         # The session's head is shared: later tests' actors need these CPUs back.
         deadline = time.monotonic() + 30
-        while cluster(ray_head).in_use.get("CPU", 0.0) > before.in_use.get("CPU", 0.0) + 1e-6:
+        while cluster(router).in_use.get("CPU", 0.0) > before.in_use.get("CPU", 0.0) + 1e-6:
             assert time.monotonic() < deadline, "the workers' CPUs were not given back"
             time.sleep(0.2)

@@ -71,13 +71,20 @@ class Prometheus:
 
 @contextmanager
 def running(
-    binary: str, targets: Mapping[str, str], state_dir: Path, interval_s: float = 1.0
+    binary: str,
+    targets: Mapping[str, str],
+    state_dir: Path,
+    interval_s: float = 1.0,
+    discovered: Mapping[str, str] | None = None,
 ) -> Iterator[Prometheus]:
-    """Prometheus scraping `targets` (job -> host:port) every interval_s, exemplars kept."""
+    """Prometheus scraping `targets` (job -> host:port) every interval_s, exemplars kept, and the
+    targets HTTP service discovery finds (`discovered`: job -> SD url, e.g. the router's /targets)."""
     jobs = "\n".join(
         f"  - job_name: {job}\n    static_configs: [{{targets: ['{address}']}}]"
         for job, address in targets.items()
     )
+    for job, url in (discovered or {}).items():
+        jobs += f"\n  - job_name: {job}\n    http_sd_configs: [{{url: '{url}', refresh_interval: 1s}}]"
     state_dir.mkdir(parents=True, exist_ok=True)
     config = state_dir / "prometheus.yml"
     every = f"{round(interval_s * 1000)}ms"

@@ -56,13 +56,21 @@ def _free_port(lo: int, hi: int) -> int:
     return next(p for p in random.sample(range(lo, hi), 500) if port_is_free(p))
 
 
+def _free_ray_port() -> int:
+    """A head port whose six neighbours (the head's other ports) are free too."""
+    for port in random.sample(range(27000, 27990), 500):
+        if all(port_is_free(p) for p in range(port, port + 7)):
+            return port
+    raise RuntimeError("no free port range for the Ray head")
+
+
 def free_port_args() -> list[str]:
     """`looprl up`'s (and `looprl run --local`'s) port options, on ports free right now."""
     return [
         "--nats-port",
         str(_free_port(26000, 26500)),
         "--ray-port",
-        str(_free_port(27000, 28000)),
+        str(_free_ray_port()),
         "--base-port",
         str(_free_base()),
         "--http-port",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import grpc
 import pytest
 
 from gateway.admission import run_demand
@@ -16,7 +17,6 @@ from gateway.runs import RunDriver
 from gateway.servicer import STATIC_DEPLOYMENTS_KEY, RunManager
 from looprl.gateway.v1 import gateway_pb2
 from services.kit.errors import ResourceExhausted, Unavailable
-from services.kit.local import free_port
 from services.kit.recipe import RunRecord
 
 RECIPE = '[run]\nname = "{name}"\n'  # the default run: 2 CPUs (trainer 1, one replica 1)
@@ -246,11 +246,19 @@ def test_a_tenant_allowed_no_runs_is_refused_rather_than_queued_forever() -> Non
     assert driven == []
 
 
-def test_without_a_ray_address_only_the_quotas_apply_and_an_unreadable_cluster_admits_nothing() -> None:
-    assert asyncio.run(ClusterResources("").total()) is None
-    assert asyncio.run(ClusterResources("ray://head:10001").total()) is None  # a client address: no GCS
-    silent = ClusterResources(f"127.0.0.1:{free_port()}", attempts=1)  # nothing listens
-    with pytest.raises(Unavailable, match=r"ray_address: the Ray cluster at 127\.0\.0\.1:"):
+class SilentRouter:
+    """An inference-router that cannot say the cluster's resources (the Ray head is down)."""
+
+    async def GetClusterResources(self, request, timeout=None):
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="no Ray head"
+        )
+
+
+def test_without_a_router_only_the_quotas_apply_and_an_unreadable_cluster_admits_nothing() -> None:
+    assert asyncio.run(ClusterResources(None).total()) is None
+    silent = ClusterResources(SilentRouter(), attempts=1)  # type: ignore[arg-type]
+    with pytest.raises(Unavailable, match=r"^cluster: the inference-router did not say .* no Ray head"):
         asyncio.run(silent.total())
     # Once read, a cluster that stops answering keeps its last total: never unlimited.
     silent._state, silent._read_at = ClusterState({"CPU": 8.0}, {}), float("-inf")
@@ -273,7 +281,7 @@ def test_with_nothing_queued_admission_does_not_ask_the_cluster() -> None:
 
         async def state(self) -> ClusterState:
             Unanswered.asked += 1
-            raise Unavailable("ray_address: not up yet")
+            raise Unavailable("cluster: not up yet")
 
     runs, driven = manager([team("a", runs=1)], {})
     runs.cluster = Unanswered()  # type: ignore[assignment]

@@ -94,20 +94,22 @@ class LengthProfile(_message.Message):
     def __init__(self, min_prompt_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., min_output_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("name", "healthy", "weight_version", "outstanding_tokens", "outstanding_requests", "address")
+    __slots__ = ("name", "healthy", "weight_version", "outstanding_tokens", "outstanding_requests", "address", "metrics_address")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     healthy: bool
     weight_version: int
     outstanding_tokens: int
     outstanding_requests: int
     address: str
-    def __init__(self, name: _Optional[str] = ..., healthy: _Optional[bool] = ..., weight_version: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., outstanding_requests: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, name: _Optional[str] = ..., healthy: _Optional[bool] = ..., weight_version: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., outstanding_requests: _Optional[int] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class DeploymentInfo(_message.Message):
     __slots__ = ("name", "backend", "tensor_parallel", "profile", "replicas", "max_model_len", "layout", "dtype", "run_id")
@@ -153,12 +155,38 @@ class RegisterDeploymentResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class GetClusterResourcesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetClusterResourcesResponse(_message.Message):
+    __slots__ = ("total", "in_use")
+    class TotalEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class InUseEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_FIELD_NUMBER: _ClassVar[int]
+    total: _containers.ScalarMap[str, float]
+    in_use: _containers.ScalarMap[str, float]
+    def __init__(self, total: _Optional[_Mapping[str, float]] = ..., in_use: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("weight_version", "queued_requests", "tokens_in_flight", "cache_usage", "paused", "staged_version", "rollback_version", "host_id", "holds_for_version", "adapter_versions")
+    __slots__ = ("weight_version", "queued_requests", "tokens_in_flight", "cache_usage", "paused", "staged_version", "rollback_version", "host_id", "holds_for_version", "adapter_versions", "metrics_address")
     class AdapterVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +204,7 @@ class StatusResponse(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     HOLDS_FOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     queued_requests: int
     tokens_in_flight: int
@@ -186,7 +215,8 @@ class StatusResponse(_message.Message):
     host_id: str
     holds_for_version: bool
     adapter_versions: _containers.ScalarMap[str, int]
-    def __init__(self, weight_version: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., staged_version: _Optional[int] = ..., rollback_version: _Optional[int] = ..., host_id: _Optional[str] = ..., holds_for_version: _Optional[bool] = ..., adapter_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, weight_version: _Optional[int] = ..., queued_requests: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., cache_usage: _Optional[float] = ..., paused: _Optional[bool] = ..., staged_version: _Optional[int] = ..., rollback_version: _Optional[int] = ..., host_id: _Optional[str] = ..., holds_for_version: _Optional[bool] = ..., adapter_versions: _Optional[_Mapping[str, int]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()

@@ -62,6 +62,11 @@ class InferenceRouterServiceStub:
                 request_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.RegisterDeploymentRequest.SerializeToString,
                 response_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.RegisterDeploymentResponse.FromString,
                 _registered_method=True)
+        self.GetClusterResources = channel.unary_unary(
+                '/looprl.inference.v1.InferenceRouterService/GetClusterResources',
+                request_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.GetClusterResourcesRequest.SerializeToString,
+                response_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.GetClusterResourcesResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceRouterServiceServicer:
@@ -109,6 +114,14 @@ class InferenceRouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetClusterResources(self, request, context):
+        """The Ray cluster the router places replicas on: every alive node's resources, summed. The
+        gateway admits and queues runs by it without holding the cluster's token itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceRouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +144,11 @@ def add_InferenceRouterServiceServicer_to_server(servicer, server):
                     servicer.RegisterDeployment,
                     request_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.RegisterDeploymentRequest.FromString,
                     response_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.RegisterDeploymentResponse.SerializeToString,
+            ),
+            'GetClusterResources': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClusterResources,
+                    request_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.GetClusterResourcesRequest.FromString,
+                    response_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.GetClusterResourcesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -249,6 +267,33 @@ class InferenceRouterService:
             '/looprl.inference.v1.InferenceRouterService/RegisterDeployment',
             looprl_dot_inference_dot_v1_dot_inference__pb2.RegisterDeploymentRequest.SerializeToString,
             looprl_dot_inference_dot_v1_dot_inference__pb2.RegisterDeploymentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClusterResources(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/looprl.inference.v1.InferenceRouterService/GetClusterResources',
+            looprl_dot_inference_dot_v1_dot_inference__pb2.GetClusterResourcesRequest.SerializeToString,
+            looprl_dot_inference_dot_v1_dot_inference__pb2.GetClusterResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,

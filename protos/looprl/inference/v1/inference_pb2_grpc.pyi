@@ -61,6 +61,10 @@ class InferenceRouterServiceStub:
     its replicas by address and registers them with weight-sync, which delivers its run's versions
     (every run's, without run_id). It stays registered until the router restarts.
     """
+    GetClusterResources: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetClusterResourcesRequest, _inference_pb2.GetClusterResourcesResponse]
+    """The Ray cluster the router places replicas on: every alive node's resources, summed. The
+    gateway admits and queues runs by it without holding the cluster's token itself.
+    """
 
 @_typing.type_check_only
 class InferenceRouterServiceAsyncStub(InferenceRouterServiceStub):
@@ -91,6 +95,10 @@ class InferenceRouterServiceAsyncStub(InferenceRouterServiceStub):
     """Register an external deployment that implements InferenceEngineService: the router routes to
     its replicas by address and registers them with weight-sync, which delivers its run's versions
     (every run's, without run_id). It stays registered until the router restarts.
+    """
+    GetClusterResources: _aio.UnaryUnaryMultiCallable[_inference_pb2.GetClusterResourcesRequest, _inference_pb2.GetClusterResourcesResponse]  # type: ignore[assignment]
+    """The Ray cluster the router places replicas on: every alive node's resources, summed. The
+    gateway admits and queues runs by it without holding the cluster's token itself.
     """
 
 class InferenceRouterServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -143,6 +151,16 @@ class InferenceRouterServiceServicer(metaclass=_abc_1.ABCMeta):
         """Register an external deployment that implements InferenceEngineService: the router routes to
         its replicas by address and registers them with weight-sync, which delivers its run's versions
         (every run's, without run_id). It stays registered until the router restarts.
+        """
+
+    @_abc_1.abstractmethod
+    def GetClusterResources(
+        self,
+        request: _inference_pb2.GetClusterResourcesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.GetClusterResourcesResponse, _abc.Awaitable[_inference_pb2.GetClusterResourcesResponse]]:
+        """The Ray cluster the router places replicas on: every alive node's resources, summed. The
+        gateway admits and queues runs by it without holding the cluster's token itself.
         """
 
 def add_InferenceRouterServiceServicer_to_server(servicer: InferenceRouterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
