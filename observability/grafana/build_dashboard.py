@@ -496,6 +496,38 @@ def router_row(g: Grid) -> list[dict[str, Any]]:
     ]
 
 
+def replica_row(g: Grid) -> list[dict[str, Any]]:
+    svc = "inference-replica"
+    per_replica = "{{deployment}}/{{replica}}"
+    return [
+        row(g, "Inference replicas (their own /metrics)"),
+        timeseries(
+            g,
+            "Queued requests and tokens in flight per replica",
+            targets(
+                ("sum by (deployment, replica) (looprl_replica_queued_requests)", "queued " + per_replica),
+                ("sum by (deployment, replica) (looprl_replica_tokens_in_flight)", "tokens " + per_replica),
+            ),
+            description="What each engine holds, as the replica itself reports it.",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "KV cache in use per replica",
+            targets(("max by (deployment, replica) (looprl_replica_cache_usage)", per_replica)),
+            unit="percentunit",
+            service=svc,
+        ),
+        timeseries(
+            g,
+            "Serving replicas",
+            targets(("sum by (deployment) (looprl_replica_ready)", "{{deployment}}")),
+            description="Replicas holding weights and not paused (1 each).",
+            service=svc,
+        ),
+    ]
+
+
 def packer_row(g: Grid) -> list[dict[str, Any]]:
     svc = "rollout-packer"
     return [
@@ -646,6 +678,7 @@ def build() -> dict[str, Any]:
         weight_sync_row,
         reward_row,
         router_row,
+        replica_row,
         packer_row,
         sandbox_row,
         traces_row,

@@ -37,7 +37,10 @@ def _address(hex_address: str) -> str:
     raw = bytes.fromhex(hex_address)
     # The kernel writes each 32-bit word in host (little-endian) order.
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return str(ipaddress.ip_address(words))
+    ip = ipaddress.ip_address(words)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return f"::ffff:{ip.ipv4_mapped}"  # as ss and the kernel's users write it
+    return str(ip)
 
 
 def listening_sockets(pid: int | str = "self") -> dict[int, tuple[str, int]]:

@@ -339,7 +339,8 @@ class _GcsWatch:
         self.pid, self.port, self.seen = pid, port, False
 
     def __call__(self) -> str:
-        alive = any(_comm(p) == "gcs_server" for p in process_tree(self.pid))
+        # Exited, it stays a zombie until `ray start` reaps it after its own wait: pid_alive says gone.
+        alive = any(_comm(p) == "gcs_server" and pid_alive(p) for p in process_tree(self.pid))
         self.seen |= alive
         if alive or not self.seen:
             return ""

@@ -101,8 +101,10 @@ def test_the_inference_replica_answers_health_and_reflection_and_lists_its_metri
         health = health_pb2_grpc.HealthStub(channel)
         serving = health_pb2.HealthCheckResponse.SERVING
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving
+        # This stack has served no run: its replica holds no weights yet, so its engine does not serve.
         engine = "looprl.inference.v1.InferenceEngineService"
-        assert health.Check(health_pb2.HealthCheckRequest(service=engine), timeout=10).status == serving
+        not_yet = health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health.Check(health_pb2.HealthCheckRequest(service=engine), timeout=10).status == not_yet
         listing = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
         )
@@ -113,7 +115,7 @@ def test_the_inference_replica_answers_health_and_reflection_and_lists_its_metri
         health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert foreign.value.code() == grpc.StatusCode.UNAVAILABLE
     metrics = urllib.request.urlopen(f"http://{replica.metrics_address}/metrics", timeout=10).read().decode()
-    assert f'looprl_replica_ready{{deployment="short",replica="{replica.name}"}} 1.0' in metrics
+    assert f'looprl_replica_ready{{deployment="short",replica="{replica.name}"}} 0.0' in metrics
     router = state.service("inference-router")
     targets = json.loads(
         urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/targets", timeout=10).read()

@@ -7,13 +7,16 @@ Derived wherever the code has a source of truth, so the table cannot drift from 
   of the identities in ACTOR_CALLERS call too, and the inference replicas (on the Ray nodes) are
   called by the callers of InferenceEngineService.
 - Ray: every Ray node reaches every other (GCS, raylets, object transfers, actors calling back
-  their drivers; an actor asking for no CPU may land on any node). The Ray nodes are RAY and every
-  service but the gateway, which joins the cluster as a zero-resource node
-  (deploy/docker/entrypoint.sh).
+  their drivers; an actor asking for no CPU may land on any node). The Ray nodes are RAY and the
+  Ray drivers (registry `ray_driver`), each of which joins the cluster as a zero-resource node
+  (deploy/docker/entrypoint.sh). The network they share also holds the other services but the
+  gateway (the mesh: weight-sync calls the replicas' engine ports there), which hold neither the
+  cluster's address nor its token: Ray's ports refuse them.
 - NATS: every service. Traces: every service exports to the collector, and so do the Ray actors
   (replicas and trainer ranks trace like the service that started them:
   kit.telemetry.exporter_settings).
-- Metrics: Prometheus scrapes every service.
+- Metrics: Prometheus scrapes every service, and the inference replicas on the Ray nodes (found
+  through the router's /targets).
 - The observability stack's own edges, which only compose runs: the collector exports to Tempo,
   Tempo writes span metrics to Prometheus, Prometheus scrapes the collector and Tempo, Grafana
   queries Prometheus and Tempo. test_deploy_compose.py checks them against the observability configs.
@@ -37,7 +40,9 @@ SERVICES: tuple[str, ...] = registry.NAMES
 # (tls.export -> tls.adopt): trainer ranks push weights to weight-sync and pull batches from the packer.
 ACTOR_CALLERS = frozenset({"trainer"})
 ENGINE_API = "looprl.inference.v1.InferenceEngineService"  # served by replicas on the Ray nodes
-# The gateway uses no Ray: it gets no cluster address and does not join (nor hold the token).
+# Only the Ray drivers join the cluster and hold its token; the mesh network they share is every
+# service's but the gateway's, which faces users.
+RAY_DRIVERS = frozenset(s.name for s in registry.SERVICES if s.ray_driver)
 RAY_NODES = frozenset({RAY, *(name for name in SERVICES if name != "gateway")})
 
 
@@ -64,7 +69,7 @@ def declared_edges() -> frozenset[Edge]:
     edges |= {Edge(a, b, "ray") for a in RAY_NODES for b in RAY_NODES if a != b}
     edges |= {Edge(name, NATS, "nats") for name in SERVICES}
     edges |= {Edge(name, COLLECTOR, "otlp") for name in (*SERVICES, RAY)}
-    edges |= {Edge(PROMETHEUS, name, "metrics") for name in (*SERVICES, COLLECTOR, TEMPO)}
+    edges |= {Edge(PROMETHEUS, name, "metrics") for name in (*SERVICES, RAY, COLLECTOR, TEMPO)}
     edges |= {
         Edge(COLLECTOR, TEMPO, "otlp"),
         Edge(TEMPO, PROMETHEUS, "remote-write"),

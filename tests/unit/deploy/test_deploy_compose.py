@@ -106,20 +106,28 @@ def test_service_image_builds_from_an_existing_target_whose_entrypoint_module_ex
     assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{module}/__main__.py does not exist"
 
 
-def test_ray_head_runs_the_looprl_image_and_services_join_its_gcs():
+def test_ray_head_runs_the_looprl_image_and_only_the_ray_drivers_join_its_gcs_and_hold_its_token():
     ray = COMPOSE_SERVICES["ray-head"]
     assert ray["build"]["target"] == "ray", "actors run on Ray nodes: they need the looprl code"
     assert ray["environment"]["RAY_AUTH_MODE"] == "token"
     assert "--port=6379" in ray["command"]
+    for spec in registry.SERVICES:
+        env = COMPOSE_SERVICES[spec.name]["environment"]
+        if spec.ray_driver:
+            # Not a ray:// client address: Ray client has no streaming generators (the router needs them).
+            assert env["LOOPRL_RAY_ADDRESS"] == "ray-head:6379", spec.name
+            assert env["RAY_AUTH_TOKEN"] == ray["environment"]["RAY_AUTH_TOKEN"]
+        else:  # not a Ray node: neither the cluster's address nor its token, even empty
+            assert not {"LOOPRL_RAY_ADDRESS", "RAY_ADDRESS", "RAY_AUTH_TOKEN"} & set(env), spec.name
+
+
+def test_only_the_gateway_holds_the_users_tokens():
     for name in STACK:
         env = COMPOSE_SERVICES[name]["environment"]
-        # Not a ray:// client address: Ray client has no streaming generators (the router needs them).
-        expected = "" if name == "gateway" else "ray-head:6379"
-        assert env["LOOPRL_RAY_ADDRESS"] == expected, name
-        if expected:
-            assert env["RAY_AUTH_TOKEN"] == ray["environment"]["RAY_AUTH_TOKEN"]
-        else:  # not a Ray node: no token
-            assert env["RAY_AUTH_TOKEN"] == ""
+        held = {"LOOPRL_GATEWAY_TOKENS", "LOOPRL_GATEWAY_TENANTS"} & set(env)
+        assert held == (
+            {"LOOPRL_GATEWAY_TOKENS", "LOOPRL_GATEWAY_TENANTS"} if name == "gateway" else set()
+        ), name
 
 
 @pytest.mark.parametrize("name", sorted(COMPOSE_SERVICES))
@@ -403,8 +411,11 @@ def callee_of(network: str) -> str | None:
 def test_a_callee_network_is_joined_only_by_its_callee_and_its_callers(network):
     members = network_members(COMPOSE).get(network, set())
     callee = callee_of(network)
-    if callee is None:  # every Ray node, and the collector every one of them exports traces to
-        allowed = {container(n) for n in network_edges.RAY_NODES} | {network_edges.COLLECTOR}
+    if callee is None:  # every Ray node, the collector they export traces to, Prometheus scraping replicas
+        allowed = {container(n) for n in network_edges.RAY_NODES} | {
+            network_edges.COLLECTOR,
+            network_edges.PROMETHEUS,
+        }
     else:
         allowed = {callee} | {
             container(e.caller) for e in network_edges.EDGES if container(e.callee) == callee
@@ -454,8 +465,14 @@ def configured_edges() -> set[tuple[str, str]]:
     observability = ROOT / "observability"
     scrape = yaml.safe_load((observability / "prometheus/prometheus.yml").read_text())
     for job in scrape["scrape_configs"]:
-        for static in job["static_configs"]:
+        for static in job.get("static_configs", []):
             edges |= {(network_edges.PROMETHEUS, host_of(t)) for t in static["targets"]}
+        # Targets found through HTTP service discovery: the SD endpoint, and what it lists (the router's
+        # /targets lists the replicas, on the Ray nodes).
+        for sd in job.get("http_sd_configs", []):
+            edges.add((network_edges.PROMETHEUS, host_of(sd["url"])))
+            if host_of(sd["url"]) == "inference-router":
+                edges.add((network_edges.PROMETHEUS, container(network_edges.RAY)))
     collector = yaml.safe_load((observability / "otel-collector/config.yaml").read_text())
     edges |= {
         (network_edges.COLLECTOR, host_of(e["endpoint"]))

@@ -186,19 +186,30 @@ def test_only_the_sandbox_runs_as_root():
 
 
 @pytest.mark.parametrize("name", sorted(STACK))
-def test_configuration_comes_from_the_configmap_and_secrets_from_the_secret(name):
+def test_configuration_comes_from_the_configmap_and_each_secret_only_to_the_service_that_needs_it(name):
     c = container(of_kind("Deployment")[name])
     assert {"configMapRef": {"name": "looprl-env"}} in c["envFrom"]
     env = {e["name"]: e for e in c.get("env", [])}
-    if name == "gateway":  # not a Ray node: it must not hold the cluster's token
-        assert "RAY_AUTH_TOKEN" not in env
-    else:
+    driver = registry.service(name).ray_driver
+    # The Ray cluster's address and token: the Ray drivers' alone.
+    assert ({"configMapRef": {"name": "looprl-ray"}} in c["envFrom"]) == driver, name
+    if driver:
         assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "looprl-secrets"
+    else:
+        assert not {"RAY_AUTH_TOKEN", "LOOPRL_RAY_ADDRESS", "RAY_ADDRESS"} & set(env), name
     for e in env.values():
         if "TOKEN" in e["name"]:
             assert "value" not in e, f"{name}: {e['name']} must come from a Secret"
+    # The users' tokens: the gateway's alone.
+    users = {"LOOPRL_GATEWAY_TOKENS", "LOOPRL_GATEWAY_TENANTS"} & set(env)
+    assert users == ({"LOOPRL_GATEWAY_TOKENS", "LOOPRL_GATEWAY_TENANTS"} if name == "gateway" else set())
     if name == "gateway":
         assert env["LOOPRL_GATEWAY_TOKENS"]["valueFrom"]["secretKeyRef"]["key"] == "gateway-tokens"
+
+
+def test_no_configmap_every_service_reads_holds_the_ray_cluster():
+    data = of_kind("ConfigMap")["looprl-env"]["data"]
+    assert not {"LOOPRL_RAY_ADDRESS", "RAY_ADDRESS", "RAY_AUTH_MODE"} & set(data)
 
 
 @pytest.mark.parametrize("name", sorted(STACK))
@@ -234,7 +245,8 @@ def test_configmap_keys_are_settings_some_service_reads():
         fields, prefix = config_fields(module)
         accepted |= {f"LOOPRL_{f}" for f in fields} | {f"LOOPRL_{prefix}_{f}" for f in fields}
     data = of_kind("ConfigMap")["looprl-env"]["data"]
-    assert not set(data) - accepted, f"nobody reads {sorted(set(data) - accepted)}"
+    ray = of_kind("ConfigMap")["looprl-ray"]["data"]
+    assert not (set(data) | set(ray)) - accepted, f"nobody reads {sorted((set(data) | set(ray)) - accepted)}"
     assert data["LOOPRL_GRPC_PORT"] == str(GRPC_PORT) and data["LOOPRL_METRICS_PORT"] == str(METRICS_PORT)
     assert data["LOOPRL_HOST"] == "0.0.0.0"
 
@@ -294,11 +306,10 @@ def test_services_join_the_gcs_of_the_head_service():
         p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]
     }
     assert container_ports["gcs-server"] == int(port)
-    address = of_kind("ConfigMap")["looprl-env"]["data"]["LOOPRL_RAY_ADDRESS"]
+    ray = of_kind("ConfigMap")["looprl-ray"]["data"]
     # KubeRay names the head Service <cluster>-head-svc. A GCS address, not ray://: see entrypoint.sh.
-    assert address == f"{cluster['metadata']['name']}-head-svc:{port}"
-    gateway_env = {e["name"]: e for e in container(of_kind("Deployment")["gateway"])["env"]}
-    assert gateway_env["LOOPRL_RAY_ADDRESS"]["value"] == "", "the gateway uses no Ray and must not join"
+    assert ray["LOOPRL_RAY_ADDRESS"] == f"{cluster['metadata']['name']}-head-svc:{port}"
+    assert ray["RAY_AUTH_MODE"] == "token"
 
 
 # --- overlays, rendered --------------------------------------------------------------------------
@@ -466,7 +477,7 @@ def test_each_grpc_port_admits_exactly_the_callers_the_authorization_table_allow
 def test_the_replicas_engine_ports_admit_their_callers_and_ray_is_closed_to_the_rest():
     ray_pod = {COMPONENT: RAY_PODS, "app.kubernetes.io/part-of": "looprl"}
     engine_callers = network_edges.grpc_callers(RAY_PODS)
-    ray_nodes = network_edges.RAY_NODES  # every service pod but the gateway joins Ray
+    ray_nodes = network_edges.RAY_NODES  # the mesh: every service pod but the gateway's
     allowed = admitted(ray_pod, 6379)
     assert engine_callers <= allowed == ray_nodes
     for name in ray_nodes - {RAY_PODS}:

@@ -153,6 +153,7 @@ def test_the_values_at_the_limits_are_accepted() -> None:
     recipe = parse_recipe(
         "[run]\nsteps = 1000000\nseed = 9223372036854775807\n[batch]\nrollouts_per_step = 65536\n"
         f"group_size = 256\n[sampling]\nmax_tokens = 131072\ntop_k = {INT32_MAX}\n[trainer]\nworld_size = 1024\n"
+        "[[deployments]]\nmax_model_len = 1048576\n"
     )
     assert (recipe.run.steps, recipe.batch.rollouts_per_step, recipe.batch.group_size) == (
         1_000_000,
