@@ -348,8 +348,9 @@ def service_environment(state: StackState, svc: ServiceProcess) -> dict[str, str
         address = f"{state.host}:{state.ray_port}"
         env |= {"RAY_ADDRESS": address, "LOOPRL_RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
         env["RAY_AUTH_TOKEN"] = state.ray_token
-    if svc.name == "gateway":
-        env.setdefault(spec.env_var("tokens"), state.gateway_token)
+    if svc.name == "gateway":  # the stack's token, unless `up` was given others (extra_env)
+        tokens = spec.env_var("tokens")
+        env[tokens] = state.service_env.get(tokens, state.gateway_token)
     env |= {
         "LOOPRL_NATS_URL": state.nats_url_for(svc.name),  # its own NATS user
         "LOOPRL_GRPC_PORT": str(svc.grpc_port),

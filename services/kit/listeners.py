@@ -61,7 +61,8 @@ def listening_sockets(pid: int | str = "self") -> dict[int, tuple[str, int]]:
     return out
 
 
-def _comm(pid: int) -> str:
+def process_name(pid: int) -> str:
+    """/proc/<pid>/comm: the kernel's name of the process (15 characters at most); "" when gone."""
     try:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().strip()
@@ -90,7 +91,7 @@ def listeners(pids: Iterable[int]) -> list[Listener]:
                 continue
             if target.startswith("socket:[") and (inode := int(target[8:-1])) in sockets:
                 address, port = sockets[inode]
-                out.append(Listener(pid, _comm(pid), address, port))
+                out.append(Listener(pid, process_name(pid), address, port))
     return sorted(set(out), key=lambda x: (x.port, x.pid))
 
 

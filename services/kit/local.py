@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.kit.listeners import listens, process_name
+
 # Least privilege: the Ray cluster's address and token go only to Ray's own processes and the services
 # that drive it (registry.ServiceSpec.ray_driver), users' tokens only to the gateway. Every other
 # process the stack starts inherits the caller's environment without them.
@@ -134,8 +136,6 @@ def wait_for_port(
     other process answers on, or a client socket connected to itself, is not `proc` listening), else
     by anyone. StartupFailed when `proc` exits first, or `failed()` names why it cannot start,
     with the end of its `log`; TimeoutError after `timeout`."""
-    from services.kit.listeners import listens
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None:
@@ -340,7 +340,7 @@ class _GcsWatch:
 
     def __call__(self) -> str:
         # Exited, it stays a zombie until `ray start` reaps it after its own wait: pid_alive says gone.
-        alive = any(_comm(p) == "gcs_server" and pid_alive(p) for p in process_tree(self.pid))
+        alive = any(process_name(p) == "gcs_server" and pid_alive(p) for p in process_tree(self.pid))
         self.seen |= alive
         if alive or not self.seen:
             return ""
@@ -352,14 +352,6 @@ class _GcsWatch:
             if re.match(r"^\[[^\]]* [EC] \d+ \d+\]", line)  # Ray's error and fatal log lines
         ]
         return "its GCS (gcs_server) exited" + (f": {said[-1]}" if said else "")
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def ray_temp_dir(port: int) -> Path:

@@ -62,7 +62,8 @@ def test_only_ray_drivers_get_the_ray_token_and_only_the_gateway_the_users_token
         else:
             assert ray == {}, spec.name
         if spec.name == "gateway":
-            assert env["LOOPRL_GATEWAY_TOKENS"] == "callers-LOOPRL_GATEWAY_TOKENS"  # the caller's, as before
+            assert env["LOOPRL_GATEWAY_TOKENS"] == "the-gateway-token"  # the stack's, which `up` prints
+            assert env["LOOPRL_GATEWAY_TENANTS"] == "callers-LOOPRL_GATEWAY_TENANTS"
         else:
             assert users == set(), spec.name
     drivers = {s.name for s in registry.SERVICES if s.ray_driver}
