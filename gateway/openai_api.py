@@ -310,11 +310,12 @@ class OpenAIEndpoints:
         stream = bool_field(body, "stream")
         options = stream_options(body, stream)
         n, best_of = best_of_n(body, self.runs.limits, stream)
-        request = self._request(body, ids, target, request_tenant(http_request), n=best_of)
+        tenant = http_request[TENANT]
+        request = self._request(body, ids, target, tenant, n=best_of)
         names = {"prompt_token_ids": field}
         if body.get("max_completion_tokens") is not None:
             names["max_tokens"] = "max_completion_tokens"
-        log_request(kind, request_tenant(http_request).name, target.label, identifiers(body))
+        log_request(kind, tenant.name, target.label, identifiers(body))
         envelope = {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "created": int(time.time()), "model": target.label}
         choices = [Choice(target.tokenizer, stops) for _ in range(request.sampling.n)]
         if stream:
@@ -403,10 +404,6 @@ class OpenAIEndpoints:
         await send("[DONE]")
         await response.write_eof()
         return response
-
-
-def request_tenant(request: web.Request) -> Tenant:
-    return request[TENANT]
 
 
 async def json_body(request: web.Request) -> dict:

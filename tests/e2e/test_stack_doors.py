@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 import urllib.request
 
 import grpc
@@ -63,13 +64,22 @@ def ss_listeners(pids: set[int]) -> set[tuple[int, str, int]]:
 
 def test_the_listener_table_names_every_port_its_interface_and_guard_as_ss_sees_them(stack) -> None:
     state = stack.state
-    rows = listener_rows(state)
-    ours = {(int(r["process"].rsplit("(", 1)[1][:-1]), r["address"], int(r["port"])) for r in rows}
-    theirs = ss_listeners(set(stack_processes(state)))
-    # ss writes "*" for a socket of every interface whether it is 0.0.0.0 or ::, and an IPv4 address
-    # of a dual-stack socket as it is (::ffff:127.0.0.1).
-    normal = {(pid, "::" if a in ("0.0.0.0", "::") else a, port) for pid, a, port in ours}
-    assert normal == {(pid, "::" if a in ("0.0.0.0", "::") else a, port) for pid, a, port in theirs}
+
+    def compared() -> tuple[list[dict], set, set]:
+        rows = listener_rows(state)
+        ours = {(int(r["process"].rsplit("(", 1)[1][:-1]), r["address"], int(r["port"])) for r in rows}
+        theirs = ss_listeners(set(stack_processes(state)))
+        # ss writes "*" for a socket of every interface whether it is 0.0.0.0 or ::.
+        return rows, *(
+            {(pid, "::" if a in ("0.0.0.0", "::") else a, port) for pid, a, port in x} for x in (ours, theirs)
+        )
+
+    for _ in range(3):  # Ray starts and ends idle workers now and then: a socket may come or go between reads
+        rows, ours, theirs = compared()
+        if ours == theirs:
+            break
+        time.sleep(1.0)
+    assert ours == theirs
     unknown = [r for r in rows if r["guard"] == "unknown"]
     assert unknown == [], "ports the table cannot say what guards"
     served = {r["what"] for r in rows}
