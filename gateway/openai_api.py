@@ -161,6 +161,7 @@ class OpenAIEndpoints:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidArgument(f"model: must be a string, got {model!r}")
+        self._router()  # without one nothing serves any model: UNAVAILABLE, whatever `model` says
         runs, deployments, _ = await self._policies(tenant)
         if model:
             run = next((r for r in runs if r.run_id == model), None)
