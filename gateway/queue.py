@@ -57,7 +57,8 @@ class ClusterState:
 class ClusterResources:
     """The Ray cluster's resources (summed over alive nodes), as the inference-router reports them
     (GetClusterResources: it is a Ray driver; the gateway holds no Ray token and never joins the
-    cluster); cached for CLUSTER_TTL_S. None without a router: then only the tenants' quotas apply. A
+    cluster); cached for CLUSTER_TTL_S. None without a router or with one that does not implement the RPC: then
+    only the tenants' quotas apply. A
     cluster that does not answer is never taken for an unlimited one: the last state read stands in,
     and before any read succeeded `state` raises Unavailable (nothing is admitted)."""
 
@@ -90,6 +91,12 @@ class ClusterResources:
                 self._read_at = time.monotonic()
                 return self._state
             except grpc.aio.AioRpcError as exc:  # down, restarting, or no node registered yet
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    # A router of the user's own (`looprl up --use`) that places nothing on a Ray
+                    # cluster: only the tenants' quotas apply, as without a router.
+                    log.warning("the inference-router does not report cluster resources: %s", exc.details())
+                    self.router = None
+                    return None
                 why = f"{exc.code().name}: {exc.details()}"
                 if attempt + 1 < self.attempts:
                     await asyncio.sleep(1.0)
