@@ -161,7 +161,8 @@ class OpenAIEndpoints:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidArgument(f"model: must be a string, got {model!r}")
-        self._router()  # without one nothing serves any model: UNAVAILABLE, whatever `model` says
+        if not model:
+            self._router()  # without one there is no default to pick: UNAVAILABLE
         runs, deployments, _ = await self._policies(tenant)
         if model:
             run = next((r for r in runs if r.run_id == model), None)

@@ -111,7 +111,7 @@ def test_the_http_create_run_body_with_a_wrong_type_or_an_unknown_field_is_a_400
 
 def model_dir(path: Path) -> Path:
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 64}))
     return path
 
 
