@@ -161,8 +161,10 @@ class OpenAIEndpoints:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidArgument(f"model: must be a string, got {model!r}")
-        if not model:
-            self._router()  # without one there is no default to pick: UNAVAILABLE
+        if not model and self.router is None:
+            # Nothing to pick a default among: the request is checked (the gateway's tokenizer)
+            # and then answered UNAVAILABLE when it would be sent.
+            return Target("", await self._tokenizer(None), "", "")
         runs, deployments, _ = await self._policies(tenant)
         if model:
             run = next((r for r in runs if r.run_id == model), None)
