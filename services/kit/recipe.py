@@ -736,7 +736,9 @@ class Recipe(Section):
             if self.model.lora is not None and d.tensor_parallel != 1:
                 raise field_error(
                     f"deployments[{i}].tensor_parallel",
-                    "a LoRA run's adapters are served at tensor_parallel = 1",
+                    "a LoRA run's adapters are served at tensor_parallel = 1 (weight-sync splits A and B "
+                    "like the base layer, but neither the tensor-parallel CPU engine nor vLLM at "
+                    "tensor_parallel > 1 serves adapters here yet)",
                 )
             if self.model.lora is not None and d.weight_transport == "shared_copy":
                 raise field_error(

@@ -94,6 +94,11 @@ NOT_THE_BASE = "deployments[0].model_path: is not the base model.path names (a L
         ("", 'model_path = "{other}"', NOT_THE_BASE),
         ("", 'model_path = "{base}/missing"', NOT_THE_BASE),
         ("", "tensor_parallel = 2", "deployments[0].tensor_parallel: a LoRA run's adapters are served at"),
+        (
+            "",
+            'backend = "vllm"\ntensor_parallel = 2',
+            "deployments[0].tensor_parallel: a LoRA run's adapters are served at",
+        ),
         ("", 'weight_transport = "shared_copy"', "deployments[0].weight_transport: shared_copy replicas"),
         ("rank = 128", "", "deployments[0].max_lora_rank: 64 is below the run's adapter rank 128"),
     ],
