@@ -14,9 +14,10 @@
    request with its own, batched together) vs two engines, one per run, generating at once. The
    figure is steps/s of the generation phase of a step of both runs (each run's group of requests),
    `lora_shared_over_separate_generation_steps_per_s`.
-3. With `--stack`: two LoRA runs of the 10M model (built by `make math-10m-model` when missing, a
-   few minutes) on the default task (configs/digits_grpo.toml's digit reversal), side by side on
-   a local stack, once sharing one deployment (`shared = true`) and once with a deployment each:
+3. With `--stack`: two LoRA runs (`lora_recipe`) of the 10M model warm-started on the default task
+   (`ensure_digits_model`: models/qwen2-10m-digits, built when missing, several minutes) on that
+   task (configs/digits_grpo.toml's digit reversal), side by side on a local stack, once sharing one
+   deployment (`shared = true`) and once with a deployment each:
    `lora_shared_over_separate_steps_per_s` (the two runs' mean steps/s), with each run's reward
    over its first and last steps printed beside it.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -144,14 +146,50 @@ def generation_steps_per_s(
     return asyncio.run(run())
 
 
-def _stack_recipe(model: str, name: str, seed: int, steps: int, shared: bool) -> str:
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS_MODEL_DIR = ROOT / "models" / "qwen2-10m-digits"
+# SFT steps of the 10M model on the default task before its LoRA runs: enough that it answers in the
+# task's form and is partly right, so groups of 8 differ and GRPO has a signal to sharpen.
+DIGITS_WARM_START_STEPS = 400
+LORA_LR = 1e-3
+
+
+def default_task() -> dict:
+    """configs/digits_grpo.toml's [environment]: the task `make run` trains on."""
     import tomllib
 
-    from bench.loop_harness import ROOT
+    return tomllib.loads((ROOT / "configs" / "digits_grpo.toml").read_text())["environment"]
 
-    environment = tomllib.loads((ROOT / "configs" / "digits_grpo.toml").read_text())["environment"]
-    config = ", ".join(f"{k} = {json.dumps(v)}" for k, v in environment["config"].items())
-    deployment = 'name = "lora"\nshared = true\nmax_loras = 2' if shared else 'name = "lora"'
+
+def ensure_digits_model(directory: Path = DIGITS_MODEL_DIR) -> Path:
+    """The 10M model (bench/peer_trl_realistic.py MODEL: its architecture, its byte-level BPE and chat
+    template) warm-started on the default task with 2,000 of its tasks (a seed no run uses), built in
+    `directory` once (deterministic) and again when what it is built from changed."""
+    import hashlib
+
+    from bench.peer_trl_realistic import ARCHITECTURE
+    from tools.hf_warm_start import environment_examples
+
+    task = default_task()
+    examples = environment_examples(task["name"], task["config"], 2000, 0)
+    digest = hashlib.sha256(
+        json.dumps([ARCHITECTURE, DIGITS_WARM_START_STEPS, examples]).encode()
+    ).hexdigest()
+    stamp = directory / "warm_start.sha256"  # written after the whole model
+    if not (stamp.exists() and stamp.read_text() == digest):
+        from tools.build_hf_model import build
+
+        print(f"building {directory} ({DIGITS_WARM_START_STEPS} SFT steps on the default task)", flush=True)
+        build(directory, sft_steps=DIGITS_WARM_START_STEPS, sft_examples=examples, **ARCHITECTURE)
+        stamp.write_text(digest)
+    return directory
+
+
+def lora_recipe(model: str | Path, name: str, seed: int, steps: int, deployment: str) -> str:
+    """A LoRA run (rank 16, every linear layer) of `model` on the default task; `deployment` is the
+    body of its [[deployments]] table (name, shared, max_loras)."""
+    task = default_task()
+    config = ", ".join(f"{k} = {json.dumps(v)}" for k, v in task["config"].items())
     return f"""
 [run]
 name = "{name}"
@@ -163,23 +201,24 @@ tokenizer = "{model}"
 [model.lora]
 rank = {RANK}
 alpha = {2.0 * RANK}
+target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 [environment]
-name = "{environment["name"]}"
-reward = "{environment["reward"]}"
+name = "{task["name"]}"
+reward = "{task["reward"]}"
 config = {{ {config} }}
 [sampling]
-max_tokens = 8
+max_tokens = 6
 [batch]
 rollouts_per_step = 64
 group_size = 8
 [optimizer]
-lr = 5e-3
+lr = {LORA_LR}
 warmup_steps = 2
 [trainer]
 world_size = 1
 [[deployments]]
 {deployment}
-max_model_len = 256
+max_model_len = 128
 max_batch_size = 64
 """
 
@@ -190,10 +229,15 @@ def two_runs_on_a_stack(model: str, steps: int, shared: bool) -> list:
 
     from bench.loop_harness import local_stack, run_recipe
 
+    deployment = 'name = "lora"\nshared = true\nmax_loras = 2' if shared else 'name = "lora"'
     with local_stack(None) as (stub, metadata), ThreadPoolExecutor(2) as pool:
         futures = [
             pool.submit(
-                run_recipe, stub, metadata, _stack_recipe(model, f"lora-{i}", i, steps, shared), f"lora-{i}"
+                run_recipe,
+                stub,
+                metadata,
+                lora_recipe(model, f"lora-{i}", i, steps, deployment),
+                f"lora-{i}",
             )
             for i in range(2)
         ]
@@ -201,9 +245,7 @@ def two_runs_on_a_stack(model: str, steps: int, shared: bool) -> list:
 
 
 def stack_figures(quick: bool) -> None:
-    from bench.peer_trl_realistic import ensure_model
-
-    model = str(ensure_model())
+    model = str(ensure_digits_model())
     steps = 6 if quick else 30
     rates = {}
     for shared in (True, False):
