@@ -167,20 +167,20 @@ def ensure_digits_model(directory: Path = DIGITS_MODEL_DIR) -> Path:
     `directory` once (deterministic) and again when what it is built from changed."""
     import hashlib
 
-    from bench.peer_trl_realistic import ARCHITECTURE
+    from bench.peer_trl_realistic import architecture
     from tools.hf_warm_start import environment_examples
 
     task = default_task()
     examples = environment_examples(task["name"], task["config"], 2000, 0)
     digest = hashlib.sha256(
-        json.dumps([ARCHITECTURE, DIGITS_WARM_START_STEPS, examples]).encode()
+        json.dumps([architecture(), DIGITS_WARM_START_STEPS, examples]).encode()
     ).hexdigest()
     stamp = directory / "warm_start.sha256"  # written after the whole model
     if not (stamp.exists() and stamp.read_text() == digest):
         from tools.build_hf_model import build
 
         print(f"building {directory} ({DIGITS_WARM_START_STEPS} SFT steps on the default task)", flush=True)
-        build(directory, sft_steps=DIGITS_WARM_START_STEPS, sft_examples=examples, **ARCHITECTURE)
+        build(directory, sft_steps=DIGITS_WARM_START_STEPS, sft_examples=examples, **architecture())
         stamp.write_text(digest)
     return directory
 

@@ -53,17 +53,22 @@ MODEL = ModelConfig.tiny(
     head_dim=32,
     max_position_embeddings=2048,
 )
-# MODEL as tools/build_hf_model.py's `build` takes it.
-ARCHITECTURE = {
-    "vocab_size": MODEL.vocab_size,
-    "hidden_size": MODEL.hidden_size,
-    "intermediate_size": MODEL.intermediate_size,
-    "num_layers": MODEL.num_hidden_layers,
-    "num_heads": MODEL.num_attention_heads,
-    "num_kv_heads": MODEL.num_key_value_heads,
-    "head_dim": MODEL.head_dim,
-    "max_positions": MODEL.max_position_embeddings,
-}
+
+
+def architecture() -> dict[str, int]:
+    """MODEL as tools/build_hf_model.py's `build` takes it."""
+    return {
+        "vocab_size": MODEL.vocab_size,
+        "hidden_size": MODEL.hidden_size,
+        "intermediate_size": MODEL.intermediate_size,
+        "num_layers": MODEL.num_hidden_layers,
+        "num_heads": MODEL.num_attention_heads,
+        "num_kv_heads": MODEL.num_key_value_heads,
+        "head_dim": MODEL.head_dim,
+        "max_positions": MODEL.max_position_embeddings,
+    }
+
+
 WARM_START_STEPS = 300
 # The warm start learns this many of the environment's tasks (as the recipe configures it) with their
 # worked solutions, drawn with a seed no run uses (a run draws its tasks with its own seed).
@@ -90,14 +95,14 @@ def ensure_model() -> Path:
     when what it is built from changed: the architecture, or the warm start (its steps, or the
     examples the recipe's environment config draws)."""
     examples = warm_start_examples()
-    digest = hashlib.sha256(json.dumps([ARCHITECTURE, WARM_START_STEPS, examples]).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps([architecture(), WARM_START_STEPS, examples]).encode()).hexdigest()
     stamp = MODEL_DIR / "warm_start.sha256"  # written after the whole model
     if not (stamp.exists() and stamp.read_text() == digest):
         from tools.build_hf_model import build
 
         taught = f"{WARM_START_STEPS} SFT steps on {len(examples)} given answers"
         print(f"building {MODEL_DIR} ({taught}, a few minutes)", flush=True)
-        build(MODEL_DIR, sft_steps=WARM_START_STEPS, sft_examples=examples, **ARCHITECTURE)
+        build(MODEL_DIR, sft_steps=WARM_START_STEPS, sft_examples=examples, **architecture())
         stamp.write_text(digest)
     return MODEL_DIR
 
