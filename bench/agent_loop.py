@@ -26,9 +26,9 @@ CONCURRENCY = 16
 
 
 def engine_generator():
+    from bench.harness.local_fleet import tiny_checkpoint
     from services.inference_router.engine.base import EngineRequest, SamplingParams
     from services.inference_router.engine.cpu import CPUEngine
-    from tests.support.local_fleet import tiny_checkpoint
 
     config, weights = tiny_checkpoint(seed=0)
     engine = CPUEngine.create(config, weights, version=1, max_batch_size=32, max_model_len=256).start()

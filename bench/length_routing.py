@@ -78,12 +78,12 @@ def _router(states_and_handles, policy_name: str):
 async def main_async(quick: bool) -> None:
     import ray
 
+    from bench.harness.local_fleet import load_weights, tiny_checkpoint
     from services.inference_router.config import RouterConfig
     from services.inference_router.deployments import DeploymentManager
     from services.inference_router.router import Router
     from services.kit.ray_utils import connect_ray
     from services.kit.recipe import DeploymentSpec
-    from tests.support.local_fleet import load_weights, tiny_checkpoint
 
     short_tokens, long_tokens = 4, 48
     n = 80 if quick else 240

@@ -6,7 +6,7 @@ in time. The figure is the veth receiver's sync seconds per version against the 
 receiver's (medians): weight-sync's own measure, from the version's first bytes to the receiver
 serving it, so the trainer-side push (pipelined with the delivery) is inside both.
 
-Needs root (network and mount namespaces, tests/support/netns_hosts.py).
+Needs root (network and mount namespaces, bench/harness/netns_hosts.py).
 
     python -m bench.multihost_delivery [--quick]
 """
@@ -22,13 +22,13 @@ import subprocess
 import grpc
 
 from bench.common import emit, parse_args
+from bench.harness import netns_hosts
+from bench.harness.multihost import PY, start_engine, wait_served, wait_serving
+from bench.harness.synthetic_weights import rank_requests
 from looprl.common.v1 import common_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import hf_params
-from tests.support import netns_hosts
-from tests.support.multihost import PY, start_engine, wait_served, wait_serving
-from tests.support.synthetic_weights import rank_requests
 
 WS_PORT = 50071
 # ~100 MB of float32 weights: large enough that bytes, not per-call overheads, decide.

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from bench.common import emit, median, parse_args, timed
+from bench.harness.synthetic_rollouts import lognormal_lengths, make_sequences
 from services.rollout_packer.groups import Group
 from services.rollout_packer.step import PackerSettings, build_step
-from tests.support.synthetic_rollouts import lognormal_lengths, make_sequences
 
 BENCH = "packing"
 

@@ -70,15 +70,15 @@ def main() -> None:
 
     import grpc
 
-    from looprl.common.v1 import common_pb2
-    from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-    from services.kit.local import RayHead
-    from tests.support.local_fleet import (
+    from bench.harness.local_fleet import (
         RouterProcess,
         load_weights,
         replica_actor,
         tiny_checkpoint,
     )
+    from looprl.common.v1 import common_pb2
+    from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
+    from services.kit.local import RayHead
 
     decisions = decision_times(20_000 if not args.quick else 5_000)
 

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from bench.common import emit, parse_args
+from bench.harness.synthetic_weights import rank_requests
 from bench.weight_sync_naive import NaiveLoader, add_bench_handlers, digests, naive_full, naive_resharded
 from looprl.weightsync.v1 import weightsync_pb2
 from services.modeling.config import ModelConfig
@@ -61,7 +62,6 @@ from services.weight_sync.versions import VersionStore
 from services.weights import proto_dtype
 from services.weights.checksum import hash64
 from services.weights.wire import decode_push_request
-from tests.support.synthetic_weights import rank_requests
 
 BENCH = "weight_sync"
 SINK = "/bench.Sink/Stream"

@@ -16,15 +16,15 @@ import grpc
 import pytest
 import torch
 
+from bench.harness import netns_hosts
+from bench.harness.multihost import PY, start_engine, wait_listening, wait_served, wait_serving
+from bench.harness.synthetic_weights import rank_requests
 from looprl.common.v1 import common_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit import subjects
 from services.kit.local import _bin
 from services.modeling.config import ModelConfig
 from services.modeling.qwen2 import Qwen2ForCausalLM
-from tests.support import netns_hosts
-from tests.support.multihost import PY, start_engine, wait_listening, wait_served, wait_serving
-from tests.support.synthetic_weights import rank_requests
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

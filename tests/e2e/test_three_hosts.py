@@ -1,4 +1,4 @@
-"""The stack across three namespace hosts (tests/support/netns_hosts.py), and the loss of one.
+"""The stack across three namespace hosts (bench/harness/netns_hosts.py), and the loss of one.
 
 Host 1 runs nats-server, the Ray head and every service (`looprl up --host <host 1>`), host 2 and
 host 3 a Ray worker node each. The recipe places by custom Ray resources: deployment "near" on host
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness import netns_hosts
+from bench.harness.multihost import stack_on_hosts
 from looprl.gateway.v1 import gateway_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
-from tests.support import netns_hosts
-from tests.support.multihost import stack_on_hosts
 from tests.support.runs import assert_accounting, with_overrides
 from tests.support.stack import DEFAULT_RECIPE
 

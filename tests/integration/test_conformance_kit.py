@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness.synthetic_rollouts import make_rollout
 from services.kit import rollout_messages, subjects, tls
 from services.kit.bus import Bus
 from services.rollout_packer.step import PackerSettings
 from tests.support.external_parts import serving
 from tests.support.kit_runs import broken_variant_fails, failed_cases
 from tests.support.packer import running_packer
-from tests.support.synthetic_rollouts import make_rollout
 
 pytestmark = pytest.mark.slow
 

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.harness.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from services.environment_sandbox.agent_loop import (
@@ -31,7 +32,6 @@ from services.kit.bus import Bus
 from services.kit.local import NatsServer, free_port
 from services.kit.server import open_channel
 from services.modeling.tokenizer import CharTokenizer
-from tests.support.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
 
 pytestmark = [
     pytest.mark.slow,

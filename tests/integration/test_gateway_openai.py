@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from bench.harness.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
 from tests.support.gateway import TOKEN, GatewayProcess, http, openai_error
-from tests.support.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

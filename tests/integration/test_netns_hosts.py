@@ -1,16 +1,20 @@
-"""The namespace multi-host harness (tests/support/netns_hosts.py) gives hosts that behave like
+"""The namespace multi-host harness (bench/harness/netns_hosts.py) gives hosts that behave like
 separate machines: each reaches the others over the bridge, but not their loopback, /dev/shm or
-/tmp; processes on one host share its /dev/shm and host identity; and nothing survives the block."""
+/tmp; processes on one host share its /dev/shm and host identity; a checkout under /tmp is seen by
+every host as on the machine; and nothing survives the block."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.support import netns_hosts
+from bench.harness import netns_hosts
 
 PY = sys.executable
 SERVE = """
@@ -83,6 +87,31 @@ def test_each_host_has_its_own_shm_and_tmp_shared_by_its_processes(hosts):
     from services.kit.hosts import host_identity
 
     assert len(one) == 1 and two not in one and host_identity() not in one | {two}
+
+
+def test_a_checkout_under_tmp_is_seen_by_every_host_and_the_rest_of_tmp_is_not():
+    netns_hosts.require()
+    checkout = Path(tempfile.mkdtemp(prefix="looprl-checkout-", dir="/tmp"))
+    beside = Path(tempfile.mkdtemp(prefix="looprl-beside-", dir="/tmp"))
+    try:
+        (checkout / ".venv").mkdir()
+        (checkout / ".venv" / "marker").write_text("venv")
+        (beside / "marker").write_text("machine only")
+        with netns_hosts.namespace_hosts(2, controller=False, shared_paths=[str(checkout)]) as hosts:
+            for i in (1, 2):
+                assert hosts.run(i, ["cat", str(checkout / ".venv" / "marker")]) == "venv"
+                assert (
+                    hosts.run(i, ["sh", "-c", f"test -e {beside}/marker && echo seen || echo unseen"]).strip()
+                    == "unseen"
+                )
+            # The same directory as on the machine (as a shared volume), also where a process
+            # starts when the test runs from inside it.
+            hosts.run(1, ["sh", "-c", "echo written > from-host1"], cwd=str(checkout))
+            assert (checkout / "from-host1").read_text().strip() == "written"
+            assert hosts.run(2, ["cat", "from-host1"], cwd=str(checkout)).strip() == "written"
+    finally:
+        shutil.rmtree(checkout, ignore_errors=True)
+        shutil.rmtree(beside, ignore_errors=True)
 
 
 def test_teardown_leaves_no_namespace_interface_or_process():

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from bench.harness.synthetic_rollouts import make_rollout
 from looprl.packer.v1 import packer_pb2
 from services.rollout_packer.groups import Group
 from services.rollout_packer.sequences import sequence_from_rollout
 from services.rollout_packer.servicer import micro_batch_to_proto
 from services.rollout_packer.step import PackerSettings, build_step
 from services.trainer.batch import from_proto, validate_rank_batches
-from tests.support.synthetic_rollouts import make_rollout
 
 
 def test_trainer_accepts_every_rank_of_a_packed_step() -> None:

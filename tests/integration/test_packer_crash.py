@@ -16,12 +16,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.harness.synthetic_rollouts import make_rollout
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import subjects
 from services.kit.bus import Bus
 from services.kit.local import free_port, stop_process_group
 from services.kit.recipe import RunRecord
-from tests.support.synthetic_rollouts import make_rollout
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2

@@ -11,13 +11,13 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from bench.harness.synthetic_rollouts import make_rollout
 from looprl.common.v1 import common_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import rollout_messages, subjects
 from services.kit.bus import Bus
 from services.rollout_packer.step import PackerSettings
 from tests.support.packer import running_packer
-from tests.support.synthetic_rollouts import make_rollout
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import grpc
 import pytest
 import torch
 
+from bench.harness.synthetic_weights import push_version, random_state
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -32,7 +33,6 @@ from services.modeling.config import ModelConfig
 from services.weight_sync import canary
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import attach_state, make
-from tests.support.synthetic_weights import push_version, random_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

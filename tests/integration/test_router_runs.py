@@ -13,13 +13,13 @@ import time
 
 import pytest
 
+from bench.harness.local_fleet import tiny_checkpoint
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from looprl.inference.v1 import inference_pb2
 from services.kit import subjects
 from services.kit.local import NatsServer, free_port
 from services.kit.recipe import RunRecord
-from tests.support.local_fleet import tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -172,9 +172,9 @@ def test_the_router_process_serves_the_runs_it_finds_on_its_bus(ray_head, own_na
     """The service's own wiring: no static deployment, Ray joined only when a run needs replicas."""
     import grpc
 
+    from bench.harness.local_fleet import RouterProcess
     from looprl.inference.v1 import inference_pb2_grpc
     from services.kit.bus import Bus
-    from tests.support.local_fleet import RouterProcess
 
     router = RouterProcess([], tmp_path / "router.log", nats_url=own_nats, status_interval_s=0.2)
 

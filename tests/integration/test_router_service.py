@@ -13,9 +13,9 @@ import time
 import grpc
 import pytest
 
+from bench.harness.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from tests.support.local_fleet import RouterProcess, load_weights, replica_actor, tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

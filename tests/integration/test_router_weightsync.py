@@ -11,11 +11,11 @@ import time
 import grpc
 import pytest
 
+from bench.harness.local_fleet import RouterProcess, replica_actor, tiny_checkpoint
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit.local import free_port
-from tests.support.local_fleet import RouterProcess, replica_actor, tiny_checkpoint
 from tests.support.weight_sync_process import weight_sync_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -28,7 +28,7 @@ def weight_sync(tmp_path_factory):
 
 
 def _push(stub, state, config, version):
-    from tests.support.synthetic_weights import rank_requests
+    from bench.harness.synthetic_weights import rank_requests
 
     config_json = json.dumps(config.to_hf_dict())
     for rank in range(2):

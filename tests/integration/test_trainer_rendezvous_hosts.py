@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.support import netns_hosts
+from bench.harness import netns_hosts
 
 RANK = """
 import sys, torch, torch.distributed as dist

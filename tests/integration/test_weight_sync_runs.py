@@ -16,13 +16,13 @@ import grpc
 import pytest
 import torch
 
+from bench.harness.synthetic_weights import random_state, rank_requests
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit.local import free_port
 from services.kit.recipe import run_deployment_name
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.weights import WeightOnlyEngine, WeightStager, serve_engine
-from tests.support.synthetic_weights import random_state, rank_requests
 from tests.support.weight_sync_process import start_weight_sync, stop_weight_sync, wait_for, wait_ready
 
 CONFIG = ModelConfig.tiny()

@@ -13,6 +13,7 @@ import grpc
 import torch
 from prometheus_client import REGISTRY
 
+from bench.harness.synthetic_weights import push_version, random_state
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.inference_router.engine.cpu import CPUEngine
@@ -24,7 +25,6 @@ from services.weight_sync import canary
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import make
 from services.weights import WeightReceiver, WeightServicer, WeightStager, add_engine_servicer
-from tests.support.synthetic_weights import push_version, random_state
 
 CONFIG = ModelConfig.tiny()
 LAYOUT = Layout(1, "hf")

@@ -17,6 +17,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from bench.harness.synthetic_weights import rank_requests
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
@@ -29,7 +30,6 @@ from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import make
 from services.weight_sync.transport.arena import ProbeSegment
 from services.weights import WeightOnlyEngine, WeightStager, serve_engine
-from tests.support.synthetic_weights import rank_requests
 
 CONFIG = ModelConfig.tiny()
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -149,7 +149,7 @@ async def test_a_receiver_claiming_this_host_without_its_shared_memory_fails_the
     own_shm.mkdir()
     address_file = tmp_path / "address"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.engine_process", "--address-file", str(address_file)],
+        [sys.executable, "-m", "bench.harness.engine_process", "--address-file", str(address_file)],
         cwd=REPO_ROOT,
         env={**os.environ, "LOOPRL_SHM_DIR": str(own_shm)},
         stdout=subprocess.PIPE,

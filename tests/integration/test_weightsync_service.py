@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from bench.harness.synthetic_weights import rank_requests
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
@@ -26,7 +27,6 @@ from services.modeling.tp_local import LocalTPGroup
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import make
 from services.weights import WeightOnlyEngine, WeightStager, serve_engine
-from tests.support.synthetic_weights import rank_requests
 
 CONFIG = ModelConfig.tiny()
 F32 = common_pb2.DType.D_TYPE_FLOAT32

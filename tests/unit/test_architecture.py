@@ -1,13 +1,15 @@
 """The architecture, pinned: which packages may import which, and no import cycles.
 
-An ast walk over every .py file in services/, gateway/, bench/, sim/ and conformance/ collects
+An ast walk over every .py file in services/, gateway/, bench/, sim/, conformance/ and tests/ collects
 every import, also the ones inside functions and `if TYPE_CHECKING:` blocks (a lazy import is still
 a dependency and still closes a cycle). Rules:
 
 - a service (gateway, or a package under services/ that is not shared) imports no other service;
 - a shared package (services.kit, services.modeling, ..., the conformance kit) imports no service;
-- nothing but a harness imports a harness (bench: benchmarks; sim: the simulator), so no service
-  depends on one;
+- nothing but a harness imports bench or sim (bench: benchmarks; sim: the simulator; tests import
+  both), so no service depends on one;
+- nothing but tests imports tests (tests/ is not installed: a bench that imported it would run only
+  from a checkout);
 - no two modules reach each other through imports (a cycle is reported module by module).
 """
 
@@ -20,14 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ("services", "gateway", "bench", "sim", "conformance")
+SCANNED = ("services", "gateway", "bench", "sim", "conformance", "tests")
 # Packages under services/ that every service may use; every other package there is a service.
 # A new shared package is added here, or its users fail. The conformance kit is a client of the
 # contracts any service or tool may run, so it too imports no service.
 SHARED = frozenset(
     {"services.kit", "services.modeling", "services.weights", "services.decisions", "conformance"}
 )
-HARNESSES = frozenset({"bench", "sim"})
+# Harnesses, not parts of the product, and who may import each.
+HARNESSES = {
+    "bench": frozenset({"bench", "sim", "tests"}),
+    "sim": frozenset({"bench", "sim", "tests"}),
+    "tests": frozenset({"tests"}),
+}
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,8 @@ def find_imports(root: Path, tops: tuple[str, ...] = SCANNED) -> list[Import]:
 
 
 def owner(module: str) -> str:
-    """The package a module belongs to for the layering rules: services.<name>, gateway or bench."""
+    """The package a module belongs to for the layering rules: services.<name>, gateway, bench or
+    tests."""
     parts = module.split(".")
     return ".".join(parts[:2]) if parts[0] == "services" and len(parts) > 1 else parts[0]
 
@@ -103,9 +111,10 @@ def layering_violations(imports: list[Import], shared: frozenset[str] = SHARED) 
         if source == target or target in shared or target == "services":
             continue
         if target in HARNESSES:
-            if source not in HARNESSES:
+            if source not in HARNESSES[target]:
+                allowed = ", ".join(sorted(HARNESSES[target]))
                 problems.append(
-                    f"{imp.where}: {imp.source} imports {imp.target} (only harnesses import {target})"
+                    f"{imp.where}: {imp.source} imports {imp.target} (only {allowed} import {target})"
                 )
         elif source in shared or source == "services":
             problems.append(f"{imp.where}: shared {source} imports service {target} ({imp.target})")
@@ -199,7 +208,14 @@ def _describe(cycle: list[str], imports: list[Import]) -> str:
 def test_the_walk_sees_every_package_and_the_lazy_imports():
     imports = find_imports(ROOT)
     sources = {owner(i.source) for i in imports}
-    assert {"gateway", "bench", "services.kit", "services.trainer", "services.inference_router"} <= sources
+    assert {
+        "gateway",
+        "bench",
+        "tests",
+        "services.kit",
+        "services.trainer",
+        "services.inference_router",
+    } <= sources
     # A function-level import the walk must see (the trainer worker loads checkpoints lazily).
     assert any(
         i.source == "services.trainer.worker" and i.target == "services.trainer.checkpoint" for i in imports
@@ -273,12 +289,36 @@ def test_shared_packages_and_gateway_may_not_import_services_but_bench_may(tmp_p
         "(services.trainer.worker)",
         "services/modeling/__init__.py:3: shared services.modeling imports service services.reward "
         "(services.reward.verifiers)",
-        "services/trainer/worker.py:1: services.trainer.worker imports bench.common (only harnesses import bench)",
+        "services/trainer/worker.py:1: services.trainer.worker imports bench.common "
+        "(only bench, sim, tests import bench)",
     ]
     # Declaring a package shared makes it importable by everyone (and holds it to the shared rule).
     assert not any(
         "services.reward" in p for p in layering_violations(find_imports(root), SHARED | {"services.reward"})
     )
+
+
+def test_bench_may_not_import_tests_and_tests_may_import_bench(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "bench/__init__.py": "",
+            "bench/harness/__init__.py": "",
+            "bench/harness/hosts.py": "",
+            "bench/packing.py": "from bench.harness import hosts\nfrom tests.support.rollouts import make\n",
+            "tests/__init__.py": "",
+            "tests/support/__init__.py": "",
+            "tests/support/rollouts.py": "",
+            "tests/unit/test_packing.py": "from bench.harness.hosts import x\nfrom tests.support import rollouts\n",
+            "services/__init__.py": "",
+            "services/kit/__init__.py": "",
+            "services/kit/bus.py": "def f():\n    from tests.support import rollouts\n",
+        },
+    )
+    assert layering_violations(find_imports(root)) == [
+        "bench/packing.py:2: bench.packing imports tests.support.rollouts (only tests import tests)",
+        "services/kit/bus.py:2: services.kit.bus imports tests.support.rollouts (only tests import tests)",
+    ]
 
 
 def test_a_cycle_through_a_lazy_import_is_reported_module_by_module(tmp_path):

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bench.harness.synthetic_weights import random_state
 from services.inference_router.engine.base import EngineRequest, SamplingParams
 from services.inference_router.engine.vllm_engine import SwapError, VLLMEngine, init_info_of
 from services.inference_router.engine.vllm_handoff import manifest_of
@@ -27,7 +28,6 @@ from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
 from services.weights.errors import ChecksumMismatch, InvalidWeights
 from tests.support import vllm_side
-from tests.support.synthetic_weights import random_state
 from tests.support.vllm_double import RecordingAsyncLLM, async_llm_signatures, normalized
 
 CONFIG = ModelConfig.tiny(vocab_size=96, max_position_embeddings=128)

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bench.harness.synthetic_weights import random_state
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
 from services.inference_router.config import RouterConfig
@@ -33,7 +34,6 @@ from services.modeling.layouts import Layout, shard_state_dict
 from services.weight_sync.plan import build_deployment_plan
 from services.weight_sync.planned_bucket import PlannedBucket
 from services.weights.wire import encode_stage_request
-from tests.support.synthetic_weights import random_state
 from tests.support.vllm_double import RecordingAsyncLLM
 from tests.unit.weight_sync.test_weightsync_plan import push_all
 

@@ -3,10 +3,10 @@ server's max_payload, decoded back in order, with ids that a re-run task reprodu
 
 from __future__ import annotations
 
+from bench.harness.synthetic_rollouts import make_rollout
 from looprl.common.v1 import common_pb2
 from services.kit import rollout_messages
 from services.kit.subjects import EVENT_HEADER
-from tests.support.synthetic_rollouts import make_rollout
 
 NATS_DEFAULT_MAX_PAYLOAD = 1024 * 1024
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.harness.synthetic_rollouts import make_rollout
 from services.rollout_packer.advantages import group_advantages, has_signal, per_token_advantages
 from services.rollout_packer.groups import GroupCollector
 from services.rollout_packer.sequences import DropReason, sequence_from_rollout
-from tests.support.synthetic_rollouts import make_rollout
 
 
 def test_grpo_is_mean_centred_and_std_normalised() -> None:

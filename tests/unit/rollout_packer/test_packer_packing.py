@@ -7,11 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.harness.synthetic_rollouts import lognormal_lengths, make_rollout
 from services.rollout_packer.balance import plan_packing
 from services.rollout_packer.groups import Group
 from services.rollout_packer.sequences import NO_VERSION, sequence_from_rollout
 from services.rollout_packer.step import PackerSettings, build_step
-from tests.support.synthetic_rollouts import lognormal_lengths, make_rollout
 
 
 @st.composite

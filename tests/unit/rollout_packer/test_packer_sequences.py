@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
+from bench.harness.synthetic_rollouts import make_rollout
 from looprl.common.v1 import common_pb2
 from services.rollout_packer.sequences import NO_VERSION, DropReason, Rejected, sequence_from_rollout
-from tests.support.synthetic_rollouts import make_rollout
 
 
 def test_multi_turn_rollout_is_aligned_token_by_token() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.harness.synthetic_rollouts import make_rollout
 from services.environment_sandbox.agent_loop import rollout_id_for
 from services.rollout_packer.groups import Group
 from services.rollout_packer.sequences import DropReason, sequence_from_rollout
 from services.rollout_packer.step import PackerSettings, build_step, filter_stale, screen_group
-from tests.support.synthetic_rollouts import make_rollout
 
 
 def _group(gid: str, rewards: list[float], versions: list[int] | None = None) -> Group:

@@ -93,9 +93,9 @@ def test_decoded_corruption_and_malformed_bytes_are_rejected():
 
 
 def test_decoded_push_request_leaves_chunks_in_place_and_matches_protobuf():
+    from bench.harness.synthetic_weights import rank_requests
     from services.kit.errors import InvalidArgument
     from services.weights.wire import decode_push_request
-    from tests.support.synthetic_weights import rank_requests
 
     g = torch.Generator().manual_seed(1)
     state = {"a.weight": torch.randn(6, 4, generator=g), "b.bias": torch.randn(3, generator=g)}

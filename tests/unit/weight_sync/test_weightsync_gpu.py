@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.harness.synthetic_weights import random_state, rank_requests
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params, shard_state_dict
 from services.weight_sync.plan import build_deployment_plan
@@ -13,7 +14,6 @@ from services.weight_sync.transport import Delivery, Endpoint
 from services.weight_sync.transport.gpu import CudaIpcTransport
 from services.weight_sync.versions import VersionStore
 from services.weights import WeightOnlyEngine, WeightStager, serve_engine
-from tests.support.synthetic_weights import random_state, rank_requests
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.harness.synthetic_weights import random_state, rank_requests
 from looprl.inference.v1 import inference_pb2
 from services.kit.errors import InvalidArgument
 from services.modeling.config import ModelConfig
@@ -15,7 +16,6 @@ from services.weight_sync.planned_bucket import PlannedBucket
 from services.weight_sync.versions import VersionStore
 from services.weights import WeightStager
 from services.weights.wire import encode_stage_request
-from tests.support.synthetic_weights import random_state, rank_requests
 
 
 def push_all(state, world, version=0, max_message_bytes=4096):

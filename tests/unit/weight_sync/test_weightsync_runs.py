@@ -12,6 +12,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
+from bench.harness.synthetic_weights import random_state, rank_requests
 from looprl.weightsync.v1 import weightsync_pb2 as ws
 from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.modeling.config import ModelConfig
@@ -23,7 +24,6 @@ from services.weight_sync.servicer import WeightSyncServicer
 from services.weight_sync.targets import target_from_request
 from services.weight_sync.versions import VersionBuffer, VersionStore
 from services.weights import WeightOnlyEngine, WeightStager, serve_engine
-from tests.support.synthetic_weights import random_state, rank_requests
 
 CONFIG = ModelConfig.tiny()
 STATE = random_state(CONFIG)

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from bench.harness.synthetic_weights import random_state, rank_requests
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params, shard_state_dict
 from services.weight_sync.plan import build_deployment_plan
@@ -17,7 +18,6 @@ from services.weight_sync.transport import Delivery, Endpoint, GrpcTransport, Sh
 from services.weight_sync.versions import VersionStore
 from services.weights import WeightOnlyEngine, WeightStager, serve_engine
 from services.weights.shm import PREFIX, shm_dir
-from tests.support.synthetic_weights import random_state, rank_requests
 
 CONFIG = ModelConfig.tiny()
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from bench.harness.synthetic_weights import random_state, rank_requests
 from services.kit.errors import FailedPrecondition
 from services.modeling.config import ModelConfig
 from services.weight_sync.versions import VersionStore
-from tests.support.synthetic_weights import random_state, rank_requests
 
 STATE = random_state(ModelConfig.tiny())
 

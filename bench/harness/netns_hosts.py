@@ -2,9 +2,12 @@
 
 Each test host is a network namespace with its own loopback and a veth (eth0) into a bridge on a
 private /24, plus a mount namespace with a private /dev/shm and /tmp (tmpfs), so neither a port on
-127.0.0.1 nor a shared-memory segment nor a temp file leaks from one host to another. The bridge
-lives in a namespace of its own; with `controller=True` the test process gets an address on the
-subnet too (a veth from the root namespace), so it can call services on any host.
+127.0.0.1 nor a shared-memory segment nor a temp file leaks from one host to another. What every
+host must see as on the machine (the checkout, its virtual environment and Python: `shared_paths`)
+stays visible where it lies under /tmp too: it is bind-mounted from the machine's /tmp into the
+host's private one. The bridge lives in a namespace of its own; with `controller=True` the test
+process gets an address on the subnet too (a veth from the root namespace), so it can call services
+on any host.
 
 A host's mount namespace is held by one `sleep` process; everything run on the host enters that
 process's mount and network namespaces (`nsenter`), so all processes of one host share its /dev/shm,
@@ -12,8 +15,8 @@ as on a machine. `NamespaceHosts.close()` (the context manager's exit) stops eve
 on the hosts, then whatever else still lives in their network namespaces, deletes the namespaces
 and the controller's interface, and `leftovers()` says what, if anything, survived.
 
-Needs root, iproute2 (`ip netns`), `unshare` and `nsenter`; `unavailable()` names what is missing
-so tests can skip with that reason.
+Needs root, iproute2 (`ip netns`), `unshare`, `nsenter` and `mount`; `unavailable()` names what is
+missing so tests can skip with that reason.
 """
 
 from __future__ import annotations
@@ -24,20 +27,52 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-
-import pytest
+from pathlib import Path
 
 # Private /24s are drawn from here; one that the root namespace already routes is skipped.
 _POOL = ipaddress.ip_network("10.200.0.0/13")
-_HOLDER = (
-    "mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm && mount -t tmpfs -o mode=1777 tmpfs /tmp"
-    " && echo ready && exec sleep 2147483647"
-)
+# The holder of a host's mount namespace. It keeps the machine's /tmp open as fd 3 before covering
+# it with a private tmpfs, then bind-mounts each shared path ("$@", relative to /tmp) from that fd
+# into the private /tmp; --no-canonicalize keeps mount(8) from resolving the fd's path back to
+# the new, empty /tmp.
+_HOLDER = """
+exec 3</tmp
+mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm
+mount -t tmpfs -o mode=1777 tmpfs /tmp
+for path in "$@"; do
+    mkdir -p "/tmp/$path" && mount --no-canonicalize --rbind "/proc/$$/fd/3/$path" "/tmp/$path" || exit 1
+done
+exec 3<&-
+echo ready
+exec sleep 2147483647
+"""
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def default_shared_paths() -> tuple[str, ...]:
+    """What every host sees as on the machine: the checkout, the virtual environment and the Python
+    it was made from (only paths under /tmp need anything done)."""
+    return (str(REPO_ROOT), sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)))
+
+
+def under_tmp(paths: Sequence[str]) -> list[str]:
+    """The paths among `paths` that lie under /tmp, relative to it, without those inside another."""
+    tmp = Path("/tmp").resolve()
+    found = []
+    for path in paths:
+        resolved = Path(path).resolve()
+        if resolved == tmp:
+            raise ValueError(f"{path} is /tmp itself: namespace hosts cannot have a private /tmp")
+        if resolved.is_relative_to(tmp):
+            found.append(resolved.relative_to(tmp))
+    kept = [p for p in found if not any(p != q and p.is_relative_to(q) for q in found)]
+    return sorted({str(p) for p in kept})
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -83,6 +118,8 @@ def unavailable() -> str | None:
 
 def require() -> None:
     """Skip the calling test, with the reason, where namespace hosts cannot be made."""
+    import pytest  # only tests call this; benches run without pytest installed
+
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
@@ -115,6 +152,7 @@ class TestHost:
 class NamespaceHosts:
     count: int
     controller: bool = True
+    shared_paths: Sequence[str] = field(default_factory=default_shared_paths)
     tag: str = field(default_factory=lambda: f"lr{uuid.uuid4().hex[:6]}")
     hosts: list[TestHost] = field(default_factory=list)
     subnet: ipaddress.IPv4Network | None = None
@@ -166,6 +204,7 @@ class NamespaceHosts:
                 self.controller_link,
             )
             _ip("link", "set", self.controller_link, "up")
+        shared = under_tmp(self.shared_paths)
         for host in self.hosts:
             host.holder = subprocess.Popen(
                 [
@@ -180,6 +219,8 @@ class NamespaceHosts:
                     "sh",
                     "-c",
                     _HOLDER,
+                    "holder",
+                    *shared,
                 ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -225,10 +266,13 @@ class NamespaceHosts:
         self._pids.add(proc.pid)
         return proc
 
-    def run(self, host: int | TestHost, argv: Sequence[str], timeout: float = 60.0) -> str:
-        """Run `argv` on a host to completion; its stdout (raises with its stderr on failure)."""
+    def run(
+        self, host: int | TestHost, argv: Sequence[str], timeout: float = 60.0, cwd: str | None = None
+    ) -> str:
+        """Run `argv` on a host to completion (in `cwd`, by default the caller's); its stdout
+        (raises with its stderr on failure)."""
         target = host if isinstance(host, TestHost) else self[host]
-        done = subprocess.run(target.command(argv), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(target.command(argv, cwd), capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             raise RuntimeError(f"{target.name}: {list(argv)} exited {done.returncode}: {done.stderr}")
         return done.stdout
@@ -318,9 +362,14 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 @contextmanager
-def namespace_hosts(count: int, *, controller: bool = True) -> Iterator[NamespaceHosts]:
-    """`count` namespace hosts (hosts[1] .. hosts[count]); everything is torn down on exit."""
-    hosts = NamespaceHosts(count, controller)
+def namespace_hosts(
+    count: int, *, controller: bool = True, shared_paths: Sequence[str] | None = None
+) -> Iterator[NamespaceHosts]:
+    """`count` namespace hosts (hosts[1] .. hosts[count]); everything is torn down on exit.
+    `shared_paths` replace the default ones (default_shared_paths) the hosts see as on the machine."""
+    hosts = NamespaceHosts(
+        count, controller, shared_paths if shared_paths is not None else default_shared_paths()
+    )
     try:
         yield hosts.start()
     finally:

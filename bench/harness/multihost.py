@@ -1,5 +1,5 @@
-"""Processes on namespace hosts (tests/support/netns_hosts.py) for multi-host tests and benches:
-waiting until one listens or serves, a weight-only engine (tests/support/engine_process.py)
+"""Processes on namespace hosts (bench/harness/netns_hosts.py) for multi-host tests and benches:
+waiting until one listens or serves, a weight-only engine (bench/harness/engine_process.py)
 started on a chosen host, and a whole `looprl up` stack on host 1 with Ray workers joined from the
 other hosts (`stack_on_hosts`)."""
 
@@ -66,7 +66,7 @@ def wait_serving(address: str, port: int, proc: subprocess.Popen, what: str, tim
 def start_engine(hosts, host: int, config: ModelConfig | None = None) -> tuple[subprocess.Popen, str, str]:
     """A weight-only engine on `host` (of `config`, the tiny model by default): (process, address,
     host identity)."""
-    argv = [PY, "-m", "tests.support.engine_process", "--host", hosts[host].address]
+    argv = [PY, "-m", "bench.harness.engine_process", "--host", hosts[host].address]
     if config is not None:
         argv += ["--config-json", json.dumps(config.to_dict())]
     proc = hosts.popen(

@@ -2,7 +2,7 @@
 for tests where the receiver must live somewhere else than weight-sync: another shared-memory
 directory, another namespace host.
 
-`python -m tests.support.engine_process --host ADDR [--address-file PATH] [--config-json JSON]`
+`python -m bench.harness.engine_process --host ADDR [--address-file PATH] [--config-json JSON]`
 (a ModelConfig as a dict; the tiny model by default) serves until SIGTERM
 and writes "ADDRESS host:port" to stdout (and to the file) once it listens; on SIGTERM it prints
 "WEIGHTS version bytes_received shm_bytes_received" so a test can read what arrived and how.

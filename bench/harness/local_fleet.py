@@ -15,7 +15,7 @@ from typing import Any
 from services.kit import tls
 from services.kit.local import free_port, stop_process_group
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
+REPO_ROOT = Path(__file__).resolve().parents[2]  # bench/harness/ -> the repository
 
 
 def tiny_checkpoint(seed: int = 0) -> tuple[Any, dict[str, Any]]:
