@@ -2,10 +2,10 @@
 batching and replicas scaled between min and max by queue depth.
 
 Scoring requests arrive one text at a time (one per rollout) in bursts: the pool queues them,
-cuts batches of up to `max_batch` texts (waiting at most `max_wait_s` for a batch to fill), sends
-each batch to the replica with the fewest batches in flight, and every `scale_interval_s` asks the
-Autoscaler how many replicas the current queue needs. Model loading happens inside the replica
-actor, so the service process never imports torch for this.
+cuts batches of up to `max_batch` texts (waiting at most `max_wait_s` for a batch to fill) and sends
+each batch to the replica with the fewest batches in flight; the replicas are an AutoscaledPool
+(services/kit/autoscaled_pool.py) scaled on the texts waiting and being scored. Model loading
+happens inside the replica actor, so the service process never imports torch for this.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.kit.autoscale import Autoscaler
+from services.kit.autoscaled_pool import AutoscaledPool
 from services.reward.config import TINY, ModelPoolConfig
 from services.reward.verifiers import ScoreInput, Verifier
 
@@ -109,18 +110,22 @@ class RewardModelPool:
 
     def __init__(self, config: ModelPoolConfig, make_replica: Callable[[], Any] | None = None) -> None:
         self.config = config
-        self.autoscaler = Autoscaler(
+        autoscaler = Autoscaler(
             config.min_replicas,
             config.max_replicas,
             config.target_queue_per_replica,
             config.scale_down_after_s,
         )
-        self._make = make_replica or self._ray_replica
+        self.pool: AutoscaledPool[Any] = AutoscaledPool(
+            autoscaler,
+            make_replica or self._ray_replica,
+            _kill,
+            lambda: self.queue_depth,
+            config.scale_interval_s,
+        )
         self._queue: asyncio.Queue[tuple[str, asyncio.Future]] = asyncio.Queue()
-        self._replicas: list[list[Any]] = []  # [handle, batches in flight]
         self._inflight_items = 0
         self._tasks: list[asyncio.Task] = []
-        self.peak_replicas = 0
         self.batches_sent = 0
 
     def _ray_replica(self) -> Any:
@@ -128,14 +133,17 @@ class RewardModelPool:
         return cls.remote(self.config.model, self.config.transform)
 
     async def start(self) -> RewardModelPool:
-        for _ in range(self.config.min_replicas):
-            self._add_replica()
-        self._tasks = [asyncio.ensure_future(self._batch_loop()), asyncio.ensure_future(self._scale_loop())]
+        self.pool.start()
+        self._tasks = [asyncio.ensure_future(self._batch_loop())]
         return self
 
     @property
     def replicas(self) -> int:
-        return len(self._replicas)
+        return len(self.pool)
+
+    @property
+    def peak_replicas(self) -> int:
+        return self.pool.peak
 
     @property
     def queue_depth(self) -> int:
@@ -158,18 +166,7 @@ class RewardModelPool:
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
-        while self._replicas:
-            self._kill(self._replicas.pop()[0])
-
-    def _add_replica(self) -> None:
-        self._replicas.append([self._make(), 0])
-        self.peak_replicas = max(self.peak_replicas, len(self._replicas))
-
-    def _kill(self, handle: Any) -> None:
-        with contextlib.suppress(Exception):
-            import ray
-
-            ray.kill(handle)
+        await self.pool.close()
 
     async def _batch_loop(self) -> None:
         inflight: set[asyncio.Task] = set()
@@ -186,21 +183,20 @@ class RewardModelPool:
             task.add_done_callback(inflight.discard)
 
     async def _dispatch(self, batch: list[tuple[str, asyncio.Future]]) -> None:
-        while not self._replicas:
+        while (replica := self.pool.least_loaded()) is None:
             await asyncio.sleep(0.01)
-        slot = min(self._replicas, key=lambda r: r[1])
-        slot[1] += 1
+        replica.in_flight += 1
         self._inflight_items += len(batch)
         self.batches_sent += 1
         try:
-            scores = await self._score(slot[0], [text for text, _ in batch])
+            scores = await self._score(replica.handle, [text for text, _ in batch])
         except Exception as exc:  # the verifier wrapper reports it as a failed component
             for _, fut in batch:
                 if not fut.done():
                     fut.set_exception(RuntimeError(f"reward model replica failed: {exc}"))
             return
         finally:
-            slot[1] -= 1
+            replica.in_flight -= 1
             self._inflight_items -= len(batch)
         for (_, fut), value in zip(batch, scores, strict=True):
             if not fut.done():
@@ -219,15 +215,9 @@ class RewardModelPool:
                     raise
                 await asyncio.sleep(0.2)
 
-    async def _scale_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.scale_interval_s)
-            want = self.autoscaler.desired(len(self._replicas), self.queue_depth)
-            while len(self._replicas) < want:
-                self._add_replica()
-            if len(self._replicas) > want:
-                # Retire an idle replica only; a busy one finishes its batch first.
-                idle = [r for r in self._replicas if r[1] == 0]
-                if idle:
-                    self._replicas.remove(idle[-1])
-                    self._kill(idle[-1][0])
+
+async def _kill(handle: Any) -> None:
+    with contextlib.suppress(Exception):
+        import ray
+
+        ray.kill(handle)

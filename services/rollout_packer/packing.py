@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.kit import micro_batch
 from services.rollout_packer.sequences import NO_VERSION, TokenSequence
 
 
@@ -46,16 +47,7 @@ class PackedMicroBatch:
         """The per-token arrays as torch tensors (sharing memory with the numpy arrays)."""
         import torch
 
-        names = (
-            "input_ids",
-            "position_ids",
-            "cu_seqlens",
-            "loss_mask",
-            "advantages",
-            "behaviour_logprobs",
-            "versions",
-        )
-        return {name: torch.from_numpy(getattr(self, name)) for name in names}
+        return {name: torch.from_numpy(getattr(self, name)) for name in micro_batch.TENSORS}
 
 
 def build_micro_batch(

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
+from services.kit import micro_batch
 from services.kit.array_codec import array_to_proto
 from services.kit.errors import InvalidArgument, NotFound
 from services.rollout_packer.packing import PackedMicroBatch
@@ -20,13 +21,7 @@ def micro_batch_to_proto(mb: PackedMicroBatch) -> packer_pb2.MicroBatch:
         rank=mb.rank,
         index=mb.index,
         count=mb.count,
-        input_ids=array_to_proto(mb.input_ids),
-        position_ids=array_to_proto(mb.position_ids),
-        cu_seqlens=array_to_proto(mb.cu_seqlens),
-        loss_mask=array_to_proto(mb.loss_mask),
-        advantages=array_to_proto(mb.advantages),
-        behaviour_logprobs=array_to_proto(mb.behaviour_logprobs),
-        versions=array_to_proto(mb.versions),
+        **{name: array_to_proto(getattr(mb, name)) for name in micro_batch.TENSORS},
         rollout_ids=mb.rollout_ids,
         num_tokens=mb.num_tokens,
         global_loss_tokens=mb.global_loss_tokens,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from looprl.packer.v1 import packer_pb2
+from services.kit import micro_batch
 from services.kit.codec import CodecError, tensor_from_proto, tensor_to_proto
 from services.trainer.errors import BatchRejected
 
@@ -51,18 +52,7 @@ class PackedMicroBatch:
         return int(self.cu_seqlens.shape[0]) - 1
 
     def to(self, device: torch.device | str) -> PackedMicroBatch:
-        moved = {
-            name: getattr(self, name).to(device)
-            for name in (
-                "input_ids",
-                "position_ids",
-                "cu_seqlens",
-                "loss_mask",
-                "advantages",
-                "behaviour_logprobs",
-                "versions",
-            )
-        }
+        moved = {name: getattr(self, name).to(device) for name in micro_batch.TENSORS}
         return PackedMicroBatch(
             **{**self.__dict__, **moved},
         )
@@ -72,15 +62,7 @@ def from_proto(msg: packer_pb2.MicroBatch) -> PackedMicroBatch:
     """Decode (copying out of the message, which may be reused) and check the shapes agree."""
     where = f"micro_batch[step={msg.step}, rank={msg.rank}, index={msg.index}]"
     tensors = {}
-    for name in (
-        "input_ids",
-        "position_ids",
-        "cu_seqlens",
-        "loss_mask",
-        "advantages",
-        "behaviour_logprobs",
-        "versions",
-    ):
+    for name in micro_batch.TENSORS:
         if not msg.HasField(name):
             raise BatchRejected(f"{where}.{name}: missing")
         try:
@@ -141,7 +123,7 @@ def validate(batch: PackedMicroBatch, expected_step: int, vocab_size: int) -> No
     if batch.step != expected_step:
         raise BatchRejected(f"{where}.step: expected step {expected_step}, got {batch.step}")
     t = batch.num_tokens
-    for name in ("input_ids", "position_ids", "loss_mask", "advantages", "behaviour_logprobs", "versions"):
+    for name in micro_batch.PER_TOKEN:
         value = getattr(batch, name)
         if value.dim() != 1 or value.shape[0] != t:
             raise BatchRejected(

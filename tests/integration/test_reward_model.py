@@ -59,7 +59,7 @@ async def test_a_crashed_reward_model_replica_is_restarted_and_its_batch_scored(
     pool = await RewardModelPool(config).start()
     try:
         before = await pool.score("answer 1")
-        ray.kill(pool._replicas[0][0], no_restart=False)  # as a crash: Ray may restart it
+        ray.kill(pool.pool.members[0].handle, no_restart=False)  # as a crash: Ray may restart it
         after = await asyncio.gather(*(pool.score("answer 1") for _ in range(4)))
         assert after == [before] * 4
         assert pool.replicas == 1

@@ -2,9 +2,10 @@
 
 Each SandboxActor owns a warm SandboxPool on its node (the isolation is per worker process, the
 actor is only where the pool lives); the SandboxFleet in the service process sends each
-execution to the actor with the fewest executions in flight and lets the Autoscaler decide, from
-the number waiting and running, how many actors there should be. The Ray part is deliberately
-thin: routing and scaling are plain Python over handles, so they are tested like any class.
+execution to the actor with the fewest executions in flight, and its actors are an AutoscaledPool
+(services/kit/autoscaled_pool.py) scaled on the executions waiting and running. The Ray part is
+deliberately thin: routing and scaling are plain Python over handles, so they are tested like any
+class.
 
 An actor takes executions only once Ray has placed and started it: until then it counts toward the
 fleet's size but is not routed to, and an execution with no started actor waits at most
@@ -19,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from services.environment_sandbox.config import FleetConfig
@@ -32,6 +33,7 @@ from services.environment_sandbox.sandbox.job import (
     validate_files,
 )
 from services.kit.autoscale import Autoscaler
+from services.kit.autoscaled_pool import AutoscaledPool, Member
 from services.kit.metric_names import counter, gauge
 
 ACTORS = gauge("looprl_sandbox_fleet_actors")
@@ -75,13 +77,6 @@ def sandbox_actor_class():
     return SandboxActor
 
 
-@dataclass(eq=False)
-class _Actor:
-    handle: Any
-    in_flight: int = 0
-    started: bool = False
-
-
 class SandboxFleet:
     def __init__(
         self,
@@ -91,23 +86,25 @@ class SandboxFleet:
     ) -> None:
         self.config = config
         self.sandbox = sandbox or SandboxConfig()
-        self.autoscaler = Autoscaler(
-            config.min_actors, config.max_actors, config.target_queue_per_actor, config.scale_down_after_s
+        self.pool: AutoscaledPool[Any] = AutoscaledPool(
+            Autoscaler(
+                config.min_actors, config.max_actors, config.target_queue_per_actor, config.scale_down_after_s
+            ),
+            make_actor or (lambda: sandbox_actor_class().remote(self.sandbox.model_dump())),
+            _retire,
+            lambda: self.queue_depth,
+            config.scale_interval_s,
+            on_add=lambda actor: self._background(self._await_start(actor)),
+            on_size=_count_actors,
         )
-        self._make = make_actor or (lambda: sandbox_actor_class().remote(self.sandbox.model_dump()))
-        self._actors: list[_Actor] = []
         self._waiting = 0
         self._start_error = ""  # why the last actor failed to start; "" once one has started
-        self._task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self.peak_actors = 0
         self._last: ExecResult | None = None
         self.unavailable = ""
 
     async def start(self) -> SandboxFleet:
-        for _ in range(self.config.min_actors):
-            self._add()
-        self._task = asyncio.ensure_future(self._scale_loop())
+        self.pool.start()
         return self
 
     @property
@@ -116,11 +113,15 @@ class SandboxFleet:
 
     @property
     def actors(self) -> int:
-        return len(self._actors)
+        return len(self.pool)
+
+    @property
+    def peak_actors(self) -> int:
+        return self.pool.peak
 
     @property
     def queue_depth(self) -> int:
-        return self._waiting + sum(a.in_flight for a in self._actors)
+        return self._waiting + sum(a.in_flight for a in self.pool.members)
 
     def isolation_status(self) -> dict:
         """The configured level and limits, and the mechanisms the last execution ran under."""
@@ -167,25 +168,19 @@ class SandboxFleet:
         return await self.execute(ExecJob(code, stdin, dict(files or {}), timeout_s))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        while self._actors:
-            await self._retire(self._actors.pop().handle)
-        ACTORS.set(0)
+        await self.pool.close()
 
-    async def _started_actor(self) -> _Actor:
+    async def _started_actor(self) -> Member[Any]:
         """The started actor with the fewest executions in flight, once there is one."""
         timeout = self.config.actor_start_timeout_s
         deadline = time.monotonic() + timeout
         while True:
-            started = [a for a in self._actors if a.started]
-            if started:
-                return min(started, key=lambda a: a.in_flight)
+            actor = self.pool.least_loaded(started_only=True)
+            if actor is not None:
+                return actor
             if self._start_error:
                 raise SandboxError(self._start_error)
             if time.monotonic() > deadline:
@@ -195,20 +190,12 @@ class SandboxFleet:
                 )
             await asyncio.sleep(0.01)
 
-    def _add(self) -> None:
-        actor = _Actor(self._make())
-        self._actors.append(actor)
-        self.peak_actors = max(self.peak_actors, len(self._actors))
-        ACTORS.set(len(self._actors))
-        PEAK_ACTORS.set(self.peak_actors)
-        self._background(self._await_start(actor))
-
     def _background(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _await_start(self, actor: _Actor) -> None:
+    async def _await_start(self, actor: Member[Any]) -> None:
         timeout = self.config.actor_start_timeout_s
         try:
             await asyncio.wait_for(actor.handle.__ray_ready__.remote(), timeout)
@@ -218,31 +205,22 @@ class SandboxFleet:
                 f"a sandbox actor did not start within actor_start_timeout_s={timeout:g} s ({reason})"
             )
             log.error("%s; retiring it", self._start_error)
-            if actor in self._actors:  # the scale loop starts a replacement
-                self._actors.remove(actor)
-                ACTORS.set(len(self._actors))
-            await self._retire(actor.handle)
+            self.pool.discard(actor)  # the scale loop starts a replacement
+            await _retire(actor.handle)
             return
         actor.started = True
         self._start_error = ""
 
-    async def _retire(self, handle: Any) -> None:
-        import ray
 
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(handle.close.remote(), 10)
-        with contextlib.suppress(Exception):
-            ray.kill(handle)
+async def _retire(handle: Any) -> None:
+    import ray
 
-    async def _scale_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.scale_interval_s)
-            want = self.autoscaler.desired(len(self._actors), self.queue_depth)
-            while len(self._actors) < want:
-                self._add()
-            if len(self._actors) > want:
-                idle = [a for a in self._actors if a.in_flight == 0]
-                if idle:
-                    self._actors.remove(idle[-1])
-                    ACTORS.set(len(self._actors))
-                    await self._retire(idle[-1].handle)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(handle.close.remote(), 10)
+    with contextlib.suppress(Exception):
+        ray.kill(handle)
+
+
+def _count_actors(size: int, peak: int) -> None:
+    ACTORS.set(size)
+    PEAK_ACTORS.set(peak)
