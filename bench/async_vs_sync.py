@@ -40,7 +40,17 @@ def main() -> None:
             )
     sync = max(r.steps_per_second for r in runs[0])
     asyn = max(r.steps_per_second for r in runs[2])
-    emit("async_vs_sync", "steps_per_s_ratio", asyn, sync, asyn / sync, "steps/s", ">= 1.3")
+    rounds_ratio = [a.steps_per_second / s.steps_per_second for a, s in zip(runs[2], runs[0], strict=True)]
+    emit(
+        "async_vs_sync",
+        "steps_per_s_ratio",
+        asyn,
+        sync,
+        asyn / sync,
+        "steps/s (best round of each side)",
+        ">= 1.3",
+        samples=rounds_ratio,
+    )
 
 
 if __name__ == "__main__":

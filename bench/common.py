@@ -7,7 +7,9 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
+
+from bench import results
 
 
 def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
@@ -54,8 +56,16 @@ def emit(
     ratio: float | None,
     unit: str,
     target: str,
+    *,
+    checks: Literal["ratio", "value"] | None = None,
+    samples: Sequence[float] | None = None,
 ) -> dict[str, Any]:
-    """Print one figure as the JSON line every benchmark ends with, and return it."""
+    """Print one figure as the JSON line every benchmark ends with, record it in the bench's
+    results file (bench/results.py), and return it.
+
+    `target` is checked against the figure's ratio, or its value with `checks="value"` (the value
+    when it has no ratio); `samples` are that quantity's per-repeat values (per seed, per round),
+    recorded as the figure's spread."""
     record = {
         "bench": bench,
         "figure": figure,
@@ -64,8 +74,11 @@ def emit(
         "ratio": _round(ratio),
         "unit": unit,
         "target": target,
+        "checks": checks or results.default_checks(ratio),
+        **results.spread(samples),
     }
     print(json.dumps(record), flush=True)
+    results.record(record)
     return record
 
 

@@ -205,7 +205,11 @@ def run_on_fresh_stack(
     run_id: str,
     env: dict[str, str] | None = None,
     on_update: Callable[[gateway_pb2.Run], None] | None = None,
+    *,
+    run_starts_deployments: bool = False,
 ) -> RunResult:
-    """A stack serves one run: bring one up for this run and down after."""
-    with local_stack(recipe_text, env) as (stub, metadata):
+    """A stack serves one run: bring one up for this run and down after. The router starts the
+    recipe's deployments with the stack, outside the measured run, unless `run_starts_deployments`:
+    then the run starts them, as `looprl run --local` does."""
+    with local_stack(None if run_starts_deployments else recipe_text, env) as (stub, metadata):
         return run_recipe(stub, metadata, recipe_text, run_id, on_update)

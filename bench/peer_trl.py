@@ -17,21 +17,23 @@ clip, one optimizer step per generation batch.
 Both sides run alternating per seed (TRL, then looprl's services on a fresh local stack, then, for
 the tiny shape, looprl's libraries in one process, then TRL again on another sampling stream), so
 machine noise hits them alike. TRL is synchronous; looprl runs the recipe as written for the tiny
-shape and its best configuration for the realistic one (printed with the figure). Per seed it prints
-steps/s (the first step excluded, the same definition on both sides) and the mean reward of the last
-10 steps. Figures per shape: reward_ratio (looprl / TRL of the seed means), reward_noise_floor (TRL
-on another sampling stream / TRL: the same algorithm against itself), steps_per_s_ratio,
+shape and its best configuration for the realistic one (printed with the figure), its run starting
+its own deployments as `looprl run --local` does. Per seed it prints steps/s over two clock windows,
+the same on both sides: first -> last step (the first step excluded), and run created -> completed
+as a user sees it (looprl: CreateRun to COMPLETED; TRL: train() to its return), and the mean reward
+of the last 10 steps. Figures per shape: reward_ratio (looprl / TRL of the seed means),
+reward_noise_floor (TRL on another sampling stream / TRL: the same algorithm against itself),
+steps_per_s_ratio (first -> last step), steps_per_s_ratio_<shape>_run_created_to_completed,
 local_stack_up_down_s (looprl's stack up + down around a run, against TRL's trainer set-up), and for
 the tiny shape reward_vs_single_process:
 
     python -m bench.peer_trl [--shape both] [--seeds 1,2,3] [--steps 400] [--world-size 1] [--quick]
 
 Why ten seeds by default for the tiny shape: a run's final reward depends mostly on when, in 400
-steps, the policy starts reading the prompt, and that depends on the sampled tokens. TRL alone, same
-seed and initial weights, another sampling stream: seed 1 ends at 0.514 or 0.183, seed 3 at 0.318 or
-0.181; the second stream's mean is 0.76 of the first's over seeds 1-5 and 0.86 over seeds 1-10. The
-per-seed paired gaps printed at the end, with their standard errors (about 0.05 on a mean reward of
-0.4 over ten seeds), say whether a gap between looprl and TRL is more than that.
+steps, the policy starts reading the prompt, and that depends on the sampled tokens: TRL against
+itself on another sampling stream (reward_noise_floor_tiny) strays as far from 1 as a single seed's
+gap between looprl and TRL. The per-seed paired gaps printed at the end, with their standard errors,
+say whether a gap between looprl and TRL is more than that.
 
 `--quick` runs one seed for a few steps per shape (a smoke run: ratios then mean little). TRL is an
 optional bench dependency (`make bench` installs it: `pip install -c requirements.lock -e '.[peer]'`).
@@ -79,7 +81,9 @@ class SideResult:
 
     rewards: list[float]
     steps_per_s: float
+    """From the first step's end to the last's."""
     wall_seconds: float
+    """As the user sees a run: looprl's from CreateRun to COMPLETED, TRL's from train() to its return."""
     overhead_seconds: float = 0.0
     """Around the training: TRL's trainer set-up; looprl's local stack up and down."""
 
@@ -278,11 +282,12 @@ def run_trl(recipe: Recipe, shape: Shape, threads: int = 2, stream: int = 0) -> 
 
 
 def run_looprl(recipe_text: str, run_id: str) -> SideResult:
-    """The services loop on a fresh local stack (gateway + every service in its own process)."""
+    """The services loop on a fresh local stack (gateway + every service in its own process), the
+    run starting its own deployments as `looprl run --local` does."""
     from bench.loop_harness import run_on_fresh_stack
 
     start = time.perf_counter()
-    result = run_on_fresh_stack(recipe_text, run_id)
+    result = run_on_fresh_stack(recipe_text, run_id, run_starts_deployments=True)
     total = time.perf_counter() - start
     rewards = [h.reward_mean for h in sorted(result.run.history, key=lambda h: h.step)]
     return SideResult(rewards, result.steps_per_second, result.wall_seconds, total - result.wall_seconds)
@@ -350,9 +355,11 @@ def compare(shape: Shape, seeds: list[int], steps: int, world_size: int = 0) -> 
         print(
             f"[{tag}] seed {seed}: looprl ({recipe.trainer.world_size} trainer ranks, "
             f"max_staleness {looprl_recipe.run.max_staleness}) "
-            f"{ours[-1].steps_per_s:.2f} steps/s, last-{LAST_STEPS} reward "
+            f"{ours[-1].steps_per_s:.2f} steps/s ({steps / ours[-1].wall_seconds:.2f} created -> "
+            f"completed), last-{LAST_STEPS} reward "
             f"{ours[-1].final_reward:.3f}, stack up+down {ours[-1].overhead_seconds:.1f}s | TRL "
-            f"{trl_runs[-1].steps_per_s:.2f} steps/s, reward {trl_runs[-1].final_reward:.3f}, "
+            f"{trl_runs[-1].steps_per_s:.2f} steps/s ({steps / trl_runs[-1].wall_seconds:.2f} train() "
+            f"-> return), reward {trl_runs[-1].final_reward:.3f}, "
             f"set-up {trl_runs[-1].overhead_seconds:.1f}s"
             + (f" (other sampling stream {resampled[-1].final_reward:.3f})" if resampled else "")
             + (f" | single process reward {single[-1].final_reward:.3f}" if single else ""),
@@ -363,7 +370,10 @@ def compare(shape: Shape, seeds: list[int], steps: int, world_size: int = 0) -> 
                 f"[{tag}] seed {seed} rewards per step: looprl {_curve(ours[-1])} | TRL {_curve(trl_runs[-1])}"
             )
     speed = [o.steps_per_s / t.steps_per_s for o, t in zip(ours, trl_runs, strict=True)]
-    print(f"[{tag}] steps/s ratio per seed: {', '.join(f'{r:.2f}' for r in speed)}", flush=True)
+    # As the user sees it: the same steps over the whole run, first step and start-up included.
+    seen = [t.wall_seconds / o.wall_seconds for o, t in zip(ours, trl_runs, strict=True)]
+    print(f"[{tag}] steps/s ratio per seed, first -> last step: {', '.join(f'{r:.2f}' for r in speed)}")
+    print(f"[{tag}] steps/s ratio per seed, run created -> completed: {', '.join(f'{r:.2f}' for r in seen)}")
     others = [("looprl - TRL", ours)]
     others += [("single process - TRL", single)] if single else []
     others += [("TRL other stream - TRL", resampled)] if resampled else []
@@ -397,15 +407,31 @@ def compare(shape: Shape, seeds: list[int], steps: int, world_size: int = 0) -> 
         emit(BENCH, figure, value, baseline, value / baseline if baseline > 0 else None, unit, target)
     looprl_speed, trl_speed = mean(ours, "steps_per_s"), mean(trl_runs, "steps_per_s")
     ranks = world_size or looprl_recipe.trainer.world_size
+    sides = (
+        f"looprl with {ranks} trainer ranks, max_staleness {looprl_recipe.run.max_staleness}; TRL synchronous"
+    )
     emit(
         BENCH,
         f"steps_per_s_ratio_{tag}",
         looprl_speed,
         trl_speed,
         looprl_speed / trl_speed,
-        f"steps/s (first step excluded; looprl with {ranks} trainer ranks, "
-        f"max_staleness {looprl_recipe.run.max_staleness}; TRL synchronous)",
+        f"steps/s, first -> last step ({sides})",
         shape.speed_target,
+        samples=speed,
+    )
+    looprl_seen = statistics.fmean(steps / o.wall_seconds for o in ours)
+    trl_seen = statistics.fmean(steps / t.wall_seconds for t in trl_runs)
+    emit(
+        BENCH,
+        f"steps_per_s_ratio_{tag}_run_created_to_completed",
+        looprl_seen,
+        trl_seen,
+        looprl_seen / trl_seen,
+        f"steps/s, run created -> completed: looprl's CreateRun to COMPLETED, its deployments started "
+        f"by the run as `looprl run --local` does; TRL's train() to its return ({sides})",
+        shape.speed_target,
+        samples=seen,
     )
     overhead, setup = mean(ours, "overhead_seconds"), mean(trl_runs, "overhead_seconds")
     emit(
@@ -416,6 +442,7 @@ def compare(shape: Shape, seeds: list[int], steps: int, world_size: int = 0) -> 
         overhead / max(setup, 1e-9),
         "s (TRL: trainer set-up)",
         "< 15 s" if tag == "tiny" else "reference",
+        checks="value",
     )
     return {"reward": looprl_reward, "trl_reward": trl_reward}
 

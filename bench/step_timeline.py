@@ -193,6 +193,7 @@ def main() -> None:
         lag / m["step"],
         "ms, max (baseline: the whole step)",
         "< 50",
+        checks="value",
     )
 
 
