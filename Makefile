@@ -51,11 +51,14 @@ fmt: setup
 protos: setup
 	$(PY) tools/gen_protos.py
 
-# Fails when generated code is stale or anything is not lint-clean.
+# Fails when generated code or docs are stale, anything is not lint-clean, or a typed seam does not
+# type-check (mypy, configured in pyproject.toml). `make test` runs the same checks as tests.
 check: setup lint
 	$(PY) tools/gen_protos.py --check
 	$(PY) tools/gen_config_docs.py --check
 	$(PY) tools/gen_conformance_docs.py --check
+	$(PY) tools/gen_bench_table.py --check
+	$(VENV)/bin/mypy
 
 # Breaking-change check of the contracts against main.
 breaking: setup

@@ -16,7 +16,14 @@ import time
 from bench.common import emit, parse_args
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
-from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn, RouterGenerator, Score
+from services.environment_sandbox.agent_loop import (
+    EpisodeRunner,
+    Generator,
+    ModelTurn,
+    OneAtATime,
+    RouterGenerator,
+    Score,
+)
 from services.environment_sandbox.environments import generate_tasks
 from services.modeling.tokenizer import CharTokenizer
 from services.reward.registry import default_registry
@@ -38,7 +45,7 @@ def engine_generator():
         result = (await engine.generate([request]))[0].completions[0]
         return ModelTurn(result.token_ids, result.logprobs, result.finish_reason, result.weight_version)
 
-    return generate, engine
+    return OneAtATime(generate), engine
 
 
 async def main() -> None:
@@ -56,7 +63,7 @@ async def main() -> None:
     if args.router:
         from services.kit.server import open_channel
 
-        generate = RouterGenerator(open_channel(args.router))
+        generate: Generator = RouterGenerator(open_channel(args.router))
     else:
         generate, engine = engine_generator()
     runner = EpisodeRunner(generate, score, CharTokenizer())

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import json
 import logging
 import time
@@ -51,10 +50,11 @@ from services.environment_sandbox.environments import (
     plugin_code,
 )
 from services.environment_sandbox.environments.datasets import is_index_task, task_by_index
-from services.environment_sandbox.model_io import (
+from services.environment_sandbox.model_io import (  # noqa: F401 - re-exported: callers build these from agent_loop
     Generator,
     ModelTurn,
-    Score,  # noqa: F401 - re-exported: callers build scorers from agent_loop
+    OneAtATime,
+    Score,
     Scorer,
 )
 from services.environment_sandbox.ratelimit import Limit, RateLimiter
@@ -79,14 +79,6 @@ def task_source(environment: str, task: dict[str, Any]) -> str:
         if isinstance(value, str) and value:
             return value[:128]
     return environment
-
-
-def _accepts(function: Any, name: str) -> bool:
-    try:
-        parameters = inspect.signature(function).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def rollout_id_for(
@@ -157,12 +149,9 @@ class EpisodeRunner:
         # Without a shared (Ray) limiter the limits still hold within this process.
         self.limiter = limiter or RateLimiter.local()
         self.rate_limits = dict(rate_limits or {})  # the service's: they win over an environment's
-        # Each model turn's expected output length, sent to generators that take it (the router
+        # Each model turn's expected output length, sent with its request (the router
         # routes on it): learned from the completions this process has seen.
         self.lengths = LengthPredictor() if self.config.predict_output_lengths else None
-        self._hint_one = _accepts(generate, "expected_output_tokens")
-        many = getattr(generate, "generate_n", None)
-        self._hint_many = many is not None and _accepts(many, "expected_output_tokens")
 
     async def _limits_for(self, env: Any) -> dict[str, Limit]:
         limits = {**env.config.rate_limits, **self.rate_limits}
@@ -339,8 +328,8 @@ class EpisodeRunner:
         task: events_pb2.EpisodeTask,
         seed: int,
     ) -> list[ModelTurn]:
-        """n model turns from the episode's context: one n-completion request when the generator
-        supports it (the prefix is prefilled once), else n requests on the same session."""
+        """n model turns from the episode's context: the generator's generate_n (one n-completion
+        request over the router: the prefix is prefilled once)."""
         await self._reserve_inference(episode.limits, len(episode.context), n, sampling.max_tokens)
         params = common_pb2.SamplingParams()
         params.CopyFrom(sampling)
@@ -348,28 +337,26 @@ class EpisodeRunner:
         key = LengthKey.of(task.run_id, episode.source, episode.turn, sampling.max_tokens)
         digest = prompt_digest(episode.context) if self.lengths is not None else b""
         expected = self.lengths.predict(key, task.group_id, digest).tokens if self.lengths is not None else 0
-        hint = {"expected_output_tokens": expected}
-        one_hint = hint if self._hint_one else {}
         started = time.perf_counter()
-        many = getattr(self.generate, "generate_n", None)
         if n == 1:
             turns = [
-                await self.generate(episode.context, params, session_id, task.min_weight_version, **one_hint)
-            ]
-        elif many is not None:
-            many_hint = hint if self._hint_many else {}
-            turns = await many(episode.context, params, session_id, task.min_weight_version, n, **many_hint)
-        else:
-
-            async def one(b: int) -> ModelTurn:
-                single = common_pb2.SamplingParams()
-                single.CopyFrom(params)
-                single.seed = seed + b if seed else 0
-                return await self.generate(
-                    episode.context, single, session_id, task.min_weight_version, **one_hint
+                await self.generate(
+                    episode.context,
+                    params,
+                    session_id,
+                    task.min_weight_version,
+                    expected_output_tokens=expected,
                 )
-
-            turns = list(await asyncio.gather(*(one(b) for b in range(n))))
+            ]
+        else:
+            turns = await self.generate.generate_n(
+                episode.context,
+                params,
+                session_id,
+                task.min_weight_version,
+                n,
+                expected_output_tokens=expected,
+            )
         episode.gen_seconds += time.perf_counter() - started
         if self.lengths is not None:
             done = [len(t.token_ids) for t in turns if t.finish_reason != "abort"]

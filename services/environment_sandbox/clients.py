@@ -1,5 +1,5 @@
 """gRPC adapters of the agent loop: the inference-router as a Generator, the reward service as
-a Scorer (the service wires these; tests may pass their own callables)."""
+a Scorer (the service wires these; tests may pass their own implementations)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 
 from opentelemetry import trace
 
-from services.environment_sandbox.model_io import ModelTurn, Score
+from looprl.common.v1 import common_pb2
+from services.environment_sandbox.model_io import Generator, ModelTurn, Score, Scorer
 
 _tracer = trace.get_tracer("looprl.environment_sandbox.clients")
 
@@ -19,7 +20,7 @@ _tracer = trace.get_tracer("looprl.environment_sandbox.clients")
 CURRENT_RUN: contextvars.ContextVar[str] = contextvars.ContextVar("looprl_current_run", default="")
 
 
-class RouterGenerator:
+class RouterGenerator(Generator):
     """Generator over InferenceRouterService.Generate."""
 
     def __init__(self, channel: Any, timeout_s: float = 120.0) -> None:
@@ -28,20 +29,40 @@ class RouterGenerator:
         self.stub = inference_pb2_grpc.InferenceRouterServiceStub(channel)
         self.timeout_s = timeout_s
 
-    async def __call__(self, prompt_ids, sampling, session_id, min_weight_version, expected_output_tokens=0):
-        return (
-            await self.generate_n(
-                prompt_ids, sampling, session_id, min_weight_version, 1, expected_output_tokens
-            )
-        )[0]
+    async def __call__(
+        self,
+        prompt_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        session_id: str,
+        min_weight_version: int,
+        /,
+        *,
+        expected_output_tokens: int = 0,
+    ) -> ModelTurn:
+        turns = await self.generate_n(
+            prompt_ids,
+            sampling,
+            session_id,
+            min_weight_version,
+            1,
+            expected_output_tokens=expected_output_tokens,
+        )
+        return turns[0]
 
     async def generate_n(
-        self, prompt_ids, sampling, session_id, min_weight_version, n: int, expected_output_tokens: int = 0
-    ) -> list:
+        self,
+        prompt_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        session_id: str,
+        min_weight_version: int,
+        n: int,
+        /,
+        *,
+        expected_output_tokens: int = 0,
+    ) -> list[ModelTurn]:
         """n completions of one prompt in one request (a fork: the prefix is prefilled once);
         `expected_output_tokens` is the predicted length of each (0: unknown), what the router
         routes by."""
-        from looprl.common.v1 import common_pb2
         from looprl.inference.v1 import inference_pb2
 
         params = common_pb2.SamplingParams()
@@ -72,7 +93,7 @@ class RouterGenerator:
         ]
 
 
-class RewardClient:
+class RewardClient(Scorer):
     """Scorer over RewardService. Scores asked for in the same event-loop turn (the samples of a
     group finish together) go out as one ScoreBatch call: one round trip per group instead of one
     per rollout. A reward service without ScoreBatch (UNIMPLEMENTED) is called with Score from then
@@ -91,8 +112,17 @@ class RewardClient:
         self._sending: set[asyncio.Task] = set()
 
     async def __call__(
-        self, reward, task_json, completion, rollout_id, transcript, env_reward, config_json: str = ""
-    ):
+        self,
+        reward: str,
+        task_json: str,
+        completion: str,
+        rollout_id: str,
+        transcript: str,
+        env_reward: float | None,
+        /,
+        *,
+        config_json: str = "",
+    ) -> Score:
         from looprl.reward.v1 import reward_pb2
 
         request = reward_pb2.ScoreRequest(

@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from looprl.events.v1 import events_pb2
 from services.environment_sandbox.agent_loop import EpisodeRunner
@@ -23,13 +23,16 @@ from services.environment_sandbox.config import WorkerConfig
 from services.environment_sandbox.environments import EnvironmentError_, PluginFailure
 from services.kit.run_errors import describe
 
+if TYPE_CHECKING:
+    from services.kit.bus import Bus
+
 log = logging.getLogger("looprl.environment_sandbox.worker")
 
 
 class EpisodeWorker:
     def __init__(
         self,
-        bus: Any,
+        bus: Bus,
         runner: EpisodeRunner,
         config: WorkerConfig | None = None,
         filter_subject: str | None = None,

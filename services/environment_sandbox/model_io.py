@@ -1,12 +1,15 @@
-"""What the agent loop exchanges with the model and the reward: a sampled turn and a score.
+"""What the agent loop exchanges with the model and the reward: a sampled turn and a score, and
+the typed seams it calls them through (Generator, Scorer; OneAtATime makes a Generator of a plain
+one-turn function).
 
 The loop (agent_loop) and its gRPC adapters (clients) both speak these types; they live here so
-neither of the two has to import the other.
+neither of the two has to import the other. The seams are checked by the type checker
+(`make check`, tests/unit/test_types.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,9 +26,8 @@ class ModelTurn:
     adapter: str = ""
 
 
-class Generator(Protocol):
-    """Samples one model turn. A generator may also take `expected_output_tokens=` (the turn's
-    predicted length, which the router routes by); the agent loop passes it only to those that do."""
+class TurnSampler(Protocol):
+    """Samples one model turn: the least a model side provides (a test's policy, a plain function)."""
 
     async def __call__(
         self,
@@ -33,7 +35,77 @@ class Generator(Protocol):
         sampling: common_pb2.SamplingParams,
         session_id: str,
         min_weight_version: int,
+        /,
     ) -> ModelTurn: ...
+
+
+class Generator(TurnSampler, Protocol):
+    """What the agent loop samples from: one turn, or `n` turns of one prompt in one call (a fork;
+    a generator that can, prefills the shared prefix once). Turn b of n is sampled with seed
+    `sampling.seed + b` (0: unseeded), the engines' convention. `expected_output_tokens` is each
+    turn's predicted length (0: unknown), which the router routes by; a generator may ignore it."""
+
+    async def __call__(
+        self,
+        prompt_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        session_id: str,
+        min_weight_version: int,
+        /,
+        *,
+        expected_output_tokens: int = 0,
+    ) -> ModelTurn: ...
+
+    async def generate_n(
+        self,
+        prompt_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        session_id: str,
+        min_weight_version: int,
+        n: int,
+        /,
+        *,
+        expected_output_tokens: int = 0,
+    ) -> list[ModelTurn]: ...
+
+
+class OneAtATime(Generator):
+    """A Generator over a TurnSampler: n turns are n concurrent calls on the same session, turn b
+    seeded `sampling.seed + b`. A plain sampler takes no length hint, so none is passed on."""
+
+    def __init__(self, sample: TurnSampler) -> None:
+        self.sample = sample
+
+    async def __call__(
+        self,
+        prompt_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        session_id: str,
+        min_weight_version: int,
+        /,
+        *,
+        expected_output_tokens: int = 0,
+    ) -> ModelTurn:
+        return await self.sample(prompt_ids, sampling, session_id, min_weight_version)
+
+    async def generate_n(
+        self,
+        prompt_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        session_id: str,
+        min_weight_version: int,
+        n: int,
+        /,
+        *,
+        expected_output_tokens: int = 0,
+    ) -> list[ModelTurn]:
+        async def one(b: int) -> ModelTurn:
+            single = common_pb2.SamplingParams()
+            single.CopyFrom(sampling)
+            single.seed = sampling.seed + b if sampling.seed else 0
+            return await self.sample(prompt_ids, single, session_id, min_weight_version)
+
+        return list(await asyncio.gather(*(one(b) for b in range(n))))
 
 
 @dataclass
@@ -46,6 +118,19 @@ class Score:
     plugin_error: str = ""
 
 
-# (reward name, task json, completion, rollout id, transcript, environment reward) -> Score; a plugin
-# reward's settings come as the keyword config_json.
-Scorer = Callable[..., Awaitable[Score]]
+class Scorer(Protocol):
+    """Scores one finished episode with the named reward (the reward service, or a test's own); a
+    plugin reward's settings come as the keyword `config_json`, passed only when the task has any."""
+
+    async def __call__(
+        self,
+        reward: str,
+        task_json: str,
+        completion: str,
+        rollout_id: str,
+        transcript: str,
+        environment_reward: float | None,
+        /,
+        *,
+        config_json: str = "",
+    ) -> Score: ...

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from looprl.inference.v1 import inference_pb2
 from services.inference_router.config import RouterConfig
@@ -29,6 +29,9 @@ from services.inference_router.shared import SharedPool, shared_name
 from services.inference_router.sync_link import WeightSyncLink
 from services.kit import errors, telemetry, tls
 from services.kit.recipe import DeploymentSpec
+
+if TYPE_CHECKING:
+    from services.kit.bus import Bus
 
 log = logging.getLogger("looprl.inference_router.deployments")
 
@@ -77,7 +80,7 @@ class DeploymentManager(WeightSyncLink):
         self._weight_sync: Any = None
         self._every_k: dict[str, int] = {}
         self._where: dict[str, str] = {}  # deployment -> its place in the recipe, for errors
-        self._bus: Any = None
+        self._bus: Bus | None = None
         self._subscription: Any = None
         self._registering: dict[str, asyncio.Task] = {}  # target -> its registration, tried again
         self.shared: dict[str, SharedPool] = {}  # shared deployment -> its actors and runs

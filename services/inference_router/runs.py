@@ -21,13 +21,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.inference_router.deployments import DeploymentManager, replica_name
 from services.inference_router.router import Router
 from services.kit import subjects
 from services.kit.recipe import DeploymentSpec, ModelSection, RunRecord, run_deployment_name
 from services.kit.run_errors import describe
+
+if TYPE_CHECKING:
+    from services.kit.bus import Bus
 
 log = logging.getLogger("looprl.inference_router.runs")
 
@@ -75,11 +78,11 @@ class RunDeployments:
         self._watch_task: asyncio.Task | None = None
         self._watch: Any = None
 
-    async def start(self, bus: Any) -> None:
+    async def start(self, bus: Bus) -> None:
         """Watch the run records on `bus` (in the background: the bucket may not exist yet)."""
         self._watch_task = asyncio.create_task(self._follow(bus), name="router-runs-watch")
 
-    async def _follow(self, bus: Any) -> None:
+    async def _follow(self, bus: Bus) -> None:
         from services.kit.bus import BusError
 
         while True:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from looprl.events.v1 import events_pb2
 from services.inference_router.config import RouterConfig
@@ -28,6 +28,9 @@ from services.inference_router.policies import DeploymentState, ReplicaState
 from services.inference_router.router import Router
 from services.kit import errors
 from services.kit.recipe import DeploymentSpec
+
+if TYPE_CHECKING:
+    from services.kit.bus import Bus
 
 log = logging.getLogger("looprl.inference_router.deployments")
 
@@ -41,7 +44,7 @@ class WeightSyncLink:
     _weight_sync: Any
     _every_k: dict[str, int]
     _where: dict[str, str]
-    _bus: Any
+    _bus: Bus
     _subscription: Any
     _registering: dict[str, asyncio.Task]
 

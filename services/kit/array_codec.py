@@ -10,7 +10,7 @@ from looprl.common.v1 import common_pb2
 
 DType = common_pb2.DType
 
-NUMPY_TO_PROTO: dict[np.dtype, int] = {
+NUMPY_TO_PROTO: dict[np.dtype, common_pb2.DType] = {
     np.dtype(np.float32): DType.D_TYPE_FLOAT32,
     np.dtype(np.float16): DType.D_TYPE_FLOAT16,
     np.dtype(np.int32): DType.D_TYPE_INT32,

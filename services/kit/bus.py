@@ -153,7 +153,8 @@ class Bus:
                 servers=servers,
                 name=name,
                 connect_timeout=max(1, math.ceil(min(connect_timeout_s, 5.0))),
-                reconnect_time_wait=reconnect_wait_s,
+                # nats-py annotates an int, and sleeps whatever it is given.
+                reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]
                 max_reconnect_attempts=first_attempts,
                 allow_reconnect=True,
                 error_cb=on_error,

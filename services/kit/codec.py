@@ -17,7 +17,7 @@ from services.kit.array_codec import CodecError, array_to_proto
 
 DType = common_pb2.DType
 
-TORCH_TO_PROTO: dict[torch.dtype, int] = {
+TORCH_TO_PROTO: dict[torch.dtype, common_pb2.DType] = {
     torch.float32: DType.D_TYPE_FLOAT32,
     torch.float16: DType.D_TYPE_FLOAT16,
     torch.bfloat16: DType.D_TYPE_BFLOAT16,

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from services.kit.config import ConfigError, load_config
+from services.kit.config import ConfigError, ServiceConfig, load_config
 from services.kit.registry import ServiceSpec, service
 
 HELP_FLAGS = ("-h", "--help")
@@ -75,7 +75,7 @@ def _print_help(spec: ServiceSpec) -> int:
     return 0
 
 
-def load(spec: ServiceSpec):
+def load(spec: ServiceSpec) -> ServiceConfig:
     """The service's config from the environment, checked; ConfigError names what is wrong."""
     from services.kit import tls  # grpc: not needed for --help
 

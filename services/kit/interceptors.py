@@ -51,14 +51,16 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         self.idle = asyncio.Event()
         self.idle.set()
 
-    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+    async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method.startswith(ALWAYS_OPEN):
             return handler
         return self._wrap(handler, method)
 
-    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    def _wrap(self, handler: Any, method: str) -> grpc.RpcMethodHandler:
+        # `handler` is an aio handler: its behaviours are coroutines and async generators, which
+        # the stubs' RpcMethodHandler (typed for blocking servers) does not describe.
         deserialize = handler.request_deserializer or (lambda b: b)
         short = method.rsplit("/", 1)[-1]
 
@@ -76,35 +78,35 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
 
         serialize = handler.response_serializer
         if handler.unary_unary:
-            behavior = handler.unary_unary
+            unary = handler.unary_unary
 
             async def unary_unary(raw, context):
                 async with self._rpc(method, context):
-                    return await behavior(parse(raw, "request"), context)
+                    return await unary(parse(raw, "request"), context)
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serialize)
         if handler.unary_stream:
-            behavior = handler.unary_stream
+            streaming = handler.unary_stream
 
             async def unary_stream(raw, context):
                 async with self._rpc(method, context):
-                    async for item in _responses(behavior(parse(raw, "request"), context)):
+                    async for item in _responses(streaming(parse(raw, "request"), context)):
                         yield item
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=serialize)
         if handler.stream_unary:
-            behavior = handler.stream_unary
+            streamed = handler.stream_unary
 
             async def stream_unary(raw_iter, context):
                 async with self._rpc(method, context):
-                    return await behavior(parse_stream(raw_iter), context)
+                    return await streamed(parse_stream(raw_iter), context)
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, response_serializer=serialize)
-        behavior = handler.stream_stream
+        both = handler.stream_stream
 
         async def stream_stream(raw_iter, context):
             async with self._rpc(method, context):
-                async for item in _responses(behavior(parse_stream(raw_iter), context)):
+                async for item in _responses(both(parse_stream(raw_iter), context)):
                     yield item
 
         return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=serialize)
@@ -296,11 +298,11 @@ class _AioStreamStream(_AioClientSpans, grpc.aio.StreamStreamClientInterceptor):
         return await self._intercept(continuation, client_call_details, request_iterator)
 
 
-_SYNC_DETAIL_FIELDS = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
-
-
 class _SyncCallDetails(
-    collections.namedtuple("_SyncCallDetails", _SYNC_DETAIL_FIELDS), grpc.ClientCallDetails
+    collections.namedtuple(
+        "_SyncCallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
 ):
     pass
 

@@ -63,7 +63,7 @@ def cluster_id(address: str) -> str:
     checked first: a GcsClient waits ~40 s for a GCS that is down."""
     if not _port_open(address):
         return ""
-    from ray._raylet import GcsClient
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # compiled, not in Ray's stubs
 
     try:
         return GcsClient(address=address).cluster_id.hex()
@@ -75,7 +75,7 @@ def _head_ready(address: str) -> str:
     """The new head's cluster id once it answers and its own node is alive (ray.init needs both)."""
     if not _port_open(address):
         return ""
-    from ray._raylet import GcsClient
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # compiled, not in Ray's stubs
     from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
     try:

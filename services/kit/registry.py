@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.kit.config import ServiceConfig
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class ServiceSpec:
     services are given the cluster's address and token (RAY_AUTH_TOKEN), in `looprl up`, compose and
     Kubernetes alike."""
 
-    def config_class(self) -> type:
+    def config_class(self) -> type[ServiceConfig]:
         return _resolve(self.config)
 
     def serve_function(self) -> Any:

@@ -16,10 +16,13 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from looprl.events.v1 import events_pb2
 from services.kit import subjects
+
+if TYPE_CHECKING:
+    from services.kit.bus import Bus
 
 log = logging.getLogger("looprl.kit.run_errors")
 
@@ -47,7 +50,7 @@ def describe(exc: BaseException) -> str:
 class RunErrorReporter:
     """Rate-limited RunError publisher of one component (one instance per service process)."""
 
-    def __init__(self, bus: Any, component: str, interval_s: float = 2.0) -> None:
+    def __init__(self, bus: Bus, component: str, interval_s: float = 2.0) -> None:
         self.bus, self.component, self.interval_s = bus, component, interval_s
         self._last_sent: dict[str, float] = {}
         self._pending: dict[str, _Pending] = {}

@@ -174,7 +174,8 @@ def field_rows(model: type[BaseModel], prefix: str = "") -> list[FieldRow]:
         tp = info.annotation
         inner = _inner_model(tp)
         if isinstance(inner, type) and issubclass(inner, BaseModel):
-            suffix = {list: "[].", dict: ".<key>."}.get(typing.get_origin(tp), ".")
+            origin = typing.get_origin(tp)
+            suffix = "[]." if origin is list else ".<key>." if origin is dict else "."
             rows.extend(field_rows(inner, path + suffix))
             continue
         shown = (

@@ -202,6 +202,7 @@ class Service:
             if setup is not None:
                 await setup(self)
             await self.mark_ready()
+            assert self._stopping is not None  # start() made it
             await self._stopping.wait()
         finally:
             await self.drain()

@@ -67,6 +67,8 @@ class JsonLinesSpanExporter(SpanExporter):
         lines = []
         for span in spans:
             ctx = span.get_span_context()
+            if ctx is None:
+                continue
             lines.append(
                 json.dumps(
                     {

@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -174,6 +175,11 @@ def adopt(exported: dict[str, Any] | None) -> None:
     _process = Credentials(exported["identity"], exported["ca"], exported["cert"], exported["key"])
 
 
+def _chosen(creds: Credentials | EllipsisType | None) -> Credentials | None:
+    """`...` stands for the process's credentials (current()); None for plaintext."""
+    return current() if isinstance(creds, EllipsisType) else creds
+
+
 def current() -> Credentials | None:
     """This process's credentials; None when it opted into plaintext. A process that configured
     nothing may only run without TLS where LOOPRL_INSECURE_PLAINTEXT says so."""
@@ -195,14 +201,14 @@ def _env_flag(name: str) -> bool:
 
 
 def add_port(
-    server: grpc.Server | grpc.aio.Server, address: str, creds: Credentials | object | None = ...
+    server: grpc.Server | grpc.aio.Server, address: str, creds: Credentials | EllipsisType | None = ...
 ) -> int:
     """Bind address with mutual TLS (the process's credentials unless given); plaintext only when
     the process opted out. Returns the bound port (0 if it could not bind)."""
-    chosen = current() if creds is ... else creds
+    chosen = _chosen(creds)
     if chosen is None:
         return server.add_insecure_port(address)
-    return server.add_secure_port(address, chosen.server_credentials())  # type: ignore[union-attr]
+    return server.add_secure_port(address, chosen.server_credentials())
 
 
 def message_limits(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -229,33 +235,33 @@ def aio_channel(
     address: str,
     options: Sequence[tuple[str, Any]] = (),
     interceptors: Sequence[Any] | None = None,
-    creds: Credentials | object | None = ...,
+    creds: Credentials | EllipsisType | None = ...,
 ) -> grpc.aio.Channel:
-    chosen = current() if creds is ... else creds
+    chosen = _chosen(creds)
     if chosen is None:
         return grpc.aio.insecure_channel(address, options=_with_backoff(options), interceptors=interceptors)
     return grpc.aio.secure_channel(
         address,
         chosen.channel_credentials(),
         options=_with_backoff(options),
-        interceptors=interceptors,  # type: ignore[union-attr]
+        interceptors=interceptors,
     )
 
 
 def sync_channel(
-    address: str, options: Sequence[tuple[str, Any]] = (), creds: Credentials | object | None = ...
+    address: str, options: Sequence[tuple[str, Any]] = (), creds: Credentials | EllipsisType | None = ...
 ) -> grpc.Channel:
-    chosen = current() if creds is ... else creds
+    chosen = _chosen(creds)
     if chosen is None:
         return grpc.insecure_channel(address, options=_with_backoff(options))
-    return grpc.secure_channel(address, chosen.channel_credentials(), options=_with_backoff(options))  # type: ignore[union-attr]
+    return grpc.secure_channel(address, chosen.channel_credentials(), options=_with_backoff(options))
 
 
 def peer_identity(context: grpc.aio.ServicerContext) -> str | None:
     """The verified common name of the caller's certificate, or None (plaintext, or no certificate);
     an external part's identity reads as the service it stands in for (config.external_identities)."""
     auth = context.auth_context() or {}
-    names = auth.get("x509_common_name") or []
+    names = list(auth.get("x509_common_name") or [])
     if not names:
         return None
     name = names[0].decode()

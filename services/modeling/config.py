@@ -156,7 +156,7 @@ class ModelConfig:
         """A tiny Qwen2 for CPU tests and the embedded default; vocab matches CharTokenizer."""
         from services.modeling.tokenizer import CharTokenizer
 
-        base = dict(
+        base: dict[str, Any] = dict(
             vocab_size=CharTokenizer().vocab_size,
             hidden_size=64,
             intermediate_size=128,

@@ -32,9 +32,17 @@ _REPLACEMENT = "?"
 
 
 class Tokenizer(Protocol):
-    vocab_size: int
-    eos_token_id: int
-    pad_token_id: int
+    """What the engines, the agent loop and the trainer ask of a tokenizer (CharTokenizer,
+    HFTokenizer)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_id(self) -> int: ...
+
+    @property
+    def pad_token_id(self) -> int: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -51,7 +59,7 @@ class Tokenizer(Protocol):
     ) -> list[int]: ...
 
 
-class CharTokenizer:
+class CharTokenizer(Tokenizer):
     """One token per character; ChatML specials are single tokens."""
 
     name = "char"

@@ -73,6 +73,12 @@ def read_state(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 
+def _optimizer(worker: TrainerRank) -> torch.optim.Optimizer:
+    if worker.optimizer is None:
+        raise RuntimeError(f"trainer rank {worker.rank} has no optimizer: it was never set up to train")
+    return worker.optimizer
+
+
 class _TrainState:
     """DCP Stateful view of a worker: model + optimizer via the distributed state-dict API."""
 
@@ -83,7 +89,7 @@ class _TrainState:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         w = self.worker
-        model_sd, optim_sd = get_state_dict(w.model, w.optimizer)
+        model_sd, optim_sd = get_state_dict(w.model, _optimizer(w))
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -96,7 +102,9 @@ class _TrainState:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         w = self.worker
-        set_state_dict(w.model, w.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            w.model, _optimizer(w), model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
         w.scheduler.load_state_dict(state["scheduler"])
         w.step = int(state["step"])
         w.last_packer_step = int(state["last_packer_step"])
@@ -190,7 +198,7 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
     from services.modeling.tokenizer import load_tokenizer
 
     full = worker.full_state_dict(rank0_only=True)
-    if worker.rank == 0:
+    if full is not None:  # rank 0's
         spec = worker.spec
         tokenizer = spec.recipe.model.tokenizer if spec is not None else "char"
         section = spec.recipe.model.lora if spec is not None else None

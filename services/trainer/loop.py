@@ -23,7 +23,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from opentelemetry import trace
@@ -32,7 +32,7 @@ from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from services.kit import ray_head, subjects, telemetry, tls, trainer_epochs
-from services.kit.bus import EVENT_RETRY_S
+from services.kit.bus import EVENT_RETRY_S, Bus
 from services.kit.interceptors import client_interceptors
 from services.kit.metric_names import observe
 from services.kit.run_errors import RunErrorReporter, describe
@@ -42,6 +42,9 @@ from services.trainer.config import TrainerConfig
 from services.trainer.errors import BatchRejected, PushFailed, RankLost, StepAborted
 from services.trainer.ranks import RankGroup
 from services.trainer.spec import TrainerSpec, spec_from_recipe
+
+if TYPE_CHECKING:
+    from services.kit.recipe import Recipe
 
 # How long a step waits for its batch before the trainer pushes the version it serves again
 # (`_repush_while_waiting`) without weight-sync saying it lost it; several NextBatch timeouts, so a
@@ -53,7 +56,7 @@ _tracer = trace.get_tracer("looprl.trainer.loop")
 
 
 class RunTrainer:
-    def __init__(self, run_id: str, recipe: Any, cfg: TrainerConfig, bus: Any = None) -> None:
+    def __init__(self, run_id: str, recipe: Recipe, cfg: TrainerConfig, bus: Bus | None = None) -> None:
         self.run_id = subjects.validate_run_id(run_id)
         self.recipe = recipe
         self.cfg = cfg

@@ -15,12 +15,11 @@ import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from services.kit import subjects
 from services.kit.config import bus_url
 from services.kit.errors import FailedPrecondition
-from services.kit.recipe import RunRecord, load_recipe
+from services.kit.recipe import Recipe, RunRecord, load_recipe
 from services.kit.run_errors import RunErrorReporter, describe
 from services.trainer import metrics
 from services.trainer.config import TrainerConfig
@@ -82,7 +81,7 @@ class TrainerApp:
             await watch.start()
             self._watch_task = asyncio.create_task(self._follow_runs(watch), name="trainer-runs-watch")
 
-    def begin(self, run_id: str, recipe: Any) -> RunTrainer:
+    def begin(self, run_id: str, recipe: Recipe) -> RunTrainer:
         """Start training run `run_id` beside the runs already training."""
         if self._stopping:
             raise FailedPrecondition(f"run_id: the trainer is shutting down; not starting run {run_id!r}")

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2
 
 from .checksum import copy_and_hash64, hash64
@@ -26,7 +27,7 @@ class SliceRef:
     """One WeightSlice of a bucket: a contiguous element range of a receiver parameter."""
 
     name: str
-    dtype: int  # looprl.common.v1.DType
+    dtype: common_pb2.DType
     shape: tuple[int, ...]
     offset: int  # element offset into the flattened receiver parameter
     byte_start: int  # where its bytes start inside the bucket payload
@@ -130,7 +131,9 @@ def set_checksums(slices: Sequence[SliceRef], payload: memoryview) -> None:
         s.hash64 = hash64(payload[s.byte_start : s.byte_start + s.nbytes])
 
 
-def tensors_bucket(index: int, count: int, tensors: dict[str, object], dtype: int) -> BytesBucket:
+def tensors_bucket(
+    index: int, count: int, tensors: dict[str, object], dtype: common_pb2.DType
+) -> BytesBucket:
     """A bucket carrying whole tensors (name -> torch tensor), one slice each."""
     import torch
 

@@ -43,7 +43,7 @@ class Hasher64:
     def advance(self, upto: int) -> None:
         upto = min(upto, self.nbytes)
         if upto > self._pos:
-            self._h.update(self._u8[self._pos : upto])
+            self._h.update(self._u8[self._pos : upto].data)
             self._pos = upto
 
     def digest(self) -> int:
@@ -54,7 +54,7 @@ class Hasher64:
 def hash64(buf) -> int:
     """hash64 of a bytes-like object or array (its raw bytes)."""
     u8 = _as_u8(buf)
-    return xxhash.xxh3_64_intdigest(u8 if u8.flags.c_contiguous else np.ascontiguousarray(u8))
+    return xxhash.xxh3_64_intdigest((u8 if u8.flags.c_contiguous else np.ascontiguousarray(u8)).data)
 
 
 def copy_and_hash64(dest, src) -> int:
@@ -68,7 +68,7 @@ def copy_and_hash64(dest, src) -> int:
     for start in range(0, d.size, BLOCK_BYTES):
         stop = min(start + BLOCK_BYTES, d.size)
         np.copyto(d[start:stop], s[start:stop])
-        h.update(d[start:stop])
+        h.update(d[start:stop].data)
     return h.intdigest()
 
 

@@ -9,6 +9,7 @@ CUDA machines (gpu-marked test).
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 
 import torch
 
@@ -18,11 +19,12 @@ from .checksum import SliceChecksum, verify_slice
 from .errors import InvalidWeights, WeightTransferError
 from .specs import torch_dtype_of
 from .stager import StageProgress, WeightStager
+from .wire import DecodedStageRequest, SliceLike
 
 
 def stage_device_request(
     stager: WeightStager,
-    request: inference_pb2.StageWeightsRequest,
+    request: inference_pb2.StageWeightsRequest | DecodedStageRequest,
     *,
     nccl_group=None,
     device: str | torch.device = "cuda",
@@ -43,7 +45,8 @@ def stage_device_request(
     else:
         raise InvalidWeights("StageWeightsRequest carries neither device_handle nor nccl_broadcast")
     progress = None
-    for i, sl in enumerate(request.slices):
+    slices: Sequence[SliceLike] = request.slices
+    for i, sl in enumerate(slices):
         dtype = torch_dtype_of(sl.dtype)
         if dtype is None:
             raise InvalidWeights(f"slices[{i}].dtype: unsupported enum {sl.dtype}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import grpc
 import torch
@@ -28,8 +28,8 @@ from .errors import WeightTransferError
 from .memory import retain_bucket_buffers
 from .probe import read_probe
 from .shm import ShmReader
-from .stager import WeightStager
-from .wire import decode_stage_request
+from .stager import StageProgress, WeightStager
+from .wire import DecodedStageRequest, decode_stage_request
 
 CommitHook = Callable[[int, dict[str, torch.Tensor]], Awaitable[None] | None]
 
@@ -48,20 +48,25 @@ class WeightReceiver:
         self._shm = ShmReader()  # kept open: weight-sync reuses its segments (see ShmReader)
         retain_bucket_buffers()  # received buckets reuse heap pages instead of faulting (memory.py)
 
-    async def StageWeights(self, request_iterator, context) -> inference_pb2.StageWeightsResponse:
+    async def StageWeights(
+        self,
+        request_iterator: AsyncIterator[inference_pb2.StageWeightsRequest | bytes],
+        context: grpc.aio.ServicerContext,
+    ) -> inference_pb2.StageWeightsResponse:
         """Requests are parsed messages, or raw bytes when the method is registered by
         `add_engine_servicer` (decoded here without copying their payload)."""
-        version = None
+        version: int | None = None
+        commit = False
+        progress: StageProgress | None = None
         finished = False
         try:
             self._shm.refresh()
-            async for request in request_iterator:
-                if isinstance(request, bytes):
-                    request = decode_stage_request(request)
+            async for raw in request_iterator:
+                request = decode_stage_request(raw) if isinstance(raw, bytes) else raw
                 version, commit = request.version, request.commit_when_complete
                 progress = await asyncio.to_thread(self._stage, request, self._shm)
             finished = True
-            if commit and progress.complete:
+            if commit and version is not None and progress is not None and progress.complete:
                 await self._commit(version)
         except (ServiceError, WeightTransferError) as exc:
             # Read the rest of the stream before answering: a sender still writing into a call the
@@ -73,7 +78,7 @@ class WeightReceiver:
             if not finished and version is not None and version != self.stager.serving_version:
                 # The stream broke (sender died, cancelled): never keep half a version around.
                 self.stager.abort(version)
-        if version is None:
+        if version is None or progress is None:
             return inference_pb2.StageWeightsResponse(serving_version=self.stager.serving_version)
         return inference_pb2.StageWeightsResponse(
             version=version,
@@ -82,7 +87,9 @@ class WeightReceiver:
             serving_version=self.stager.serving_version,
         )
 
-    def _stage(self, request, reader):
+    def _stage(
+        self, request: inference_pb2.StageWeightsRequest | DecodedStageRequest, reader: ShmReader
+    ) -> StageProgress:
         if request.device_handle or request.nccl_broadcast:
             from .device import stage_device_request
 
@@ -95,7 +102,9 @@ class WeightReceiver:
             self.buckets_received += 1
         return progress
 
-    async def CommitWeights(self, request, context) -> inference_pb2.CommitWeightsResponse:
+    async def CommitWeights(
+        self, request: inference_pb2.CommitWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.CommitWeightsResponse:
         if request.version == self.stager.serving_version and self.stager.staged_version is None:
             return inference_pb2.CommitWeightsResponse(weight_version=request.version)  # a retried commit
         try:
@@ -111,11 +120,15 @@ class WeightReceiver:
             if inspect.isawaitable(result):
                 await result
 
-    async def AbortWeights(self, request, context) -> inference_pb2.AbortWeightsResponse:
+    async def AbortWeights(
+        self, request: inference_pb2.AbortWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.AbortWeightsResponse:
         self.stager.abort(request.version or None)
         return inference_pb2.AbortWeightsResponse()
 
-    async def RollbackWeights(self, request, context) -> inference_pb2.RollbackWeightsResponse:
+    async def RollbackWeights(
+        self, request: inference_pb2.RollbackWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.RollbackWeightsResponse:
         """Serve the version before `request.version` again (a canary that failed its check);
         the swap goes through the same hook as a commit."""
         try:
@@ -128,7 +141,9 @@ class WeightReceiver:
                 await result
         return inference_pb2.RollbackWeightsResponse(weight_version=self.stager.serving_version)
 
-    async def ProbeSharedMemory(self, request, context) -> inference_pb2.ProbeSharedMemoryResponse:
+    async def ProbeSharedMemory(
+        self, request: inference_pb2.ProbeSharedMemoryRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ProbeSharedMemoryResponse:
         """Read back weight-sync's probe segment (probe.py): how it learns shared memory reaches us."""
         try:
             return read_probe(request)

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from looprl.common.v1 import common_pb2
 from services.kit.codec import PROTO_TO_TORCH, TORCH_TO_PROTO
 
 
@@ -34,7 +35,7 @@ def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def proto_dtype(dtype: torch.dtype) -> int:
+def proto_dtype(dtype: torch.dtype) -> common_pb2.DType:
     return TORCH_TO_PROTO[dtype]
 
 

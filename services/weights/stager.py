@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +40,7 @@ from .coverage import Coverage
 from .errors import IncompleteVersion, InvalidWeights, StaleVersion
 from .shm import ShmReader
 from .specs import ParamLike, ParamSpec, as_param_specs, dtype_name, itemsize, torch_dtype_of
-from .wire import DecodedStageRequest
+from .wire import DecodedStageRequest, SliceLike
 
 
 @dataclass
@@ -128,8 +128,9 @@ class WeightStager:
             if shm is None and version != self._last_refreshed:
                 self._shm.refresh()  # forget segments a restarted sender replaced
                 self._last_refreshed = version
+            slices: Sequence[SliceLike] = request.slices
             try:
-                for i, sl in enumerate(request.slices):
+                for i, sl in enumerate(slices):
                     if sl.shm_adopt:
                         self._adopt_slice(i, sl, reader)
                         continue
@@ -301,7 +302,7 @@ class WeightStager:
             )
         return spec
 
-    def _adopt_slice(self, i: int, sl: inference_pb2.WeightSlice, reader: ShmReader) -> None:
+    def _adopt_slice(self, i: int, sl: SliceLike, reader: ShmReader) -> None:
         """Stage a slice of a shared copy by reference: the parameter's staged tensor becomes a
         read-only view of the copy (one per parameter, all its slices must agree on where)."""
         name = sl.name

@@ -96,6 +96,10 @@ class DecodedSlice:
         return getattr(self.meta, name)
 
 
+# A slice of a StageWeightsRequest as the receiver reads it: parsed, or decoded in place.
+SliceLike = inference_pb2.WeightSlice | DecodedSlice
+
+
 class DecodedStageRequest:
     """A StageWeightsRequest decoded by `decode_stage_request`: header fields from `head`."""
 

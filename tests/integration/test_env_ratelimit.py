@@ -101,7 +101,7 @@ def test_agent_loops_in_separate_processes_share_the_inference_limit(ray_client)
 
         from looprl.common.v1 import common_pb2
         from looprl.events.v1 import events_pb2
-        from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn
+        from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn, OneAtATime
         from services.environment_sandbox.ratelimit import RateLimiter
         from services.modeling.tokenizer import CharTokenizer
 
@@ -114,7 +114,7 @@ def test_agent_loops_in_separate_processes_share_the_inference_limit(ray_client)
             return ModelTurn(ids, [-0.1] * len(ids), "stop", 0)
 
         async def go() -> None:
-            runner = EpisodeRunner(policy, None, tok, limiter=RateLimiter(handle))
+            runner = EpisodeRunner(OneAtATime(policy), None, tok, limiter=RateLimiter(handle))
             tasks = [
                 events_pb2.EpisodeTask(
                     run_id="r",

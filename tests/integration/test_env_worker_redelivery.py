@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 CHILD = r"""
 import asyncio, re, sys
 from services.environment_sandbox.episode_worker import EpisodeWorker, WorkerConfig
-from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn
+from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn, OneAtATime
 from services.kit import subjects
 from services.kit.bus import Bus
 from services.modeling.tokenizer import CharTokenizer
@@ -37,7 +37,7 @@ async def reverse_policy(prompt_ids, sampling, session_id, min_weight_version):
 
 async def main(url, run, durable):
     bus = await Bus.connect(url, name="worker")
-    runner = EpisodeRunner(reverse_policy, None, tok)
+    runner = EpisodeRunner(OneAtATime(reverse_policy), None, tok)
     worker = EpisodeWorker(bus, runner, WorkerConfig(concurrency=1, durable=durable, ack_wait_s=1.0),
                            filter_subject=subjects.episodes(run))
     await worker.run()

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from services.inference_router.engine.scheduler import ContinuousBatchingEngine, SchedulerLimits
+from services.inference_router.engine.scheduler import ContinuousBatchingEngine, SchedulerLimits, StepExecutor
 from services.modeling.config import ModelConfig
 from services.modeling.engine_model import EngineModel
 from services.modeling.layouts import Layout, hf_params, rank_params, shard_state_dict
@@ -39,7 +39,7 @@ def to_rank_shard(
     )
 
 
-class LocalExecutor:
+class LocalExecutor(StepExecutor):
     """Runs one EngineModel (all of tp=1, or rank 0 of a group whose all_reduce is given), with the
     LoRA adapters it serves over its base."""
 
@@ -103,6 +103,8 @@ class LocalExecutor:
 
 class CPUEngine(ContinuousBatchingEngine):
     """Continuous-batching engine over a local tp=1 EngineModel."""
+
+    executor: LocalExecutor
 
     async def serve_adapter(
         self,

@@ -96,6 +96,12 @@ class _Request:
     remaining: int
     enqueued_at: float = field(default_factory=time.monotonic)
 
+    def result(self) -> EngineResult:
+        """The request's result, once every completion is in."""
+        done = [c for c in self.completions if c is not None]
+        assert len(done) == len(self.completions), "a completion is missing"
+        return EngineResult(self.req.request_id, done, len(self.req.prompt_token_ids))
+
 
 @dataclass
 class _Seq:
@@ -416,9 +422,7 @@ class ContinuousBatchingEngine(Engine):
         )
         item.remaining -= 1
         if item.remaining == 0 and not item.done.done():
-            item.done.set_result(
-                EngineResult(item.req.request_id, list(item.completions), len(item.req.prompt_token_ids))
-            )
+            item.done.set_result(item.result())
             if item.stream is not None:
                 item.stream.put_nowait(None)
 
@@ -443,9 +447,7 @@ class ContinuousBatchingEngine(Engine):
                 item.completions[i] = Completion([], [], FINISH_ABORT, self.version, [])
                 if item.stream is not None:
                     item.stream.put_nowait(StreamChunk(i, [], [], self.version, FINISH_ABORT))
-        item.done.set_result(
-            EngineResult(item.req.request_id, list(item.completions), len(item.req.prompt_token_ids))
-        )
+        item.done.set_result(item.result())
         if item.stream is not None:
             item.stream.put_nowait(None)
 

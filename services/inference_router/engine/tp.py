@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from services.inference_router.engine.cpu import to_rank_shard
-from services.inference_router.engine.scheduler import ContinuousBatchingEngine, SchedulerLimits
+from services.inference_router.engine.scheduler import ContinuousBatchingEngine, SchedulerLimits, StepExecutor
 from services.modeling.config import ModelConfig
 from services.modeling.engine_model import EngineModel
 from services.modeling.layouts import Layout, rank_params
@@ -48,7 +48,7 @@ OP_PREFILL, OP_DECODE, OP_LOAD, OP_STOP, OP_ROLLBACK = 1, 2, 3, 4, 5
 _GROUP_TIMEOUT = datetime.timedelta(hours=12)
 
 
-def make_group(host: str, port: int, rank: int, world: int, name: str) -> dist.ProcessGroup:
+def make_group(host: str, port: int, rank: int, world: int, name: str) -> dist.ProcessGroupGloo:
     """A standalone gloo group (no global default group, so several engines can share a process)."""
     store = dist.TCPStore(host, port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
     return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, _GROUP_TIMEOUT)
@@ -126,7 +126,7 @@ class _Rank:
         return int(flag) == self.group.size()
 
 
-class TPExecutor:
+class TPExecutor(StepExecutor):
     """Rank 0's StepExecutor: broadcast the step, compute the local shard, return the logits."""
 
     def __init__(self, rank0: _Rank, num_slots: int, max_model_len: int):
@@ -330,8 +330,9 @@ class TPEngine(ContinuousBatchingEngine):
 
         if not await self.all_complete(version):
             raise FailedPrecondition(f"version: {version} is not staged completely on every TP rank")
-        assert isinstance(self.executor, TPExecutor)
-        await self.swap(version, lambda: self.executor.load_staged(version))
+        executor = self.executor
+        assert isinstance(executor, TPExecutor)
+        await self.swap(version, lambda: executor.load_staged(version))
 
     async def rollback_weights(self, version: int) -> int:
         """Undo the commit of `version` on every rank (a rejected canary); returns the version served
@@ -348,8 +349,9 @@ class TPEngine(ContinuousBatchingEngine):
                 f"held before it (rank 0: {self.rank0.can_rollback(version)}, others: {remote})"
             )
         (previous,) = targets
-        assert isinstance(self.executor, TPExecutor)
-        await self.swap(previous, lambda: self.executor.rollback_staged(version), backwards=True)
+        executor = self.executor
+        assert isinstance(executor, TPExecutor)
+        await self.swap(previous, lambda: executor.rollback_staged(version), backwards=True)
         return previous
 
     async def rollback(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -106,6 +106,12 @@ def _entry(name: str, t: torch.Tensor, offset: int) -> dict[str, Any]:
     }
 
 
+def _segment_bytes(segment: shared_memory.SharedMemory) -> np.ndarray:
+    if segment.buf is None:
+        raise InvalidWeights(f"shared memory {segment.name!r} is closed")
+    return np.frombuffer(segment.buf, dtype=np.uint8)
+
+
 def _shm_handoff(version: int, tensors: Mapping[str, torch.Tensor]) -> RankHandoff:
     entries, pos = [], 0
     for name, t in tensors.items():
@@ -113,7 +119,7 @@ def _shm_handoff(version: int, tensors: Mapping[str, torch.Tensor]) -> RankHando
         pos += -(-entries[-1]["nbytes"] // _ALIGN) * _ALIGN
     segment = shared_memory.SharedMemory(create=True, size=max(pos, 1))
     try:
-        view = np.frombuffer(segment.buf, dtype=np.uint8)
+        view = _segment_bytes(segment)
         for entry, t in zip(entries, tensors.values(), strict=True):
             dst = view[entry["offset"] : entry["offset"] + entry["nbytes"]]
             np.copyto(dst, _bytes_of(t))
@@ -189,8 +195,8 @@ class UpdateReader:
                 raise InvalidWeights(
                     f"update_info.segment: shared memory {self.info['segment']!r} does not exist"
                 ) from None
-        buf = np.frombuffer(self._segment.buf, dtype=np.uint8)
-        out = {}
+        buf = _segment_bytes(self._segment)
+        out: dict[str, torch.Tensor] = {}
         for i, p in enumerate(self.info["params"]):
             start, nbytes = int(p["offset"]), int(p["nbytes"])
             if start < 0 or start + nbytes > buf.size:

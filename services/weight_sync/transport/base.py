@@ -137,7 +137,7 @@ class Transport(ABC):
             self._channels[address] = ch
         return ch
 
-    def stub(self, address: str) -> inference_pb2_grpc.InferenceEngineServiceStub:
+    def stub(self, address: str) -> inference_pb2_grpc.InferenceEngineServiceAsyncStub:
         return inference_pb2_grpc.InferenceEngineServiceStub(self.channel(address))
 
     @abstractmethod

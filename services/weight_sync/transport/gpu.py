@@ -30,7 +30,7 @@ from .base import Delivery, Endpoint, StageResult, Transport, aiter_buckets
 
 def _device_bucket(bucket, device: torch.device) -> torch.Tensor:
     host = torch.empty(bucket.nbytes, dtype=torch.uint8, pin_memory=True)
-    bucket.fill(memoryview(host.numpy()))
+    bucket.fill(host.numpy().data)
     return host.to(device, non_blocking=True)
 
 

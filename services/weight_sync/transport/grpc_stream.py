@@ -74,7 +74,7 @@ class GrpcTransport(Transport):
             buf = buffers.popleft() if buffers and buffers[0].nbytes >= bucket.nbytes else None
             if buf is None:
                 buf = np.empty(bucket.nbytes, np.uint8)
-            view = memoryview(buf)[: bucket.nbytes]
+            view = buf.data[: bucket.nbytes]
             parts = bucket.payload_parts(view)  # slices that already sit contiguous are not copied twice
             if parts is None:
                 bucket.fill(view)

@@ -116,9 +116,10 @@ async def versions_in_use(transport: Transport, endpoints: Sequence[Endpoint]) -
             return None
 
     statuses = await asyncio.gather(*(one(ep) for ep in endpoints))
-    if any(s is None for s in statuses):
+    known = [s for s in statuses if s is not None]
+    if len(known) < len(statuses):
         return None
-    return {v for s in statuses for v in (s.weight_version, s.rollback_version, s.staged_version) if v >= 0}
+    return {v for s in known for v in (s.weight_version, s.rollback_version, s.staged_version) if v >= 0}
 
 
 def _materialize(
@@ -128,7 +129,10 @@ def _materialize(
     expected = bucket.expected_sums()  # from the landing record; None when chunks are not in shm
     dests, places = [], []
     for ref in bucket.slices:
-        size = itemsize(torch_dtype_of(ref.dtype))
+        dtype = torch_dtype_of(ref.dtype)
+        if dtype is None:
+            raise DeliveryError(f"{ref.name}: unsupported dtype enum {ref.dtype}")
+        size = itemsize(dtype)
         seg, base, view = copy.region(ref.name, math.prod(ref.shape) * size)
         start = ref.offset * size
         dests.append(
@@ -147,9 +151,14 @@ def _materialize(
 
 
 async def stage_shared(
-    transport: Transport, copy: SharedCopy, delivery: Delivery, endpoints: Sequence[Endpoint]
+    transport: Transport,
+    copies: SharedCopies,
+    copy: SharedCopy,
+    delivery: Delivery,
+    endpoints: Sequence[Endpoint],
 ) -> dict[Endpoint, StageResult]:
-    """Write every bucket of `delivery` once into `copy`; each receiver adopts it and verifies its share."""
+    """Write every bucket of `delivery` once into `copy` (of `copies`, which takes it back at the end);
+    each receiver adopts it and verifies its share."""
     loop = asyncio.get_running_loop()
     version, timeout_s = delivery.version, delivery.timeout_s
     results = {ep: StageResult(ep) for ep in endpoints}
@@ -199,7 +208,7 @@ async def stage_shared(
             raise
         return results
     finally:
-        transport.shared.release(copy, version)
+        copies.release(copy, version)
 
     log.info("version %d: one shared copy for %s", version, ", ".join(map(str, endpoints)))
     bad = next(

@@ -66,7 +66,9 @@ class ShmTransport(Transport):
                     else self.shared.acquire((frozenset(endpoints), delivery.total_bytes), in_use)
                 )
                 if copy is not None:
-                    return await stage_shared(self, copy, replace(delivery, buckets=buckets), endpoints)
+                    return await stage_shared(
+                        self, self.shared, copy, replace(delivery, buckets=buckets), endpoints
+                    )
         return await self._stage_each(replace(delivery, buckets=buckets), endpoints)
 
     async def _stage_each(

@@ -11,7 +11,13 @@ import pytest
 
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
-from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn, Score, rollout_id_for
+from services.environment_sandbox.agent_loop import (
+    EpisodeRunner,
+    ModelTurn,
+    OneAtATime,
+    Score,
+    rollout_id_for,
+)
 from services.modeling.tokenizer import CharTokenizer, render_chatml
 from services.reward.registry import default_registry
 from services.reward.verifiers import ScoreInput
@@ -51,7 +57,7 @@ def task(env: str, payload: dict, **kw) -> events_pb2.EpisodeTask:
 
 async def test_single_turn_digits_rollout_layout_and_reward():
     policy = ScriptedPolicy(["4301"], [5])
-    runner = EpisodeRunner(policy, registry_scorer, TOK)
+    runner = EpisodeRunner(OneAtATime(policy), registry_scorer, TOK)
     rollout = await runner.run(task("digits", {"digits": "1234"}, sample_index=2))
     prompt, answer = rollout.turns
     assert prompt.role == common_pb2.ROLE_USER and not prompt.trainable and not prompt.logprobs
@@ -67,7 +73,7 @@ async def test_single_turn_digits_rollout_layout_and_reward():
 
 async def test_multi_turn_guess_masks_environment_turns_and_tracks_versions():
     policy = ScriptedPolicy(["8", "12", "10"], [3, 4, 4])
-    runner = EpisodeRunner(policy, registry_scorer, TOK)
+    runner = EpisodeRunner(OneAtATime(policy), registry_scorer, TOK)
     sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=4, seed=11)
     rollout = await runner.run(task("guess", {"secret": 10, "high": 16}, sampling=sampling))
     roles = [t.role for t in rollout.turns]
@@ -107,7 +113,7 @@ async def test_multi_turn_guess_masks_environment_turns_and_tracks_versions():
 
 async def test_too_long_action_ends_the_episode_unrewarded():
     policy = ScriptedPolicy(["9" * 50], [1])
-    runner = EpisodeRunner(policy, registry_scorer, TOK)
+    runner = EpisodeRunner(OneAtATime(policy), registry_scorer, TOK)
     rollout = await runner.run(
         task("digits", {"digits": "12"}, environment_config_json='{"max_action_chars": 10}')
     )

@@ -12,7 +12,7 @@ import pytest
 
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
-from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn, rollout_id_for
+from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn, OneAtATime, rollout_id_for
 from services.environment_sandbox.environments import EnvironmentError_
 from services.environment_sandbox.environments.guess import guess_reward
 from services.modeling.tokenizer import CharTokenizer
@@ -23,12 +23,11 @@ BIG = 104729  # the loop's per-branch seed offset
 
 
 class SeededPolicy:
-    """Replies by seed (default "1"); records every call."""
+    """Replies by seed (default "1"); records every call. Samples one turn per call: the agent loop
+    gets it as OneAtATime(policy)."""
 
-    def __init__(self, replies: dict[int, str], with_n: bool = False) -> None:
+    def __init__(self, replies: dict[int, str]) -> None:
         self.replies, self.calls = replies, []
-        if with_n:
-            self.generate_n = self._generate_n
 
     def _turn(self, seed: int) -> ModelTurn:
         ids = [*TOK.encode(self.replies.get(seed, "1")), TOK.eos_token_id]
@@ -38,9 +37,26 @@ class SeededPolicy:
         self.calls.append((len(prompt_ids), session_id, sampling.seed, 1))
         return self._turn(sampling.seed)
 
-    async def _generate_n(self, prompt_ids, sampling, session_id, min_weight_version, n):
+
+class SeededGenerator(SeededPolicy):
+    """A SeededPolicy that samples n turns of one prompt in one call, as the router does (a
+    Generator: it takes the loop's length hint, and ignores it)."""
+
+    async def __call__(
+        self, prompt_ids, sampling, session_id, min_weight_version, *, expected_output_tokens=0
+    ):
+        return await super().__call__(prompt_ids, sampling, session_id, min_weight_version)
+
+    async def generate_n(
+        self, prompt_ids, sampling, session_id, min_weight_version, n, *, expected_output_tokens=0
+    ):
         self.calls.append((len(prompt_ids), session_id, sampling.seed, n))
         return [self._turn(sampling.seed + i) for i in range(n)]  # the engines' seed + i convention
+
+
+def runner(replies: dict[int, str], with_n: bool = False) -> tuple[SeededPolicy, EpisodeRunner]:
+    policy = SeededGenerator(replies) if with_n else SeededPolicy(replies)
+    return policy, EpisodeRunner(policy if with_n else OneAtATime(policy), None, TOK)
 
 
 def fork_task(branch_at_turn: int, branches: int, max_turns: int = 4, **kw) -> events_pb2.EpisodeTask:
@@ -73,8 +89,8 @@ async def test_fork_mid_episode_shares_the_prefix_and_branches_independently(wit
         base(2, 1): "10",  # ... hits on turn 3
         base(1) + 2: "11",  # branch 2: lower, then guesses 1 until max_turns
     }
-    policy = SeededPolicy(replies, with_n)
-    rollouts = await EpisodeRunner(policy, None, TOK).run_all(fork_task(1, 3))
+    policy, loop = runner(replies, with_n)
+    rollouts = await loop.run_all(fork_task(1, 3))
 
     assert [r.sample_index for r in rollouts] == [3, 4, 5]  # sample_index * branches + b
     assert all(r.group_size == 6 and r.group_id == "g" for r in rollouts)
@@ -104,8 +120,8 @@ async def test_fork_mid_episode_shares_the_prefix_and_branches_independently(wit
 
 
 async def test_branch_at_turn_zero_is_n_samples_of_the_prompt():
-    policy = SeededPolicy({base(0) + b: str(b + 9) for b in range(4)}, with_n=True)
-    rollouts = await EpisodeRunner(policy, None, TOK).run_all(fork_task(0, 4, max_turns=1))
+    policy, loop = runner({base(0) + b: str(b + 9) for b in range(4)}, with_n=True)
+    rollouts = await loop.run_all(fork_task(0, 4, max_turns=1))
     assert [TOK.decode(r.turns[1].token_ids, skip_special_tokens=True) for r in rollouts] == [
         "9",
         "10",
@@ -117,8 +133,8 @@ async def test_branch_at_turn_zero_is_n_samples_of_the_prompt():
 
 
 async def test_episode_over_before_the_fork_point_forks_before_its_last_turn():
-    policy = SeededPolicy({base(0): "10", base(0) + 1: "3", base(0) + 2: "10"})
-    rollouts = await EpisodeRunner(policy, None, TOK).run_all(fork_task(3, 3))
+    _, loop = runner({base(0): "10", base(0) + 1: "3", base(0) + 2: "10"})
+    rollouts = await loop.run_all(fork_task(3, 3))
     first = [TOK.decode(r.turns[1].token_ids, skip_special_tokens=True) for r in rollouts]
     assert first == ["10", "3", "10"]  # branch 0 is the played episode; 1 and 2 resampled turn 0
     assert rollouts[0].reward == rollouts[2].reward == 1.0 and rollouts[1].reward == 0.0
@@ -126,12 +142,12 @@ async def test_episode_over_before_the_fork_point_forks_before_its_last_turn():
 
 
 async def test_forking_tasks_need_run_all_and_sane_counts():
-    runner = EpisodeRunner(SeededPolicy({}), None, TOK)
+    _, loop = runner({})
     with pytest.raises(EnvironmentError_, match=r"task\.branches"):
-        await runner.run(fork_task(1, 2))
+        await loop.run(fork_task(1, 2))
     with pytest.raises(EnvironmentError_, match=r"task\.branches"):
-        await runner.run_all(fork_task(1, 100000))
-    single = await runner.run_all(fork_task(1, 1))
+        await loop.run_all(fork_task(1, 100000))
+    single = await loop.run_all(fork_task(1, 1))
     assert len(single) == 1 and single[0].rollout_id == rollout_id_for("r", "t", "g", 1)
     assert single[0].sample_index == 1 and single[0].group_size == 2
 

@@ -7,7 +7,7 @@ import json
 
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
-from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn, task_source
+from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn, OneAtATime, task_source
 from services.environment_sandbox.config import LoopConfig
 from services.modeling.tokenizer import CharTokenizer
 
@@ -16,16 +16,25 @@ LENGTHS = {"brief": 3, "worked": 40}
 
 
 class LengthPolicy:
-    """Answers a "brief" question in 3 tokens and a "worked" one in 40; records the hints it got."""
+    """A Generator that answers a "brief" question in 3 tokens and a "worked" one in 40; records the
+    hints it got."""
 
     def __init__(self) -> None:
         self.hints: list[tuple[str, int]] = []
 
-    async def __call__(self, prompt_ids, sampling, session_id, min_weight_version, expected_output_tokens=0):
+    async def __call__(
+        self, prompt_ids, sampling, session_id, min_weight_version, *, expected_output_tokens=0
+    ):
         kind = "brief" if "brief" in TOK.decode(prompt_ids) else "worked"
         self.hints.append((kind, expected_output_tokens))
         ids = [TOK.encode("7")[0]] * (LENGTHS[kind] - 1) + [TOK.eos_token_id]
         return ModelTurn(ids, [-0.1] * len(ids), "stop", 0, kind)
+
+    async def generate_n(
+        self, prompt_ids, sampling, session_id, min_weight_version, n, *, expected_output_tokens=0
+    ):
+        args = (prompt_ids, sampling, session_id, min_weight_version)
+        return [await self(*args, expected_output_tokens=expected_output_tokens) for _ in range(n)]
 
 
 def math_task(i: int, source: str) -> events_pb2.EpisodeTask:
@@ -54,7 +63,7 @@ async def test_each_source_gets_its_own_predicted_length_after_its_first_turn():
     assert {hint for kind, hint in later if kind == "worked"} == {40}
 
 
-async def test_no_hint_when_prediction_is_off_or_the_generator_takes_none():
+async def test_no_hint_when_prediction_is_off_or_the_model_is_a_plain_function():
     policy = LengthPolicy()
     runner = EpisodeRunner(policy, None, TOK, config=LoopConfig(predict_output_lengths=False))
     for i in range(3):
@@ -67,7 +76,7 @@ async def test_no_hint_when_prediction_is_off_or_the_generator_takes_none():
         calls.append(len(prompt_ids))
         return ModelTurn([TOK.eos_token_id], [-0.1], "stop", 0, "d")
 
-    runner = EpisodeRunner(plain, None, TOK)
+    runner = EpisodeRunner(OneAtATime(plain), None, TOK)
     await runner.run(math_task(0, "brief"))
     await runner.run(math_task(1, "brief"))
     assert len(calls) == 2

@@ -12,7 +12,7 @@ import pytest
 
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
-from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn
+from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn, OneAtATime
 from services.environment_sandbox.environments import EnvContext, EnvironmentError_, make_environment
 from services.environment_sandbox.ratelimit import Limit, LimitError, RateLimiter, TokenBuckets, parse_limits
 from services.modeling.tokenizer import CharTokenizer
@@ -53,7 +53,7 @@ def max_in_window(stamps: list[float], window: float) -> int:
 
 async def test_environment_config_limits_inference_calls_of_concurrent_episodes():
     policy = StampingPolicy()
-    runner = EpisodeRunner(policy, None, TOK)
+    runner = EpisodeRunner(OneAtATime(policy), None, TOK)
     config = {"max_turns": 3, "rate_limits": {"inference": {"requests_per_s": 40, "request_burst": 2}}}
     started = time.monotonic()
     rollouts = await asyncio.gather(*(runner.run(guess_task(i, config)) for i in range(4)))
@@ -71,7 +71,7 @@ async def test_tokens_per_s_counts_prompt_plus_max_tokens_and_service_limits_win
     limiter = RateLimiter(local=buckets)
     policy = StampingPolicy()
     service = {"inference": Limit(tokens_per_s=1e9, token_burst=1e9)}
-    runner = EpisodeRunner(policy, None, TOK, limiter=limiter, rate_limits=service)
+    runner = EpisodeRunner(OneAtATime(policy), None, TOK, limiter=limiter, rate_limits=service)
     # The environment asks for a tight limit; the operator's (service) limit replaces it.
     config = {"max_turns": 2, "rate_limits": {"inference": {"tokens_per_s": 1}}}
     await runner.run(guess_task(0, config))

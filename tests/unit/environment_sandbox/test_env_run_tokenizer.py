@@ -15,7 +15,7 @@ import transformers
 
 from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
-from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn
+from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn, OneAtATime
 from services.environment_sandbox.environments import EnvironmentError_
 from services.kit.recipe import RecipeError, parse_recipe
 from services.modeling.hf_tokenizer import HFTokenizer
@@ -68,7 +68,7 @@ async def test_a_chat_turn_is_sent_as_transformers_renders_it(hf_dir):
     hf = transformers.AutoTokenizer.from_pretrained(hf_dir)
     generator = RecordingGenerator(load_tokenizer(hf_dir), ["4321"])
     # The service's default tokenizer is char: the task's tokenizer (the run's) wins.
-    runner = EpisodeRunner(generator, None, TokenizerCache("char"))
+    runner = EpisodeRunner(OneAtATime(generator), None, TokenizerCache("char"))
     rollout = await runner.run(_task("digits", {"digits": "1234"}, str(hf_dir)))
     (prompt,) = generator.prompts
     assert prompt == _hf_ids(hf, [{"role": "user", "content": "rev 1234"}])
@@ -81,7 +81,7 @@ async def test_a_multi_turn_guess_extends_the_ids_as_the_template_renders_the_wh
     hf = transformers.AutoTokenizer.from_pretrained(hf_dir)
     replies = ["8", "12", "10"]
     generator = RecordingGenerator(load_tokenizer(hf_dir), replies)
-    runner = EpisodeRunner(generator, None, TokenizerCache("char"))
+    runner = EpisodeRunner(OneAtATime(generator), None, TokenizerCache("char"))
     task = _task("guess", {"secret": 10, "high": 16}, str(hf_dir), {"max_turns": 4})
     rollout = await runner.run(task)
     conversation = [
@@ -108,7 +108,7 @@ async def test_a_multi_turn_guess_extends_the_ids_as_the_template_renders_the_wh
 
 async def test_tasks_without_a_tokenizer_keep_the_char_template(hf_dir):
     generator = RecordingGenerator(CharTokenizer(), ["3"])
-    runner = EpisodeRunner(generator, None, CharTokenizer())
+    runner = EpisodeRunner(OneAtATime(generator), None, CharTokenizer())
     await runner.run(_task("digits", {"digits": "3"}, ""))
     assert generator.prompts == [
         CharTokenizer().encode("<|im_start|>user\nrev 3<|im_end|>\n<|im_start|>assistant\n")
@@ -116,7 +116,7 @@ async def test_tasks_without_a_tokenizer_keep_the_char_template(hf_dir):
 
 
 async def test_a_missing_tokenizer_directory_is_a_bad_task_naming_model_tokenizer(tmp_path):
-    runner = EpisodeRunner(RecordingGenerator(CharTokenizer(), ["1"]), None, TokenizerCache())
+    runner = EpisodeRunner(OneAtATime(RecordingGenerator(CharTokenizer(), ["1"])), None, TokenizerCache())
     with pytest.raises(
         EnvironmentError_,
         match=r"^task\.tokenizer \(the run's model\.tokenizer\): .*nope' is neither 'char' nor",
