@@ -74,7 +74,7 @@ WARM_START_STEPS = 300
 # worked solutions, drawn with a seed no run uses (a run draws its tasks with its own seed).
 ENVIRONMENT_WARM_START_TASKS = 2000
 WARM_START_TASK_SEED = 0
-# looprl's best configuration for this shape (measured: see the README's peer_trl rows).
+# looprl's best configuration for this shape (its figures: the peer_trl rows of docs/benchmarks.md).
 LOOPRL_OVERRIDES: dict[str, dict[str, object]] = {"run": {"max_staleness": 1}}
 
 

@@ -269,7 +269,7 @@ def memcpy_bandwidth(sources: list[np.ndarray], repeat: int = 3) -> float:
 def cache_warm_memcpy_bandwidth(total: int, chunk: int, repeat: int = 3) -> float:
     """For reference only (printed, not a baseline): one `chunk`-byte buffer copied over and over.
     With a 32 MiB buffer and a 32 MiB L3 much of it stays in cache, so it runs faster than any copy
-    of a model that does not fit in cache can; it was this bench's baseline before."""
+    of a model that does not fit in cache can, which is why the baseline is `memcpy_bandwidth`."""
     src = np.random.default_rng(1).integers(0, 255, chunk, dtype=np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)

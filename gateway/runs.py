@@ -47,9 +47,9 @@ from services.kit.recipe import Recipe, RunRecord, sampling_seed
 
 # Steps fed before their weight version exists. Their episodes wait at the router (bounded by its
 # version_wait_s; past it they are redelivered) and start the moment the version lands, instead of
-# after the trainer's step record has crossed NATS, the gateway, NATS again and the sandbox: that
-# round trip was ~10 ms of each ~130 ms synchronous step of the tiny recipe. It changes no sampling
-# version: an episode's min_weight_version is still its step minus max_staleness.
+# after the trainer's step record has crossed NATS, the gateway, NATS again and the sandbox (a round
+# trip bench/step_timeline.py shows in every synchronous step of the tiny recipe). It changes no
+# sampling version: an episode's min_weight_version is still its step minus max_staleness.
 FEED_AHEAD_STEPS = 1
 
 
@@ -60,9 +60,8 @@ def feed_horizon(trained: int, planned: int, max_staleness: int) -> int:
     Asynchronous runs feed FEED_AHEAD_STEPS past their staleness bound. A synchronous run feeds
     step `trained + 1` only once step `trained` is planned: its episodes then reach the replica
     while the trainer computes that step, on the core its one-threaded update leaves idle, instead of
-    landing with the new version and slowing its staging and prefill (default recipe, 2 cores:
-    generation ~10 ms shorter, the update ~6 ms longer, bench/step_timeline.py; steps ~3 ms
-    shorter, measured on alternate steps of one run). A plan (even a forged or stale key) moves
+    landing with the new version and slowing its staging and prefill (bench/step_timeline.py shows
+    the phases of a step, bench/peer_trl.py the steps/s). A plan (even a forged or stale key) moves
     nothing past `trained + 1`, where the feed-ahead rule would be anyway; without plans it feeds
     at `trained`.
     """

@@ -57,7 +57,7 @@ def value_vs_baseline(row: dict[str, Any]) -> str:
         if row.get("ratio") is not None:
             ratio = number(row["ratio"])
             text += f" = {f'**{ratio}**' if checks == 'ratio' else ratio}"
-    if row.get("spread"):
+    if row.get("spread") and (row.get("repeats") or 0) > 1:
         lo, hi = row["spread"]
         text += f" ({number(lo)}-{number(hi)} over {row['repeats']})"
     return text
@@ -76,12 +76,19 @@ def rows(where: Path, checked_only: bool) -> list[tuple[str, str, dict[str, Any]
 def readme_table(where: Path = results.RESULTS_DIR) -> str:
     reasons = results.load_reasons(where / results.REASONS.name)
     lines = ["| figure | value vs baseline | target | met |", "|---|---|---|---|"]
+    hosts = set()
     for bench, figure, row, verdict in rows(where, checked_only=True):
+        hosts.add(row.get("host", "unknown"))
         lines.append(
             f"| {bench} `{figure}` | {value_vs_baseline(row)} | {row['target']} | "
             f"{status(verdict, reasons.get((bench, figure)))} |"
         )
+    lines += ["", measured_on(hosts)]
     return "\n".join(lines)
+
+
+def measured_on(hosts: set[str]) -> str:
+    return "Measured on: " + "; ".join(sorted(hosts)) + ". In brackets: the spread over the bench's repeats."
 
 
 def benchmarks_table(where: Path = results.RESULTS_DIR) -> str:
@@ -99,7 +106,7 @@ def benchmarks_table(where: Path = results.RESULTS_DIR) -> str:
             f"| {bench} `{figure}` | {value_vs_baseline(row)} | {row['target']} | "
             f"{status(verdict, reasons.get((bench, figure)))} | {measured} |"
         )
-    lines += ["", "Measured on: " + "; ".join(sorted(hosts)) + "."]
+    lines += ["", measured_on(hosts)]
     return "\n".join(lines)
 
 

@@ -604,7 +604,8 @@ class DeploymentSpec(Section):
     16 names; amounts 1e-4 to 1e6; CPU and GPU are not custom."""
     weight_transport: WeightTransport = "auto"
     """How weight-sync delivers weights to this deployment's replicas: auto (shared memory to
-    co-located replicas, gRPC to the others), grpc, shm, shared_copy, cuda_ipc or nccl."""
+    co-located replicas, gRPC to the others), grpc, shm, shared_copy, cuda_ipc (a CUDA host; never
+    run on a GPU yet) or nccl (refused: weight-sync creates no NCCL group yet)."""
     canary: bool = False
     """Canary weight updates: a new version serves on the first replica only until its greedy
     log-probs on golden prompts drift within canary_max_logprob_drift of the version before;

@@ -52,7 +52,8 @@ _tracer = trace.get_tracer("looprl.rollout_packer")
 
 # Longest a gauge (queue depth, pending groups, unacked steps) goes unrefreshed while the run is live.
 # Counting the queue walks every held rollout, which between checkpoint acks is up to
-# checkpoint_every steps of them: once per intake batch that was ~13% of the packer's CPU.
+# checkpoint_every steps of them: once per intake batch that was a large share of the packer's CPU
+# (bench/step_cpu.py measures it per service).
 GAUGE_REFRESH_S = 0.5
 
 # Policy drops are acked (the message was fine, we chose not to train it); invalid rollouts are termed.

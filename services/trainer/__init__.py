@@ -1,1 +1,2 @@
-"""Trainer service: FSDP2 ranks on Ray, packed GRPO/PPO loss, sharded checkpoints, weight push."""
+"""Trainer service: FSDP2 ranks on Ray, packed GRPO-family policy-gradient loss (clipped, no critic),
+sharded checkpoints, weight push."""

@@ -55,8 +55,8 @@ class TrainerSpec:
 
 # Per-layer wrapping bounds the unsharded parameters to one layer at a time, which is what lets a
 # large model fit; below this size the whole model unsharded is a few hundred MB at most, and one
-# all-gather and one reduce-scatter a micro-batch cost less than one of each per layer (measured on
-# the default recipe's 2 CPU ranks: 11% more steps/s).
+# all-gather and one reduce-scatter a micro-batch cost less than one of each per layer (on the
+# default recipe's 2 CPU ranks; bench/loop_vs_single_process.py measures the step).
 SHARD_LAYERS_ABOVE_PARAMS = 50_000_000
 
 

@@ -169,8 +169,9 @@ class TrainerWorker:
         if self.device.type == "cuda" and model_section.dtype == "bfloat16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         elif self.world_size == 1:
-            # Nothing to shard: FSDP's hooks and DTensor dispatch would only slow every step down
-            # (~40% of a tiny model's step on CPU). Pushes, checkpoints and grads handle plain tensors.
+            # Nothing to shard: FSDP's hooks and DTensor dispatch would only slow every step down (a
+            # large share of a tiny model's step on CPU: bench/step_timeline.py). Pushes,
+            # checkpoints and grads handle plain tensors.
             return model
         if shards_layers(spec, sum(p.numel() for p in model.parameters())):
             for layer in causal_lm.decoder_layers(model):

@@ -3,10 +3,10 @@
 Every gRPC bucket is a fresh ~32 MiB allocation on both ends (the encoded message on the sender,
 the received bytes on the receiver). glibc serves allocations above its mmap threshold (at most
 32 MiB, adjusted dynamically) with a fresh mmap and unmaps them on free, so every page of every
-bucket is faulted in and zeroed again: measured on the bench model (954 MB), 120-150k page
-faults per sync in the receiver and ~100k in the sender, a third of the time of a gRPC sync.
-Raising the mmap threshold above the largest bucket (and the trim threshold with it) lets freed
-buckets be reused from the heap: faults drop to a few thousand and the sync runs ~1.3x faster.
+bucket is faulted in and zeroed again: on bench/weight_sync.py's model, a large share of a gRPC
+sync's time is page faults on both ends. Raising the mmap threshold above the largest bucket (and
+the trim threshold with it) lets freed buckets be reused from the heap: faults drop to a few
+thousand per sync, and bench/weight_sync.py's gRPC figures rise with it.
 
 The cost is memory kept: up to `trim_bytes` of freed heap at the top (and `top_pad_bytes` more per
 heap growth) may stay resident instead of going back to the OS (a weight receiver holds two copies

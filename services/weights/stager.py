@@ -82,8 +82,8 @@ class WeightStager:
         self._retiring: int | None = None  # version that stopped serving at the last commit
         self._previous: tuple[int, dict[str, torch.Tensor]] | None = None  # the rollback point
         # Kept for the stager's lifetime: weight-sync reuses its segments, and mapping one afresh
-        # per bucket populates the page tables of the whole segment each time (~30-80 ms for the
-        # default 256 MB arena, on every version of even a tiny model).
+        # per bucket populates the page tables of the whole segment each time (tens of ms for the
+        # default 256 MB arena, on every version of even a tiny model: bench/weight_sync.py).
         self._shm = ShmReader()
         self._last_refreshed: int | None = None
         self._adopted: dict[str, tuple[str, int]] = {}  # name -> (segment, byte offset) this version
