@@ -29,7 +29,7 @@ import tomllib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -77,21 +77,19 @@ def checked_quantity(record: dict[str, Any], subject: str = "") -> float | None:
     return record.get(key)
 
 
-@dataclass(frozen=True)
-class Verdict:
-    status: str  # "met", "missed", "reference", "quick"
-    detail: str = ""
+# A figure's standing against its target.
+Verdict = Literal["met", "missed", "reference", "quick"]
 
 
 def judge(record: dict[str, Any], same_bench: dict[str, dict[str, Any]]) -> Verdict:
-    """Whether a figure meets its target; `same_bench` maps the bench's figures by name, for a
-    clause that names another figure. A --quick run's figures are not held to the target (its sizes
-    are not the ones the target is for)."""
+    """Whether a figure meets its target: "met", "missed", "reference" (no checkable target) or
+    "quick" (a --quick run's figure, not held to the target: its sizes are not the ones the target
+    is for). `same_bench` maps the bench's figures by name, for a clause that names another one."""
     clauses = parse_target(record["target"])
     if not clauses:
-        return Verdict("reference")
+        return "reference"
     if record.get("quick"):
-        return Verdict("quick")
+        return "quick"
     for clause in clauses:
         # A subject with an underscore names a figure of the bench ("p99_ratio <= 0.7"); another word
         # before the comparison ("mean reward > 0.05") is prose, and the clause is about this figure.
@@ -102,8 +100,8 @@ def judge(record: dict[str, Any], same_bench: dict[str, dict[str, Any]]) -> Verd
                 continue  # that figure was not measured
         quantity = checked_quantity(other or record, "" if other else clause.subject)
         if quantity is not None and _OPS[clause.op](quantity, clause.number):
-            return Verdict("met")
-    return Verdict("missed")
+            return "met"
+    return "missed"
 
 
 # ---- writing ------------------------------------------------------------------------------------

@@ -64,13 +64,13 @@ def value_vs_baseline(row: dict[str, Any]) -> str:
 
 
 def status(verdict: results.Verdict, reason: str | None) -> str:
-    text = STATUS[verdict.status]
-    return f"{text}: {reason}" if verdict.status == "missed" and reason else text
+    text = STATUS[verdict]
+    return f"{text}: {reason}" if verdict == "missed" and reason else text
 
 
 def rows(where: Path, checked_only: bool) -> list[tuple[str, str, dict[str, Any], results.Verdict]]:
     found = list(results.verdicts(results.load(where)))
-    return [r for r in found if not checked_only or r[3].status != "reference"]
+    return [r for r in found if not checked_only or r[3] != "reference"]
 
 
 def readme_table(where: Path = results.RESULTS_DIR) -> str:
