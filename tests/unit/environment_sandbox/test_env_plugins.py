@@ -16,7 +16,7 @@ from looprl.events.v1 import events_pb2
 from services.environment_sandbox.agent_loop import EpisodeRunner
 from services.environment_sandbox.config import SandboxConfig
 from services.environment_sandbox.environments import PluginFailure, set_plugin_dirs
-from services.environment_sandbox.model_io import ModelTurn
+from services.environment_sandbox.model_io import ModelTurn, OneAtATime
 from services.environment_sandbox.run_dataset import DatasetCache
 from services.environment_sandbox.sandbox import SandboxPool
 from services.environment_sandbox.servicer import EnvironmentSandboxServicer
@@ -106,7 +106,7 @@ class _Model:
 
 
 async def test_an_environment_raising_mid_episode_stops_the_run(servicer) -> None:
-    runner = EpisodeRunner(_Model(), None, CharTokenizer())
+    runner = EpisodeRunner(OneAtATime(_Model()), None, CharTokenizer())
     task = events_pb2.EpisodeTask(
         run_id="r",
         task_id="t",
