@@ -45,15 +45,20 @@ def short_unit(unit: str) -> str:
     return unit.split(" (")[0].split(":")[0].strip()
 
 
+# Units shown scaled: bytes/s as GB/s.
+SCALED = {"bytes/s": ("GB/s", 1e-9)}
+
+
 def value_vs_baseline(row: dict[str, Any]) -> str:
     unit = short_unit(row["unit"])
+    unit, scale = SCALED.get(unit, (unit, 1.0))
     checks = row.get("checks") or results.default_checks(row.get("ratio"))
-    value = number(row["value"])
+    value = number(row["value"] * scale)
     if checks == "value":
         value = f"**{value}**"
     text = f"{value} {unit}"
     if row.get("baseline") is not None:
-        text = f"{value} vs {number(row['baseline'])} {unit}"
+        text = f"{value} vs {number(row['baseline'] * scale)} {unit}"
         if row.get("ratio") is not None:
             ratio = number(row["ratio"])
             text += f" = {f'**{ratio}**' if checks == 'ratio' else ratio}"
