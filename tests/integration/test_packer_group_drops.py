@@ -10,12 +10,12 @@ import dataclasses
 import json
 import uuid
 
+from bench.harness.synthetic_rollouts import make_rollout
 from services.kit import rollout_messages, subjects
 from services.kit.bus import Bus
 from services.kit.packer_reports import parse_drops
 from services.rollout_packer.step import PackerSettings
 from tests.support.packer import running_packer
-from tests.support.synthetic_rollouts import make_rollout
 
 SETTINGS = PackerSettings(prompts_per_step=2, group_size=2, world_size=1, samples_every=1, samples_per_step=3)
 
