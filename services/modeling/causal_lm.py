@@ -11,16 +11,20 @@ where it implements the architecture and every feature of the config, "fast" ins
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from services.modeling.config import Implementation, ModelConfig, read_config, with_implementation
 
+if TYPE_CHECKING:
+    from services.modeling.generic import GenericCausalLM
+    from services.modeling.qwen2 import Qwen2ForCausalLM
+
 __all__ = ["build", "causal_lm_class", "decoder_layers", "load", "read_config", "with_implementation"]
 
 
-def causal_lm_class(config: ModelConfig) -> type:
+def causal_lm_class(config: ModelConfig) -> type[GenericCausalLM] | type[Qwen2ForCausalLM]:
     if config.generic:
         from services.modeling.generic import GenericCausalLM
 

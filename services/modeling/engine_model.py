@@ -50,7 +50,7 @@ class Adapter:
 
 
 # The adapters of a forward pass: each with the rows (tokens) it applies to, None for all rows.
-AdapterRows = list[tuple[Adapter, Tensor | None]]
+AdapterRows = Sequence[tuple[Adapter, Tensor | None]]
 MIN_GEMM_ROWS = 8
 KEY_BLOCK = 64
 # all_gather(t) -> [tp, *t.shape]: every rank's t (all the same shape) stacked in rank order.

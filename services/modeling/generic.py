@@ -100,6 +100,8 @@ def block_mask(cu_seqlens: Tensor, segments: Tensor | None, total: int, device: 
 class GenericCausalLM(nn.Module):
     """A transformers causal LM behind the interface of services/modeling/qwen2.Qwen2ForCausalLM."""
 
+    hf: Any  # the transformers model (set around nn.Module: its children are ours, not it)
+
     def __init__(self, config: ModelConfig, seed: int | None = 0) -> None:
         super().__init__()
         if not config.generic:
