@@ -79,7 +79,7 @@ def load(spec: ServiceSpec) -> ServiceConfig:
     """The service's config from the environment, checked; ConfigError names what is wrong."""
     from services.kit import tls  # grpc: not needed for --help
 
-    config = load_config(spec.config_class(), spec.env_prefix)
+    config: ServiceConfig = load_config(spec.config_class(), spec.env_prefix)
     # Before the service opens any channel: without certificates (and no explicit opt-out) the
     # process stops here, with the variables to set.
     tls.configure(spec.name, config)

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from services.kit.config import ServiceConfig
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -50,7 +47,7 @@ class ServiceSpec:
     services are given the cluster's address and token (RAY_AUTH_TOKEN), in `looprl up`, compose and
     Kubernetes alike."""
 
-    def config_class(self) -> type[ServiceConfig]:
+    def config_class(self) -> type:
         return _resolve(self.config)
 
     def serve_function(self) -> Any:
