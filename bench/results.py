@@ -9,8 +9,8 @@ from them, and tests/unit/bench/test_results_table.py fails when a table is stal
 its target without a reason in `bench/results/reasons.toml`.
 
 A target is text a reader understands and this module checks: one or more clauses joined by "or",
-each `[subject] OP NUMBER` (OP one of >=, <=, >, <), e.g. ">= 1.3", "<= 2x", "< 15 s",
-">= 1.3 (or p99_ratio <= 0.7)". The subject is the figure's ratio, its value, or another figure of
+each `[subject] OP NUMBER` (OP one of >=, <=, >, <) or `[subject] LOW..HIGH` (both bounds
+included), e.g. ">= 1.3", "<= 2x", "< 15 s", ">= 1.3 (or p99_ratio <= 0.7)", "0.75..1.25". The subject is the figure's ratio, its value, or another figure of
 the same bench by name; without one it is whatever the figure's `checks` says (its ratio when it has
 one, else its value). A target without a clause ("reference", "higher is better") is not checked.
 """
@@ -43,24 +43,36 @@ _OPS: dict[str, Callable[[float, float], bool]] = {
     ">": operator.gt,
     "<": operator.lt,
 }
+_NUMBER = r"-?\d+(?:\.\d+)?"
 _CLAUSE = re.compile(
-    r"(?:\b(?P<subject>[A-Za-z_][A-Za-z0-9_]*)\s+)?(?P<op>>=|<=|>|<)\s*(?P<number>-?\d+(?:\.\d+)?)"
+    r"(?:\b(?P<subject>[A-Za-z_][A-Za-z0-9_]*)\s+)?"
+    rf"(?:(?P<low>{_NUMBER})\s*\.\.\s*(?P<high>{_NUMBER})|(?P<op>>=|<=|>|<)\s*(?P<number>{_NUMBER}))"
 )
 
 
 @dataclass(frozen=True)
 class Clause:
     subject: str  # "ratio", "value", another figure's name, or "" for the figure's own `checks`
-    op: str
-    number: float
+    op: str  # one of _OPS, or ".." for a range
+    number: float  # the bound, or a range's low end
+    high: float | None = None  # a range's high end
+
+    def holds(self, quantity: float) -> bool:
+        if self.high is not None:
+            return self.number <= quantity <= self.high
+        return _OPS[self.op](quantity, self.number)
 
 
 def parse_target(target: str) -> list[Clause]:
     """The checkable clauses of a target (any one met meets it); [] when it is only a reference."""
-    return [
-        Clause(match["subject"] or "", match["op"], float(match["number"]))
-        for match in _CLAUSE.finditer(target)
-    ]
+    clauses = []
+    for match in _CLAUSE.finditer(target):
+        subject = match["subject"] or ""
+        if match["low"] is not None:
+            clauses.append(Clause(subject, "..", float(match["low"]), float(match["high"])))
+        else:
+            clauses.append(Clause(subject, match["op"], float(match["number"])))
+    return clauses
 
 
 def default_checks(ratio: float | None) -> str:
@@ -99,7 +111,7 @@ def judge(record: dict[str, Any], same_bench: dict[str, dict[str, Any]]) -> Verd
             if other is None:
                 continue  # that figure was not measured
         quantity = checked_quantity(other or record, "" if other else clause.subject)
-        if quantity is not None and _OPS[clause.op](quantity, clause.number):
+        if quantity is not None and clause.holds(quantity):
             return "met"
     return "missed"
 

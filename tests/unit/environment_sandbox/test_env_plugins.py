@@ -151,7 +151,7 @@ def source_exits():
 
 async def test_plugin_code_that_exits_fails_its_run_not_the_service(servicer, tmp_path: Path) -> None:
     (tmp_path / "exits.py").write_text(EXITS)
-    runner = EpisodeRunner(_Model(), None, CharTokenizer())
+    runner = EpisodeRunner(OneAtATime(_Model()), None, CharTokenizer())
     task = events_pb2.EpisodeTask(
         run_id="r",
         task_id="t",
