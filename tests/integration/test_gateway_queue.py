@@ -13,13 +13,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from bench.harness.local_fleet import RouterProcess
 from gateway.config import token_sha256
 from gateway.queue import CLUSTER_TTL_S, ClusterState
 from looprl.gateway.v1 import gateway_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.kit import tls
 from tests.support.gateway import AUTH, GatewayProcess, http
-from tests.support.local_fleet import RouterProcess
 
 Q_TOKEN, VIP_TOKEN = "token-of-team-q", "token-of-team-vip"
 RECIPE = '[run]\nname = "{name}"\nsteps = 50\n[batch]\nrollouts_per_step = 4\ngroup_size = 2\n'
