@@ -114,17 +114,27 @@ class _Episode:
     gen_seconds: float = 0.0
     env_seconds: float = 0.0
 
-    def fork(self) -> _Episode:
+    async def fork(self) -> _Episode:
         rollout = common_pb2.Rollout()
         rollout.CopyFrom(self.rollout)
         return dataclasses.replace(
             self,
-            env=self.env.fork(),
+            env=await self.env.afork(),
             rollout=rollout,
             context=list(self.context),
             messages=list(self.messages),
             versions=list(self.versions),
         )
+
+
+def _reply_text(tokenizer: Tokenizer, ids: list[int], keep_special: bool) -> str:
+    """The model's reply as the environment reads it. With tools, special tokens stay (a template
+    may mark <tool_call> special, as vLLM's hermes parser knows) and only the closing eos goes."""
+    if not keep_special:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return tokenizer.decode(ids)
 
 
 class EpisodeRunner:
@@ -198,6 +208,22 @@ class EpisodeRunner:
             f"{task.run_id}/{rollout_id_for(task.run_id, task.task_id, task.group_id, task.sample_index)}"
         )
         sampling = self._sampling(task, tokenizer)
+        # Every environment the task makes (forks included) is closed however the task ends: a
+        # repository workspace must not outlive its episode.
+        envs = [env]
+        try:
+            return await self._run_all(task, env, payload, tokenizer, task_json, session_id, sampling, envs)
+        finally:
+            for made in envs:
+                try:
+                    await made.close()
+                except Exception:
+                    log.exception(
+                        "closing the %s environment of task %s failed", task.environment, task.task_id
+                    )
+
+    async def _run_all(self, task, env, payload, tokenizer, task_json, session_id, sampling, envs) -> list:
+        branches = max(1, task.branches)
         episode = await self._start(task, env, payload, tokenizer)
         episode.rollout.task_source = source
         if source:  # the run's dataset names the row's source (dataset.source_field)
@@ -206,16 +232,23 @@ class EpisodeRunner:
             await self._play(episode, task, sampling, session_id, 0)
             return [await self._finish(episode, task, task_json, None, 1)]
 
+        async def fork(of: _Episode) -> _Episode:
+            made = await of.fork()
+            envs.append(made.env)
+            return made
+
         snapshot: _Episode | None = None
         while not episode.done and episode.turn < task.branch_at_turn:
-            snapshot = episode.fork()
+            if snapshot is not None:
+                await snapshot.env.close()  # superseded by the next turn's snapshot
+            snapshot = await fork(episode)
             await self._turn(episode, task, sampling, session_id, 0)
         if not episode.done:
-            forks = [episode, *(episode.fork() for _ in range(branches - 1))]
+            forks = [episode, *[await fork(episode) for _ in range(branches - 1)]]
             first = forks
         else:  # over before the fork point: fork before its last model turn, it is branch 0
             assert snapshot is not None
-            forks = [episode, *(snapshot.fork() for _ in range(branches - 1))]
+            forks = [episode, *[await fork(snapshot) for _ in range(branches - 1)]]
             first = forks[1:]
         seed = self._seed(sampling, task, first[0].turn, 0)
         if seed and first[0] is not episode:
@@ -297,7 +330,9 @@ class EpisodeRunner:
             observation = await env.reset(payload)
         env_seconds = time.perf_counter() - started
         try:
-            prompt_ids = tokenizer.apply_chat_template(observation, add_generation_prompt=True)
+            prompt_ids = tokenizer.apply_chat_template(
+                observation, add_generation_prompt=True, tools=env.tool_schemas()
+            )
         except ValueError as exc:  # the chat template refused the messages
             raise EnvironmentError_(str(exc)) from None
         rollout.turns.append(
@@ -369,7 +404,8 @@ class EpisodeRunner:
         eos = tokenizer.eos_token_id
         rollout = episode.rollout
         episode.versions.append(model.weight_version)
-        episode.last_action = tokenizer.decode(model.token_ids, skip_special_tokens=True)
+        tools = episode.env.tool_schemas()
+        episode.last_action = _reply_text(tokenizer, model.token_ids, keep_special=tools is not None)
         rollout.turns.append(
             common_pb2.Turn(
                 role=common_pb2.ROLE_ASSISTANT,
@@ -403,7 +439,7 @@ class EpisodeRunner:
             return
         episode.messages.append({"role": "assistant", "content": episode.last_action})
         try:
-            env_ids = tokenizer.chat_continuation(episode.messages, step.observation)
+            env_ids = tokenizer.chat_continuation(episode.messages, step.observation, tools=tools)
         except ValueError as exc:  # a template whose rendering of a longer chat is not an extension
             episode.finish, episode.done = f"env_error: {exc}", True
             return

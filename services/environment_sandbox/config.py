@@ -20,6 +20,52 @@ IsolationMechanism = Literal[
 ALL_ISOLATION: tuple[str, ...] = IsolationMechanism.__args__  # type: ignore[attr-defined]
 
 
+class WorkspaceConfig(Schema):
+    """Repository workspaces (workspace_init.py, workspaces.py): per-episode sandboxes over a
+    repository's base layer, kept warm per repository. The limits hold for one episode as a whole:
+    every command it runs and every fork it makes."""
+
+    warm_per_repository: int = Field(1, ge=0, le=64)
+    """Workspace sandboxes kept started, the repository's base layer mounted, per repository in use."""
+    max_warm: int = Field(16, ge=0)
+    """Warm workspace sandboxes kept in all (the least recently used repository's go first)."""
+    max_workspaces: int = Field(64, ge=1)
+    """Live workspaces (episodes and their forks) at once; one more waits for a free slot."""
+    disk_bytes: int = Field(256 * 1024 * 1024, ge=1 << 20)
+    """What an episode may write to its workspace (the upper layer's tmpfs; counted in its memory)."""
+    disk_inodes: int = Field(16384, ge=64)
+    """Files and directories an episode may create in its workspace."""
+    memory_bytes: int = Field(1024 * 1024 * 1024, ge=16 << 20)
+    """Memory of an episode's sandbox, its processes and the workspace it wrote (cgroup)."""
+    pids: int = Field(128, ge=8)
+    """Processes and threads of an episode's sandbox at once (cgroup)."""
+    cpu_quota: float = Field(1.0, ge=0.0)
+    """CPUs an episode's sandbox may use at once (cgroup CPU quota); 0: unlimited."""
+    cpu_seconds: float = Field(600.0, gt=0.0)
+    """CPU time an episode may use in all; a command after that is refused (cgroup v2 accounting)."""
+    command_timeout_s: float = Field(30.0, gt=0.0)
+    """Default wall clock of one command."""
+    max_command_timeout_s: float = Field(300.0, gt=0.0)
+    """Longest wall clock a command may ask for."""
+    episode_timeout_s: float = Field(1800.0, gt=0.0)
+    """Wall clock of an episode from its workspace's start; its workspace is closed after that."""
+    max_output_bytes: int = Field(64 * 1024, ge=1024)
+    """Output (stdout and stderr together) kept per command."""
+    max_layers: int = Field(48, ge=2, le=128)
+    """Layers under a workspace (base, frozen forks, hidden tests): bounds how deep forks of forks go."""
+    runtime_packages: tuple[str, ...] = ("pytest",)
+    """Python distributions (and what they require) copied from the service's environment into the
+    read-only runtime commands run with."""
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> WorkspaceConfig:
+        if self.command_timeout_s > self.max_command_timeout_s:
+            raise field_error(
+                "command_timeout_s", f"must be <= max_command_timeout_s ({self.max_command_timeout_s})"
+            )
+        return self
+
+
 class SandboxConfig(Schema):
     """Limits and pool sizes of sandboxed code execution; a request's timeout and memory may only
     lower the ceilings here."""
@@ -68,6 +114,8 @@ class SandboxConfig(Schema):
     """Host paths shown read-only inside the sandbox besides the interpreter (absolute)."""
     start_timeout_s: float = Field(15.0, gt=0.0)
     """How long a worker may take to start."""
+    workspace: WorkspaceConfig = WorkspaceConfig()
+    """Repository workspaces for coding agents (their limits are per episode)."""
 
     @field_validator("readonly_paths")
     @classmethod

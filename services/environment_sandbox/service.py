@@ -62,7 +62,7 @@ async def serve(cfg: EnvServiceConfig) -> None:
             RouterGenerator(open_channel(cfg.router_address)),
             scorer,
             tokenizers,
-            EnvContext(executor=pool.run_code),
+            EnvContext(executor=pool.run_code, workspaces=pool.workspaces),
             cfg.loop,
             limiter=limiter,
             rate_limits=cfg.parsed_rate_limits,

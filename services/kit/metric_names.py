@@ -477,6 +477,37 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Executions that ran on a sandbox actor",
         "environment-sandbox",
     ),
+    _h(
+        "looprl_workspace_setup_seconds",
+        "seconds",
+        ("start",),
+        "Time from an episode asking for a repository workspace until commands can run in it "
+        "(start: warm from the repository's pool, or cold)",
+        "environment-sandbox",
+        SECONDS_BUCKETS,
+    ),
+    _h(
+        "looprl_workspace_fork_seconds",
+        "seconds",
+        (),
+        "Time to fork a live workspace (freeze its upper layer, mount a new one over it)",
+        "environment-sandbox",
+        SECONDS_BUCKETS,
+    ),
+    _g(
+        "looprl_workspaces",
+        "workspaces",
+        (),
+        "Live repository workspaces (episodes and forks)",
+        "environment-sandbox",
+    ),
+    _c(
+        "looprl_workspace_commands_total",
+        "commands",
+        ("result",),
+        "Commands run in repository workspaces (result: exit_0, exit_nonzero, timeout, refused)",
+        "environment-sandbox",
+    ),
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}

@@ -4,12 +4,21 @@ ships no chat template: its special tokens and how a conversation renders as tex
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
+
+from services.modeling.tool_calls import hermes_messages, needs_rewrite
 
 PAD, EOT, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
 
-def render_chatml(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """ChatML text: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then the assistant header."""
+def render_chatml(
+    messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> str:
+    """ChatML text: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then the assistant header.
+    With tools, tool calls or tool results, the conversation is first written in the Hermes
+    convention (services/modeling/tool_calls.py), as Qwen2.5's template renders it."""
+    if tools or needs_rewrite(messages):
+        messages = hermes_messages(messages, tools)
     parts = []
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
@@ -22,7 +31,7 @@ def render_chatml(messages: list[dict[str, str]], add_generation_prompt: bool = 
 
 
 def continuation_text(
-    render: Callable[[list[dict[str, str]], bool], str],
+    render: Callable[[list[dict[str, Any]], bool], str],
     previous: list[dict[str, str]],
     new: list[dict[str, str]],
     turn_end: str,

@@ -23,6 +23,7 @@ from services.modeling.hf_tokenizer import (
     HFTokenizer,
 )
 from services.modeling.tokenizer import EOT, IM_END, IM_START, PAD, CharTokenizer, load_tokenizer
+from services.modeling.tool_calls import TOOLS_POSTAMBLE, TOOLS_PREAMBLE
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CARD_FILE = "README.md"
@@ -42,23 +43,61 @@ TOKENIZER_FILES = (
 
 # Qwen2's pre-tokenizer split: contractions, words, single digits, punctuation runs, whitespace.
 QWEN_SPLIT_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _chat_template(default_system: bool) -> str:
+    """ChatML in Jinja with tools in the Hermes convention, as Qwen2.5's template writes them (and as
+    services/modeling/tool_calls.hermes_messages rewrites a conversation): the tools block in the
+    system turn, past tool calls after the assistant's content, each run of tool results in one user
+    turn. `default_system`: a default system turn when the conversation has none (Qwen's habit)."""
+    tools_block = (
+        "{% if tools %}"
+        "{{ '<|im_start|>system\\n' }}"
+        "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+        "{% else %}{{ 'You are a helpful assistant.' }}{% endif %}"
+        "{{ " + repr(TOOLS_PREAMBLE) + " }}"
+        "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+        "{{ " + repr(TOOLS_POSTAMBLE + "<|im_end|>\n") + " }}"
+        "{% endif %}"
+    )
+    default = (
+        "{% if not tools and loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+        "{% endif %}"
+        if default_system
+        else ""
+    )
+    return (
+        tools_block
+        + "{% for message in messages %}"
+        + default
+        + "{% if tools and loop.first and message['role'] == 'system' %}"
+        "{% elif message['role'] == 'tool' %}"
+        "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+        "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+        "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+        "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+        "{{ '<|im_start|>assistant' }}"
+        "{% if message['content'] %}{{ '\\n' + message['content'] }}{% endif %}"
+        "{% for call in message['tool_calls'] %}"
+        "{% if call['function'] is defined %}{% set call = call['function'] %}{% endif %}"
+        "{{ '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+        "{{ call['arguments'] | tojson }}{{ '}\\n</tool_call>' }}"
+        "{% endfor %}"
+        "{{ '<|im_end|>\\n' }}"
+        "{% else %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+
+
 # A Jinja copy of tokenizer.render_chatml: what CharTokenizer.apply_chat_template renders.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-# Qwen2-Instruct's template: a default system turn when the conversation has none, then ChatML.
-QWEN_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHATML_TEMPLATE = _chat_template(default_system=False)
+# Qwen2.5-Instruct's template: a default system turn when the conversation has none, then ChatML,
+# tools in the Hermes convention.
+QWEN_CHAT_TEMPLATE = _chat_template(default_system=True)
 
 
 def write_tokenizer_config(

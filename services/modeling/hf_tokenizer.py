@@ -20,6 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from services.modeling.chatml import continuation_text, render_chatml
+from services.modeling.tool_calls import (
+    hermes_messages,
+    needs_rewrite,
+    normalize_tools,
+    template_renders_tools,
+)
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -173,21 +179,32 @@ class HFTokenizer:
         text = self.tokenizer.decode(ints, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up else text
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
         """The chat template's text for `messages` (ChatML when the directory ships no template);
-        ValueError when the template refuses them."""
+        ValueError when the template refuses them. Tools go to a template that renders them (Qwen2.5's);
+        for one that does not, the conversation is written in the Hermes convention first
+        (services/modeling/tool_calls.py), which is what Qwen-family models expect."""
         if self.chat_template is None:
-            return render_chatml(messages, add_generation_prompt)
+            return render_chatml(messages, add_generation_prompt, tools)
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ValueError(f"messages[{i}]: needs a string 'role'")
         import jinja2
 
+        if tools:
+            tools = normalize_tools(tools)
+        if (tools or needs_rewrite(messages)) and not template_renders_tools(self.chat_template):
+            messages, tools = hermes_messages(messages, tools), None
         template = compile_chat_template(self.chat_template)
         try:
             return template.render(
-                messages=[dict(m) for m in messages],
-                tools=None,
+                messages=[_with_call_arguments(m) for m in messages],
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
@@ -196,13 +213,39 @@ class HFTokenizer:
             raise ValueError(f"chat template of {self.name}: {exc}") from exc
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
     def chat_continuation(
-        self, previous: list[dict[str, Any]], new: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        previous: list[dict[str, Any]],
+        new: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Ids after the model's turn (ended by eos) that append `new` messages (see continuation_text)."""
         eos = self.special_tokens["eos_token"]
-        return self.encode(continuation_text(self.render_chat, previous, new, eos, add_generation_prompt))
+        render = functools.partial(self.render_chat, tools=tools)
+        return self.encode(continuation_text(render, previous, new, eos, add_generation_prompt))
+
+
+def _with_call_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """The message as templates expect it: a tool call's arguments as an object, as transformers
+    documents them (OpenAI clients send them as a JSON string)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return dict(message)
+    fixed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                call = {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+            except json.JSONDecodeError:
+                pass
+        fixed.append(call)
+    return {**message, "tool_calls": fixed}

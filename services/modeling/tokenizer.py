@@ -13,12 +13,13 @@ run's tokenizer once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from services.modeling.chatml import EOT, IM_END, IM_START, PAD, continuation_text, render_chatml
 from services.modeling.hf_tokenizer import HFTokenizer
@@ -49,13 +50,25 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]: ...
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str: ...
 
     def chat_continuation(
-        self, previous: list[dict[str, str]], new: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        previous: list[dict[str, Any]],
+        new: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]: ...
 
 
@@ -125,18 +138,31 @@ class CharTokenizer(Tokenizer):
         return "".join(out)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        return self.encode(render_chatml(messages, add_generation_prompt))
+        return self.encode(render_chatml(messages, add_generation_prompt, tools))
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return render_chatml(messages, add_generation_prompt)
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        return render_chatml(messages, add_generation_prompt, tools)
 
     def chat_continuation(
-        self, previous: list[dict[str, str]], new: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        previous: list[dict[str, Any]],
+        new: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Ids after the model's turn (ended by eos) that append `new` messages (see continuation_text)."""
-        return self.encode(continuation_text(render_chatml, previous, new, IM_END, add_generation_prompt))
+        render = functools.partial(render_chatml, tools=tools)
+        return self.encode(continuation_text(render, previous, new, IM_END, add_generation_prompt))
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
         """Mark a model directory as using this tokenizer, so load_tokenizer(directory) finds it."""

@@ -1,10 +1,11 @@
-"""Text environments: the interface, the registry, the built-ins (digits, guess, code), datasets."""
+"""Text environments: the interface, the registry, the built-ins (digits, guess, code, math, repo), datasets."""
 
 from services.environment_sandbox.environments import (  # noqa: F401 - registers
     code,
     digits,
     guess,
     math_word,
+    repo,
     single_turn,
 )
 from services.environment_sandbox.environments.base import (

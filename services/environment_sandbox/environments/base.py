@@ -54,6 +54,8 @@ class EnvContext:
     executor: Executor | None = None
     limiter: Any = None  # ratelimit.RateLimiter
     limits: dict[str, Any] = field(default_factory=dict)  # resource -> ratelimit.Limit
+    # Repository workspaces (sandbox/workspaces.py, or the Ray fleet's): open, run, fork, close.
+    workspaces: Any = None
 
     async def acquire(self, resource: str, requests: float = 1.0, tokens: float = 0.0) -> float:
         """Wait for the resource's rate limit before using it (an external API, the sandbox);
@@ -64,7 +66,7 @@ class EnvContext:
         return await self.limiter.acquire(resource, requests, tokens)
 
     def with_limits(self, limits: dict[str, Any]) -> EnvContext:
-        return EnvContext(self.executor, self.limiter, {**self.limits, **limits})
+        return EnvContext(self.executor, self.limiter, {**self.limits, **limits}, self.workspaces)
 
 
 class EnvConfig(Schema):
@@ -142,6 +144,20 @@ class Environment(ABC):
             result.info.setdefault("finish", "max_turns")
         self.done = result.done
         return result
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """The tools the model may call (OpenAI function schemas), rendered by the run's chat
+        template; None for an environment without tools."""
+        return None
+
+    async def close(self) -> None:
+        """Free what the episode holds (a workspace); the agent loop calls it when the episode ends,
+        however it ends."""
+        return None
+
+    async def afork(self) -> Environment:
+        """`fork` for environments whose copy needs I/O (a repository workspace forks its sandbox)."""
+        return self.fork()
 
     def fork(self) -> Environment:
         """An independent copy at this point of the episode (for branching): its own state,

@@ -107,6 +107,20 @@ class SandboxCgroup:
             pass
         return 0.0
 
+    def cpu_usage_s(self) -> float:
+        """CPU time the sandbox's processes used in all (cgroup v2's cpu.stat; 0 on v1, whose cpu
+        hierarchy does not account it)."""
+        if self.version != 2:
+            return 0.0
+        try:
+            for line in self._file("cpu", "cpu.stat").read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == "usage_usec":
+                    return int(value) * 1e-6
+        except (OSError, ValueError):
+            pass
+        return 0.0
+
     def remove(self, wait_s: float = 2.0) -> None:
         """Delete the directories once the processes are gone (a killed init takes a moment)."""
         deadline = time.monotonic() + wait_s

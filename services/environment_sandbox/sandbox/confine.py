@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from collections.abc import Callable
 
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -128,8 +129,17 @@ def _bind_readonly(source: str, target: str) -> None:
     mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def build_root(new_root: str, visible: list[str], workspace_bytes: int, uid: int, gid: int) -> None:
-    """Make `new_root` (an empty directory) the root of this mount namespace, as described above."""
+def build_root(
+    new_root: str,
+    visible: list[str],
+    workspace_bytes: int,
+    uid: int,
+    gid: int,
+    before_pivot: Callable[[str], None] | None = None,
+) -> None:
+    """Make `new_root` (an empty directory) the root of this mount namespace, as described above.
+    `before_pivot(new_root)` adds what a kind of sandbox needs beside that (workspace_init.py's
+    mount points) while the host's tree is still reachable."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", new_root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
     for path in visible:
@@ -169,6 +179,8 @@ def build_root(new_root: str, visible: list[str], workspace_bytes: int, uid: int
     os.symlink("/proc/self/fd/2", f"{dev}/stderr")
     os.makedirs(dev + "/shm")
     mount("tmpfs", dev + "/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=1777,size=1m")
+    if before_pivot is not None:
+        before_pivot(new_root)
     old = new_root + "/.old-root"
     os.makedirs(old)
     number = SYS_PIVOT_ROOT.get(os.uname().machine)
@@ -205,8 +217,10 @@ def _errno_action(code: int) -> int:
     return 0x00050000 | (code & 0xFFFF)
 
 
-def apply_seccomp() -> int:
-    """Install the filter on this thread (inherited by every child); the number of rules added."""
+def apply_seccomp(load: bool = True) -> int:
+    """Install the filter on this thread (inherited by every child); the number of rules added.
+    `load=False` builds the filter and drops it: a check that this host can apply it, for a process
+    (a workspace sandbox's init) that must itself stay unfiltered."""
     try:
         lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
     except OSError as exc:
@@ -246,7 +260,7 @@ def apply_seccomp() -> int:
         for flag in CLONE_NEW_FLAGS:
             add("clone", _errno_action(errno.EPERM), _ArgCmp(0, SCMP_CMP_MASKED_EQ, flag, flag))
         add("clone3", _errno_action(errno.ENOSYS))
-        rc = lib.seccomp_load(ctx)
+        rc = lib.seccomp_load(ctx) if load else 0
         if rc != 0:
             raise OSError(-rc, f"seccomp_load: {os.strerror(-rc)}")
     finally:

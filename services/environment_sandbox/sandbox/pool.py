@@ -48,6 +48,8 @@ from services.environment_sandbox.sandbox.uids import UidBlock, sweep_dead_pools
 log = logging.getLogger(__name__)
 
 WORKER_SCRIPT = str(Path(__file__).with_name("worker.py"))
+# Longest status line: a workspace command's reply carries its (capped, JSON-escaped) output.
+STATUS_LINE_LIMIT = 32 << 20
 
 
 class _Worker:
@@ -71,6 +73,32 @@ class _Worker:
         self.init_pid = 0
         self.isolation: list[str] = []
         self.missing: list[str] = []
+        self._requests = asyncio.Lock()
+
+    async def request(self, payload: dict) -> dict:
+        """One op to a workspace sandbox's init (workspace_init.py) and its reply; SandboxError when
+        the sandbox is gone."""
+        line = json.dumps(payload).encode() + b"\n"
+        async with self._requests:
+            if self.job_fd < 0:
+                raise SandboxError("the workspace sandbox is closed")
+            try:
+                if len(line) < 32768:
+                    _write_all(self.job_fd, line)
+                else:
+                    await asyncio.to_thread(_write_all, self.job_fd, line)
+            except OSError as exc:
+                raise SandboxError(f"the workspace sandbox is gone ({exc.strerror})") from None
+            while True:
+                raw = await self.status.readline()
+                if not raw:
+                    raise SandboxError("the workspace sandbox exited (killed, or out of memory)")
+                kind, _, body = raw.decode(errors="replace").partition(" ")
+                if kind == "reply":
+                    reply = json.loads(body)
+                    if not reply.pop("ok", False):
+                        raise SandboxError(f"workspace op {payload.get('op')!r} failed: {reply.get('error')}")
+                    return reply
 
     def kill(self) -> None:
         # The init is pid 1 of the sandbox's PID namespace: killing it kills everything inside,
@@ -115,6 +143,7 @@ class SandboxPool:
         self.missing_isolation: list[str] = []
         self.cgroups: CgroupHost | None = None
         self._cgroup_error = ""
+        self._workspaces = None
         if "cgroup" in self.config.isolation:
             try:
                 self.cgroups = CgroupHost.open()
@@ -216,6 +245,8 @@ class SandboxPool:
 
     async def close(self) -> None:
         self._closed = True
+        if self._workspaces is not None:
+            await self._workspaces.close()
         while self._tasks:  # spawns finishing now dispose themselves; disposals finish
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         while not self._ready.empty():
@@ -256,8 +287,20 @@ class SandboxPool:
         else:
             self._ready.put_nowait(worker)
 
-    async def _spawn(self) -> _Worker:
+    @property
+    def workspaces(self):
+        """Repository workspaces on this pool's sandboxes (workspaces.py), made on first use."""
+        if self._workspaces is None:
+            from services.environment_sandbox.sandbox.workspaces import WorkspacePool
+
+            self._workspaces = WorkspacePool(self)
+        return self._workspaces
+
+    async def _spawn(self, repository: dict | None = None) -> _Worker:
+        """A started worker; with `repository` ({runtime_dir, layers_dir, lowers, disk_bytes,
+        disk_inodes}) a workspace sandbox with that workspace mounted, under the workspace limits."""
         cfg = self.config
+        ws = cfg.workspace
         if not self._free_uids:
             raise SandboxError("no free sandbox uid (uid_count too small for the pool)")
         uid = self._free_uids.pop(0)
@@ -267,9 +310,12 @@ class SandboxPool:
         cgroup, cgroup_error = None, self._cgroup_error
         if self.cgroups is not None:
             try:
-                cgroup = await asyncio.to_thread(
-                    self.cgroups.create, cfg.memory_bytes, cfg.pids, cfg.cpu_quota
+                limits = (
+                    (ws.memory_bytes, ws.pids, ws.cpu_quota)
+                    if repository
+                    else (cfg.memory_bytes, cfg.pids, cfg.cpu_quota)
                 )
+                cgroup = await asyncio.to_thread(self.cgroups.create, *limits)
             except OSError as exc:
                 cgroup_error = f"cgroup: {exc}"
         job_r, job_w = os.pipe()
@@ -293,6 +339,15 @@ class SandboxPool:
                 "nofile": cfg.nofile,
             },
         }
+        if repository:
+            args["repository"] = repository
+            # A command's own limits; the cgroup bounds the episode's processes together.
+            args["limits"] = {
+                "memory_bytes": ws.memory_bytes,
+                "nproc": ws.pids,
+                "fsize_bytes": ws.disk_bytes,
+                "nofile": 1024,
+            }
         loop = asyncio.get_running_loop()
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -302,7 +357,8 @@ class SandboxPool:
                 WORKER_SCRIPT,
                 json.dumps(args),
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
+                # A workspace's commands report through the status pipe; nothing reads this one.
+                stdout=asyncio.subprocess.DEVNULL if repository else asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 pass_fds=(job_r, status_w),
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
@@ -315,7 +371,7 @@ class SandboxPool:
         finally:
             os.close(job_r)
             os.close(status_w)
-        reader = asyncio.StreamReader()
+        reader = asyncio.StreamReader(limit=STATUS_LINE_LIMIT)
         transport, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(status_r, "rb", buffering=0)
         )
@@ -456,6 +512,12 @@ class SandboxPool:
             await asyncio.to_thread(worker.cgroup.remove)
         await asyncio.to_thread(shutil.rmtree, worker.workspace, True)
         self._free_uids.append(worker.uid)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _write_and_close(fd: int, data: bytes) -> None:

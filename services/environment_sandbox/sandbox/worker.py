@@ -34,6 +34,7 @@ import sys
 # again so the sandboxed code cannot import the pool's modules.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import confine
+import workspace_init
 
 sys.path.pop(0)
 
@@ -177,16 +178,26 @@ def _init(args: dict, job_fd: int, status_fd: int, applied: list[str], missing: 
     """pid 1 of the new PID namespace: finish isolation, fork the runner, report its exit."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     home = args["workspace"]
+    repository = args.get("repository")  # a workspace sandbox (workspace_init.py) rather than one job
+    if repository and not {"mountns", "rootfs"} <= set(args["want"]):
+        raise OSError("a workspace sandbox needs the mount namespace and the private root")
     if "mountns" in args["want"]:
         if "rootfs" in args["want"]:
             try:
                 visible = _visible_paths(args["readonly_paths"])
+                extra = None
+                if repository:
+                    extra = lambda root: workspace_init.mount_points(  # noqa: E731
+                        root, repository["runtime_dir"], repository["layers_dir"]
+                    )
                 confine.build_root(
-                    args["workspace"], visible, args["workspace_bytes"], args["uid"], args["gid"]
+                    args["workspace"], visible, args["workspace_bytes"], args["uid"], args["gid"], extra
                 )
                 applied.append("rootfs")
                 home = "/tmp"
             except OSError as exc:
+                if repository:
+                    raise
                 missing.append(f"rootfs: {exc}")
         if home != "/tmp":
             try:  # without the private root: at least this namespace's /proc and a private /tmp
@@ -200,6 +211,8 @@ def _init(args: dict, job_fd: int, status_fd: int, applied: list[str], missing: 
         _libc.sethostname(b"sandbox", 7)
     except OSError:
         pass
+    if repository:
+        _serve_workspace(args, job_fd, status_fd, applied, missing)
     _drop_privileges(args["uid"], args["gid"])
     applied.append(f"uid:{args['uid']}")
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # cleared by the credential change above
@@ -231,6 +244,29 @@ def _init(args: dict, job_fd: int, status_fd: int, applied: list[str], missing: 
         _write_status(status_fd, "exit", {"signal": os.WTERMSIG(status)})
     else:
         _write_status(status_fd, "exit", {"code": os.WEXITSTATUS(status)})
+    os._exit(0)
+
+
+def _serve_workspace(args: dict, job_fd: int, status_fd: int, applied: list[str], missing: list[str]) -> None:
+    """The init stays root (it mounts and freezes layers) and serves the episode's ops; every command
+    drops privileges in its own child (workspace_init.py). The isolation each command gets is
+    reported before the first op, in the same `ready` line code workers send."""
+    applied += [f"uid:{args['uid']}", "no_new_privs", "rlimits"]
+    if "seccomp" in args["want"]:
+        try:
+            confine.apply_seccomp(load=False)
+            applied.append("seccomp")
+        except OSError as exc:
+            missing.append(f"seccomp: {exc}")
+    supervisor = workspace_init.Supervisor(args, status_fd)
+    supervisor.seccomp = "seccomp" in applied
+    try:
+        supervisor.op_mount({"lowers": args["repository"]["lowers"]})
+    except OSError as exc:
+        _write_status(status_fd, "error", {"error": f"workspace mount: {exc}", "missing": missing})
+        os._exit(70)
+    _write_status(status_fd, "ready", {"isolation": applied, "missing": missing})
+    supervisor.serve(job_fd)
     os._exit(0)
 
 
