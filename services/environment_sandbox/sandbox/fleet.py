@@ -27,11 +27,13 @@ from services.environment_sandbox.config import FleetConfig
 from services.environment_sandbox.sandbox.job import (
     ExecJob,
     ExecResult,
+    InvalidJob,
     SandboxConfig,
     SandboxError,
     SandboxUnavailable,
     validate_files,
 )
+from services.environment_sandbox.sandbox.workspaces import WorkspaceError
 from services.kit.autoscale import Autoscaler
 from services.kit.autoscaled_pool import AutoscaledPool, Member
 from services.kit.metric_names import counter, gauge
@@ -67,6 +69,12 @@ def sandbox_actor_class():
                     self.pool = await SandboxPool(self.config).start()
             return self.pool
 
+        async def workspace(self, method: str, *args: Any, **kwargs: Any) -> dict | None:
+            """One call of the pool's WorkspacePool (open, run, fork, close, prewarm, usage)."""
+            if method not in WORKSPACE_METHODS:
+                raise InvalidJob(f"workspace method {method!r}: not one of {', '.join(WORKSPACE_METHODS)}")
+            return await getattr((await self._pool()).workspaces, method)(*args, **kwargs)
+
         async def stats(self) -> dict:
             return self.pool.stats() if self.pool else {}
 
@@ -75,6 +83,104 @@ def sandbox_actor_class():
                 await self.pool.close()
 
     return SandboxActor
+
+
+WORKSPACE_METHODS = ("open", "run", "fork", "close", "prewarm", "usage")
+
+
+class FleetWorkspaces:
+    """Repository workspaces over the fleet: an episode's workspace and its forks live on one actor
+    (the host holding their layers), chosen at `open` among the started actors, preferring one that
+    is already warm for the repository unless it is busier than the least loaded by more than
+    target_queue_per_actor. A live workspace is work in flight on its actor: it counts as load and
+    pins the actor (the pool retires only idle ones). The same calls as WorkspacePool."""
+
+    def __init__(self, fleet: SandboxFleet) -> None:
+        self.fleet = fleet
+        self._where: dict[str, Member[Any]] = {}
+        self._warm: dict[Member[Any], set[str]] = {}  # repositories each actor has opened
+
+    async def open(self, repository: str, commit: str = "", episode_timeout_s: float = 0.0) -> dict:
+        fleet = self.fleet
+        fleet._waiting += 1
+        try:
+            least = await fleet._started_actor()
+        finally:
+            fleet._waiting -= 1
+        for gone in [m for m in self._warm if m not in fleet.pool.members]:  # retired since
+            del self._warm[gone]
+        warm = [m for m in fleet.pool.members if m.started and repository in self._warm.get(m, ())]
+        actor = min(warm, key=lambda m: m.in_flight) if warm else least
+        if actor.in_flight > least.in_flight + fleet.config.target_queue_per_actor:
+            actor = least
+        actor.in_flight += 1  # counted from now: concurrent opens spread out
+        try:
+            opened = await _remote(
+                actor.handle.workspace.remote("open", repository, commit, episode_timeout_s)
+            )
+        except BaseException:
+            actor.in_flight -= 1
+            raise
+        self._warm.setdefault(actor, set()).add(repository)
+        self._where[opened["id"]] = actor
+        return opened
+
+    async def run(self, workspace_id: str, *args: Any, **kwargs: Any) -> dict:
+        return await self._call(workspace_id, "run", *args, **kwargs)
+
+    async def usage(self, workspace_id: str) -> dict:
+        return await self._call(workspace_id, "usage")
+
+    async def fork(self, workspace_id: str, *args: Any, **kwargs: Any) -> dict:
+        actor = self._actor(workspace_id)
+        actor.in_flight += 1
+        try:
+            forked = await _remote(actor.handle.workspace.remote("fork", workspace_id, *args, **kwargs))
+        except BaseException:
+            actor.in_flight -= 1
+            raise
+        self._where[forked["id"]] = actor
+        return forked
+
+    async def close(self, workspace_id: str) -> None:
+        actor = self._where.pop(workspace_id, None)
+        if actor is None:
+            return
+        try:
+            await _remote(actor.handle.workspace.remote("close", workspace_id))
+        finally:
+            actor.in_flight -= 1
+
+    async def prewarm(self, repository: str, commit: str = "") -> None:
+        await self.fleet._started_actor()
+        for actor in [m for m in self.fleet.pool.members if m.started]:
+            await _remote(actor.handle.workspace.remote("prewarm", repository, commit))
+            self._warm.setdefault(actor, set()).add(repository)
+
+    def _actor(self, workspace_id: str) -> Member[Any]:
+        actor = self._where.get(workspace_id)
+        if actor is None:
+            raise WorkspaceError(
+                f"workspace {workspace_id!r}: no such live workspace (closed or never opened)"
+            )
+        return actor
+
+    async def _call(self, workspace_id: str, method: str, *args: Any, **kwargs: Any) -> dict:
+        return await _remote(
+            self._actor(workspace_id).handle.workspace.remote(method, workspace_id, *args, **kwargs)
+        )
+
+
+async def _remote(ref: Any) -> Any:
+    """Await an actor call, raising the sandbox's own error (Ray wraps it) so callers see the
+    same exceptions as with a local pool."""
+    try:
+        return await ref
+    except Exception as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, SandboxError | InvalidJob):
+            raise cause from None
+        raise
 
 
 class SandboxFleet:
@@ -102,6 +208,7 @@ class SandboxFleet:
         self._tasks: set[asyncio.Task] = set()
         self._last: ExecResult | None = None
         self.unavailable = ""
+        self.workspaces = FleetWorkspaces(self)
 
     async def start(self) -> SandboxFleet:
         self.pool.start()
@@ -121,6 +228,7 @@ class SandboxFleet:
 
     @property
     def queue_depth(self) -> int:
+        """Executions waiting and running plus live workspaces: what the autoscaler sizes the fleet by."""
         return self._waiting + sum(a.in_flight for a in self.pool.members)
 
     def isolation_status(self) -> dict:

@@ -139,6 +139,9 @@ class Supervisor:
             f"lowerdir={lowerdir},upperdir={UPPER},workdir={WORK},{OVERLAY_OPTIONS}",
         )
         self.mounted = True
+        for path in ("/tmp/logs", "/tmp/logs/verifier"):  # where /logs points: Harbor's verifiers write there
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            os.chown(path, self.uid, self.gid)
         if req.get("tests"):
             confine.mount(f"{LAYERS}/{req['tests']}", TESTS, None, confine.MS_BIND)
             confine.mount(

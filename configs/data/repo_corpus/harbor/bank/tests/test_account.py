@@ -1,0 +1,27 @@
+import pytest
+
+from bank.account import Account
+
+
+def test_deposit():
+    account = Account()
+    account.deposit(10)
+    assert account.balance == 10
+
+
+def test_withdraw():
+    account = Account(10)
+    account.withdraw(4)
+    assert account.balance == 6
+
+
+def test_negative_deposit_refused():
+    with pytest.raises(ValueError):
+        Account().deposit(-1)
+
+
+def test_overdraft_refused():
+    account = Account(5)
+    with pytest.raises(ValueError):
+        account.withdraw(6)
+    assert account.balance == 5
