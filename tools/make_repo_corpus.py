@@ -159,7 +159,9 @@ def check(task: Task) -> None:
                 raise ValueError(f"{task.spec.package}: visible test {test} fails on the {label} code")
         for test in task.row()["FAIL_TO_PASS"]:
             if seen.get(test) != (label == "fixed"):
-                raise ValueError(f"{task.spec.package}: hidden test {test} does not separate buggy from fixed")
+                raise ValueError(
+                    f"{task.spec.package}: hidden test {test} does not separate buggy from fixed"
+                )
 
 
 def build(out: Path) -> dict[str, str]:
@@ -194,8 +196,12 @@ def write(out: Path, files: dict[str, str]) -> None:
 
 def stale(out: Path, files: dict[str, str]) -> list[str]:
     """Paths under `out` that differ from `files` (missing, changed, or extra)."""
-    present = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    wrong = [rel for rel, text in files.items() if not (out / rel).is_file() or (out / rel).read_text() != text]
+    present = {
+        str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    }
+    wrong = [
+        rel for rel, text in files.items() if not (out / rel).is_file() or (out / rel).read_text() != text
+    ]
     return sorted(set(wrong) | (present - set(files)))
 
 
@@ -208,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         differ = stale(args.out, files)
         if differ:
-            print(f"{args.out} is stale ({len(differ)} files differ, e.g. {differ[0]}): run tools/make_repo_corpus.py")
+            print(
+                f"{args.out} is stale ({len(differ)} files differ, e.g. {differ[0]}): run tools/make_repo_corpus.py"
+            )
             return 1
         print(f"{args.out}: up to date ({len(SPECS)} tasks)")
         return 0

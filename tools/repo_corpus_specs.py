@@ -52,7 +52,7 @@ def count_words(text):
 def title_case(text):
     return " ".join(word[:1].upper() + word[1:].lower() for word in text.split())
 ''',
-        '''from textkit.text import count_words, slugify, title_case
+        """from textkit.text import count_words, slugify, title_case
 
 
 def test_slugify_joins_words():
@@ -65,18 +65,18 @@ def test_count_words():
 
 def test_title_case():
     assert title_case("hello wORLD") == "Hello World"
-''',
+""",
         (
             Bug(
                 '    return slug.strip("-")\n',
                 '    return slug.lstrip("-")\n',
                 "slugify leaves a trailing hyphen: `slugify('Hello, World!')` gives 'hello-world-' but it "
                 "should give 'hello-world'.",
-                '''
+                """
 
 def test_slugify_strips_trailing_punctuation():
     assert slugify("Hello, World!") == "hello-world"
-''',
+""",
             ),
         ),
     ),
@@ -104,7 +104,7 @@ def gcd(a, b):
         a, b = b, a % b
     return abs(a)
 ''',
-        '''from mathx.numbers import clamp, gcd, mean
+        """from mathx.numbers import clamp, gcd, mean
 
 
 def test_clamp_inside():
@@ -121,17 +121,17 @@ def test_mean():
 
 def test_gcd():
     assert gcd(12, 18) == 6
-''',
+""",
         (
             Bug(
                 "    if x > hi:\n        return hi\n",
                 "    if x > hi:\n        return lo\n",
                 "clamp is wrong above the range: clamp(15, 0, 10) returns 0 instead of 10.",
-                '''
+                """
 
 def test_clamp_above():
     assert clamp(15, 0, 10) == 10
-''',
+""",
             ),
         ),
     ),
@@ -159,7 +159,7 @@ def total_length(intervals):
 def contains(intervals, point):
     return any(start <= point <= end for start, end in intervals)
 ''',
-        '''from spans.intervals import contains, merge, total_length
+        """from spans.intervals import contains, merge, total_length
 
 
 def test_merge_overlapping():
@@ -172,14 +172,14 @@ def test_merge_sorts():
 
 def test_contains():
     assert contains([(1, 3)], 3) and not contains([(1, 3)], 4)
-''',
+""",
         (
             Bug(
                 "        if merged and start <= merged[-1][1]:\n",
                 "        if merged and start < merged[-1][1]:\n",
                 "merge does not join intervals that touch: merge([(1, 3), (3, 5)]) should be [(1, 5)] but "
                 "gives [(1, 3), (3, 5)].",
-                '''
+                """
 
 def test_merge_touching():
     assert merge([(1, 3), (3, 5)]) == [(1, 5)]
@@ -187,7 +187,7 @@ def test_merge_touching():
 
 def test_merge_touching_chain():
     assert merge([(3, 4), (1, 2), (2, 3)]) == [(1, 4)]
-''',
+""",
             ),
         ),
     ),
@@ -233,7 +233,7 @@ def from_roman(text):
             total += value
     return total
 ''',
-        '''from numerals.roman import from_roman, to_roman
+        """from numerals.roman import from_roman, to_roman
 
 
 def test_to_roman_simple():
@@ -242,19 +242,19 @@ def test_to_roman_simple():
 
 def test_from_roman():
     assert from_roman("MCMXCIV") == 1994
-''',
+""",
         (
             Bug(
                 '    (4, "IV"),\n',
                 "",
                 "to_roman(4) returns 'IIII'; it should be 'IV' (and 14 should be 'XIV').",
-                '''from numerals.roman import to_roman
+                """from numerals.roman import to_roman
 
 
 def test_four():
     assert to_roman(4) == "IV"
     assert to_roman(14) == "XIV"
-''',
+""",
                 new_file=True,
             ),
         ),
@@ -283,7 +283,7 @@ def unique(items):
             out.append(item)
     return out
 ''',
-        '''from seqtools.chunks import chunk, flatten, unique
+        """from seqtools.chunks import chunk, flatten, unique
 
 
 def test_chunk_even():
@@ -296,18 +296,18 @@ def test_flatten():
 
 def test_unique_keeps_order():
     assert unique([3, 1, 3, 2, 1]) == [3, 1, 2]
-''',
+""",
         (
             Bug(
                 "    return [items[i : i + size] for i in range(0, len(items), size)]\n",
                 "    return [items[i : i + size] for i in range(0, len(items) - size + 1, size)]\n",
                 "chunk drops the last, shorter piece: chunk([1, 2, 3, 4, 5], 2) gives [[1, 2], [3, 4]] "
                 "instead of [[1, 2], [3, 4], [5]].",
-                '''
+                """
 
 def test_chunk_keeps_the_remainder():
     assert chunk([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
-''',
+""",
             ),
         ),
     ),
@@ -328,7 +328,7 @@ def days_in_month(year, month):
         return 29
     return DAYS[month - 1]
 ''',
-        '''from calendarx.leap import days_in_month, is_leap_year
+        """from calendarx.leap import days_in_month, is_leap_year
 
 
 def test_ordinary_leap_years():
@@ -337,20 +337,20 @@ def test_ordinary_leap_years():
 
 def test_days_in_month():
     assert days_in_month(2024, 2) == 29 and days_in_month(2023, 4) == 30
-''',
+""",
         (
             Bug(
                 "    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)\n",
                 "    return year % 4 == 0\n",
                 "is_leap_year(1900) is True, but 1900 was not a leap year (centuries are leap years only "
                 "when divisible by 400).",
-                '''
+                """
 
 def test_century_years():
     assert not is_leap_year(1900)
     assert is_leap_year(2000)
     assert days_in_month(1900, 2) == 28
-''',
+""",
             ),
         ),
     ),
@@ -374,7 +374,7 @@ def parse_money(text):
     cents = int(dollars) * 100 + int((rest + "00")[:2])
     return -cents if negative else cents
 ''',
-        '''from ledger.money import format_cents, parse_money
+        """from ledger.money import format_cents, parse_money
 
 
 def test_format_thousands():
@@ -383,24 +383,24 @@ def test_format_thousands():
 
 def test_parse():
     assert parse_money("$1,234.5") == 123450
-''',
+""",
         (
             Bug(
-                '''    sign = "-" if cents < 0 else ""
+                """    sign = "-" if cents < 0 else ""
     dollars, rest = divmod(abs(cents), 100)
     return f"{sign}${dollars:,}.{rest:02d}"
-''',
-                '''    dollars, rest = divmod(abs(cents), 100)
+""",
+                """    dollars, rest = divmod(abs(cents), 100)
     if cents < 0:
         dollars = -dollars
     return f"${dollars:,}.{rest:02d}"
-''',
+""",
                 "format_cents(-150) gives '$-1.50'; negative amounts should read '-$1.50'.",
-                '''
+                """
 
 def test_format_negative():
     assert format_cents(-150) == "-$1.50"
-''',
+""",
             ),
         ),
     ),
@@ -421,7 +421,7 @@ def identity(n):
 def matmul(a, b):
     return [[sum(x * y for x, y in zip(row, col)) for col in transpose(b)] for row in a]
 ''',
-        '''from grid.matrix import identity, matmul, transpose
+        """from grid.matrix import identity, matmul, transpose
 
 
 def test_transpose_square():
@@ -434,18 +434,18 @@ def test_identity():
 
 def test_matmul_identity():
     assert matmul([[1, 2], [3, 4]], identity(2)) == [[1, 2], [3, 4]]
-''',
+""",
         (
             Bug(
                 "    return [[rows[r][c] for r in range(len(rows))] for c in range(len(rows[0]))]\n",
                 "    return [[rows[r][c] for r in range(len(rows))] for c in range(len(rows))]\n",
                 "transpose breaks on matrices that are not square: transpose([[1, 2, 3]]) should be "
                 "[[1], [2], [3]].",
-                '''
+                """
 
 def test_transpose_wide():
     assert transpose([[1, 2, 3]]) == [[1], [2], [3]]
-''',
+""",
             ),
         ),
     ),
@@ -467,7 +467,7 @@ def top_words(text, n):
     counts = Counter(tokenize(text))
     return sorted(counts, key=lambda word: (-counts[word], word))[:n]
 ''',
-        '''from wordfreq.counts import tokenize, top_words
+        """from wordfreq.counts import tokenize, top_words
 
 
 def test_tokenize():
@@ -476,18 +476,18 @@ def test_tokenize():
 
 def test_top_words_by_count():
     assert top_words("b b b a a c", 2) == ["b", "a"]
-''',
+""",
         (
             Bug(
                 "    return sorted(counts, key=lambda word: (-counts[word], word))[:n]\n",
                 "    return sorted(counts, key=lambda word: counts[word], reverse=True)[:n]\n",
                 "top_words breaks ties by first appearance instead of alphabetically: "
                 "top_words('pear apple', 2) should be ['apple', 'pear'].",
-                '''
+                """
 
 def test_ties_are_alphabetical():
     assert top_words("pear apple", 2) == ["apple", "pear"]
-''',
+""",
             ),
         ),
     ),
@@ -515,7 +515,7 @@ def insert_sorted(items, value):
         index += 1
     return items[:index] + [value] + items[index:]
 ''',
-        '''from searching.bsearch import find_first, insert_sorted
+        """from searching.bsearch import find_first, insert_sorted
 
 
 def test_find_unique():
@@ -528,10 +528,10 @@ def test_find_missing():
 
 def test_insert_sorted():
     assert insert_sorted([1, 3, 5], 4) == [1, 3, 4, 5]
-''',
+""",
         (
             Bug(
-                '''    lo, hi = 0, len(items)
+                """    lo, hi = 0, len(items)
     while lo < hi:
         mid = (lo + hi) // 2
         if items[mid] < target:
@@ -539,8 +539,8 @@ def test_insert_sorted():
         else:
             hi = mid
     return lo if lo < len(items) and items[lo] == target else -1
-''',
-                '''    lo, hi = 0, len(items) - 1
+""",
+                """    lo, hi = 0, len(items) - 1
     while lo <= hi:
         mid = (lo + hi) // 2
         if items[mid] == target:
@@ -550,14 +550,14 @@ def test_insert_sorted():
         else:
             hi = mid - 1
     return -1
-''',
+""",
                 "find_first returns some occurrence, not the first: find_first([2, 2, 2, 2, 3], 2) should "
                 "be 0.",
-                '''
+                """
 
 def test_find_first_of_duplicates():
     assert find_first([2, 2, 2, 2, 3], 2) == 0
-''',
+""",
             ),
         ),
     ),
@@ -600,7 +600,7 @@ def to_line(fields):
 
     return ",".join(quote(f) for f in fields)
 ''',
-        '''from csvlite.fields import parse_line, to_line
+        """from csvlite.fields import parse_line, to_line
 
 
 def test_plain():
@@ -613,16 +613,16 @@ def test_quoted_comma():
 
 def test_to_line_quotes():
     assert to_line(["a,b", "c"]) == '"a,b",c'
-''',
+""",
         (
             Bug(
-                '''            if ch == '"' and i + 1 < len(line) and line[i + 1] == '"':
+                """            if ch == '"' and i + 1 < len(line) and line[i + 1] == '"':
                 current.append('"')
                 i += 1
             elif ch == '"':
-''',
-                '''            if ch == '"':
-''',
+""",
+                """            if ch == '"':
+""",
                 'parse_line loses doubled quotes inside quoted fields: parse_line(\'"say ""hi""",x\') should '
                 "be ['say \"hi\"', 'x'].",
                 '''
@@ -655,7 +655,7 @@ def f_to_c(fahrenheit):
 def c_to_k(celsius):
     return celsius + 273.15
 ''',
-        '''from thermo.convert import c_to_f, c_to_k
+        """from thermo.convert import c_to_f, c_to_k
 
 
 def test_c_to_f():
@@ -664,19 +664,19 @@ def test_c_to_f():
 
 def test_c_to_k():
     assert c_to_k(0) == 273.15
-''',
+""",
         (
             Bug(
                 "    return (fahrenheit - 32) * 5 / 9\n",
                 "    return (fahrenheit - 32) * 9 / 5\n",
                 "f_to_c is wrong: f_to_c(212) should be 100.",
-                '''from thermo.convert import c_to_f, f_to_c
+                """from thermo.convert import c_to_f, f_to_c
 
 
 def test_f_to_c():
     assert f_to_c(212) == 100
     assert abs(f_to_c(c_to_f(37.5)) - 37.5) < 1e-9
-''',
+""",
                 new_file=True,
             ),
         ),
@@ -708,7 +708,7 @@ def normalize(path):
 def join(*parts):
     return normalize("/".join(parts))
 ''',
-        '''from pathkit.paths import join, normalize
+        """from pathkit.paths import join, normalize
 
 
 def test_collapse():
@@ -721,21 +721,21 @@ def test_absolute():
 
 def test_join():
     assert join("a", "b", "../c") == "a/c"
-''',
+""",
         (
             Bug(
-                '''            elif not absolute:
+                """            elif not absolute:
                 parts.append("..")
-''',
+""",
                 "",
                 "normalize drops a leading '..' of a relative path: normalize('../a') gives 'a' but should "
                 "give '../a'.",
-                '''
+                """
 
 def test_leading_parent_kept():
     assert normalize("../a") == "../a"
     assert normalize("a/../../b") == "../b"
-''',
+""",
             ),
         ),
     ),
@@ -762,7 +762,7 @@ def encode(text):
 def decode(encoded):
     return "".join(char * int(count) for count, char in re.findall(r"(\\d+)(\\D)", encoded))
 ''',
-        '''from rle.codec import decode, encode
+        """from rle.codec import decode, encode
 
 
 def test_encode():
@@ -771,20 +771,20 @@ def test_encode():
 
 def test_decode_short_runs():
     assert decode("3a1b") == "aaab"
-''',
+""",
         (
             Bug(
-                '''    return "".join(char * int(count) for count, char in re.findall(r"(\\d+)(\\D)", encoded))
-''',
-                '''    return "".join(char * int(count) for count, char in re.findall(r"(\\d)(\\D)", encoded))
-''',
+                """    return "".join(char * int(count) for count, char in re.findall(r"(\\d+)(\\D)", encoded))
+""",
+                """    return "".join(char * int(count) for count, char in re.findall(r"(\\d)(\\D)", encoded))
+""",
                 "decode fails on runs of ten or more: decode('12a') should be twelve 'a's.",
-                '''
+                """
 
 def test_decode_long_runs():
     assert decode("12a") == "a" * 12
     assert decode(encode("x" * 25 + "y")) == "x" * 25 + "y"
-''',
+""",
             ),
         ),
     ),
@@ -810,7 +810,7 @@ def primes_up_to(n):
 def is_prime(n):
     return n >= 2 and all(n % d for d in range(2, int(n**0.5) + 1))
 ''',
-        '''from primes.sieve import is_prime, primes_up_to
+        """from primes.sieve import is_prime, primes_up_to
 
 
 def test_small_primes():
@@ -819,17 +819,17 @@ def test_small_primes():
 
 def test_is_prime():
     assert is_prime(97) and not is_prime(91)
-''',
+""",
         (
             Bug(
                 "    return [p for p in range(2, n + 1) if is_prime[p]]\n",
                 "    return [p for p in range(2, n) if is_prime[p]]\n",
                 "primes_up_to(13) leaves out 13; the bound is inclusive.",
-                '''
+                """
 
 def test_bound_is_inclusive():
     assert primes_up_to(13) == [2, 3, 5, 7, 11, 13]
-''',
+""",
             ),
         ),
     ),
@@ -851,7 +851,7 @@ def compare_versions(a, b):
     right += (0,) * (width - len(right))
     return (left > right) - (left < right)
 ''',
-        '''from versions.semver import compare_versions, parse_version
+        """from versions.semver import compare_versions, parse_version
 
 
 def test_parse():
@@ -861,18 +861,18 @@ def test_parse():
 def test_compare_simple():
     assert compare_versions("1.2", "1.3") == -1
     assert compare_versions("2.0", "2.0") == 0
-''',
+""",
         (
             Bug(
                 "    left, right = parse_version(a), parse_version(b)\n",
                 '    left, right = tuple(a.split(".")), tuple(b.split("."))\n',
                 "compare_versions('1.10', '1.9') says 1.10 is older; version parts must compare as numbers.",
-                '''
+                """
 
 def test_compare_numerically():
     assert compare_versions("1.10", "1.9") == 1
     assert compare_versions("2.0", "2.0.0") == 0
-''',
+""",
             ),
         ),
     ),
@@ -899,7 +899,7 @@ def shift(text, k):
 def unshift(text, k):
     return shift(text, -k)
 ''',
-        '''from ciphers.caesar import shift, unshift
+        """from ciphers.caesar import shift, unshift
 
 
 def test_shift_lower():
@@ -908,18 +908,18 @@ def test_shift_lower():
 
 def test_round_trip_lower():
     assert unshift(shift("hello, world", 5), 5) == "hello, world"
-''',
+""",
         (
             Bug(
                 '            out.append(chr((ord(ch) - ord("A") + k) % 26 + ord("A")))\n',
                 "            out.append(chr(ord(ch) + k))\n",
                 "shift does not wrap capital letters: shift('XYZ', 3) should be 'ABC'.",
-                '''
+                """
 
 def test_shift_upper_wraps():
     assert shift("XYZ", 3) == "ABC"
     assert unshift(shift("Hello", 13), 13) == "Hello"
-''',
+""",
             ),
         ),
     ),
@@ -946,7 +946,7 @@ def median(values):
 def mode(values):
     return Counter(values).most_common(1)[0][0]
 ''',
-        '''from statskit.summary import mean, median, mode
+        """from statskit.summary import mean, median, mode
 
 
 def test_mean():
@@ -959,18 +959,18 @@ def test_median_odd():
 
 def test_mode():
     assert mode([1, 2, 2, 3]) == 2
-''',
+""",
         (
             Bug(
                 "    return (ordered[middle - 1] + ordered[middle]) / 2\n",
                 "    return ordered[middle]\n",
                 "median of an even number of values should average the two middle ones: median([1, 2, 3, 4]) "
                 "is 2.5, not 3.",
-                '''
+                """
 
 def test_median_even():
     assert median([4, 1, 3, 2]) == 2.5
-''',
+""",
             ),
         ),
     ),
@@ -996,7 +996,7 @@ class Account:
             raise ValueError("insufficient funds")
         self.balance -= amount
 ''',
-        '''import pytest
+        """import pytest
 
 from bank.account import Account
 
@@ -1016,23 +1016,23 @@ def test_withdraw():
 def test_negative_deposit_refused():
     with pytest.raises(ValueError):
         Account().deposit(-1)
-''',
+""",
         (
             Bug(
-                '''        if amount > self.balance:
+                """        if amount > self.balance:
             raise ValueError("insufficient funds")
-''',
+""",
                 "",
                 "Account.withdraw lets the balance go negative; withdrawing more than the balance must raise "
                 "ValueError and leave the balance as it was.",
-                '''
+                """
 
 def test_overdraft_refused():
     account = Account(5)
     with pytest.raises(ValueError):
         account.withdraw(6)
     assert account.balance == 5
-''',
+""",
             ),
         ),
     ),
@@ -1052,7 +1052,7 @@ def merge_counts(a, b):
 def total(counts):
     return sum(counts.values())
 ''',
-        '''from inventory.stock import merge_counts, total
+        """from inventory.stock import merge_counts, total
 
 
 def test_merge_shared_keys():
@@ -1061,22 +1061,22 @@ def test_merge_shared_keys():
 
 def test_total():
     assert total({"a": 1, "b": 2}) == 3
-''',
+""",
         (
             Bug(
-                '''    for item, count in b.items():
+                """    for item, count in b.items():
         merged[item] = merged.get(item, 0) + count
-''',
-                '''    for item in merged:
+""",
+                """    for item in merged:
         merged[item] += b.get(item, 0)
-''',
+""",
                 "merge_counts drops items only the second inventory has: merge_counts({'a': 1}, {'b': 2}) "
                 "should be {'a': 1, 'b': 2}.",
-                '''
+                """
 
 def test_merge_keeps_new_items():
     assert merge_counts({"a": 1}, {"b": 2}) == {"a": 1, "b": 2}
-''',
+""",
             ),
         ),
     ),
@@ -1095,7 +1095,7 @@ def is_palindrome(text):
 def reverse_words(text):
     return " ".join(reversed(text.split()))
 ''',
-        '''from palin.check import is_palindrome, reverse_words
+        """from palin.check import is_palindrome, reverse_words
 
 
 def test_simple_palindrome():
@@ -1104,18 +1104,18 @@ def test_simple_palindrome():
 
 def test_reverse_words():
     assert reverse_words("a b c") == "c b a"
-''',
+""",
         (
             Bug(
                 "    cleaned = [ch.lower() for ch in text if ch.isalnum()]\n",
                 "    cleaned = [ch for ch in text if ch.isalnum()]\n",
                 "is_palindrome('Racecar') is False; case should not matter.",
-                '''
+                """
 
 def test_ignores_case_and_punctuation():
     assert is_palindrome("Racecar")
     assert is_palindrome("A man, a plan, a canal: Panama")
-''',
+""",
             ),
         ),
     ),
@@ -1138,30 +1138,30 @@ def fizzbuzz(n):
             out.append(str(i))
     return out
 ''',
-        '''from fizz.game import fizzbuzz
+        """from fizz.game import fizzbuzz
 
 
 def test_first_five():
     assert fizzbuzz(5) == ["1", "2", "Fizz", "4", "Buzz"]
-''',
+""",
         (
             Bug(
-                '''        if i % 15 == 0:
+                """        if i % 15 == 0:
             out.append("FizzBuzz")
         elif i % 3 == 0:
             out.append("Fizz")
-''',
-                '''        if i % 3 == 0:
+""",
+                """        if i % 3 == 0:
             out.append("Fizz")
         elif i % 15 == 0:
             out.append("FizzBuzz")
-''',
+""",
                 "fizzbuzz(15)[-1] is 'Fizz'; multiples of 15 should say 'FizzBuzz'.",
-                '''
+                """
 
 def test_fifteen():
     assert fizzbuzz(15)[-1] == "FizzBuzz"
-''',
+""",
             ),
         ),
     ),
@@ -1179,24 +1179,24 @@ def backoff_delays(base, factor, attempts, cap):
 def total_wait(base, factor, attempts, cap):
     return sum(backoff_delays(base, factor, attempts, cap))
 ''',
-        '''from retrying.backoff import backoff_delays
+        """from retrying.backoff import backoff_delays
 
 
 def test_grows():
     assert backoff_delays(1, 2, 4, 100) == [1, 2, 4, 8]
-''',
+""",
         (
             Bug(
                 "    return [min(cap, base * factor**i) for i in range(attempts)]\n",
                 "    return [base * factor**i for i in range(attempts)]\n",
                 "backoff_delays ignores cap: backoff_delays(1, 2, 5, 5) should be [1, 2, 4, 5, 5].",
-                '''from retrying.backoff import backoff_delays, total_wait
+                """from retrying.backoff import backoff_delays, total_wait
 
 
 def test_capped():
     assert backoff_delays(1, 2, 5, 5) == [1, 2, 4, 5, 5]
     assert total_wait(1, 2, 5, 5) == 17
-''',
+""",
                 new_file=True,
             ),
         ),
@@ -1230,7 +1230,7 @@ def set_path(data, path, value):
     current[last] = value
     return data
 ''',
-        '''from dotpath.lookup import get_path, set_path
+        """from dotpath.lookup import get_path, set_path
 
 
 def test_nested_dicts():
@@ -1243,24 +1243,24 @@ def test_missing_gives_default():
 
 def test_set_path():
     assert set_path({}, "a.b", 2) == {"a": {"b": 2}}
-''',
+""",
         (
             Bug(
-                '''        if isinstance(current, list):
+                """        if isinstance(current, list):
             if not key.isdigit() or int(key) >= len(current):
                 return default
             current = current[int(key)]
         elif isinstance(current, dict) and key in current:
-''',
-                '''        if isinstance(current, dict) and key in current:
-''',
+""",
+                """        if isinstance(current, dict) and key in current:
+""",
                 "get_path cannot index lists: get_path({'a': [10, 20]}, 'a.1') should be 20.",
-                '''
+                """
 
 def test_list_indices():
     assert get_path({"a": [10, 20]}, "a.1") == 20
     assert get_path({"a": [10]}, "a.3", "none") == "none"
-''',
+""",
             ),
         ),
     ),

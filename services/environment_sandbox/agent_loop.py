@@ -457,6 +457,7 @@ class EpisodeRunner:
         episode.context.extend(env_ids)
         if len(episode.context) + sampling.max_tokens > self.config.max_episode_tokens:
             episode.finish, episode.done = "max_episode_tokens", True
+            episode.env_reward += await episode.env.end(episode.finish)
 
     async def _turn(self, episode, task, sampling, session_id: str, branch: int) -> None:
         seed = self._seed(sampling, task, episode.turn, branch)

@@ -25,6 +25,7 @@ from services.modeling.tool_calls import (
     needs_rewrite,
     normalize_tools,
     template_renders_tools,
+    with_object_arguments,
 )
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -203,7 +204,7 @@ class HFTokenizer:
         template = compile_chat_template(self.chat_template)
         try:
             return template.render(
-                messages=[_with_call_arguments(m) for m in messages],
+                messages=[with_object_arguments(m) for m in messages],
                 tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
@@ -231,21 +232,3 @@ class HFTokenizer:
         eos = self.special_tokens["eos_token"]
         render = functools.partial(self.render_chat, tools=tools)
         return self.encode(continuation_text(render, previous, new, eos, add_generation_prompt))
-
-
-def _with_call_arguments(message: dict[str, Any]) -> dict[str, Any]:
-    """The message as templates expect it: a tool call's arguments as an object, as transformers
-    documents them (OpenAI clients send them as a JSON string)."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return dict(message)
-    fixed = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
-                call = {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
-            except json.JSONDecodeError:
-                pass
-        fixed.append(call)
-    return {**message, "tool_calls": fixed}

@@ -214,6 +214,24 @@ def hermes_messages(
     return out
 
 
+def with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """The message as templates expect it: each tool call's arguments as an object, as transformers
+    documents them (OpenAI clients send them as a JSON string)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return dict(message)
+    fixed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                call = {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+            except json.JSONDecodeError:
+                pass
+        fixed.append(call)
+    return {**message, "tool_calls": fixed}
+
+
 def needs_rewrite(messages: list[dict[str, Any]]) -> bool:
     """Whether a conversation holds tool results or tool calls a plain template cannot render."""
     return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)

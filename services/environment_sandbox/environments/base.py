@@ -150,6 +150,12 @@ class Environment(ABC):
         template; None for an environment without tools."""
         return None
 
+    async def end(self, reason: str) -> float:
+        """The episode is cut short by the agent loop (`reason`, e.g. its token budget): the reward
+        for where it stands (a repository episode runs its hidden tests). Most environments have
+        nothing more to give."""
+        return 0.0
+
     async def close(self) -> None:
         """Free what the episode holds (a workspace); the agent loop calls it when the episode ends,
         however it ends."""

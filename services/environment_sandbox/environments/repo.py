@@ -385,6 +385,13 @@ class RepoEnv(Environment):
 
     # -- lifetime -----------------------------------------------------------------------------------
 
+    async def end(self, reason: str) -> float:
+        """Cut short (the episode's token budget): its workspace is scored as it stands."""
+        if not self.workspace_id:
+            return 0.0
+        self.done = True
+        return (await self._score([], reason)).reward
+
     async def afork(self) -> RepoEnv:
         """A copy at this point of the episode with a fork of its workspace."""
         twin = copy.copy(self)
