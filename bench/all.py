@@ -18,6 +18,7 @@ BENCHES = (
     "pd_disaggregation",
     "sim_fidelity",
     "sandbox_exec",
+    "coding_env",
     "agent_loop",
     "rollout_messages",
     "weight_sync",

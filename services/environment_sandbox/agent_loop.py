@@ -455,7 +455,8 @@ class EpisodeRunner:
             )
         )
         episode.context.extend(env_ids)
-        if len(episode.context) + sampling.max_tokens > self.config.max_episode_tokens:
+        budget = episode.env.config.max_episode_tokens or self.config.max_episode_tokens
+        if len(episode.context) + sampling.max_tokens > budget:
             episode.finish, episode.done = "max_episode_tokens", True
             episode.env_reward += await episode.env.end(episode.finish)
 

@@ -79,6 +79,9 @@ class EnvConfig(Schema):
     """Most model turns in one episode."""
     max_action_chars: int = Field(4096, ge=1)
     """Longest model reply the environment reads."""
+    max_episode_tokens: int = Field(0, ge=0)
+    """Most tokens (prompt, model turns and environment turns) of one episode, up to the run's
+    deployments' max_model_len; 0: the environment service's loop.max_episode_tokens."""
     rate_limits: dict[str, Limit] = {}
     """Rate-limited resources this environment uses, {"inference": {"requests_per_s": 50}}: the agent
     loop reserves "inference" before each model turn, environments reserve their own resources

@@ -32,16 +32,16 @@ import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from services.environment_sandbox.sandbox.job import InvalidJob, SandboxError
 from services.environment_sandbox.sandbox.layers import LayerStore
 from services.environment_sandbox.sandbox.runtime import build_runtime
 from services.kit.metric_names import counter, gauge, histogram, observe
 
-if TYPE_CHECKING:
-    from services.environment_sandbox.sandbox.pool import SandboxPool, _Worker
-
+# The pool (pool.SandboxPool) and its workers (pool._Worker) are passed in, never imported: the pool
+# makes this object (SandboxPool.workspaces).
+SandboxPool = _Worker = Any
 log = logging.getLogger(__name__)
 SETUP_SECONDS = histogram("looprl_workspace_setup_seconds")
 FORK_SECONDS = histogram("looprl_workspace_fork_seconds")
@@ -243,6 +243,17 @@ class WorkspacePool:
         """Make the repository's base layer and start its warm sandboxes before any episode asks."""
         self._check_open()
         self._top_up(await self._base(repository, commit))
+
+    async def wait_warm(self, repository: str, commit: str = "", timeout_s: float = 60.0) -> None:
+        """Until the repository has warm_per_repository warm sandboxes (for benchmarks and tests)."""
+        base = await self._base(repository, commit)
+        deadline = time.monotonic() + timeout_s
+        self._top_up(base)
+        while len(self._warm.get(base, ())) < self.config.warm_per_repository:
+            if time.monotonic() > deadline:
+                raise SandboxError(f"{repository}: no warm workspace sandbox after {timeout_s:g} s")
+            self._top_up(base)
+            await asyncio.sleep(0.005)
 
     async def usage(self, workspace_id: str) -> dict[str, int]:
         """Bytes and inodes the workspace's episode has written (its upper layer)."""
