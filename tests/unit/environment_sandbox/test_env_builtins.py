@@ -28,7 +28,7 @@ def test_unknown_environment_and_bad_config_name_the_field():
         make_environment("nope")
     with pytest.raises(
         EnvironmentError_,
-        match=r"environment_config\.max_lenn: unknown field \(known: max_action_chars, max_len, ",
+        match=r"environment_config\.max_lenn: unknown field \(known: max_action_chars, max_episode_tokens, max_len, ",
     ):
         make_environment("digits", '{"max_lenn": 3}')
     with pytest.raises(
