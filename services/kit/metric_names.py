@@ -502,6 +502,14 @@ CATALOG: tuple[MetricSpec, ...] = (
         "environment-sandbox",
     ),
     _c(
+        "looprl_repo_tool_calls_total",
+        "calls",
+        ("result",),
+        "Tool calls in repo-environment replies (result: ok, malformed, unknown_tool, bad_arguments, "
+        "no_call for a reply that called nothing)",
+        "environment-sandbox",
+    ),
+    _c(
         "looprl_workspace_commands_total",
         "commands",
         ("result",),

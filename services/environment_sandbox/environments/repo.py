@@ -37,12 +37,14 @@ from services.environment_sandbox.environments.base import (
 )
 from services.environment_sandbox.environments.repo_tasks import load_repo_tasks
 from services.environment_sandbox.sandbox.job import SandboxError
+from services.kit.metric_names import counter
 from services.modeling.tool_calls import ToolCall, parse_tool_calls
 
 TOOLS_SCRIPT = "/opt/looprl/looprl_tools.py"
 # Files that configure pytest: an episode's changes to them are undone before the hidden tests run,
 # so a conftest hook cannot mark failing tests passed.
 PYTEST_CONFIG_FILES = ("conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml")
+TOOL_CALLS = counter("looprl_repo_tool_calls_total")
 _RESULT = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED) (\S+)")
 
 
@@ -237,13 +239,16 @@ class RepoEnv(Environment):
         parsed = parse_tool_calls(action)
         if not parsed.attempted:
             self.call_errors += 1
+            TOOL_CALLS.labels("no_call").inc()
             return await self._continue_or_score([{"role": "user", "content": NO_CALL}])
         observation = [self._tool_message("", f"error: {error}") for error in parsed.errors]
         self.call_errors += len(parsed.errors)
+        TOOL_CALLS.labels("malformed").inc(len(parsed.errors))
         submitted = False
         for call in parsed.calls:
             self.calls += 1
             if call.name == "submit":
+                TOOL_CALLS.labels("ok").inc()
                 submitted = True
                 break
             try:
@@ -302,7 +307,9 @@ class RepoEnv(Environment):
         problem = self._check_arguments(call)
         if problem:
             self.call_errors += 1
+            TOOL_CALLS.labels("unknown_tool" if "unknown tool" in problem else "bad_arguments").inc()
             return problem
+        TOOL_CALLS.labels("ok").inc()
         args = call.arguments
         if call.name == "run_shell":
             return _shell_result(await self._run(["bash", "-c", args["command"]]))
