@@ -201,7 +201,6 @@ class EpisodeRunner:
             raise EnvironmentError_(f"task.branches: at most {MAX_BRANCHES}, got {branches}")
         tokenizer = await self._tokenizer(task)
         env, payload, source = await self._environment(task, tokenizer)
-        task_json = json.dumps(payload)
         # One session for the prefix and every branch: the router keeps them on the replica
         # whose prefix cache holds the shared tokens.
         session_id = (
@@ -212,7 +211,7 @@ class EpisodeRunner:
         # repository workspace must not outlive its episode.
         envs = [env]
         try:
-            return await self._run_all(task, env, payload, tokenizer, task_json, session_id, sampling, envs)
+            return await self._play_task(task, env, payload, source, tokenizer, sampling, session_id, envs)
         finally:
             for made in envs:
                 try:
@@ -222,8 +221,20 @@ class EpisodeRunner:
                         "closing the %s environment of task %s failed", task.environment, task.task_id
                     )
 
-    async def _run_all(self, task, env, payload, tokenizer, task_json, session_id, sampling, envs) -> list:
+    async def _play_task(
+        self,
+        task: events_pb2.EpisodeTask,
+        env: Environment,
+        payload: dict,
+        source: str,
+        tokenizer: Tokenizer,
+        sampling: common_pb2.SamplingParams,
+        session_id: str,
+        envs: list[Environment],
+    ) -> list[common_pb2.Rollout]:
+        """run_all's episodes; every environment made on the way is appended to `envs`."""
         branches = max(1, task.branches)
+        task_json = json.dumps(payload)
         episode = await self._start(task, env, payload, tokenizer)
         episode.rollout.task_source = source
         if source:  # the run's dataset names the row's source (dataset.source_field)
