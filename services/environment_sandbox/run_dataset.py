@@ -273,7 +273,8 @@ async def prompt_lengths(
             await asyncio.sleep(0)  # a large dataset takes seconds: the loop's episodes go on meanwhile
         with plugin_code(cls, f"failed to reset on dataset task {i}"):
             observation = await env.reset(task)
-        lengths.append(len(tokenizer.apply_chat_template(observation, add_generation_prompt=True)))
+        ids = tokenizer.apply_chat_template(observation, add_generation_prompt=True, tools=env.tool_schemas())
+        lengths.append(len(ids))
     return lengths
 
 

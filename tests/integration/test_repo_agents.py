@@ -6,6 +6,7 @@ are contained; the next episode on the same pool starts clean."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 
@@ -183,3 +184,21 @@ async def test_a_hostile_agent_is_contained_and_the_next_episode_starts_clean(po
         await workspaces.close(opened["id"])
     final, _ = await play(pool.workspaces, task, oracle)
     assert final.reward == 1.0
+
+
+async def test_raw_swe_bench_rows_from_a_runs_dataset_section_are_tasks(pool):
+    """Rows as a recipe's [dataset] section hands them over (JSONL or the published parquet): the
+    environment makes them tasks itself, repo resolved under repos_root; measuring their prompts
+    for the dataset's length filter opens no workspace."""
+    from services.environment_sandbox.environments.datasets import load_jsonl
+    from services.environment_sandbox.run_dataset import prompt_lengths
+    from services.modeling.tokenizer import CharTokenizer
+
+    rows = list(load_jsonl(CORPUS / "tasks.jsonl"))[:2]
+    config = {"repos_root": str(CORPUS)}
+    before = pool.workspaces.stats()["opened"]
+    lengths = await prompt_lengths("repo", json.dumps(config), [dict(r) for r in rows], CharTokenizer())
+    assert pool.workspaces.stats()["opened"] == before and all(n > 2000 for n in lengths)  # tools included
+    for row in rows:
+        final, _ = await play(pool.workspaces, {**row, "prompt": row["problem_statement"]}, oracle, config)
+        assert final.reward == 1.0, final.info

@@ -16,6 +16,7 @@ PASS_TO_PASS test passes (`reward = "fraction"`: the share that pass), or the Ha
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import json
@@ -23,6 +24,7 @@ import random
 import re
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
@@ -35,7 +37,7 @@ from services.environment_sandbox.environments.base import (
     StepResult,
     register,
 )
-from services.environment_sandbox.environments.repo_tasks import load_repo_tasks
+from services.environment_sandbox.environments.repo_tasks import load_repo_tasks, swe_task
 from services.environment_sandbox.sandbox.job import SandboxError
 from services.kit.metric_names import counter
 from services.modeling.tool_calls import ToolCall, parse_tool_calls
@@ -115,9 +117,11 @@ class RepoConfig(EnvConfig):
 
     dataset: str = ""
     """SWE-bench-style JSONL over local repositories, or a directory of Harbor-style tasks
-    (tools/make_repo_corpus.py writes both; configs/data/repo_corpus is the shipped corpus)."""
+    (tools/make_repo_corpus.py writes both; configs/data/repo_corpus is the shipped corpus). A run's
+    `[dataset]` section may give SWE-bench rows instead (JSONL or parquet)."""
     repos_root: str = ""
-    """Where repositories a JSONL row names as "owner/name" are checked out (owner__name or owner/name)."""
+    """Where repositories a row names as "owner/name" (or by a relative path) are checked out
+    (owner__name or owner/name); rows from a run's `[dataset]` resolve against it."""
     max_turns: int = Field(20, ge=1, le=1024)
     """Model turns (each may call several tools) before the episode is scored."""
     max_action_chars: int = Field(16384, ge=1)
@@ -137,6 +141,19 @@ class RepoConfig(EnvConfig):
     share of them that pass."""
     system_prompt: str = SYSTEM_PROMPT
     """The system turn, before the tools block the chat template adds."""
+
+
+_ROW_TASKS: dict[str, dict[str, Any]] = {}
+
+
+def _row_task(row: dict[str, Any], repos_root: str) -> dict[str, Any]:
+    """A dataset row as a task, made once per instance (its hidden files come from git or disk)."""
+    key = json.dumps([row.get("instance_id"), row.get("repo"), row.get("base_commit"), repos_root])
+    if key not in _ROW_TASKS:
+        if len(_ROW_TASKS) > 4096:
+            _ROW_TASKS.clear()
+        _ROW_TASKS[key] = swe_task(row, Path.cwd(), repos_root, "task_json")
+    return copy.deepcopy(_ROW_TASKS[key])
 
 
 @functools.lru_cache(maxsize=8)
@@ -191,6 +208,14 @@ class RepoEnv(Environment):
         tasks = _tasks(config.dataset, config.repos_root)
         return copy.deepcopy(tasks[rng.randrange(len(tasks))])
 
+    async def reset(self, task: dict[str, Any]) -> list[Message]:
+        """A raw SWE-bench row (from the run's `[dataset]` section: JSONL or the published parquet)
+        is made a task first, its repo resolved against repos_root or the working directory."""
+        if isinstance(task, dict) and "kind" not in task and "FAIL_TO_PASS" in task:
+            assert isinstance(self.config, RepoConfig)
+            task = await asyncio.to_thread(_row_task, task, self.config.repos_root)
+        return await super().reset(task)
+
     def validate_task(self, task: dict[str, Any]) -> None:
         for key in ("instance_id", "repo", "problem_statement"):
             if not isinstance(task.get(key), str) or not task[key]:
@@ -222,20 +247,33 @@ class RepoEnv(Environment):
 
     async def _reset(self) -> list[Message]:
         assert isinstance(self.config, RepoConfig)
-        timeout = self.task.get("agent_timeout_s") or self.config.episode_timeout_s
-        try:
-            opened = await self._workspaces.open(self.task["repo"], self.task.get("base_commit", ""), timeout)
-        except SandboxError as exc:
-            raise EnvironmentError_(f"task_json.repo: {exc}") from None
-        self.workspace_id = opened["id"]
-        self.info = {"setup_seconds": f"{opened['setup_seconds']:.6f}", "warm": str(opened["warm"]).lower()}
+        self.workspace_id = ""  # opened with the first step: rendering the prompt costs nothing
         return [
             {"role": "system", "content": self.config.system_prompt},
             {"role": "user", "content": self.task["problem_statement"]},
         ]
 
+    async def _workspace(self) -> str:
+        """The episode's workspace, opened on first use (from the repository's warm pool)."""
+        if not self.workspace_id:
+            assert isinstance(self.config, RepoConfig)
+            timeout = self.task.get("agent_timeout_s") or self.config.episode_timeout_s
+            try:
+                opened = await self._workspaces.open(
+                    self.task["repo"], self.task.get("base_commit", ""), timeout
+                )
+            except SandboxError as exc:
+                raise EnvironmentError_(f"task_json.repo: {exc}") from None
+            self.workspace_id = opened["id"]
+            self.info = {
+                "setup_seconds": f"{opened['setup_seconds']:.6f}",
+                "warm": str(opened["warm"]).lower(),
+            }
+        return self.workspace_id
+
     async def _step(self, action: str) -> StepResult:
         assert isinstance(self.config, RepoConfig)
+        await self._workspace()
         parsed = parse_tool_calls(action)
         if not parsed.attempted:
             self.call_errors += 1
@@ -400,7 +438,8 @@ class RepoEnv(Environment):
         return (await self._score([], reason)).reward
 
     async def afork(self) -> RepoEnv:
-        """A copy at this point of the episode with a fork of its workspace."""
+        """A copy at this point of the episode with a fork of its workspace (before the first step:
+        a workspace of its own, opened when it first steps)."""
         twin = copy.copy(self)
         twin.task = copy.deepcopy(self.task)
         twin.info = dict(self.info)
