@@ -69,3 +69,38 @@ async def test_an_actor_ray_cannot_place_fails_executions_with_the_reason(ray_cl
         assert "actor_start_timeout_s=2 s" in str(refused.value)
     finally:
         await asyncio.wait_for(fleet.close(), 30)
+
+
+async def test_workspaces_on_the_fleet_stay_on_their_actor_and_pin_it(ray_client):
+    """An episode's workspace and its forks live on the actor holding their layers, and live
+    workspaces count as load: a fleet allowed to shrink to nothing keeps that actor while they live."""
+    from pathlib import Path
+
+    corpus = Path(__file__).resolve().parents[2] / "configs" / "data" / "repo_corpus" / "repos"
+    fleet = await SandboxFleet(
+        FleetConfig(min_actors=0, max_actors=2, scale_interval_s=0.05, scale_down_after_s=0.2),
+        SandboxConfig(warm_workers=0, uid_base=750000),
+    ).start()
+    workspaces = fleet.workspaces
+    try:
+        first = await asyncio.wait_for(workspaces.open(str(corpus / "primes")), 120)
+        await workspaces.run(first["id"], ["bash", "-c", "echo changed >> README.md"])
+        forked = await workspaces.fork(first["id"])
+        assert fleet.queue_depth == 2  # two live workspaces
+        await asyncio.sleep(1.0)  # idle for longer than scale_down_after_s
+        assert fleet.actors == 1
+        seen = await workspaces.run(forked["id"], ["tail", "-1", "README.md"])
+        assert seen["output"] == "changed\n" and seen["exit_code"] == 0
+        assert workspaces._where[first["id"]] is workspaces._where[forked["id"]]
+        for w in (first, forked):
+            await workspaces.close(w["id"])
+        assert fleet.queue_depth == 0
+        for _ in range(100):
+            if fleet.actors == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert fleet.actors == 0  # nothing pins it any more
+        with pytest.raises(SandboxError, match="no such live workspace"):
+            await workspaces.run(first["id"], ["true"])
+    finally:
+        await asyncio.wait_for(fleet.close(), 30)
