@@ -38,7 +38,7 @@ from services.environment_sandbox.environments.base import (
     register,
 )
 from services.environment_sandbox.environments.repo_tasks import load_repo_tasks, swe_task
-from services.environment_sandbox.sandbox.job import SandboxError
+from services.environment_sandbox.sandbox.job import InvalidJob, SandboxError
 from services.kit.metric_names import counter
 from services.modeling.tool_calls import ToolCall, parse_tool_calls
 
@@ -262,8 +262,10 @@ class RepoEnv(Environment):
                 opened = await self._workspaces.open(
                     self.task["repo"], self.task.get("base_commit", ""), timeout
                 )
-            except SandboxError as exc:
+            except InvalidJob as exc:  # the task's repository is missing or unreadable: a bad task
                 raise EnvironmentError_(f"task_json.repo: {exc}") from None
+            # Any other SandboxError (no sandbox to be had now) propagates: the task is retried, not
+            # trained on as a failed episode.
             self.workspace_id = opened["id"]
             self.info = {
                 "setup_seconds": f"{opened['setup_seconds']:.6f}",

@@ -522,10 +522,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def _write_and_close(fd: int, data: bytes) -> None:
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
+        _write_all(fd, data)
     except BrokenPipeError:
         pass
     finally:
