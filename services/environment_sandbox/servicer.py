@@ -72,7 +72,7 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
         self.runner = runner
         self.datasets = datasets or (runner.datasets if runner is not None else DatasetCache())
         self.tokenizers = tokenizers or (runner.tokenizers if runner is not None else TokenizerCache())
-        self.context = EnvContext(executor=pool.run_code)
+        self.context = EnvContext(executor=pool.run_code, workspaces=pool.workspaces)
         self.sessions: OrderedDict[str, Environment] = OrderedDict()
         self.max_sessions = max_sessions
         self.max_code_bytes = max_code_bytes
@@ -101,10 +101,14 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
         except EnvironmentError_ as exc:
             raise _status(exc) from None
         session_id = request.session_id or uuid.uuid4().hex
+        replaced = self.sessions.get(session_id)
         self.sessions[session_id] = env
         self.sessions.move_to_end(session_id)
+        dropped = [replaced] if replaced is not None else []
         while len(self.sessions) > self.max_sessions:
-            self.sessions.popitem(last=False)
+            dropped.append(self.sessions.popitem(last=False)[1])
+        for old in dropped:  # what a dropped session holds (a workspace) is freed with it
+            await old.close()
         return environment_pb2.ResetResponse(
             session_id=session_id, observation=[environment_pb2.Message(**m) for m in observation]
         )
@@ -123,6 +127,7 @@ class EnvironmentSandboxServicer(environment_pb2_grpc.EnvironmentSandboxServiceS
             raise _sandbox_status(exc) from None
         if result.done:
             self.sessions.pop(request.session_id, None)
+            await env.close()
         return environment_pb2.StepResponse(
             observation=[environment_pb2.Message(**m) for m in result.observation],
             reward=result.reward,
