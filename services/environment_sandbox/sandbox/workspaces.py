@@ -75,7 +75,7 @@ class WorkspacePool:
     def __init__(self, pool: SandboxPool) -> None:
         self.pool = pool
         self.config = pool.config.workspace
-        self.layers = LayerStore(Path(pool._dir) / "layers")
+        self._layers: LayerStore | None = None
         self._runtime: Path | None = None
         self._runtime_lock = asyncio.Lock()
         self._base_locks: dict[str, asyncio.Lock] = {}
@@ -271,6 +271,13 @@ class WorkspacePool:
         }
 
     # -- internals -----------------------------------------------------------------------------------
+
+    @property
+    def layers(self) -> LayerStore:
+        """The pool's layer directory, made on first use (a pool that refuses to run code has none)."""
+        if self._layers is None:
+            self._layers = LayerStore(Path(self.pool._dir) / "layers")
+        return self._layers
 
     def _check_open(self) -> None:
         if self._closed:
