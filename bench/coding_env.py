@@ -9,7 +9,8 @@
 - Fork: a live workspace with 20 edited files forked into a new one (its upper layer frozen, a warm
   sandbox mounting a new upper over it), against the same full copy.
 - Throughput: the oracle agent (apply the fix, submit, hidden tests run in a scoring fork) on the
-  shipped corpus with N episodes at once; episodes per second and the CPU each episode used, from
+  shipped corpus with N episodes at once (1, 2, 4 and the core count; the figure is at the core
+  count); episodes per second and the CPU each episode used, from
   the sandboxes' own accounting (every sandbox process is reaped, so its time is in this process's
   children's rusage) plus this process's own.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
 import shutil
 import tempfile
@@ -155,7 +157,9 @@ async def main() -> None:
             forks = [await fork_once(pool, live, big) for _ in range(samples)]
             await pool.workspaces.close(live)
 
-            rates = {n: await throughput(pool, tasks, n, episodes) for n in (1, 2, 4)}
+            rates = {
+                n: await throughput(pool, tasks, n, episodes) for n in sorted({1, 2, 4, os.cpu_count() or 1})
+            }
         finally:
             await pool.close()
 
@@ -183,9 +187,27 @@ async def main() -> None:
     emit("coding_env", "setup_speedup_over_copy_small_repo", w, c, c / w, "s", "higher is better")
     f50, c50 = percentile(forks, 50), percentile(results["mid-sized"][1], 50)
     emit("coding_env", "fork_p50_ms", f50 * 1e3, c50 * 1e3, f50 / c50, "ms", "< 20")
-    (one, _), (four, cpu4) = rates[1], rates[4]
-    emit("coding_env", "episodes_per_s_4_concurrent", four, one, four / one, "episodes/s", "higher is better")
-    emit("coding_env", "cpu_share_per_episode_4_concurrent", cpu4 * four / 4, None, None, "cores", "report")
+    # The headline is as many episodes at once as this machine has cores; the table shows the rest.
+    cores = min(max(rates), max(1, os.cpu_count() or 1))
+    (one, _), (many, cpu_many) = rates[1], rates[cores]
+    emit(
+        "coding_env",
+        f"episodes_per_s_{cores}_concurrent",
+        many,
+        one,
+        many / one,
+        "episodes/s",
+        "higher is better",
+    )
+    emit(
+        "coding_env",
+        f"cpu_share_per_episode_{cores}_concurrent",
+        cpu_many * many / cores,
+        None,
+        None,
+        "cores",
+        "report",
+    )
 
 
 if __name__ == "__main__":
