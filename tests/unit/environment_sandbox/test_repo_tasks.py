@@ -158,3 +158,31 @@ def test_pytest_summary_lines_give_each_tests_outcome():
         "tests/t.py::b": "FAILED",
         "tests/t.py::c": "ERROR",
     }
+
+
+async def test_create_runs_check_loads_the_dataset_and_holds_no_workspace():
+    from looprl.environment.v1 import environment_pb2 as pb
+    from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool
+    from services.environment_sandbox.servicer import EnvironmentSandboxServicer
+    from services.kit.errors import InvalidArgument
+
+    pool = SandboxPool(SandboxConfig())
+    servicer = EnvironmentSandboxServicer(pool, None)
+    try:
+        config = {"dataset": str(CORPUS / "tasks.jsonl"), "max_turns": 4}
+        request = pb.LoadEnvironmentRequest(
+            environment="repo", environment_config_json=json.dumps(config), tokenizer="char"
+        )
+        reply = await servicer.LoadEnvironment(request, None)
+        assert json.loads(reply.first_task_json)["instance_id"].startswith("looprl__")
+        assert reply.environment.multi_turn and pool.workspaces.stats()["opened"] == 0
+        missing = {"dataset": "nowhere/tasks.jsonl", "max_turns": 4}
+        request = pb.LoadEnvironmentRequest(
+            environment="repo", environment_config_json=json.dumps(missing), tokenizer="char"
+        )
+        with pytest.raises(
+            InvalidArgument, match=r"environment.config.dataset: 'nowhere/tasks.jsonl' does not exist"
+        ):
+            await servicer.LoadEnvironment(request, None)
+    finally:
+        await pool.close()
