@@ -2,14 +2,16 @@
 
 `EpisodeRunner.run(task)` plays one episode with the run's tokenizer (`EpisodeTask.tokenizer`, the
 recipe's `model.tokenizer`; loaded once per tokenizer and cached): it renders the environment's
-opening messages with that tokenizer's chat template, asks the inference-router for the model's
-turn (one session id per episode so a multi-turn episode stays on the replica holding its cache),
-feeds the decoded reply to the environment and extends the token ids with the template's
-continuation for the environment's answer (`chat_continuation`: the ids already sent are never
-re-rendered, so the prefix the replica caches stays valid), and repeats until done. Every model
-turn keeps its sampled tokens, their log-probs and the weight version it was sampled under
-(trainable); prompt and environment tokens are kept masked out. The reward service then scores
-the episode.
+opening messages (and its tools, if it has any) with that tokenizer's chat template, asks the
+inference-router for the model's turn (one session id per episode so a multi-turn episode stays on
+the replica holding its cache), feeds the decoded reply to the environment and extends the token
+ids with the template's continuation for the environment's answer (`chat_continuation`: the ids
+already sent are never re-rendered, so the prefix the replica caches stays valid), and repeats
+until done. Every model turn keeps its sampled tokens, their log-probs and the weight version it
+was sampled under (trainable); prompt and environment tokens are kept masked out. The reward
+service then scores the episode, unless the environment scores it itself (repo: its hidden tests).
+Whatever a task's environments hold (a repository workspace) is released when the task ends,
+however it ends.
 
 `EpisodeWorker` pulls EpisodeTasks from the JetStream work queue, runs up to `concurrency`
 episodes at once, publishes the task's rollouts as one RolloutGroup message whose id follows from
@@ -18,7 +20,7 @@ re-publishes the same message and the stream drops the duplicate) and only then 
 
 Episodes fork (EpisodeTask.branches / branch_at_turn): the episode is played once up to a model
 turn, then continued n times from that shared prefix (environment state copied with
-`Environment.fork`), sampled as one n-completion request on the episode's session so the shared
+`Environment.afork`: a repository workspace forks copy-on-write), sampled as one n-completion request on the episode's session so the shared
 tokens are prefilled once on one replica. Each branch is its own rollout; all are published
 before the task is acked. A crash between publish and ack therefore costs a
 duplicate publish that the stream deduplicates, never a lost or doubled rollout.
