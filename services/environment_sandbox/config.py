@@ -226,9 +226,10 @@ class EnvServiceConfig(ServiceConfig):
     recipe's `file.py:Class` and `module:Class` must lie in one (each is put on sys.path); installed
     packages declaring a looprl entry point need none. Empty: only those packages."""
     data_dirs: str = ""
-    """Directories (':'- or ','-separated) a recipe's dataset.path and dataset.eval_path may read
-    (symlinks and '..' resolved; a path outside answers as a missing one), besides the plugin
-    directories. Empty: only the plugin directories."""
+    """Directories (':'- or ','-separated) a recipe's dataset.path and dataset.eval_path, and the
+    repo environment's tasks and repositories, may read (symlinks and '..' resolved; a path outside
+    answers as a missing one), besides the plugin directories (and, for repo tasks, the shipped
+    configs/data). Empty: only those."""
 
     @field_validator("tokenizer")
     @classmethod

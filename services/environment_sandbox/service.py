@@ -21,7 +21,7 @@ async def serve(cfg: EnvServiceConfig) -> None:
         RewardClient,
         RouterGenerator,
     )
-    from services.environment_sandbox.environments import EnvContext, set_plugin_dirs
+    from services.environment_sandbox.environments import EnvContext, repo_tasks, set_plugin_dirs
     from services.environment_sandbox.episode_worker import EpisodeWorker
     from services.environment_sandbox.ratelimit import RateLimiter, rate_limiter_actor
     from services.environment_sandbox.run_dataset import DatasetCache
@@ -53,7 +53,9 @@ async def serve(cfg: EnvServiceConfig) -> None:
     runner = None
     plugin_dirs = plugin_dirs_from(cfg.plugin_dirs)
     set_plugin_dirs(plugin_dirs)
-    datasets = DatasetCache(plugin_dirs, data_dirs=plugin_dirs_from(cfg.data_dirs))
+    data_dirs = plugin_dirs_from(cfg.data_dirs)
+    datasets = DatasetCache(plugin_dirs, data_dirs=data_dirs)
+    repo_tasks.confine([*plugin_dirs, *data_dirs])  # repositories as datasets: only from there
     tokenizers = TokenizerCache(cfg.tokenizer)
     tokenizers.get()  # a default that does not load fails at start-up, not on the first task naming none
     if cfg.router_address:

@@ -37,7 +37,12 @@ from services.environment_sandbox.environments.base import (
     StepResult,
     register,
 )
-from services.environment_sandbox.environments.repo_tasks import load_repo_tasks, swe_task
+from services.environment_sandbox.environments.repo_tasks import (
+    allowed,
+    load_repo_tasks,
+    swe_task,
+    where_allowed,
+)
 from services.environment_sandbox.sandbox.job import InvalidJob, SandboxError
 from services.kit.metric_names import counter
 from services.modeling.tool_calls import ToolCall, parse_tool_calls
@@ -220,6 +225,10 @@ class RepoEnv(Environment):
         for key in ("instance_id", "repo", "problem_statement"):
             if not isinstance(task.get(key), str) or not task[key]:
                 raise EnvironmentError_(f"task_json.{key}: must be a non-empty string")
+        if allowed(task["repo"]) is None:
+            raise EnvironmentError_(
+                f"task_json.repo: {task['repo']!r} is not a directory or archive{where_allowed()}"
+            )
         kind = task.get("kind", "swe")
         if kind == "swe":
             if not isinstance(task.get("FAIL_TO_PASS"), list) or not task["FAIL_TO_PASS"]:

@@ -20,6 +20,12 @@ Harbor task directory (task.toml, instruction.md, environment/, tests/test.sh, s
 the workspace is environment/workspace/ when present, else environment/ (its Dockerfile is not
 built: commands run with the sandbox's runtime); tests/ is uploaded to /tests only in the scoring
 fork, where `bash /tests/test.sh` writes the reward to /logs/verifier/reward.txt or reward.json.
+
+In the environment-sandbox every path a recipe or a task names (the task file or directory, each
+repository, a Harbor workspace, a file under tests/) must lie inside the service's data or plugin
+directories, or the project's shipped configs/data, symlinks and '..' resolved, as a [dataset]
+path must (run_dataset.py): outside, it answers as a missing one. A recipe can thereby neither
+copy host files nor another tenant's repositories into its agent's workspace (`confine`).
 """
 
 from __future__ import annotations
@@ -31,15 +37,43 @@ import tarfile
 import tempfile
 import tomllib
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from services.environment_sandbox.environments.base import EnvironmentError_
 from services.environment_sandbox.environments.datasets import load_jsonl
-from services.environment_sandbox.sandbox.ws_tools import PatchError, apply_patch_text, parse_patch
+from services.environment_sandbox.sandbox.ws_tools import PatchError, apply_patch_text, inside, parse_patch
 
 DEFAULT_TEST_COMMAND = "python -P -m pytest -rA -q -p no:cacheprovider --tb=short"
 MAX_HIDDEN_FILE_BYTES = 4 << 20
+SHIPPED_DATA = Path(__file__).resolve().parents[3] / "configs" / "data"
+# Where tasks may read (None: anywhere, for the library used in-process; the service confines it).
+_ROOTS: list[tuple[Path, ...] | None] = [None]
+
+
+def confine(roots: Sequence[Path] | None) -> None:
+    """Read tasks and repositories only inside `roots` and the shipped configs/data (None: anywhere)."""
+    _ROOTS[0] = None if roots is None else (*(Path(r).resolve() for r in roots), SHIPPED_DATA)
+
+
+def allowed(path: str | Path) -> Path | None:
+    """The path resolved when tasks may read it (it exists, inside the roots), else None."""
+    try:
+        resolved = Path(path).resolve()
+        if not resolved.exists():
+            return None
+    except (OSError, ValueError):  # a name no file can have (a NUL byte, too long)
+        return None
+    roots = _ROOTS[0]
+    if roots is None or any(resolved == r or resolved.is_relative_to(r) for r in roots):
+        return resolved
+    return None
+
+
+def where_allowed() -> str:
+    roots = _ROOTS[0]
+    return "" if roots is None else f" in the data directories ({', '.join(str(r) for r in roots)})"
 
 
 def _id_list(value: Any, where: str) -> list[str]:
@@ -58,10 +92,13 @@ def _resolve_repo(repo: str, base_dir: Path, repos_root: str, where: str) -> str
     if repos_root:
         candidates += [Path(repos_root) / repo.replace("/", "__"), Path(repos_root) / repo]
     for candidate in candidates:
-        if candidate.exists():
-            return str(candidate.resolve())
+        found = allowed(candidate)
+        if found is not None:
+            return str(found)
     hint = "" if repos_root else " (set environment.config.repos_root to where repositories are checked out)"
-    raise EnvironmentError_(f"{where}.repo: {repo!r} is not a local directory or archive{hint}")
+    raise EnvironmentError_(
+        f"{where}.repo: {repo!r} is not a local directory or archive{where_allowed()}{hint}"
+    )
 
 
 def _base_file(repo: str, commit: str, rel: str) -> str | None:
@@ -71,8 +108,9 @@ def _base_file(repo: str, commit: str, rel: str) -> str | None:
         found = subprocess.run(["git", "-C", repo, "show", f"{commit}:{rel}"], capture_output=True)
         return found.stdout.decode() if found.returncode == 0 else None
     if path.is_dir():
-        target = path / rel
-        return target.read_text() if target.is_file() else None
+        target = allowed(path / rel)  # a symlink out of the repository reads nothing
+        inside = target is not None and target.is_relative_to(path.resolve())
+        return target.read_text() if inside and target.is_file() else None
     if path.name.endswith(".zip"):
         with zipfile.ZipFile(path) as zf:
             names = {n.split("/", 1)[-1] if _single_root(zf.namelist()) else n: n for n in zf.namelist()}
@@ -99,6 +137,11 @@ def hidden_files(repo: str, commit: str, test_patch: str, where: str) -> dict[st
         raise EnvironmentError_(f"{where}.test_patch: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="looprl-hidden-") as scratch:
         for patch in patches:
+            try:  # paths of the repository: neither absolute nor climbing out of it
+                for rel in filter(None, (patch.old_path, patch.new_path)):
+                    inside(scratch, rel)
+            except PatchError as exc:
+                raise EnvironmentError_(f"{where}.test_patch: {exc}") from None
             if patch.old_path:
                 original = _base_file(repo, commit, patch.old_path)
                 if original is not None:
@@ -155,11 +198,15 @@ def load_swe_jsonl(path: str | Path, repos_root: str = "") -> list[dict[str, Any
 
 
 def _read_tree(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): p.read_text()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and "__pycache__" not in p.parts
-    }
+    """The files under `root`; one that resolves outside the roots (a symlink out) is refused."""
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if not p.is_file() or "__pycache__" in p.parts:
+            continue
+        if allowed(p) is None:
+            raise EnvironmentError_(f"{p}: not a file{where_allowed()}")
+        files[str(p.relative_to(root))] = p.read_text()
+    return files
 
 
 def harbor_task(directory: Path) -> dict[str, Any]:
@@ -174,7 +221,7 @@ def harbor_task(directory: Path) -> dict[str, Any]:
         raise EnvironmentError_(f"{where}/instruction.md: missing (the agent's instruction)")
     environment = directory / "environment"
     workspace = environment / "workspace" if (environment / "workspace").is_dir() else environment
-    if not workspace.is_dir():
+    if not workspace.is_dir() or allowed(workspace) is None:
         raise EnvironmentError_(f"{where}/environment: missing (the workspace's starting state)")
     if not (directory / "tests" / "test.sh").is_file():
         raise EnvironmentError_(f"{where}/tests/test.sh: missing (the verifier)")
@@ -206,8 +253,8 @@ def load_harbor(path: str | Path) -> list[dict[str, Any]]:
 
 def load_repo_tasks(path: str, repos_root: str = "") -> list[dict[str, Any]]:
     """Tasks from a SWE-bench-style JSONL file or Harbor-style task directories."""
-    if not os.path.exists(path):
-        raise EnvironmentError_(f"environment.config.dataset: {path!r} does not exist")
+    if allowed(path) is None:
+        raise EnvironmentError_(f"environment.config.dataset: {path!r} does not exist{where_allowed()}")
     if os.path.isdir(path):
         return load_harbor(path)
     if path.endswith((".jsonl", ".json")):

@@ -136,7 +136,7 @@ def apply_hunks(original: str, patch: FilePatch) -> str:
     return "".join(lines)
 
 
-def _inside(root: str, rel: str) -> str:
+def inside(root: str, rel: str) -> str:
     path = os.path.normpath(os.path.join(root, rel))
     if not (path == root or path.startswith(root.rstrip("/") + "/")):
         raise PatchError(f"{rel}: outside the workspace")
@@ -152,7 +152,7 @@ def apply_patch_text(root: str, text: str) -> list[str]:
         if patch.old_path is None:
             original = ""
         else:
-            source = _inside(root, patch.old_path)
+            source = inside(root, patch.old_path)
             if patch.old_path in results:
                 original = results[patch.old_path] or ""
             elif os.path.isfile(source):
@@ -168,7 +168,7 @@ def apply_patch_text(root: str, text: str) -> list[str]:
                 results[patch.old_path] = None
             results[patch.new_path] = updated
     for rel, content in results.items():
-        path = _inside(root, rel)
+        path = inside(root, rel)
         if content is None:
             if os.path.lexists(path):
                 os.unlink(path)

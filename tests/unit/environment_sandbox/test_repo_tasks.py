@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.environment_sandbox.environments import EnvironmentError_, make_environment
+from services.environment_sandbox.environments import EnvironmentError_, make_environment, repo_tasks
 from services.environment_sandbox.environments.repo import pytest_outcomes, truncate
 from services.environment_sandbox.environments.repo_tasks import load_repo_tasks
 from services.environment_sandbox.sandbox.layers import LayerStore
@@ -91,6 +91,12 @@ def test_swe_rows_load_with_their_hidden_tests_as_whole_files(tmp_path):
         ({"FAIL_TO_PASS": []}, r"tasks.jsonl:1.FAIL_TO_PASS: a task needs at least one test"),
         ({"PASS_TO_PASS": "[1"}, r"tasks.jsonl:1.PASS_TO_PASS: not a JSON list"),
         ({"test_patch": "--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-a\n+b\n"}, r"test_patch: does not apply"),
+        # test_patch names repository files: none outside it is read or written on the host
+        (
+            {"test_patch": "--- a/../../x.py\n+++ b/../../x.py\n@@ -1 +1 @@\n-a\n+b\n"},
+            r"outside the workspace",
+        ),
+        ({"test_patch": "--- /dev/null\n+++ /tmp/x.py\n@@ -0,0 +1 @@\n+b\n"}, r"outside the workspace"),
     ],
 )
 def test_a_bad_row_is_refused_naming_its_line_and_field(tmp_path, change, says):
@@ -121,6 +127,38 @@ def test_a_git_repository_is_used_at_its_base_commit(tmp_path):
     layer = store.path(store.base(task["repo"], base))
     assert (layer / "m.py").read_text() == "def add(a, b): return a - b\n" and not (layer / ".git").exists()
     assert oct((layer / "m.py").stat().st_mode & 0o777) == "0o666"  # any sandbox uid may edit it
+
+
+@pytest.fixture
+def confined(tmp_path):
+    """Tasks confined as the service confines them, to one data directory (tmp_path/data)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    repo_tasks.confine([data])
+    yield data
+    repo_tasks.confine(None)
+
+
+def test_tasks_and_repositories_outside_the_data_directories_answer_as_missing(tmp_path, confined):
+    outside = tmp_path / "elsewhere"
+    _write(outside, {"m.py": "SECRET = 1\n", "tests/test_a.py": "import m\n"})
+    _write(confined / "repo", {"m.py": "", "tests/test_a.py": "import m\n"})
+    (confined / "link").symlink_to(outside)
+    (confined / "tasks.jsonl").write_text(json.dumps(_row()) + "\n")
+    assert load_repo_tasks(str(confined / "tasks.jsonl"))[0]["repo"] == str((confined / "repo").resolve())
+    for repo in (str(outside), "link", "../elsewhere"):  # absolute, a symlink out, '..'
+        (confined / "bad.jsonl").write_text(json.dumps(_row(repo=repo)) + "\n")
+        with pytest.raises(EnvironmentError_, match=r"bad.jsonl:1.repo: .* in the data directories"):
+            load_repo_tasks(str(confined / "bad.jsonl"))
+    (outside / "tasks.jsonl").write_text(json.dumps(_row(repo=str(confined / "repo"))) + "\n")
+    with pytest.raises(EnvironmentError_, match=r"dataset: .* does not exist in the data directories"):
+        load_repo_tasks(str(outside / "tasks.jsonl"))
+    # A task handed over whole (a Reset session's task_json) names its repository too.
+    env = make_environment("repo", None)
+    with pytest.raises(EnvironmentError_, match=r"task_json.repo: .* in the data directories"):
+        env.validate_task({**_row(repo=str(outside)), "kind": "swe", "FAIL_TO_PASS": ["t"]})
+    # The shipped corpus stays readable whatever the data directories are.
+    assert load_repo_tasks(str(CORPUS / "harbor"))
 
 
 def test_harbor_directories_load_and_bad_ones_name_the_missing_file(tmp_path):
