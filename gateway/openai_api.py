@@ -14,6 +14,8 @@ use them; the reply's `model` is the run or deployment that served it. The endpo
 the router's Generate (GenerateStream for `stream: true`, sent as server-sent events) and decode.
 `stop` strings end a choice at their first occurrence (finish_reason "stop"); `logprobs` report the
 sampled tokens' log-probs (the engine returns no alternatives, so `top_logprobs` above 0 is refused).
+`tools` are rendered by the run's chat template and the model's calls come back as `tool_calls`,
+parsed as the environments that trained it parse them (gateway/openai_tools.py).
 Every field is checked against its type and range before anything is forwarded, and one looprl does
 not serve is refused naming it (gateway/openai_fields.py); errors are OpenAI-shaped.
 """
@@ -50,6 +52,7 @@ from gateway.openai_shapes import (
     stop_strings,
     stream_options,
 )
+from gateway.openai_tools import NO_TOOLS, ToolUse
 from gateway.run_store import ACTIVE
 from gateway.servicer import RunManager
 from looprl.common.v1 import common_pb2
@@ -289,14 +292,20 @@ class OpenAIEndpoints:
         body = await json_body(request)
         check_fields(body, CHAT)
         target = await self._resolve(body, request[TENANT])
+        tools = ToolUse.of(body)
+        messages = chat_messages(body)
         try:
-            ids = target.tokenizer.apply_chat_template(chat_messages(body), add_generation_prompt=True)
+            ids = target.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tools=tools.tools
+            )
         except ValueError as exc:  # the model's chat template refused the conversation
             raise InvalidArgument(f"messages: {exc}") from exc
         self._check_ids("messages", ids)
         want = bool_field(body, "logprobs")
         int_field(body, "top_logprobs", 0, 0)
-        return await self._serve(request, body, CHAT, target, ids, "messages", 0 if want else None)
+        return await self._serve(
+            request, body, CHAT, target, ids, "messages", 0 if want else None, tools=tools
+        )
 
     async def _serve(
         self,
@@ -308,8 +317,10 @@ class OpenAIEndpoints:
         field: str,
         logprobs: int | None,
         prefix: str = "",
+        tools: ToolUse = NO_TOOLS,
     ) -> web.StreamResponse:
-        """Answer the request from the router. `prefix`: text every choice starts with (echo)."""
+        """Answer the request from the router. `prefix`: text every choice starts with (echo);
+        `tools`: how a chat reply's tool calls are parsed."""
         stops = stop_strings(body)
         stream = bool_field(body, "stream")
         options = stream_options(body, stream)
@@ -321,17 +332,18 @@ class OpenAIEndpoints:
             names["max_tokens"] = "max_completion_tokens"
         log_request(kind, tenant.name, target.label, identifiers(body))
         envelope = {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "created": int(time.time()), "model": target.label}
-        choices = [Choice(target.tokenizer, stops) for _ in range(request.sampling.n)]
+        streamable = tools.streamable if tools.parse else None
+        choices = [Choice(target.tokenizer, stops, streamable) for _ in range(request.sampling.n)]
         if stream:
             return await self._sse(
-                http_request, request, names, kind, envelope, choices, ids, logprobs, options, prefix
+                http_request, request, names, kind, envelope, choices, ids, logprobs, options, prefix, tools
             )
         reply = await self._generate(request, names)
         for choice, completion in zip(choices, reply.completions, strict=False):
             choice.add(list(completion.token_ids), list(completion.logprobs), completion.finish_reason)
         if best_of:  # the n with the highest log-prob per token, as OpenAI's best_of
             choices = sorted(choices, key=Choice.mean_logprob, reverse=True)[:n]
-        out = [choice_json(kind, i, c, logprobs, prefix) for i, c in enumerate(choices)]
+        out = [choice_json(kind, i, c, logprobs, prefix, tools) for i, c in enumerate(choices)]
         version = max((c.weight_version for c in reply.completions), default=0)
         usage = _usage(kind, ids, choices)
         envelope["model"] = target.label or reply.deployment  # what served it, never a guess
@@ -351,6 +363,7 @@ class OpenAIEndpoints:
         logprobs: int | None,
         options: dict[str, bool],
         prefix: str,
+        tools: ToolUse,
     ) -> web.StreamResponse:
         chunks = self._stream(request, names)
         first = await anext(chunks, None)  # router errors still become an HTTP status
@@ -388,6 +401,14 @@ class OpenAIEndpoints:
             choice = choices[chunk.index]
             before = len(choice.ids)
             choice.add(list(chunk.token_ids), list(chunk.logprobs), chunk.finish_reason)
+            calls = tools.final_delta(choice.text, choice.sent, choice.finish) if choice.finish else None
+            if calls is not None:  # the reply ends in tool calls: they go out parsed, with the finish
+                part = {"index": chunk.index, "delta": calls[0], "finish_reason": calls[1]}
+                if logprobs is not None:
+                    part["logprobs"] = logprobs_json(kind, choice.pieces(before))
+                await send({"choices": [part]})
+                done.add(chunk.index)
+                return
             text = choice.pending_text(final=choice.finish is not None)
             if text or choice.finish:
                 part = delta(kind, chunk.index, text, choice.finish)

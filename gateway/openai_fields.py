@@ -8,7 +8,7 @@ unknown. Nothing is silently ignored. tests/integration/test_gateway_openai.py s
 the official `openai` client's request types, read from the installed package, so a field the
 client gains fails that test until it has a row here.
 
-Serving an unserved field later (tool calls, say) is: drop its UNSERVED row, add it to SERVED, and
+Serving an unserved field later (JSON output, say) is: drop its UNSERVED row, add it to SERVED, and
 read it in gateway/openai_api.py.
 """
 
@@ -53,6 +53,9 @@ SERVED: dict[str, frozenset[str]] = {
         "safety_identifier",
         "metadata",
         "prompt_cache_key",
+        "tools",  # gateway/openai_tools.py, with the next two
+        "tool_choice",
+        "parallel_tool_calls",
     },
     COMPLETION: _COMMON | {"prompt", "echo", "best_of"},
 }
@@ -79,7 +82,7 @@ def _type_is(kind: str) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, dict) and value.get("type") == kind and len(value) == 1
 
 
-_TOOLS = "tool calls are not served yet (leave it unset)"
+_FUNCTIONS = "deprecated by OpenAI and not served: use tools and tool_choice"
 
 UNSERVED: dict[str, Unserved] = {
     "frequency_penalty": Unserved(_is(0, 0.0), "not supported by looprl's engines (leave it unset or 0)"),
@@ -90,11 +93,8 @@ UNSERVED: dict[str, Unserved] = {
         _type_is("text"),
         "only {'type': 'text'} is served: the engines do not constrain decoding to JSON",
     ),
-    "tools": Unserved(_empty, _TOOLS),
-    "tool_choice": Unserved(_is("none"), _TOOLS),
-    "parallel_tool_calls": Unserved(lambda _: False, _TOOLS),
-    "functions": Unserved(_empty, _TOOLS),
-    "function_call": Unserved(_is("none"), _TOOLS),
+    "functions": Unserved(_empty, _FUNCTIONS),
+    "function_call": Unserved(_is("none"), _FUNCTIONS),
     "audio": Unserved(lambda _: False, "audio output is not supported (leave it unset)"),
     "modalities": Unserved(_is(["text"]), "only ['text'] is served"),
     "prediction": Unserved(lambda _: False, "predicted outputs are not supported (leave it unset)"),

@@ -5,8 +5,10 @@ apart from the endpoints that serve them. Which fields are served at all: gatewa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
+from gateway.openai_tools import NO_TOOLS, ToolUse, assistant_tool_calls
 from services.kit.errors import InvalidArgument
 from services.kit.limits import INT32_MAX, INT64_MAX
 from services.modeling.tokenizer import Tokenizer
@@ -25,7 +27,16 @@ OPENAI_FIELDS: dict[str, tuple[type, float, float, float | str]] = {
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
 MAX_CACHE_KEY_CHARS = 256
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+# What a message may carry besides role and content: an assistant turn its tool calls, a tool
+# result the id of the call it answers.
+MESSAGE_EXTRAS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
 
 
 def sampling_value(body: dict, name: str, limits: Any, rule: str = "") -> Any:
@@ -128,10 +139,11 @@ def cache_session(body: dict, tenant: str) -> str:
     return f"openai/{tenant}/{key}"
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
-    """The conversation as the chat template takes it: role and text content per message. Text
+def chat_messages(body: dict) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it: role and text content per message, an
+    assistant turn's past tool calls (arguments as objects) and a tool result's call id. Text
     content parts are joined; `developer` is the system role under its newer name. Anything else a
-    message carries (images, audio, tool calls, names) is refused naming it, never dropped."""
+    message carries (images, audio, names) is refused naming it, never dropped."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages: must be a non-empty list")
@@ -139,17 +151,32 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidArgument(f"messages[{i}]: needs string 'role' and 'content'")
+        extras = MESSAGE_EXTRAS.get(m["role"], ())
         for key, value in m.items():
-            if key not in ("role", "content") and value is not None:
+            if key not in ("role", "content", *extras) and value is not None:
                 raise InvalidArgument(
-                    f"messages[{i}].{key}: not supported (a message is its role and content)"
+                    f"messages[{i}].{key}: not supported (a message is its role and content"
+                    + (f", and {', '.join(extras)})" if extras else ")")
                 )
         role = CHAT_ROLES.get(m["role"])
         if role is None:
             raise InvalidArgument(
-                f"messages[{i}].role: {m['role']!r} is not served (system, developer, user, assistant)"
+                f"messages[{i}].role: {m['role']!r} is not served (system, developer, user, assistant, tool)"
             )
-        out.append({"role": role, "content": _text(m.get("content"), f"messages[{i}].content")})
+        calls = m.get("tool_calls") if role == "assistant" else None
+        content = m.get("content")
+        message: dict[str, Any] = {
+            "role": role,
+            "content": "" if content is None and calls else _text(content, f"messages[{i}].content"),
+        }
+        if calls is not None:
+            message["tool_calls"] = assistant_tool_calls(calls, f"messages[{i}].tool_calls")
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise InvalidArgument(f"messages[{i}].tool_call_id: must be the id of the call it answers")
+            message["tool_call_id"] = call_id
+        out.append(message)
     return out
 
 
@@ -170,8 +197,11 @@ def _text(content: Any, where: str) -> str:
 class Choice:
     """One choice as it is decoded: its tokens, log-probs, text so far, and where a stop string cut it."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str]) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
+    def __init__(
+        self, tokenizer: Tokenizer, stops: list[str], streamable: Callable[[str], int] | None = None
+    ) -> None:
+        """`streamable(text)`: how much of the text so far may be streamed (tool calls are held)."""
+        self.tokenizer, self.stops, self.streamable = tokenizer, stops, streamable
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.text = ""
@@ -201,6 +231,8 @@ class Choice:
         end = len(self.text) - hold
         if not final and self.text[end - 1 : end] == "\ufffd":  # a multi-byte character half sampled
             end -= 1
+        if not final and self.streamable is not None:
+            end = min(end, self.streamable(self.text))
         if end <= self.sent:
             return ""
         out, self.sent = self.text[self.sent : end], end
@@ -264,12 +296,20 @@ def logprobs_json(kind: str, pieces: list[tuple[str, float]]) -> dict:
     }
 
 
-def choice_json(kind: str, index: int, choice: Choice, logprobs: int | None, prefix: str = "") -> dict:
-    """One choice of the reply; a completion's text after `prefix` (its prompt, with echo)."""
+def choice_json(
+    kind: str,
+    index: int,
+    choice: Choice,
+    logprobs: int | None,
+    prefix: str = "",
+    tools: ToolUse = NO_TOOLS,
+) -> dict:
+    """One choice of the reply; a completion's text after `prefix` (its prompt, with echo), a chat
+    reply's tool calls parsed as `tools` asks."""
     lp = logprobs_json(kind, choice.token_logprobs()) if logprobs is not None else None
     finish = choice.finish or "length"
     if kind == "chat.completion":
-        message = {"role": "assistant", "content": choice.text}
+        message, finish = tools.message(choice.text, finish)
         return {"index": index, "message": message, "finish_reason": finish, "logprobs": lp}
     return {"index": index, "text": prefix + choice.text, "finish_reason": finish, "logprobs": lp}
 

@@ -19,7 +19,7 @@ DEPLOYMENT = {
     "num_cpus": 0.5,
     "replicas": 1,
     "tensor_parallel": 1,
-    "max_model_len": 64,
+    "max_model_len": 1024,  # room for a tools block (one token a character)
     "max_batch_size": 4,
 }
 
@@ -66,7 +66,7 @@ def test_out_of_range_fields_are_openai_400s_and_the_endpoint_keeps_serving(serv
             f"prompt[1]: token id {vocab} is outside the vocabulary [0, {vocab})",
         ),
         ({"prompt": [1], "max_tokens": 10**12}, "max_tokens", "max_tokens: must be in [1, 131072]"),
-        ({"prompt": [1], "max_tokens": 1000}, "max_tokens", "max_tokens: prompt + max_tokens = 1001 exceeds"),
+        ({"prompt": [1], "max_tokens": 1024}, "max_tokens", "max_tokens: prompt + max_tokens = 1025 exceeds"),
         ({"prompt": [1], "seed": 2**70}, "seed", "seed: must be in [0, 9223372036854775807]"),
         ({"prompt": [1], "n": -1}, "n", "n: must be in [1, 128]"),
         ({"prompt": [1], "temperature": "warm"}, "temperature", "temperature: must be a number"),
@@ -168,6 +168,16 @@ def test_the_official_openai_client_lists_models_and_samples_with_every_document
 # Refused: a 400 naming the field, and nothing generated.
 MESSAGES = [{"role": "user", "content": "12"}]
 PROMPT = "12"
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def _with_tools(reply) -> bool:
+    """The prompt was the chat template's rendering with the tools (the gateway's char tokenizer:
+    one token a character), and the reply is a choice (text, or calls the parser found)."""
+    from services.modeling.tokenizer import CharTokenizer
+
+    rendered = CharTokenizer().apply_chat_template(MESSAGES, add_generation_prompt=True, tools=TOOLS)
+    return reply.usage.prompt_tokens == len(rendered) and ok(reply)
 
 
 def ok(reply) -> bool:
@@ -198,6 +208,14 @@ CHAT_SENT = {
         [
             {"role": "developer", "content": "be brief"},
             {"role": "user", "content": [{"type": "text", "text": "12"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "3"},
         ]
     ),
     "metadata": serve({"experiment": "a"}),
@@ -205,7 +223,7 @@ CHAT_SENT = {
     "model": serve("d", lambda r: r.model == "d"),
     "moderation": refuse({"model": "omni-moderation-latest"}),
     "n": serve(2, lambda r: len(r.choices) == 2),
-    "parallel_tool_calls": refuse(False),
+    "parallel_tool_calls": serve(False, _with_tools),  # sent with tools (below)
     "prediction": refuse({"type": "content", "content": "12"}),
     "presence_penalty": refuse(0.5),
     "prompt_cache_key": serve("conversation-1"),
@@ -221,8 +239,10 @@ CHAT_SENT = {
     "stream": serve(True),
     "stream_options": serve({"include_usage": True}),
     "temperature": serve(0.5),
-    "tool_choice": refuse("required"),
-    "tools": refuse([{"type": "function", "function": {"name": "f"}}]),
+    "tool_choice": serve(
+        "none", _with_tools
+    ),  # "required" is refused: tests/unit/gateway/test_openai_tools.py
+    "tools": serve(TOOLS, _with_tools),
     "top_logprobs": refuse(2),
     "top_p": serve(0.5),
     "user": serve("end-user-1"),
@@ -264,6 +284,8 @@ def _send(create, base: dict, field: str, value, check) -> str:
         request["stream"] = True
     if field == "top_logprobs":
         request["logprobs"] = True
+    if field in ("tool_choice", "parallel_tool_calls"):
+        request["tools"] = TOOLS
     try:
         reply = create(**request)
     except openai.BadRequestError as exc:

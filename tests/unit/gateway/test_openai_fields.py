@@ -35,15 +35,15 @@ def test_every_field_of_the_official_client_is_served_or_has_a_refusal(kind: str
 
 def test_an_unserved_field_passes_only_at_its_neutral_value_and_is_refused_naming_it_otherwise() -> None:
     check_fields(
-        {"presence_penalty": 0, "response_format": {"type": "text"}, "store": False, "tools": []}, CHAT
+        {"presence_penalty": 0, "response_format": {"type": "text"}, "store": False, "functions": []}, CHAT
     )
-    check_fields({"tool_choice": None, "service_tier": "auto", "prompt_cache_retention": "in_memory"}, CHAT)
+    check_fields({"function_call": None, "service_tier": "auto", "prompt_cache_retention": "in_memory"}, CHAT)
     for body, field in [
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"presence_penalty": False}, "presence_penalty"),  # a boolean is not the number 0
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
         ({"store": True}, "store"),
         ({"suffix": "tail"}, "suffix"),
         ({"repetition_penalty": 1.1}, "repetition_penalty"),  # not a field of either API
