@@ -185,11 +185,11 @@ def _call_parts(call: Any) -> tuple[str, Any]:
 
 def hermes_messages(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-) -> list[dict[str, str]]:
+) -> list[dict[str, Any]]:
     """Plain role/content turns of a conversation with tools (see the module docstring): the tools
     block joins the system turn (a default one when the conversation has none), an assistant turn's
     tool_calls follow its content, and each run of `tool` results becomes one user turn."""
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     rest = list(messages)
     if tools:
         system = None
@@ -210,7 +210,7 @@ def hermes_messages(
             text = content or ""
             out.append({"role": "assistant", "content": (text + "\n" if text else "") + "\n".join(calls)})
         else:
-            out.append({"role": role, "content": content} if set(message) != {"role", "content"} else message)
+            out.append({"role": role, "content": content})
     return out
 
 

@@ -25,7 +25,7 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import Field
 
@@ -139,7 +139,7 @@ class RepoConfig(EnvConfig):
     """Wall clock of the agent's part of an episode (a Harbor task's agent.timeout_sec wins)."""
     test_timeout_s: float = Field(120.0, gt=0.0)
     """Wall clock of scoring (a Harbor task's verifier.timeout_sec wins)."""
-    tools: list[ToolName] = Field(list(TOOLS), min_length=1)
+    tools: list[ToolName] = Field(list(get_args(ToolName)), min_length=1)
     """The tools the model is given (submit is always among them)."""
     reward: Literal["resolved", "fraction"] = "resolved"
     """resolved: 1.0 when every FAIL_TO_PASS and PASS_TO_PASS test passes, else 0; fraction: the

@@ -109,8 +109,9 @@ def _base_file(repo: str, commit: str, rel: str) -> str | None:
         return found.stdout.decode() if found.returncode == 0 else None
     if path.is_dir():
         target = allowed(path / rel)  # a symlink out of the repository reads nothing
-        inside = target is not None and target.is_relative_to(path.resolve())
-        return target.read_text() if inside and target.is_file() else None
+        if target is None or not target.is_relative_to(path.resolve()) or not target.is_file():
+            return None
+        return target.read_text()
     if path.name.endswith(".zip"):
         with zipfile.ZipFile(path) as zf:
             names = {n.split("/", 1)[-1] if _single_root(zf.namelist()) else n: n for n in zf.namelist()}
