@@ -186,7 +186,7 @@ async def main() -> None:
     w, c = percentile(warm, 50), percentile(copy, 50)
     emit("coding_env", "setup_speedup_over_copy_small_repo", w, c, c / w, "s", "higher is better")
     f50, c50 = percentile(forks, 50), percentile(results["mid-sized"][1], 50)
-    emit("coding_env", "fork_p50_ms", f50 * 1e3, c50 * 1e3, f50 / c50, "ms", "< 20")
+    emit("coding_env", "fork_p50_ms", f50 * 1e3, c50 * 1e3, f50 / c50, "ms", "< 20", checks="value")
     # The headline is as many episodes at once as this machine has cores; the table shows the rest.
     cores = min(max(rates), max(1, os.cpu_count() or 1))
     (one, _), (many, cpu_many) = rates[1], rates[cores]
