@@ -18,6 +18,7 @@ from services.environment_sandbox.config import LoopConfig, WorkspaceConfig
 from services.environment_sandbox.environments import EnvContext
 from services.environment_sandbox.environments.repo import SYSTEM_PROMPT, TOOLS, pytest_outcomes
 from services.environment_sandbox.environments.repo_tasks import load_repo_tasks
+from services.environment_sandbox.model_io import OneAtATime
 from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool
 from services.environment_sandbox.sandbox.workspaces import WorkspaceError
 from services.modeling.tokenizer import TokenizerCache, load_tokenizer
@@ -198,7 +199,7 @@ async def test_token_ids_in_and_out_of_a_tool_calling_episode_are_exactly_the_sa
     ]
     policy = CharByCharPolicy(tokenizer, replies)
     runner = EpisodeRunner(
-        policy,
+        OneAtATime(policy),
         None,
         TokenizerCache("char"),
         EnvContext(workspaces=pool.workspaces),
