@@ -21,7 +21,8 @@ from pathlib import Path
 from bench.common import emit, parse_args
 from looprl.common.v1 import common_pb2
 from services.kit import rollout_messages, subjects
-from services.kit.bus import Bus, Delivery
+from services.kit.bus import Bus
+from services.kit.bus_consumer import Delivery
 from services.kit.local import NatsServer, free_port
 
 BENCH = "rollout_messages"

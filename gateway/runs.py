@@ -41,7 +41,8 @@ from looprl.environment.v1 import environment_pb2_grpc
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from services.kit import packer_reports, subjects, telemetry, trainer_epochs
-from services.kit.bus import BUS_UNAVAILABLE, Bus, Consumer, Delivery
+from services.kit.bus import BUS_UNAVAILABLE, Bus
+from services.kit.bus_consumer import Consumer, Delivery
 from services.kit.kv import KV
 from services.kit.recipe import Recipe, RunRecord, sampling_seed
 

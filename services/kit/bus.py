@@ -35,23 +35,26 @@ import math
 import re
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import nats
 import nats.errors
 import nats.js.errors
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from opentelemetry import propagate, trace
-from opentelemetry.context import Context
-from opentelemetry.trace import Link, Span, SpanContext, SpanKind, TracerProvider
+from opentelemetry.trace import SpanKind, TracerProvider
 
+from services.kit import bus_streams
 from services.kit import subjects as names
+from services.kit.bus_consumer import (
+    MSG_ID_HEADER,
+    Consumer,
+)
 from services.kit.bus_errors import BusError, BusUnavailable, KVConflict, PoisonMessage
+from services.kit.bus_streams import DEFAULT_DUPLICATE_WINDOW_S
 from services.kit.kv import KV, KVEntry, KVWatch
 
 log = logging.getLogger(__name__)
@@ -61,16 +64,12 @@ __all__ = [
     "Bus",
     "BusError",
     "BusUnavailable",
-    "Consumer",
-    "Delivery",
     "KVConflict",
     "KVEntry",
     "KVWatch",
     "PoisonMessage",
 ]
 
-MSG_ID_HEADER = "Nats-Msg-Id"
-DEFAULT_DUPLICATE_WINDOW_S = 120.0
 # How long a producer retries an event that nothing would publish again (a step record, a delivered
 # version) through a nats-server restart: well inside the duplicate window, so a retry of a publish
 # that was in fact stored is dropped as a duplicate.
@@ -216,78 +215,16 @@ class Bus:
         duplicate_window_s: float = DEFAULT_DUPLICATE_WINDOW_S,
         replicas: int = 1,
     ) -> None:
-        """Create the streams and KV buckets, or bring existing ones to this configuration.
-
-        Idempotent: several services may call it concurrently at startup. A stream whose
-        retention differs cannot be changed in place and raises BusError saying so.
-        """
-        try:
-            for spec in streams:
-                await self._ensure_stream(spec, duplicate_window_s, replicas)
-            for bucket in buckets:
-                await self._ensure_bucket(bucket, replicas)
-        except nats.js.errors.ServiceUnavailableError as err:
-            raise BusUnavailable(
-                f"NATS at {_server(self.nc)} does not answer "
-                "JetStream requests; start nats-server with JetStream enabled (-js)"
-            ) from err
-
-    async def _ensure_stream(self, spec: names.StreamSpec, duplicate_window_s: float, replicas: int) -> None:
-        want = api.StreamConfig(
-            name=spec.name,
-            description=spec.description or None,
-            subjects=list(spec.subjects),
-            retention=api.RetentionPolicy(spec.retention.value),
-            storage=api.StorageType.FILE,
-            max_age=spec.max_age_s or 0,
-            max_bytes=spec.max_bytes or -1,
-            duplicate_window=duplicate_window_s,
-            num_replicas=replicas,
-        )
-        try:
-            info = await self.js.stream_info(spec.name)
-        except nats.js.errors.NotFoundError:
-            try:
-                await self.js.add_stream(want)
-                log.info("created stream %s (%s)", spec.name, ", ".join(spec.subjects))
-                return
-            except nats.js.errors.BadRequestError:
-                # Lost a creation race with another service: fall through and compare.
-                info = await self.js.stream_info(spec.name)
-        have = info.config
-        # The server's answer carries plain strings where the request used enums.
-        have_retention = str(getattr(have.retention, "value", have.retention) or "limits")
-        if have_retention != spec.retention.value:
-            raise BusError(
-                f"stream {spec.name} exists with retention {have_retention} but {spec.retention.value} "
-                "is required; retention cannot change in place (delete the stream to recreate it)"
-            )
-        if _stream_differs(have, want):
-            merged = have.evolve(
-                description=want.description,
-                subjects=want.subjects,
-                max_age=want.max_age,
-                max_bytes=want.max_bytes,
-                duplicate_window=want.duplicate_window,
-            )
-            await self.js.update_stream(merged)
-            log.info("updated stream %s", spec.name)
-
-    async def _ensure_bucket(self, spec: names.BucketSpec, replicas: int) -> None:
-        try:
-            await self.js.key_value(spec.name)
-            return
-        except nats.js.errors.BucketNotFoundError:
-            pass
-        await self.js.create_key_value(
-            bucket=spec.name,
-            description=spec.description or None,
-            history=spec.history,
-            ttl=spec.ttl_s,
-            storage=api.StorageType.FILE,
+        """Create the streams and KV buckets, or bring existing ones to this configuration
+        (services.kit.bus_streams.ensure_streams)."""
+        await bus_streams.ensure_streams(
+            self.js,
+            _server(self.nc),
+            streams,
+            buckets,
+            duplicate_window_s=duplicate_window_s,
             replicas=replicas,
         )
-        log.info("created KV bucket %s", spec.name)
 
     # ----------------------------------------------------------------------------------------
     # publish
@@ -459,7 +396,7 @@ class Bus:
         except nats.js.errors.APIError as err:
             raise BusError(f"cannot create consumer {durable} on stream {stream}: {err.description}") from err
         sub = await self.js.pull_subscribe_bind(durable=durable, stream=stream)
-        consumer = Consumer(self, stream, durable, sub)
+        consumer = Consumer(stream, durable, sub, self.nc, self._tracer, self._consumers)
         self._consumers.add(consumer)
         return consumer
 
@@ -487,258 +424,6 @@ class Bus:
         except nats.js.errors.BucketNotFoundError as err:
             raise BusError(f"KV bucket {bucket!r} does not exist; call Bus.ensure_streams() first") from err
         return KV(bucket, store, self.js)
-
-
-def _stream_differs(have: api.StreamConfig, want: api.StreamConfig) -> bool:
-    def close(a: float | None, b: float | None) -> bool:
-        return abs((a or 0.0) - (b or 0.0)) < 1e-6
-
-    return (
-        sorted(have.subjects or []) != sorted(want.subjects or [])
-        or not close(have.max_age, want.max_age)
-        or not close(have.duplicate_window, want.duplicate_window)
-        or (have.max_bytes or -1) != (want.max_bytes or -1)
-        or (have.description or None) != (want.description or None)
-    )
-
-
-class Consumer:
-    """A bound pull subscription on one durable consumer."""
-
-    def __init__(self, bus: Bus, stream: str, durable: str, sub: JetStreamContext.PullSubscription) -> None:
-        self.bus = bus
-        self.stream = stream
-        self.durable = durable
-        self._sub = sub
-
-    async def fetch(self, batch: int = 1, timeout: float = 1.0) -> list[Delivery]:
-        """Up to batch deliveries, waiting at most timeout seconds; [] when none came."""
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
-        if timeout <= 0:
-            raise ValueError(f"fetch timeout must be > 0 seconds, got {timeout}")
-        try:
-            msgs = await self._sub.fetch(batch, timeout=timeout)
-        except (TimeoutError, nats.errors.TimeoutError):
-            return []
-        return [Delivery(m, self.bus) for m in msgs]
-
-    async def info(self) -> api.ConsumerInfo:
-        """Server-side state: num_pending (not yet delivered), num_ack_pending, num_redelivered."""
-        return await self._sub.consumer_info()
-
-    async def close(self) -> None:
-        """Stop pulling on this connection; the durable consumer stays on the server."""
-        self.bus._consumers.discard(self)
-        try:
-            await self._sub.unsubscribe()
-        except (
-            nats.errors.ConnectionClosedError,
-            nats.errors.ConnectionDrainingError,
-            nats.errors.BadSubscriptionError,
-        ):
-            pass
-
-    async def __aenter__(self) -> Consumer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        # A follower cancelled mid-fetch leaves its subscription behind, and draining the
-        # connection then waits on it until the drain timeout.
-        await self.close()
-
-
-# --------------------------------------------------------------------------------------------
-# deliveries
-
-
-class Delivery:
-    """One JetStream message handed to a consumer; settle it exactly once with ack, nak or term."""
-
-    def __init__(self, msg: Msg, bus: Bus) -> None:
-        self._msg = msg
-        self._bus = bus
-        meta = msg.metadata
-        self.subject: str = msg.subject
-        self.data: bytes = msg.data
-        self.headers: dict[str, str] = dict(msg.headers or {})
-        self.msg_id: str | None = self.headers.get(MSG_ID_HEADER)
-        self.num_delivered: int = meta.num_delivered
-        self.stream_seq: int = meta.sequence.stream
-        self.settled: str | None = None
-        """None until settled; then 'ack', 'nak' or 'term'."""
-        self.timer_started: float = time.monotonic()
-        """When the server's ack_wait timer for it last (re)started: its delivery or in_progress()."""
-
-    def __repr__(self) -> str:
-        return (
-            f"Delivery({self.subject} seq={self.stream_seq} id={self.msg_id} "
-            f"delivered={self.num_delivered} settled={self.settled})"
-        )
-
-    async def ack(self, *, confirm: bool = True, timeout: float = 5.0) -> None:
-        """Acknowledge: the server will not deliver this message again. A second call is a no-op.
-
-        With confirm (default) this waits for the server to record the ack, so a crash right
-        after cannot cause a redelivery of work that was already handed off.
-        """
-        if self.settled is not None:
-            return
-        try:
-            if confirm:
-                await self._msg.ack_sync(timeout=timeout)
-            else:
-                await self._msg.ack()
-        except nats.errors.MsgAlreadyAckdError:
-            pass
-        except (TimeoutError, nats.errors.TimeoutError) as err:
-            raise BusError(
-                f"ack of {self.subject} seq {self.stream_seq} not confirmed within {timeout:g}s; "
-                "it may be redelivered"
-            ) from err
-        self.settled = "ack"
-
-    @staticmethod
-    async def ack_all(deliveries: Sequence[Delivery], *, timeout: float = 5.0) -> None:
-        """Acknowledge deliveries of ONE consumer with a single confirmation: every ack but the last
-        is sent without waiting, the last one confirmed. The server takes a connection's messages in
-        order and a consumer's acks in order, so the confirmed last ack means every earlier one was
-        recorded too: one round trip instead of one per message (a trained step acks thousands)."""
-        pending = [d for d in deliveries if d.settled is None]
-        if not pending:
-            return
-        consumers = {(d._msg.metadata.stream, d._msg.metadata.consumer) for d in pending}
-        if len(consumers) > 1:
-            raise ValueError(f"ack_all: deliveries of several consumers {sorted(consumers)}")
-        for d in pending[:-1]:
-            await d.ack(confirm=False)
-        await pending[-1].ack(timeout=timeout)
-
-    async def nak(self, delay: float | None = None) -> None:
-        """Hand the message back for redelivery, after delay seconds if given. No-op once settled."""
-        if self.settled is not None:
-            return
-        await self._msg.nak(delay=delay)
-        self.settled = "nak"
-
-    async def term(self, reason: str) -> None:
-        """Give up on this message for good (a poison message): never redelivered. No-op once settled.
-
-        The reason is logged here and sent to the server, which reports it in its
-        MSG_TERMINATED advisory.
-        """
-        if self.settled is not None:
-            return
-        one_line = " ".join(reason.split())[:256] or "terminated"
-        log.warning(
-            "terminating %s seq %s (id %s, delivery %d): %s",
-            self.subject,
-            self.stream_seq,
-            self.msg_id,
-            self.num_delivered,
-            one_line,
-        )
-        await self._bus.nc.publish(self._msg.reply, b"+TERM " + one_line.encode())
-        self.settled = "term"
-
-    async def in_progress(self) -> None:
-        """Reset the ack_wait timer for long work; may be called repeatedly until settled."""
-        if self.settled is not None:
-            return
-        await self._msg.in_progress()
-        self.timer_started = time.monotonic()
-
-    def parse(self, message_type: type[M]) -> M:
-        """The payload as a protobuf message; PoisonMessage when it does not parse."""
-        try:
-            return message_type.FromString(self.data)
-        except DecodeError as err:
-            raise PoisonMessage(
-                f"{self.subject} seq {self.stream_seq}: payload of {len(self.data)} bytes is not a valid "
-                f"{message_type.DESCRIPTOR.full_name}: {err}"
-            ) from err
-
-    async def parse_or_term(self, message_type: type[M]) -> M | None:
-        """The payload as a protobuf message; None after terming a payload that does not parse,
-        which no redelivery would fix."""
-        try:
-            return self.parse(message_type)
-        except PoisonMessage as exc:
-            await self.term(str(exc))
-            return None
-
-    def producer_context(self) -> SpanContext | None:
-        """The publisher's span (from the traceparent header), to link to; None when none came."""
-        ctx = trace.get_current_span(propagate.extract(self.headers)).get_span_context()
-        return ctx if ctx.is_valid else None
-
-    @contextmanager
-    def process_span(
-        self, name: str | None = None, *, new_trace: bool = False, attributes: Mapping[str, Any] | None = None
-    ) -> Iterator[Span]:
-        """A CONSUMER span "<subject> process" whose parent is the publisher's span; with new_trace
-        the root of a new trace instead, linked to the publisher's span (work that deserves its own
-        trace, such as one episode of a run)."""
-        attrs: dict[str, Any] = {
-            "messaging.system": "nats",
-            "messaging.operation.type": "process",
-            "messaging.destination.name": self.subject,
-            "messaging.nats.stream_sequence": self.stream_seq,
-            "messaging.nats.num_delivered": self.num_delivered,
-            **(attributes or {}),
-        }
-        if self.msg_id:
-            attrs["messaging.message.id"] = self.msg_id
-        producer = self.producer_context()
-        if new_trace:
-            parent = Context()
-            links = [Link(producer)] if producer is not None else []
-        else:
-            parent, links = propagate.extract(self.headers), []
-        with self._bus._tracer.start_as_current_span(
-            name or f"{self.subject} process",
-            context=parent,
-            kind=SpanKind.CONSUMER,
-            attributes=attrs,
-            links=links,
-        ) as span:
-            yield span
-
-
-@contextmanager
-def batch_process_span(
-    deliveries: Sequence[Delivery], attributes: Mapping[str, Any] | None = None
-) -> Iterator[Span]:
-    """One CONSUMER span "<subject> process" for messages that came from one producer span (a
-    `publish_batch`): parented on it, so the consume stays in the producer's trace, at one span
-    per batch instead of one per message. All deliveries must share subject and producer."""
-    first = deliveries[0]
-    ids = [d.msg_id for d in deliveries if d.msg_id]
-    attrs: dict[str, Any] = {
-        "messaging.system": "nats",
-        "messaging.operation.type": "process",
-        "messaging.destination.name": first.subject,
-        "messaging.batch.message_count": len(deliveries),
-        "messaging.nats.num_delivered": max(d.num_delivered for d in deliveries),
-        **(attributes or {}),
-    }
-    if ids:
-        attrs["messaging.message.id"] = ",".join(ids)
-    with first._bus._tracer.start_as_current_span(
-        f"{first.subject} process",
-        context=propagate.extract(first.headers),
-        kind=SpanKind.CONSUMER,
-        attributes=attrs,
-    ) as span:
-        yield span
-
-
-def by_producer(deliveries: Sequence[Delivery]) -> list[list[Delivery]]:
-    """Deliveries grouped by the producer span that published them (first-seen order)."""
-    groups: dict[tuple[str, str], list[Delivery]] = {}
-    for d in deliveries:
-        groups.setdefault((d.subject, (d.headers or {}).get("traceparent", "")), []).append(d)
-    return list(groups.values())
 
 
 def redact(url: str) -> str:

@@ -17,7 +17,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 
 from looprl.common.v1 import common_pb2
-from services.kit.bus import Delivery
+from services.kit.bus_consumer import Delivery
 from services.kit.subjects import EVENT_HEADER
 
 ROLLOUT_GROUP = "rollout-group"

@@ -36,7 +36,8 @@ from opentelemetry import trace
 
 from looprl.common.v1 import common_pb2
 from services.kit import rollout_messages, subjects, telemetry
-from services.kit.bus import Bus, Consumer, Delivery, PoisonMessage, batch_process_span, by_producer
+from services.kit.bus import Bus, PoisonMessage
+from services.kit.bus_consumer import Consumer, Delivery, batch_process_span, by_producer
 from services.kit.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from services.kit.metric_names import observe
 from services.kit.packer_reports import GroupDrop

@@ -22,17 +22,8 @@ from opentelemetry.trace import SpanKind, Tracer
 
 from looprl.events.v1 import events_pb2
 from services.kit import subjects
-from services.kit.bus import (
-    BUS_UNAVAILABLE,
-    Bus,
-    BusError,
-    BusUnavailable,
-    Delivery,
-    KVConflict,
-    PoisonMessage,
-    batch_process_span,
-    by_producer,
-)
+from services.kit.bus import BUS_UNAVAILABLE, Bus, BusError, BusUnavailable, KVConflict, PoisonMessage
+from services.kit.bus_consumer import Delivery, batch_process_span, by_producer
 from services.kit.local import NatsServer, free_port
 
 
