@@ -129,7 +129,9 @@ def test_a_plugin_exception_is_described_within_bounds_whatever_it_holds() -> No
     except ValueError as exc:
         text = plugins.describe(exc)
     assert (
-        len(text) <= plugins.MAX_MESSAGE_CHARS and "test_plugins.py:" in text and ": ValueError: xxx" in text
+        len(text) <= plugins.MAX_MESSAGE_CHARS
+        and f"{Path(__file__).name}:" in text
+        and ": ValueError: xxx" in text
     )
     assert "characters left out" in text
     try:
