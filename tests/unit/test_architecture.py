@@ -10,6 +10,8 @@ a dependency and still closes a cycle). Rules:
   both), so no service depends on one;
 - nothing but tests imports tests (tests/ is not installed: a bench that imported it would run only
   from a checkout);
+- inside services.kit, a concern (a subpackage: bus, rpc, config, ...) imports only the concerns
+  KIT_LAYERS allows it, and none imports a module at the kit's root (the entry point composes them);
 - no two modules reach each other through imports (a cycle is reported module by module).
 """
 
@@ -34,6 +36,19 @@ HARNESSES = {
     "bench": frozenset({"bench", "sim", "tests"}),
     "sim": frozenset({"bench", "sim", "tests"}),
     "tests": frozenset({"tests"}),
+}
+# services.kit's concerns and the concerns each may import (besides itself). A module at the kit's
+# root (the entry point) may import any; a new concern is added here, or its imports fail.
+KIT_LAYERS: dict[str, frozenset[str]] = {
+    "bus": frozenset(),  # NATS JetStream: connection, consumers, streams, KV, subjects, NATS users
+    "telemetry": frozenset(),  # tracing, logs, the metrics table
+    "process": frozenset(),  # what a process knows of itself and its host
+    "ray": frozenset(),  # joining Ray, surviving its head, autoscaled actor pools
+    "usercode": frozenset(),  # plugins and code tests: user code, loaded and judged
+    "local": frozenset({"process"}),  # the local stack's nats-server and Ray head processes
+    "config": frozenset({"process"}),  # schema, recipes, service configs, the service table
+    "messages": frozenset({"bus"}),  # formats services exchange: rollouts, reports, tensors
+    "rpc": frozenset({"config", "telemetry", "process", "local"}),  # gRPC: server, TLS, authz
 }
 
 
@@ -121,6 +136,39 @@ def layering_violations(imports: list[Import], shared: frozenset[str] = SHARED) 
         elif source not in HARNESSES:
             problems.append(f"{imp.where}: service {source} imports service {target} ({imp.target})")
     return sorted(problems)
+
+
+def kit_concern(module: str, packages: set[str]) -> str | None:
+    """The kit concern a module belongs to ("bus" for services.kit.bus.client), "" for a module at
+    the kit's root, None outside the kit."""
+    parts = module.split(".")
+    if parts[:2] != ["services", "kit"]:
+        return None
+    if len(parts) > 2 and ".".join(parts[:3]) in packages:
+        return parts[2]
+    return ""
+
+
+def kit_layer_violations(imports: list[Import], packages: set[str], layers=KIT_LAYERS) -> list[str]:
+    problems = []
+    for imp in imports:
+        source, target = kit_concern(imp.source, packages), kit_concern(imp.target, packages)
+        if not source or target is None or source == target:
+            continue
+        if source not in layers:
+            problems.append(f"{imp.where}: services.kit.{source} is not in KIT_LAYERS")
+        elif target == "":
+            problems.append(f"{imp.where}: {imp.source} imports {imp.target}, at the kit's root")
+        elif target not in layers[source]:
+            allowed = ", ".join(sorted(layers[source])) or "no other concern"
+            problems.append(
+                f"{imp.where}: {imp.source} imports {imp.target} (kit {source} may import {allowed})"
+            )
+    return sorted(problems)
+
+
+def kit_packages(root: Path) -> set[str]:
+    return {name for name, (_, is_package) in find_modules(root, ("services",)).items() if is_package}
 
 
 def import_cycles(imports: list[Import]) -> list[list[str]]:
@@ -225,6 +273,11 @@ def test_the_walk_sees_every_package_and_the_lazy_imports():
 def test_no_service_imports_another_and_shared_packages_import_no_service():
     problems = layering_violations(find_imports(ROOT))
     assert not problems, "layering broken:\n" + "\n".join(problems)
+
+
+def test_each_kit_concern_imports_only_the_concerns_below_it():
+    problems = kit_layer_violations(find_imports(ROOT), kit_packages(ROOT))
+    assert not problems, "kit layering broken:\n" + "\n".join(problems)
 
 
 def test_no_import_cycles():
@@ -344,3 +397,29 @@ def test_a_cycle_through_a_lazy_import_is_reported_module_by_module(tmp_path):
     )
     # Without the lazy import in types.py the same modules form no cycle.
     assert import_cycles([i for i in imports if i.source != "services.env.types"]) == []
+
+
+def test_a_kit_concern_importing_one_above_it_or_the_kit_root_is_reported(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "services/__init__.py": "",
+            "services/kit/__init__.py": "",
+            "services/kit/entrypoint.py": "from services.kit.rpc import server\nfrom services.kit.bus import client\n",
+            "services/kit/bus/__init__.py": "",
+            "services/kit/bus/client.py": "from services.kit.bus import errors\n",
+            "services/kit/bus/errors.py": "def f():\n    from services.kit.rpc.server import serve\n",
+            "services/kit/rpc/__init__.py": "",
+            "services/kit/rpc/server.py": "from services.kit.bus import client\nfrom services.kit import entrypoint\n",
+            "services/kit/extra/__init__.py": "from services.kit.bus import client\n",
+        },
+    )
+    problems = kit_layer_violations(find_imports(root), kit_packages(root))
+    assert problems == [
+        "services/kit/bus/errors.py:2: services.kit.bus.errors imports services.kit.rpc.server "
+        "(kit bus may import no other concern)",
+        "services/kit/extra/__init__.py:1: services.kit.extra is not in KIT_LAYERS",
+        "services/kit/rpc/server.py:1: services.kit.rpc.server imports services.kit.bus.client "
+        "(kit rpc may import config, local, process, telemetry)",
+        "services/kit/rpc/server.py:2: services.kit.rpc.server imports services.kit.entrypoint, at the kit's root",
+    ]
