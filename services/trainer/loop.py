@@ -444,7 +444,10 @@ class RunTrainer:
             raise RuntimeError("the rank group is not running")
         start = time.perf_counter()
         path = await self._ranks(
-            self.group.save_checkpoint, str(self.checkpoint_root), {"run_id": self.run_id}
+            self.group.save_checkpoint,
+            str(self.checkpoint_root),
+            {"run_id": self.run_id},
+            self.cfg.keep_checkpoints,
         )
         self.last_checkpoint = path
         observe(metrics.CHECKPOINT_SECONDS.labels(self.run_id, "checkpoint"), time.perf_counter() - start)
