@@ -265,8 +265,14 @@ def _watch_request(run_id: str):
 
 
 def hf_export_dir(state_dir: Path, run_id: str, step: int) -> Path:
-    """Where the local stack's trainer writes a run's Hugging Face export of a step (at its end)."""
+    """Where the local stack's trainer writes a run's Hugging Face export of a step (each step the
+    run evaluates, and its last)."""
     return state_dir / "trainer" / run_id / "hf" / f"step_{step:08d}"
+
+
+def _exported_steps(hf_root: Path) -> list[int]:
+    names = (p.name.removeprefix("step_") for p in hf_root.glob("step_*"))
+    return sorted(int(n) for n in names if n.isdigit())
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -288,12 +294,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     def exported() -> bool:
         return (model_dir / "config.json").is_file() or (model_dir / "adapter_config.json").is_file()
 
-    while not exported() and time.monotonic() < deadline:
-        time.sleep(0.5)  # the trainer writes the final export as the run ends
+    # A step the run has not trained past may still be exported (the last one as the run ends); an
+    # earlier one was exported before the next step trained, or has been pruned since.
+    while not exported() and step >= source.weight_version and time.monotonic() < deadline:
+        time.sleep(0.5)
     if not exported():
+        there = ", ".join(map(str, _exported_steps(model_dir.parent))) or "none"
         print(
             f"looprl eval: no Hugging Face export of run {args.run_id} at step {step} in {model_dir} (the "
-            "trainer writes one at a run's end; name another with --model-dir)",
+            "trainer exports each step a run evaluates and its last, keeping the newest "
+            f"keep_eval_exports of them; exported there: {there}; name another with --model-dir)",
             file=sys.stderr,
         )
         return 2

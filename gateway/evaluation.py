@@ -58,14 +58,7 @@ REFUSALS = frozenset(
 
 def eval_versions(recipe: Recipe) -> list[int]:
     """The weight versions a training run evaluates: 0 (before_training), every k-th, the last."""
-    ev = recipe.eval
-    if ev.every <= 0 or ev.checkpoint_step >= 0:
-        return []
-    steps = recipe.run.steps
-    versions = set(range(ev.every, steps + 1, ev.every)) | {steps}
-    if ev.before_training:
-        versions.add(0)
-    return sorted(versions)
+    return recipe.eval.versions(recipe.run.steps)
 
 
 def prompt_count(recipe: Recipe, eval_rows: int) -> int:

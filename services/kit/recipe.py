@@ -408,6 +408,16 @@ class EvalSection(Section):
     def enabled(self) -> bool:
         return self.every > 0 or self.checkpoint_step >= 0
 
+    def versions(self, steps: int) -> list[int]:
+        """The weight versions a training run of `steps` steps evaluates: 0 (before_training), every
+        k-th and the last (the gateway evaluates them, the trainer exports them for `looprl eval`)."""
+        if self.every <= 0 or self.checkpoint_step >= 0:
+            return []
+        versions = set(range(self.every, steps + 1, self.every)) | {steps}
+        if self.before_training:
+            versions.add(0)
+        return sorted(versions)
+
 
 class SamplingSection(Section):
     """How the deployments sample completions for training."""

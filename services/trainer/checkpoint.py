@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -180,7 +181,7 @@ def load(worker: TrainerRank, path: str) -> dict[str, Any]:
     return state
 
 
-def export_hf(worker: TrainerRank, directory: str) -> str:
+def export_hf(worker: TrainerRank, directory: str, evaluated: Collection[int] = (), keep: int = 0) -> str:
     """Collective: gather the full state dict to rank 0 and write a complete HF directory there.
 
     Weights and config.json, the run's tokenizer files (copied from its tokenizer directory, or the
@@ -191,6 +192,9 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
     (adapter_config.json, adapter_model.safetensors: what `peft.PeftModel.from_pretrained` and
     vLLM's LoRA loader read) with the tokenizer, and with `merge_on_export` the merged model in
     `merged/`.
+
+    Written into `*.partial` and renamed, so a reader (`looprl eval`) never finds half an export.
+    With `keep`, the exports beside it of `evaluated` steps are pruned to the newest `keep`.
     """
     import torch.distributed as dist
 
@@ -199,26 +203,30 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
 
     full = worker.full_state_dict(rank0_only=True)
     if full is not None:  # rank 0's
+        final = Path(directory)
+        staging = final.with_name(final.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
         spec = worker.spec
         tokenizer = spec.recipe.model.tokenizer if spec is not None else "char"
         section = spec.recipe.model.lora if spec is not None else None
         config = worker.model.config
         facts: dict[str, Any] = {}
         if section is None:
-            parameters = _write_model(directory, config, full, tokenizer)
+            parameters = _write_model(str(staging), config, full, tokenizer)
         else:
             adapter = {k: v for k, v in full.items() if lora.is_adapter_param(k)}
             base = {k: v for k, v in full.items() if not lora.is_adapter_param(k)}
             lora_spec = lora.spec_of(section)
             lora.save_peft(
-                directory,
+                str(staging),
                 adapter,
                 lora_spec,
                 base_model=spec.recipe.model.path if spec is not None else "",
                 architecture=config.to_hf_dict().get("architectures", [""])[0],
             )
             hf_files.write_tokenizer_files(
-                tokenizer, directory, model_max_length=config.max_position_embeddings
+                tokenizer, staging, model_max_length=config.max_position_embeddings
             )
             parameters = sum(t.numel() for t in base.values())
             facts["adapter"] = (
@@ -227,9 +235,9 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
             )
             if section.merge_on_export:
                 merged = lora.merged_state_dict(base, adapter, lora_spec)
-                _write_model(str(Path(directory) / "merged"), config, merged, tokenizer)
+                _write_model(str(staging / "merged"), config, merged, tokenizer)
                 facts["merged model"] = "merged/ (the adapter folded into the base)"
-        ids = hf_files.special_ids(load_tokenizer(Path(directory) if section is None else tokenizer))
+        ids = hf_files.special_ids(load_tokenizer(staging if section is None else tokenizer))
         run_id = spec.run_id if spec is not None else ""
         facts = {
             "run id": run_id or "(none)",
@@ -247,7 +255,7 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
             "exported at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         }
         hf_files.write_model_card(
-            directory,
+            staging,
             title=f"looprl policy {run_id or 'export'} at step {worker.step}",
             facts=facts,
             recipe=spec.recipe.to_dict() if spec is not None else None,
@@ -259,8 +267,32 @@ def export_hf(worker: TrainerRank, directory: str) -> str:
                 "with peft.PeftModel.from_pretrained, or serve it with vLLM's LoRA support."
             ),
         )
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        if keep > 0:
+            prune_exports(final.parent, evaluated, keep)
     dist.barrier()
     return directory
+
+
+def export_dir(root: Path, step: int) -> Path:
+    """Where a run's Hugging Face export of `step` goes, under the run's checkpoint root."""
+    return root / "hf" / f"step_{step:08d}"
+
+
+def prune_exports(hf_root: Path, evaluated: Collection[int], keep: int) -> list[Path]:
+    """Remove the exports in `hf_root` of `evaluated` steps but the newest `keep`; returns them.
+    Exports of other steps (one asked for through TrainerService.Checkpoint) are left."""
+    steps = sorted(
+        int(p.name.removeprefix("step_"))
+        for p in hf_root.glob("step_*")
+        if p.name.removeprefix("step_").isdigit() and int(p.name.removeprefix("step_")) in evaluated
+    )
+    removed = [export_dir(hf_root.parent, step) for step in steps[: max(len(steps) - keep, 0)]]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def _write_model(directory: str, config: Any, state: dict[str, Any], tokenizer: str) -> int:

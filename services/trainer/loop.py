@@ -37,7 +37,7 @@ from services.kit.interceptors import client_interceptors
 from services.kit.metric_names import observe
 from services.kit.run_errors import RunErrorReporter, describe
 from services.trainer import metrics
-from services.trainer.checkpoint import latest_checkpoint
+from services.trainer.checkpoint import export_dir, latest_checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.errors import BatchRejected, PushFailed, RankLost, StepAborted
 from services.trainer.ranks import RankGroup
@@ -71,6 +71,11 @@ class RunTrainer:
         )
         root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else Path(cfg.state_dir) / "trainer"
         self.checkpoint_root = root / run_id
+        # The steps the run evaluates are exported as they train, for `looprl eval RUN --step N`.
+        self.evaluated = (
+            frozenset(recipe.eval.versions(recipe.run.steps)) if cfg.keep_eval_exports > 0 else frozenset()
+        )
+        self._exported: set[int] = set()
         self.group = RankGroup(
             self.world_size,
             num_cpus_per_rank=recipe.trainer.num_cpus_per_rank,
@@ -112,6 +117,8 @@ class RunTrainer:
             await self._prepare()
             while self.step < self.total_steps and not self._stop.is_set():
                 try:
+                    if self.step in self.evaluated and self.step not in self._exported:
+                        await self.export()
                     if not await self._train_one():
                         continue
                     if self.checkpoint_every > 0 and self.step % self.checkpoint_every == 0:
@@ -119,7 +126,9 @@ class RunTrainer:
                 except RankLost as exc:
                     await self._recover(exc)
             finished = self.step >= self.total_steps
-            await self.checkpoint(export_hf=finished and self.cfg.export_hf_at_end)
+            await self.checkpoint(
+                export_hf=finished and (self.cfg.export_hf_at_end or self.step in self.evaluated)
+            )
             self.state = "completed" if finished else "stopped"
         except Exception as exc:
             await ray_head.park_if_lost(f"run {self.run_id}: training failed ({describe(exc)})", self._tell)
@@ -455,16 +464,20 @@ class RunTrainer:
             self._ack_in_background(self.step)
         else:
             await self._ack_pending()
-        hf_path = ""
-        if export_hf:
-            hf_path = str(self.checkpoint_root / "hf" / f"step_{self.step:08d}")
-            exporting = time.perf_counter()
-            await self._ranks(self.group.export_hf, hf_path)
-            observe(
-                metrics.CHECKPOINT_SECONDS.labels(self.run_id, "hf_export"), time.perf_counter() - exporting
-            )
+        hf_path = await self.export() if export_hf else ""
         log.info("run %s: checkpoint %s in %.1fs", self.run_id, path, time.perf_counter() - start)
         return path, self.step, hf_path
+
+    async def export(self) -> str:
+        """A Hugging Face export of the current step's weights; the exports of evaluated steps are
+        pruned to the newest keep_eval_exports."""
+        step = self.step
+        hf_path = str(export_dir(self.checkpoint_root, step))
+        exporting = time.perf_counter()
+        await self._ranks(self.group.export_hf, hf_path, sorted(self.evaluated), self.cfg.keep_eval_exports)
+        self._exported.add(step)
+        observe(metrics.CHECKPOINT_SECONDS.labels(self.run_id, "hf_export"), time.perf_counter() - exporting)
+        return hf_path
 
     def request_stop(self) -> None:
         """Stop after the current step: final checkpoint, then the ranks are freed."""

@@ -173,8 +173,8 @@ class RankGroup:
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         return self.call("load_checkpoint", path)[0]
 
-    def export_hf(self, directory: str) -> str:
-        return self.call("export_hf", directory)[0]
+    def export_hf(self, directory: str, evaluated: Sequence[int] = (), keep: int = 0) -> str:
+        return self.call("export_hf", directory, list(evaluated), keep)[0]
 
     def shutdown(self) -> None:
         import ray

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -505,10 +506,10 @@ class TrainerWorker:
 
         return load(self, path)
 
-    def export_hf(self, directory: str) -> str:
+    def export_hf(self, directory: str, evaluated: Sequence[int] = (), keep: int = 0) -> str:
         from services.trainer.checkpoint import export_hf
 
-        return export_hf(self, directory)
+        return export_hf(self, directory, evaluated, keep)
 
     def state(self) -> dict[str, Any]:
         return {"rank": self.rank, "step": self.step, "last_packer_step": self.last_packer_step}

@@ -4,8 +4,9 @@ The plugins live outside the repository's packages: a temporary directory handed
 with `looprl up --plugin-dir` (their sys.path), and a distribution there that declares looprl entry
 points (a .dist-info, as pip installs it). Runs train from a JSONL and a parquet file and their
 reward rises; the shipped single-turn example runs as a user would run it, its held-out split is
-evaluated during the run and `looprl eval` reproduces the last figure; broken plugins fail the run
-within 10 s naming the plugin, its file and line, and the cause.
+evaluated during the run and `looprl eval` reproduces the figure of each evaluated step whose
+export the trainer keeps; broken plugins fail the run within 10 s naming the plugin, its file and
+line, and the cause.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ EXAMPLES = ROOT / "examples"
 MULTI_TURN = (EXAMPLES / "multi_turn" / "recipe.toml").read_text()
 SINGLE_TURN = (EXAMPLES / "single_turn" / "recipe.toml").read_text()
 FAIL_S = 10.0
+KEEP_EVAL_EXPORTS = 2
 
 BROKEN = {
     # line 3 imports a module that does not exist
@@ -99,8 +101,11 @@ def plugin_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Sta
     pq.write_table(pa.Table.from_pylist(rows), root / "relay.parquet")
     dirs = (files, site, EXAMPLES / "single_turn")
     up_args = (*(arg for d in dirs for arg in ("--plugin-dir", str(d))), "--data-dir", str(root))
-    with local_stack(root / "state", up_args=up_args) as stack:
-        yield stack, root
+    with pytest.MonkeyPatch.context() as env:
+        # The trainer keeps fewer exports of evaluated steps than the single-turn run evaluates.
+        env.setenv("LOOPRL_TRAINER_KEEP_EVAL_EXPORTS", str(KEEP_EVAL_EXPORTS))
+        with local_stack(root / "state", up_args=up_args) as stack:
+            yield stack, root
 
 
 def _relay_recipe(name: str, env: str, reward: str, dataset: Path) -> str:
@@ -150,11 +155,17 @@ def test_single_turn_example_evaluates_during_the_run_and_looprl_eval_reproduces
     assert last.pass_at_k >= last.pass_at_1 - 1e-9 or last.greedy
     listing = stack.looprl("runs").stdout
     assert f"eval@30 pass@1 {last.pass_at_1:.3f}" in listing, listing
-    again = stack.looprl("eval", "single-turn", "--step", "30", "--report-dir", str(stack.state_dir / "r"))
-    assert again.returncode == 0, again.stdout + again.stderr
-    line = next(x for x in again.stdout.splitlines() if x.startswith("evaluation of single-turn at step 30"))
-    assert f"pass@1 {last.pass_at_1:.4f}," in line and f"recorded pass@1 {last.pass_at_1:.4f}" in line, line
-    assert f"mean reward {last.mean_reward:.4f} over" in line, line
+    # Any step the run evaluated whose export the trainer keeps: the last by default, and 15.
+    for recorded, args in ((last, ()), (run.evaluations[1], ("--step", "15"))):
+        again = stack.looprl("eval", "single-turn", *args, "--report-dir", str(stack.state_dir / "r"))
+        assert again.returncode == 0, again.stdout + again.stderr
+        at = f"evaluation of single-turn at step {recorded.step}:"
+        line = next(x for x in again.stdout.splitlines() if x.startswith(at))
+        assert f"pass@1 {recorded.pass_at_1:.4f}," in line, line
+        assert f"recorded pass@1 {recorded.pass_at_1:.4f}" in line, line
+        assert f"mean reward {recorded.mean_reward:.4f} over" in line, line
+    pruned = stack.looprl("eval", "single-turn", "--step", "0", "--report-dir", str(stack.state_dir / "r"))
+    assert pruned.returncode == 2 and "exported there: 15, 30;" in pruned.stderr, pruned.stderr
     summary = (stack.state_dir / "r").glob("*/summary.md")
     assert any("Held-out evaluation" in s.read_text() for s in summary)
 

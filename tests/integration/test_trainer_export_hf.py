@@ -99,6 +99,11 @@ def test_export_loads_in_transformers_stops_at_eos_and_matches_engine_logprobs(k
     spec = TrainerSpec(recipe=recipe, run_id=f"export-{kind}")
     out = tmp_path / "export"
     trained = _train_and_export(spec, out)
+    # Written aside and renamed whole (a reader never finds half an export): nothing is left of, or
+    # names, the directory it was written in.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("export")) == ["export"]
+    texts = [f.read_text() for f in out.iterdir() if f.suffix in (".json", ".md")]
+    assert texts and not any(".partial" in t for t in texts)
 
     # A model card naming the run, the step and the recipe.
     card = (out / "README.md").read_text()

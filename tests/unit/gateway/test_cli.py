@@ -137,6 +137,14 @@ def test_eval_without_the_steps_export_says_where_it_looked(tmp_path: Path, monk
     assert cli.main(["--state-dir", str(tmp_path), "eval", "r1", "--wait", "0"]) == 2
     err = capsys.readouterr().err
     assert f"no Hugging Face export of run r1 at step 7 in {tmp_path / 'trainer/r1/hf/step_00000007'}" in err
+    # A step the run trained past is not waited for: its export was written then, or pruned since.
+    for step in (4, 6):
+        (tmp_path / f"trainer/r1/hf/step_{step:08d}").mkdir(parents=True)
+    started = time.monotonic()
+    assert cli.main(["--state-dir", str(tmp_path), "eval", "r1", "--step", "2", "--wait", "60"]) == 2
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err
+    assert "at step 2 in" in err and "keep_eval_exports" in err and "exported there: 4, 6;" in err
 
 
 def test_eval_of_a_lora_run_evaluates_its_merged_export(tmp_path: Path, monkeypatch, capsys) -> None:
