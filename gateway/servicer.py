@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -54,6 +55,18 @@ STATES = {
 SAMPLE_FIELDS = tuple(gateway_pb2.SampleCompletion.DESCRIPTOR.fields_by_name)
 
 
+@functools.lru_cache(maxsize=1024)
+def recipe_facts(recipe_toml: str) -> tuple[int, int]:
+    """(run.steps, logging.samples_every) of a recorded recipe; (0, 0) for one this gateway cannot
+    parse. Parsed once per recipe: a run's recipe never changes, and its Run is built at every
+    WatchRun poll (twice a second per watcher) and for every run ListRuns lists."""
+    try:
+        recipe = parse_recipe(recipe_toml, limits=RecipeLimits.ceilings())
+    except RecipeError:
+        return 0, 0
+    return recipe.run.steps, recipe.logging.samples_every
+
+
 def run_to_proto(
     record: RunRecord,
     history: Sequence[dict] = (),
@@ -78,10 +91,7 @@ def run_to_proto(
     )
     if record.state == QUEUED:
         run.queue_position, run.queued_reason = queued
-    try:
-        run.total_steps = record.recipe().run.steps
-    except RecipeError:
-        pass
+    run.total_steps = recipe_facts(record.recipe_toml)[0]
     for name, version in sorted(extra.get("deployments", {}).items()):
         run.deployments.add(deployment=name, version=int(version))
     for h in history:
@@ -174,10 +184,7 @@ class RunManager:
     ) -> gateway_pb2.Run:
         if record.state == QUEUED and queue is None:
             queue = await self.queue()
-        try:
-            every = record.recipe().logging.samples_every
-        except RecipeError:
-            every = 0
+        every = recipe_facts(record.recipe_toml)[1]
         return run_to_proto(
             record,
             await self.store.history(record),
