@@ -275,19 +275,9 @@ def _exported_steps(hf_root: Path) -> list[int]:
     return sorted(int(n) for n in names if n.isdigit())
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    """Evaluate a run's weights of one step on its held-out split, as its evaluations during the run
-    did: a run that trains nothing (eval.checkpoint_step) from the step's Hugging Face export."""
-    import grpc
-
-    from looprl.gateway.v1 import gateway_pb2
-    from services.kit.limits import RecipeLimits
-    from services.kit.recipe import Recipe, parse_recipe, recipe_toml
-
-    stub, metadata = _gateway(args)
-    source = stub.GetRun(gateway_pb2.GetRunRequest(run_id=args.run_id), metadata=metadata).run
-    recipe = parse_recipe(source.recipe_toml, limits=RecipeLimits.ceilings())
-    step = source.weight_version if args.step is None else args.step
+def _step_export(args: argparse.Namespace, source, step: int) -> Path | None:
+    """The Hugging Face directory holding the run's weights of `step` as a plain model (a LoRA run's
+    merged export), waiting for one still to come; None after saying why there is none."""
     model_dir = Path(args.model_dir) if args.model_dir else hf_export_dir(_state_dir(args), args.run_id, step)
     deadline = time.monotonic() + args.wait
 
@@ -306,9 +296,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"keep_eval_exports of them; exported there: {there}; name another with --model-dir)",
             file=sys.stderr,
         )
-        return 2
-    data = recipe.model_dump()
-    if recipe.model.lora is not None and (model_dir / "adapter_config.json").is_file():
+        return None
+    if (model_dir / "adapter_config.json").is_file():
         # A LoRA run's export is its adapter; what evaluates as the run's policy is the merged model.
         if not (model_dir / "merged" / "config.json").is_file():
             print(
@@ -317,14 +306,40 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 "writes it to merged/, or name one with --model-dir)",
                 file=sys.stderr,
             )
-            return 2
+            return None
         model_dir = model_dir / "merged"
+    return model_dir
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a run's weights of one step on its held-out split, as its evaluations during the run
+    did: a run that trains nothing (eval.checkpoint_step) from the step's Hugging Face export, or
+    for step 0 from the run's own initial model."""
+    import grpc
+
+    from looprl.gateway.v1 import gateway_pb2
+    from services.kit.limits import RecipeLimits
+    from services.kit.recipe import Recipe, parse_recipe, recipe_toml
+
+    stub, metadata = _gateway(args)
+    source = stub.GetRun(gateway_pb2.GetRunRequest(run_id=args.run_id), metadata=metadata).run
+    recipe = parse_recipe(source.recipe_toml, limits=RecipeLimits.ceilings())
+    step = source.weight_version if args.step is None else args.step
+    data = recipe.model_dump()
+    if step == 0 and not args.model_dir:
+        # The run's own model section rebuilds its initial weights (model.path, or the preset
+        # initialised from run.seed; a LoRA adapter starts as the identity): nothing to export.
+        weights = "its initial model"
+    else:
+        model_dir = _step_export(args, source, step)
+        if model_dir is None:
+            return 2
+        data["model"]["path"] = weights = str(model_dir.resolve())
     if recipe.model.lora is not None:
         data["model"]["lora"] = None
         for d in data["deployments"]:
-            d.update(shared=False, max_loras=0, model_path="")  # its replicas serve the merged model
+            d.update(shared=False, max_loras=0, model_path="")  # its replicas serve a plain model
     data["run"]["name"] = f"{recipe.run.name}-eval{step}"
-    data["model"]["path"] = str(model_dir.resolve())
     data["eval"].update(checkpoint_step=step, every=0)
     if data["eval"]["samples"] == 0 and not data["eval"]["greedy"]:
         data["eval"]["greedy"] = True
@@ -334,7 +349,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         print(f"the gateway refused the evaluation: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2
-    print(f"run {reply.run.run_id} evaluates {args.run_id} at step {step} ({model_dir})")
+    print(f"run {reply.run.run_id} evaluates {args.run_id} at step {step} ({weights})")
     status = _follow(stub, metadata, reply.run.run_id, Path(args.report_dir))
     final = stub.GetRun(gateway_pb2.GetRunRequest(run_id=reply.run.run_id), metadata=metadata).run
     recorded = {e.step: e for e in source.evaluations}

@@ -49,8 +49,8 @@ class TrainerConfig(ServiceConfig):
     export_hf_at_end: bool = True
     """Write a Hugging Face safetensors copy when the run completes."""
     keep_eval_exports: int = Field(3, ge=0)
-    """A run with eval.every exports the weights of each step it evaluates (0, every k-th, the last)
-    as it trains them, so `looprl eval RUN --step N` can evaluate them again; the newest this many
-    are kept per run. 0: none (export_hf_at_end alone decides the last step's)."""
+    """A run with eval.every exports the weights of each step it evaluates (every k-th, the last; step
+    0 is its initial model) as it trains them, so `looprl eval RUN --step N` can evaluate them again;
+    the newest this many are kept per run. 0: none (export_hf_at_end alone decides the last step's)."""
     grace_seconds: float = Field(120.0, ge=0.0)
     """On SIGTERM, time for the current step and a final checkpoint."""

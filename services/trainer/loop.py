@@ -71,10 +71,10 @@ class RunTrainer:
         )
         root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else Path(cfg.state_dir) / "trainer"
         self.checkpoint_root = root / run_id
-        # The steps the run evaluates are exported as they train, for `looprl eval RUN --step N`.
-        self.evaluated = (
-            frozenset(recipe.eval.versions(recipe.run.steps)) if cfg.keep_eval_exports > 0 else frozenset()
-        )
+        # The steps the run evaluates are exported as they train, for `looprl eval RUN --step N`; not
+        # step 0, whose weights the recipe's own model section rebuilds.
+        versions = recipe.eval.versions(recipe.run.steps) if cfg.keep_eval_exports > 0 else []
+        self.evaluated = frozenset(v for v in versions if v > 0)
         self._exported: set[int] = set()
         self.group = RankGroup(
             self.world_size,

@@ -146,26 +146,28 @@ def test_plugin_environment_and_reward_of_an_installed_package_train_from_parque
 
 def test_single_turn_example_evaluates_during_the_run_and_looprl_eval_reproduces_it(plugin_stack) -> None:
     stack, _ = plugin_stack
-    recipe = with_overrides(SINGLE_TURN, run={"steps": 30}, eval={"every": 15})
+    recipe = with_overrides(SINGLE_TURN, run={"steps": 30}, eval={"every": 10})
     run = run_to_end(stack.stub, stack.metadata, recipe, "single-turn", timeout=300)
     print("single-turn example: reward {:.3f} -> {:.3f}".format(*_rises(run, 0.1)))
-    assert [e.step for e in run.evaluations] == [0, 15, 30]
+    assert [e.step for e in run.evaluations] == [0, 10, 20, 30]
     last = run.evaluations[-1]
     assert last.prompts == 32 and last.k == 4 and set(last.sources) == {"rev", "copy"}
     assert last.pass_at_k >= last.pass_at_1 - 1e-9 or last.greedy
     listing = stack.looprl("runs").stdout
     assert f"eval@30 pass@1 {last.pass_at_1:.3f}" in listing, listing
-    # Any step the run evaluated whose export the trainer keeps: the last by default, and 15.
-    for recorded, args in ((last, ()), (run.evaluations[1], ("--step", "15"))):
-        again = stack.looprl("eval", "single-turn", *args, "--report-dir", str(stack.state_dir / "r"))
+    # Any step the run evaluated: one whose export the trainer keeps (it keeps 20 and 30), and the
+    # initial model, which the recipe rebuilds.
+    for recorded in (run.evaluations[2], run.evaluations[0]):
+        args = ("--step", str(recorded.step), "--report-dir", str(stack.state_dir / "r"))
+        again = stack.looprl("eval", "single-turn", *args)
         assert again.returncode == 0, again.stdout + again.stderr
         at = f"evaluation of single-turn at step {recorded.step}:"
         line = next(x for x in again.stdout.splitlines() if x.startswith(at))
         assert f"pass@1 {recorded.pass_at_1:.4f}," in line, line
         assert f"recorded pass@1 {recorded.pass_at_1:.4f}" in line, line
         assert f"mean reward {recorded.mean_reward:.4f} over" in line, line
-    pruned = stack.looprl("eval", "single-turn", "--step", "0", "--report-dir", str(stack.state_dir / "r"))
-    assert pruned.returncode == 2 and "exported there: 15, 30;" in pruned.stderr, pruned.stderr
+    pruned = stack.looprl("eval", "single-turn", "--step", "10", "--report-dir", str(stack.state_dir / "r"))
+    assert pruned.returncode == 2 and "exported there: 20, 30;" in pruned.stderr, pruned.stderr
     summary = (stack.state_dir / "r").glob("*/summary.md")
     assert any("Held-out evaluation" in s.read_text() for s in summary)
 

@@ -188,3 +188,10 @@ def test_eval_of_a_lora_run_evaluates_its_merged_export(tmp_path: Path, monkeypa
     assert evaluated.model.lora is None and evaluated.model.path == str((export / "merged").resolve())
     assert (evaluated.deployments[0].shared, evaluated.deployments[0].max_loras) == (False, 0)
     assert evaluated.eval.checkpoint_step == 5
+    # Step 0 is the run's initial model, which needs no export: its base, the adapter starting as
+    # the identity.
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--step", "0"])
+    initial = parse_recipe(submitted[1])
+    assert initial.model.lora is None and initial.model.path == str(base)
+    assert (initial.deployments[0].shared, initial.eval.checkpoint_step) == (False, 0)

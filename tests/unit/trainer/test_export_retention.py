@@ -28,7 +28,8 @@ def test_only_the_newest_exports_of_evaluated_steps_are_kept(tmp_path: Path) -> 
 
 def test_a_run_exports_the_steps_it_evaluates_unless_the_trainer_keeps_none(tmp_path: Path) -> None:
     recipe = parse_recipe('[run]\nname = "e"\nsteps = 25\n[eval]\nevery = 10\n')
-    assert RunTrainer("e", recipe, TrainerConfig(state_dir=str(tmp_path))).evaluated == {0, 10, 20, 25}
+    # Step 0's weights are the run's initial model, which its recipe rebuilds: not exported.
+    assert RunTrainer("e", recipe, TrainerConfig(state_dir=str(tmp_path))).evaluated == {10, 20, 25}
     none = TrainerConfig(state_dir=str(tmp_path), keep_eval_exports=0)
     assert RunTrainer("e", recipe, none).evaluated == frozenset()
     without_eval = parse_recipe('[run]\nname = "e"\nsteps = 25\n')
@@ -70,7 +71,7 @@ class _Ranks:
         pass
 
 
-def test_the_trainer_exports_each_evaluated_step_once_as_it_trains_it(tmp_path: Path) -> None:
+def test_the_trainer_exports_each_evaluated_step_after_0_once_as_it_trains_it(tmp_path: Path) -> None:
     recipe = parse_recipe(
         '[run]\nname = "e"\nsteps = 25\n[eval]\nevery = 10\n[trainer]\ncheckpoint_every = 0\n'
     )
@@ -86,4 +87,4 @@ def test_the_trainer_exports_each_evaluated_step_once_as_it_trains_it(tmp_path: 
     asyncio.run(trainer.run())
     assert trainer.state == "completed"
     # Each with the weights of its step (trained that far), the evaluated steps and how many to keep.
-    assert ranks.exports == [(f"step_{step:08d}", step, [0, 10, 20, 25], 2) for step in (0, 10, 20, 25)]
+    assert ranks.exports == [(f"step_{step:08d}", step, [10, 20, 25], 2) for step in (10, 20, 25)]
