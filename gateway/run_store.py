@@ -123,10 +123,17 @@ class RunStore:
         self._chunks[key] = entries
 
     async def _read_chunks(self, run_id: str, kind: str, chunks: int) -> list[dict]:
+        """The entries of a run's first `chunks` chunks of `kind`. The chunk its driver (in this
+        process, the only writer) appended to last is the one that grows every step: it is not
+        read back from the bus at every WatchRun poll."""
         out: list[dict] = []
         for chunk in range(chunks):
-            raw = await self.kv.get(f"{run_id}.{kind}.{chunk}")
-            out.extend(json.loads(raw) if raw else [])
+            key = f"{run_id}.{kind}.{chunk}"
+            entries = self._chunks.get(key)
+            if entries is None:
+                raw = await self.kv.get(key)
+                entries = json.loads(raw) if raw else []
+            out.extend(entries)
         return out
 
     async def _append_once(

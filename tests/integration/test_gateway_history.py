@@ -96,7 +96,8 @@ class _CountingKV:
 
 async def test_a_driver_step_reads_nothing_back_yet_loses_no_other_writers_change(nats_url: str) -> None:
     """The driver's own writes are remembered (record revision, current history chunk), so a step
-    writes without reading; a change another writer made in between still survives the next update."""
+    writes without reading and showing the run reads no chunk back; a change another writer made in
+    between still survives the next update."""
     bus = await Bus.connect(nats_url, name="history-cache-test")
     try:
         await bus.ensure_streams()
@@ -110,6 +111,10 @@ async def test_a_driver_step_reads_nothing_back_yet_loses_no_other_writers_chang
         for n in range(1, 6):
             await _train(driver, run_id, n)
         assert counting.reads == reads
+        # Nor does showing the run (every WatchRun poll) read back the chunk the driver writes.
+        record = await driver.get(run_id)
+        assert [h["step"] for h in await driver.history(record)] == list(range(6))
+        assert counting.reads == reads + 1  # the record itself
 
         await other.update(run_id, lambda r: r.extra.__setitem__("stalled_reason", "set elsewhere"))
         await _train(driver, run_id, 6)
