@@ -599,8 +599,9 @@ def history_entry(step: events_pb2.TrainStepRecord, resampled_groups: int = 0) -
         "importance_ratio_max": step.importance_ratio_max,
         "importance_ratio_min": step.importance_ratio_min,
         "importance_ratio_clipped": step.importance_ratio_clipped,
-        "resampled_groups": resampled_groups,
         "at": time.time(),
+        # Only where the step replaced groups (0 otherwise: every step entry is rewritten with its chunk).
+        **({"resampled_groups": resampled_groups} if resampled_groups else {}),
     }
 
 
