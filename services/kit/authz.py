@@ -32,6 +32,9 @@ POLICY: dict[str, dict[str, frozenset[str]]] = {
         "AbortWeights": frozenset({"weight-sync"}),
         "RollbackWeights": frozenset({"weight-sync"}),
         "ProbeSharedMemory": frozenset({"weight-sync"}),
+        # A decode worker reads a prompt's KV from a prefill worker of its deployment; replicas
+        # present the router's identity.
+        "FetchKV": frozenset({"inference-router"}),
     },
     "looprl.inference.v1.InferenceRouterService": {
         "Generate": frozenset({"environment-sandbox", "gateway"}),

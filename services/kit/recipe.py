@@ -566,6 +566,34 @@ def run_deployment_name(run_id: str, name: str) -> str:
     return f"{run_id}/{name}"
 
 
+class DisaggregationSection(Section):
+    """[deployments.disaggregation]: prefill and decode on separate workers of one deployment. A
+    prefill worker computes a prompt's KV cache and hands it to a decode worker (shared memory on
+    one host, bytes over gRPC across hosts), which samples the whole completion; tokens and
+    log-probs equal a co-located replica's for the same seed. Every worker holds the weights: the
+    deployment's workers are one weight-sync target, staged everywhere and committed together, and
+    KV made under one version is never decoded under another (the decode worker recomputes it)."""
+
+    prefill_workers: Annotated[int, Field(ge=1), AtMost("max_replicas")] = 1
+    """Workers that prefill prompts at the start (the deployment's replicas are prefill_workers +
+    decode_workers)."""
+    decode_workers: Annotated[int, Field(ge=1), AtMost("max_replicas")] = 1
+    """Workers that decode at the start."""
+    retune: bool = True
+    """Re-tune the split at weight-version boundaries from the workers' measured prefill and decode
+    tokens/s and the lengths of the requests routed here (services/decisions/pd_ratio.py), keeping
+    prefill_workers + decode_workers; false keeps the split as written."""
+    retune_min_requests: Annotated[int, Field(ge=1, le=INT32_MAX)] = 64
+    """Requests observed since the last decision before the split may move."""
+    retune_min_gain: float = Field(0.10, ge=0.0, le=10.0)
+    """Predicted throughput gain over the current split a move must bring (hysteresis)."""
+    kv_transfer: Literal["auto", "shm", "grpc"] = "auto"
+    """cpu: how a decode worker receives a prompt's KV: auto (shared memory from a prefill worker
+    on its host, gRPC from one elsewhere), shm (refuse other hosts' KV: recompute), or grpc."""
+    kv_connector: Literal["NixlConnector"] = "NixlConnector"
+    """vllm: the KV connector vLLM moves KV with (kv_transfer_config.kv_connector)."""
+
+
 class DeploymentSpec(Section):
     """One inference deployment ([[deployments]]): its engine, its replicas and the length profile it is tuned for."""
 
@@ -634,6 +662,9 @@ class DeploymentSpec(Section):
     """LoRA runs of one base that name this deployment alike share its replicas: each replica loads
     the base (model.path) once and serves every such run's adapter, each request with its run's;
     up to max_loras runs at once, freed when the last of them ends."""
+    disaggregation: DisaggregationSection | None = None
+    """Prefill/decode disaggregation ([deployments.disaggregation]); absent: every replica prefills
+    and decodes its own requests."""
 
     _builtin = field_validator("ray_resources")(_custom_resources)
 
@@ -668,6 +699,38 @@ class DeploymentSpec(Section):
             raise field_error("max_output_tokens", "must be >= min_output_tokens")
         if self.shared and self.max_loras < 1:
             raise field_error("shared", "a shared deployment serves LoRA runs' adapters: set max_loras >= 1")
+        return self
+
+    @model_validator(mode="after")
+    def _workers(self, info: ValidationInfo) -> DeploymentSpec:
+        """A disaggregated deployment's replicas are its prefill and decode workers."""
+        pd = self.disaggregation
+        if pd is None:
+            return self
+        workers = pd.prefill_workers + pd.decode_workers
+        if "replicas" in self.model_fields_set and self.replicas != workers:
+            raise field_error(
+                "replicas",
+                f"a disaggregated deployment's replicas are its {pd.prefill_workers} prefill + "
+                f"{pd.decode_workers} decode workers ({workers}); leave replicas out or set it to {workers}",
+            )
+        limit = ((info.context or {}).get("limits") or _DEFAULT_LIMITS).max_replicas
+        if workers > limit:
+            raise field_error(
+                "disaggregation",
+                f"prefill_workers + decode_workers must be <= {limit} (this cluster's max_replicas), got {workers}",
+            )
+        if self.backend == "cpu" and self.tensor_parallel != 1:
+            raise field_error(
+                "disaggregation", "the cpu backend hands over the KV of tensor_parallel = 1 workers only"
+            )
+        if self.canary:
+            raise field_error(
+                "disaggregation",
+                "not with canary: a canary commits a version on one replica first, a disaggregated "
+                "deployment commits it on every worker together",
+            )
+        self.replicas = workers
         return self
 
 
@@ -852,13 +915,17 @@ def _toml_value(value: Any) -> str:
 def recipe_toml(recipe: Recipe) -> str:
     """The recipe as TOML text that parses back to an equal recipe (comments are not kept)."""
     lines: list[str] = []
+
+    def fields(table: dict[str, Any]) -> list[str]:
+        return [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]  # None: absent
+
     for name, value in recipe.model_dump().items():
         if name == "deployments":
             for table in value:
-                lines += ["", "[[deployments]]", *(f"{k} = {_toml_value(v)}" for k, v in table.items())]
+                lines += ["", "[[deployments]]", *fields(table)]
             continue
         # An optional section left out (model.lora) is omitted: TOML has no null, absent is None.
-        lines += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None)]
+        lines += ["", f"[{name}]", *fields(value)]
     return "\n".join(lines).lstrip() + "\n"
 
 

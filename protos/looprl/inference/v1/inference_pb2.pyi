@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "session_id", "deployment", "min_weight_version", "request_id", "expected_output_tokens", "run_id", "version_wait_ms")
+    __slots__ = ("prompt_token_ids", "sampling", "session_id", "deployment", "min_weight_version", "request_id", "expected_output_tokens", "run_id", "version_wait_ms", "kv_transfer_params")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class GenerateRequest(_message.Message):
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     session_id: str
@@ -27,33 +28,44 @@ class GenerateRequest(_message.Message):
     expected_output_tokens: int
     run_id: str
     version_wait_ms: int
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., deployment: _Optional[str] = ..., min_weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., expected_output_tokens: _Optional[int] = ..., run_id: _Optional[str] = ..., version_wait_ms: _Optional[int] = ...) -> None: ...
+    kv_transfer_params: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., deployment: _Optional[str] = ..., min_weight_version: _Optional[int] = ..., request_id: _Optional[str] = ..., expected_output_tokens: _Optional[int] = ..., run_id: _Optional[str] = ..., version_wait_ms: _Optional[int] = ..., kv_transfer_params: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "weight_version")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "weight_version", "token_versions", "kv_versions")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: str
     weight_version: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    token_versions: _containers.RepeatedScalarFieldContainer[int]
+    kv_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., weight_version: _Optional[int] = ..., token_versions: _Optional[_Iterable[int]] = ..., kv_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("completions", "deployment", "replica", "prompt_tokens", "adapter")
+    __slots__ = ("completions", "deployment", "replica", "prompt_tokens", "adapter", "kv_transfer_params", "prefill_replica", "kv_transfer")
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     deployment: str
     replica: str
     prompt_tokens: int
     adapter: str
-    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., deployment: _Optional[str] = ..., replica: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+    kv_transfer_params: str
+    prefill_replica: str
+    kv_transfer: str
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., deployment: _Optional[str] = ..., replica: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., adapter: _Optional[str] = ..., kv_transfer_params: _Optional[str] = ..., prefill_replica: _Optional[str] = ..., kv_transfer: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
     __slots__ = ("request",)
@@ -94,7 +106,7 @@ class LengthProfile(_message.Message):
     def __init__(self, min_prompt_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., min_output_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("name", "healthy", "weight_version", "outstanding_tokens", "outstanding_requests", "address", "metrics_address")
+    __slots__ = ("name", "healthy", "weight_version", "outstanding_tokens", "outstanding_requests", "address", "metrics_address", "role")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +114,7 @@ class ReplicaInfo(_message.Message):
     OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     healthy: bool
     weight_version: int
@@ -109,10 +122,11 @@ class ReplicaInfo(_message.Message):
     outstanding_requests: int
     address: str
     metrics_address: str
-    def __init__(self, name: _Optional[str] = ..., healthy: _Optional[bool] = ..., weight_version: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., outstanding_requests: _Optional[int] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    role: str
+    def __init__(self, name: _Optional[str] = ..., healthy: _Optional[bool] = ..., weight_version: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., outstanding_requests: _Optional[int] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class DeploymentInfo(_message.Message):
-    __slots__ = ("name", "backend", "tensor_parallel", "profile", "replicas", "max_model_len", "layout", "dtype", "run_id")
+    __slots__ = ("name", "backend", "tensor_parallel", "profile", "replicas", "max_model_len", "layout", "dtype", "run_id", "split_decision")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +136,7 @@ class DeploymentInfo(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_DECISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     backend: str
     tensor_parallel: int
@@ -131,7 +146,8 @@ class DeploymentInfo(_message.Message):
     layout: str
     dtype: str
     run_id: str
-    def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., profile: _Optional[_Union[LengthProfile, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    split_decision: str
+    def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., profile: _Optional[_Union[LengthProfile, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., run_id: _Optional[str] = ..., split_decision: _Optional[str] = ...) -> None: ...
 
 class ListDeploymentsRequest(_message.Message):
     __slots__ = ()
@@ -355,6 +371,18 @@ class RollbackWeightsRequest(_message.Message):
     version: int
     adapter: str
     def __init__(self, version: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class FetchKVRequest(_message.Message):
+    __slots__ = ("kv_id",)
+    KV_ID_FIELD_NUMBER: _ClassVar[int]
+    kv_id: str
+    def __init__(self, kv_id: _Optional[str] = ...) -> None: ...
+
+class FetchKVResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class RollbackWeightsResponse(_message.Message):
     __slots__ = ("weight_version",)

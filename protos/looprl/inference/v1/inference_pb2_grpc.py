@@ -369,6 +369,11 @@ class InferenceEngineServiceStub:
                 request_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.ProbeSharedMemoryRequest.SerializeToString,
                 response_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.ProbeSharedMemoryResponse.FromString,
                 _registered_method=True)
+        self.FetchKV = channel.unary_stream(
+                '/looprl.inference.v1.InferenceEngineService/FetchKV',
+                request_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.FetchKVRequest.SerializeToString,
+                response_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.FetchKVResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceEngineServiceServicer:
@@ -459,6 +464,16 @@ class InferenceEngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchKV(self, request, context):
+        """A disaggregated deployment's decode worker on another host reads a prompt's KV from the
+        prefill worker that made it (GenerateResponse.kv_transfer_params names it). Read once: the
+        prefill worker drops it after the last chunk. NOT_FOUND when it is gone (read already, or
+        expired): the decode worker then recomputes the prompt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceEngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -506,6 +521,11 @@ def add_InferenceEngineServiceServicer_to_server(servicer, server):
                     servicer.ProbeSharedMemory,
                     request_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.ProbeSharedMemoryRequest.FromString,
                     response_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.ProbeSharedMemoryResponse.SerializeToString,
+            ),
+            'FetchKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchKV,
+                    request_deserializer=looprl_dot_inference_dot_v1_dot_inference__pb2.FetchKVRequest.FromString,
+                    response_serializer=looprl_dot_inference_dot_v1_dot_inference__pb2.FetchKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -761,6 +781,33 @@ class InferenceEngineService:
             '/looprl.inference.v1.InferenceEngineService/ProbeSharedMemory',
             looprl_dot_inference_dot_v1_dot_inference__pb2.ProbeSharedMemoryRequest.SerializeToString,
             looprl_dot_inference_dot_v1_dot_inference__pb2.ProbeSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/looprl.inference.v1.InferenceEngineService/FetchKV',
+            looprl_dot_inference_dot_v1_dot_inference__pb2.FetchKVRequest.SerializeToString,
+            looprl_dot_inference_dot_v1_dot_inference__pb2.FetchKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

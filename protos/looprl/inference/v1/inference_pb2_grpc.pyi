@@ -219,6 +219,12 @@ class InferenceEngineServiceStub:
     """Read back the first bytes of a shared-memory segment weight-sync just created: proof that
     this replica sees weight-sync's /dev/shm. NOT_FOUND when the segment is not there.
     """
+    FetchKV: _grpc.UnaryStreamMultiCallable[_inference_pb2.FetchKVRequest, _inference_pb2.FetchKVResponse]
+    """A disaggregated deployment's decode worker on another host reads a prompt's KV from the
+    prefill worker that made it (GenerateResponse.kv_transfer_params names it). Read once: the
+    prefill worker drops it after the last chunk. NOT_FOUND when it is gone (read already, or
+    expired): the decode worker then recomputes the prompt.
+    """
 
 @_typing.type_check_only
 class InferenceEngineServiceAsyncStub(InferenceEngineServiceStub):
@@ -271,6 +277,12 @@ class InferenceEngineServiceAsyncStub(InferenceEngineServiceStub):
     ProbeSharedMemory: _aio.UnaryUnaryMultiCallable[_inference_pb2.ProbeSharedMemoryRequest, _inference_pb2.ProbeSharedMemoryResponse]  # type: ignore[assignment]
     """Read back the first bytes of a shared-memory segment weight-sync just created: proof that
     this replica sees weight-sync's /dev/shm. NOT_FOUND when the segment is not there.
+    """
+    FetchKV: _aio.UnaryStreamMultiCallable[_inference_pb2.FetchKVRequest, _inference_pb2.FetchKVResponse]  # type: ignore[assignment]
+    """A disaggregated deployment's decode worker on another host reads a prompt's KV from the
+    prefill worker that made it (GenerateResponse.kv_transfer_params names it). Read once: the
+    prefill worker drops it after the last chunk. NOT_FOUND when it is gone (read already, or
+    expired): the decode worker then recomputes the prompt.
     """
 
 class InferenceEngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -375,6 +387,18 @@ class InferenceEngineServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_inference_pb2.ProbeSharedMemoryResponse, _abc.Awaitable[_inference_pb2.ProbeSharedMemoryResponse]]:
         """Read back the first bytes of a shared-memory segment weight-sync just created: proof that
         this replica sees weight-sync's /dev/shm. NOT_FOUND when the segment is not there.
+        """
+
+    @_abc_1.abstractmethod
+    def FetchKV(
+        self,
+        request: _inference_pb2.FetchKVRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_inference_pb2.FetchKVResponse], _abc.AsyncIterator[_inference_pb2.FetchKVResponse]]:
+        """A disaggregated deployment's decode worker on another host reads a prompt's KV from the
+        prefill worker that made it (GenerateResponse.kv_transfer_params names it). Read once: the
+        prefill worker drops it after the last chunk. NOT_FOUND when it is gone (read already, or
+        expired): the decode worker then recomputes the prompt.
         """
 
 def add_InferenceEngineServiceServicer_to_server(servicer: InferenceEngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
