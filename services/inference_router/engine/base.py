@@ -84,6 +84,8 @@ class Completion:
     finish_reason: str
     weight_version: int
     token_versions: list[int] = field(default_factory=list)
+    # The weight version of the oldest KV each token was sampled from (engine-specific; may be empty).
+    kv_versions: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -13,6 +13,14 @@ request names its own (`EngineRequest.adapter`), sequences of different adapters
 batched forward, and each adapter has its own version: a token sampled with an adapter carries
 that adapter's version, installed between two steps like the base's (`load_adapter`).
 
+A weight swap between two steps leaves the running sequences' KV as it was (made under the old
+version: `Completion.kv_versions` says so per token) unless `SchedulerLimits.kv_on_swap` is
+"recompute": then, before their next decode step, every running sequence's prompt and tokens so
+far are prefilled again under the new weights (what vLLM does after its prefix-cache reset), so no
+token is ever sampled from KV of an older version. The scheduler counts what each stage did
+(prompt tokens prefilled, decode steps, their batch and seconds, `stage_stats`), which status()
+reports and a prefill/decode split is tuned from.
+
 n > 1 is served with one slot per completion, every slot independent and exact; the model
 computes the shared prompt once and copies its keys/values into the other slots.
 
@@ -85,6 +93,42 @@ class SchedulerLimits:
     max_prefill_tokens: int = 4096
     # Tokens that stop every request on top of its own stop_token_ids (e.g. the tokenizer's EOS).
     default_stop_token_ids: tuple[int, ...] = ()
+    # What a weight swap does to running sequences' KV: "keep" it (decoded on under the new
+    # weights), or "recompute" it under the new weights before their next step.
+    kv_on_swap: str = "keep"
+
+
+# Decode steps are counted by batch size in power-of-two buckets (1, 2, 4, ...).
+def batch_bucket(batch: int) -> int:
+    return 1 << max(0, batch - 1).bit_length()
+
+
+@dataclass
+class StageStats:
+    """What the engine's forwards did since it started (busy time only)."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    recompute_tokens: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    # batch bucket -> (steps, seconds) of decode steps of that many sequences
+    decode_by_batch: dict[int, list[float]] = field(default_factory=dict)
+
+    def as_extra(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_seconds": self.prefill_seconds,
+            "recompute_tokens": self.recompute_tokens,
+            "decode_steps": self.decode_steps,
+            "decode_tokens": self.decode_tokens,
+            "decode_seconds": self.decode_seconds,
+        }
+        for bucket, (steps, seconds) in sorted(self.decode_by_batch.items()):
+            out[f"decode_b{bucket}_steps"] = int(steps)
+            out[f"decode_b{bucket}_seconds"] = seconds
+        return out
 
 
 @dataclass
@@ -117,6 +161,9 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str = ""
+    # Weight version of the oldest KV in its slot, and per token the one it was sampled from.
+    kv_version: int = -1
+    kv_versions: list[int] = field(default_factory=list)
 
 
 class ContinuousBatchingEngine(Engine):
@@ -144,6 +191,8 @@ class ContinuousBatchingEngine(Engine):
         self._after_step: list[Callable[[], None]] = []
         self.steps = 0
         self.generated_tokens = 0
+        self.stage_stats = StageStats()
+        self._kv_stale = False  # a swap left running sequences' KV to recompute (kv_on_swap)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> ContinuousBatchingEngine:
@@ -278,7 +327,8 @@ class ContinuousBatchingEngine(Engine):
                 "steps": self.steps,
                 "generated_tokens": self.generated_tokens,
                 "adapters": len(self.adapter_versions),
-            },
+            }
+            | self.stage_stats.as_extra(),
         )
 
     # ---------------------------------------------------------------- scheduler
@@ -319,28 +369,23 @@ class ContinuousBatchingEngine(Engine):
                     self.adapter_versions[adapter] = version
                 else:
                     self.version = version
+                    self._kv_stale = self.limits.kv_on_swap == "recompute" and bool(self._running)
                 fut.set_result(None)
             except Exception as exc:
                 if not fut.done():
                     fut.set_exception(exc)
 
     async def _step(self) -> None:
-        loop = asyncio.get_running_loop()
         admitted = self._admit()
         if admitted:
-            logits = await loop.run_in_executor(
-                self._pool,
-                self._call,
-                self.executor.prefill,
-                admitted,
-                [s.slot for s in admitted],
-                [s.owner.req.prompt_token_ids for s in admitted],
-            )
-            self._sample_and_append(admitted, logits)
+            await self._prefill_admitted(admitted)
+        if self._kv_stale:
+            await self._recompute_kv()
         # Decode every running sequence that already has a token to feed (newly admitted ones too).
         batch = [s for s in self._running if not s.finish]
         if batch:
-            logits = await loop.run_in_executor(
+            start = time.perf_counter()
+            logits = await asyncio.get_running_loop().run_in_executor(
                 self._pool,
                 self._call,
                 self.executor.decode,
@@ -349,6 +394,7 @@ class ContinuousBatchingEngine(Engine):
                 [s.tokens[-1] for s in batch],
                 [s.prompt_len + len(s.tokens) - 1 for s in batch],
             )
+            self._count_decode(len(batch), time.perf_counter() - start)
             self._sample_and_append(batch, logits)
         self.steps += 1
 
@@ -359,6 +405,45 @@ class ContinuousBatchingEngine(Engine):
         if any(s.adapter for s in seqs):
             return method(*args, adapters=[s.adapter or None for s in seqs])
         return method(*args)
+
+    async def _prefill_admitted(self, admitted: list[_Seq]) -> None:
+        """Prefill the sequences admitted this step and sample their first tokens."""
+        logits = await self._prefill(admitted, [s.owner.req.prompt_token_ids for s in admitted])
+        self._sample_and_append(admitted, logits)
+
+    async def _prefill(self, seqs: list[_Seq], token_lists: list[list[int]]) -> torch.Tensor:
+        """One batched prefill of `token_lists` into the sequences' slots, counted, under the
+        serving version (their KV's version from now on)."""
+        start = time.perf_counter()
+        logits = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._call, self.executor.prefill, seqs, [s.slot for s in seqs], token_lists
+        )
+        stats = self.stage_stats
+        stats.prefill_seconds += time.perf_counter() - start
+        stats.prefill_tokens += sum(len(t) for t in {id(t): t for t in token_lists}.values())
+        for seq in seqs:
+            seq.kv_version = self.version
+        return logits
+
+    async def _recompute_kv(self) -> None:
+        """Prefill the prompt and tokens so far of every running sequence whose KV is older than the
+        serving version (kv_on_swap = "recompute"); its last token is fed by the next decode step."""
+        self._kv_stale = False
+        stale = [s for s in self._running if not s.finish and s.kv_version != self.version]
+        if not stale:
+            return
+        token_lists = [list(s.owner.req.prompt_token_ids) + s.tokens[:-1] for s in stale]
+        await self._prefill(stale, token_lists)
+        self.stage_stats.recompute_tokens += sum(len(t) for t in token_lists)
+
+    def _count_decode(self, batch: int, seconds: float) -> None:
+        stats = self.stage_stats
+        stats.decode_steps += 1
+        stats.decode_tokens += batch
+        stats.decode_seconds += seconds
+        bucket = stats.decode_by_batch.setdefault(batch_bucket(batch), [0, 0.0])
+        bucket[0] += 1
+        bucket[1] += seconds
 
     def _admit(self) -> list[_Seq]:
         admitted: list[_Seq] = []
@@ -399,6 +484,7 @@ class ContinuousBatchingEngine(Engine):
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self.adapter_versions[seq.adapter] if seq.adapter else self.version)
+            seq.kv_versions.append(seq.kv_version)
             self.generated_tokens += 1
             if tok in seq.stop_ids:
                 seq.finish = FINISH_STOP
@@ -419,6 +505,7 @@ class ContinuousBatchingEngine(Engine):
             finish_reason=seq.finish,
             weight_version=min(seq.versions, default=self.version),
             token_versions=seq.versions,
+            kv_versions=seq.kv_versions,
         )
         item.remaining -= 1
         if item.remaining == 0 and not item.done.done():
