@@ -8,6 +8,10 @@ config, a run's from its recipe: runs.py), register external deployments, and fr
 - External deployments (RegisterDeployment) are servers implementing InferenceEngineService,
   reached over gRPC.
 - Every deployment registers with weight-sync (sync_link.py).
+- A disaggregated deployment ([deployments.disaggregation]) is replicas like any other, each a
+  whole CPU (or vLLM) engine; its first `prefill_workers` start as prefill workers, the others as
+  decode workers (`ReplicaState.role`), which the router's two-phase request (two_phase.py) and a
+  tuned split (split_tuning.py) use. Its workers are one weight-sync target.
 - A replica whose engine reports itself broken (status engine["broken"]: a vLLM swap that failed
   after a rank loaded, or a prefix-cache reset that failed) is killed with restart
   (`recreate_replica`, asked by the router once per breakage), then resynced like any restart.
@@ -23,7 +27,13 @@ from typing import TYPE_CHECKING, Any
 from looprl.inference.v1 import inference_pb2
 from services.inference_router.config import RouterConfig
 from services.inference_router.handles import GrpcReplicaHandle, RayReplicaHandle, ReplicaHandle
-from services.inference_router.policies import DeploymentState, LengthProfile, ReplicaState
+from services.inference_router.policies import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    DeploymentState,
+    LengthProfile,
+    ReplicaState,
+)
 from services.inference_router.router import Router
 from services.inference_router.shared import SharedPool, shared_name
 from services.inference_router.sync_link import WeightSyncLink
@@ -71,6 +81,13 @@ def replica_name(deployment: str, index: int) -> str:
     return f"{deployment}-r{index}"
 
 
+def starting_role(spec: DeploymentSpec, index: int) -> str:
+    """Replica `index`'s stage when a disaggregated deployment starts ("" when not disaggregated)."""
+    if spec.disaggregation is None:
+        return ""
+    return ROLE_PREFILL if index < spec.disaggregation.prefill_workers else ROLE_DECODE
+
+
 class DeploymentManager(WeightSyncLink):
     def __init__(self, router: Router, config: RouterConfig) -> None:
         self.router = router
@@ -108,6 +125,7 @@ class DeploymentManager(WeightSyncLink):
             run_id=run_id or self.config.run_id,
             for_run=bool(run_id),
             adapter=run_id if spec.max_loras else "",
+            disaggregated=spec.disaggregation is not None,
         )
         try:
             return await self._start(spec, state, ready_timeout_s, where)
@@ -138,7 +156,10 @@ class DeploymentManager(WeightSyncLink):
                 handles.append(RayReplicaHandle(name, actor, adapter=state.adapter))
             state.replicas.append(
                 ReplicaState(
-                    name=name, deployment=spec.name, max_outstanding_requests=spec.max_queued_requests
+                    name=name,
+                    deployment=spec.name,
+                    max_outstanding_requests=spec.max_queued_requests,
+                    role=starting_role(spec, index),
                 )
             )
         await asyncio.gather(*(_await_alive(h, ready_timeout_s) for h in handles))
@@ -225,7 +246,7 @@ class DeploymentManager(WeightSyncLink):
         if state is not None:
             replicas = [r.name for r in state.replicas]
         replicas = replicas or []
-        targets = [name] if self._canary(name) else list(replicas)
+        targets = [name] if self._one_target(name) else list(replicas)
         for replica in replicas:
             actor = self.actors.pop(replica, None)
             if actor is None:

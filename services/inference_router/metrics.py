@@ -26,6 +26,11 @@ REPLICA_VERSION = gauge("looprl_router_replica_weight_version")
 REPLICA_ROUTABLE = gauge("looprl_router_replica_routable")
 LENGTH_ERROR = histogram("looprl_router_length_prediction_error_tokens")
 LENGTH_PREDICTIONS = counter("looprl_router_length_predictions_total")
+KV_HANDOFFS = counter("looprl_router_kv_handoffs_total")  # transfer: shm | grpc | recompute
+PREFILL_SECONDS = histogram("looprl_router_prefill_seconds")
+SPLIT_WORKERS = gauge("looprl_router_split_workers")  # role: prefill | decode
+SPLIT_DECISIONS = counter("looprl_router_split_decisions_total")
+SPLIT_STAGE_SPEED = gauge("looprl_router_split_stage_tokens_per_second")  # stage: prefill | decode
 
 OUTCOMES = ("ok", "failed", "rejected")
 TOKEN_KINDS = ("prompt", "completion")
@@ -57,6 +62,16 @@ def init_deployment(deployment: str, replicas: Sequence[str]) -> None:
         OUTSTANDING_TOKENS.labels(deployment, replica)
 
 
+def init_disaggregated(deployment: str) -> None:
+    """The series of a disaggregated deployment's handoffs and split, at zero."""
+    PREFILL_SECONDS.labels(deployment)
+    for transfer in ("shm", "grpc", "recompute"):
+        KV_HANDOFFS.labels(deployment, transfer)
+    for role in ("prefill", "decode"):
+        SPLIT_WORKERS.labels(deployment, role)
+        SPLIT_STAGE_SPEED.labels(deployment, role)
+
+
 def drop_deployment(deployment: str, replicas: Sequence[str]) -> None:
     """Forget the gauges of a removed deployment's replicas (a run ended): a replica that no longer
     exists must not keep showing as routable with its last version. Counters keep their totals."""
@@ -64,3 +79,7 @@ def drop_deployment(deployment: str, replicas: Sequence[str]) -> None:
         for replica in replicas:
             with contextlib.suppress(KeyError):
                 gauge_.remove(deployment, replica)
+    for gauge_ in (SPLIT_WORKERS, SPLIT_STAGE_SPEED):
+        for role in ("prefill", "decode"):
+            with contextlib.suppress(KeyError):
+                gauge_.remove(deployment, role)

@@ -99,6 +99,8 @@ class ReplicaState:
     last_error: str = ""
     # It holds a request sent ahead of its version until that version commits (its status says so).
     holds_for_version: bool = False
+    # A worker of a disaggregated deployment: ROLE_PREFILL or ROLE_DECODE; "" prefills and decodes.
+    role: str = ""
 
     @property
     def routable(self) -> bool:
@@ -134,6 +136,10 @@ class DeploymentState:
     # LoRA: the adapter (the run id) its replicas serve this run's requests with; its versions are
     # that adapter's.
     adapter: str = ""
+    # Prefill/decode disaggregation: the policy places requests on decode workers (disaggregated.py
+    # runs their prefill on a prefill worker first); the last split decision, as a sentence.
+    disaggregated: bool = False
+    split_decision: str = ""
 
     @property
     def outstanding_requests(self) -> int:
@@ -155,6 +161,18 @@ class DeploymentState:
     @property
     def latest_version(self) -> int:
         return max((r.weight_version for r in self.replicas), default=-1)
+
+
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+
+
+def placeable(dep: DeploymentState, live: list[ReplicaState]) -> list[ReplicaState]:
+    """The replicas a request may be placed on: a disaggregated deployment's decode workers (they
+    hold it to its last token), or, when none of them can, its prefill workers, which then decode."""
+    if not dep.disaggregated:
+        return live
+    return [r for r in live if r.role == ROLE_DECODE] or live
 
 
 @dataclass(frozen=True)
@@ -423,7 +441,7 @@ class RoutingPolicy:
 
     def _in_deployment(self, cand: Candidate, request: RouteRequest, why: _Why) -> Decision | None:
         dep = cand.deployment
-        live = [r for r in dep.replicas if r.name not in request.exclude and r.routable]
+        live = placeable(dep, [r for r in dep.replicas if r.name not in request.exclude and r.routable])
         if not live:
             why.unhealthy.append(dep.name)
             return None

@@ -45,6 +45,13 @@ from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.adapters import Adapters
 from services.inference_router.engine.base import Engine, EngineRequest, SamplingParams
 from services.inference_router.engine.scheduler import SchedulerLimits
+from services.inference_router.replica_kv import (
+    COMMIT_WAIT_S,
+    KVReceiver,
+    fetch_chunks,
+    handed_over,
+    parse_params,
+)
 from services.inference_router.replica_server import ReplicaServer
 from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.weights import LocalWeights, RankStagedWeights, TPGroupWeights, WeightLifecycle
@@ -145,6 +152,7 @@ class ReplicaCore:
         self._stage_locks: dict[int | str, asyncio.Lock] = {}  # per rank, and per adapter
         # Set (and replaced) by each commit: requests held for a version wait on it.
         self._committed: asyncio.Event | None = None
+        self._kv: KVReceiver | None = None  # a disaggregated deployment's decode side
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -195,6 +203,8 @@ class ReplicaCore:
             await self._doors.stop()
         if self.engine is not None:
             await self.engine.close()
+        if self._kv is not None:
+            await self._kv.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)
             self._server = None
@@ -262,8 +272,9 @@ class ReplicaCore:
                 weights = TPGroupWeights(engine)
             else:
                 from services.inference_router.engine.cpu import CPUEngine
+                from services.inference_router.engine.disaggregated import DisaggregatedEngine
 
-                engine = CPUEngine.create(
+                engine = (DisaggregatedEngine if s.disaggregation is not None else CPUEngine).create(
                     config,
                     None,
                     layout=layout,
@@ -496,10 +507,14 @@ class ReplicaCore:
             )
 
     async def generate_proto(self, req: inference_pb2.GenerateRequest) -> inference_pb2.GenerateResponse:
+        params = parse_params(req.kv_transfer_params)
+        if params.get("do_remote_decode"):
+            return await self._prefill_for_transfer(req)
         await self._hold_for_version(req)
         engine = self._serving_engine()
         adapter = self._adapter_of(req)
-        [result] = await engine.generate([engine_request(req, adapter)])
+        request, how = await self._engine_request(req, params, adapter)
+        [result] = await engine.generate([request])
         self._annotate(
             weight_version=min((c.weight_version for c in result.completions), default=-1),
             tokens=result.prompt_tokens + sum(len(c.token_ids) for c in result.completions),
@@ -511,6 +526,8 @@ class ReplicaCore:
                     logprobs=c.logprobs,
                     finish_reason=c.finish_reason,
                     weight_version=c.weight_version,
+                    token_versions=c.token_versions,
+                    kv_versions=c.kv_versions,
                 )
                 for c in result.completions
             ],
@@ -518,15 +535,88 @@ class ReplicaCore:
             replica=self.name,
             prompt_tokens=result.prompt_tokens,
             adapter=adapter,
+            **_handoff_fields(request, params, how),
         )
+
+    async def _engine_request(
+        self, req: inference_pb2.GenerateRequest, params: dict[str, Any], adapter: str = ""
+    ) -> tuple[EngineRequest, str]:
+        """The engine's request; for a decode worker of a disaggregated deployment, continuing from
+        the handed-over KV (and how it came: "shm", "grpc", or why it will be recomputed)."""
+        request = engine_request(req, adapter)
+        if not params.get("do_remote_prefill"):
+            return request, ""
+        from services.inference_router.engine.disaggregated import DisaggregatedEngine, KVRequest
+
+        engine = self.engine
+        if not isinstance(engine, DisaggregatedEngine):
+            raise errors.FailedPrecondition(
+                f"kv_transfer_params: replica {self.name} is not a worker of a disaggregated deployment"
+            )
+        if self._kv is None:
+            assert self.spec.disaggregation is not None
+            self._kv = KVReceiver(host_identity(), self.spec.disaggregation.kv_transfer)
+        kv, how = await self._kv.receive(params, request.prompt_token_ids)
+        if kv is None:
+            log.info("replica %s recomputes a prompt: %s", self.name, how)
+        elif kv.version > engine.status().weight_version:
+            await self._wait_for_commit(kv.version)
+        fields = {
+            f: getattr(request, f) for f in ("prompt_token_ids", "sampling", "session_id", "request_id")
+        }
+        return KVRequest(**fields, kv=kv), how
+
+    async def _prefill_for_transfer(
+        self, req: inference_pb2.GenerateRequest
+    ) -> inference_pb2.GenerateResponse:
+        """do_remote_decode: prefill the prompt, keep its KV for a decode worker, say where it is."""
+        from services.inference_router.engine.disaggregated import DisaggregatedEngine
+
+        await self._hold_for_version(req)
+        engine = self._serving_engine()
+        if not isinstance(engine, DisaggregatedEngine):
+            raise errors.FailedPrecondition(
+                f"kv_transfer_params: replica {self.name} is not a worker of a disaggregated deployment"
+            )
+        handle = await engine.prefill_for_transfer(engine_request(req))
+        self._annotate(weight_version=handle.version, tokens=handle.prompt_tokens)
+        return inference_pb2.GenerateResponse(
+            deployment=self.spec.name,
+            replica=self.name,
+            prompt_tokens=handle.prompt_tokens,
+            kv_transfer_params=handed_over(handle, host_identity(), self._address, self.name),
+        )
+
+    async def _wait_for_commit(self, version: int) -> None:
+        """KV made under a version this worker is about to commit: wait for it, bounded (after that
+        the engine recomputes the prompt under the version it serves)."""
+        engine = self._serving_engine()
+        try:
+            async with asyncio.timeout(COMMIT_WAIT_S):
+                while engine.status().weight_version < version:
+                    if self._committed is None:
+                        self._committed = asyncio.Event()
+                    await self._committed.wait()
+        except TimeoutError:
+            log.warning(
+                "replica %s: version %d did not commit within %.0fs", self.name, version, COMMIT_WAIT_S
+            )
+
+    async def _fetch_kv(self, kv_id: str) -> AsyncIterator[inference_pb2.FetchKVResponse]:
+        async for chunk in fetch_chunks(self.engine, kv_id):
+            yield chunk
 
     async def stream_proto(
         self, req: inference_pb2.GenerateRequest
     ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
+        params = parse_params(req.kv_transfer_params)
+        if params.get("do_remote_decode"):
+            raise errors.InvalidArgument("kv_transfer_params: a prefill for transfer is a unary Generate")
         await self._hold_for_version(req)
         engine = self._serving_engine()
         adapter = self._adapter_of(req)
-        async for chunk in engine.generate_stream(engine_request(req, adapter)):
+        request, _ = await self._engine_request(req, params, adapter)
+        async for chunk in engine.generate_stream(request):
             yield inference_pb2.GenerateStreamResponse(
                 index=chunk.index,
                 token_ids=chunk.token_ids,
@@ -675,3 +765,16 @@ class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
 
     async def ProbeSharedMemory(self, request, context):
         return read_probe(request)
+
+    async def FetchKV(self, request, context):
+        async for chunk in self.core._fetch_kv(request.kv_id):
+            yield chunk
+
+
+def _handoff_fields(request: EngineRequest, params: dict[str, Any], how: str) -> dict[str, str]:
+    """GenerateResponse's prefill_replica and kv_transfer for a decode from handed-over KV."""
+    if not params.get("do_remote_prefill"):
+        return {}
+    if getattr(request, "recomputed", "") or how not in ("shm", "grpc"):
+        return {"kv_transfer": "recompute"}
+    return {"kv_transfer": how, "prefill_replica": str(params.get("prefill_replica", ""))}

@@ -44,6 +44,7 @@ from services.inference_router.policies import (
 )
 from services.inference_router.replica_health import ReplicaHealth
 from services.inference_router.run_scope import RunScope
+from services.inference_router.two_phase import count_handoff, export_roles, with_prefilled_kv
 from services.kit import errors, telemetry
 from services.kit.metric_names import observe
 
@@ -94,6 +95,9 @@ class Router(ReplicaHealth):
             self.replicas[replica.name] = replica
         self.deployments[deployment.name] = deployment
         metrics.init_deployment(deployment.name, [r.name for r in deployment.replicas])
+        if deployment.disaggregated:
+            metrics.init_disaggregated(deployment.name)
+            export_roles(deployment)
         self._notify()
 
     async def remove_deployment(self, name: str) -> DeploymentState | None:
@@ -218,6 +222,7 @@ class Router(ReplicaHealth):
         deadline = loop.time() + (timeout_s or self.config.request_timeout_s)
         exclude: set[str] = set()
         last_failure = ""
+        request.kv_transfer_params = ""  # the router's to set (two_phase.py), never a caller's
         for attempt in range(1, self.config.max_attempts + 1):
             decision = await self._choose(request, exclude, deadline)
             replica, dep = decision.replica, decision.deployment
@@ -226,10 +231,13 @@ class Router(ReplicaHealth):
             reserved = self._reserve(replica, request)
             start = time.perf_counter()
             try:
+                outgoing = request
+                if dep.disaggregated:
+                    outgoing = await with_prefilled_kv(self, request, dep, replica, deadline, exclude)
                 response = await self._unless_unreachable(
                     replica.name,
                     self.handles[replica.name].generate(
-                        request, min(self.config.request_timeout_s, max(0.01, deadline - loop.time()))
+                        outgoing, min(self.config.request_timeout_s, max(0.01, deadline - loop.time()))
                     ),
                 )
             except ReplicaFailure as exc:
@@ -245,6 +253,8 @@ class Router(ReplicaHealth):
             finally:
                 self._release(replica, reserved)
             self._finished(dep, replica, request, response, time.perf_counter() - start)
+            if dep.disaggregated:
+                count_handoff(dep, response)
             response.deployment = dep.name
             response.replica = replica.name
             span = trace.get_current_span()
@@ -277,6 +287,7 @@ class Router(ReplicaHealth):
         deadline = loop.time() + (timeout_s or self.config.request_timeout_s)
         exclude: set[str] = set()
         last_failure = ""
+        request.kv_transfer_params = ""
         for _attempt in range(self.config.max_attempts):
             decision = await self._choose(request, exclude, deadline)
             replica, dep = decision.replica, decision.deployment
@@ -288,8 +299,11 @@ class Router(ReplicaHealth):
             tokens = 0
             lengths: dict[int, int] = {}
             try:
+                outgoing = request
+                if dep.disaggregated:
+                    outgoing = await with_prefilled_kv(self, request, dep, replica, deadline, exclude)
                 stream = self.handles[replica.name].generate_stream(
-                    request, min(self.config.request_timeout_s, max(0.01, deadline - loop.time()))
+                    outgoing, min(self.config.request_timeout_s, max(0.01, deadline - loop.time()))
                 )
                 async for chunk in stream:
                     chunk.deployment = dep.name

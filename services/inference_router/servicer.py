@@ -162,9 +162,11 @@ def describe(router: Router) -> list[inference_pb2.DeploymentInfo]:
                         outstanding_requests=r.outstanding_requests,
                         address=r.address,
                         metrics_address=r.metrics_address,
+                        role=r.role,
                     )
                     for r in dep.replicas
                 ],
+                split_decision=dep.split_decision,
             )
         )
     return out

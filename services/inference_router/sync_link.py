@@ -5,7 +5,9 @@
   independently), or, for a deployment with `canary = true`, ONE target listing every replica's
   ranks (each named by its replica) with the canary policy, so weight-sync commits a new version on
   the first replica, checks its golden prompts and only then lets the others switch (or rolls it
-  back). A run's deployments unregister their targets when the run ends (UnregisterTarget). A
+  back). A disaggregated deployment is likewise ONE target of all its prefill and decode workers
+  (no canary): weight-sync stages a version on every worker and commits it on all of them only once
+  every one holds it verified. A run's deployments unregister their targets when the run ends (UnregisterTarget). A
   registration weight-sync could not take (it is starting or restarting: UNAVAILABLE, or no answer
   in time) is tried again in the background, backing off to 5 s, until weight-sync answers or the
   replicas are gone: a target registered once at start and lost would never receive weights.
@@ -48,13 +50,15 @@ class WeightSyncLink:
     _subscription: Any
     _registering: dict[str, asyncio.Task]
 
-    def _canary(self, deployment: str) -> bool:
+    def _one_target(self, deployment: str) -> bool:
+        """Whether the deployment's replicas are one weight-sync target (canary, disaggregated)."""
         spec = self.specs.get(deployment)
-        return bool(spec is not None and spec.canary)
+        return bool(spec is not None and (spec.canary or spec.disaggregation is not None))
 
     def sync_target(self, deployment: str, replica: str) -> str:
-        """The weight-sync target a replica belongs to: its deployment when canaried, else itself."""
-        return deployment if self._canary(deployment) else replica
+        """The weight-sync target a replica belongs to: its deployment when canaried or
+        disaggregated, else itself."""
+        return deployment if self._one_target(deployment) else replica
 
     async def register_with_weight_sync(
         self, state: DeploymentState, every_k: int, strict: bool = False
@@ -66,14 +70,14 @@ class WeightSyncLink:
         if not self.config.weight_sync_address:
             return
         self._every_k[state.name] = max(1, every_k)
-        if self._canary(state.name):
+        if self._one_target(state.name):
             await self._register(state, state.name, state.replicas, strict)
         else:
             await asyncio.gather(*(self._register(state, r.name, [r], strict) for r in state.replicas))
 
     async def register_replica(self, state: DeploymentState, replica: ReplicaState) -> None:
         """(Re-)register the target `replica` belongs to, at the replicas' current addresses."""
-        if self._canary(state.name):
+        if self._one_target(state.name):
             await self._register(state, state.name, state.replicas)
         else:
             await self._register(state, replica.name, [replica])

@@ -349,6 +349,44 @@ CATALOG: tuple[MetricSpec, ...] = (
         "1 when the replica takes traffic",
         "inference-router",
     ),
+    _c(
+        "looprl_router_kv_handoffs_total",
+        "requests",
+        ("deployment", "transfer"),
+        "Decodes on disaggregated deployments by how the decode worker got the prompt's KV (shm | grpc | "
+        "recompute: it computed the prompt itself)",
+        "inference-router",
+    ),
+    _h(
+        "looprl_router_prefill_seconds",
+        "seconds",
+        ("deployment",),
+        "Prefill phase of a request to a disaggregated deployment (the prefill worker's round trip)",
+        "inference-router",
+        (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    ),
+    _g(
+        "looprl_router_split_workers",
+        "workers",
+        ("deployment", "role"),
+        "Workers of a disaggregated deployment that prefill or decode (role), as tuned",
+        "inference-router",
+    ),
+    _c(
+        "looprl_router_split_decisions_total",
+        "decisions",
+        ("deployment", "reason"),
+        "Prefill:decode split decisions at weight-version boundaries, by reason (services/decisions/pd_ratio.py)",
+        "inference-router",
+    ),
+    _g(
+        "looprl_router_split_stage_tokens_per_second",
+        "tokens/s",
+        ("deployment", "stage"),
+        "Per-worker speed of each stage (prefill: prompt tokens/s; decode: output tokens/s at the "
+        "measured batch) the last split decision used",
+        "inference-router",
+    ),
     # ---- each inference replica (its own /metrics: ReplicaInfo.metrics_address, found through the
     # router's /targets; its RPCs are looprl_rpc_* with service "replica/<name>")
     _g(
