@@ -106,6 +106,7 @@ class DisaggregatedEngine(CPUEngine):
         self.store.close()
 
     def status(self):
+        self.store.sweep()
         out = super().status()
         t = self.transfer
         out.extra |= {

@@ -178,11 +178,13 @@ class KVStore:
         return take_local(kv_id, self.directory)
 
     def sweep(self) -> int:
-        """Unlink the blobs no decode worker took in time; how many."""
+        """Forget the blobs a decode worker on this host took (their file is gone), unlink those
+        nobody took in time; how many expired."""
         now = time.monotonic()
         with self._lock:
-            due = [k for k, t in self._expiry.items() if t <= now]
-            for k in due:
+            taken = [k for k in self._expiry if not (self.directory / k).exists()]
+            due = [k for k, t in self._expiry.items() if t <= now and k not in taken]
+            for k in taken + due:
                 del self._expiry[k]
         for k in due:
             (self.directory / k).unlink(missing_ok=True)
