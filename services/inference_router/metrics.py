@@ -26,7 +26,7 @@ REPLICA_VERSION = gauge("looprl_router_replica_weight_version")
 REPLICA_ROUTABLE = gauge("looprl_router_replica_routable")
 LENGTH_ERROR = histogram("looprl_router_length_prediction_error_tokens")
 LENGTH_PREDICTIONS = counter("looprl_router_length_predictions_total")
-KV_HANDOFFS = counter("looprl_router_kv_handoffs_total")  # transfer: shm | grpc | recompute
+KV_HANDOFFS = counter("looprl_router_kv_handoffs_total")  # transfer: shm | grpc | nixl | recompute
 PREFILL_SECONDS = histogram("looprl_router_prefill_seconds")
 SPLIT_WORKERS = gauge("looprl_router_split_workers")  # role: prefill | decode
 SPLIT_DECISIONS = counter("looprl_router_split_decisions_total")
@@ -65,7 +65,7 @@ def init_deployment(deployment: str, replicas: Sequence[str]) -> None:
 def init_disaggregated(deployment: str) -> None:
     """The series of a disaggregated deployment's handoffs and split, at zero."""
     PREFILL_SECONDS.labels(deployment)
-    for transfer in ("shm", "grpc", "recompute"):
+    for transfer in ("shm", "grpc", "nixl", "recompute"):
         KV_HANDOFFS.labels(deployment, transfer)
     for role in ("prefill", "decode"):
         SPLIT_WORKERS.labels(deployment, role)

@@ -239,7 +239,9 @@ class ReplicaCore:
             if s.backend == "vllm":
                 from services.inference_router.engine.vllm_engine import VLLMEngine
 
-                engine = await VLLMEngine.create(config, s, self.stop_token_ids)
+                engine = await VLLMEngine.create(
+                    config, s, self.stop_token_ids, side_channel_host=_bind_host(self.host)
+                )
                 # Each TP rank's rectangles are staged here, then handed to its vLLM worker.
                 stagers = [
                     WeightStager(rank_params(config, layout, r), rank=r) for r in range(s.tensor_parallel)
@@ -535,7 +537,7 @@ class ReplicaCore:
             replica=self.name,
             prompt_tokens=result.prompt_tokens,
             adapter=adapter,
-            **_handoff_fields(request, params, how),
+            **_handoff_fields(self.spec, request, params, how),
         )
 
     async def _engine_request(
@@ -548,11 +550,12 @@ class ReplicaCore:
             return request, ""
         from services.inference_router.engine.disaggregated import DisaggregatedEngine, KVRequest
 
-        engine = self.engine
-        if not isinstance(engine, DisaggregatedEngine):
-            raise errors.FailedPrecondition(
-                f"kv_transfer_params: replica {self.name} is not a worker of a disaggregated deployment"
-            )
+        engine = self._worker_engine()
+        if not isinstance(engine, DisaggregatedEngine):  # vLLM: its KV connector loads the KV
+            if params.get("looprl_kv_version") != engine.status().weight_version:
+                return request, "version"  # made under another version: vLLM computes the prompt
+            request.kv_transfer_params = params
+            return request, "nixl"
         if self._kv is None:
             assert self.spec.disaggregation is not None
             self._kv = KVReceiver(host_identity(), self.spec.disaggregation.kv_transfer)
@@ -573,19 +576,33 @@ class ReplicaCore:
         from services.inference_router.engine.disaggregated import DisaggregatedEngine
 
         await self._hold_for_version(req)
-        engine = self._serving_engine()
-        if not isinstance(engine, DisaggregatedEngine):
-            raise errors.FailedPrecondition(
-                f"kv_transfer_params: replica {self.name} is not a worker of a disaggregated deployment"
-            )
-        handle = await engine.prefill_for_transfer(engine_request(req))
-        self._annotate(weight_version=handle.version, tokens=handle.prompt_tokens)
+        engine = self._worker_engine()
+        request = engine_request(req)
+        if isinstance(engine, DisaggregatedEngine):
+            handle = await engine.prefill_for_transfer(request)
+            self._annotate(weight_version=handle.version, tokens=handle.prompt_tokens)
+            params = handed_over(handle, host_identity(), self._address, self.name)
+        else:  # vLLM: max_tokens 1 with do_remote_decode; its connector answers where the KV is
+            request.kv_transfer_params = parse_params(req.kv_transfer_params)
+            [result] = await engine.generate([request])
+            version = min((c.weight_version for c in result.completions), default=-1)
+            extra = {"looprl_kv_version": version, "prefill_replica": self.name}
+            params = json.dumps(result.kv_transfer_params | extra) if result.kv_transfer_params else ""
         return inference_pb2.GenerateResponse(
             deployment=self.spec.name,
             replica=self.name,
-            prompt_tokens=handle.prompt_tokens,
-            kv_transfer_params=handed_over(handle, host_identity(), self._address, self.name),
+            prompt_tokens=len(request.prompt_token_ids),
+            kv_transfer_params=params,
         )
+
+    def _worker_engine(self) -> Engine:
+        """The serving engine of a worker of a disaggregated deployment (else FAILED_PRECONDITION)."""
+        engine = self._serving_engine()
+        if self.spec.disaggregation is None:
+            raise errors.FailedPrecondition(
+                f"kv_transfer_params: replica {self.name} is not a worker of a disaggregated deployment"
+            )
+        return engine
 
     async def _wait_for_commit(self, version: int) -> None:
         """KV made under a version this worker is about to commit: wait for it, bounded (after that
@@ -771,10 +788,17 @@ class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
             yield chunk
 
 
-def _handoff_fields(request: EngineRequest, params: dict[str, Any], how: str) -> dict[str, str]:
-    """GenerateResponse's prefill_replica and kv_transfer for a decode from handed-over KV."""
-    if not params.get("do_remote_prefill"):
+def _handoff_fields(
+    spec: DeploymentSpec, request: EngineRequest, params: dict[str, Any], how: str
+) -> dict[str, str]:
+    """GenerateResponse's kv_transfer and prefill_replica on a disaggregated deployment's worker:
+    how it got the prompt's KV, and from whom ("recompute": it computed the prompt itself)."""
+    if spec.disaggregation is None:
         return {}
-    if getattr(request, "recomputed", "") or how not in ("shm", "grpc"):
+    if (
+        not params.get("do_remote_prefill")
+        or getattr(request, "recomputed", "")
+        or how not in ("shm", "grpc", "nixl")
+    ):
         return {"kv_transfer": "recompute"}
     return {"kv_transfer": how, "prefill_replica": str(params.get("prefill_replica", ""))}

@@ -57,7 +57,7 @@ DO_REMOTE_DECODE = json.dumps(
         "remote_port": None,
     }
 )
-TRANSFERS = ("shm", "grpc", "recompute")
+TRANSFERS = ("shm", "grpc", "nixl", "recompute")
 
 
 def prefill_candidates(

@@ -354,7 +354,7 @@ CATALOG: tuple[MetricSpec, ...] = (
         "requests",
         ("deployment", "transfer"),
         "Decodes on disaggregated deployments by how the decode worker got the prompt's KV (shm | grpc | "
-        "recompute: it computed the prompt itself)",
+        "nixl: vLLM's connector | recompute: it computed the prompt itself)",
         "inference-router",
     ),
     _h(

@@ -128,6 +128,7 @@ class RecordingAsyncLLM:
         self.fail_rank = 0
         self.prompts: list[list[int]] = []
         self.lora_requests: list[object] = []  # the lora_request of each generate call
+        self.kv_params: list[dict[str, Any] | None] = []  # each request's kv_transfer_params
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._abort_epoch = 0
@@ -187,6 +188,8 @@ class RecordingAsyncLLM:
         ids = list(prompt["prompt_token_ids"])
         self.prompts.append(ids)
         self.lora_requests.append(lora_request)
+        kv = (getattr(sampling_params, "extra_args", None) or {}).get("kv_transfer_params")
+        self.kv_params.append(kv)
         if self._abort_paused:  # vLLM rejects new requests during an abort/wait pause
             raise RetryableRequestError("Request failed; please retry")
         epoch, starts, count = self._abort_epoch, [], 0
@@ -207,6 +210,7 @@ class RecordingAsyncLLM:
                 [-(int(version) + 1.0)],
                 "length" if done else None,
                 _spans(starts, count) if done else None,
+                _handed_over(request_id, len(ids)) if done and kv and kv.get("do_remote_decode") else None,
             )
             if done:
                 return
@@ -294,9 +298,31 @@ def _spans(starts: list[tuple[str, int]], count: int) -> list[SimpleNamespace]:
     return [SimpleNamespace(version=v, start=s, end=e) for (v, s), e in zip(starts, ends, strict=True)]
 
 
-def _output(tokens, logprobs, finish, spans) -> SimpleNamespace:
+def _handed_over(request_id: str, prompt_tokens: int) -> dict[str, Any]:
+    """What NixlConnector's prefill side answers a do_remote_decode request with (the keys of
+    vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py request_finished; a test
+    checks them against that source)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[0, 1]],
+        "remote_engine_id": "engine-p",
+        "remote_request_id": request_id,
+        "remote_host": "10.0.0.7",
+        "remote_port": 5601,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": prompt_tokens,
+        "remote_blocks_expiry_time": 30.0,
+        "remote_registration_generation": 0,
+        "transfer_mode": "pull",
+    }
+
+
+def _output(tokens, logprobs, finish, spans, kv_transfer_params=None) -> SimpleNamespace:
     steps = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(tokens, logprobs, strict=True)]
     comp = SimpleNamespace(
         index=0, token_ids=tokens, logprobs=steps, finish_reason=finish, weight_versions=spans
     )
-    return SimpleNamespace(outputs=[comp])
+    return SimpleNamespace(outputs=[comp], kv_transfer_params=kv_transfer_params)

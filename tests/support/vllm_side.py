@@ -139,6 +139,16 @@ def _stub_modules() -> dict[str, types.ModuleType]:
     v1_utils.tensor_data = tensor_data
     out["vllm.v1.utils"] = v1_utils
 
+    # vllm.utils.hashing imports cbor2 (not installed here); config modules use its safe_hash only
+    # in compute_hash, which no test calls.
+    hashing = types.ModuleType("vllm.utils.hashing")
+
+    def safe_hash(data: bytes, usedforsecurity: bool = True):
+        raise AssertionError("a test reached vLLM's safe_hash")
+
+    hashing.safe_hash = safe_hash
+    out["vllm.utils.hashing"] = hashing
+
     # vllm.logger configures logging from vllm.envs at import; a plain logger does for these tests.
     logger = types.ModuleType("vllm.logger")
     logger.init_logger = logging.getLogger

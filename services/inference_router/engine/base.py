@@ -73,6 +73,9 @@ class EngineRequest:
     adapter: str = ""
     """The LoRA adapter to sample with (a LoRA run's id on a deployment that serves adapters); empty:
     the engine's own weights."""
+    # vLLM: the request's kv_transfer_params (a disaggregated deployment's two-phase request),
+    # handed to vLLM's KV connector as they are.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -95,6 +98,8 @@ class EngineResult:
     request_id: str
     completions: list[Completion]
     prompt_tokens: int
+    # vLLM: what its KV connector answered (a prefill instance: where the KV waits).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -106,6 +111,7 @@ class StreamChunk:
     logprobs: list[float]
     weight_version: int
     finish_reason: str = ""
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """What the vLLM engine hands vLLM, apart from the engine itself: engine arguments from a replica's
-deployment spec, the weight backend's init info, reading vLLM's per-token version spans, and recognising
-a request vLLM refused as retryable. Pure Python: no vLLM import (the CPU tests check these values
+deployment spec (with a disaggregated deployment's kv_transfer_config), the weight backend's init
+info, reading vLLM's per-token version spans, and recognising a request vLLM refused as retryable. Pure Python: no vLLM import (the CPU tests check these values
 against vLLM's own serialization, tests/unit/inference_router/test_vllm_backend.py)."""
 
 from __future__ import annotations
@@ -61,7 +61,28 @@ def engine_args(model_path: str, load_format: str, spec: DeploymentSpec) -> dict
             if spec.max_loras
             else {}
         ),
+        **({"kv_transfer_config": kv} if (kv := kv_transfer_config(spec)) else {}),
     }
+
+
+def kv_transfer_config(spec: DeploymentSpec) -> dict[str, Any] | None:
+    """KVTransferConfig keywords for a worker of a disaggregated deployment (None otherwise).
+
+    Every worker is "kv_both": vLLM takes a request's stage from its kv_transfer_params
+    (do_remote_decode on the prefill instance, do_remote_prefill on the decode instance, which
+    the router's two-phase request sets), so a tuned split moves a worker between stages without
+    restarting it. A KV transfer that fails is recomputed on the decode worker rather than failing
+    the request (kv_load_failure_policy = "recompute")."""
+    pd = spec.disaggregation
+    if pd is None:
+        return None
+    return {"kv_connector": pd.kv_connector, "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+
+
+def nixl_environment(host: str, port: int) -> dict[str, str]:
+    """Where a worker's NIXL side channel listens (its engine core reads these at start): the
+    address other hosts reach it on, and a port of its own (several workers share a node)."""
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
 
 
 def init_info_of(spec: DeploymentSpec) -> dict[str, Any]:

@@ -34,6 +34,13 @@ a rank whose copy does not check out stops the version before any rank loads it.
 the load phase on (a rank's load raising after others loaded, the finish, the prefix-cache
 reset) can leave ranks on different versions or KV from the old weights: the engine then takes
 itself out of service (not ready, never resumed, the reason in its status) and raises.
+Disaggregation: a worker of a disaggregated deployment runs with a kv_transfer_config
+(vllm_args.kv_transfer_config: the deployment's connector, kv_both, recompute on a failed load)
+and its own NIXL side channel (host and port in the environment its engine core inherits). A
+request's `kv_transfer_params` go to vLLM in `SamplingParams.extra_args`, where vLLM's Request reads
+them, and the connector's answer comes back on the final output (`RequestOutput.kv_transfer_params`,
+`EngineResult.kv_transfer_params`); only a request's first submission carries them (after an abort
+or a refusal the connector has freed or never loaded the KV, so the continuation recomputes).
 Per-token versions: vLLM labels every step with the version set by `finish_weight_update` and
 reports the spans on a request's final output (`CompletionOutput.weight_versions`); completions
 take their token versions from those spans, streamed chunks the version served when they were
@@ -46,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -71,6 +79,7 @@ from services.inference_router.engine.vllm_args import (
     admitted,
     engine_args,
     init_info_of,
+    nixl_environment,
     token_versions_of,
 )
 from services.inference_router.engine.vllm_handoff import RankHandoff, manifest_of
@@ -95,6 +104,7 @@ def vllm_api() -> Any:
     """The three vLLM classes `create` builds on (a seam: CPU tests run `create` itself with the
     recording double, so what a recipe sets is shown to reach vLLM and the engine)."""
     from vllm import AsyncEngineArgs
+    from vllm.config import KVTransferConfig
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -102,6 +112,7 @@ def vllm_api() -> Any:
         AsyncEngineArgs=AsyncEngineArgs,
         AsyncLLM=AsyncLLM,
         WeightTransferInitRequest=WeightTransferInitRequest,
+        KVTransferConfig=KVTransferConfig,
     )
 
 
@@ -185,9 +196,11 @@ class VLLMEngine(Engine):
         stop_token_ids: tuple[int, ...] = (),
         allow_truncated_logprobs: bool = False,
         retry_aborted: bool = True,
+        side_channel_host: str = "127.0.0.1",
     ) -> VLLMEngine:
         """An AsyncLLM serving one replica of `spec` (its model_path, or `config` with dummy weights
-        until the first version arrives)."""
+        until the first version arrives); a disaggregated deployment's worker listens for KV
+        transfers on `side_channel_host`."""
         vllm = vllm_api()
         tmp = None
         model_path, load_format, version = spec.model_path, "auto", 0
@@ -196,7 +209,13 @@ class VLLMEngine(Engine):
             tmp = tempfile.TemporaryDirectory(prefix="looprl-vllm-")
             (Path(tmp.name) / "config.json").write_text(json.dumps(config.to_hf_dict()))
             model_path, load_format, version = tmp.name, "dummy", -1
-        args = vllm.AsyncEngineArgs(**engine_args(model_path, load_format, spec))
+        kwargs = engine_args(model_path, load_format, spec)
+        if "kv_transfer_config" in kwargs:  # EngineArgs takes the config object, not a dict
+            from services.kit.local import free_port
+
+            kwargs["kv_transfer_config"] = vllm.KVTransferConfig(**kwargs["kv_transfer_config"])
+            os.environ.update(nixl_environment(side_channel_host, free_port()))
+        args = vllm.AsyncEngineArgs(**kwargs)
         llm = vllm.AsyncLLM.from_engine_args(args)
         await llm.init_weight_transfer_engine(vllm.WeightTransferInitRequest(init_info=init_info_of(spec)))
         if version >= 0:
@@ -217,7 +236,14 @@ class VLLMEngine(Engine):
         return engine
 
     # ---------------------------------------------------------------- generation
-    def _sampling(self, request: EngineRequest, n: int, seed: int | None, max_tokens: int) -> Any:
+    def _sampling(
+        self,
+        request: EngineRequest,
+        n: int,
+        seed: int | None,
+        max_tokens: int,
+        kv: dict[str, Any] | None = None,
+    ) -> Any:
         s = request.sampling
         if (s.top_k > 0 or s.top_p < 1.0) and not s.greedy and not self.allow_truncated:
             raise InvalidArgument(
@@ -234,6 +260,7 @@ class VLLMEngine(Engine):
             seed=seed,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
+            **({"extra_args": {"kv_transfer_params": kv}} if kv else {}),
         )
 
     async def _run(self, request: EngineRequest) -> AsyncIterator[tuple[StreamChunk, Any]]:
@@ -254,13 +281,16 @@ class VLLMEngine(Engine):
         rid = f"{request.request_id or uuid.uuid4().hex}-{uuid.uuid4().hex[:6]}"
         self._active[rid] = {"tokens": s.max_tokens * s.n}
         try:
-            prompt, produced = list(request.prompt_token_ids), 0
+            prompt, produced, attempts = list(request.prompt_token_ids), 0, 0
             while True:
                 await self._gate.wait()
                 if self._broken:  # woken by _break, not by a resume
                     raise Unavailable(f"engine is out of service: {self._broken}")
                 swaps_at_start = self._swaps
-                params = self._sampling(request, s.n, s.seed, s.max_tokens - produced)
+                # Only the first submission hands vLLM the KV params (see the module docstring).
+                kv = request.kv_transfer_params if (produced, attempts) == (0, 0) else None
+                attempts += 1
+                params = self._sampling(request, s.n, s.seed, s.max_tokens - produced, kv)
                 retry, sampled = False, []
                 stream = self._stream(
                     prompt, params, f"{rid}-{produced}-{self._swaps}", produced, lora, adapter_version
@@ -324,7 +354,14 @@ class VLLMEngine(Engine):
                 version = self.version
                 if adapter_version is not None:
                     spans, version = [], adapter_version
-                chunk = StreamChunk(comp.index, list(comp.token_ids), lps, version, comp.finish_reason or "")
+                chunk = StreamChunk(
+                    comp.index,
+                    list(comp.token_ids),
+                    lps,
+                    version,
+                    comp.finish_reason or "",
+                    getattr(out, "kv_transfer_params", None),
+                )
                 yield chunk, spans
 
     async def generate_stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk]:
@@ -335,7 +372,9 @@ class VLLMEngine(Engine):
         async def one(req: EngineRequest) -> EngineResult:
             comps = [Completion([], [], "", self.version, []) for _ in range(req.sampling.n)]
             spans: dict[int, list[Any]] = {}
+            kv_params = None
             async for chunk, final_spans in self._run(req):
+                kv_params = chunk.kv_transfer_params or kv_params
                 c = comps[chunk.index]
                 c.token_ids += chunk.token_ids
                 c.logprobs += chunk.logprobs
@@ -352,7 +391,10 @@ class VLLMEngine(Engine):
                     ]
                 c.finish_reason = c.finish_reason or FINISH_ABORT
                 c.weight_version = min(c.token_versions, default=self.version)
-            return EngineResult(req.request_id, comps, len(req.prompt_token_ids))
+                # vLLM drops running requests' KV at every swap (_reset_prefix_cache) and recomputes
+                # it under the new weights: no token is sampled from KV of another version.
+                c.kv_versions = list(c.token_versions)
+            return EngineResult(req.request_id, comps, len(req.prompt_token_ids), kv_params)
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
