@@ -36,6 +36,7 @@ from services.inference_router.policies import (
 )
 from services.inference_router.router import Router
 from services.inference_router.shared import SharedPool, shared_name
+from services.inference_router.split_tuning import SplitTuning
 from services.inference_router.sync_link import WeightSyncLink
 from services.kit import errors, telemetry, tls
 from services.kit.recipe import DeploymentSpec
@@ -164,6 +165,8 @@ class DeploymentManager(WeightSyncLink):
             )
         await asyncio.gather(*(_await_alive(h, ready_timeout_s) for h in handles))
         self.router.add_deployment(state, handles)
+        if spec.disaggregation is not None:
+            self.router.splits[spec.name] = SplitTuning(spec.name, spec.disaggregation, spec.max_batch_size)
         self.specs[spec.name] = spec
         self._where[spec.name] = where or f"deployments[{spec.name}]"
         await self.router.poll_once()

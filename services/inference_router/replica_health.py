@@ -21,6 +21,7 @@ from services.inference_router.config import RouterConfig
 from services.inference_router.handles import ReplicaFailure, ReplicaHandle
 from services.inference_router.policies import DeploymentState, ReplicaState, RoutingPolicy
 from services.inference_router.replica_status import ReplicaStatus
+from services.inference_router.split_tuning import SplitTuning
 from services.kit import errors
 
 log = logging.getLogger("looprl.inference_router")
@@ -42,6 +43,7 @@ class ReplicaHealth:
     _recreating: set[str]
     _unreachable: dict[str, asyncio.Event]
     _poller: asyncio.Task | None
+    splits: dict[str, SplitTuning]
 
     def _notify(self) -> None:
         raise NotImplementedError
@@ -128,6 +130,10 @@ class ReplicaHealth:
                 replica.sync_requested = False
             if dep is not None and replica.routable:
                 dep.ever_routable = True
+            split = self.splits.get(replica.deployment)
+            if split is not None and dep is not None:
+                split.observe_status(replica.name, status.engine or {})
+                split.at_version(dep)
         metrics.REPLICA_VERSION.labels(replica.deployment, replica.name).set(replica.weight_version)
         self._export_health(replica)
         if replica.routable != was_routable or status is not None:

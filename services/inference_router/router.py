@@ -44,7 +44,8 @@ from services.inference_router.policies import (
 )
 from services.inference_router.replica_health import ReplicaHealth
 from services.inference_router.run_scope import RunScope
-from services.inference_router.two_phase import count_handoff, export_roles, with_prefilled_kv
+from services.inference_router.split_tuning import SplitTuning, export_roles
+from services.inference_router.two_phase import count_handoff, with_prefilled_kv
 from services.kit import errors, telemetry
 from services.kit.metric_names import observe
 
@@ -83,6 +84,8 @@ class Router(ReplicaHealth):
         self._poller: asyncio.Task | None = None
         # Set when a replica's status poll fails: its in-flight requests stop waiting for it.
         self._unreachable: dict[str, asyncio.Event] = {}
+        # Each disaggregated deployment's split tuning (its owner adds it with the deployment).
+        self.splits: dict[str, SplitTuning] = {}
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -103,6 +106,7 @@ class Router(ReplicaHealth):
     async def remove_deployment(self, name: str) -> DeploymentState | None:
         """Take a deployment out of routing and listings (its replicas are its owner's to stop)."""
         dep = self.deployments.pop(name, None)
+        self.splits.pop(name, None)
         if dep is None:
             return None
         self.announced.pop(name, None)
@@ -255,6 +259,11 @@ class Router(ReplicaHealth):
             self._finished(dep, replica, request, response, time.perf_counter() - start)
             if dep.disaggregated:
                 count_handoff(dep, response)
+                split = self.splits.get(dep.name)
+                if split is not None:
+                    split.observe_request(
+                        len(request.prompt_token_ids), [len(c.token_ids) for c in response.completions]
+                    )
             response.deployment = dep.name
             response.replica = replica.name
             span = trace.get_current_span()

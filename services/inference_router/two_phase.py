@@ -29,7 +29,7 @@ from looprl.inference.v1 import inference_pb2
 from services.inference_router import metrics
 from services.inference_router.config import RouterConfig
 from services.inference_router.handles import ReplicaFailure, ReplicaHandle
-from services.inference_router.policies import ROLE_DECODE, ROLE_PREFILL, DeploymentState, ReplicaState
+from services.inference_router.policies import ROLE_PREFILL, DeploymentState, ReplicaState
 from services.kit.metric_names import observe
 
 
@@ -128,8 +128,3 @@ async def with_prefilled_kv(
 def count_handoff(dep: DeploymentState, response: inference_pb2.GenerateResponse) -> None:
     transfer = response.kv_transfer or "recompute"
     metrics.KV_HANDOFFS.labels(dep.name, transfer if transfer in TRANSFERS else "recompute").inc()
-
-
-def export_roles(dep: DeploymentState) -> None:
-    for role in (ROLE_PREFILL, ROLE_DECODE):
-        metrics.SPLIT_WORKERS.labels(dep.name, role).set(sum(r.role == role for r in dep.replicas))

@@ -113,7 +113,7 @@ class StageStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
-    # batch bucket -> (steps, seconds) of decode steps of that many sequences
+    # batch bucket -> [steps, tokens, seconds] of decode steps of that many sequences
     decode_by_batch: dict[int, list[float]] = field(default_factory=dict)
 
     def as_extra(self) -> dict[str, int | float]:
@@ -125,8 +125,9 @@ class StageStats:
             "decode_tokens": self.decode_tokens,
             "decode_seconds": self.decode_seconds,
         }
-        for bucket, (steps, seconds) in sorted(self.decode_by_batch.items()):
+        for bucket, (steps, tokens, seconds) in sorted(self.decode_by_batch.items()):
             out[f"decode_b{bucket}_steps"] = int(steps)
+            out[f"decode_b{bucket}_tokens"] = int(tokens)
             out[f"decode_b{bucket}_seconds"] = seconds
         return out
 
@@ -441,9 +442,10 @@ class ContinuousBatchingEngine(Engine):
         stats.decode_steps += 1
         stats.decode_tokens += batch
         stats.decode_seconds += seconds
-        bucket = stats.decode_by_batch.setdefault(batch_bucket(batch), [0, 0.0])
+        bucket = stats.decode_by_batch.setdefault(batch_bucket(batch), [0, 0, 0.0])
         bucket[0] += 1
-        bucket[1] += seconds
+        bucket[1] += batch
+        bucket[2] += seconds
 
     def _admit(self) -> list[_Seq]:
         admitted: list[_Seq] = []
