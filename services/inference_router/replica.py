@@ -25,6 +25,11 @@ the commit, so that generation starts with it; a canary deployment's replica doe
 How each engine kind stages, commits, rolls back and aborts is its `WeightLifecycle` (weights.py),
 built together with the engine.
 
+A worker of a disaggregated deployment (spec.disaggregation) runs a DisaggregatedEngine on the cpu
+backend (engine/disaggregated.py) and answers the router's two-phase request through its
+`WorkerKV` (replica_kv.py): a Generate carrying kv_transfer_params is a prefill for transfer or a
+decode from handed-over KV; FetchKV hands a prompt's KV to a decode worker on another host.
+
 `ReplicaCore` is the plain class (usable in-process); `InferenceReplica` (replica_actor.py,
 `InferenceReplica.options(...).remote(spec=..., replica=...)`) is it as a Ray async actor.
 """
@@ -45,13 +50,7 @@ from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.adapters import Adapters
 from services.inference_router.engine.base import Engine, EngineRequest, SamplingParams
 from services.inference_router.engine.scheduler import SchedulerLimits
-from services.inference_router.replica_kv import (
-    COMMIT_WAIT_S,
-    KVReceiver,
-    fetch_chunks,
-    handed_over,
-    parse_params,
-)
+from services.inference_router.replica_kv import COMMIT_WAIT_S, WorkerKV, fetch_chunks, parse_params
 from services.inference_router.replica_server import ReplicaServer
 from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.weights import LocalWeights, RankStagedWeights, TPGroupWeights, WeightLifecycle
@@ -152,7 +151,7 @@ class ReplicaCore:
         self._stage_locks: dict[int | str, asyncio.Lock] = {}  # per rank, and per adapter
         # Set (and replaced) by each commit: requests held for a version wait on it.
         self._committed: asyncio.Event | None = None
-        self._kv: KVReceiver | None = None  # a disaggregated deployment's decode side
+        self._kv: WorkerKV | None = None  # a disaggregated deployment's worker side
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -537,57 +536,25 @@ class ReplicaCore:
             replica=self.name,
             prompt_tokens=result.prompt_tokens,
             adapter=adapter,
-            **_handoff_fields(self.spec, request, params, how),
+            **(self._worker().answer(request, params, how) if self.spec.disaggregation else {}),
         )
 
     async def _engine_request(
         self, req: inference_pb2.GenerateRequest, params: dict[str, Any], adapter: str = ""
     ) -> tuple[EngineRequest, str]:
-        """The engine's request; for a decode worker of a disaggregated deployment, continuing from
-        the handed-over KV (and how it came: "shm", "grpc", or why it will be recomputed)."""
+        """The engine's request (a decode worker's: from the handed-over KV) and how the KV came."""
         request = engine_request(req, adapter)
         if not params.get("do_remote_prefill"):
             return request, ""
-        from services.inference_router.engine.disaggregated import DisaggregatedEngine, KVRequest
-
-        engine = self._worker_engine()
-        if not isinstance(engine, DisaggregatedEngine):  # vLLM: its KV connector loads the KV
-            if params.get("looprl_kv_version") != engine.status().weight_version:
-                return request, "version"  # made under another version: vLLM computes the prompt
-            request.kv_transfer_params = params
-            return request, "nixl"
-        if self._kv is None:
-            assert self.spec.disaggregation is not None
-            self._kv = KVReceiver(host_identity(), self.spec.disaggregation.kv_transfer)
-        kv, how = await self._kv.receive(params, request.prompt_token_ids)
-        if kv is None:
-            log.info("replica %s recomputes a prompt: %s", self.name, how)
-        elif kv.version > engine.status().weight_version:
-            await self._wait_for_commit(kv.version)
-        fields = {
-            f: getattr(request, f) for f in ("prompt_token_ids", "sampling", "session_id", "request_id")
-        }
-        return KVRequest(**fields, kv=kv), how
+        return await self._worker().decode_request(self._serving_engine(), request, params)
 
     async def _prefill_for_transfer(
         self, req: inference_pb2.GenerateRequest
     ) -> inference_pb2.GenerateResponse:
-        """do_remote_decode: prefill the prompt, keep its KV for a decode worker, say where it is."""
-        from services.inference_router.engine.disaggregated import DisaggregatedEngine
-
         await self._hold_for_version(req)
-        engine = self._worker_engine()
+        engine = self._serving_engine()
         request = engine_request(req)
-        if isinstance(engine, DisaggregatedEngine):
-            handle = await engine.prefill_for_transfer(request)
-            self._annotate(weight_version=handle.version, tokens=handle.prompt_tokens)
-            params = handed_over(handle, host_identity(), self._address, self.name)
-        else:  # vLLM: max_tokens 1 with do_remote_decode; its connector answers where the KV is
-            request.kv_transfer_params = parse_params(req.kv_transfer_params)
-            [result] = await engine.generate([request])
-            version = min((c.weight_version for c in result.completions), default=-1)
-            extra = {"looprl_kv_version": version, "prefill_replica": self.name}
-            params = json.dumps(result.kv_transfer_params | extra) if result.kv_transfer_params else ""
+        params = await self._worker().prefill(engine, request, parse_params(req.kv_transfer_params))
         return inference_pb2.GenerateResponse(
             deployment=self.spec.name,
             replica=self.name,
@@ -595,14 +562,15 @@ class ReplicaCore:
             kv_transfer_params=params,
         )
 
-    def _worker_engine(self) -> Engine:
-        """The serving engine of a worker of a disaggregated deployment (else FAILED_PRECONDITION)."""
-        engine = self._serving_engine()
+    def _worker(self) -> WorkerKV:
+        """This replica as a disaggregated deployment's worker (else FAILED_PRECONDITION)."""
         if self.spec.disaggregation is None:
             raise errors.FailedPrecondition(
                 f"kv_transfer_params: replica {self.name} is not a worker of a disaggregated deployment"
             )
-        return engine
+        if self._kv is None:
+            self._kv = WorkerKV(self.name, self._address, self.spec.disaggregation, self._wait_for_commit)
+        return self._kv
 
     async def _wait_for_commit(self, version: int) -> None:
         """KV made under a version this worker is about to commit: wait for it, bounded (after that
@@ -786,19 +754,3 @@ class _EngineServicer(inference_pb2_grpc.InferenceEngineServiceServicer):
     async def FetchKV(self, request, context):
         async for chunk in self.core._fetch_kv(request.kv_id):
             yield chunk
-
-
-def _handoff_fields(
-    spec: DeploymentSpec, request: EngineRequest, params: dict[str, Any], how: str
-) -> dict[str, str]:
-    """GenerateResponse's kv_transfer and prefill_replica on a disaggregated deployment's worker:
-    how it got the prompt's KV, and from whom ("recompute": it computed the prompt itself)."""
-    if spec.disaggregation is None:
-        return {}
-    if (
-        not params.get("do_remote_prefill")
-        or getattr(request, "recomputed", "")
-        or how not in ("shm", "grpc", "nixl")
-    ):
-        return {"kv_transfer": "recompute"}
-    return {"kv_transfer": how, "prefill_replica": str(params.get("prefill_replica", ""))}

@@ -27,11 +27,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.inference_router.engine.disaggregated import DisaggregatedEngine, KVHandle
+from services.inference_router.engine.base import Engine, EngineRequest
+from services.inference_router.engine.disaggregated import DisaggregatedEngine, KVHandle, KVRequest
 from services.inference_router.engine.kv_transfer import (
     KVUnavailable,
     PromptKV,
@@ -40,10 +41,13 @@ from services.inference_router.engine.kv_transfer import (
     take_local,
 )
 from services.kit import errors
+from services.kit.hosts import host_identity
+from services.kit.recipe import DisaggregationSection
 
 log = logging.getLogger("looprl.inference_router.replica")
 
 FETCH_CHUNK_BYTES = 4 * 1024 * 1024
+HANDED = ("shm", "grpc", "nixl")  # the decode continued from KV a prefill worker made
 # How long a decode worker waits for the commit of a version a prefill worker already serves.
 COMMIT_WAIT_S = 10.0
 
@@ -78,15 +82,71 @@ def handed_over(handle: KVHandle, host_id: str, address: str, replica: str) -> s
     )
 
 
-class KVReceiver:
-    """How a decode worker gets handed-over KV: from shared memory or a prefill worker's server."""
+class WorkerKV:
+    """A replica's side of the two-phase request: prefilling for transfer, and receiving handed-over
+    KV (from shared memory or a prefill worker's server) to decode from."""
 
-    def __init__(self, host_id: str, transfer: str = "auto", max_message_bytes: int = 64 * 1024 * 1024):
-        self.host_id = host_id
-        self.transfer = transfer
+    def __init__(
+        self,
+        replica: str,
+        address: str,
+        section: DisaggregationSection,
+        wait_for_commit: Callable[[int], Awaitable[None]],
+        max_message_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self.replica = replica
+        self.address = address
+        self.host_id = host_identity()
+        self.transfer = section.kv_transfer
+        self.wait_for_commit = wait_for_commit
         self.max_message_bytes = max_message_bytes
         self._stubs: dict[str, Any] = {}
         self._channels: list[Any] = []
+
+    async def prefill(self, engine: Engine, request: EngineRequest, params: dict[str, Any]) -> str:
+        """Prefill `request` for a decode worker; the params that locate its KV ("" when the engine
+        could not hand it over: the decode worker then computes the prompt)."""
+        if isinstance(engine, DisaggregatedEngine):
+            return handed_over(
+                await engine.prefill_for_transfer(request), self.host_id, self.address, self.replica
+            )
+        # vLLM: max_tokens 1 with do_remote_decode; its connector answers where the KV waits.
+        request.kv_transfer_params = params
+        [result] = await engine.generate([request])
+        if not result.kv_transfer_params:
+            return ""
+        version = min((c.weight_version for c in result.completions), default=-1)
+        return json.dumps(
+            result.kv_transfer_params | {"looprl_kv_version": version, "prefill_replica": self.replica}
+        )
+
+    async def decode_request(
+        self, engine: Engine, request: EngineRequest, params: dict[str, Any]
+    ) -> tuple[EngineRequest, str]:
+        """`request` continuing from the KV `params` locate, and how it came ("shm", "grpc",
+        "nixl"), or `request` as it is and why the engine computes the prompt itself."""
+        if not isinstance(engine, DisaggregatedEngine):  # vLLM: its KV connector loads the KV
+            if params.get("looprl_kv_version") != engine.status().weight_version:
+                return request, "another weight version"
+            request.kv_transfer_params = params
+            return request, "nixl"
+        kv, how = await self.receive(params, request.prompt_token_ids)
+        if kv is None:
+            log.info("replica %s recomputes a prompt: %s", self.replica, how)
+        elif kv.version > engine.status().weight_version:
+            await self.wait_for_commit(kv.version)
+        fields = {
+            f: getattr(request, f) for f in ("prompt_token_ids", "sampling", "session_id", "request_id")
+        }
+        return KVRequest(**fields, kv=kv), how
+
+    @staticmethod
+    def answer(request: EngineRequest, params: dict[str, Any], how: str) -> dict[str, str]:
+        """GenerateResponse's kv_transfer and prefill_replica: how the decode got the prompt's KV,
+        and from whom ("recompute": this worker computed the prompt itself)."""
+        if not params.get("do_remote_prefill") or getattr(request, "recomputed", "") or how not in HANDED:
+            return {"kv_transfer": "recompute"}
+        return {"kv_transfer": how, "prefill_replica": str(params.get("prefill_replica", ""))}
 
     async def receive(self, params: dict[str, Any], prompt: list[int]) -> tuple[PromptKV | None, str]:
         """(the KV, "shm" | "grpc"), or (None, why it will be recomputed)."""
