@@ -681,6 +681,8 @@ class ReplicaCore:
             out.outstanding_tokens, out.queued_requests = st.tokens_in_flight, st.queued_requests
             out.cache_usage, out.max_model_len = st.cache_usage, st.max_model_len
             out.engine = {k: v for k, v in st.extra.items() if isinstance(v, int | float | str)}
+            if self._kv is not None:
+                out.engine |= self._kv.figures()
         if self.weights is not None:
             versions = self.weights.versions()
             out.staged_version, out.rollback_version = versions.staged, versions.rollback

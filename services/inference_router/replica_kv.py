@@ -102,6 +102,18 @@ class WorkerKV:
         self.max_message_bytes = max_message_bytes
         self._stubs: dict[str, Any] = {}
         self._channels: list[Any] = []
+        self.received = {"shm": 0, "grpc": 0}
+        self.unavailable = 0  # handed-over KV it could not use: read failed, gone, corrupt
+        self.last_unavailable = ""
+
+    def figures(self) -> dict[str, int | str]:
+        """What it received, for the replica's status."""
+        return {
+            "kv_received_shm": self.received["shm"],
+            "kv_received_grpc": self.received["grpc"],
+            "kv_unavailable": self.unavailable,
+            "kv_last_unavailable": self.last_unavailable,
+        }
 
     async def prefill(self, engine: Engine, request: EngineRequest, params: dict[str, Any]) -> str:
         """Prefill `request` for a decode worker; the params that locate its KV ("" when the engine
@@ -132,9 +144,13 @@ class WorkerKV:
             return request, "nixl"
         kv, how = await self.receive(params, request.prompt_token_ids)
         if kv is None:
+            self.unavailable += 1
+            self.last_unavailable = how
             log.info("replica %s recomputes a prompt: %s", self.replica, how)
-        elif kv.version > engine.status().weight_version:
-            await self.wait_for_commit(kv.version)
+        else:
+            self.received[how] += 1
+            if kv.version > engine.status().weight_version:
+                await self.wait_for_commit(kv.version)
         fields = {
             f: getattr(request, f) for f in ("prompt_token_ids", "sampling", "session_id", "request_id")
         }

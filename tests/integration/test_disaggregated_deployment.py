@@ -189,10 +189,8 @@ async def test_a_disaggregated_deployment_matches_colocated_and_never_decodes_kv
         # The restarted prefill worker is resynced to the deployment's version and prefills again.
         await routable(router, ["pd-r0", "pd-r1"], 2, timeout=60)
         after = await router.generate(request(200, "pd"))
-        assert (after.replica, after.prefill_replica, after.kv_transfer) == ("pd-r1", "pd-r0", "shm"), (
-            after,
-            router.deployments["pd"].replicas,
-        )
+        workers = [(await manager.actors[n].status.remote()).engine for n in ("pd-r0", "pd-r1")]
+        assert (after.replica, after.prefill_replica, after.kv_transfer) == ("pd-r1", "pd-r0", "shm"), workers
     finally:
         await router.close()
         await manager.stop()
