@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
+from services.decisions.pd_ratio import REASONS as SPLIT_REASONS
 from services.inference_router import policies
 from services.kit.metric_names import counter, gauge, histogram
 
@@ -70,6 +71,8 @@ def init_disaggregated(deployment: str) -> None:
     for role in ("prefill", "decode"):
         SPLIT_WORKERS.labels(deployment, role)
         SPLIT_STAGE_SPEED.labels(deployment, role)
+    for reason in SPLIT_REASONS:
+        SPLIT_DECISIONS.labels(deployment, reason)
 
 
 def drop_deployment(deployment: str, replicas: Sequence[str]) -> None:
