@@ -730,6 +730,11 @@ class DeploymentSpec(Section):
                 "not with canary: a canary commits a version on one replica first, a disaggregated "
                 "deployment commits it on every worker together",
             )
+        if self.max_loras or self.shared:
+            raise field_error(
+                "disaggregation",
+                "not with LoRA adapters (max_loras, shared): a worker hands over the base's KV",
+            )
         self.replicas = workers
         return self
 
@@ -806,6 +811,11 @@ class Recipe(Section):
             if self.model.lora is None and (d.max_loras or d.shared):
                 raise field_error(
                     f"deployments[{i}].max_loras", "serves LoRA runs' adapters; this run has no [model.lora]"
+                )
+            if self.model.lora is not None and d.disaggregation is not None:
+                raise field_error(
+                    f"deployments[{i}].disaggregation",
+                    "not for a LoRA run ([model.lora]): its replicas serve adapters",
                 )
             if self.model.lora is not None and d.tensor_parallel != 1:
                 raise field_error(

@@ -3,12 +3,14 @@ cannot be combined with is refused naming the field."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
 from services.kit.limits import RecipeLimits
 from services.kit.recipe import RecipeError, parse_recipe, recipe_toml
+from services.modeling.config import ModelConfig
 
 
 def _deployment(lines: str):
@@ -37,6 +39,7 @@ def test_a_disaggregated_deployments_replicas_are_its_prefill_and_decode_workers
             "deployments[0].disaggregation: the cpu backend hands over",
         ),
         ("canary = true\ndisaggregation = {}", "deployments[0].disaggregation: not with canary"),
+        ("max_loras = 2\ndisaggregation = {}", "deployments[0].disaggregation: not with LoRA adapters"),
         (
             "disaggregation = { decode_workers = 0 }",
             "deployments[0].disaggregation.decode_workers: must be >= 1",
@@ -61,3 +64,10 @@ def test_the_workers_count_against_the_clusters_replica_limit():
             "[[deployments]]\ndisaggregation = { prefill_workers = 3, decode_workers = 3 }\n",
             limits=RecipeLimits(max_replicas=4),
         )
+
+
+def test_a_lora_run_is_not_disaggregated(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(ModelConfig.tiny().to_hf_dict()))
+    recipe = f'[model]\npath = "{tmp_path}"\nlora = {{ rank = 8 }}\n[[deployments]]\ndisaggregation = {{}}\n'
+    with pytest.raises(RecipeError, match=re.escape("deployments[0].disaggregation: not for a LoRA run")):
+        parse_recipe(recipe)
