@@ -22,7 +22,17 @@ sim_tuned_over_fixed_p99_latency (the worst step's p99 request latency, tuned ov
 synchronous step's p99 is close to its length). The profile's parameters are printed with each
 result.
 
+Then the same comparison on this machine with the CPU engine's own disaggregated workers
+(bench/pd_engine.py: 4 workers, one engine thread each, KV handed over in shared memory): a
+short-prompt/long-output profile and a long-prompt/short-output one, each served co-located, at the
+fixed 2:2 split and at the split the tuner picks from the speeds the workers measured at 2:2.
+Figures cpu_tuned_over_even_throughput, cpu_tuned_over_colocated_throughput and
+cpu_tuned_over_even_p99_latency, each the less favourable profile. The 4 workers share this
+machine's 2 cores: a worker idle at its stage gives its core to the busy ones, which hides much of
+the imbalance a tuned split removes on dedicated hardware; the figures say what 2 cores allow.
+
     python -m bench.pd_disaggregation [--gpu H100|H200|A100|L40S] [--model SHAPE] [--cost-model FILE]
+        [--no-engine]
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cost-model", default="", help="a measured cost-model file instead of the roofline")
     parser.add_argument("--workers", type=int, default=8, help="workers (GPUs) per deployment")
+    parser.add_argument("--no-engine", action="store_true", help="the simulator only, not the CPU engine")
 
 
 def main() -> None:
@@ -115,6 +126,12 @@ def main() -> None:
                 runs[other].tokens_per_s,
             )
         pairs.setdefault("sim_tuned_over_fixed_p99_latency", {})[name] = (p99["tuned"], p99["fixed"])
+    _emit_worst(pairs, cost.name)
+    if not args.no_engine:
+        _emit_worst(cpu_engine(args.quick), "CPU engine, 4 workers on this machine")
+
+
+def _emit_worst(pairs: dict[str, dict[str, tuple[float, float]]], where: str) -> None:
     for figure, by_profile in pairs.items():
         latency = figure.endswith("latency")
         # The less favourable profile: the lower throughput ratio, the higher latency ratio.
@@ -123,7 +140,38 @@ def main() -> None:
         value, baseline = by_profile[worst]
         target = ">= 1.2" if figure == "sim_tuned_over_fixed_throughput" else "report"
         unit = "s, worst step p99" if latency else "tokens/s"
-        emit(BENCH, figure, value, baseline, value / baseline, f"{unit} ({worst}, {cost.name})", target)
+        emit(BENCH, figure, value, baseline, value / baseline, f"{unit} ({worst}, {where})", target)
+
+
+def cpu_engine(quick: bool) -> dict[str, dict[str, tuple[float, float]]]:
+    """The CPU engine's workers serving each profile three ways (bench/pd_engine.py)."""
+    import asyncio
+
+    from bench.pd_engine import measure
+
+    print("\nCPU engine, 4 disaggregated workers on this machine, one step of each profile:")
+    pairs: dict[str, dict[str, tuple[float, float]]] = {}
+    for name, runs in asyncio.run(measure(quick=quick)).items():
+        for label, run in runs.items():
+            print(
+                f"{name:<8} {label:<10} {run.ratio:<11} {run.tokens_per_s:>8,.0f} tok/s  p99 {run.p99_s:>6.2f} s  "
+                f"handoffs {run.transfers}"
+            )
+        same = sum(a == b for a, b in zip(runs["colocated"].tokens, runs["tuned"].tokens, strict=True))
+        print(
+            f"         requests whose completions equal the co-located ones (seeded): {same}/{len(runs['tuned'].tokens)}"
+        )
+        tuned = runs["tuned"]
+        pairs.setdefault("cpu_tuned_over_even_throughput", {})[name] = (
+            tuned.tokens_per_s,
+            runs["even"].tokens_per_s,
+        )
+        pairs.setdefault("cpu_tuned_over_colocated_throughput", {})[name] = (
+            tuned.tokens_per_s,
+            runs["colocated"].tokens_per_s,
+        )
+        pairs.setdefault("cpu_tuned_over_even_p99_latency", {})[name] = (tuned.p99_s, runs["even"].p99_s)
+    return pairs
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ gRPC hops (two_phase.py): a prefill worker prefills the prompt and leaves its KV
 the decode worker reads it and decodes. Modes, on the same workers and the same seeded requests:
 
 - `colocated`: every worker prefills and decodes its own requests (least busy worker first);
-- `fixed`: the split at half and half (the 1:1 of the field's default);
+- `even`: the split at half and half (the hand-set 1:1 of the field's recipes);
 - `tuned`: the split services/decisions/pd_ratio.py's `tune` picks from the speeds the workers
-  measured while serving the profile at the fixed split (split_tuning.measured_rates, the router's
+  measured while serving the profile at the even split (split_tuning.measured_rates, the router's
   own reading of the engines' stage counters) and the profile's lengths, as the router decides at
   the next weight-version boundary.
 
@@ -218,20 +218,21 @@ def model_config() -> ModelConfig:
 
 
 async def run_profile(profile: Profile, workers: Workers, vocab: int) -> dict[str, StepResult]:
-    """The profile's step served co-located, at the fixed split, and at the tuned split."""
+    """The profile's step served co-located, at the even split, and at the tuned split."""
     count = len(workers.engines)
-    fixed = Ratio(count // 2, count - count // 2)
+    even = Ratio(count // 2, count - count // 2)
     batch = requests(profile, vocab)
     before = workers.stage_figures()
-    runs = {"fixed": await workers.step("fixed", batch, fixed)}
-    decision = tuned_split(profile, workers, before, fixed, batch)
-    print(f"  {profile.name}: tuner at {fixed}: {decision.ratio} ({decision.reason}: {decision.detail})")
+    runs = {"even": await workers.step("even", batch, even)}
+    decision = tuned_split(profile, workers, before, even, batch)
+    print(f"  {profile.name}: tuner at {even}: {decision.ratio} ({decision.reason}: {decision.detail})")
     runs["colocated"] = await workers.step("colocated", batch, None)
     runs["tuned"] = await workers.step("tuned", batch, decision.ratio)
-    # The order of the measured runs can favour the last (warmer caches): serve the fixed split again.
-    again = await workers.step("fixed", batch, fixed)
-    if again.seconds < runs["fixed"].seconds:
-        runs["fixed"] = again
+    # The order of the measured runs can favour the later ones (warmer caches): serve the even split
+    # again and keep its better step.
+    again = await workers.step("even", batch, even)
+    if again.seconds < runs["even"].seconds:
+        runs["even"] = again
     return runs
 
 
