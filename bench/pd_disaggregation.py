@@ -25,7 +25,8 @@ result.
 Then the same comparison on this machine with the CPU engine's own disaggregated workers
 (bench/pd_engine.py: 4 workers, one engine thread each, KV handed over in shared memory): a
 short-prompt/long-output profile and a long-prompt/short-output one, each served co-located, at the
-fixed 2:2 split and at the split the tuner picks from the speeds the workers measured at 2:2.
+fixed 2:2 split and at the split the tuner picks from the speeds the workers measured at 2:2
+(each mode's fastest of 3 steps, the modes interleaved).
 Figures cpu_tuned_over_even_throughput, cpu_tuned_over_colocated_throughput and
 cpu_tuned_over_even_p99_latency, each the less favourable profile. The 4 workers share this
 machine's 2 cores: a worker idle at its stage gives its core to the busy ones, which hides much of
