@@ -79,7 +79,7 @@ class DisaggregatedEngine(CPUEngine):
     transfer: TransferStats
 
     @classmethod
-    def create(cls, *args, kv_store: KVStore | None = None, **kwargs) -> DisaggregatedEngine:  # type: ignore[override]
+    def create(cls, *args, kv_store: KVStore | None = None, **kwargs) -> DisaggregatedEngine:
         limits = dataclasses.replace(kwargs.pop("limits", None) or SchedulerLimits(), kv_on_swap="recompute")
         engine = super().create(*args, limits=limits, **kwargs)
         assert isinstance(engine, DisaggregatedEngine)
@@ -138,15 +138,15 @@ class DisaggregatedEngine(CPUEngine):
             self.transfer.import_seconds += time.perf_counter() - start
             self.transfer.imported += len({id(s.owner) for s in imports})
             for seq in imports:
-                seq.kv_version = seq.owner.req.kv.version
+                seq.kv_version = _handed_kv(seq).version
             self._sample_and_append(imports, logits)
 
     def _usable_kv(self, seq: _Seq) -> bool:
         """Whether the sequence continues from handed-over KV (else its prompt is computed here)."""
         req = seq.owner.req
-        kv = getattr(req, "kv", None)
-        if kv is None:
+        if not isinstance(req, KVRequest) or req.kv is None:
             return False
+        kv = req.kv
         why = ""
         if kv.version != self.version:
             why = "version"
@@ -167,12 +167,12 @@ class DisaggregatedEngine(CPUEngine):
         assert isinstance(executor, LocalExecutor)
         cache = executor.cache
         for seq in seqs:
-            kv = seq.owner.req.kv
+            kv = _handed_kv(seq)
             n = kv.prompt_tokens
             cache.k[:, seq.slot, :, :n] = kv.keys
             cache.v[:, seq.slot, :, :n] = kv.values
             cache.lengths[seq.slot] = n
-        return torch.stack([seq.owner.req.kv.logits for seq in seqs])
+        return torch.stack([_handed_kv(seq).logits for seq in seqs])
 
     async def _hand_over(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         """Write each exported prompt's KV to the store, free its slot and answer with the handle."""
@@ -204,3 +204,10 @@ class DisaggregatedEngine(CPUEngine):
 
 def _export(seq: _Seq) -> bool:
     return bool(getattr(seq.owner.req, "export", False))
+
+
+def _handed_kv(seq: _Seq) -> PromptKV:
+    """The handed-over KV a sequence decodes from (only sequences `_usable_kv` accepted get here)."""
+    req = seq.owner.req
+    assert isinstance(req, KVRequest) and req.kv is not None
+    return req.kv
