@@ -33,7 +33,7 @@ from services.kit.recipe import DeploymentSpec, DisaggregationSection
 from services.modeling.config import ModelConfig
 from services.weight_sync.config import WeightSyncConfig
 from services.weight_sync.service import attach_state, make
-from tests.support.synthetic_weights import push_version, random_state
+from bench.harness.synthetic_weights import push_version, random_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

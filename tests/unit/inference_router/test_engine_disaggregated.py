@@ -24,7 +24,7 @@ from services.inference_router.engine.kv_transfer import (
     take_local,
 )
 from services.modeling.config import ModelConfig
-from tests.support.synthetic_weights import random_state
+from bench.harness.synthetic_weights import random_state
 
 CONFIG = ModelConfig.tiny(vocab_size=97, max_position_embeddings=128)
 V0, V1 = random_state(CONFIG, seed=1), random_state(CONFIG, seed=2)

@@ -16,7 +16,7 @@ from services.inference_router.two_phase import DO_REMOTE_DECODE
 from services.kit import errors
 from services.kit.recipe import DeploymentSpec, DisaggregationSection
 from services.modeling.config import ModelConfig
-from tests.support.synthetic_weights import random_state
+from bench.harness.synthetic_weights import random_state
 
 CONFIG = ModelConfig.tiny(vocab_size=97, max_position_embeddings=128)
 WEIGHTS = random_state(CONFIG, seed=4)
