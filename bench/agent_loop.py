@@ -61,7 +61,7 @@ async def main() -> None:
 
     engine = None
     if args.router:
-        from services.kit.server import open_channel
+        from services.kit.rpc.server import open_channel
 
         generate: Generator = RouterGenerator(open_channel(args.router))
     else:

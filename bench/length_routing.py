@@ -82,8 +82,8 @@ async def main_async(quick: bool) -> None:
     from services.inference_router.config import RouterConfig
     from services.inference_router.deployments import DeploymentManager
     from services.inference_router.router import Router
-    from services.kit.ray_utils import connect_ray
-    from services.kit.recipe import DeploymentSpec
+    from services.kit.config.recipe import DeploymentSpec
+    from services.kit.ray.cluster import connect_ray
 
     short_tokens, long_tokens = 4, 48
     n = 80 if quick else 240

@@ -20,7 +20,7 @@ import grpc
 
 from gateway.stack import StackPorts, down, unwind_on_terminate, up
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.kit.local import port_is_free
+from services.kit.local.infra import port_is_free
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -275,7 +275,7 @@ def main() -> None:
         lambda p: p.add_argument("--stack", action="store_true", help="also two LoRA runs on a local stack"),
     )
     from bench.peer_trl_realistic import MODEL
-    from services.kit.recipe import LoraSection
+    from services.kit.config.recipe import LoraSection
     from services.modeling.config import ModelConfig
     from services.modeling.lora import TARGETS, LoraSpec, adapter_state_dict
 

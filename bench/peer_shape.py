@@ -12,7 +12,7 @@ import torch
 
 from services.environment_sandbox.environments.base import make_environment
 from services.environment_sandbox.environments.datasets import task_by_index
-from services.kit.recipe import Recipe
+from services.kit.config.recipe import Recipe
 
 
 @dataclass(frozen=True)

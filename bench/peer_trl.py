@@ -57,7 +57,7 @@ from bench.loop_harness import with_overrides
 from bench.peer_shape import Shape, check_same_inputs, prompts
 from bench.peer_trl_realistic import REALISTIC
 from services.environment_sandbox.environments.digits import digits_score
-from services.kit.recipe import Recipe, parse_recipe
+from services.kit.config.recipe import Recipe, parse_recipe
 from services.modeling.config import model_preset
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.tokenizer import IM_END, PAD, SPECIAL_TOKENS, CharTokenizer

@@ -36,7 +36,7 @@ import torch
 
 from bench.loop_harness import with_overrides
 from bench.peer_shape import Shape, check_same_inputs
-from services.kit.recipe import Recipe
+from services.kit.config.recipe import Recipe
 from services.modeling.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ LOOPRL_OVERRIDES: dict[str, dict[str, object]] = {"run": {"max_staleness": 1}}
 
 def warm_start_examples() -> list[tuple[list[dict[str, str]], str]]:
     """(prompt messages, worked solution) pairs the model is warm-started on."""
-    from services.kit.recipe import EnvironmentSection
+    from services.kit.config.recipe import EnvironmentSection
     from tools.hf_warm_start import environment_examples
 
     # The recipe's environment section alone: the whole recipe only parses once the model exists.

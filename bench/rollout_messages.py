@@ -20,10 +20,11 @@ from pathlib import Path
 
 from bench.common import emit, parse_args
 from looprl.common.v1 import common_pb2
-from services.kit import rollout_messages, subjects
-from services.kit.bus import Bus
-from services.kit.bus_consumer import Delivery
-from services.kit.local import NatsServer, free_port
+from services.kit.bus import subjects
+from services.kit.bus.client import Bus
+from services.kit.bus.consumer import Delivery
+from services.kit.local.infra import NatsServer, free_port
+from services.kit.messages import rollouts as rollout_messages
 
 BENCH = "rollout_messages"
 GROUPS, GROUP_SIZE = 8, 8

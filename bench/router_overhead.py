@@ -78,7 +78,7 @@ def main() -> None:
     )
     from looprl.common.v1 import common_pb2
     from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-    from services.kit.local import RayHead
+    from services.kit.local.infra import RayHead
 
     decisions = decision_times(20_000 if not args.quick else 5_000)
 
@@ -147,7 +147,7 @@ def main() -> None:
 
 
 def _free(port: int) -> bool:
-    from services.kit.local import port_is_free
+    from services.kit.local.infra import port_is_free
 
     return port_is_free(port)
 

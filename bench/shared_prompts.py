@@ -21,7 +21,7 @@ import torch
 
 from bench.common import emit, median, parse_args
 from bench.peer_trl_realistic import MODEL as REALISTIC_MODEL
-from services.kit.recipe import AlgorithmSection
+from services.kit.config.recipe import AlgorithmSection
 from services.modeling.config import ModelConfig, model_preset
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.trainer.batch import PackedMicroBatch

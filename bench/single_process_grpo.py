@@ -79,7 +79,7 @@ from services.environment_sandbox.environments.digits import DigitsEnv
 from services.inference_router.engine.base import EngineRequest, SamplingParams
 from services.inference_router.engine.cpu import CPUEngine
 from services.inference_router.engine.scheduler import SchedulerLimits
-from services.kit.recipe import AlgorithmSection, OptimizerSection, sampling_seed
+from services.kit.config.recipe import AlgorithmSection, OptimizerSection, sampling_seed
 from services.modeling.config import ModelConfig
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM
@@ -147,7 +147,7 @@ class GRPOSettings:
     @classmethod
     def from_recipe(cls, path: str | Path = DEFAULT_RECIPE, **overrides: Any) -> GRPOSettings:
         """Settings of a run recipe (TOML), with `overrides` on top (model overrides go in `model`)."""
-        from services.kit.recipe import load_recipe
+        from services.kit.config.recipe import load_recipe
         from services.modeling.config import model_preset
 
         r = load_recipe(path)

@@ -87,7 +87,7 @@ def trl_cpu(steps: int) -> float:
     from transformers import TrainerCallback
 
     from bench.peer_trl import TINY, trl_trainer, with_seed_and_steps
-    from services.kit.recipe import parse_recipe
+    from services.kit.config.recipe import parse_recipe
 
     torch.set_num_threads(2)  # as bench/peer_trl.py runs it
     recipe = parse_recipe(with_seed_and_steps(TINY.recipe_text(), 1, steps))

@@ -69,7 +69,7 @@ class StepMoments:
 
 
 def step_moments(spans: Iterable[dict[str, Any]]) -> list[StepMoments]:
-    """The moments of every step that has all of them (JSON span-log records, kit/telemetry.py)."""
+    """The moments of every step that has all of them (JSON span-log records, kit/telemetry/tracing.py)."""
     by_name: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for span in spans:
         by_name.setdefault((span["service"], span["name"]), []).append(span)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import emit, median, parse_args, timed
-from services.kit.recipe import AlgorithmSection
+from services.kit.config.recipe import AlgorithmSection
 from services.modeling.config import ModelConfig
 from services.modeling.logprobs import token_logprobs
 from services.modeling.qwen2 import Qwen2ForCausalLM, apply_rope, rope_cos_sin

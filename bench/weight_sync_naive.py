@@ -34,7 +34,7 @@ import grpc
 import torch
 
 from looprl.inference.v1 import inference_pb2
-from services.kit.codec import PROTO_TO_TORCH, TORCH_TO_PROTO, tensor_from_bytes, tensor_to_bytes
+from services.kit.messages.codec import PROTO_TO_TORCH, TORCH_TO_PROTO, tensor_from_bytes, tensor_to_bytes
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, Piece, rank_params
 from services.weight_sync.transport import Endpoint, GrpcTransport

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from conformance.case import CaseFailed, CaseSkipped, check
-from services.kit import authz
+from services.kit.rpc import authz
 
 DEFAULT_TIMEOUT_S = 20.0
 MESSAGE_BYTES = 64 << 20
@@ -40,7 +40,7 @@ class Credentials:
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Credentials:
-        from services.kit.tls import certificate_identity
+        from services.kit.rpc.tls import certificate_identity
 
         d = Path(directory)
         ca_file = d / "ca.crt"
@@ -60,7 +60,7 @@ class Credentials:
 
     @classmethod
     def from_files(cls, ca: str, cert: str, key: str) -> Credentials:
-        from services.kit.tls import certificate_identity
+        from services.kit.rpc.tls import certificate_identity
 
         pem = Path(cert).read_bytes()
         name = certificate_identity(pem)

@@ -1,4 +1,4 @@
-"""`python -m gateway`: the gateway service (see services/kit/registry.py; --help lists its settings)."""
+"""`python -m gateway`: the gateway service (see services/kit/config/registry.py; --help lists its settings)."""
 
 import sys
 

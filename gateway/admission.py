@@ -32,8 +32,8 @@ from gateway.config import Tenant
 from looprl.environment.v1 import environment_pb2_grpc
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from looprl.reward.v1 import reward_pb2_grpc
-from services.kit.errors import FailedPrecondition, ResourceExhausted
-from services.kit.recipe import Recipe, unservable_max_tokens
+from services.kit.config.recipe import Recipe, unservable_max_tokens
+from services.kit.rpc.errors import FailedPrecondition, ResourceExhausted
 
 log = logging.getLogger("looprl.gateway.admission")
 

@@ -13,7 +13,7 @@ import hmac
 from collections.abc import Iterable
 
 from gateway.config import GatewayConfig, Tenant, token_sha256, tokens_tenant
-from services.kit.errors import Unauthenticated
+from services.kit.rpc.errors import Unauthenticated
 
 
 class TokenAuth:

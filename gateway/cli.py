@@ -177,7 +177,8 @@ def _plugin_env(dirs: Sequence[str], data_dirs: Sequence[str] = ()) -> dict[str,
 
 def cmd_certs(args: argparse.Namespace) -> int:
     """A development CA and one certificate per service (for docker compose or a Kubernetes Secret)."""
-    from services.kit import nats_auth, tls
+    from services.kit.bus import nats_auth
+    from services.kit.rpc import tls
 
     if args.identity:
         # A part written outside looprl gets its own certificate from the same CA (reused).
@@ -197,8 +198,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from gateway.run_logs import MissingDependency, check_available
     from gateway.stack import StackState, down, up
     from looprl.gateway.v1 import gateway_pb2
-    from services.kit.limits import RecipeLimits
-    from services.kit.recipe import RecipeError, load_recipe
+    from services.kit.config.limits import RecipeLimits
+    from services.kit.config.recipe import RecipeError, load_recipe
 
     try:
         # The widest limits here: the gateway holds its cluster's, and says which one a recipe exceeds.
@@ -318,8 +319,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import grpc
 
     from looprl.gateway.v1 import gateway_pb2
-    from services.kit.limits import RecipeLimits
-    from services.kit.recipe import Recipe, parse_recipe, recipe_toml
+    from services.kit.config.limits import RecipeLimits
+    from services.kit.config.recipe import Recipe, parse_recipe, recipe_toml
 
     stub, metadata = _gateway(args)
     source = stub.GetRun(gateway_pb2.GetRunRequest(run_id=args.run_id), metadata=metadata).run
@@ -434,8 +435,8 @@ def _common_options(with_defaults: bool) -> argparse.ArgumentParser:
 
 def _recipe_fields() -> str:
     """The recipe schema's fields, for `looprl run --help` (imported only then: it loads pydantic)."""
-    from services.kit.recipe import Recipe
-    from services.kit.schema import help_text
+    from services.kit.config.recipe import Recipe
+    from services.kit.config.schema import help_text
 
     return "recipe fields (TOML tables; docs/configuration.md):\n" + help_text(Recipe)
 
@@ -609,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     import grpc
 
     from gateway.stack import StackAlreadyUp, unwind_on_terminate
-    from services.kit.local import PortInUseError, StartupFailed
+    from services.kit.local.infra import PortInUseError, StartupFailed
 
     try:
         with unwind_on_terminate():

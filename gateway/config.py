@@ -16,9 +16,9 @@ from typing import Annotated
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from services.kit.config import ServiceConfig
-from services.kit.limits import RecipeLimits
-from services.kit.schema import Schema, explain, field_error
+from services.kit.config.limits import RecipeLimits
+from services.kit.config.schema import Schema, explain, field_error
+from services.kit.config.service import ServiceConfig
 
 # Quotas of the built-in admin tenant of `tokens`, and the most any quota may be set to.
 UNLIMITED_RUNS = 1_000_000
@@ -133,7 +133,7 @@ class GatewayConfig(ServiceConfig):
     ["/models"]; empty: any directory the gateway can read. A path that is missing, unreadable,
     outside them or not a model directory gets one and the same answer."""
     recipe_limits: RecipeLimits = RecipeLimits()
-    """What a recipe may ask of this cluster, as JSON overriding the defaults of services.kit.limits.RecipeLimits (e.g.
+    """What a recipe may ask of this cluster, as JSON overriding the defaults of services.kit.config.limits.RecipeLimits (e.g.
     {"max_rollouts_per_step": 4096, "max_world_size": 8, "max_replicas": 16}); a recipe over a limit is
     refused with INVALID_ARGUMENT before its run exists."""
 

@@ -30,7 +30,7 @@ from looprl.common.v1 import common_pb2
 from looprl.environment.v1 import environment_pb2
 from looprl.events.v1 import events_pb2
 from looprl.gateway.v1 import gateway_pb2
-from services.kit.recipe import Recipe, RunRecord, sampling_seed
+from services.kit.config.recipe import Recipe, RunRecord, sampling_seed
 
 log = logging.getLogger("looprl.gateway.evaluation")
 

@@ -1,5 +1,5 @@
 """Parts of a local stack that looprl does not start (`looprl up --use ROLE=HOST:PORT[@IDENTITY]`):
-another implementation of one of its services (any name of services/kit/registry.py but the
+another implementation of one of its services (any name of services/kit/config/registry.py but the
 gateway), or inference engines that serve the recipe's deployment (`inference-engine`).
 
 `up` starts nothing for them. It hands a service's address to its callers (the same variable as for
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.kit import registry
+from services.kit.config import registry
 
 ENGINE = "inference-engine"
 ENGINE_SERVICE = "looprl.inference.v1.InferenceEngineService"
@@ -101,7 +101,7 @@ def router_env(parts: list[ExternalPart], recipe: str | None) -> dict[str, str]:
 def certificate_name(address: str, creds: Any, timeout: float = 3.0) -> str:
     """The common name of the certificate the part at `address` presents to a client of the stack's
     CA (which verifies it); raises OSError/ssl.SSLError when the handshake fails."""
-    from services.kit.tls import certificate_identity
+    from services.kit.rpc.tls import certificate_identity
 
     host, _, port = address.rpartition(":")
     context = ssl.create_default_context(cadata=creds.ca.decode())
@@ -126,7 +126,7 @@ def problems(part: ExternalPart, creds: Any, timeout: float = 3.0) -> list[str]:
     import grpc
 
     from conformance.served import contract_problems
-    from services.kit import tls
+    from services.kit.rpc import tls
 
     if creds is not None:
         try:
@@ -171,7 +171,7 @@ def wait_ready(parts: list[ExternalPart], creds: Any, timeout: float, log=print)
 def register_engines(parts: list[ExternalPart], recipe_path: str, router: Any) -> str:
     """Register the engines as the replicas of the recipe's first deployment; returns its name."""
     from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-    from services.kit.recipe import load_recipe
+    from services.kit.config.recipe import load_recipe
 
     engines = [p for p in parts if p.role == ENGINE]
     spec = load_recipe(recipe_path).deployments[0]

@@ -25,7 +25,7 @@ from gateway.openai_api import TENANT, OpenAIEndpoints, OpenAIError, json_body
 from gateway.servicer import RunManager
 from looprl.gateway.v1 import gateway_pb2
 from looprl.inference.v1 import inference_pb2_grpc
-from services.kit.errors import InvalidArgument, ServiceError
+from services.kit.rpc.errors import InvalidArgument, ServiceError
 from services.modeling.tokenizer import TokenizerCache
 
 log = logging.getLogger("looprl.gateway.http")

@@ -3,7 +3,7 @@ port a process of the stack listens on, on which interface, what it serves and w
 
 The processes are the stack's sessions (`up` starts nats-server, the Ray head and every service each
 in a session of its own; Ray's workers, the replicas and trainer ranks among them, stay in the head's),
-the sockets are read from /proc (services/kit/listeners.py), and each is named from what the stack
+the sockets are read from /proc (services/kit/process/listeners.py), and each is named from what the stack
 knows: its ports in stack.json, the Ray head's fixed ports, the replicas' addresses the router
 reports. A socket none of these explains is listed as "unknown" (tests/e2e/test_stack_doors.py
 fails on one, and checks the table against `ss -ltnp`).
@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 
 from gateway.stack import PUBLIC_SERVICES, StackState
-from services.kit import registry
-from services.kit.listeners import Listener, listeners
-from services.kit.local import RayHead, session_pids
+from services.kit.config import registry
+from services.kit.local.infra import RayHead, session_pids
+from services.kit.process.listeners import Listener, listeners
 
 RAY_GUARD = "Ray token (RAY_AUTH_MODE=token: Ray checks it on its RPC and HTTP entry points)"
 RAY_WORKER_PORTS = range(10002, 20000)  # Ray's default worker port range (drivers' ports among them)
@@ -60,13 +60,13 @@ def _classify(state: StackState, part: str, listener: Listener, replicas: dict[i
     """(what listens, what guards it) for one listening socket of the stack."""
     port, mtls = (
         listener.port,
-        "mutual TLS (the stack's CA) + the authorization table (services/kit/authz.py)",
+        "mutual TLS (the stack's CA) + the authorization table (services/kit/rpc/authz.py)",
     )
     metrics = "none: read-only metrics, no secrets; reachable where it is bound"
     if part == "nats-server" and port == state.nats_port:
         return (
             "NATS client port (JetStream)",
-            "a NATS user and password per service (services/kit/nats_auth.py)",
+            "a NATS user and password per service (services/kit/bus/nats_auth.py)",
         )
     if part in registry.NAMES:
         svc, spec = state.service(part), registry.service(part)

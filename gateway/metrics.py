@@ -1,4 +1,4 @@
-"""Prometheus metrics of the gateway (names: services/kit/metric_names.py): HTTP and
+"""Prometheus metrics of the gateway (names: services/kit/telemetry/metrics.py): HTTP and
 OpenAI-compatible traffic by route and status, and the runs of the stack by state.
 
 `http_metrics` is the outermost aiohttp middleware, so it sees the status the client gets (after
@@ -17,7 +17,7 @@ from aiohttp import web
 
 from gateway.run_store import LAST_EVALUATION_KEY
 from gateway.stalls import STALLED_KEY
-from services.kit.metric_names import counter, gauge, histogram, observe
+from services.kit.telemetry.metrics import counter, gauge, histogram, observe
 
 log = logging.getLogger("looprl.gateway.metrics")
 

@@ -57,9 +57,9 @@ from gateway.run_store import ACTIVE
 from gateway.servicer import RunManager
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.kit.errors import FailedPrecondition, InvalidArgument, Unavailable
-from services.kit.limits import INT32_MAX
-from services.kit.recipe import RecipeError
+from services.kit.config.limits import INT32_MAX
+from services.kit.config.recipe import RecipeError
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.modeling.tokenizer import Tokenizer, TokenizerCache
 
 DEPLOYMENTS_TTL_S = 5.0

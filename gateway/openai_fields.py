@@ -4,7 +4,7 @@ A field is either served (SERVED: the endpoint reads it and does what OpenAI doc
 unserved: accepted only at a value that asks for nothing looprl does not do (its neutral value,
 e.g. `presence_penalty: 0`, `response_format: {"type": "text"}`, `store: false`) and refused
 otherwise with a 400 naming the field and saying why. A field of neither kind is refused as
-unknown. Nothing is silently ignored. tests/integration/test_gateway_openai.py sends every field of
+unknown. Nothing is silently ignored. tests/integration/gateway/test_gateway_openai.py sends every field of
 the official `openai` client's request types, read from the installed package, so a field the
 client gains fails that test until it has a row here.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.kit.errors import InvalidArgument
+from services.kit.rpc.errors import InvalidArgument
 
 log = logging.getLogger("looprl.gateway.openai")
 

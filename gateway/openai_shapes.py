@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.openai_tools import NO_TOOLS, ToolUse, assistant_tool_calls
-from services.kit.errors import InvalidArgument
-from services.kit.limits import INT32_MAX, INT64_MAX
+from services.kit.config.limits import INT32_MAX, INT64_MAX
+from services.kit.rpc.errors import InvalidArgument
 from services.modeling.tokenizer import Tokenizer
 
 # The request fields forwarded as SamplingParams: (kind, default, smallest, largest); a str largest

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from services.kit.errors import InvalidArgument
+from services.kit.rpc.errors import InvalidArgument
 from services.modeling.tool_calls import TOOL_CALL_START, ToolSchemaError, normalize_tools, openai_tool_calls
 
 MAX_TOOLS = 128  # OpenAI's limit

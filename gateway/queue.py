@@ -33,8 +33,8 @@ import grpc
 from gateway.admission import Demand, concurrency_reason
 from gateway.config import Tenant
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.kit.errors import Unavailable
-from services.kit.recipe import RunRecord
+from services.kit.config.recipe import RunRecord
+from services.kit.rpc.errors import Unavailable
 
 log = logging.getLogger("looprl.gateway.queue")
 

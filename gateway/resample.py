@@ -2,7 +2,7 @@
 
 The packer records each group it drops whole (all rewards equal under `filter_equal_rewards`, as
 DAPO's dynamic sampling; too stale under `max_staleness`; a straggler) against the step that was
-filling, before acking its rollouts (services/kit/packer_reports.py). The run's driver feeds one
+filling, before acking its rollouts (services/kit/messages/packer_reports.py). The run's driver feeds one
 replacement group per drop, so the packer still finds `groups_per_step` groups for every step, up to
 `batch.max_resample_batches` steps' worth per step; a step that needs more fails the run with why
 its groups were dropped, instead of leaving it to wait for groups that never come.
@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from services.kit.packer_reports import GroupDrop
-from services.kit.recipe import Recipe
+from services.kit.config.recipe import Recipe
+from services.kit.messages.packer_reports import GroupDrop
 
 # RunRecord.extra key: how many replacement groups the run was fed.
 RESAMPLED_KEY = "resampled_groups"

@@ -30,8 +30,8 @@ from typing import Any, Protocol
 from gateway.progress import STATE_NAMES
 from gateway.report import samples_markdown, scalars
 from looprl.gateway.v1 import gateway_pb2
-from services.kit.limits import RecipeLimits
-from services.kit.recipe import LoggingSection, RecipeError, parse_recipe
+from services.kit.config.limits import RecipeLimits
+from services.kit.config.recipe import LoggingSection, RecipeError, parse_recipe
 
 STATE_FILE = "logged.json"
 TENSORBOARD_DIR = "tensorboard"

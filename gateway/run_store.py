@@ -9,8 +9,8 @@ import json
 import re
 import uuid
 
-from services.kit.kv import KV, KVConflict
-from services.kit.recipe import RunRecord
+from services.kit.bus.kv import KV, KVConflict
+from services.kit.config.recipe import RunRecord
 
 # Started and not ended: a driver feeds them. A "queued" run (gateway/queue.py) is neither.
 ACTIVE = ("pending", "running")

@@ -40,11 +40,13 @@ from looprl.common.v1 import common_pb2
 from looprl.environment.v1 import environment_pb2_grpc
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
-from services.kit import packer_reports, subjects, telemetry, trainer_epochs
-from services.kit.bus import BUS_UNAVAILABLE, Bus
-from services.kit.bus_consumer import Consumer, Delivery
-from services.kit.kv import KV
-from services.kit.recipe import Recipe, RunRecord, sampling_seed
+from services.kit.bus import subjects
+from services.kit.bus.client import BUS_UNAVAILABLE, Bus
+from services.kit.bus.consumer import Consumer, Delivery
+from services.kit.bus.kv import KV
+from services.kit.config.recipe import Recipe, RunRecord, sampling_seed
+from services.kit.messages import packer_reports, trainer_epochs
+from services.kit.telemetry import tracing as telemetry
 
 # Steps fed before their weight version exists. Their episodes wait at the router (bounded by its
 # version_wait_s; past it they are redelivered) and start the moment the version lands, instead of

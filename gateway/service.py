@@ -21,11 +21,11 @@ from looprl.gateway.v1 import gateway_pb2_grpc
 from looprl.inference.v1 import inference_pb2_grpc
 from looprl.packer.v1 import packer_pb2_grpc
 from looprl.reward.v1 import reward_pb2_grpc
-from services.kit import subjects
-from services.kit.bus import Bus
-from services.kit.config import bus_url
-from services.kit.local import free_port
-from services.kit.server import Service, open_channel
+from services.kit.bus import subjects
+from services.kit.bus.client import Bus
+from services.kit.config.service import bus_url
+from services.kit.local.infra import free_port
+from services.kit.rpc.server import Service, open_channel
 from services.modeling.tokenizer import TokenizerCache
 
 

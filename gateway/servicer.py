@@ -20,9 +20,11 @@ from gateway.runs import RUN_TRACE_KEY, RunDriver
 from gateway.stalls import LAST_ERROR_KEY, STALLED_KEY
 from gateway.task_code import DATASET_KEY, load_task_code
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.kit import subjects, telemetry
-from services.kit.bus import Bus
-from services.kit.errors import (
+from services.kit.bus import subjects
+from services.kit.bus.client import Bus
+from services.kit.config.limits import RecipeLimits
+from services.kit.config.recipe import RecipeError, RunRecord, parse_recipe
+from services.kit.rpc.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -30,8 +32,7 @@ from services.kit.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.kit.limits import RecipeLimits
-from services.kit.recipe import RecipeError, RunRecord, parse_recipe
+from services.kit.telemetry import tracing as telemetry
 
 log = logging.getLogger("looprl.gateway")
 
@@ -51,7 +52,7 @@ STATES = {
 }
 
 
-# The fields of a samples row (services/kit/packer_reports.py) that a SampleCompletion holds.
+# The fields of a samples row (services/kit/messages/packer_reports.py) that a SampleCompletion holds.
 SAMPLE_FIELDS = tuple(gateway_pb2.SampleCompletion.DESCRIPTOR.fields_by_name)
 
 

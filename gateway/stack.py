@@ -2,7 +2,7 @@
 its own OS process (own log file, own process group), with their ports and pids recorded in
 <state_dir>/stack.json so a later `looprl down` stops exactly what `up` started.
 `up` also issues the stack's development CA and one certificate per service into <state_dir>/tls
-(services/kit/tls.py): every service serves and calls with mutual TLS; the CLI is `operator`.
+(services/kit/rpc/tls.py): every service serves and calls with mutual TLS; the CLI is `operator`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import external
-from services.kit import nats_auth, registry, tls
-from services.kit.local import (
+from services.kit.bus import nats_auth
+from services.kit.config import registry
+from services.kit.local.infra import (
     RAY_GRACE_S,
     RAY_VARIABLES,
     USER_TOKEN_VARIABLES,
@@ -43,6 +44,7 @@ from services.kit.local import (
     stop_pid_group,
     stop_session,
 )
+from services.kit.rpc import tls
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,7 +90,7 @@ class StackState:
     cluster's address and token and the users' tokens are not in it: `service_environment` gives
     them to the services that need them only."""
     nats_passwords: dict[str, str] = field(default_factory=dict)
-    """Each service's NATS password (and the operator's), from kit/nats_auth.py."""
+    """Each service's NATS password (and the operator's), from kit/bus/nats_auth.py."""
     host: str = "127.0.0.1"
     """The address every process of the stack listens on (see `up`)."""
     ray_resources: dict[str, float] = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """Runs that say what is wrong: the errors components report for a run, and the stall watch.
 
-Components publish RunError on `looprl.<run>.events` (services/kit/run_errors.py); the run's
+Components publish RunError on `looprl.<run>.events` (services/kit/messages/run_errors.py); the run's
 driver keeps the last one in the record (`extra["last_error"]`). A running run that trains no
 step, feeds no step and receives no weight version for its recipe's `run.stall_seconds` is marked
 stalled (`extra["stalled"]`: why, naming the last error reported since it last progressed); the
@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from gateway.run_store import ACTIVE
 from looprl.events.v1 import events_pb2
-from services.kit import subjects
-from services.kit.bus import Bus
-from services.kit.recipe import RunRecord
+from services.kit.bus import subjects
+from services.kit.bus.client import Bus
+from services.kit.config.recipe import RunRecord
 
 LAST_ERROR_KEY = "last_error"
 STALLED_KEY = "stalled"

@@ -23,8 +23,8 @@ import grpc
 
 from looprl.environment.v1 import environment_pb2
 from looprl.reward.v1 import reward_pb2
-from services.kit.errors import FailedPrecondition, InvalidArgument
-from services.kit.recipe import Recipe
+from services.kit.config.recipe import Recipe
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument
 
 # RunRecord.extra keys: the dataset section as episode tasks carry it, and what the sandbox counted.
 DATASET_JSON_KEY = "dataset_json"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.kit.local import NatsServer, RayHead, free_port
+from services.kit.local.infra import NatsServer, RayHead, free_port
 
 # Ray reads its auth settings when it is first imported, which may happen while test modules are
 # collected, before any fixture runs: fix the session's token now, for the head and every client.
@@ -92,7 +92,7 @@ def ray_client(ray_head: RayHead) -> Iterator[None]:
 
 
 def _free(port: int) -> bool:
-    from services.kit.local import port_is_free
+    from services.kit.local.infra import port_is_free
 
     return port_is_free(port)
 

@@ -144,7 +144,7 @@ def render() -> str:
         "",
         "`--tls-dir` is a directory laid out as `looprl certs DIR` writes it (`ca.crt`, and",
         "`<identity>.crt`/`.key` per identity): each RPC is called as an identity",
-        "`services/kit/authz.py` allows to call it, and the authorization cases call as one it does",
+        "`services/kit/rpc/authz.py` allows to call it, and the authorization cases call as one it does",
         "not. `--ca/--cert/--key` give one identity instead; `--insecure` checks a plaintext server",
         "(the TLS and authorization cases are skipped). Without `--address` the local stack's",
         "service is checked with the stack's certificates. Cases run in the order below and share",

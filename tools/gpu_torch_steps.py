@@ -87,7 +87,7 @@ def _loss_settings() -> Any:
     from services.trainer.step import StepSettings
 
     try:
-        from services.kit.recipe import AlgorithmSection
+        from services.kit.config.recipe import AlgorithmSection
 
         loss: Any = AlgorithmSection()
     except ImportError:

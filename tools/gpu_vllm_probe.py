@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from services.inference_router.engine.base import EngineRequest, SamplingParams
-from services.kit.recipe import DeploymentSpec
+from services.kit.config.recipe import DeploymentSpec
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
 from services.modeling.logprobs import token_logprobs

@@ -63,7 +63,7 @@ def receiver_main(config_json: str, device: str) -> None:
 def _transport(device: str) -> Any:
     """The transport under test, talking over a plain channel when the tracing interceptors cannot be
     imported (a bare CUDA image has no OpenTelemetry)."""
-    from services.kit import tls
+    from services.kit.rpc import tls
     from services.weight_sync.transport.gpu import CudaIpcTransport
     from services.weight_sync.transport.grpc_stream import GrpcTransport
 
@@ -85,7 +85,7 @@ def _transport(device: str) -> Any:
 
 
 def section_transport(device: str, cpu_mode: bool) -> dict[str, Any]:
-    from services.kit import tls
+    from services.kit.rpc import tls
     from services.modeling.layouts import Layout
     from services.modeling.qwen2 import Qwen2ForCausalLM
     from services.trainer.shards import push_requests

@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 async def _serve(host: str, address_file: str, config_json: str) -> None:
-    from services.kit.hosts import host_identity
+    from services.kit.process.hosts import host_identity
     from services.modeling.config import ModelConfig
     from services.modeling.layouts import Layout, rank_params
     from services.weights import WeightOnlyEngine, WeightStager, serve_engine

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.kit import tls
-from services.kit.local import free_port, stop_process_group
+from services.kit.local.infra import free_port, stop_process_group
+from services.kit.rpc import tls
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # bench/harness/ -> the repository
 

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.stack import StackState
 from looprl.gateway.v1 import gateway_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2
-from services.kit.local import _bin
+from services.kit.local.infra import _bin
 from services.modeling.config import ModelConfig
 
 PY = sys.executable

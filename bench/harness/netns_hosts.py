@@ -191,7 +191,7 @@ class NamespaceHosts:
             _ip("-n", host.netns, "link", "set", "eth0", "up")
             _ip("-n", host.netns, "link", "set", "lo", "up")
             # On-link default route: a service bound to 0.0.0.0 finds eth0 as its primary address
-            # (services/kit/hosts.py), and nothing is forwarded anywhere.
+            # (services/kit/process/hosts.py), and nothing is forwarded anywhere.
             _ip("-n", host.netns, "route", "add", "default", "dev", "eth0")
         if self.controller:
             self.controller_address = str(addresses[0])

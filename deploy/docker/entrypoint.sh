@@ -33,7 +33,7 @@ join_ray() {
   done
 }
 
-# A service whose Ray head is lost exits 75 (services/kit/ray_head.py): this node then leaves the
+# A service whose Ray head is lost exits 75 (services/kit/ray/head_loss.py): this node then leaves the
 # old cluster, joins the new head once it is up, and starts the service again, which resumes
 # from its state (checkpoints, KV) as after any restart.
 export LOOPRL_ON_RAY_HEAD_LOSS=exit

@@ -29,7 +29,7 @@ COPY services ./services
 COPY gateway ./gateway
 COPY bench ./bench
 RUN pip install --no-deps . \
- && python -c "import services.kit.server, services.inference_router.config"
+ && python -c "import services.kit.rpc.server, services.inference_router.config"
 
 FROM ${PYTHON_IMAGE} AS runtime
 RUN apt-get update \

@@ -39,7 +39,7 @@ from looprl.inference.v1 import inference_pb2 as pb
 from looprl.inference.v1 import inference_pb2_grpc
 
 SERVICE = "looprl.inference.v1.InferenceEngineService"
-# Who may call what (the contract's callers: looprl's table is services/kit/authz.py).
+# Who may call what (the contract's callers: looprl's table is services/kit/rpc/authz.py).
 CALLERS = {
     "Generate": {"inference-router"},
     "Status": {"inference-router", "weight-sync", "operator"},

@@ -22,7 +22,7 @@ const MAX_COMPLETION_CHARS = 1 << 20;
 const MAX_BATCH = 1024;
 const LENGTH_BONUS = 0.1;
 
-// Who may call what (looprl's table is services/kit/authz.py; health and reflection are open to
+// Who may call what (looprl's table is services/kit/rpc/authz.py; health and reflection are open to
 // any certificate of the CA, the handshake having checked it).
 const CALLERS = {
   Score: ['environment-sandbox'],

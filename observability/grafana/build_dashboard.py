@@ -6,7 +6,7 @@ observability/grafana/provisioning/datasources/datasources.yaml ("prometheus", "
 Rows: the run (reward, loss, tokens/s, staleness, versions per deployment), then one row per
 service, then traces. Panels link to the service's traces in Tempo. tests/unit/deploy checks the
 committed JSON is what this script writes, that it refers only to provisioned uids and that every
-metric it queries is in services/kit/metric_names.py; tests/e2e/test_metrics_scrape.py checks every
+metric it queries is in services/kit/telemetry/metrics.py; tests/e2e/test_metrics_scrape.py checks every
 query returns a series from a live stack. Regenerate after an edit:
 
     .venv/bin/python observability/grafana/build_dashboard.py

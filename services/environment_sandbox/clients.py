@@ -158,7 +158,7 @@ class RewardClient(Scorer):
 
     async def _send_traced(self, batch: list[tuple[Any, asyncio.Future]], callers: list[Any]) -> None:
         """_send inside a span of the first caller's episode, linked to every other caller's."""
-        from services.kit import telemetry
+        from services.kit.telemetry import tracing as telemetry
 
         first = trace.set_span_in_context(trace.NonRecordingSpan(callers[0])) if callers else None
         links, dropped = telemetry.links(callers[1:])

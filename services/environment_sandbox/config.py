@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from services.environment_sandbox.ratelimit import Limit, LimitError, parse_limits
-from services.kit.config import ServiceConfig
-from services.kit.schema import Schema, field_error
+from services.kit.config.schema import Schema, field_error
+from services.kit.config.service import ServiceConfig
 
 IsolationMechanism = Literal[
     "netns", "pidns", "mountns", "ipcns", "utsns", "cgroupns", "rootfs", "cgroup", "seccomp"

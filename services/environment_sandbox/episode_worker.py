@@ -1,6 +1,6 @@
 """The episode work-queue consumer: pulls EpisodeTasks from a run's EPISODES work queue, runs them
 through the EpisodeRunner (bounded concurrency), publishes the task's rollouts as one RolloutGroup
-message (kit/rollout_messages.py; its id follows from the rollout ids, so a redelivered task is
+message (kit/messages/rollouts.py; its id follows from the rollout ids, so a redelivered task is
 deduplicated) and only then acks the task; in_progress heartbeats keep long
 episodes from being redelivered, and bad tasks are terminated with their reason.
 
@@ -21,10 +21,10 @@ from services.environment_sandbox.agent_loop import EpisodeRunner
 from services.environment_sandbox.clients import CURRENT_RUN
 from services.environment_sandbox.config import WorkerConfig
 from services.environment_sandbox.environments import EnvironmentError_, PluginFailure
-from services.kit.run_errors import describe
+from services.kit.messages.run_errors import describe
 
 if TYPE_CHECKING:
-    from services.kit.bus import Bus
+    from services.kit.bus.client import Bus
 
 log = logging.getLogger("looprl.environment_sandbox.worker")
 
@@ -38,7 +38,7 @@ class EpisodeWorker:
         filter_subject: str | None = None,
         reporter: Any = None,
     ) -> None:
-        from services.kit import subjects
+        from services.kit.bus import subjects
 
         self.bus = bus
         self.runner = runner
@@ -54,7 +54,7 @@ class EpisodeWorker:
         self._crash_after_publish = os.environ.get("LOOPRL_TEST_CRASH_AFTER_PUBLISH") == "1"
 
     async def run(self) -> None:
-        from services.kit import subjects
+        from services.kit.bus import subjects
 
         consumer = await self.bus.pull_consumer(
             subjects.EPISODES,
@@ -98,8 +98,10 @@ class EpisodeWorker:
             heartbeat.cancel()
 
     async def _episode(self, delivery: Any, span: Any) -> None:
-        from services.kit import rollout_messages, subjects, telemetry
-        from services.kit.bus import PoisonMessage
+        from services.kit.bus import subjects
+        from services.kit.bus.client import PoisonMessage
+        from services.kit.messages import rollouts as rollout_messages
+        from services.kit.telemetry import tracing as telemetry
 
         try:
             task = delivery.parse(events_pb2.EpisodeTask)
@@ -170,7 +172,7 @@ class EpisodeWorker:
         await delivery.ack(confirm=False)
 
     async def _report(self, delivery: Any, message: str, fatal: bool = False) -> None:
-        from services.kit import subjects
+        from services.kit.bus import subjects
 
         if self.reporter is None:
             return

@@ -29,9 +29,9 @@ from services.environment_sandbox.environments import (
 )
 from services.environment_sandbox.environments.base import parse_config
 from services.environment_sandbox.environments.datasets import load_jsonl
-from services.kit import plugins
-from services.kit.recipe import DatasetSection
-from services.kit.schema import explain
+from services.kit.config.recipe import DatasetSection
+from services.kit.config.schema import explain
+from services.kit.usercode import plugins
 
 SPLITS = ("train", "eval")
 ROLES = ("system", "user", "assistant", "tool")

@@ -8,7 +8,7 @@ import logging
 import os
 
 from services.environment_sandbox.config import EnvServiceConfig
-from services.kit.config import bus_url
+from services.kit.config.service import bus_url
 
 log = logging.getLogger("looprl.environment_sandbox")
 RAY_NAMESPACE = "environment-sandbox"
@@ -27,9 +27,9 @@ async def serve(cfg: EnvServiceConfig) -> None:
     from services.environment_sandbox.run_dataset import DatasetCache
     from services.environment_sandbox.sandbox import SandboxPool, SandboxUnavailable
     from services.environment_sandbox.servicer import EnvironmentSandboxServicer
-    from services.kit.plugins import plugin_dirs_from
-    from services.kit.ray_utils import connect_ray
-    from services.kit.server import Service, open_channel
+    from services.kit.ray.cluster import connect_ray
+    from services.kit.rpc.server import Service, open_channel
+    from services.kit.usercode.plugins import plugin_dirs_from
     from services.modeling.tokenizer import TokenizerCache
 
     if cfg.sandbox_backend == "ray" or cfg.rate_limiter == "ray":
@@ -87,8 +87,8 @@ async def serve(cfg: EnvServiceConfig) -> None:
             # the reason (also in ListEnvironments), environments that run no code keep working.
             pass
         if runner is not None and cfg.consume_episodes:
-            from services.kit.bus import Bus
-            from services.kit.run_errors import RunErrorReporter
+            from services.kit.bus.client import Bus
+            from services.kit.messages.run_errors import RunErrorReporter
 
             bus = await Bus.connect(bus_url(cfg), name="environment-sandbox")
             await bus.ensure_streams()

@@ -40,8 +40,8 @@ from services.environment_sandbox.sandbox.job import (
     SandboxUnavailable,
     validate_files,
 )
-from services.kit import plugins
-from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
+from services.kit.usercode import plugins
 from services.modeling.tokenizer import TokenizerCache
 
 # A plugin environment that does not import in this long is refused (LoadEnvironment), within the

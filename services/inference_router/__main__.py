@@ -1,4 +1,4 @@
-"""`python -m services.inference_router`: the inference-router service (see services/kit/registry.py; --help lists its settings)."""
+"""`python -m services.inference_router`: the inference-router service (see services/kit/config/registry.py; --help lists its settings)."""
 
 import sys
 

@@ -20,7 +20,7 @@ import torch
 
 from services.inference_router.engine.base import EngineStatus
 from services.inference_router.weights import LocalWeights
-from services.kit import errors
+from services.kit.rpc import errors
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.weights.stager import WeightStager

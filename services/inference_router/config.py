@@ -1,6 +1,6 @@
 """Configuration of the inference-router service (env vars LOOPRL_INFERENCE_ROUTER_<FIELD>).
 
-Deployments are the run recipe's [[deployments]] tables (services/kit/recipe.py DeploymentSpec),
+Deployments are the run recipe's [[deployments]] tables (services/kit/config/recipe.py DeploymentSpec),
 from a recipe file or inline as a JSON list of the same tables.
 Imports nothing heavy: __main__ parses this before torch or Ray are loaded.
 """
@@ -11,9 +11,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.kit.config import ServiceConfig
-from services.kit.recipe import DeploymentSpec, RecipeError, load_recipe
-from services.kit.schema import field_error
+from services.kit.config.recipe import DeploymentSpec, RecipeError, load_recipe
+from services.kit.config.schema import field_error
+from services.kit.config.service import ServiceConfig
 
 
 class RouterConfig(ServiceConfig):

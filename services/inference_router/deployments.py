@@ -38,11 +38,12 @@ from services.inference_router.router import Router
 from services.inference_router.shared import SharedPool, shared_name
 from services.inference_router.split_tuning import SplitTuning
 from services.inference_router.sync_link import WeightSyncLink
-from services.kit import errors, telemetry, tls
-from services.kit.recipe import DeploymentSpec
+from services.kit.config.recipe import DeploymentSpec
+from services.kit.rpc import errors, tls
+from services.kit.telemetry import tracing as telemetry
 
 if TYPE_CHECKING:
-    from services.kit.bus import Bus
+    from services.kit.bus.client import Bus
 
 log = logging.getLogger("looprl.inference_router.deployments")
 

@@ -17,7 +17,8 @@ import grpc
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.replica_status import ReplicaStatus
-from services.kit import errors, telemetry
+from services.kit.rpc import errors
+from services.kit.telemetry import tracing as telemetry
 
 # Engine answers that say the request is at fault: passed through to the caller, never retried.
 _CALLER_FAULT = {
@@ -144,7 +145,7 @@ class GrpcReplicaHandle:
     """An external deployment's server (InferenceEngineService), e.g. a vLLM server with our shim."""
 
     def __init__(self, name: str, address: str, max_message_bytes: int = 64 * 1024 * 1024) -> None:
-        from services.kit.server import open_channel
+        from services.kit.rpc.server import open_channel
 
         self.name = name
         self.address = address

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the router, per deployment and per replica (names: services/kit/metric_names.py).
+"""Prometheus metrics of the router, per deployment and per replica (names: services/kit/telemetry/metrics.py).
 
 Defined once per process (the registry is global); every Router instance in the process shares them.
 `init_deployment` creates every labelled series of a deployment at zero when it is added, so a
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from services.decisions.pd_ratio import REASONS as SPLIT_REASONS
 from services.inference_router import policies
-from services.kit.metric_names import counter, gauge, histogram
+from services.kit.telemetry.metrics import counter, gauge, histogram
 
 REQUESTS = counter("looprl_router_requests_total")
 TOKENS = counter("looprl_router_tokens_total")  # kind: prompt | completion

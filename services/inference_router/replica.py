@@ -54,10 +54,12 @@ from services.inference_router.replica_kv import COMMIT_WAIT_S, WorkerKV, fetch_
 from services.inference_router.replica_server import ReplicaServer
 from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.weights import LocalWeights, RankStagedWeights, TPGroupWeights, WeightLifecycle
-from services.kit import errors, gc_freeze, telemetry, tls
-from services.kit.hosts import host_identity
-from services.kit.interceptors import ServerInterceptor
-from services.kit.recipe import DeploymentSpec
+from services.kit.config.recipe import DeploymentSpec
+from services.kit.process import gc_freeze
+from services.kit.process.hosts import host_identity
+from services.kit.rpc import errors, tls
+from services.kit.rpc.interceptors import ServerInterceptor
+from services.kit.telemetry import tracing as telemetry
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.weights import add_engine_servicer
@@ -85,7 +87,7 @@ def _bind_host(host: str) -> str:
 
     if ray.is_initialized():
         return ray.util.get_node_ip_address()
-    from services.kit.hosts import primary_address
+    from services.kit.process.hosts import primary_address
 
     return primary_address()
 
@@ -127,7 +129,7 @@ class ReplicaCore:
         # Spans of this replica (its gRPC server, generation over Ray) go where the router's go.
         telemetry.setup_from_settings("inference-replica", tracing)
         if tls_credentials is not None:
-            # The router's identity (services/kit/tls.py): weight-sync and the router verify it.
+            # The router's identity (services/kit/rpc/tls.py): weight-sync and the router verify it.
             tls.adopt(tls_credentials)
         self.spec = spec or DeploymentSpec()
         self.layout = serving_layout(self.spec)

@@ -22,7 +22,7 @@ from services.inference_router.handles import ReplicaFailure, ReplicaHandle
 from services.inference_router.policies import DeploymentState, ReplicaState, RoutingPolicy
 from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.split_tuning import SplitTuning
-from services.kit import errors
+from services.kit.rpc import errors
 
 log = logging.getLogger("looprl.inference_router")
 

@@ -40,9 +40,9 @@ from services.inference_router.engine.kv_transfer import (
     decode,
     take_local,
 )
-from services.kit import errors
-from services.kit.hosts import host_identity
-from services.kit.recipe import DisaggregationSection
+from services.kit.config.recipe import DisaggregationSection
+from services.kit.process.hosts import host_identity
+from services.kit.rpc import errors
 
 log = logging.getLogger("looprl.inference_router.replica")
 
@@ -190,7 +190,7 @@ class WorkerKV:
             raise KVUnavailable("no remote_address to fetch the KV from")
         stub = self._stubs.get(address)
         if stub is None:
-            from services.kit.server import open_channel
+            from services.kit.rpc.server import open_channel
 
             channel = open_channel(address, self.max_message_bytes)
             self._channels.append(channel)

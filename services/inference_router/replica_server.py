@@ -20,8 +20,8 @@ from grpc_reflection.v1alpha import reflection
 
 from looprl.inference.v1 import inference_pb2
 from services.inference_router.replica_status import ReplicaStatus
-from services.kit.metric_names import gauge
-from services.kit.server import start_metrics_server
+from services.kit.rpc.server import start_metrics_server
+from services.kit.telemetry.metrics import gauge
 
 ENGINE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceEngineService"].full_name
 

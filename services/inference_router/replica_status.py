@@ -21,7 +21,7 @@ class ReplicaStatus:
     rank_addresses: list[str] = field(default_factory=list)
     """Where weight-sync delivers each TP rank's weights (one server serves every rank today)."""
     host_id: str = ""
-    """services/kit/hosts.py's identity of the host and shared-memory namespace it runs in."""
+    """services/kit/process/hosts.py's identity of the host and shared-memory namespace it runs in."""
     backend: str = ""
     tensor_parallel: int = 1
     layout: str = ""

@@ -46,8 +46,9 @@ from services.inference_router.replica_health import ReplicaHealth
 from services.inference_router.run_scope import RunScope
 from services.inference_router.split_tuning import SplitTuning, export_roles
 from services.inference_router.two_phase import count_handoff, with_prefilled_kv
-from services.kit import errors, telemetry
-from services.kit.metric_names import observe
+from services.kit.rpc import errors
+from services.kit.telemetry import tracing as telemetry
+from services.kit.telemetry.metrics import observe
 
 log = logging.getLogger("looprl.inference_router")
 

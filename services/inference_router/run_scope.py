@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from services.inference_router.policies import DeploymentState
-from services.kit.errors import InvalidArgument
-from services.kit.recipe import run_deployment_name
+from services.kit.config.recipe import run_deployment_name
+from services.kit.rpc.errors import InvalidArgument
 
 
 class RunScope:

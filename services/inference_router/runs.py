@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from services.inference_router.deployments import DeploymentManager, replica_name
 from services.inference_router.router import Router
-from services.kit import subjects
-from services.kit.recipe import DeploymentSpec, ModelSection, RunRecord, run_deployment_name
-from services.kit.run_errors import describe
+from services.kit.bus import subjects
+from services.kit.config.recipe import DeploymentSpec, ModelSection, RunRecord, run_deployment_name
+from services.kit.messages.run_errors import describe
 
 if TYPE_CHECKING:
-    from services.kit.bus import Bus
+    from services.kit.bus.client import Bus
 
 log = logging.getLogger("looprl.inference_router.runs")
 
@@ -83,7 +83,7 @@ class RunDeployments:
         self._watch_task = asyncio.create_task(self._follow(bus), name="router-runs-watch")
 
     async def _follow(self, bus: Bus) -> None:
-        from services.kit.bus import BusError
+        from services.kit.bus.client import BusError
 
         while True:
             try:

@@ -8,7 +8,7 @@ import asyncio
 import logging
 
 from services.inference_router.config import RouterConfig
-from services.kit.config import bus_url
+from services.kit.config.service import bus_url
 
 log = logging.getLogger("looprl.inference_router")
 
@@ -26,8 +26,8 @@ async def serve(cfg: RouterConfig) -> None:
     from services.inference_router.deployments import DeploymentManager
     from services.inference_router.runs import RunDeployments
     from services.inference_router.servicer import InferenceRouterServicer
-    from services.kit.ray_utils import connect_ray
-    from services.kit.server import Service
+    from services.kit.ray.cluster import connect_ray
+    from services.kit.rpc.server import Service
 
     router = build_router(cfg)
     manager = DeploymentManager(router, cfg)
@@ -53,7 +53,7 @@ async def serve(cfg: RouterConfig) -> None:
         router.start_polling()
 
         async def follow() -> None:
-            from services.kit.run_errors import RunErrorReporter
+            from services.kit.messages.run_errors import RunErrorReporter
 
             try:
                 bus = await manager.follow_weight_events(bus_url(cfg))

@@ -17,7 +17,7 @@ import grpc
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.deployments import DeploymentManager
 from services.inference_router.router import Router
-from services.kit.errors import InvalidArgument, Unavailable
+from services.kit.rpc.errors import InvalidArgument, Unavailable
 
 # Group sampling beyond this is almost certainly a mistake and would pin a replica for long.
 MAX_N = 256
@@ -58,7 +58,7 @@ class InferenceRouterServicer(inference_pb2_grpc.InferenceRouterServiceServicer)
     async def GetClusterResources(
         self, request: inference_pb2.GetClusterResourcesRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GetClusterResourcesResponse:
-        from services.kit.ray_utils import cluster_resources, connect_ray
+        from services.kit.ray.cluster import cluster_resources, connect_ray
 
         cfg = self.router.config
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.kit import errors
-from services.kit.recipe import DeploymentSpec
+from services.kit.config.recipe import DeploymentSpec
+from services.kit.rpc import errors
 
 SHARED_PREFIX = "shared/"
 

@@ -42,7 +42,7 @@ from services.decisions.pd_ratio import (
 )
 from services.inference_router import metrics
 from services.inference_router.policies import ROLE_DECODE, ROLE_PREFILL, DeploymentState
-from services.kit.recipe import DisaggregationSection
+from services.kit.config.recipe import DisaggregationSection
 
 log = logging.getLogger("looprl.inference_router.split")
 

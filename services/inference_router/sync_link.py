@@ -28,11 +28,11 @@ from looprl.events.v1 import events_pb2
 from services.inference_router.config import RouterConfig
 from services.inference_router.policies import DeploymentState, ReplicaState
 from services.inference_router.router import Router
-from services.kit import errors
-from services.kit.recipe import DeploymentSpec
+from services.kit.config.recipe import DeploymentSpec
+from services.kit.rpc import errors
 
 if TYPE_CHECKING:
-    from services.kit.bus import Bus
+    from services.kit.bus.client import Bus
 
 log = logging.getLogger("looprl.inference_router.deployments")
 
@@ -179,7 +179,7 @@ class WeightSyncLink:
     def _weight_sync_stub(self) -> Any:
         if self._weight_sync is None:
             from looprl.weightsync.v1 import weightsync_pb2_grpc
-            from services.kit.server import open_channel
+            from services.kit.rpc.server import open_channel
 
             self._weight_sync = weightsync_pb2_grpc.WeightSyncServiceStub(
                 open_channel(self.config.weight_sync_address, self.config.max_message_bytes)
@@ -258,8 +258,8 @@ class WeightSyncLink:
     async def follow_weight_events(self, nats_url: str) -> Any:
         """weights.published wakes the router (re-poll at once) and records the announced version;
         returns the bus connection."""
-        from services.kit import subjects
-        from services.kit.bus import Bus
+        from services.kit.bus import subjects
+        from services.kit.bus.client import Bus
 
         self._bus = await Bus.connect(nats_url, name="inference-router")
         # Every run's events when deployments are started per run: each names its run's replicas.
@@ -303,7 +303,7 @@ class WeightSyncLink:
 
 
 def _run_of(subject: str) -> str:
-    from services.kit import subjects
+    from services.kit.bus import subjects
 
     try:
         return subjects.run_of(subject)

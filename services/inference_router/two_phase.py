@@ -30,7 +30,7 @@ from services.inference_router import metrics
 from services.inference_router.config import RouterConfig
 from services.inference_router.handles import ReplicaFailure, ReplicaHandle
 from services.inference_router.policies import ROLE_PREFILL, DeploymentState, ReplicaState
-from services.kit.metric_names import observe
+from services.kit.telemetry.metrics import observe
 
 
 class Router(Protocol):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from looprl.inference.v1 import inference_pb2
-from services.kit import errors
+from services.kit.rpc import errors
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
 from services.weights.stager import WeightStager

@@ -2,7 +2,7 @@
 milliseconds, before torch or Ray are imported), then import the service and serve.
 
 Every service's __main__.py is `sys.exit(run_service("<name>"))`: what to load and run comes from
-its entry in services/kit/registry.py. `--help` lists the settings and exits before anything heavy
+its entry in services/kit/config/registry.py. `--help` lists the settings and exits before anything heavy
 is imported.
 """
 
@@ -12,8 +12,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from services.kit.config import ConfigError, ServiceConfig, load_config
-from services.kit.registry import ServiceSpec, service
+from services.kit.config.registry import ServiceSpec, service
+from services.kit.config.service import ConfigError, ServiceConfig, load_config
 
 HELP_FLAGS = ("-h", "--help")
 
@@ -39,7 +39,7 @@ def run_service(name: str, argv: Sequence[str] | None = None) -> int:
         return 2
     import asyncio  # after --help and the config: neither needs it
 
-    from services.kit import ray_head
+    from services.kit.ray import head_loss as ray_head
 
     ray_head.restart_on_loss(dict(os.environ), exit_instead=config.on_ray_head_loss == "exit")
     asyncio.run(spec.serve_function()(config))
@@ -49,7 +49,7 @@ def run_service(name: str, argv: Sequence[str] | None = None) -> int:
 def settings_help(spec: ServiceSpec) -> str:
     """The service's settings: every field of its config with its type, default, bounds and doc,
     under the environment variable that sets it."""
-    from services.kit.schema import help_text
+    from services.kit.config.schema import help_text
 
     cls = spec.config_class()
     return "\n".join(
@@ -77,7 +77,7 @@ def _print_help(spec: ServiceSpec) -> int:
 
 def load(spec: ServiceSpec) -> ServiceConfig:
     """The service's config from the environment, checked; ConfigError names what is wrong."""
-    from services.kit import tls  # grpc: not needed for --help
+    from services.kit.rpc import tls  # grpc: not needed for --help
 
     config: ServiceConfig = load_config(spec.config_class(), spec.env_prefix)
     # Before the service opens any channel: without certificates (and no explicit opt-out) the

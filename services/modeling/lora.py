@@ -75,7 +75,7 @@ class LoraSpec:
 
 
 def spec_of(section: Any) -> LoraSpec:
-    """The LoraSpec of a recipe's [model.lora] section (services/kit/recipe.py LoraSection)."""
+    """The LoraSpec of a recipe's [model.lora] section (services/kit/config/recipe.py LoraSection)."""
     return LoraSpec(section.rank, float(section.alpha), tuple(section.target_modules), float(section.dropout))
 
 

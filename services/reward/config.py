@@ -7,8 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from services.kit.config import ServiceConfig
-from services.kit.schema import Schema, field_error
+from services.kit.config.schema import Schema, field_error
+from services.kit.config.service import ServiceConfig
 
 # The reward model built from a config when no local directory is named.
 TINY = "tiny"

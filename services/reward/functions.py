@@ -3,7 +3,7 @@
     def score(prompt, completion, answer, **metadata) -> float | dict
 
 named by a recipe's `reward.function` (`module:score`, `rewards.py:score`, or a `looprl.rewards`
-entry point) and loaded by this service (services/kit/plugins.py says from where). `prompt` is the
+entry point) and loaded by this service (services/kit/usercode/plugins.py says from where). `prompt` is the
 task's prompt text (its chat messages for a chat row), `answer` its reference answer (None without
 one), and the keyword arguments are the task's metadata; a function naming `task`, `transcript`,
 `environment_reward` or `rollout_id` as parameters gets those too. A dict result holds the reward as
@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from services.kit import plugins
+from services.kit.usercode import plugins
 from services.reward.verifiers import ScoreInput
 
 POSITIONAL = ("prompt", "completion", "answer")

@@ -1,11 +1,11 @@
-"""Prometheus metrics of the reward service (names: services/kit/metric_names.py): scores given,
+"""Prometheus metrics of the reward service (names: services/kit/telemetry/metrics.py): scores given,
 time to score, and failed components by reason, per reward name."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.kit.metric_names import counter, histogram
+from services.kit.telemetry.metrics import counter, histogram
 
 SCORES = histogram("looprl_reward_score")
 SECONDS = histogram("looprl_reward_seconds")

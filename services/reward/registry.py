@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.kit import plugins
+from services.kit.usercode import plugins
 from services.reward import metrics
 from services.reward import verifiers as v
 from services.reward.functions import FunctionReward, function_threads, load_function

@@ -4,7 +4,7 @@ batching and replicas scaled between min and max by queue depth.
 Scoring requests arrive one text at a time (one per rollout) in bursts: the pool queues them,
 cuts batches of up to `max_batch` texts (waiting at most `max_wait_s` for a batch to fill) and sends
 each batch to the replica with the fewest batches in flight; the replicas are an AutoscaledPool
-(services/kit/autoscaled_pool.py) scaled on the texts waiting and being scored. Model loading
+(services/kit/ray/autoscaled_pool.py) scaled on the texts waiting and being scored. Model loading
 happens inside the replica actor, so the service process never imports torch for this.
 """
 
@@ -16,8 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from services.kit.autoscale import Autoscaler
-from services.kit.autoscaled_pool import AutoscaledPool
+from services.kit.ray.autoscale import Autoscaler
+from services.kit.ray.autoscaled_pool import AutoscaledPool
 from services.reward.config import TINY, ModelPoolConfig
 from services.reward.verifiers import ScoreInput, Verifier
 

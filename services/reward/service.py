@@ -12,12 +12,12 @@ log = logging.getLogger("looprl.reward")
 
 async def serve(cfg: RewardConfig) -> None:
     from looprl.reward.v1 import reward_pb2_grpc
-    from services.kit.server import Service, open_channel
+    from services.kit.rpc.server import Service, open_channel
     from services.reward.registry import default_registry
     from services.reward.servicer import RewardServicer, SandboxExecutor
 
     executor = SandboxExecutor(open_channel(cfg.sandbox_address)) if cfg.sandbox_address else None
-    from services.kit.plugins import plugin_dirs_from
+    from services.kit.usercode.plugins import plugin_dirs_from
 
     registry = default_registry(
         executor, cfg.verifier_timeout_s, cfg.code_timeout_s, plugin_dirs_from(cfg.plugin_dirs)
@@ -28,7 +28,7 @@ async def serve(cfg: RewardConfig) -> None:
 
     async def setup(_: Service) -> None:
         if cfg.reward_models:
-            from services.kit.ray_utils import connect_ray
+            from services.kit.ray.cluster import connect_ray
             from services.reward.reward_model import RewardModelPool
 
             connect_ray(cfg.ray_address, cfg.namespace)

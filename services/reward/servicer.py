@@ -10,9 +10,9 @@ import time
 from typing import Any
 
 from looprl.reward.v1 import reward_pb2, reward_pb2_grpc
-from services.kit import plugins
-from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.kit.metric_names import observe
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.kit.telemetry.metrics import observe
+from services.kit.usercode import plugins
 from services.reward import metrics
 from services.reward.functions import BadRewardConfig
 from services.reward.registry import RewardRegistry, UnknownReward

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from services.kit.code_tests import CodeTestError, build_program, parse_tests, score_output
+from services.kit.usercode.code_tests import CodeTestError, build_program, parse_tests, score_output
 
 
 class VerifierError(RuntimeError):

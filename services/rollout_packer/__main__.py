@@ -1,4 +1,4 @@
-"""`python -m services.rollout_packer`: the rollout-packer service (see services/kit/registry.py; --help lists its settings)."""
+"""`python -m services.rollout_packer`: the rollout-packer service (see services/kit/config/registry.py; --help lists its settings)."""
 
 import sys
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from services.kit.config import ServiceConfig
+from services.kit.config.service import ServiceConfig
 
 
 class PackerConfig(ServiceConfig):

@@ -1,9 +1,9 @@
 """Prometheus metrics of the packer (process-wide registry, labelled by run; names:
-services/kit/metric_names.py). `init_run` creates a run's drop counters at zero, one per reason."""
+services/kit/telemetry/metrics.py). `init_run` creates a run's drop counters at zero, one per reason."""
 
 from __future__ import annotations
 
-from services.kit.metric_names import counter, gauge, histogram
+from services.kit.telemetry.metrics import counter, gauge, histogram
 from services.rollout_packer.sequences import DropReason
 
 PADDING_FRACTION = gauge("looprl_packer_padding_fraction")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.kit import micro_batch
+from services.kit.messages import micro_batch
 from services.rollout_packer.sequences import NO_VERSION, TokenSequence
 
 

@@ -1,4 +1,4 @@
-"""The packer's reports to the run's driver in its KV bucket (format: services/kit/packer_reports.py).
+"""The packer's reports to the run's driver in its KV bucket (format: services/kit/messages/packer_reports.py).
 
 - Dropped groups: a group dropped whole (all rewards equal under `filter_equal_rewards`, too stale,
   a straggler) is written before its rollouts are acked on the bus. A packer that dies in between
@@ -16,10 +16,10 @@ import logging
 import time
 
 from looprl.common.v1 import common_pb2
-from services.kit import subjects
-from services.kit.bus import EVENT_RETRY_S
-from services.kit.kv import KV
-from services.kit.packer_reports import GroupDrop, encode_drops, key_step, parse_drops
+from services.kit.bus import subjects
+from services.kit.bus.client import EVENT_RETRY_S
+from services.kit.bus.kv import KV
+from services.kit.messages.packer_reports import GroupDrop, encode_drops, key_step, parse_drops
 
 log = logging.getLogger("looprl.rollout_packer")
 

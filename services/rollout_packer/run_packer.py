@@ -1,7 +1,7 @@
 """One run's packer: consumes its rollouts from the bus, plans steps, serves them, acks after training.
 
 Bus contract (ROLLOUTS stream, durable pull consumer `packer-<run>`, explicit ack). A message
-carries one Rollout or a RolloutGroup (kit/rollout_messages.py); each rollout in it is handled as if
+carries one Rollout or a RolloutGroup (kit/messages/rollouts.py); each rollout in it is handled as if
 it had come alone, and the message is settled once none of its rollouts needs it any more:
 - an invalid rollout is counted with its reason; a bare one is termed (never redelivered), one in a
   group leaves its message to the others' settlement. A rollout dropped by policy (stale, zero-signal
@@ -35,12 +35,14 @@ from collections import Counter, deque
 from opentelemetry import trace
 
 from looprl.common.v1 import common_pb2
-from services.kit import rollout_messages, subjects, telemetry
-from services.kit.bus import Bus, PoisonMessage
-from services.kit.bus_consumer import Consumer, Delivery, batch_process_span, by_producer
-from services.kit.errors import DeadlineExceeded, FailedPrecondition, Unavailable
-from services.kit.metric_names import observe
-from services.kit.packer_reports import GroupDrop
+from services.kit.bus import subjects
+from services.kit.bus.client import Bus, PoisonMessage
+from services.kit.bus.consumer import Consumer, Delivery, batch_process_span, by_producer
+from services.kit.messages import rollouts as rollout_messages
+from services.kit.messages.packer_reports import GroupDrop
+from services.kit.rpc.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from services.kit.telemetry import tracing as telemetry
+from services.kit.telemetry.metrics import observe
 from services.rollout_packer import metrics
 from services.rollout_packer.groups import Group, GroupCollector
 from services.rollout_packer.reports import DroppedGroups, sample_row

@@ -11,10 +11,10 @@ import contextlib
 import logging
 from pathlib import Path
 
-from services.kit import subjects
-from services.kit.bus import Bus
-from services.kit.config import bus_url
-from services.kit.recipe import RunRecord, load_recipe
+from services.kit.bus import subjects
+from services.kit.bus.client import Bus
+from services.kit.config.recipe import RunRecord, load_recipe
+from services.kit.config.service import bus_url
 from services.rollout_packer.config import PackerConfig
 from services.rollout_packer.run_packer import RunPacker
 from services.rollout_packer.state import StepStore

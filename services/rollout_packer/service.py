@@ -9,7 +9,7 @@ from services.rollout_packer.runs import PackerApp
 
 async def serve(cfg: PackerConfig) -> None:
     from looprl.packer.v1 import packer_pb2_grpc
-    from services.kit.server import Service
+    from services.kit.rpc.server import Service
     from services.rollout_packer.servicer import RolloutPackerServicer
 
     app = PackerApp(cfg)

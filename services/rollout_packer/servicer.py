@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
-from services.kit import micro_batch
-from services.kit.array_codec import array_to_proto
-from services.kit.errors import InvalidArgument, NotFound
+from services.kit.messages import micro_batch
+from services.kit.messages.array_codec import array_to_proto
+from services.kit.rpc.errors import InvalidArgument, NotFound
 from services.rollout_packer.packing import PackedMicroBatch
 from services.rollout_packer.run_packer import RunPacker
 

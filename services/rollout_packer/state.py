@@ -21,8 +21,8 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
-from services.kit import subjects
-from services.kit.kv import KV
+from services.kit.bus import subjects
+from services.kit.bus.kv import KV
 
 
 @dataclass

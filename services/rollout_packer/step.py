@@ -57,7 +57,7 @@ class PackerSettings:
 
 
 def settings_from_recipe(recipe, **overrides) -> PackerSettings:
-    """The packer's view of a run recipe (services.kit.recipe.Recipe)."""
+    """The packer's view of a run recipe (services.kit.config.recipe.Recipe)."""
     values = {
         "prompts_per_step": recipe.groups_per_step,
         "group_size": recipe.batch.group_size,

@@ -1,4 +1,4 @@
-"""`python -m services.trainer`: the trainer service (see services/kit/registry.py; --help lists its settings)."""
+"""`python -m services.trainer`: the trainer service (see services/kit/config/registry.py; --help lists its settings)."""
 
 import sys
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from looprl.packer.v1 import packer_pb2
-from services.kit import micro_batch
-from services.kit.codec import CodecError, tensor_from_proto, tensor_to_proto
+from services.kit.messages import micro_batch
+from services.kit.messages.codec import CodecError, tensor_from_proto, tensor_to_proto
 from services.trainer.errors import BatchRejected
 
 # Sampler log-probs are <= 0; allow float noise from a different kernel.

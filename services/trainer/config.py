@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from services.kit.config import ServiceConfig
+from services.kit.config.service import ServiceConfig
 
 
 class TrainerConfig(ServiceConfig):

@@ -3,7 +3,7 @@ which drives the ranks and never imports torch (its ranks, Ray actors, do)."""
 
 from __future__ import annotations
 
-from services.kit.errors import InvalidArgument
+from services.kit.rpc.errors import InvalidArgument
 
 
 class BatchRejected(InvalidArgument, ValueError):

@@ -31,11 +31,15 @@ from opentelemetry import trace
 from looprl.events.v1 import events_pb2
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
-from services.kit import ray_head, subjects, telemetry, tls, trainer_epochs
-from services.kit.bus import EVENT_RETRY_S, Bus
-from services.kit.interceptors import client_interceptors
-from services.kit.metric_names import observe
-from services.kit.run_errors import RunErrorReporter, describe
+from services.kit.bus import subjects
+from services.kit.bus.client import EVENT_RETRY_S, Bus
+from services.kit.messages import trainer_epochs
+from services.kit.messages.run_errors import RunErrorReporter, describe
+from services.kit.ray import head_loss as ray_head
+from services.kit.rpc import tls
+from services.kit.rpc.interceptors import client_interceptors
+from services.kit.telemetry import tracing as telemetry
+from services.kit.telemetry.metrics import observe
 from services.trainer import metrics
 from services.trainer.checkpoint import export_dir, latest_checkpoint
 from services.trainer.config import TrainerConfig
@@ -44,7 +48,7 @@ from services.trainer.ranks import RankGroup
 from services.trainer.spec import TrainerSpec, spec_from_recipe
 
 if TYPE_CHECKING:
-    from services.kit.recipe import Recipe
+    from services.kit.config.recipe import Recipe
 
 # How long a step waits for its batch before the trainer pushes the version it serves again
 # (`_repush_while_waiting`) without weight-sync saying it lost it; several NextBatch timeouts, so a

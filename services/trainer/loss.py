@@ -22,7 +22,7 @@ the step loss exactly.
 * ``constant`` (Dr. GRPO): sum of token losses / (``global_sequences * max_tokens``), a constant
   normaliser that removes the length bias of per-sequence means.
 
-The knobs are the recipe's ``[algorithm]`` section (services/kit/recipe.py:AlgorithmSection), taken
+The knobs are the recipe's ``[algorithm]`` section (services/kit/config/recipe.py:AlgorithmSection), taken
 as is and validated there; the Dr. GRPO normaliser ``max_tokens`` is derived from the recipe
 (``sampling.max_tokens * environment.max_turns``, see TrainerSpec.loss_max_tokens) and travels in
 :class:`StepNorm`.
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # the recipe schema (pydantic) is the caller's; the step only reads its fields
-    from services.kit.recipe import AlgorithmSection
+    from services.kit.config.recipe import AlgorithmSection
 
 
 @dataclass

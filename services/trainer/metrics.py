@@ -1,4 +1,4 @@
-"""Prometheus metrics of the trainer, labelled by run (names: services/kit/metric_names.py).
+"""Prometheus metrics of the trainer, labelled by run (names: services/kit/telemetry/metrics.py).
 
 Set by the training loop in the trainer process from rank 0's all-reduced step results; the
 ranks themselves (Ray actors) export nothing."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from services.kit.metric_names import counter, gauge, histogram, observe
+from services.kit.telemetry.metrics import counter, gauge, histogram, observe
 
 LOSS = gauge("looprl_trainer_loss")
 KL = gauge("looprl_trainer_kl")

@@ -1,5 +1,5 @@
 """AdamW and the learning-rate schedule (linear warmup, then constant or cosine to 0), built from the
-recipe's [optimizer] section (services/kit/recipe.py:OptimizerSection, validated there) as is."""
+recipe's [optimizer] section (services/kit/config/recipe.py:OptimizerSection, validated there) as is."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from services.kit.recipe import OptimizerSection
+from services.kit.config.recipe import OptimizerSection
 
 
 class LrSchedule:

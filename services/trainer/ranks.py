@@ -13,7 +13,8 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from services.kit import telemetry, tls
+from services.kit.rpc import tls
+from services.kit.telemetry import tracing as telemetry
 from services.trainer.errors import RankLost
 from services.trainer.spec import TrainerSpec
 

@@ -16,11 +16,11 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from services.kit import subjects
-from services.kit.config import bus_url
-from services.kit.errors import FailedPrecondition
-from services.kit.recipe import Recipe, RunRecord, load_recipe
-from services.kit.run_errors import RunErrorReporter, describe
+from services.kit.bus import subjects
+from services.kit.config.recipe import Recipe, RunRecord, load_recipe
+from services.kit.config.service import bus_url
+from services.kit.messages.run_errors import RunErrorReporter, describe
+from services.kit.rpc.errors import FailedPrecondition
 from services.trainer import metrics
 from services.trainer.config import TrainerConfig
 from services.trainer.loop import RunTrainer
@@ -61,11 +61,11 @@ class TrainerApp:
         return task is not None and not task.done()
 
     async def start(self) -> None:
-        from services.kit.ray_utils import connect_ray
+        from services.kit.ray.cluster import connect_ray
 
         await asyncio.to_thread(connect_ray, self.cfg.ray_address, "looprl-trainer")
         if self.cfg.nats_url:
-            from services.kit.bus import Bus
+            from services.kit.bus.client import Bus
 
             self.bus = await Bus.connect(bus_url(self.cfg), name="trainer")
             await self.bus.ensure_streams()

@@ -10,7 +10,7 @@ from services.trainer.servicer import TrainerServicer
 
 
 async def serve(cfg: TrainerConfig) -> None:
-    from services.kit.server import Service
+    from services.kit.rpc.server import Service
 
     app = TrainerApp(cfg)
     service = Service("trainer", cfg)

@@ -11,7 +11,7 @@ import json
 import grpc
 
 from looprl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.trainer.loop import RunTrainer
 from services.trainer.runs import TrainerApp
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from looprl.weightsync.v1 import weightsync_pb2
-from services.kit.codec import TORCH_TO_PROTO, tensor_from_bytes, tensor_to_bytes, torch_dtype
+from services.kit.messages.codec import TORCH_TO_PROTO, tensor_from_bytes, tensor_to_bytes, torch_dtype
 from services.weights.checksum import hash64
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20

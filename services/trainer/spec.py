@@ -1,12 +1,12 @@
 """What every trainer rank needs to build the same policy: a picklable spec, and its derivation from a
-run recipe (services/kit/recipe.py)."""
+run recipe (services/kit/config/recipe.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.kit.recipe import Recipe
+from services.kit.config.recipe import Recipe
 from services.modeling.config import ModelConfig
 
 

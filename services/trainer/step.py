@@ -28,7 +28,7 @@ from services.trainer.batch import PackedMicroBatch
 from services.trainer.loss import LossMetrics, StepNorm, policy_loss
 
 if TYPE_CHECKING:  # the recipe schema (pydantic) is the caller's; the step only reads its fields
-    from services.kit.recipe import AlgorithmSection
+    from services.kit.config.recipe import AlgorithmSection
 
 
 @dataclass

@@ -23,9 +23,11 @@ from opentelemetry import context as otel_context
 
 from looprl.packer.v1 import packer_pb2, packer_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2_grpc
-from services.kit import gc_freeze, telemetry, tls
-from services.kit.hosts import interface_of, node_address
-from services.kit.interceptors import traced_channel
+from services.kit.process import gc_freeze
+from services.kit.process.hosts import interface_of, node_address
+from services.kit.rpc import tls
+from services.kit.rpc.interceptors import traced_channel
+from services.kit.telemetry import tracing as telemetry
 from services.modeling import causal_lm, lora
 from services.modeling.logprobs import token_logprobs
 from services.trainer.batch import PackedMicroBatch, from_proto, validate_rank_batches
@@ -71,7 +73,7 @@ class TrainerWorker:
     def _channel(self, address: str, max_message_bytes: int) -> grpc.Channel:
         """One channel per peer for the worker's lifetime: a new one every step costs a TCP and HTTP/2
         handshake twice a step (packer, weight-sync). gRPC reconnects a cached channel by itself when
-        the peer restarts on the same address (within a second: services/kit/tls.py)."""
+        the peer restarts on the same address (within a second: services/kit/rpc/tls.py)."""
         key = (address, max_message_bytes)
         channel = self._channels.get(key)
         if channel is None:
@@ -92,7 +94,7 @@ class TrainerWorker:
         that is the node's address: 127.0.0.1 for a local head, a reachable one on a cluster."""
         import ray
 
-        from services.kit.local import free_port
+        from services.kit.local.infra import free_port
 
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         return host, free_port()
@@ -430,7 +432,7 @@ class TrainerWorker:
         return self.spec.recipe.model.lora is not None
 
     def _push_dtype(self) -> torch.dtype | None:
-        from services.kit.codec import torch_dtype
+        from services.kit.messages.codec import torch_dtype
 
         return torch_dtype(self.spec.push_dtype) if self.spec.push_dtype else None
 

@@ -1,4 +1,4 @@
-"""`python -m services.weight_sync`: the weight-sync service (see services/kit/registry.py; --help lists its settings)."""
+"""`python -m services.weight_sync`: the weight-sync service (see services/kit/config/registry.py; --help lists its settings)."""
 
 import sys
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from services.kit.config import ServiceConfig
+from services.kit.config.service import ServiceConfig
 
 
 class WeightSyncConfig(ServiceConfig):

@@ -40,7 +40,7 @@ import grpc
 from opentelemetry import trace
 
 from looprl.inference.v1 import inference_pb2
-from services.kit import telemetry
+from services.kit.telemetry import tracing as telemetry
 from services.modeling.config import ModelConfig
 from services.weight_sync.transport import Delivery, Endpoint, StageResult
 from services.weight_sync.transport.factory import Transports, TransportSettings

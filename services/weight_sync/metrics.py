@@ -1,4 +1,4 @@
-"""Prometheus metrics of weight-sync (names: services/kit/metric_names.py): versions pushed and
+"""Prometheus metrics of weight-sync (names: services/kit/telemetry/metrics.py): versions pushed and
 served per deployment, delivery time by transport, rejected and failed deliveries. Bytes by
 transport and host are counted where routes are decided (placement.py)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.kit.metric_names import counter, gauge, histogram, observe
+from services.kit.telemetry.metrics import counter, gauge, histogram, observe
 
 LATEST_VERSION = gauge("looprl_weight_sync_latest_version")
 DEPLOYMENT_VERSION = gauge("looprl_weight_sync_deployment_version")

@@ -1,7 +1,7 @@
 """Where each receiver rank is, and so which transport reaches it: shared memory or gRPC.
 
 A rank gets shared memory only when both hold: the host identity it registered equals weight-sync's
-own (services/kit/hosts.py), and it reads back a nonce weight-sync has just written into a probe
+own (services/kit/process/hosts.py), and it reads back a nonce weight-sync has just written into a probe
 segment (services/weight_sync/transport/arena.py ProbeSegment). Anything else (another host, no identity, a probe
 that fails, times out or reads other bytes, an engine without the probe RPC) is gRPC, with the reason
 kept beside the route. A route is decided once per endpoint (address, rank, host identity): a
@@ -22,8 +22,8 @@ import grpc
 
 from looprl.inference.v1 import inference_pb2_grpc
 from looprl.weightsync.v1 import weightsync_pb2
-from services.kit.hosts import host_identity
-from services.kit.metric_names import counter
+from services.kit.process.hosts import host_identity
+from services.kit.telemetry.metrics import counter
 from services.weight_sync.transport import Endpoint
 from services.weight_sync.transport.arena import ProbeSegment
 

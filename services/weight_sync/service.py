@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 
 from looprl.weightsync.v1 import weightsync_pb2_grpc
-from services.kit import subjects
-from services.kit.config import bus_url
-from services.kit.server import Service
+from services.kit.bus import subjects
+from services.kit.config.service import bus_url
+from services.kit.rpc.server import Service
 from services.weight_sync.transport import sweep_stale_segments
 
 from .config import WeightSyncConfig
@@ -57,7 +57,7 @@ async def attach_state(
         log.info("removed %d shared-memory segments left by a dead weight-sync", len(removed))
     if not cfg.use_bus:
         return
-    from services.kit.bus import Bus
+    from services.kit.bus.client import Bus
 
     bus = await Bus.connect(bus_url(cfg), name="weight-sync")
     await bus.ensure_streams()

@@ -12,8 +12,8 @@ import logging
 from opentelemetry import trace
 
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
-from services.kit import telemetry
-from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.kit.telemetry import tracing as telemetry
 from services.modeling.config import ModelConfig
 from services.weights.wire import decode_push_request
 

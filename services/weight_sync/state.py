@@ -12,9 +12,9 @@ import logging
 
 from looprl.events.v1 import events_pb2
 from looprl.weightsync.v1 import weightsync_pb2
-from services.kit import subjects
-from services.kit.bus import EVENT_RETRY_S
-from services.kit.run_errors import RunErrorReporter
+from services.kit.bus import subjects
+from services.kit.bus.client import EVENT_RETRY_S
+from services.kit.messages.run_errors import RunErrorReporter
 
 from .deliver import Deliverer
 from .targets import Target, kv_key, target_from_request

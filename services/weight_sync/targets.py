@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from looprl.common.v1 import common_pb2
 from looprl.weightsync.v1 import weightsync_pb2
-from services.kit.errors import InvalidArgument
+from services.kit.rpc.errors import InvalidArgument
 from services.modeling.layouts import Layout
 from services.weight_sync.transport import Endpoint
 from services.weight_sync.transport.factory import KINDS

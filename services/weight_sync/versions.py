@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from looprl.weightsync.v1 import weightsync_pb2
-from services.kit.errors import FailedPrecondition, InvalidArgument
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument
 from services.weight_sync.transport.arena import ArenaPool, ChunkArena
 from services.weights import itemsize
 from services.weights.checksum import SliceChecksum, landing_sums, verify_slice

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grpc
 
-from services.kit.errors import FailedPrecondition, InvalidArgument
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument
 
 
 class WeightTransferError(ValueError):

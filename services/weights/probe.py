@@ -11,8 +11,8 @@ another one of the same name, and gets gRPC.
 from __future__ import annotations
 
 from looprl.inference.v1 import inference_pb2
-from services.kit.errors import InvalidArgument, NotFound
-from services.kit.hosts import host_identity, shm_dir
+from services.kit.process.hosts import host_identity, shm_dir
+from services.kit.rpc.errors import InvalidArgument, NotFound
 
 from .shm import validate_segment_name
 

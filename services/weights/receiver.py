@@ -19,10 +19,10 @@ import grpc
 import torch
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.kit import tls
-from services.kit.errors import ServiceError
-from services.kit.hosts import host_identity
-from services.kit.raw_requests import add_with_raw_requests
+from services.kit.process.hosts import host_identity
+from services.kit.rpc import tls
+from services.kit.rpc.errors import ServiceError
+from services.kit.rpc.raw_requests import add_with_raw_requests
 
 from .errors import WeightTransferError
 from .memory import retain_bucket_buffers

@@ -1,6 +1,6 @@
 """Reading weight-sync's shared-memory segments: the receiving side of the shm transports.
 
-A segment is a plain file under the host's shm directory (services/kit/hosts.py shm_dir), written
+A segment is a plain file under the host's shm directory (services/kit/process/hosts.py shm_dir), written
 by weight-sync (services/weight_sync/transport/arena.py) and mapped read-only here. Receivers never
 own or unlink a segment, and only map names weight-sync could have made (`validate_segment_name`):
 no paths, no other files. Unlinking a segment a receiver still maps is safe on Linux: the mapping
@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from services.kit.hosts import shm_dir
+from services.kit.process.hosts import shm_dir
 
 from .errors import InvalidWeights
 

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from looprl.common.v1 import common_pb2
-from services.kit.codec import PROTO_TO_TORCH, TORCH_TO_PROTO
+from services.kit.messages.codec import PROTO_TO_TORCH, TORCH_TO_PROTO
 
 
 @dataclass(frozen=True)

@@ -217,7 +217,7 @@ def decode_push_request(raw: bytes) -> DecodedPushRequest:
     chunk's bytes left in place: weight-sync copies each once, into shared memory, hashing it on the
     way. Malformed bytes raise InvalidArgument."""
     from looprl.weightsync.v1 import weightsync_pb2
-    from services.kit.errors import InvalidArgument
+    from services.kit.rpc.errors import InvalidArgument
 
     try:
         head, items = _decode_with_payloads(

@@ -4,7 +4,7 @@ must train on (the seconds until it has trained two more steps are its recovery 
 table), and at the end it completes with every rollout trained exactly once or dropped for a reason.
 
 Losing the Ray head takes every actor of the run with it: the trainer and the router notice, wait
-for the new head and restart their processes into it (services/kit/ray_head.py); the trainer
+for the new head and restart their processes into it (services/kit/ray/head_loss.py); the trainer
 resumes from its last checkpoint, the router recreates its replicas at the latest weights.
 """
 
@@ -19,7 +19,7 @@ import pytest
 
 from gateway.stack import StackState
 from looprl.gateway.v1 import gateway_pb2
-from services.kit.local import session_pids
+from services.kit.local.infra import session_pids
 from tests.support.runs import assert_accounting, with_overrides
 from tests.support.stack import DEFAULT_RECIPE
 

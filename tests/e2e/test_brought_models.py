@@ -16,9 +16,10 @@ import torch
 import transformers
 
 from looprl.gateway.v1 import gateway_pb2
-from services.kit import nats_auth, rollout_messages, subjects
-from services.kit.bus import Bus
-from services.kit.recipe import run_deployment_name
+from services.kit.bus import nats_auth, subjects
+from services.kit.bus.client import Bus
+from services.kit.config.recipe import run_deployment_name
+from services.kit.messages import rollouts as rollout_messages
 from services.modeling.logprobs import token_logprobs
 from tests.support.runs import assert_accounting
 from tests.support.stack import Stack, local_stack

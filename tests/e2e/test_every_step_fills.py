@@ -17,8 +17,8 @@ import pytest
 
 from gateway.run_logs import MLFLOW_DIR
 from looprl.gateway.v1 import gateway_pb2
-from services.kit import subjects
-from services.kit.bus import Bus
+from services.kit.bus import subjects
+from services.kit.bus.client import Bus
 from tests.support.run_logs import assert_logs_hold_the_run
 from tests.support.runs import assert_accounting, run_to_end, with_overrides
 from tests.support.stack import DEFAULT_RECIPE, Stack, local_stack

@@ -27,9 +27,10 @@ import nats.errors
 import pytest
 
 from looprl.common.v1 import common_pb2
-from services.kit import nats_auth, rollout_messages, subjects
-from services.kit.bus import Bus
-from services.kit.recipe import run_deployment_name
+from services.kit.bus import nats_auth, subjects
+from services.kit.bus.client import Bus
+from services.kit.config.recipe import run_deployment_name
+from services.kit.messages import rollouts as rollout_messages
 from tests.support.runs import assert_accounting, run_to_end
 from tests.support.stack import Stack, local_stack
 from tests.support.two_sources import (

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from looprl.gateway.v1 import gateway_pb2
-from services.kit.recipe import run_deployment_name
+from services.kit.config.recipe import run_deployment_name
 from services.modeling.config import ModelConfig
 from services.modeling.hf_files import write_char_tokenizer
 from services.modeling.qwen2 import Qwen2ForCausalLM

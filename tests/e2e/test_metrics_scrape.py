@@ -21,7 +21,7 @@ import warnings
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.kit.metric_names import BY_NAME, SERIES
+from services.kit.telemetry.metrics import BY_NAME, SERIES
 from tests.support import prometheus
 from tests.support.dashboard_queries import EXTERNAL_METRIC_PREFIXES, load, metric_names, promql, runnable
 from tests.support.runs import run_to_end, with_overrides
@@ -130,7 +130,7 @@ def test_every_dashboard_query_has_a_series_from_a_live_run(tmp_path, monkeypatc
     assert not missing, f"dashboard metrics with no series in any scrape: {missing}"
     # And every exported looprl series is in the one table.
     strays = sorted(n for n in found if n.startswith("looprl_") and not in_table(n))
-    assert not strays, f"exported but not in services/kit/metric_names.py: {strays}"
+    assert not strays, f"exported but not in services/kit/telemetry/metrics.py: {strays}"
 
     # The values say what happened in the run.
     run_id = run.run_id

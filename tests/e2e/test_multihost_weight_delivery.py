@@ -21,8 +21,8 @@ from bench.harness.multihost import PY, start_engine, wait_listening, wait_serve
 from bench.harness.synthetic_weights import rank_requests
 from looprl.common.v1 import common_pb2
 from looprl.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
-from services.kit import subjects
-from services.kit.local import _bin
+from services.kit.bus import subjects
+from services.kit.local.infra import _bin
 from services.modeling.config import ModelConfig
 from services.modeling.qwen2 import Qwen2ForCausalLM
 

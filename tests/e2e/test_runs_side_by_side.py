@@ -25,9 +25,10 @@ import pytest
 
 from looprl.common.v1 import common_pb2
 from looprl.gateway.v1 import gateway_pb2
-from services.kit import nats_auth, rollout_messages, subjects
-from services.kit.bus import Bus
-from services.kit.recipe import run_deployment_name
+from services.kit.bus import nats_auth, subjects
+from services.kit.bus.client import Bus
+from services.kit.config.recipe import run_deployment_name
+from services.kit.messages import rollouts as rollout_messages
 from tests.support.runs import assert_accounting, with_overrides
 from tests.support.stack import DEFAULT_RECIPE, Stack, local_stack
 from tools.build_hf_model import build

@@ -16,7 +16,7 @@ import looprl.packer.v1.packer_pb2
 import looprl.reward.v1.reward_pb2
 import looprl.trainer.v1.trainer_pb2
 import looprl.weightsync.v1.weightsync_pb2  # noqa: F401
-from services.kit import authz, tls
+from services.kit.rpc import authz, tls
 
 pytestmark = pytest.mark.slow
 

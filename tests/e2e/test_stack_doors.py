@@ -18,7 +18,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway.listeners import listener_rows, stack_processes
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.kit import registry, tls
+from services.kit.config import registry
+from services.kit.rpc import tls
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.kit.local import pid_alive
+from services.kit.local.infra import pid_alive
 from tests.support.stack import ROOT, free_port_args
 
 pytestmark = pytest.mark.slow

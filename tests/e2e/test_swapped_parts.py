@@ -20,7 +20,7 @@ import pytest
 
 from looprl.gateway.v1 import gateway_pb2
 from looprl.reward.v1 import reward_pb2, reward_pb2_grpc
-from services.kit import tls
+from services.kit.rpc import tls
 from tests.support.external_parts import hf_engine, install_node_reward, node_reward
 from tests.support.kit_runs import assert_passes, broken_variant_fails, kit_cli
 from tests.support.runs import assert_accounting, run_to_end, with_overrides

@@ -14,9 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from looprl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from services.kit import tls
-from services.kit.config import ConfigError, ServiceConfig
-from services.kit.local import free_port, wait_for_port
+from services.kit.config.service import ConfigError, ServiceConfig
+from services.kit.local.infra import free_port, wait_for_port
+from services.kit.rpc import tls
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """NATS users and publish permissions on a real nats-server configured as `looprl up` configures it:
 no credentials or a wrong password cannot connect, and every service may publish only on the
-subjects the owner table (services/kit/nats_auth.py) gives it."""
+subjects the owner table (services/kit/bus/nats_auth.py) gives it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import nats
 import pytest
 
-from services.kit import nats_auth, subjects
-from services.kit.bus import Bus, BusUnavailable
-from services.kit.local import NatsServer, free_port
-from services.kit.registry import NAMES
+from services.kit.bus import nats_auth, subjects
+from services.kit.bus.client import Bus, BusUnavailable
+from services.kit.config.registry import NAMES
+from services.kit.local.infra import NatsServer, free_port
 
 # One concrete subject per owned pattern.
 EXAMPLES = {pattern: pattern.replace("*", "r1").replace(">", "k1") for pattern in nats_auth.OWNERS}

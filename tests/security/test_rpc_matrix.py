@@ -1,7 +1,7 @@
 """The attack suite's gRPC half: every RPC of every service, generated from the proto descriptors,
 called on a stack `looprl up` started. Without a valid certificate no call is served; with another
 service's identity every call is PERMISSION_DENIED. A new RPC or service is covered automatically
-(and refused until services/kit/authz.py names who may call it)."""
+(and refused until services/kit/rpc/authz.py names who may call it)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import looprl
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.kit import authz, tls
+from services.kit.rpc import authz, tls
 
 # Served to users with bearer tokens, not certificates (gateway/auth.py and its own tests).
 PUBLIC = {"looprl.gateway.v1.GatewayService"}
@@ -42,7 +42,7 @@ def test_every_rpc_in_the_protos_has_declared_callers() -> None:
     paths = [path for path, _ in rpcs()]
     assert len(paths) >= 30
     missing = [path for path in paths if not authz.allowed_callers(path)]
-    assert not missing, f"RPCs no identity may call (add them to services/kit/authz.py): {missing}"
+    assert not missing, f"RPCs no identity may call (add them to services/kit/rpc/authz.py): {missing}"
     stale = [
         f"/{service}/{method}"
         for service, methods in authz.POLICY.items()

@@ -1,6 +1,6 @@
 """The PromQL of the committed Grafana dashboard, and the metric names each query reads.
 
-Shared by the dashboard's unit tests (names must be in services/kit/metric_names.py) and the
+Shared by the dashboard's unit tests (names must be in services/kit/telemetry/metrics.py) and the
 live-scrape test (every query must return a series from a running stack)."""
 
 from __future__ import annotations

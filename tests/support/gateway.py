@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from looprl.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.kit.local import free_port, wait_for_port
+from services.kit.local.infra import free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret-token"

@@ -26,7 +26,7 @@ from looprl.packer.v1 import packer_pb2
 from looprl.reward.v1 import reward_pb2
 from looprl.trainer.v1 import trainer_pb2
 from looprl.weightsync.v1 import weightsync_pb2
-from services.kit import tls
+from services.kit.rpc import tls
 from services.weights.checksum import hash64
 
 # (request or request iterator, forward) -> response bytes (or an iterator of them)

@@ -2,7 +2,7 @@
 hold both docker-compose.yml's networks and the Kubernetes NetworkPolicies to.
 
 Derived wherever the code has a source of truth, so the table cannot drift from it:
-- gRPC: the callers services/kit/authz.py allows on each service's API. The operator CLI is left
+- gRPC: the callers services/kit/rpc/authz.py allows on each service's API. The operator CLI is left
   out: it comes from the host (a published port, a port-forward), not from a peer. The Ray actors
   of the identities in ACTOR_CALLERS call too, and the inference replicas (on the Ray nodes) are
   called by the callers of InferenceEngineService.
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.kit import registry
-from services.kit.authz import POLICY
-from services.kit.tls import OPERATOR
+from services.kit.config import registry
+from services.kit.rpc.authz import POLICY
+from services.kit.rpc.tls import OPERATOR
 
 RAY = "ray"
 NATS, COLLECTOR, TEMPO, PROMETHEUS, GRAFANA = "nats", "otel-collector", "tempo", "prometheus", "grafana"

@@ -7,8 +7,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from looprl.packer.v1 import packer_pb2_grpc
-from services.kit.local import free_port
-from services.kit.server import Service
+from services.kit.local.infra import free_port
+from services.kit.rpc.server import Service
 from services.rollout_packer.config import PackerConfig
 from services.rollout_packer.runs import PackerApp
 from services.rollout_packer.servicer import RolloutPackerServicer

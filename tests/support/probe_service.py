@@ -9,9 +9,9 @@ import asyncio
 import os
 
 from looprl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from services.kit import telemetry
-from services.kit.config import ServiceConfig, load_config
-from services.kit.server import Service
+from services.kit.config.service import ServiceConfig, load_config
+from services.kit.rpc.server import Service
+from services.kit.telemetry import tracing as telemetry
 
 
 class Probe(trainer_pb2_grpc.TrainerServiceServicer):

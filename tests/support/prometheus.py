@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from services.kit.local import free_port
+from services.kit.local.infra import free_port
 
 APT_PACKAGE = "prometheus"  # Debian 12: 2.42, ships promtool
 

@@ -15,8 +15,8 @@ import signal
 
 async def _serve(tls_dir: str, max_model_len: int) -> None:
     from services.inference_router.replica import ReplicaCore
-    from services.kit import tls
-    from services.kit.recipe import DeploymentSpec
+    from services.kit.config.recipe import DeploymentSpec
+    from services.kit.rpc import tls
 
     creds = tls.Credentials.from_dir("inference-router", tls_dir)
     exported = {"identity": creds.identity, "ca": creds.ca, "cert": creds.cert, "key": creds.key}

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from gateway.stack import health_status
-from services.kit.local import free_port
+from services.kit.local.infra import free_port
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.stack import StackState
 from looprl.gateway.v1 import gateway_pb2_grpc
-from services.kit.local import pid_alive, port_is_free, ray_temp_dir
+from services.kit.local.infra import pid_alive, port_is_free, ray_temp_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RECIPE = (ROOT / "configs" / "digits_grpo.toml").read_text()

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from looprl.weightsync.v1 import weightsync_pb2
-from services.kit.local import free_port, stop_process_group, wait_for_port
+from services.kit.local.infra import free_port, stop_process_group, wait_for_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from services.kit.recipe import RecipeError, load_recipe
+from services.kit.config.recipe import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -31,7 +31,7 @@ def test_shipped_recipes_are_valid(path: Path) -> None:
 
 
 def test_dr_grpo_normaliser_counts_every_turn_of_a_multi_turn_environment() -> None:
-    from services.kit.recipe import parse_recipe
+    from services.kit.config.recipe import parse_recipe
     from services.trainer.spec import spec_from_recipe
 
     text = '[environment]\nname = "guess"\nmax_turns = 4\n[sampling]\nmax_tokens = 5\n'
@@ -40,7 +40,7 @@ def test_dr_grpo_normaliser_counts_every_turn_of_a_multi_turn_environment() -> N
 
 
 def test_max_turns_inside_the_environment_table_points_at_its_field() -> None:
-    from services.kit.recipe import parse_recipe
+    from services.kit.config.recipe import parse_recipe
 
     with pytest.raises(RecipeError, match=r"^environment\.config\.max_turns: set environment\.max_turns"):
         parse_recipe('[environment]\nname = "guess"\nconfig = { max_turns = 3 }\n')

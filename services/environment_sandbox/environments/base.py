@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from services.environment_sandbox.ratelimit import Limit, LimitError, parse_limits
-from services.kit import plugins
-from services.kit.schema import Schema, explain, field_error
+from services.kit.config.schema import Schema, explain, field_error
+from services.kit.usercode import plugins
 
 Message = dict[str, str]
 # Runs code in the sandbox: (code, stdin, files, timeout_s) -> result with .stdout/.exit_code/...

@@ -1,7 +1,7 @@
 """code: the model writes a Python function; the environment runs it against tests in the
 sandbox; the reward is the fraction of tests that pass.
 
-Each test is an assertion. Only its expression goes into the sandbox (see services/kit/code_tests):
+Each test is an assertion. Only its expression goes into the sandbox (see services/kit/usercode/code_tests):
 the sandbox reports the values the solution computes, and this process compares them with the
 expected values, which the sandboxed code never sees, so printing a fake result cannot earn reward.
 """
@@ -23,7 +23,7 @@ from services.environment_sandbox.environments.base import (
     StepResult,
     register,
 )
-from services.kit.code_tests import CodeTestError, build_program, parse_tests, score_output
+from services.kit.usercode.code_tests import CodeTestError, build_program, parse_tests, score_output
 
 _FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 

@@ -23,7 +23,7 @@ from services.environment_sandbox.environments.base import (
     StepResult,
     register,
 )
-from services.kit.schema import field_error
+from services.kit.config.schema import field_error
 
 OPS = {"rev": lambda s: s[::-1], "copy": lambda s: s}
 LENGTH_BONUS = 0.1

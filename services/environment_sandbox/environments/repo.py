@@ -44,7 +44,7 @@ from services.environment_sandbox.environments.repo_tasks import (
     where_allowed,
 )
 from services.environment_sandbox.sandbox.job import InvalidJob, SandboxError
-from services.kit.metric_names import counter
+from services.kit.telemetry.metrics import counter
 from services.modeling.tool_calls import ToolCall, parse_tool_calls
 
 TOOLS_SCRIPT = "/opt/looprl/looprl_tools.py"

@@ -3,7 +3,7 @@
 Each SandboxActor owns a warm SandboxPool on its node (the isolation is per worker process, the
 actor is only where the pool lives); the SandboxFleet in the service process sends each
 execution to the actor with the fewest executions in flight, and its actors are an AutoscaledPool
-(services/kit/autoscaled_pool.py) scaled on the executions waiting and running. The Ray part is
+(services/kit/ray/autoscaled_pool.py) scaled on the executions waiting and running. The Ray part is
 deliberately thin: routing and scaling are plain Python over handles, so they are tested like any
 class.
 
@@ -34,9 +34,9 @@ from services.environment_sandbox.sandbox.job import (
     validate_files,
 )
 from services.environment_sandbox.sandbox.workspaces import WorkspaceError
-from services.kit.autoscale import Autoscaler
-from services.kit.autoscaled_pool import AutoscaledPool, Member
-from services.kit.metric_names import counter, gauge
+from services.kit.ray.autoscale import Autoscaler
+from services.kit.ray.autoscaled_pool import AutoscaledPool, Member
+from services.kit.telemetry.metrics import counter, gauge
 
 ACTORS = gauge("looprl_sandbox_fleet_actors")
 PEAK_ACTORS = gauge("looprl_sandbox_fleet_peak_actors")

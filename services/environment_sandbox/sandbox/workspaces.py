@@ -37,7 +37,7 @@ from typing import Any
 from services.environment_sandbox.sandbox.job import InvalidJob, SandboxError
 from services.environment_sandbox.sandbox.layers import LayerStore
 from services.environment_sandbox.sandbox.runtime import build_runtime
-from services.kit.metric_names import counter, gauge, histogram, observe
+from services.kit.telemetry.metrics import counter, gauge, histogram, observe
 
 # The pool (pool.SandboxPool) and its workers (pool._Worker) are passed in, never imported: the pool
 # makes this object (SandboxPool.workspaces).

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from services.kit.errors import InvalidArgument
+from services.kit.rpc.errors import InvalidArgument
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

@@ -36,7 +36,7 @@ from services.inference_router.engine.base import EngineRequest
 from services.inference_router.engine.cpu import CPUEngine, LocalExecutor
 from services.inference_router.engine.kv_transfer import KVStore, PromptKV, encode
 from services.inference_router.engine.scheduler import SchedulerLimits, _Seq
-from services.kit.errors import Unavailable
+from services.kit.rpc.errors import Unavailable
 
 RECOMPUTE = "recompute"
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from services.kit.hosts import shm_dir
+from services.kit.process.hosts import shm_dir
 
 PREFIX = "looprl-kv-"
 MAGIC = b"LKV1"

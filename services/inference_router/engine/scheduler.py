@@ -56,7 +56,7 @@ from services.inference_router.engine.base import (
     validate_request,
 )
 from services.inference_router.engine.sampling import SamplerRow, make_generator, sample
-from services.kit.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from services.kit.rpc.errors import FailedPrecondition, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -292,7 +292,7 @@ class TPEngine(ContinuousBatchingEngine):
 
         import ray
 
-        from services.kit.local import free_port
+        from services.kit.local.infra import free_port
 
         layout.check(config)
         if layout.tp_size < 2:
@@ -300,7 +300,7 @@ class TPEngine(ContinuousBatchingEngine):
         max_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         port, name = free_port(), f"tp-{uuid.uuid4().hex[:8]}"
-        from services.kit.recipe import TP_WORKER_CPUS
+        from services.kit.config.recipe import TP_WORKER_CPUS
 
         opts = {"num_cpus": TP_WORKER_CPUS, **(worker_options or {})}
         workers = [
@@ -326,7 +326,7 @@ class TPEngine(ContinuousBatchingEngine):
         return self.rank0.stager.is_complete(version) and all(remote)
 
     async def commit(self, version: int) -> None:
-        from services.kit.errors import FailedPrecondition
+        from services.kit.rpc.errors import FailedPrecondition
 
         if not await self.all_complete(version):
             raise FailedPrecondition(f"version: {version} is not staged completely on every TP rank")
@@ -339,7 +339,7 @@ class TPEngine(ContinuousBatchingEngine):
         again. Every rank must still hold the same version before it, or nothing changes."""
         import asyncio
 
-        from services.kit.errors import FailedPrecondition
+        from services.kit.rpc.errors import FailedPrecondition
 
         remote = await asyncio.gather(*(w.can_rollback.remote(version) for w in self.workers))
         targets = {self.rank0.can_rollback(version), *remote}

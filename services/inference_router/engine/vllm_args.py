@@ -1,14 +1,14 @@
 """What the vLLM engine hands vLLM, apart from the engine itself: engine arguments from a replica's
 deployment spec (with a disaggregated deployment's kv_transfer_config), the weight backend's init
 info, reading vLLM's per-token version spans, and recognising a request vLLM refused as retryable. Pure Python: no vLLM import (the CPU tests check these values
-against vLLM's own serialization, tests/unit/inference_router/test_vllm_backend.py)."""
+against vLLM's own serialization, tests/unit/inference_router/engine/test_vllm_backend.py)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from services.kit.recipe import DeploymentSpec
+from services.kit.config.recipe import DeploymentSpec
 
 PAUSE_MODES = ("keep", "abort")
 TRANSFER_BACKEND = "looprl"

@@ -84,8 +84,8 @@ from services.inference_router.engine.vllm_args import (
 )
 from services.inference_router.engine.vllm_handoff import RankHandoff, manifest_of
 from services.inference_router.engine.vllm_lora import VLLMAdapters
-from services.kit.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from services.kit.recipe import DeploymentSpec
+from services.kit.config.recipe import DeploymentSpec
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout
 from services.weights.errors import ChecksumMismatch, InvalidWeights
@@ -211,7 +211,7 @@ class VLLMEngine(Engine):
             model_path, load_format, version = tmp.name, "dummy", -1
         kwargs = engine_args(model_path, load_format, spec)
         if "kv_transfer_config" in kwargs:  # EngineArgs takes the config object, not a dict
-            from services.kit.local import free_port
+            from services.kit.local.infra import free_port
 
             kwargs["kv_transfer_config"] = vllm.KVTransferConfig(**kwargs["kv_transfer_config"])
             os.environ.update(nixl_environment(side_channel_host, free_port()))

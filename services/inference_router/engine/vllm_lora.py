@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from services.inference_router.engine.vllm_args import lora_request_args
-from services.kit.errors import FailedPrecondition
+from services.kit.rpc.errors import FailedPrecondition
 from services.modeling.config import ModelConfig
 
 

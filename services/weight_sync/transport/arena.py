@@ -24,7 +24,7 @@ import threading
 import uuid
 
 from looprl.inference.v1 import inference_pb2
-from services.kit.hosts import shm_dir
+from services.kit.process.hosts import shm_dir
 from services.weights.probe import NONCE_BYTES
 from services.weights.shm import PREFIX, segment_pid
 

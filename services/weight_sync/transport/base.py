@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
-from services.kit import tls
+from services.kit.rpc import tls
 from services.weights.bucket import Bucket
 from services.weights.errors import DeliveryError
 
@@ -29,7 +29,7 @@ Buckets = Iterable[Bucket] | AsyncIterable[Bucket]
 @dataclass(frozen=True)
 class Endpoint:
     """One receiver: a TP rank of an inference replica. `host_id` is the host identity it reported
-    (services/kit/hosts.py); which transport reaches it is weight-sync's decision, not a field."""
+    (services/kit/process/hosts.py); which transport reaches it is weight-sync's decision, not a field."""
 
     address: str
     rank: int = 0
@@ -131,7 +131,7 @@ class Transport(ABC):
         if ch is None:
             # Imported here: the transports' own code needs only torch and gRPC (tools/gpu_torch_check.py
             # runs them on a bare CUDA image), the tracing interceptors need OpenTelemetry.
-            from services.kit.interceptors import client_interceptors
+            from services.kit.rpc.interceptors import client_interceptors
 
             ch = tls.aio_channel(address, tls.message_limits(self.max_message_bytes), client_interceptors())
             self._channels[address] = ch

@@ -1,6 +1,6 @@
 """What a deployment's `weight_transport` means: the one place a transport kind becomes a Transport.
 
-A recipe names, per deployment, how weight-sync reaches its replicas (services/kit/recipe.py
+A recipe names, per deployment, how weight-sync reaches its replicas (services/kit/config/recipe.py
 DeploymentSpec.weight_transport, sent in RegisterTargetRequest.weight_transport):
 
 - auto: shared memory to the ranks placement.py proved co-located, gRPC to the others.
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.kit.errors import InvalidArgument
+from services.kit.rpc.errors import InvalidArgument
 from services.weights.errors import DeliveryError
 
 from .base import Transport

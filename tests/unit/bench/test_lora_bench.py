@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.lora import default_task, lora_recipe
-from services.kit.recipe import parse_recipe
+from services.kit.config.recipe import parse_recipe
 from services.modeling.config import ModelConfig
 from services.modeling.hf_files import write_char_tokenizer
 from services.modeling.qwen2 import Qwen2ForCausalLM

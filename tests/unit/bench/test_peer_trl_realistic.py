@@ -9,7 +9,7 @@ import torch
 
 from bench.loop_harness import with_overrides
 from bench.peer_trl_realistic import MODEL_DIR, RECIPE, ROOT, check_parity, math_reward
-from services.kit.recipe import Recipe, parse_recipe
+from services.kit.config.recipe import Recipe, parse_recipe
 from tools.build_hf_model import build
 
 

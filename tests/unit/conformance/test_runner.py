@@ -52,7 +52,7 @@ def _looprl(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_server_that_is_not_there_fails_every_case_without_a_traceback(tmp_path) -> None:
-    from services.kit.local import free_port
+    from services.kit.local.infra import free_port
 
     result = _looprl("reward", "--address", f"127.0.0.1:{free_port()}", "--insecure", "--timeout", "2")
     assert result.returncode == 1, result.stdout + result.stderr

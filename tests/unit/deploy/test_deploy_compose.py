@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from services.kit import registry
-from services.kit.config import ServiceConfig
+from services.kit.config import registry
+from services.kit.config.service import ServiceConfig
 from tests.support import network_edges
 from tests.support.network_edges import Edge
 
@@ -76,7 +76,7 @@ def entrypoint_module(lines: list[str]) -> str | None:
 def service_config(module: str) -> tuple[type, str]:
     """(config class, env prefix) of the registry service whose package is `module`."""
     spec = next((s for s in registry.SERVICES if s.package == module), None)
-    assert spec is not None, f"{module} is not a service of services/kit/registry.py"
+    assert spec is not None, f"{module} is not a service of services/kit/config/registry.py"
     return spec.config_class(), spec.env_prefix
 
 

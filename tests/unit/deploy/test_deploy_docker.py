@@ -20,7 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.kit import registry
+from services.kit.config import registry
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCKERFILE = ROOT / "deploy/docker/Dockerfile"
@@ -297,7 +297,7 @@ def test_entrypoint_without_a_cluster_address_just_runs_the_service(tmp_path, ad
 
 
 def test_healthcheck_presents_the_services_certificate_to_a_mutual_tls_server(tmp_path, monkeypatch, capsys):
-    from services.kit import tls
+    from services.kit.rpc import tls
 
     pki = tls.generate_dev_pki(tmp_path / "tls", ["trainer"])
     creds = tls.Credentials.from_dir("trainer", pki)

@@ -17,9 +17,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.kit import registry
-from services.kit.config import load_config
-from services.kit.recipe import load_recipe
+from services.kit.config import registry
+from services.kit.config.recipe import load_recipe
+from services.kit.config.service import load_config
 from tests.support import network_edges
 
 ROOT = Path(__file__).resolve().parents[3]

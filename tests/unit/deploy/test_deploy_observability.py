@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from services.kit import registry
-from services.kit.metric_names import BY_NAME, CATALOG, SERIES, render_markdown
+from services.kit.config import registry
+from services.kit.telemetry.metrics import BY_NAME, CATALOG, SERIES, render_markdown
 from tests.support.dashboard_queries import (
     EXTERNAL_METRIC_PREFIXES,
     load,
@@ -92,7 +92,9 @@ def test_dashboard_queries_only_metrics_of_the_one_table():
     used = {name for query in promql(load()) for name in metric_names(query)}
     assert "looprl_rpc_requests_total" in used and "looprl_rpc_duration_seconds_bucket" in used
     unknown = {m for m in used if m not in SERIES and not m.startswith(EXTERNAL_METRIC_PREFIXES)}
-    assert not unknown, f"dashboard queries metrics not in services/kit/metric_names.py: {sorted(unknown)}"
+    assert not unknown, (
+        f"dashboard queries metrics not in services/kit/telemetry/metrics.py: {sorted(unknown)}"
+    )
 
 
 def test_every_service_has_a_row_and_every_row_links_to_its_traces():
@@ -140,7 +142,7 @@ def test_metrics_are_created_only_from_the_table_and_every_entry_is_created():
                 continue
             called = getattr(node.func, "id", getattr(node.func, "attr", ""))
             assert called not in ("Counter", "Gauge", "Histogram", "Summary", "Info", "Enum"), (
-                f"{path.relative_to(ROOT)}: a metric defined outside services/kit/metric_names.py"
+                f"{path.relative_to(ROOT)}: a metric defined outside services/kit/telemetry/metrics.py"
             )
             if called in ("counter", "gauge", "histogram"):
                 made.add(node.args[0].value)
@@ -163,7 +165,7 @@ def test_metric_names_follow_prometheus_conventions():
 
 def test_metrics_doc_is_rendered_from_the_table():
     assert (ROOT / "docs/metrics.md").read_text() == render_markdown(), (
-        "stale docs/metrics.md: .venv/bin/python -m services.kit.metric_names > docs/metrics.md"
+        "stale docs/metrics.md: .venv/bin/python -m services.kit.telemetry.metrics > docs/metrics.md"
     )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.kit.recipe import parse_recipe
+from services.kit.config.recipe import parse_recipe
 from tools import gpu_check_plan as plan
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -20,7 +20,7 @@ from services.environment_sandbox.model_io import ModelTurn, OneAtATime
 from services.environment_sandbox.run_dataset import DatasetCache
 from services.environment_sandbox.sandbox import SandboxPool
 from services.environment_sandbox.servicer import EnvironmentSandboxServicer
-from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.modeling.tokenizer import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -17,7 +17,7 @@ from looprl.common.v1 import common_pb2
 from looprl.events.v1 import events_pb2
 from services.environment_sandbox.agent_loop import EpisodeRunner, ModelTurn, OneAtATime
 from services.environment_sandbox.environments import EnvironmentError_
-from services.kit.recipe import RecipeError, parse_recipe
+from services.kit.config.recipe import RecipeError, parse_recipe
 from services.modeling.hf_tokenizer import HFTokenizer
 from services.modeling.tokenizer import CharTokenizer, TokenizerCache, load_tokenizer
 from tools.build_hf_model import build

@@ -202,7 +202,7 @@ async def test_create_runs_check_loads_the_dataset_and_holds_no_workspace():
     from looprl.environment.v1 import environment_pb2 as pb
     from services.environment_sandbox.sandbox import SandboxConfig, SandboxPool
     from services.environment_sandbox.servicer import EnvironmentSandboxServicer
-    from services.kit.errors import InvalidArgument
+    from services.kit.rpc.errors import InvalidArgument
 
     pool = SandboxPool(SandboxConfig())
     servicer = EnvironmentSandboxServicer(pool, None)

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from services.environment_sandbox.run_dataset import DatasetCache, DatasetError, load_dataset, read_rows
-from services.kit.recipe import DatasetSection
+from services.kit.config.recipe import DatasetSection
 from services.modeling.tokenizer import CharTokenizer
 
 ROWS = [

@@ -13,7 +13,7 @@ import pytest
 
 from gateway import cli
 from gateway.stack import ServiceProcess, StackState
-from services.kit import registry
+from services.kit.config import registry
 from tests.support.stack import free_port_args
 
 
@@ -69,8 +69,8 @@ def test_stop_returns_within_its_deadline_when_the_gateway_does_not_answer(capsy
 
 
 def test_run_help_lists_every_recipe_field_with_its_type_default_and_doc(capsys) -> None:
-    from services.kit.recipe import Recipe
-    from services.kit.schema import field_rows
+    from services.kit.config.recipe import Recipe
+    from services.kit.config.schema import field_rows
 
     with pytest.raises(SystemExit) as done:
         cli.main(["run", "--help"])
@@ -151,7 +151,7 @@ def test_eval_of_a_lora_run_evaluates_its_merged_export(tmp_path: Path, monkeypa
     """A LoRA run's export of a step is its adapter (PEFT), with the merged model in merged/ when
     model.lora.merge_on_export: the evaluation run loads that, a plain model."""
     from looprl.gateway.v1 import gateway_pb2
-    from services.kit.recipe import parse_recipe
+    from services.kit.config.recipe import parse_recipe
     from services.modeling.config import ModelConfig
     from services.modeling.qwen2 import Qwen2ForCausalLM
 

@@ -18,8 +18,8 @@ from gateway.config import tokens_tenant
 from gateway.http import HttpApi
 from gateway.servicer import RunManager
 from looprl.inference.v1 import inference_pb2
-from services.kit.errors import FailedPrecondition, InvalidArgument
-from services.kit.recipe import RecipeError, parse_recipe
+from services.kit.config.recipe import RecipeError, parse_recipe
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument
 from tests.unit.gateway.test_queue import MemoryStore
 
 TOKEN = "secret"

@@ -8,8 +8,8 @@ import pytest
 
 from gateway.admission import check_cluster, check_quota, concurrency_reason, run_demand
 from gateway.config import Tenant, token_sha256
-from services.kit.errors import ResourceExhausted
-from services.kit.recipe import parse_recipe
+from services.kit.config.recipe import parse_recipe
+from services.kit.rpc.errors import ResourceExhausted
 
 
 def team(max_gpus: float = 4, max_cpus: float = 16, runs: int = 2) -> Tenant:

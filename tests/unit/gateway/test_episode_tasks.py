@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.runs import episode_tasks
-from services.kit.recipe import RunRecord, parse_recipe
+from services.kit.config.recipe import RunRecord, parse_recipe
 from services.modeling.tokenizer import CharTokenizer
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gateway.evaluation import eval_tasks, eval_versions, pass_at_k, summarize
-from services.kit.recipe import RunRecord, parse_recipe
+from services.kit.config.recipe import RunRecord, parse_recipe
 
 RECIPE = """
 [run]

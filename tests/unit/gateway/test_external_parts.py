@@ -13,8 +13,8 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway import external
 from gateway.stack import PEER_VARIABLES
-from services.kit import tls
-from services.kit.config import ConfigError, load_config
+from services.kit.config.service import ConfigError, load_config
+from services.kit.rpc import tls
 from services.reward.config import RewardConfig
 
 

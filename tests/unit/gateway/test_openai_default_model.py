@@ -13,7 +13,7 @@ from gateway.auth import TokenAuth
 from gateway.http import HttpApi
 from gateway.servicer import RunManager
 from looprl.inference.v1 import inference_pb2
-from services.kit.recipe import RunRecord
+from services.kit.config.recipe import RunRecord
 from services.modeling.tokenizer import TokenizerCache
 from tests.unit.gateway.test_openai_runs import team
 from tests.unit.gateway.test_queue import MemoryStore

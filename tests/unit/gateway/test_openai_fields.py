@@ -11,7 +11,7 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from gateway.openai_fields import CHAT, COMPLETION, SERVED, UNSERVED, check_fields
-from services.kit.errors import InvalidArgument
+from services.kit.rpc.errors import InvalidArgument
 
 CLIENT_TYPES = {CHAT: chat_create_params, COMPLETION: completion_create_params}
 

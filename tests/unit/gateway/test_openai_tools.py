@@ -3,7 +3,7 @@ and tool conversations checked (a bad one is a 400 naming the field), the tools 
 template, and the model's Hermes calls returned as `tool_calls`, as vLLM's hermes parser answers.
 The official `openai` client reads the replies, streamed and not, from the real HTTP API in front of
 a scripted router: a tiny model with random weights writes no call, so the router plays the
-model's reply (tests/integration/test_gateway_openai.py sends the same fields to a real one)."""
+model's reply (tests/integration/gateway/test_gateway_openai.py sends the same fields to a real one)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from gateway.openai_shapes import chat_messages
 from gateway.openai_tools import ToolUse
 from gateway.servicer import RunManager
 from looprl.inference.v1 import inference_pb2
-from services.kit.errors import InvalidArgument
+from services.kit.rpc.errors import InvalidArgument
 from services.modeling.tokenizer import TokenizerCache
 from services.modeling.tool_calls import TOOLS_PREAMBLE
 from tests.unit.gateway.test_queue import MemoryStore

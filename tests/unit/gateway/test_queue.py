@@ -16,8 +16,8 @@ from gateway.queue import ClusterResources, ClusterState, Waiting, plan, queue_o
 from gateway.runs import RunDriver
 from gateway.servicer import STATIC_DEPLOYMENTS_KEY, RunManager
 from looprl.gateway.v1 import gateway_pb2
-from services.kit.errors import ResourceExhausted, Unavailable
-from services.kit.recipe import RunRecord
+from services.kit.config.recipe import RunRecord
+from services.kit.rpc.errors import ResourceExhausted, Unavailable
 
 RECIPE = '[run]\nname = "{name}"\n'  # the default run: 2 CPUs (trainer 1, one replica 1)
 BIG = RECIPE + "[trainer]\nworld_size = 8\n"  # 4 + 1 CPUs

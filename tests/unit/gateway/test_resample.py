@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from gateway import resample
 from gateway.runs import episode_tasks
-from services.kit.packer_reports import GroupDrop
-from services.kit.recipe import RunRecord, parse_recipe
+from services.kit.config.recipe import RunRecord, parse_recipe
+from services.kit.messages.packer_reports import GroupDrop
 
 RECIPE = """
 [run]

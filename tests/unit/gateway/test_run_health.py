@@ -15,8 +15,8 @@ from gateway.servicer import run_to_proto
 from gateway.stalls import STALLED_KEY, apply_error, stall_reason
 from looprl.events.v1 import events_pb2
 from looprl.gateway.v1 import gateway_pb2
-from services.kit.errors import FailedPrecondition
-from services.kit.recipe import RunRecord, parse_recipe
+from services.kit.config.recipe import RunRecord, parse_recipe
+from services.kit.rpc.errors import FailedPrecondition
 
 RECIPE = "[run]\nsteps = 5\n"
 

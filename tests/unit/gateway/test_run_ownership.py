@@ -9,8 +9,8 @@ import pytest
 
 from gateway.config import Tenant, token_sha256
 from gateway.servicer import RunManager
-from services.kit.errors import FailedPrecondition, NotFound
-from services.kit.recipe import RunRecord
+from services.kit.config.recipe import RunRecord
+from services.kit.rpc.errors import FailedPrecondition, NotFound
 
 
 class MemoryStore:

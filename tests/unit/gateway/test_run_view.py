@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gateway.servicer as servicer
-from services.kit.recipe import RunRecord
+from services.kit.config.recipe import RunRecord
 
 
 def test_a_runs_recipe_is_parsed_once_however_often_its_run_is_built(monkeypatch) -> None:

@@ -9,8 +9,8 @@ import pytest
 
 from gateway.cli import build_parser
 from gateway.stack import ServiceProcess, StackPorts, StackState, in_ephemeral_range, service_environment
-from services.kit import registry
-from services.kit.local import RAY_VARIABLES, USER_TOKEN_VARIABLES, ephemeral_range
+from services.kit.config import registry
+from services.kit.local.infra import RAY_VARIABLES, USER_TOKEN_VARIABLES, ephemeral_range
 
 
 def test_up_listens_below_the_kernels_ephemeral_range_by_default() -> None:

@@ -18,8 +18,8 @@ from services.environment_sandbox.environments import set_plugin_dirs
 from services.environment_sandbox.run_dataset import DatasetCache
 from services.environment_sandbox.sandbox import SandboxPool
 from services.environment_sandbox.servicer import EnvironmentSandboxServicer
-from services.kit.errors import FailedPrecondition, InvalidArgument, ServiceError
-from services.kit.recipe import parse_recipe
+from services.kit.config.recipe import parse_recipe
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument, ServiceError
 
 
 class _Sandbox:

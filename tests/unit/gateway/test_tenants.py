@@ -10,8 +10,8 @@ import pytest
 
 from gateway.auth import TokenAuth
 from gateway.config import GatewayConfig, Tenant, token_sha256
-from services.kit.config import ConfigError, load_config
-from services.kit.errors import Unauthenticated
+from services.kit.config.service import ConfigError, load_config
+from services.kit.rpc.errors import Unauthenticated
 
 
 def tenant_json(name: str, token: str, **quota) -> dict:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.kit.hosts import host_identity, primary_address
-from services.kit.recipe import DeploymentSpec
+from services.kit.config.recipe import DeploymentSpec
+from services.kit.process.hosts import host_identity, primary_address
 
 
 async def test_a_replica_told_to_bind_its_node_address_serves_and_reports_it():

@@ -9,14 +9,14 @@ import json
 import grpc
 import pytest
 
+from bench.harness.synthetic_weights import random_state
 from looprl.common.v1 import common_pb2
 from looprl.inference.v1 import inference_pb2, inference_pb2_grpc
 from services.inference_router.replica import ReplicaCore
 from services.inference_router.two_phase import DO_REMOTE_DECODE
-from services.kit import errors
-from services.kit.recipe import DeploymentSpec, DisaggregationSection
+from services.kit.config.recipe import DeploymentSpec, DisaggregationSection
+from services.kit.rpc import errors
 from services.modeling.config import ModelConfig
-from bench.harness.synthetic_weights import random_state
 
 CONFIG = ModelConfig.tiny(vocab_size=97, max_position_embeddings=128)
 WEIGHTS = random_state(CONFIG, seed=4)

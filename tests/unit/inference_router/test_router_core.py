@@ -23,7 +23,7 @@ from services.inference_router.policies import (
 )
 from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.router import Router
-from services.kit import errors
+from services.kit.rpc import errors
 
 
 class FakeReplica:

@@ -12,8 +12,8 @@ from services.inference_router.config import RouterConfig
 from services.inference_router.policies import DeploymentState
 from services.inference_router.router import Router
 from services.inference_router.servicer import validate_request
-from services.kit.config import ConfigError, load_config
-from services.kit.errors import InvalidArgument
+from services.kit.config.service import ConfigError, load_config
+from services.kit.rpc.errors import InvalidArgument
 
 
 def _router() -> Router:

@@ -22,9 +22,9 @@ from services.inference_router.policies import DeploymentState, ReplicaState, Ro
 from services.inference_router.router import Router
 from services.inference_router.runs import RunDeployments
 from services.inference_router.servicer import validate_request
-from services.kit import errors
-from services.kit.kv import KVEntry
-from services.kit.recipe import RunRecord
+from services.kit.bus.kv import KVEntry
+from services.kit.config.recipe import RunRecord
+from services.kit.rpc import errors
 from tests.unit.inference_router.test_router_core import FakeReplica
 
 

@@ -13,7 +13,7 @@ from services.inference_router.policies import ROLE_DECODE, ROLE_PREFILL, Deploy
 from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.router import Router
 from services.inference_router.split_tuning import SplitTuning, apply_split, measured_rates
-from services.kit.recipe import DisaggregationSection
+from services.kit.config.recipe import DisaggregationSection
 
 SECTION = DisaggregationSection(prefill_workers=2, decode_workers=2, retune_min_requests=8)
 

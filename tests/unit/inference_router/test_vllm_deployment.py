@@ -28,7 +28,7 @@ from services.inference_router.policies import DeploymentState, LengthProfile, R
 from services.inference_router.replica import ReplicaCore
 from services.inference_router.replica_status import ReplicaStatus
 from services.inference_router.router import Router
-from services.kit.recipe import RecipeError, parse_recipe
+from services.kit.config.recipe import RecipeError, parse_recipe
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, shard_state_dict
 from services.weight_sync.plan import build_deployment_plan

@@ -23,7 +23,7 @@ from services.inference_router.engine import vllm_engine
 from services.inference_router.engine.base import EngineRequest, SamplingParams
 from services.inference_router.engine.vllm_args import engine_args, kv_transfer_config
 from services.inference_router.two_phase import DO_REMOTE_DECODE
-from services.kit.recipe import DeploymentSpec, DisaggregationSection
+from services.kit.config.recipe import DeploymentSpec, DisaggregationSection
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout
 from tests.support import vllm_side

@@ -13,8 +13,8 @@ from services.inference_router.config import RouterConfig
 from services.inference_router.deployments import DeploymentManager
 from services.inference_router.policies import DeploymentState, ReplicaState
 from services.inference_router.router import Router
-from services.kit.errors import InvalidArgument
-from services.kit.recipe import DeploymentSpec
+from services.kit.config.recipe import DeploymentSpec
+from services.kit.rpc.errors import InvalidArgument
 from services.weight_sync.transport.factory import TransportSettings, TransportUnavailable, check_kind
 
 

@@ -12,7 +12,7 @@ from looprl.inference.v1 import inference_pb2
 from services.inference_router.engine.base import EngineRequest, SamplingParams
 from services.inference_router.engine.cpu import CPUEngine
 from services.inference_router.weights import LocalWeights, WeightVersions
-from services.kit import errors
+from services.kit.rpc import errors
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.modeling.qwen2 import Qwen2ForCausalLM

@@ -118,7 +118,7 @@ def test_reading_a_recipe_of_a_generic_model_imports_neither_torch_nor_transform
     (tmp_path / "config.json").write_text(json.dumps(MISTRAL.hf_config))
     code = (
         "import sys\n"
-        "from services.kit.recipe import parse_recipe\n"
+        "from services.kit.config.recipe import parse_recipe\n"
         f"r = parse_recipe('[model]\\npath = \"{tmp_path}\"\\n')\n"
         "assert r.model.architecture().generic\n"
         "print(sorted({'torch', 'transformers'} & set(sys.modules)))\n"

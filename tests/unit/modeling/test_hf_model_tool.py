@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from services.environment_sandbox.environments.datasets import task_by_index
-from services.kit.recipe import load_recipe
+from services.kit.config.recipe import load_recipe
 from services.modeling.config import ModelConfig
 from services.modeling.hf_files import write_char_tokenizer
 from services.modeling.hf_tokenizer import HFTokenizer

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.shared_prompts import packed
-from services.kit.recipe import AlgorithmSection
+from services.kit.config.recipe import AlgorithmSection
 from services.modeling.config import ModelConfig
 from services.modeling.qwen2 import Qwen2ForCausalLM
 from services.modeling.shared_prefix import share_prefixes

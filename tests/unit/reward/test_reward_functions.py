@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from looprl.reward.v1 import reward_pb2
-from services.kit import plugins
-from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.kit.usercode import plugins
 from services.reward.functions import BadRewardConfig, load_function
 from services.reward.registry import default_registry
 from services.reward.servicer import RewardServicer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from services.kit.recipe import parse_recipe
+from services.kit.config.recipe import parse_recipe
 from services.trainer.checkpoint import export_dir, prune_exports
 from services.trainer.config import TrainerConfig
 from services.trainer.loop import RunTrainer

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from looprl.trainer.v1 import trainer_pb2
-from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.kit.recipe import RunRecord, parse_recipe
+from services.kit.config.recipe import RunRecord, parse_recipe
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.trainer import metrics
 from services.trainer import runs as runs_module
 from services.trainer.config import TrainerConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from services.inference_router.config import RouterConfig
 from services.inference_router.deployments import replica_actor_options
-from services.kit.recipe import Recipe, parse_recipe
+from services.kit.config.recipe import Recipe, parse_recipe
 from services.modeling.config import ModelConfig
 from services.modeling.tokenizer import CharTokenizer
 from services.trainer.config import TrainerConfig

@@ -10,7 +10,7 @@ import pytest
 import torch
 from trainer_reference import reference_clip_fraction, reference_step_loss
 
-from services.kit.recipe import AlgorithmSection, RecipeError, parse_recipe
+from services.kit.config.recipe import AlgorithmSection, RecipeError, parse_recipe
 from services.trainer.loss import LossMetrics, StepNorm, policy_loss
 
 

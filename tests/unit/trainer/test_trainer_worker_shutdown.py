@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from services.kit.local import free_port
+from services.kit.local.infra import free_port
 from services.trainer.worker import TrainerWorker
 
 

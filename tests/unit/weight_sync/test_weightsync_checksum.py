@@ -94,7 +94,7 @@ def test_decoded_corruption_and_malformed_bytes_are_rejected():
 
 def test_decoded_push_request_leaves_chunks_in_place_and_matches_protobuf():
     from bench.harness.synthetic_weights import rank_requests
-    from services.kit.errors import InvalidArgument
+    from services.kit.rpc.errors import InvalidArgument
     from services.weights.wire import decode_push_request
 
     g = torch.Generator().manual_seed(1)

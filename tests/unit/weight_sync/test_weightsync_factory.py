@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from looprl.weightsync.v1 import weightsync_pb2 as ws
-from services.kit.errors import InvalidArgument
-from services.kit.recipe import WEIGHT_TRANSPORTS
+from services.kit.config.recipe import WEIGHT_TRANSPORTS
+from services.kit.rpc.errors import InvalidArgument
 from services.weight_sync.targets import target_from_request
 from services.weight_sync.transport import GrpcTransport, ShmTransport
 from services.weight_sync.transport.factory import (

@@ -8,7 +8,7 @@ import torch
 
 from bench.harness.synthetic_weights import random_state, rank_requests
 from looprl.inference.v1 import inference_pb2
-from services.kit.errors import InvalidArgument
+from services.kit.rpc.errors import InvalidArgument
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, hf_params, rank_params, shard_state_dict
 from services.weight_sync.plan import PlanCache, build_deployment_plan

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 
 from bench.harness.synthetic_weights import random_state, rank_requests
 from looprl.weightsync.v1 import weightsync_pb2 as ws
-from services.kit.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.kit.rpc.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.modeling.config import ModelConfig
 from services.modeling.layouts import Layout, rank_params
 from services.weight_sync.config import WeightSyncConfig

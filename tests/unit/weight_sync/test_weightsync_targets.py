@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from looprl.weightsync.v1 import weightsync_pb2 as ws
-from services.kit.errors import InvalidArgument
+from services.kit.rpc.errors import InvalidArgument
 from services.weight_sync.targets import target_from_request
 
 

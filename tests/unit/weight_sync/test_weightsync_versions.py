@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.harness.synthetic_weights import random_state, rank_requests
-from services.kit.errors import FailedPrecondition
+from services.kit.rpc.errors import FailedPrecondition
 from services.modeling.config import ModelConfig
 from services.weight_sync.versions import VersionStore
 

@@ -32,7 +32,7 @@ class InferenceRouterServiceStub:
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
@@ -76,7 +76,7 @@ class InferenceRouterServiceServicer:
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
@@ -165,7 +165,7 @@ class InferenceRouterService:
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
@@ -314,7 +314,7 @@ class InferenceEngineServiceStub:
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
@@ -385,7 +385,7 @@ class InferenceEngineServiceServicer:
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
@@ -544,7 +544,7 @@ class InferenceEngineService:
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 

@@ -36,7 +36,7 @@ class InferenceRouterServiceStub:
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
@@ -74,7 +74,7 @@ class InferenceRouterServiceAsyncStub(InferenceRouterServiceStub):
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
@@ -108,7 +108,7 @@ class InferenceRouterServiceServicer(metaclass=_abc_1.ABCMeta):
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
@@ -174,7 +174,7 @@ class InferenceEngineServiceStub:
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
@@ -236,7 +236,7 @@ class InferenceEngineServiceAsyncStub(InferenceEngineServiceStub):
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
@@ -294,7 +294,7 @@ class InferenceEngineServiceServicer(metaclass=_abc_1.ABCMeta):
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 

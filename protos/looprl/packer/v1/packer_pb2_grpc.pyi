@@ -36,7 +36,7 @@ class RolloutPackerServiceStub:
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing. Every field is
     checked before the run is looked up.
     """
@@ -64,7 +64,7 @@ class RolloutPackerServiceAsyncStub(RolloutPackerServiceStub):
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing. Every field is
     checked before the run is looked up.
     """
@@ -88,7 +88,7 @@ class RolloutPackerServiceServicer(metaclass=_abc_1.ABCMeta):
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing. Every field is
     checked before the run is looked up.
     """

@@ -32,7 +32,7 @@ class TrainerServiceStub:
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
@@ -66,7 +66,7 @@ class TrainerServiceServicer:
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 
@@ -124,7 +124,7 @@ class TrainerService:
     Served with the standard grpc.health.v1 health service (SERVING once the RPCs below are
     answered, NOT_SERVING while draining) and server reflection listing this service. Callers present
     a client certificate of the stack's CA (mutual TLS): without one nothing is answered, and a
-    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/authz.py says who may
+    caller whose identity may not call an RPC is PERMISSION_DENIED (services/kit/rpc/authz.py says who may
     call what). A request that does not parse is INVALID_ARGUMENT and changes nothing.
     """
 

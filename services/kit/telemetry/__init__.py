@@ -1,0 +1,1 @@
+"""Telemetry: tracing (OpenTelemetry), structured logs and the table of every metric."""
