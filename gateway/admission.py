@@ -270,9 +270,11 @@ async def _check_deployments(recipe: Recipe, peers: Peers) -> bool:
             f"inference-router serves {have} (it serves only its configured deployments)"
         )
     # The run's requests go to any of the stack's deployments: one of them must hold a prompt and
-    # a turn of sampling.max_tokens.
-    longest = max(d.max_model_len for d in reply.deployments if d.replicas)
-    if recipe.sampling.max_tokens >= longest:
+    # a turn of sampling.max_tokens. A router that leaves max_model_len unset (0: a router of the
+    # user's own, say) reports no length, so only the lengths reported are held to it.
+    reported = [d.max_model_len for d in reply.deployments if d.replicas and d.max_model_len > 0]
+    longest = max(reported, default=0)
+    if reported and recipe.sampling.max_tokens >= longest:
         raise FailedPrecondition(
             "sampling.max_tokens: "
             + unservable_max_tokens(recipe.sampling.max_tokens, longest)
